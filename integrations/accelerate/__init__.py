@@ -1,0 +1,1 @@
+"""stagesave for Hugging Face Accelerate (``pip install 'stagesave[accelerate]'``)."""

@@ -1,0 +1,1 @@
+"""stagesave for PyTorch Lightning (``pip install 'stagesave[lightning]'``)."""

@@ -1,0 +1,155 @@
+"""The commit protocol, in one place.
+
+One order serves every store, because each store maps the steps onto its own atomic primitive:
+
+1. data to an invisible temporary (POSIX: a temp file; S3: an open multipart upload), written in
+   parallel chunks that are hashed in the same pass, then made durable (fsync / all parts up);
+2. the manifest to its final name (``<file>.<serialization_id>.stagesave.json``), durably;
+3. the atomic publish of the data (POSIX: rename over the old file + directory fsync;
+   S3: completing the multipart upload);
+4. removal of the manifest of the file that was replaced.
+
+A crash before 3 leaves the old file with its own manifest (the new manifest names an id that no
+file has: debris); after 3, the new file with its own. Nothing is ever half-visible, and a
+failure at any step aborts the temporary and removes the new manifest, so an error never
+publishes.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from ._checksum import digest
+from ._crash import crash_point
+from ._manifest import FileEntry, Manifest, StorageRecord
+from ._names import manifest_name, split_manifest_name
+from ._store import Store
+
+__all__ = ["FileToWrite", "commit_files", "write_file"]
+
+
+@dataclass
+class FileToWrite:
+    """A data file whose bytes are ``image[:size]``."""
+
+    name: str
+    image: memoryview
+    size: int
+    kind: str = "torch"
+    serialization_id: str | None = None
+    id_offset: int | None = None
+    storages: Sequence[StorageRecord] = ()
+
+
+@dataclass
+class WriteStats:
+    write_s: float = 0.0
+    checksum_s: float = 0.0
+    fsync_s: float = 0.0
+    direct_io: bool | None = None
+
+
+def write_file(
+    store: Store,
+    f: FileToWrite,
+    *,
+    algorithm: str,
+    chunk_bytes: int,
+    pool: cf.Executor,
+    stats: WriteStats,
+) -> tuple[FileEntry, Callable[[], None], Callable[[], None]]:
+    """Write ``f`` to an invisible temporary, hashing each chunk as it is written.
+
+    Returns:
+        The manifest entry, and the publish and abort callables of the temporary.
+    """
+    t0 = time.perf_counter()
+    crash_point("before_data")
+    pending = store.begin_write(f.name, f.image, f.size)
+    try:
+        n_chunks = (f.size + chunk_bytes - 1) // chunk_bytes
+        hash_time = [0.0] * n_chunks
+
+        def one(i: int) -> str:
+            lo, hi = i * chunk_bytes, min(f.size, (i + 1) * chunk_bytes)
+            h0 = time.perf_counter()
+            d = digest(algorithm, f.image[lo:hi])
+            hash_time[i] = time.perf_counter() - h0
+            pending.write_range(lo, hi)
+            return d
+
+        digests = list(pool.map(one, range(n_chunks)))
+        crash_point("after_data")
+        f0 = time.perf_counter()
+        pending.finish()
+        stats.fsync_s += time.perf_counter() - f0
+        crash_point("after_data_fsync")
+    except BaseException:
+        pending.abort()
+        raise
+    stats.checksum_s += sum(hash_time)
+    stats.write_s += time.perf_counter() - t0
+    stats.direct_io = getattr(pending, "direct", None)
+    entry = FileEntry(
+        name=f.name.rsplit("/", 1)[-1],
+        size=f.size,
+        algorithm=algorithm,
+        chunk_bytes=chunk_bytes,
+        chunks=tuple(digests),
+        kind=f.kind,
+        serialization_id=f.serialization_id,
+        id_offset=f.id_offset,
+        storages=tuple(f.storages),
+    )
+    return entry, pending.publish, pending.abort
+
+
+def commit_files(
+    store: Store,
+    manifest_path: str,
+    manifest: Manifest,
+    publishers: Sequence[Callable[[], None]],
+    aborters: Sequence[Callable[[], None]],
+    replaced_manifests: Sequence[str] = (),
+) -> None:
+    """Steps 2-4: manifest, atomic publish of every file, removal of replaced manifests."""
+    try:
+        crash_point("before_manifest")
+        store.put_atomic(manifest_path, manifest.to_json())
+        crash_point("after_manifest")
+    except BaseException:
+        for abort in aborters:
+            abort()
+        raise
+    try:
+        for publish in publishers:
+            publish()
+    except BaseException:
+        for abort in aborters:
+            abort()
+        store.delete(manifest_path)
+        raise
+    crash_point("after_commit")
+    for old in replaced_manifests:
+        if old != manifest_path:
+            store.delete(old)
+
+
+def sibling_manifests(store: Store, name: str) -> list[str]:
+    """Manifests in ``name``'s directory that belong to a file called ``name``."""
+    directory, _, base = name.rpartition("/")
+    out = []
+    for info in store.list(directory):
+        leaf = info.name.rpartition("/")[2]
+        parsed = split_manifest_name(leaf)
+        if parsed is not None and parsed[0] == base:
+            out.append(info.name)
+    return out
+
+
+def manifest_path_for(name: str, serialization_id: str) -> str:
+    directory, slash, base = name.rpartition("/")
+    return f"{directory}{slash}{manifest_name(base, serialization_id)}"

@@ -1,0 +1,288 @@
+"""The file image: a genuine ``torch.save`` file laid out before any tensor byte is copied.
+
+``torch.save`` runs under ``torch.serialization.skip_data()`` into a recording sink: it pickles
+the structure (capturing every non-tensor leaf by value, at this instant), lays out a zip whose
+storage records are 4096-aligned and empty, and tells us nothing else. The sink keeps the few
+small pieces it writes (headers, ``data.pkl``) at their offsets; torch's own reader then tells
+each storage record's offset. The staging step copies those pieces and every storage's bytes
+into a host buffer at their final offsets, so the buffer *is* the file and writing it needs no
+serialization pass.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import secrets
+import time
+import types
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any
+
+import torch
+from torch.utils.serialization import config as _torch_save_config
+
+from ._names import ALIGNMENT
+from .errors import UnsupportedObjectError
+
+__all__ = ["FileImage", "StorageSlot", "TensorEntry", "plan_torch_file"]
+
+#: Cap on how many tensors the manifest's index names (beyond it the index is truncated).
+MAX_INDEXED_TENSORS = 200_000
+
+
+@dataclass(frozen=True)
+class StorageSlot:
+    """One storage of the state and where its bytes go in the file."""
+
+    key: str
+    offset: int
+    nbytes: int
+    storage: torch.UntypedStorage
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """A named tensor of the state, for the manifest's index."""
+
+    name: str
+    storage_key: str
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int
+
+
+@dataclass
+class FileImage:
+    """Everything needed to produce the file bytes without pickling again."""
+
+    size: int
+    pieces: list[tuple[int, bytes]]
+    slots: list[StorageSlot]
+    serialization_id: str
+    id_offset: int
+    tensors: list[TensorEntry] = field(default_factory=list)
+
+    @property
+    def tensor_bytes(self) -> int:
+        return sum(s.nbytes for s in self.slots)
+
+    def devices(self) -> set[str]:
+        return {s.storage.device.type for s in self.slots}
+
+
+class _SparseSink(io.RawIOBase):
+    """A write-only file that keeps written pieces and only remembers the extent of skipped ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = 0
+        self.end = 0
+        self.pieces: list[tuple[int, bytes]] = []
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        data = bytes(b)
+        if data:
+            self.pieces.append((self.pos, data))
+        self.pos += len(data)
+        self.end = max(self.end, self.pos)
+        return len(data)
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        if whence == io.SEEK_SET:
+            self.pos = offset
+        elif whence == io.SEEK_CUR:
+            self.pos += offset
+        else:
+            self.pos = self.end + offset
+        self.end = max(self.end, self.pos)
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+
+class _SparseReader(io.RawIOBase):
+    """Reads the sparse skeleton as if it were the file (zeros where tensor bytes will go)."""
+
+    def __init__(self, size: int, pieces: list[tuple[int, bytes]]) -> None:
+        super().__init__()
+        self.size = size
+        self.pieces = pieces
+        self.pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence]
+        self.pos = base + offset
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def readinto(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        n = max(0, min(len(view), self.size - self.pos))
+        start, stop = self.pos, self.pos + n
+        view[:n] = bytes(n)
+        for off, data in self.pieces:
+            lo, hi = max(off, start), min(off + len(data), stop)
+            if lo < hi:
+                view[lo - start : hi - start] = data[lo - off : hi - off]
+        self.pos = stop
+        return n
+
+
+def _recording_pickle_module(found: dict[str, torch.UntypedStorage]) -> types.ModuleType:
+    """A pickle module whose Pickler remembers which storage torch named with which key."""
+
+    class RecordingPickler(pickle.Pickler):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            # torch.save subclasses this class and defines ``persistent_id``; wrap that method
+            # so every storage it names is recorded under the key it chose.
+            named = type(self).persistent_id
+
+            def persistent_id(obj: Any) -> Any:
+                pid = named(self, obj)
+                if pid is not None and pid[0] == "storage":
+                    storage = obj._untyped_storage if isinstance(obj, torch.TypedStorage) else obj
+                    found.setdefault(pid[2], storage)
+                return pid
+
+            self.persistent_id = persistent_id  # type: ignore[method-assign]
+            super().__init__(*args, **kwargs)
+
+    module = types.ModuleType("stagesave_recording_pickle")
+    module.Pickler = RecordingPickler  # type: ignore[attr-defined]
+    return module
+
+
+def _describe_unpicklable(state: Any, exc: BaseException) -> str:
+    """Find the first leaf that fails to pickle, to name it in the error."""
+    for name, leaf in _walk(state, "", depth=0):
+        if isinstance(leaf, torch.Tensor):
+            continue
+        try:
+            pickle.dumps(leaf, protocol=2)
+        except Exception:  # noqa: BLE001 - any failure identifies the culprit
+            return f"the value at {name or '<root>'!s} ({type(leaf).__qualname__})"
+    return "an object in the state"
+
+
+def _walk(obj: Any, prefix: str, depth: int) -> Iterator[tuple[str, Any]]:
+    """Yield ``(dotted name, leaf)`` for the leaves of nested containers."""
+    if depth > 64:
+        yield prefix, obj
+        return
+    if isinstance(obj, Mapping):
+        for k, v in obj.items():
+            yield from _walk(v, f"{prefix}.{k}" if prefix else str(k), depth + 1)
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _walk(v, f"{prefix}.{i}" if prefix else str(i), depth + 1)
+    elif is_dataclass(obj) and not isinstance(obj, type):
+        for f in fields(obj):
+            v = getattr(obj, f.name)
+            yield from _walk(v, f"{prefix}.{f.name}" if prefix else f.name, depth + 1)
+    else:
+        yield prefix, obj
+
+
+def _index_tensors(state: Any, keys: dict[int, str]) -> list[TensorEntry]:
+    entries: list[TensorEntry] = []
+    for name, leaf in _walk(state, "", depth=0):
+        if not isinstance(leaf, torch.Tensor) or len(entries) >= MAX_INDEXED_TENSORS:
+            continue
+        try:
+            key = keys.get(leaf.untyped_storage()._cdata)
+        except (RuntimeError, NotImplementedError):  # sparse, nested, subclasses: not indexed
+            continue
+        if key is None:
+            continue
+        entries.append(
+            TensorEntry(
+                name=name,
+                storage_key=key,
+                dtype=str(leaf.dtype).removeprefix("torch."),
+                shape=tuple(leaf.shape),
+                stride=tuple(leaf.stride()),
+                storage_offset=int(leaf.storage_offset()),
+            )
+        )
+    return entries
+
+
+def _unique_id(length: int) -> str:
+    digits = f"{time.time_ns():020d}{secrets.randbelow(10**20):020d}"
+    return digits[-length:] if length <= len(digits) else digits.rjust(length, "0")
+
+
+def _replace_bytes(pieces: list[tuple[int, bytes]], offset: int, data: bytes) -> list[tuple[int, bytes]]:
+    out = []
+    for off, chunk in pieces:
+        lo, hi = max(off, offset), min(off + len(chunk), offset + len(data))
+        if lo < hi:
+            b = bytearray(chunk)
+            b[lo - off : hi - off] = data[lo - offset : hi - offset]
+            chunk = bytes(b)
+        out.append((off, chunk))
+    return out
+
+
+def plan_torch_file(state: Any) -> FileImage:
+    """Lay out ``state`` as a ``torch.save`` file without copying any tensor data.
+
+    Every non-tensor leaf is pickled by value now, so mutating it after this call does not
+    change the checkpoint; tensors are referenced by their storages, which the caller must copy
+    before they can change (the staging step does).
+
+    Raises:
+        UnsupportedObjectError: something in the state cannot be pickled; the message names it.
+    """
+    found: dict[str, torch.UntypedStorage] = {}
+    sink = _SparseSink()
+    with _torch_save_config.patch({"save.storage_alignment": ALIGNMENT}):
+        try:
+            with torch.serialization.skip_data():
+                torch.save(state, sink, pickle_module=_recording_pickle_module(found))
+        except (pickle.PicklingError, TypeError, AttributeError, RuntimeError) as exc:
+            where = _describe_unpicklable(state, exc)
+            raise UnsupportedObjectError(
+                f"cannot save {where}: {exc}. Convert it to tensors, numpy arrays or plain "
+                "Python values (or make it picklable) before saving."
+            ) from exc
+
+    reader = torch._C.PyTorchFileReader(_SparseReader(sink.end, sink.pieces))
+    slots = []
+    for key, storage in found.items():
+        offset = int(reader.get_record_offset(f"data/{key}"))
+        slots.append(StorageSlot(key, offset, int(storage.nbytes()), storage))
+    slots.sort(key=lambda s: s.offset)
+    # torch derives the id from record checksums, which skip_data leaves empty, so two states of
+    # the same structure would share one; give each save its own (same length, time-ordered).
+    id_offset = int(reader.get_record_offset(".data/serialization_id"))
+    old = str(reader.serialization_id())
+    sid = _unique_id(len(old))
+    pieces = _replace_bytes(sink.pieces, id_offset, sid.encode())
+    keys = {s.storage._cdata: s.key for s in slots}
+    return FileImage(
+        size=sink.end,
+        pieces=pieces,
+        slots=slots,
+        serialization_id=sid,
+        id_offset=id_offset,
+        tensors=_index_tensors(state, keys),
+    )

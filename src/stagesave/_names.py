@@ -1,0 +1,43 @@
+"""Names and sizes of on-disk things, defined once."""
+
+from __future__ import annotations
+
+#: Manifests sit beside the data file: ``<name>.<serialization_id>`` + this suffix.
+MANIFEST_SUFFIX = ".stagesave.json"
+#: Marker inside the names of files being written; only such files are ever cleaned up.
+TMP_MARKER = ".stagesave-tmp"
+#: Telemetry JSON lines, one per save, beside the checkpoints when enabled.
+TELEMETRY_FILE = "stagesave-telemetry.jsonl"
+#: Schema of the manifest this version writes and reads.
+SCHEMA_VERSION = 1
+#: Format tag inside every manifest.
+FORMAT_TAG = "stagesave"
+#: Alignment of storage records in the file image and of O_DIRECT transfers.
+ALIGNMENT = 4096
+#: Default size of a checksum chunk (also the unit of parallel writes).
+DEFAULT_CHUNK_BYTES = 32 * 1024 * 1024
+#: Largest manifest we agree to parse.
+MAX_MANIFEST_BYTES = 64 * 1024 * 1024
+#: Largest file size a manifest may declare (1 PiB): anything bigger is absurd.
+MAX_FILE_BYTES = 1 << 50
+
+
+def manifest_name(data_name: str, serialization_id: str) -> str:
+    """The manifest's file name for a data file of that name and torch serialization id."""
+    return f"{data_name}.{serialization_id}{MANIFEST_SUFFIX}"
+
+
+def split_manifest_name(name: str) -> tuple[str, str] | None:
+    """Inverse of :func:`manifest_name`: ``(data_name, serialization_id)`` or ``None``."""
+    if not name.endswith(MANIFEST_SUFFIX):
+        return None
+    stem = name[: -len(MANIFEST_SUFFIX)]
+    data_name, dot, sid = stem.rpartition(".")
+    if not dot or not data_name or not sid.isalnum():
+        return None
+    return data_name, sid
+
+
+def is_temporary(name: str) -> bool:
+    """Whether a file name is one of stagesave's own temporaries (the only thing gc removes)."""
+    return TMP_MARKER in name

@@ -1,0 +1,540 @@
+"""The Checkpointer: ``save`` returns after one copy into host memory; the rest is background."""
+
+from __future__ import annotations
+
+import atexit
+import io
+import os
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+from ._background import JobQueue
+from ._checksum import DEFAULT_ALGORITHM, check_algorithm, digest
+from ._commit import FileToWrite, WriteStats, commit_files, manifest_path_for, sibling_manifests, write_file
+from ._crash import crash_point
+from ._discovery import CheckpointInfo, raise_if_corrupt, resolve, scan, verify_entry
+from ._image import FileImage, plan_torch_file
+from ._manifest import Manifest, StorageRecord
+from ._names import ALIGNMENT, DEFAULT_CHUNK_BYTES, TELEMETRY_FILE
+from ._pool import BufferPool
+from ._stage import stage_image
+from ._store import Store
+from ._targets import StoreResolver
+from .errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    ClosedError,
+    IntegrityError,
+    StorageError,
+    oserror_to_checkpoint_error,
+)
+from .handle import SaveHandle
+from .safety import safe_torch_load
+from .telemetry import SaveTelemetry, TelemetryCallback
+
+__all__ = ["Checkpointer"]
+
+_live: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
+
+
+def _close_all_at_exit() -> None:
+    for ckpt in list(_live):
+        try:
+            ckpt.close()
+        except BaseException as exc:  # noqa: BLE001 - report, never hang the exit
+            print(f"stagesave: a checkpoint save failed before exit: {exc}", file=sys.stderr)
+
+
+atexit.register(_close_all_at_exit)
+
+
+def _as_checkpoint_error(exc: BaseException, what: str) -> BaseException:
+    if isinstance(exc, CheckpointError):
+        return exc
+    if isinstance(exc, OSError):
+        err = oserror_to_checkpoint_error(exc, what)
+    elif isinstance(exc, Exception):
+        err = StorageError(f"{what}: {type(exc).__name__}: {exc}")
+    else:
+        return exc
+    err.__cause__ = exc
+    return err
+
+
+class Checkpointer:
+    """Asynchronous, verifiable checkpoints of any torch state.
+
+    Args:
+        root: Default directory (local path, fsspec URL or a :class:`Store`) for relative paths
+            and for ``latest()``/``list()`` without arguments. Absolute paths and URLs given to
+            ``save``/``load`` work without it.
+        max_pending: Saves that may be in flight (one staging buffer each); a further save waits
+            for a buffer instead of allocating more memory.
+        checksum: ``"xxh3_128"`` (default, fast), ``"xxh3_64"``, ``"blake3"`` or ``"sha256"``.
+        keep_last: After each commit keep only this many committed checkpoints in that
+            directory (oldest removed first, manifest before data). ``None`` keeps all.
+        io_threads: Threads writing chunks of one file in parallel.
+        chunk_bytes: Size of a checksum chunk and of one write.
+        direct_io: Write local files with O_DIRECT where the filesystem allows it.
+        storage_options: Passed to fsspec for URLs (endpoint, credentials, region).
+        telemetry_callback: Called with each save's :class:`SaveTelemetry`.
+        telemetry_jsonl: ``True`` to append telemetry JSON lines to ``stagesave-telemetry.jsonl``
+            beside local checkpoints, or a file path to append them to.
+        safe_globals: Extra classes allowed when loading (see :mod:`stagesave.safety`).
+        pinned: Pin staging buffers (default: when CUDA is available).
+    """
+
+    def __init__(
+        self,
+        root: Store | str | os.PathLike[str] | None = None,
+        *,
+        max_pending: int = 2,
+        checksum: str = DEFAULT_ALGORITHM,
+        keep_last: int | None = None,
+        io_threads: int = 4,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        direct_io: bool = True,
+        storage_options: dict[str, Any] | None = None,
+        telemetry_callback: TelemetryCallback | None = None,
+        telemetry_jsonl: bool | str = False,
+        safe_globals: Iterable[Any] = (),
+        pinned: bool | None = None,
+    ) -> None:
+        if max_pending < 1:
+            raise ValueError(f"max_pending must be >= 1, got {max_pending}")
+        if keep_last is not None and keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
+        if io_threads < 1:
+            raise ValueError(f"io_threads must be >= 1, got {io_threads}")
+        if chunk_bytes < ALIGNMENT or chunk_bytes % ALIGNMENT:
+            raise ValueError(f"chunk_bytes must be a positive multiple of {ALIGNMENT}, got {chunk_bytes}")
+        self.checksum = check_algorithm(checksum)
+        self.keep_last = keep_last
+        self.chunk_bytes = chunk_bytes
+        self.telemetry_callback = telemetry_callback
+        self.telemetry_jsonl = telemetry_jsonl
+        self.safe_globals = list(safe_globals)
+        self._targets = StoreResolver(root, storage_options=storage_options, direct_io=direct_io)
+        self._pool = BufferPool(max_pending, pinned)
+        self._queue: JobQueue | None = None
+        self._lock = threading.Lock()
+        self._pending: dict[str, list[SaveHandle]] = {}
+        self._failed: list[SaveHandle] = []
+        self._closed = False
+        _live.add(self)
+
+    # ------------------------------------------------------------------ saving
+    def save(self, state: Any, path: str | os.PathLike[str], *, metadata: dict[str, Any] | None = None) -> SaveHandle:
+        """Stage ``state`` and write it to ``path`` in the background.
+
+        Returns after the state has been copied into host memory; changing ``state`` afterwards
+        does not change the checkpoint. The file is a genuine ``torch.save`` file.
+
+        Raises:
+            CheckpointError: an earlier background save failed (raised once, here or elsewhere);
+                the target cannot be written; the state holds an unsupported object; closed.
+        """
+        self._check_open()
+        self._raise_failures()
+        t_start = time.perf_counter()
+        store, name = self._targets.split(path)
+        tel = SaveTelemetry(path=store.describe(name), started_at=time.time())
+        image = plan_torch_file(state)
+        tel.plan_s = time.perf_counter() - t_start
+        store.check_writable(name, image.size)
+        buf, waited = self._pool.acquire(image.size)
+        tel.buffer_wait_s = waited
+        try:
+            s0 = time.perf_counter()
+            wait_device = stage_image(image, buf)
+            tel.stage_s = time.perf_counter() - s0
+        except BaseException:
+            self._pool.release(buf)
+            raise
+        tel.bytes = image.size
+        tel.tensor_bytes = image.tensor_bytes
+        tel.blocking_s = time.perf_counter() - t_start
+        handle = SaveHandle(tel.path, tel)
+        key = tel.path
+        with self._lock:
+            self._pending.setdefault(key, []).append(handle)
+        t_submit = t_start
+
+        def job() -> None:
+            error: BaseException | None = None
+            try:
+                if wait_device is not None:
+                    wait_device()
+                self._write_and_commit(store, name, image, buf.view, tel, metadata or {})
+                tel.time_to_commit_s = time.perf_counter() - t_submit
+                tel.committed_at = time.time()
+                if self.keep_last is not None:
+                    self._retain(store, name.rpartition("/")[0])
+            except BaseException as exc:  # noqa: BLE001 - delivered through the handle
+                error = _as_checkpoint_error(exc, f"saving checkpoint {tel.path} failed")
+                tel.error = str(error)
+            finally:
+                self._pool.release(buf)
+            self._finish(key, handle, error)
+
+        self._submit(job, handle, key)
+        return handle
+
+    def _write_and_commit(
+        self, store: Store, name: str, image: FileImage, view: memoryview, tel: SaveTelemetry, metadata: dict[str, Any]
+    ) -> None:
+        stats = WriteStats()
+        queue = self._queue
+        assert queue is not None
+        storages = [StorageRecord(s.key, s.offset, s.nbytes) for s in image.slots]
+        entry, publish, abort = write_file(
+            store,
+            FileToWrite(name, view, image.size, "torch", image.serialization_id, image.id_offset, storages),
+            algorithm=self.checksum,
+            chunk_bytes=self.chunk_bytes,
+            pool=queue.io_pool,
+            stats=stats,
+        )
+        tel.write_s, tel.checksum_s, tel.fsync_s, tel.direct_io = (
+            stats.write_s, stats.checksum_s, stats.fsync_s, stats.direct_io
+        )
+        tel.throughput_bytes_per_s = image.size / stats.write_s if stats.write_s > 0 else 0.0
+        manifest = Manifest(
+            files=[entry],
+            created_ns=time.time_ns(),
+            tensors=[
+                {"name": t.name, "storage": t.storage_key, "dtype": t.dtype, "shape": list(t.shape),
+                 "stride": list(t.stride), "storage_offset": t.storage_offset}
+                for t in image.tensors
+            ],
+            metadata=dict(metadata),
+            telemetry={k: v for k, v in tel.to_dict().items() if k not in ("path", "error")},
+        )
+        c0 = time.perf_counter()
+        try:
+            replaced = sibling_manifests(store, name)
+        except OSError:
+            replaced = []
+        commit_files(store, manifest_path_for(name, image.serialization_id), manifest, [publish], [abort], replaced)
+        tel.commit_s = time.perf_counter() - c0
+
+    def _retain(self, store: Store, directory: str) -> None:
+        committed = [c for c in scan(store, directory) if c.status == "committed"]
+        assert self.keep_last is not None
+        for old in committed[self.keep_last :]:
+            if old.manifest_name is not None:
+                store.delete(old.manifest_name)  # manifest first: half-deleted is never valid
+            crash_point("during_retention")
+            store.delete(old.name)
+
+    def remove(self, path: str | os.PathLike[str]) -> SaveHandle:
+        """Delete a checkpoint after every save submitted before this call.
+
+        Returns a handle; ``result()`` waits for the removal.
+        """
+        self._check_open()
+        store, name = self._targets.split(path)
+        tel = SaveTelemetry(path=store.describe(name), started_at=time.time())
+        handle = SaveHandle(tel.path, tel, kind="remove")
+        key = tel.path
+
+        def job() -> None:
+            error: BaseException | None = None
+            try:
+                for m in sibling_manifests(store, name):
+                    store.delete(m)
+                store.delete(name)
+            except BaseException as exc:  # noqa: BLE001
+                error = _as_checkpoint_error(exc, f"removing checkpoint {tel.path} failed")
+            self._finish(key, handle, error)
+
+        with self._lock:
+            self._pending.setdefault(key, []).append(handle)
+        self._submit(job, handle, key)
+        return handle
+
+    def _submit(self, job: Any, handle: SaveHandle, key: str) -> None:
+        with self._lock:
+            if self._queue is None:
+                self._queue = JobQueue(io_threads=self._io_threads_default())
+            queue = self._queue
+        queue.submit(job)
+
+    def _io_threads_default(self) -> int:
+        return 4
+
+    def _finish(self, key: str, handle: SaveHandle, error: BaseException | None) -> None:
+        with self._lock:
+            lst = self._pending.get(key, [])
+            if handle in lst:
+                lst.remove(handle)
+            if not lst:
+                self._pending.pop(key, None)
+            if error is not None:
+                self._failed.append(handle)
+        handle._set_done(error)
+        if handle.kind == "save":
+            self._emit(handle.telemetry)
+
+    def _emit(self, tel: SaveTelemetry) -> None:
+        if self.telemetry_callback is not None:
+            try:
+                self.telemetry_callback(tel)
+            except Exception as exc:  # noqa: BLE001 - a broken callback must not fail saves
+                print(f"stagesave: telemetry callback failed: {exc!r}", file=sys.stderr)
+        if self.telemetry_jsonl:
+            target = self.telemetry_jsonl
+            if target is True:
+                if tel.path.startswith("/"):
+                    target = os.path.join(os.path.dirname(tel.path), TELEMETRY_FILE)
+                else:
+                    return
+            try:
+                with open(str(target), "a", encoding="utf-8") as f:
+                    f.write(tel.to_json() + "\n")
+            except OSError as exc:
+                print(f"stagesave: cannot append telemetry to {target}: {exc}", file=sys.stderr)
+
+    # ------------------------------------------------------------------ waiting
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every submitted save and removal has finished.
+
+        Raises:
+            TimeoutError: still running after ``timeout`` seconds.
+            CheckpointError: a background save failed and its error was not delivered yet.
+        """
+        queue = self._queue
+        if queue is not None and not queue.drain(timeout):
+            raise TimeoutError(f"{queue.pending()} checkpoint operations still running after {timeout} s")
+        self._raise_failures()
+
+    def pending(self) -> int:
+        """Number of saves and removals not finished yet."""
+        q = self._queue
+        return q.pending() if q is not None else 0
+
+    def _wait_path(self, key: str, timeout: float | None = None) -> None:
+        with self._lock:
+            handles = list(self._pending.get(key, []))
+        for h in handles:
+            h.exception(timeout)
+
+    def _raise_failures(self) -> None:
+        with self._lock:
+            failed, self._failed = self._failed, []
+        errors = [e for e in (h._claim_error() for h in failed) if e is not None]
+        if errors:
+            if len(errors) > 1:
+                print(
+                    f"stagesave: {len(errors) - 1} more background saves failed: "
+                    + "; ".join(str(e) for e in errors[1:]),
+                    file=sys.stderr,
+                )
+            raise errors[0]
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("this Checkpointer is closed; create a new one to save or remove checkpoints")
+
+    # ------------------------------------------------------------------ reading
+    def load(
+        self,
+        path: str | os.PathLike[str],
+        map_location: Any = None,
+        *,
+        verify: bool = True,
+        mmap: bool | None = None,
+        trusted: bool = False,
+        safe_globals: Iterable[Any] = (),
+    ) -> Any:
+        """Load a checkpoint written by stagesave or by ``torch.save``.
+
+        Waits for pending saves of the same path. With ``verify`` (default) every byte is
+        checked against the manifest before anything is unpickled. Local files load with
+        ``mmap`` by default (tensors are backed by the verified file's pages, copy-on-write).
+
+        Raises:
+            CheckpointNotFoundError: no such file.
+            IntegrityError: the file does not match its manifest.
+            UnsafeCheckpointError: the file needs a class that is not allow-listed.
+        """
+        store, name = self._targets.split(path)
+        where = store.describe(name)
+        self._wait_path(where)
+        try:
+            info = resolve(store, name)
+        except (FileNotFoundError, IsADirectoryError) as exc:
+            raise CheckpointNotFoundError(f"no checkpoint at {where}") from exc
+        if info.status == "corrupt":
+            raise IntegrityError(f"checkpoint {where} is corrupt: {'; '.join(info.problems)}")
+        entry = info.manifest.file(name.rpartition("/")[2]) if info.manifest else None
+        globs = [*self.safe_globals, *safe_globals]
+        local = store.local_path(name)
+        if local is not None:
+            return self._load_local(local, entry, where, map_location, verify, mmap, trusted, globs)
+        data = bytearray(info.size)
+        view = memoryview(data)
+        self._read_parallel(store, name, view)
+        if verify and entry is not None:
+            raise_if_corrupt(self._verify_memory(entry, view, where), where)
+        return safe_torch_load(io.BytesIO(data), map_location=map_location, trusted=trusted, safe_globals=globs, where=where)
+
+    def _load_local(
+        self, local: str, entry: Any, where: str, map_location: Any, verify: bool, mmap: bool | None,
+        trusted: bool, globs: list[Any],
+    ) -> Any:
+        fd = os.open(local, os.O_RDONLY)
+        try:
+            if verify and entry is not None:
+                size = os.fstat(fd).st_size
+                if size != entry.size:
+                    raise IntegrityError(f"checkpoint {where} is corrupt: {size} bytes, manifest says {entry.size}")
+
+                def read(lo: int, n: int) -> bytes:
+                    return os.pread(fd, n, lo)
+
+                raise_if_corrupt(self._verify_reader(entry, read, where), where)
+            is_zip = os.pread(fd, 4, 0) == b"PK\x03\x04"
+            use_mmap = is_zip if mmap is None else mmap
+            # Load the very inode we verified, even if the name was replaced meanwhile.
+            proc = f"/proc/self/fd/{fd}"
+            source = proc if os.path.exists(proc) else local
+            return safe_torch_load(source, map_location=map_location, mmap=use_mmap, trusted=trusted,
+                                   safe_globals=globs, where=where)
+        finally:
+            os.close(fd)
+
+    def _io_map(self, fn: Any, items: Iterable[Any]) -> list[Any]:
+        with self._lock:
+            if self._queue is None:
+                self._queue = JobQueue(io_threads=self._io_threads_default())
+            pool = self._queue.io_pool
+        return list(pool.map(fn, items))
+
+    def _verify_reader(self, entry: Any, read: Any, where: str) -> list[str]:
+        def check(i: int) -> str | None:
+            lo, hi = entry.chunk_range(i)
+            data = read(lo, hi - lo)
+            if len(data) != hi - lo:
+                return f"truncated at byte {lo + len(data)} (expected {entry.size} bytes)"
+            if digest(entry.algorithm, data) != entry.chunks[i]:
+                return f"checksum mismatch in bytes [{lo}, {hi}) (chunk {i})"
+            return None
+
+        return [p for p in self._io_map(check, range(len(entry.chunks))) if p]
+
+    def _verify_memory(self, entry: Any, view: memoryview, where: str) -> list[str]:
+        return self._verify_reader(entry, lambda lo, n: view[lo : lo + n], where)
+
+    def _read_parallel(self, store: Store, name: str, view: memoryview) -> None:
+        step = self.chunk_bytes
+
+        def one(lo: int) -> None:
+            n = store.read_into(name, lo, view[lo : lo + step])
+            if n != len(view[lo : lo + step]):
+                raise IntegrityError(f"checkpoint {store.describe(name)} is truncated at byte {lo + n}")
+
+        self._io_map(one, range(0, len(view), step))
+
+    def verify(self, path: str | os.PathLike[str]) -> CheckpointInfo:
+        """Check a file against its manifest, reading every byte.
+
+        Returns its :class:`CheckpointInfo` with ``status`` ``"verified"``, ``"corrupt"``
+        (``problems`` says what) or ``"unverified"`` (a plain torch file with no manifest).
+
+        Raises:
+            CheckpointNotFoundError: no such file.
+        """
+        store, name = self._targets.split(path)
+        self._wait_path(store.describe(name))
+        try:
+            info = resolve(store, name)
+        except (FileNotFoundError, IsADirectoryError) as exc:
+            raise CheckpointNotFoundError(f"no checkpoint at {store.describe(name)}") from exc
+        if info.status != "committed" or info.manifest is None:
+            return info
+        entry = info.manifest.file(name.rpartition("/")[2])
+        with self._lock:
+            if self._queue is None:
+                self._queue = JobQueue(io_threads=self._io_threads_default())
+            pool = self._queue.io_pool
+        problems = verify_entry(store, name, entry, pool)
+        info.problems = problems
+        info.status = "corrupt" if problems else "verified"
+        return info
+
+    def list(self, root: str | os.PathLike[str] | None = None) -> list[CheckpointInfo]:
+        """Checkpoints directly in ``root``, newest first (committed, unverified and corrupt)."""
+        store = self._targets.dir_store(root)
+        self.wait_quietly()
+        return scan(store)
+
+    def latest(self, root: str | os.PathLike[str] | None = None, *, verify: bool = False) -> CheckpointInfo | None:
+        """The newest valid checkpoint in ``root`` (``None`` if there is none).
+
+        Corrupt checkpoints are skipped with a warning naming the problem; with ``verify`` every
+        candidate's bytes are checked too, newest first, until one passes.
+        """
+        store = self._targets.dir_store(root)
+        self.wait_quietly()
+        for info in scan(store, warn=True):
+            if not info.valid:
+                continue
+            if verify and info.manifest is not None:
+                checked = self.verify(info.path if store.local_path(info.name) else f"{store.url}/{info.name}")
+                if checked.status == "corrupt":
+                    import warnings
+
+                    warnings.warn(f"skipping checkpoint {info.path}: {'; '.join(checked.problems)}", stacklevel=2)
+                    continue
+                return checked
+            return info
+        return None
+
+    def wait_quietly(self) -> None:
+        """Wait for pending work without raising (errors stay queued for the next call)."""
+        q = self._queue
+        if q is not None:
+            q.drain()
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self, timeout: float | None = None) -> None:
+        """Finish pending saves, release buffers and threads; raise an undelivered failure.
+
+        Safe to call more than once.
+        """
+        if self._closed:
+            self._raise_failures()
+            return
+        self._closed = True
+        q = self._queue
+        try:
+            if q is not None and not q.stop(timeout):
+                raise TimeoutError(
+                    f"stagesave: {q.pending()} checkpoint operations still running after {timeout} s; "
+                    "they were not committed"
+                )
+        finally:
+            self._pool.close()
+            self._targets.close()
+            _live.discard(self)
+        self._raise_failures()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            try:
+                self.close()
+            except Exception as close_exc:  # noqa: BLE001 - never mask the user's exception
+                print(f"stagesave: while handling another error: {close_exc}", file=sys.stderr)
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError("a Checkpointer holds threads and buffers and cannot be pickled")

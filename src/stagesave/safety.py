@@ -1,0 +1,113 @@
+"""Safe loading: torch's ``weights_only`` unpickler with an allow-list fit for training state.
+
+Loading a pickle can run arbitrary code, so stagesave never unpickles with the full pickle
+machinery unless the caller says ``trusted=True``. The allow-list covers what real training
+checkpoints hold besides tensors: numpy arrays and scalars of plain dtypes (RNG states from
+``np.random.get_state()`` are tuples of those), Python containers and scalars. Users add their
+own classes (a dataclass, a namedtuple of hyper-parameters) with :func:`allow_globals` or the
+``safe_globals=`` argument of ``load``.
+"""
+
+from __future__ import annotations
+
+import pickle
+import re
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from .errors import UnsafeCheckpointError
+
+__all__ = ["allow_globals", "allowed_globals", "safe_torch_load"]
+
+_extra: list[Any] = []
+_lock = threading.Lock()
+
+
+def _numpy_globals() -> list[Any]:
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy is a dependency
+        return []
+    out: list[Any] = [np.ndarray, np.dtype]
+    for modname in ("numpy._core.multiarray", "numpy.core.multiarray"):
+        try:
+            mod = __import__(modname, fromlist=["_reconstruct", "scalar"])
+        except ImportError:
+            continue
+        out += [mod._reconstruct, mod.scalar]
+        break
+    dtypes = getattr(np, "dtypes", None)
+    if dtypes is not None:
+        for name in dir(dtypes):
+            obj = getattr(dtypes, name)
+            if isinstance(obj, type) and issubclass(obj, np.dtype):
+                out.append(obj)
+    else:  # numpy < 1.25: dtype classes are only reachable through instances
+        for code in "?bhilqBHILQefdgFDGSUVMm":
+            try:
+                out.append(type(np.dtype(code)))
+            except TypeError:
+                pass
+    return out
+
+
+_DEFAULT: list[Any] = _numpy_globals()
+
+
+def allow_globals(*objs: Any) -> None:
+    """Allow-list classes or functions for every later safe load in this process.
+
+    Example: ``stagesave.allow_globals(MyConfig, MyNamedTuple)``.
+    """
+    with _lock:
+        for o in objs:
+            if o not in _extra:
+                _extra.append(o)
+
+
+def allowed_globals() -> list[Any]:
+    """The current allow-list (defaults plus what :func:`allow_globals` added)."""
+    with _lock:
+        return [*_DEFAULT, *_extra]
+
+
+_UNSUPPORTED = re.compile(r"(?:unsupported GLOBAL|Unsupported global: GLOBAL) ([\w.]+)")
+
+
+def safe_torch_load(
+    source: Any,
+    *,
+    map_location: Any = None,
+    mmap: bool = False,
+    trusted: bool = False,
+    safe_globals: Iterable[Any] = (),
+    where: str = "checkpoint",
+) -> Any:
+    """``torch.load`` with the allow-list, or the full unpickler when ``trusted``.
+
+    Raises:
+        UnsafeCheckpointError: the file needs a global that is not allow-listed; the message
+            names it and says how to allow it or opt out.
+    """
+    if trusted:
+        return torch.load(source, map_location=map_location, mmap=mmap, weights_only=False)
+    globs = [*allowed_globals(), *safe_globals]
+    try:
+        with torch.serialization.safe_globals(globs):
+            return torch.load(source, map_location=map_location, mmap=mmap, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        text = str(exc)
+        m = _UNSUPPORTED.search(text)
+        refused = m.group(1) if m else None
+        needs = f"the global {refused}" if refused else "an object"
+        allow = refused.rsplit(".", 1)[-1] if refused else "TheClass"
+        raise UnsafeCheckpointError(
+            f"refusing to load {where}: it needs {needs}, which is not on stagesave's safe "
+            f"allow-list, and unpickling it could run code. If the class is yours and plain "
+            f"data, allow it with stagesave.allow_globals({allow}) or "
+            f"load(..., safe_globals=[{allow}]); if you trust the file's source completely, "
+            f"pass trusted=True."
+        ) from exc
