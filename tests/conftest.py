@@ -1,0 +1,28 @@
+"""Shared fixtures: real files in temporary directories, small real states."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+torch.manual_seed(0)
+
+
+@pytest.fixture
+def ckpt_dir(tmp_path):
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    return d
+
+
+def pytest_collection_modifyitems(config, items):
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA device; this machine has none (GPU path untested here)")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
