@@ -42,6 +42,8 @@ class FileToWrite:
     serialization_id: str | None = None
     id_offset: int | None = None
     storages: Sequence[StorageRecord] = ()
+    #: Name recorded in the manifest (relative to the manifest's directory).
+    entry_name: str | None = None
 
 
 @dataclass
@@ -94,7 +96,7 @@ def write_file(
     stats.write_s += time.perf_counter() - t0
     stats.direct_io = getattr(pending, "direct", None)
     entry = FileEntry(
-        name=f.name.rsplit("/", 1)[-1],
+        name=f.entry_name or f.name.rsplit("/", 1)[-1],
         size=f.size,
         algorithm=algorithm,
         chunk_bytes=chunk_bytes,

@@ -23,6 +23,7 @@ CRASH_POINTS = (
     "after_data_fsync",
     "before_manifest",
     "after_manifest",
+    "after_aside",
     "after_rename",
     "after_commit",
     "during_retention",

@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 from ._checksum import digest
 from ._commit import sibling_manifests
 from ._manifest import FileEntry, Manifest, parse_manifest
-from ._names import MANIFEST_SUFFIX, MAX_MANIFEST_BYTES, is_temporary
+from ._names import ASIDE_MARKER, DIR_MANIFEST, MANIFEST_SUFFIX, MAX_MANIFEST_BYTES, is_temporary
 from ._store import Store
 from .errors import IntegrityError, ManifestError
 
-__all__ = ["CheckpointInfo", "resolve", "scan", "verify_entry"]
+__all__ = ["CheckpointInfo", "resolve", "resolve_dir", "scan", "verify_entry"]
 
 #: Plain files with these suffixes are listed as (unverified) checkpoints.
 CHECKPOINT_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".tar")
@@ -39,6 +39,7 @@ class CheckpointInfo:
     manifest_name: str | None = None
     problems: list[str] = field(default_factory=list)
     tier: str | None = None
+    is_dir: bool = False
 
     @property
     def valid(self) -> bool:
@@ -63,7 +64,18 @@ def resolve(store: Store, name: str) -> CheckpointInfo:
     info = store.info(name)
     path = store.describe(name)
     candidates = sibling_manifests(store, name)
+    directory = name.rpartition("/")[0]
+    if not candidates and name.rpartition("/")[2] != DIR_MANIFEST:
+        dir_manifest = f"{directory}/{DIR_MANIFEST}" if directory else DIR_MANIFEST
+        try:
+            store.info(dir_manifest)
+            candidates = [dir_manifest]
+        except FileNotFoundError:
+            pass
     if not candidates:
+        problem = _plain_file_problem(store, name, info.size)
+        if problem:
+            return CheckpointInfo(path, name, "corrupt", info.mtime, info.size, problems=[problem])
         return CheckpointInfo(path, name, "unverified", info.mtime, info.size)
     problems: list[str] = []
     parsed: list[tuple[Manifest, str]] = []
@@ -98,10 +110,65 @@ def resolve(store: Store, name: str) -> CheckpointInfo:
     return CheckpointInfo(path, name, "corrupt", info.mtime, info.size, problems=problems)
 
 
+def _plain_file_problem(store: Store, name: str, size: int) -> str | None:
+    """For a torch file without manifest: is it at least a complete zip (not torn)?"""
+    if size < 22:
+        return f"{store.describe(name)} is {size} bytes: too short to be a checkpoint"
+    head = store.read_range(name, 0, 4)
+    if head != b"PK\x03\x04":
+        return None  # not a zip: a legacy torch file or another format, loadable as such
+    tail = store.read_range(name, max(0, size - 65_558), min(size, 65_558))
+    if b"PK\x05\x06" not in tail:
+        return f"{store.describe(name)} is a truncated zip (no end-of-archive record): a torn write"
+    return None
+
+
+def resolve_dir(store: Store, directory: str) -> CheckpointInfo:
+    """Status of a directory checkpoint (committed when its manifest and every file agree)."""
+    path = store.describe(directory)
+    mname = f"{directory}/{DIR_MANIFEST}"
+    try:
+        manifest = _read_manifest(store, mname)
+    except FileNotFoundError:
+        return CheckpointInfo(path, directory, "unverified", 0.0, 0, is_dir=True,
+                              problems=["no stagesave manifest: completeness cannot be proven"])
+    except (ManifestError, OSError) as exc:
+        return CheckpointInfo(path, directory, "corrupt", 0.0, 0, is_dir=True, problems=[str(exc)])
+    problems = []
+    total = 0
+    for entry in manifest.files:
+        fname = f"{directory}/{entry.name}"
+        try:
+            info = store.info(fname)
+        except (FileNotFoundError, IsADirectoryError):
+            problems.append(f"{store.describe(fname)} is missing")
+            continue
+        total += info.size
+        if info.size != entry.size:
+            problems.append(f"{store.describe(fname)} is {info.size} bytes, manifest says {entry.size}")
+        elif entry.serialization_id and entry.id_offset is not None:
+            got = store.read_range(fname, entry.id_offset, len(entry.serialization_id))
+            if got != entry.serialization_id.encode():
+                problems.append(f"{store.describe(fname)} does not carry the id its manifest names")
+    status = "corrupt" if problems else "committed"
+    return CheckpointInfo(path, directory, status, manifest.created_ns / 1e9, total, manifest, mname,
+                          problems, is_dir=True)
+
+
 def scan(store: Store, directory: str = "", *, warn: bool = False) -> list[CheckpointInfo]:
-    """Every checkpoint in ``directory`` of ``store``, newest first."""
+    """Every checkpoint in ``directory`` of ``store`` (files and folders), newest first."""
     files = store.list(directory)
     out: list[CheckpointInfo] = []
+    for leaf in store.list_dirs(directory):
+        if leaf.startswith(".") or is_temporary(leaf) or leaf.endswith(ASIDE_MARKER):
+            continue
+        sub = f"{directory}/{leaf}" if directory else leaf
+        ci = resolve_dir(store, sub)
+        if ci.status == "unverified":
+            continue  # a plain folder: not listed as a checkpoint (it may be torn)
+        if ci.status == "corrupt" and warn:
+            warnings.warn(f"skipping checkpoint {ci.path}: {'; '.join(ci.problems)}", stacklevel=3)
+        out.append(ci)
     for f in files:
         leaf = f.name.rpartition("/")[2]
         if leaf.endswith(MANIFEST_SUFFIX) or is_temporary(leaf) or leaf.startswith("."):

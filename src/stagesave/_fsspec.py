@@ -116,6 +116,14 @@ class FsspecStore(Store):
             out.append(ObjectInfo(name, int(e["size"]), float(mtime)))
         return out
 
+    def list_dirs(self, prefix: str = "") -> list[str]:
+        base = self._path(prefix) if prefix else self.root
+        try:
+            entries = self.fs.ls(base, detail=True)
+        except FileNotFoundError:
+            return []
+        return [e["name"].rstrip("/").rpartition("/")[2] for e in entries if e.get("type") == "directory"]
+
     def delete(self, name: str) -> None:
         try:
             self.fs.rm_file(self._path(name))

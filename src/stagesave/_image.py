@@ -34,12 +34,12 @@ MAX_INDEXED_TENSORS = 200_000
 
 @dataclass(frozen=True)
 class StorageSlot:
-    """One storage of the state and where its bytes go in the file."""
+    """Bytes of the state (a flat uint8 view of a storage or tensor) and where they go."""
 
     key: str
     offset: int
     nbytes: int
-    storage: torch.UntypedStorage
+    source: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,12 @@ class FileImage:
         return sum(s.nbytes for s in self.slots)
 
     def devices(self) -> set[str]:
-        return {s.storage.device.type for s in self.slots}
+        return {s.source.device.type for s in self.slots}
+
+
+def byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A flat uint8 tensor over a whole storage (no copy)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
 class _SparseSink(io.RawIOBase):
@@ -269,7 +274,7 @@ def plan_torch_file(state: Any) -> FileImage:
     slots = []
     for key, storage in found.items():
         offset = int(reader.get_record_offset(f"data/{key}"))
-        slots.append(StorageSlot(key, offset, int(storage.nbytes()), storage))
+        slots.append(StorageSlot(key, offset, int(storage.nbytes()), byte_view(storage)))
     slots.sort(key=lambda s: s.offset)
     # torch derives the id from record checksums, which skip_data leaves empty, so two states of
     # the same structure would share one; give each save its own (same length, time-ordered).
@@ -277,7 +282,7 @@ def plan_torch_file(state: Any) -> FileImage:
     old = str(reader.serialization_id())
     sid = _unique_id(len(old))
     pieces = _replace_bytes(sink.pieces, id_offset, sid.encode())
-    keys = {s.storage._cdata: s.key for s in slots}
+    keys = {storage._cdata: key for key, storage in found.items()}
     return FileImage(
         size=sink.end,
         pieces=pieces,

@@ -129,6 +129,8 @@ class LocalStore(Store):
         return os.path.join(self.root, check_name(name))
 
     def local_path(self, name: str) -> str:
+        if name in ("", "."):
+            return self.root
         return self._path(name)
 
     def check_writable(self, name: str, size: int) -> None:

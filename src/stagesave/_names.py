@@ -6,6 +6,10 @@ from __future__ import annotations
 MANIFEST_SUFFIX = ".stagesave.json"
 #: Marker inside the names of files being written; only such files are ever cleaned up.
 TMP_MARKER = ".stagesave-tmp"
+#: The manifest of a directory checkpoint (several files committed together), inside it.
+DIR_MANIFEST = "checkpoint" + MANIFEST_SUFFIX
+#: Marker of a directory moved aside while a newer one of the same name is moved in.
+ASIDE_MARKER = ".stagesave-aside"
 #: Telemetry JSON lines, one per save, beside the checkpoints when enabled.
 TELEMETRY_FILE = "stagesave-telemetry.jsonl"
 #: Schema of the manifest this version writes and reads.
@@ -36,6 +40,11 @@ def split_manifest_name(name: str) -> tuple[str, str] | None:
     if not dot or not data_name or not sid.isalnum():
         return None
     return data_name, sid
+
+
+def aside_name(leaf: str, token: str) -> str:
+    """Where an existing directory checkpoint waits while its replacement is moved in."""
+    return f".{leaf}.{token}{ASIDE_MARKER}"
 
 
 def is_temporary(name: str) -> bool:

@@ -21,19 +21,15 @@ from ._pool import HostBuffer
 __all__ = ["stage_image"]
 
 
-def _byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-
-
-def stage_image(image: FileImage, buf: HostBuffer) -> Callable[[], None] | None:
-    """Copy ``image`` into ``buf[:image.size]``.
+def stage_image(image: FileImage, buf: HostBuffer, base: int = 0) -> Callable[[], None] | None:
+    """Copy ``image`` into ``buf[base : base + image.size]``.
 
     Returns:
         ``None`` when the bytes are in place; otherwise a callable that blocks until pending
         device-to-host copies have landed (the writer calls it before reading the buffer).
     """
-    view = buf.view
-    dst_all = buf.tensor
+    view = buf.view[base : base + image.size]
+    dst_all = buf.tensor[base : base + image.size]
     # Whatever torch does not write is zero in a torch.save file; reused buffers hold old bytes.
     spans = sorted([(off, off + len(data)) for off, data in image.pieces]
                    + [(s.offset, s.offset + s.nbytes) for s in image.slots])
@@ -50,7 +46,7 @@ def stage_image(image: FileImage, buf: HostBuffer) -> Callable[[], None] | None:
     for slot in image.slots:
         if slot.nbytes == 0:
             continue
-        src = _byte_view(slot.storage)
+        src = slot.source
         dst = dst_all[slot.offset : slot.offset + slot.nbytes]
         if src.device.type == "cuda":
             if side is None:

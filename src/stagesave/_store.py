@@ -105,6 +105,10 @@ class Store(ABC):
     def delete(self, name: str) -> None:
         """Remove a file; absent is not an error."""
 
+    def list_dirs(self, prefix: str = "") -> list[str]:
+        """Names of the directories directly inside ``prefix`` (leaf names only)."""
+        return []
+
     def describe(self, name: str) -> str:
         """Where ``name`` lives, for messages (never with credentials)."""
         return f"{self.url.rstrip('/')}/{name}"

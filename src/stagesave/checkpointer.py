@@ -16,10 +16,11 @@ from ._background import JobQueue
 from ._checksum import DEFAULT_ALGORITHM, check_algorithm, digest
 from ._commit import FileToWrite, WriteStats, commit_files, manifest_path_for, sibling_manifests, write_file
 from ._crash import crash_point
-from ._discovery import CheckpointInfo, raise_if_corrupt, resolve, scan, verify_entry
+from ._dircommit import commit_directory, restore_aside
+from ._discovery import CheckpointInfo, raise_if_corrupt, resolve, resolve_dir, scan, verify_entry
 from ._image import FileImage, plan_torch_file
 from ._manifest import Manifest, StorageRecord
-from ._names import ALIGNMENT, DEFAULT_CHUNK_BYTES, TELEMETRY_FILE
+from ._names import ALIGNMENT, DEFAULT_CHUNK_BYTES, DIR_MANIFEST, TELEMETRY_FILE
 from ._pool import BufferPool
 from ._stage import stage_image
 from ._store import Store
@@ -32,6 +33,7 @@ from .errors import (
     StorageError,
     oserror_to_checkpoint_error,
 )
+from .formats import plan_file
 from .handle import SaveHandle
 from .safety import safe_torch_load
 from .telemetry import SaveTelemetry, TelemetryCallback
@@ -63,6 +65,14 @@ def _as_checkpoint_error(exc: BaseException, what: str) -> BaseException:
         return exc
     err.__cause__ = exc
     return err
+
+
+def _has(store: Store, name: str) -> bool:
+    try:
+        store.info(name)
+        return True
+    except (FileNotFoundError, IsADirectoryError):
+        return False
 
 
 class Checkpointer:
@@ -229,7 +239,122 @@ class Checkpointer:
             if old.manifest_name is not None:
                 store.delete(old.manifest_name)  # manifest first: half-deleted is never valid
             crash_point("during_retention")
-            store.delete(old.name)
+            if old.is_dir:
+                self._delete_dir(store, old.name)
+            else:
+                store.delete(old.name)
+
+    @staticmethod
+    def _delete_dir(store: Store, name: str) -> None:
+        local = store.local_path(name)
+        if local is not None:
+            import shutil
+
+            if os.path.isdir(local) and not os.path.islink(local):
+                shutil.rmtree(local)
+            return
+        for info in store.list(name):
+            store.delete(info.name)
+
+    def save_dir(
+        self,
+        files: dict[str, Any],
+        directory: str | os.PathLike[str],
+        *,
+        metadata: dict[str, Any] | None = None,
+    ) -> SaveHandle:
+        """Stage several files and commit them together as one directory checkpoint.
+
+        ``files`` maps names inside ``directory`` (e.g. ``"optimizer.bin"``) to a state saved
+        as a torch file, or to :class:`stagesave.formats.Safetensors`. The folder appears only
+        once every file and the manifest are durable; an existing folder is replaced atomically.
+
+        Raises:
+            Like :meth:`save`.
+        """
+        self._check_open()
+        self._raise_failures()
+        if not files:
+            raise ValueError("save_dir needs at least one file")
+        t_start = time.perf_counter()
+        store, dname = self._targets.split(directory)
+        tel = SaveTelemetry(path=store.describe(dname), started_at=time.time())
+        planned = []
+        for fname, content in files.items():
+            try:
+                from ._store import check_name
+
+                check_name(fname)
+            except ValueError as exc:
+                raise ValueError(f"invalid file name {fname!r} in directory checkpoint: {exc}") from exc
+            kind, image = plan_file(content)
+            planned.append((fname, kind, image))
+        tel.plan_s = time.perf_counter() - t_start
+        bases, total = [], 0
+        for _, _, image in planned:
+            bases.append(total)
+            total += (image.size + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+        store.check_writable(f"{dname}/{planned[0][0]}", total)
+        buf, tel.buffer_wait_s = self._pool.acquire(total)
+        waits = []
+        try:
+            s0 = time.perf_counter()
+            for base, (_, _, image) in zip(bases, planned):
+                w = stage_image(image, buf, base)
+                if w is not None:
+                    waits.append(w)
+            tel.stage_s = time.perf_counter() - s0
+        except BaseException:
+            self._pool.release(buf)
+            raise
+        tel.bytes = sum(im.size for _, _, im in planned)
+        tel.tensor_bytes = sum(im.tensor_bytes for _, _, im in planned)
+        tel.blocking_s = time.perf_counter() - t_start
+        handle = SaveHandle(tel.path, tel)
+        key = tel.path
+        with self._lock:
+            self._pending.setdefault(key, []).append(handle)
+        to_write = []
+        for base, (fname, kind, image) in zip(bases, planned):
+            cap = (image.size + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+            storages = [StorageRecord(s.key, s.offset, s.nbytes) for s in image.slots]
+            to_write.append(FileToWrite(fname, buf.view[base : base + cap], image.size, kind,
+                                        image.serialization_id or None,
+                                        image.id_offset if image.serialization_id else None, storages))
+
+        def make_manifest(entries: list[Any]) -> Manifest:
+            return Manifest(files=entries, created_ns=time.time_ns(), metadata=dict(metadata or {}),
+                            telemetry={k: v for k, v in tel.to_dict().items() if k not in ("path", "error")})
+
+        def job() -> None:
+            error: BaseException | None = None
+            try:
+                for w in waits:
+                    w()
+                stats = WriteStats()
+                assert self._queue is not None
+                c0 = time.perf_counter()
+                commit_directory(store, dname, to_write, make_manifest, algorithm=self.checksum,
+                                 chunk_bytes=self.chunk_bytes, pool=self._queue.io_pool, stats=stats)
+                tel.write_s, tel.checksum_s, tel.fsync_s, tel.direct_io = (
+                    stats.write_s, stats.checksum_s, stats.fsync_s, stats.direct_io)
+                tel.commit_s = time.perf_counter() - c0 - stats.write_s
+                tel.throughput_bytes_per_s = tel.bytes / stats.write_s if stats.write_s > 0 else 0.0
+                tel.time_to_commit_s = time.perf_counter() - t_start
+                tel.committed_at = time.time()
+                if self.keep_last is not None:
+                    self._retain(store, dname.rpartition("/")[0])
+            except BaseException as exc:  # noqa: BLE001 - delivered through the handle
+                error = _as_checkpoint_error(exc, f"saving checkpoint {tel.path} failed")
+                tel.error = str(error)
+            finally:
+                for v in to_write:
+                    v.image.release()
+                self._pool.release(buf)
+            self._finish(key, handle, error)
+
+        self._submit(job, handle, key)
+        return handle
 
     def remove(self, path: str | os.PathLike[str]) -> SaveHandle:
         """Delete a checkpoint after every save submitted before this call.
@@ -245,9 +370,14 @@ class Checkpointer:
         def job() -> None:
             error: BaseException | None = None
             try:
-                for m in sibling_manifests(store, name):
-                    store.delete(m)
-                store.delete(name)
+                local = store.local_path(name)
+                if (local is not None and os.path.isdir(local)) or store.list_dirs(name) or _has(store, f"{name}/{DIR_MANIFEST}"):
+                    store.delete(f"{name}/{DIR_MANIFEST}")
+                    self._delete_dir(store, name)
+                else:
+                    for m in sibling_manifests(store, name):
+                        store.delete(m)
+                    store.delete(name)
             except BaseException as exc:  # noqa: BLE001
                 error = _as_checkpoint_error(exc, f"removing checkpoint {tel.path} failed")
             self._finish(key, handle, error)
@@ -453,16 +583,25 @@ class Checkpointer:
         self._wait_path(store.describe(name))
         try:
             info = resolve(store, name)
-        except (FileNotFoundError, IsADirectoryError) as exc:
-            raise CheckpointNotFoundError(f"no checkpoint at {store.describe(name)}") from exc
+        except IsADirectoryError:
+            info = resolve_dir(store, name)
+        except FileNotFoundError as exc:
+            if _has(store, f"{name}/{DIR_MANIFEST}"):
+                info = resolve_dir(store, name)
+            else:
+                raise CheckpointNotFoundError(f"no checkpoint at {store.describe(name)}") from exc
         if info.status != "committed" or info.manifest is None:
             return info
-        entry = info.manifest.file(name.rpartition("/")[2])
         with self._lock:
             if self._queue is None:
                 self._queue = JobQueue(io_threads=self._io_threads_default())
             pool = self._queue.io_pool
-        problems = verify_entry(store, name, entry, pool)
+        if info.is_dir:
+            problems = []
+            for entry in info.manifest.files:
+                problems += verify_entry(store, f"{name}/{entry.name}", entry, pool)
+        else:
+            problems = verify_entry(store, name, info.manifest.file(name.rpartition("/")[2]), pool)
         info.problems = problems
         info.status = "corrupt" if problems else "verified"
         return info
@@ -481,6 +620,7 @@ class Checkpointer:
         """
         store = self._targets.dir_store(root)
         self.wait_quietly()
+        restore_aside(store, "")
         for info in scan(store, warn=True):
             if not info.valid:
                 continue

@@ -1,0 +1,150 @@
+"""Committing a directory of files as one checkpoint (Accelerate's layout, sharded saves).
+
+On a POSIX store the files are written into a hidden temporary directory beside the target, the
+directory manifest goes in last, and the whole directory is renamed into place: a reader (or
+Accelerate's own ``load_state``) never sees a half-written checkpoint folder. Replacing an
+existing folder moves the old one aside first (``.<name>.<token>.stagesave-aside``) and deletes it
+after the new one is in place; if a crash strikes between the two renames, discovery moves the
+aside folder back. On object stores there is no directory rename: the old directory manifest is
+deleted first (so nothing half-overwritten is ever valid), the files are written, and the
+manifest is written last, which is the commit.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import secrets
+from collections.abc import Callable, Sequence
+
+from ._commit import FileToWrite, WriteStats, write_file
+from ._crash import crash_point
+from ._local import _fsync_dir
+from ._manifest import FileEntry, Manifest
+from ._names import DIR_MANIFEST, TMP_MARKER, aside_name
+from ._store import Store
+
+__all__ = ["commit_directory", "restore_aside"]
+
+
+def _split(name: str) -> tuple[str, str]:
+    parent, _, leaf = name.rpartition("/")
+    return parent, leaf
+
+
+def _join(parent: str, leaf: str) -> str:
+    return f"{parent}/{leaf}" if parent else leaf
+
+
+def commit_directory(
+    store: Store,
+    directory: str,
+    files: Sequence[FileToWrite],
+    make_manifest: Callable[[list[FileEntry]], Manifest],
+    *,
+    algorithm: str,
+    chunk_bytes: int,
+    pool: cf.Executor,
+    stats: WriteStats,
+) -> None:
+    """Write ``files`` (names relative to ``directory``) and commit them together."""
+    parent, leaf = _split(directory)
+    local_parent = store.local_path(parent)
+    staging = _join(parent, f".{leaf}.{os.getpid()}-{secrets.token_hex(4)}{TMP_MARKER}") if local_parent else directory
+    if not local_parent:
+        store.delete(f"{directory}/{DIR_MANIFEST}")  # an overwritten folder is never valid
+    publishers: list[Callable[[], None]] = []
+    aborters: list[Callable[[], None]] = []
+    try:
+        entries = []
+        for f in files:
+            target = FileToWrite(
+                f"{staging}/{f.name}", f.image, f.size, f.kind, f.serialization_id, f.id_offset,
+                f.storages, entry_name=f.name,
+            )
+            entry, publish, abort = write_file(
+                store, target, algorithm=algorithm, chunk_bytes=chunk_bytes, pool=pool, stats=stats
+            )
+            entries.append(entry)
+            publishers.append(publish)
+            aborters.append(abort)
+        for publish in publishers:
+            publish()
+        crash_point("before_manifest")
+        store.put_atomic(f"{staging}/{DIR_MANIFEST}", make_manifest(entries).to_json())
+        crash_point("after_manifest")
+    except BaseException:
+        for abort in aborters:
+            abort()
+        if local_parent:
+            _remove_tree(store, staging)
+        raise
+    if local_parent:
+        _move_into_place(store, staging, directory)
+
+
+def _remove_tree(store: Store, name: str) -> None:
+    path = store.local_path(name)
+    if path and os.path.isdir(path) and not os.path.islink(path):
+        import shutil
+
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _move_into_place(store: Store, staging: str, directory: str) -> None:
+    src = store.local_path(staging)
+    dst = store.local_path(directory)
+    assert src is not None and dst is not None
+    parent, leaf = _split(directory)
+    aside = None
+    if os.path.lexists(dst):
+        aside = store.local_path(_join(parent, aside_name(leaf, f"{os.getpid()}-{secrets.token_hex(4)}")))
+        assert aside is not None
+        os.rename(dst, aside)
+        crash_point("after_aside")
+    try:
+        os.rename(src, dst)
+    except BaseException:
+        if aside is not None:
+            os.rename(aside, dst)
+        raise
+    crash_point("after_rename")
+    _fsync_dir(os.path.dirname(dst))
+    crash_point("after_commit")
+    if aside is not None:
+        _remove_tree(store, _join(parent, os.path.basename(aside)))
+
+
+def restore_aside(store: Store, parent: str) -> None:
+    """Move back folders left aside by a crash between the two renames of a replacement."""
+    base = store.local_path(parent)
+    if not base:
+        return
+    for leaf in store.list_dirs(parent):
+        if not leaf.endswith(".stagesave-aside") or not leaf.startswith("."):
+            continue
+        original, _, token = leaf[1 : -len(".stagesave-aside")].rpartition(".")
+        if _pid_alive(token.split("-", 1)[0]):
+            continue  # a live process is in the middle of its two renames
+        src = os.path.join(base, leaf)
+        dst = os.path.join(base, original)
+        if original and not os.path.lexists(dst):
+            os.rename(src, dst)
+            _fsync_dir(base)
+        else:
+            _remove_tree(store, _join(parent, leaf))
+
+
+def _pid_alive(text: str) -> bool:
+    if not text.isdigit():
+        return False
+    pid = int(text)
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

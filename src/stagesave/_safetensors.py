@@ -1,0 +1,101 @@
+"""Safetensors files as images: a JSON header, then every tensor's bytes back to back.
+
+Accelerate writes ``model.safetensors``; we lay the same file out in the staging buffer so it is
+written without a serialization pass, exactly as torch files are. Reading stays with the
+``safetensors`` library (its header parser is the one users already trust).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Mapping
+
+import torch
+
+from ._image import FileImage, StorageSlot
+from .errors import UnsupportedObjectError
+
+__all__ = ["plan_safetensors_file"]
+
+_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+for _name, _code in (
+    ("float8_e4m3fn", "F8_E4M3"),
+    ("float8_e5m2", "F8_E5M2"),
+    ("uint16", "U16"),
+    ("uint32", "U32"),
+    ("uint64", "U64"),
+    ("complex64", "C64"),
+):
+    if hasattr(torch, _name):
+        _DTYPES[getattr(torch, _name)] = _code
+
+#: Safetensors pads its header so that the data starts 8-byte aligned.
+_HEADER_ALIGN = 8
+
+
+def plan_safetensors_file(
+    tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+) -> FileImage:
+    """Lay out ``tensors`` as a safetensors file.
+
+    Raises:
+        UnsupportedObjectError: a value is not a dense tensor, its dtype has no safetensors
+            code, two entries share memory, or metadata is not ``str -> str``.
+    """
+    header: dict[str, object] = {}
+    if metadata:
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+            raise UnsupportedObjectError("safetensors metadata must map str to str")
+        header["__metadata__"] = dict(metadata)
+    sources: list[tuple[str, torch.Tensor]] = []
+    seen: dict[tuple[int, int], str] = {}
+    offset = 0
+    for name in sorted(tensors):
+        t = tensors[name]
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+            raise UnsupportedObjectError(
+                f"safetensors entry {name!r} is a {type(t).__name__}, not a dense tensor"
+            )
+        code = _DTYPES.get(t.dtype)
+        if code is None:
+            raise UnsupportedObjectError(
+                f"safetensors cannot store {name!r} of dtype {t.dtype}; save it as a torch file"
+            )
+        if t.numel():
+            key = (t.untyped_storage().data_ptr(), t.storage_offset())
+            if key in seen:
+                raise UnsupportedObjectError(
+                    f"safetensors entries {seen[key]!r} and {name!r} share memory (tied weights); "
+                    "keep one of them, as safetensors requires"
+                )
+            seen[key] = name
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": code, "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        flat = t.reshape(-1)
+        if not flat.is_contiguous():
+            flat = flat.contiguous()
+        sources.append((name, flat.view(torch.uint8) if nbytes else flat.new_empty(0, dtype=torch.uint8)))
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(8 + len(raw)) % _HEADER_ALIGN)
+    head = struct.pack("<Q", len(raw)) + raw
+    base = len(head)
+    slots = []
+    pos = base
+    for name, src in sources:
+        n = src.numel()
+        slots.append(StorageSlot(name, pos, n, src))
+        pos += n
+    return FileImage(size=pos, pieces=[(0, head)], slots=slots, serialization_id="", id_offset=0)

@@ -1,0 +1,29 @@
+"""What a file of a directory checkpoint holds: a torch state (default) or safetensors."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ._image import FileImage, plan_torch_file
+from ._safetensors import plan_safetensors_file
+
+__all__ = ["Safetensors", "plan_file"]
+
+
+@dataclass(frozen=True)
+class Safetensors:
+    """Save these tensors as a safetensors file (``safetensors.torch.load_file`` reads it)."""
+
+    tensors: Mapping[str, torch.Tensor]
+    metadata: Mapping[str, str] | None = None
+
+
+def plan_file(obj: Any) -> tuple[str, FileImage]:
+    """``(kind, image)`` for one file's content."""
+    if isinstance(obj, Safetensors):
+        return "safetensors", plan_safetensors_file(obj.tensors, obj.metadata)
+    return "torch", plan_torch_file(obj)
