@@ -215,7 +215,7 @@ class LocalStore(Store):
         out: list[ObjectInfo] = []
         try:
             entries = list(os.scandir(directory))
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return out
         for entry in entries:
             # Never follow symlinks: a link could point outside the checkpoint root.
@@ -229,7 +229,7 @@ class LocalStore(Store):
         directory = self._path(prefix) if prefix else self.root
         try:
             return [e.name for e in os.scandir(directory) if e.is_dir(follow_symlinks=False)]
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return []
 
     def delete(self, name: str) -> None:

@@ -51,7 +51,14 @@ def _close_all_at_exit() -> None:
             print(f"stagesave: a checkpoint save failed before exit: {exc}", file=sys.stderr)
 
 
-atexit.register(_close_all_at_exit)
+# Flush before concurrent.futures refuses new work at interpreter shutdown: threading's exit
+# hooks run in reverse order of registration, before atexit handlers and before
+# concurrent.futures (imported above, so registered earlier) shuts its pools.
+_register = getattr(threading, "_register_atexit", None)
+if _register is not None:
+    _register(_close_all_at_exit)
+else:  # pragma: no cover - other Python implementations
+    atexit.register(_close_all_at_exit)
 
 
 def _as_checkpoint_error(exc: BaseException, what: str) -> BaseException:
@@ -71,7 +78,7 @@ def _has(store: Store, name: str) -> bool:
     try:
         store.info(name)
         return True
-    except (FileNotFoundError, IsADirectoryError):
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
         return False
 
 

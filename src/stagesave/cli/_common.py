@@ -1,0 +1,174 @@
+"""What every command shares: where output goes, progress bars, storage options, targets."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from rich.console import Console
+
+from .._store import Store
+from .._targets import StoreResolver, is_url
+from ..errors import CheckpointNotFoundError
+
+__all__ = ["CliError", "Env", "Target", "parse_storage_options"]
+
+
+class CliError(Exception):
+    """A failure to report as one line (``stagesave: error: ...``) with exit status ``code``."""
+
+    def __init__(self, message: str, code: int = 1) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def parse_storage_options(pairs: list[str], endpoint_url: str | None) -> dict[str, Any]:
+    """``KEY=VALUE`` pairs (VALUE parsed as JSON when it is JSON) plus ``--endpoint-url``.
+
+    Raises:
+        CliError: a pair has no ``=``.
+    """
+    opts: dict[str, Any] = {}
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        if not eq or not key:
+            raise CliError(f"--storage-option {pair!r}: expected KEY=VALUE, e.g. anon=true", 2)
+        try:
+            opts[key] = json.loads(value)
+        except ValueError:
+            opts[key] = value
+    if endpoint_url:
+        opts["endpoint_url"] = endpoint_url
+    return opts
+
+
+@dataclass
+class Target:
+    """A path the user named: a file or a folder, in a store."""
+
+    store: Store
+    name: str
+    is_dir: bool
+
+    @property
+    def where(self) -> str:
+        return self.store.describe(self.name) if self.name else self.store.url
+
+
+@dataclass
+class Env:
+    """Consoles, interactivity and storage options for one invocation."""
+
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    debug: bool = False
+    quiet: bool = False
+    out: Console = field(default_factory=lambda: _console(sys.stdout))
+    err: Console = field(default_factory=lambda: _console(sys.stderr))
+
+    def __post_init__(self) -> None:
+        self._resolver: StoreResolver | None = None
+
+    @property
+    def interactive(self) -> bool:
+        """Progress bars only on a terminal, and never with ``--quiet``."""
+        return not self.quiet and self.err.is_terminal
+
+    @property
+    def resolver(self) -> StoreResolver:
+        if self._resolver is None:
+            self._resolver = StoreResolver(None, storage_options=self.storage_options)
+        return self._resolver
+
+    def close(self) -> None:
+        if self._resolver is not None:
+            self._resolver.close()
+
+    def root(self, path: str) -> Store:
+        """The store whose root is folder ``path``.
+
+        Raises:
+            CliError: a local path that does not exist or is not a folder.
+        """
+        if not is_url(path):
+            local = os.path.abspath(os.path.expanduser(path.removeprefix("file://")))
+            if not os.path.exists(local):
+                raise CliError(f"{local} does not exist")
+            if not os.path.isdir(local):
+                raise CliError(f"{local} is a file, not a checkpoint folder (use inspect/verify on files)")
+        return self.resolver.dir_store(path)
+
+    def target(self, path: str) -> Target:
+        """A file or folder the user named.
+
+        Raises:
+            CheckpointNotFoundError: nothing exists at ``path``.
+        """
+        if not is_url(path):
+            local = os.path.abspath(os.path.expanduser(path.removeprefix("file://")))
+            if os.path.isdir(local):
+                parent, leaf = os.path.split(local.rstrip("/"))
+                if not leaf:  # "/" itself
+                    return Target(self.resolver.store_for(local), "", True)
+                return Target(self.resolver.store_for(parent), leaf, True)
+            if not os.path.exists(local):
+                raise CheckpointNotFoundError(f"no such file or folder: {local}")
+        store, name = self.resolver.split(path)
+        try:
+            store.info(name)
+            return Target(store, name, False)
+        except IsADirectoryError:
+            return Target(store, name, True)
+        except FileNotFoundError:
+            if name in store.list_dirs(""):
+                return Target(store, name, True)
+            raise CheckpointNotFoundError(f"no such file or folder: {store.describe(name)}") from None
+
+    @contextlib.contextmanager
+    def progress(self, description: str, total: float | None) -> Iterator[Callable[[float], None]]:
+        """A progress bar (bytes) on a terminal; a no-op elsewhere. Yields ``advance(n)``."""
+        if not self.interactive:
+            yield lambda n: None
+            return
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
+
+        lock = threading.Lock()
+        with Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            TimeRemainingColumn(),
+            console=self.err,
+            transient=True,
+        ) as bar:
+            task = bar.add_task(description, total=total)
+
+            def advance(n: float) -> None:
+                with lock:
+                    bar.advance(task, n)
+
+            yield advance
+
+    def print_json(self, doc: Any) -> None:
+        """Machine-readable output: plain JSON on stdout, no styling."""
+        sys.stdout.write(json.dumps(doc, indent=2, default=str, allow_nan=False) + "\n")
+        sys.stdout.flush()
+
+
+def _console(stream: Any) -> Console:
+    # Off a terminal, rich would wrap at 80 columns; keep table rows whole for pipes and logs.
+    width = None if stream.isatty() or os.environ.get("COLUMNS") else 120
+    return Console(file=stream, width=width, soft_wrap=False, highlight=False)

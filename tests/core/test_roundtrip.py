@@ -1,0 +1,165 @@
+"""Round trips: every dtype, shape, stride and aliasing pattern comes back bitwise equal."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import io
+import os
+from typing import NamedTuple
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import stagesave
+from helpers import assert_same
+
+SERIALIZABLE_DTYPES = [
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
+] + [getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64") if hasattr(torch, n)]
+
+
+class Point(NamedTuple):
+    x: torch.Tensor
+    label: str
+
+
+@dataclasses.dataclass
+class Config:
+    lr: float
+    layers: list[int]
+    weight: torch.Tensor
+
+
+def _tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size(),),
+                        dtype=torch.uint8, generator=g)
+    t = raw.view(dtype).reshape(shape) if raw.numel() else torch.empty(shape, dtype=dtype)
+    if dtype == torch.bool:
+        t = raw.reshape(shape) % 2 == 1 if raw.numel() else torch.empty(shape, dtype=torch.bool)
+    return t
+
+
+@pytest.mark.parametrize("dtype", SERIALIZABLE_DTYPES, ids=str)
+def test_every_dtype_round_trips_bitwise(ckpt_dir, dtype):
+    t = _tensor(dtype, (3, 5), seed=1)
+    state = {"t": t, "scalar": _tensor(dtype, (), seed=2), "empty": torch.empty(0, dtype=dtype)}
+    stagesave.save(state, ckpt_dir / "d.ckpt")
+    assert_same(stagesave.load(ckpt_dir / "d.ckpt"), state)
+    assert_same(torch.load(ckpt_dir / "d.ckpt", weights_only=True), state)
+
+
+def test_structures_and_python_values_round_trip(ckpt_dir):
+    w = torch.randn(4, 4)
+    state = {
+        "od": collections.OrderedDict(a=w, b=[1, 2.5, "x", None, True]),
+        "tuple": (w[0], {"nested": {"deep": [w.t()]}}),
+        "numpy": np.arange(12, dtype=np.float32).reshape(3, 4),
+        "np_scalar": np.float64(1.5),
+        "rng": np.random.default_rng(3).bit_generator.state,
+        "legacy_rng": np.random.RandomState(4).get_state(),
+        "torch_rng": torch.get_rng_state(),
+        "ints": {1: "one", 2: "two"},
+        "big_int": 2**70,
+        "bytes": b"\x00\x01",
+        "param": torch.nn.Parameter(torch.ones(2)),
+        "set": {1, 2, 3},
+    }
+    stagesave.save(state, ckpt_dir / "s.ckpt")
+    assert_same(stagesave.load(ckpt_dir / "s.ckpt"), state)
+
+
+def test_namedtuple_and_dataclass_load_once_allow_listed(ckpt_dir):
+    state = {"p": Point(torch.ones(2), "a"), "cfg": Config(0.1, [1, 2], torch.zeros(3))}
+    stagesave.save(state, ckpt_dir / "nt.ckpt")
+    with pytest.raises(stagesave.UnsafeCheckpointError, match="Point|Config"):
+        stagesave.load(ckpt_dir / "nt.ckpt")
+    loaded = stagesave.load(ckpt_dir / "nt.ckpt", safe_globals=[Point, Config])
+    assert_same(loaded, state)
+
+
+def test_tied_weights_and_views_keep_sharing(ckpt_dir):
+    emb = torch.randn(10, 4)
+    state = {"embed": emb, "lm_head": emb, "row": emb[3], "t": emb.t(), "strided": emb[::2, 1:]}
+    stagesave.save(state, ckpt_dir / "tied.ckpt")
+    for loaded in (stagesave.load(ckpt_dir / "tied.ckpt"), stagesave.load(ckpt_dir / "tied.ckpt", mmap=False)):
+        assert_same(loaded, state)
+        ptr = loaded["embed"].untyped_storage().data_ptr()
+        for k in ("lm_head", "row", "t", "strided"):
+            assert loaded[k].untyped_storage().data_ptr() == ptr, k
+        loaded["embed"][3, 0] = 123.0
+        assert loaded["row"][0].item() == 123.0 and loaded["lm_head"][3, 0].item() == 123.0
+
+
+def test_bytes_equal_to_what_torch_save_loads(ckpt_dir):
+    state = {"a": torch.randn(100, 7), "b": torch.arange(5)}
+    stagesave.save(state, ckpt_dir / "x.ckpt")
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    assert_same(torch.load(ckpt_dir / "x.ckpt", weights_only=True), torch.load(buf, weights_only=True))
+
+
+def test_load_to_requested_device_and_meta(ckpt_dir):
+    state = {"a": torch.randn(3)}
+    stagesave.save(state, ckpt_dir / "x.ckpt")
+    out = stagesave.load(ckpt_dir / "x.ckpt", map_location="meta")
+    assert out["a"].device.type == "meta" and out["a"].shape == (3,)
+    out = stagesave.load(ckpt_dir / "x.ckpt", map_location=torch.device("cpu"))
+    assert torch.equal(out["a"], state["a"])
+
+
+# ----------------------------------------------------------------------------- property test
+dtypes = st.sampled_from([torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.uint8, torch.float16])
+shapes = st.lists(st.integers(0, 5), min_size=0, max_size=3).map(tuple)
+
+
+@st.composite
+def tensors(draw):
+    base = _tensor(draw(dtypes), draw(shapes), draw(st.integers(0, 10_000)))
+    kind = draw(st.sampled_from(["plain", "t", "slice", "view"]))
+    if kind == "t" and base.dim() >= 2:
+        return base.t()
+    if kind == "slice" and base.dim() >= 1 and base.shape[0] > 1:
+        return base[1:]
+    if kind == "view" and base.dim() >= 1 and base.shape[-1] > 1:
+        return base[..., ::2]
+    return base
+
+
+leaves = st.one_of(
+    tensors(),
+    st.integers(-(2**40), 2**40),
+    st.floats(allow_nan=False),
+    st.text(max_size=8),
+    st.none(),
+    st.booleans(),
+    st.builds(lambda n: np.arange(n, dtype=np.int32), st.integers(0, 6)),
+)
+states = st.recursive(
+    leaves,
+    lambda children: st.one_of(
+        st.lists(children, max_size=4),
+        st.dictionaries(st.text(min_size=1, max_size=5), children, max_size=4),
+        st.lists(children, max_size=3).map(tuple),
+    ),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(state=states, alias=st.booleans())
+def test_property_random_states_round_trip(tmp_path, state, alias):
+    if alias:  # add aliases of the first tensor found
+        found = [v for v in (state.values() if isinstance(state, dict) else [state]) if isinstance(v, torch.Tensor)]
+        state = {"s": state, "alias": found[0] if found else torch.ones(1), "again": found[0] if found else None}
+    path = tmp_path / f"p{os.getpid()}.ckpt"
+    with stagesave.Checkpointer() as ck:
+        ck.save(state, path).result()
+        assert_same(ck.load(path), state)
+        assert_same(ck.load(path, mmap=False), state)

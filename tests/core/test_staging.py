@@ -1,0 +1,155 @@
+"""Staging semantics: what save() captured is what gets written, whatever happens after."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import stagesave
+from helpers import assert_same
+
+
+def test_mutating_tensors_arrays_and_containers_after_save_changes_nothing(ckpt_dir):
+    w = torch.randn(256, 256)
+    arr = np.arange(10, dtype=np.float64)
+    lst = [1, 2, 3]
+    inner = {"k": "v"}
+    state = {"w": w, "view": w[:2], "arr": arr, "lst": lst, "inner": inner, "step": 7}
+    expected = {"w": w.clone(), "view": w[:2].clone(), "arr": arr.copy(), "lst": [1, 2, 3],
+                "inner": {"k": "v"}, "step": 7}
+    with stagesave.Checkpointer(ckpt_dir) as ck:
+        h = ck.save(state, "m.ckpt")
+        # Mutate everything immediately, before the background write can have finished.
+        w.mul_(0).add_(5)
+        arr[:] = -1
+        lst.append(4)
+        inner["k"] = "changed"
+        state["step"] = 8
+        state["new"] = torch.ones(1)
+        h.result()
+        loaded = ck.load("m.ckpt")
+    assert torch.equal(loaded["w"], expected["w"])
+    assert torch.equal(loaded["view"], expected["view"])
+    assert loaded["arr"].tobytes() == expected["arr"].tobytes()
+    assert loaded["lst"] == [1, 2, 3] and loaded["inner"] == {"k": "v"} and loaded["step"] == 7
+    assert "new" not in loaded
+
+
+def test_many_saves_in_flight_each_keeps_its_own_values(ckpt_dir):
+    w = torch.zeros(64, 64)
+    with stagesave.Checkpointer(ckpt_dir, max_pending=3) as ck:
+        handles = []
+        for i in range(12):
+            w.fill_(i)
+            handles.append(ck.save({"w": w, "i": i}, f"s{i}.ckpt"))
+        for h in handles:
+            h.result(timeout=60)
+        for i in range(12):
+            out = ck.load(f"s{i}.ckpt")
+            assert out["i"] == i and bool((out["w"] == i).all())
+
+
+def test_same_path_saved_repeatedly_keeps_last_and_one_manifest(ckpt_dir):
+    with stagesave.Checkpointer(ckpt_dir) as ck:
+        for i in range(6):
+            ck.save({"i": i, "t": torch.full((10,), i)}, "last.ckpt")
+        ck.wait()
+        assert ck.load("last.ckpt")["i"] == 5
+    manifests = [p.name for p in ckpt_dir.iterdir() if p.name.endswith(".stagesave.json")]
+    assert len(manifests) == 1 and manifests[0].startswith("last.ckpt.")
+    assert sorted(p.name for p in ckpt_dir.iterdir() if not p.name.endswith(".json")) == ["last.ckpt"]
+
+
+def test_load_while_saving_waits_for_the_pending_save(ckpt_dir):
+    big = torch.randn(4 * 1024 * 1024)  # 16 MiB: the write takes a moment
+    with stagesave.Checkpointer(ckpt_dir) as ck:
+        ck.save({"v": 1, "big": big}, "x.ckpt").result()
+        ck.save({"v": 2, "big": big}, "x.ckpt")
+        assert ck.load("x.ckpt")["v"] == 2  # never the old file, never a half-written one
+
+
+def test_remove_is_ordered_after_pending_saves(ckpt_dir):
+    with stagesave.Checkpointer(ckpt_dir) as ck:
+        ck.save({"a": torch.randn(1 << 20)}, "gone.ckpt")
+        ck.remove("gone.ckpt").result(timeout=60)
+        ck.save({"a": torch.ones(1)}, "kept.ckpt")
+        ck.wait()
+    names = sorted(p.name for p in ckpt_dir.iterdir())
+    assert not any(n.startswith("gone.ckpt") for n in names), names
+    assert "kept.ckpt" in names
+
+
+def test_max_pending_back_pressure_bounds_buffers(ckpt_dir):
+    with stagesave.Checkpointer(ckpt_dir, max_pending=1) as ck:
+        waits = []
+        for i in range(4):
+            h = ck.save({"t": torch.randn(1 << 20)}, f"b{i}.ckpt")
+            waits.append(h.telemetry.buffer_wait_s)
+            assert ck._pool.in_use() <= 1
+        ck.wait()
+        assert ck._pool._count == 1  # one buffer, reused by all four saves
+
+
+def test_keep_last_keeps_newest_and_deletes_manifest_with_data(ckpt_dir):
+    with stagesave.Checkpointer(ckpt_dir, keep_last=2) as ck:
+        for i in range(5):
+            ck.save({"i": i}, f"step{i}.ckpt").result()
+        assert [c.name for c in ck.list()] == ["step4.ckpt", "step3.ckpt"]
+    assert len([p for p in ckpt_dir.iterdir() if p.name.endswith(".stagesave.json")]) == 2
+
+
+def test_handle_and_telemetry(ckpt_dir):
+    seen = []
+    with stagesave.Checkpointer(ckpt_dir, telemetry_callback=seen.append, telemetry_jsonl=True) as ck:
+        h = ck.save({"t": torch.randn(1000)}, "t.ckpt")
+        tel = h.result(timeout=30)
+        assert h.done()
+    assert seen == [tel]
+    assert tel.bytes > 4000 and tel.tensor_bytes == 4000 and tel.blocking_s > 0 and tel.write_s > 0
+    assert tel.time_to_commit_s >= tel.blocking_s and tel.committed_at is not None and tel.error is None
+    lines = (ckpt_dir / "stagesave-telemetry.jsonl").read_text().splitlines()
+    assert len(lines) == 1 and '"bytes": ' in lines[0]
+
+
+def test_save_returns_before_the_write_finishes(tmp_path):
+    """The write really is in the background: a save whose commit we hold back returns at once."""
+    gate = threading.Event()
+    with stagesave.Checkpointer(tmp_path) as ck:
+        q = ck._queue or None
+        ck.save({"a": torch.ones(1)}, "warm.ckpt").result()
+        ck._queue.submit(gate.wait)  # occupy the writer
+        h = ck.save({"a": torch.ones(1)}, "x.ckpt")
+        time.sleep(0.2)
+        assert not h.done()
+        gate.set()
+        h.result(timeout=30)
+        del q
+
+
+def test_interpreter_exit_flushes_pending_saves(tmp_path):
+    import subprocess
+    import sys
+
+    code = (
+        "import stagesave, torch\n"
+        f"ck = stagesave.Checkpointer({str(tmp_path)!r})\n"
+        "ck.save({'a': torch.arange(1 << 20)}, 'exit.ckpt')\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    out = stagesave.load(tmp_path / "exit.ckpt")
+    assert torch.equal(out["a"], torch.arange(1 << 20))
+    assert stagesave.verify(tmp_path / "exit.ckpt").status == "verified"
+
+
+@pytest.mark.parametrize("algorithm", ["xxh3_128", "xxh3_64", "blake3", "sha256"])
+def test_checksum_algorithms(ckpt_dir, algorithm):
+    with stagesave.Checkpointer(ckpt_dir, checksum=algorithm, chunk_bytes=4096) as ck:
+        ck.save({"t": torch.randn(5000)}, "c.ckpt").result()
+        info = ck.verify("c.ckpt")
+    assert info.status == "verified"
+    assert info.manifest.files[0].algorithm == algorithm and len(info.manifest.files[0].chunks) > 1
+    assert_same(stagesave.load(ckpt_dir / "c.ckpt")["t"].shape, torch.Size([5000]))
