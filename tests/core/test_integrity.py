@@ -1,0 +1,212 @@
+"""Corrupted, truncated and malicious checkpoints are refused, and latest() falls back."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import pickle
+import zipfile
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import stagesave
+from stagesave.errors import IntegrityError, ManifestError, UnsafeCheckpointError
+
+
+def _two_checkpoints(root):
+    with stagesave.Checkpointer(root, chunk_bytes=4096) as ck:
+        ck.save({"step": 1, "w": torch.arange(5000.0)}, "step1.ckpt").result()
+        ck.save({"step": 2, "w": torch.arange(5000.0) * 2}, "step2.ckpt").result()
+    return root / "step2.ckpt"
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_any_flipped_byte_is_detected_and_latest_falls_back(tmp_path_factory, data):
+    root = tmp_path_factory.mktemp("flip")
+    newest = _two_checkpoints(root)
+    raw = bytearray(newest.read_bytes())
+    pos = data.draw(st.integers(0, len(raw) - 1), label="position")
+    bit = data.draw(st.integers(0, 7), label="bit")
+    raw[pos] ^= 1 << bit
+    newest.write_bytes(bytes(raw))
+    with stagesave.Checkpointer(root) as ck:
+        info = ck.verify("step2.ckpt")
+        assert info.status == "corrupt", (pos, bit)
+        with pytest.raises(IntegrityError, match=r"step2\.ckpt"):
+            ck.load("step2.ckpt")
+        with pytest.warns(UserWarning, match="skipping checkpoint"):
+            best = ck.latest(verify=True)
+        assert best is not None and best.name == "step1.ckpt"
+        assert ck.load(best.path)["step"] == 1
+
+
+@pytest.mark.parametrize("cut", ["truncated", "empty"])
+def test_truncated_and_zero_length_files(tmp_path, cut):
+    newest = _two_checkpoints(tmp_path)
+    size = newest.stat().st_size
+    with open(newest, "r+b") as f:
+        f.truncate(size // 2 if cut == "truncated" else 0)
+    with stagesave.Checkpointer(tmp_path) as ck:
+        with pytest.raises(IntegrityError, match="manifest says|truncated"):
+            ck.load("step2.ckpt")
+        with pytest.warns(UserWarning, match="skipping checkpoint .*step2"):
+            assert ck.latest().name == "step1.ckpt"
+
+
+def test_missing_file_leaves_debris_manifest_ignored(tmp_path):
+    newest = _two_checkpoints(tmp_path)
+    newest.unlink()
+    assert stagesave.latest(tmp_path).name == "step1.ckpt"
+    with pytest.raises(FileNotFoundError):
+        stagesave.load(newest)
+
+
+def _manifest_of(path):
+    [m] = [p for p in path.parent.iterdir() if p.name.startswith(path.name + ".") and p.name.endswith(".stagesave.json")]
+    return m
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b"", "empty"),
+        (b"{not json", "not valid JSON"),
+        (b"[]", "not a stagesave manifest"),
+        (None, "schema 99 is not supported"),
+        (b"{" + b" " * (65 * 1024 * 1024) + b"}", "exceeds"),
+    ],
+    ids=["empty", "invalid-json", "not-manifest", "future-schema", "enormous"],
+)
+def test_bad_manifests_are_refused_with_a_reason(tmp_path, content, message):
+    newest = _two_checkpoints(tmp_path)
+    m = _manifest_of(newest)
+    if content is None:
+        doc = json.loads(m.read_bytes())
+        doc["schema"] = 99
+        content = json.dumps(doc).encode()
+    m.write_bytes(content)
+    with stagesave.Checkpointer(tmp_path) as ck:
+        info = ck.verify("step2.ckpt")
+        assert info.status == "corrupt" and any(message in p for p in info.problems), info.problems
+        with pytest.raises(IntegrityError, match=message):
+            ck.load("step2.ckpt")
+        with pytest.warns(UserWarning):
+            assert ck.latest().name == "step1.ckpt"
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("name", "../../etc/passwd", "escapes the checkpoint"),
+        ("name", "/abs/path", "escapes the checkpoint"),
+        ("name", "s3://bucket/x", "escapes the checkpoint"),
+        ("size", -1, "size must be an integer"),
+        ("size", 1 << 60, "size must be an integer"),
+        ("chunk_bytes", 0, "chunk_bytes"),
+        ("algorithm", "md5", "unknown checksum algorithm"),
+        ("storages", [{"key": "0", "offset": 10, "nbytes": 1 << 40}], "outside the file"),
+        ("storages", [{"key": "0", "offset": 0, "nbytes": 100}, {"key": "1", "offset": 50, "nbytes": 10}], "overlap"),
+    ],
+)
+def test_manifest_validation_rejects_hostile_fields(tmp_path, field, value, message):
+    newest = _two_checkpoints(tmp_path)
+    m = _manifest_of(newest)
+    doc = json.loads(m.read_bytes())
+    doc["files"][0][field] = value
+    from stagesave._manifest import parse_manifest
+
+    with pytest.raises(ManifestError, match=message):
+        parse_manifest(json.dumps(doc).encode(), str(m))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=2048) | st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=10),
+    lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
+    max_leaves=20,
+).map(lambda d: json.dumps(d).encode()))
+def test_fuzzed_manifests_never_crash_the_parser(blob):
+    from stagesave._manifest import parse_manifest
+
+    try:
+        parse_manifest(blob, "fuzz")
+    except ManifestError:
+        pass
+
+
+class _Payload:
+    def __init__(self, target):
+        self.target = target
+
+    def __reduce__(self):
+        return (open, (self.target, "w"))
+
+
+def test_malicious_pickle_is_refused_and_creates_nothing(tmp_path):
+    target = tmp_path / "pwned"
+    path = tmp_path / "evil.ckpt"
+    torch.save({"w": torch.ones(1), "x": _Payload(str(target))}, path)  # a plain file, no manifest
+    assert not target.exists()
+    with pytest.raises(UnsafeCheckpointError, match=r"builtins\.open|io\.open|open.*trusted=True") as ei:
+        stagesave.load(path)
+    assert isinstance(ei.value, pickle.UnpicklingError)
+    assert "stagesave.allow_globals" in str(ei.value) and "trusted=True" in str(ei.value)
+    assert not target.exists()
+
+
+def test_malicious_pickle_inside_a_stagesave_checkpoint(tmp_path):
+    target = tmp_path / "pwned2"
+    stagesave.save({"x": _Payload(str(target))}, tmp_path / "evil2.ckpt")
+    assert not target.exists()
+    with pytest.raises(UnsafeCheckpointError):
+        stagesave.load(tmp_path / "evil2.ckpt")
+    assert not target.exists()
+    # The explicit opt-out runs it (and that is the documented risk).
+    stagesave.load(tmp_path / "evil2.ckpt", trusted=True)
+    assert target.exists()
+
+
+@dataclasses.dataclass
+class Hyper:
+    lr: float
+    name: str
+
+
+def test_allow_globals_extends_the_allow_list(tmp_path):
+    stagesave.save({"h": Hyper(0.1, "x")}, tmp_path / "c.ckpt")
+    with pytest.raises(UnsafeCheckpointError, match=r"test_integrity\.Hyper.*allow_globals\(Hyper\)"):
+        stagesave.load(tmp_path / "c.ckpt")
+    assert stagesave.load(tmp_path / "c.ckpt", safe_globals=[Hyper])["h"] == Hyper(0.1, "x")
+    stagesave.allow_globals(Hyper)
+    assert stagesave.load(tmp_path / "c.ckpt")["h"] == Hyper(0.1, "x")
+
+
+def test_plain_file_without_manifest_is_unverified_not_corrupt(tmp_path):
+    torch.save({"w": torch.ones(2)}, tmp_path / "plain.ckpt")
+    info = stagesave.verify(tmp_path / "plain.ckpt")
+    assert info.status == "unverified" and info.valid
+    assert torch.equal(stagesave.load(tmp_path / "plain.ckpt")["w"], torch.ones(2))
+    assert stagesave.latest(tmp_path).name == "plain.ckpt"
+
+
+def test_torn_plain_file_is_never_latest(tmp_path):
+    torch.save({"w": torch.ones(2)}, tmp_path / "a.ckpt")
+    raw = io.BytesIO()
+    torch.save({"w": torch.zeros(1000)}, raw)
+    (tmp_path / "b.ckpt").write_bytes(raw.getvalue()[: len(raw.getvalue()) // 2])
+    os.utime(tmp_path / "b.ckpt", (2e9, 2e9))
+    with pytest.warns(UserWarning, match="truncated zip"):
+        assert stagesave.latest(tmp_path).name == "a.ckpt"
+
+
+def test_stagesave_files_are_valid_torch_zips(tmp_path):
+    stagesave.save({"w": torch.randn(10)}, tmp_path / "z.ckpt")
+    with zipfile.ZipFile(tmp_path / "z.ckpt") as z:
+        names = z.namelist()
+    assert any(n.endswith("data.pkl") for n in names) and any("/data/0" in n for n in names)
