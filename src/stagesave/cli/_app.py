@@ -19,7 +19,7 @@ EXIT_USAGE = 2
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import _bench, _convert, _gc, _inventory, _plan, _report
+    from . import _bench, _clean, _convert, _inspect, _ls, _plan, _report, _verify
 
     parser = argparse.ArgumentParser(
         prog="stagesave",
@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="fsspec storage option for URLs (repeatable; VALUE may be JSON), e.g. -o anon=true",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for module in (_plan, _inventory, _convert, _gc, _bench, _report):
+    for module in (_plan, _ls, _inspect, _verify, _convert, _clean, _bench, _report):
         module.add_parser(sub)
     return parser
 

@@ -20,7 +20,7 @@ import torch
 from .._discovery import CHECKPOINT_SUFFIXES, CheckpointInfo, _read_manifest, resolve, resolve_dir, scan
 from .._gc import Debris, find_debris
 from .._manifest import Manifest
-from .._names import ASIDE_MARKER, DIR_MANIFEST, TMP_MARKER
+from .._names import ASIDE_MARKER, DIR_MANIFEST, TMP_MARKER, split_manifest_name
 from .._store import ObjectInfo, Store
 from ..errors import ManifestError
 from ..safety import safe_torch_load
@@ -125,22 +125,25 @@ def _row(store: Store, ci: CheckpointInfo, tier: str) -> Row:
 
 
 def _torn_row(store: Store, d: Debris, tier: str) -> Row | None:
-    if "/" in d.name or "does not exist" not in d.reason:
+    """A top-level manifest whose data file does not exist: a save that never published."""
+    parsed = split_manifest_name(d.name)
+    if "/" in d.name or parsed is None:
         return None
-    data = d.name.rpartition("/")[2]
+    data = parsed[0]
     try:
-        manifest = _read_manifest(store, d.name)
-        data = manifest.files[0].name if len(manifest.files) == 1 else data
+        store.info(data)
+        return None  # the file exists (committed under another manifest): only debris
+    except (FileNotFoundError, IsADirectoryError):
+        pass
+    try:
+        manifest: Manifest | None = _read_manifest(store, d.name)
+        assert manifest is not None
         size, created = sum(f.size for f in manifest.files), manifest.created_ns / 1e9
     except (ManifestError, OSError):
         manifest, size, created = None, 0, 0.0
-    from .._names import split_manifest_name
-
-    parsed = split_manifest_name(d.name)
-    data = parsed[0] if parsed else data
     return Row(
         data, store.describe(data), "torn", size, created, step_of(data, manifest), tier,
-        problems=[f"a save of {data} crashed before publishing (debris: {d.name}; stagesave gc removes it)"],
+        problems=[f"the save of {data} crashed before publishing it (leftover {d.name}; `stagesave gc` removes it)"],
     )
 
 

@@ -1,0 +1,170 @@
+"""``stagesave bench``: a quick side by side of stagesave and ``torch.save`` on one target.
+
+Both save the same synthetic transformer-like training state (weights plus two Adam moments per
+parameter, in layers of attention and MLP matrices) to the same place. For ``torch.save`` the
+training loop waits for the whole serialization and write (and the fsync that makes it durable);
+for stagesave it waits only for the staging copy, and the commit follows in the background. This
+is the quick version; the full harness (training-loop throughput while saving, other
+checkpointers) lives in ``benchmarks/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from rich.table import Table
+
+from .._targets import is_url
+from ..checkpointer import Checkpointer
+from ._common import CliError, Env
+from ._units import fmt_bytes, fmt_duration, fmt_rate, parse_size
+
+__all__ = ["Timing", "add_parser", "run", "synthetic_state"]
+
+
+def synthetic_state(size_bytes: float, *, seed: int = 0) -> dict[str, Any]:
+    """A training state of about ``size_bytes``: fp32 weights and Adam moments by layer."""
+    if size_bytes < 1e5:
+        raise ValueError(f"the benchmark state must be at least 100 kB, got {fmt_bytes(size_bytes)}")
+    hidden = 256 if size_bytes < 64e6 else (512 if size_bytes < 1e9 else 1024)
+    shapes = {
+        "attn.qkv.weight": (3 * hidden, hidden), "attn.out.weight": (hidden, hidden),
+        "mlp.up.weight": (4 * hidden, hidden), "mlp.down.weight": (hidden, 4 * hidden),
+        "norm1.weight": (hidden,), "norm2.weight": (hidden,),
+    }
+    per_layer = 3 * 4 * sum(torch.Size(s).numel() for s in shapes.values())  # weights + 2 moments, fp32
+    layers = max(1, round(size_bytes / per_layer))
+    g = torch.Generator().manual_seed(seed)
+    model: dict[str, torch.Tensor] = {}
+    opt_state: dict[int, dict[str, Any]] = {}
+    for layer in range(layers):
+        for name, shape in shapes.items():
+            i = len(model)
+            model[f"layers.{layer}.{name}"] = torch.randn(shape, generator=g)
+            opt_state[i] = {"step": torch.tensor(100.0), "exp_avg": torch.randn(shape, generator=g) * 1e-3,
+                            "exp_avg_sq": torch.rand(shape, generator=g) * 1e-6}
+    return {
+        "model": model,
+        "optimizer": {"state": opt_state, "param_groups": [{"lr": 1e-4, "params": list(opt_state)}]},
+        "step": 100,
+    }
+
+
+def state_bytes(state: dict[str, Any]) -> int:
+    total = sum(t.numel() * t.element_size() for t in state["model"].values())
+    for s in state["optimizer"]["state"].values():
+        total += sum(v.numel() * v.element_size() for v in s.values())
+    return total
+
+
+@dataclass
+class Timing:
+    """One method's runs: seconds training waited, and seconds until durable."""
+
+    method: str
+    blocking_s: list[float] = field(default_factory=list)
+    durable_s: list[float] = field(default_factory=list)
+
+    def to_dict(self, nbytes: int) -> dict[str, Any]:
+        b, d = statistics.median(self.blocking_s), statistics.median(self.durable_s)
+        return {"method": self.method, "blocking_s": b, "durable_s": d, "runs": len(self.blocking_s),
+                "throughput_bytes_per_s": nbytes / d if d > 0 else 0.0}
+
+
+def _torch_save(env: Env, state: Any, target: str) -> float:
+    t0 = time.perf_counter()
+    if is_url(target):
+        import fsspec
+
+        with fsspec.open(target, "wb", **env.storage_options) as f:
+            torch.save(state, f)
+    else:
+        with open(target, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+    return time.perf_counter() - t0
+
+
+def _remove(env: Env, target: str) -> None:
+    if is_url(target):
+        import fsspec
+
+        fs, path = fsspec.core.url_to_fs(target, **env.storage_options)
+        if fs.exists(path):
+            fs.rm_file(path)
+    elif os.path.exists(target):
+        os.remove(target)
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="quick side by side: stagesave vs torch.save(+fsync) on a target folder or URL",
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+    )
+    p.add_argument("target", metavar="DIR|URL", help="where to write (a folder, or e.g. s3://bucket/prefix)")
+    p.add_argument("--size", default="256MB", help="size of the synthetic training state (default 256MB)")
+    p.add_argument("--repeat", type=int, default=3, help="saves per method; the median is shown (default 3)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=run)
+
+
+def run(env: Env, args: argparse.Namespace) -> int:
+    if args.repeat < 1:
+        raise CliError("--repeat must be at least 1", 2)
+    try:
+        state = synthetic_state(parse_size(args.size))
+    except ValueError as exc:
+        raise CliError(str(exc), 2) from exc
+    root = args.target.rstrip("/")
+    if not is_url(root):
+        root = os.path.abspath(os.path.expanduser(root))
+        if not os.path.isdir(root):
+            raise CliError(f"{root} is not a folder; create it or pick another target")
+    nbytes = state_bytes(state)
+    torch_path = f"{root}/stagesave-bench-torch.pt"
+    ss_path = f"{root}/stagesave-bench.ckpt"
+    plain = Timing("torch.save" + ("" if is_url(root) else " + fsync"))
+    staged = Timing("stagesave")
+    with env.progress("benchmarking", 2 * args.repeat * nbytes) as advance, Checkpointer(
+        storage_options=env.storage_options
+    ) as ckpt:
+        try:
+            for _ in range(args.repeat):
+                dt = _torch_save(env, state, torch_path)
+                plain.blocking_s.append(dt)
+                plain.durable_s.append(dt)
+                advance(nbytes)
+                t0 = time.perf_counter()
+                handle = ckpt.save(state, ss_path)
+                staged.blocking_s.append(time.perf_counter() - t0)
+                handle.result()
+                staged.durable_s.append(time.perf_counter() - t0)
+                advance(nbytes)
+        finally:
+            _remove(env, torch_path)
+            try:
+                ckpt.remove(ss_path).result()
+            except Exception as exc:  # noqa: BLE001 - cleanup must not hide the benchmark's error
+                env.err.print(f"note: could not remove {ss_path}: {exc}", markup=False)
+    results = [plain.to_dict(nbytes), staged.to_dict(nbytes)]
+    if args.json:
+        env.print_json({"target": root, "state_bytes": nbytes, "results": results})
+        return 0
+    base = results[0]["blocking_s"]
+    t = Table(title=f"{fmt_bytes(nbytes)} training state -> {root} (median of {args.repeat})",
+              title_justify="left", header_style="bold")
+    for col in ("method", "training blocked", "durable after", "throughput", "stall vs torch.save"):
+        t.add_column(col, justify="left" if col == "method" else "right")
+    for r in results:
+        t.add_row(r["method"], fmt_duration(r["blocking_s"]), fmt_duration(r["durable_s"]),
+                  fmt_rate(r["throughput_bytes_per_s"]), f"{r['blocking_s'] / base:.2f}x" if base > 0 else "-")
+    env.out.print(t)
+    return 0

@@ -1,0 +1,78 @@
+"""``stagesave gc ROOT``: remove the debris of crashed saves (see ``stagesave._gc``)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from rich.table import Table
+
+from .._gc import collect_garbage
+from ._common import CliError, Env
+from ._units import fmt_bytes, fmt_duration, parse_duration
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "gc",
+        help="remove debris of crashed saves (temporaries, orphan manifests, stale multipart uploads)",
+        description="Find what crashed saves left under ROOT and its sub-folders: stagesave "
+        "temporaries whose writer is dead (or untouched for --older-than), manifests of saves that "
+        "never published, folders left aside by an interrupted replacement, and on s3:// stale "
+        "multipart uploads; then remove them. Nothing else is ever touched and symlinks are never "
+        "followed. --dry-run only lists.",
+    )
+    p.add_argument("root", metavar="ROOT")
+    p.add_argument("--dry-run", "-n", action="store_true", help="list what would be done, change nothing")
+    p.add_argument("--older-than", default="1h",
+                   help="age after which a temporary or upload counts as abandoned even without pid proof (default 1h)")
+    p.add_argument("--no-pid-check", action="store_true",
+                   help="do not trust pids (a filesystem shared by several hosts): rely on age only")
+    p.add_argument("--verbose", "-v", action="store_true", help="also list stagesave files kept, and why")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=run)
+
+
+def run(env: Env, args: argparse.Namespace) -> int:
+    try:
+        older_than = parse_duration(args.older_than)
+    except ValueError as exc:
+        raise CliError(str(exc), 2) from exc
+    store = env.root(args.root)
+    report = collect_garbage(
+        store, dry_run=args.dry_run, older_than_s=older_than, check_pids=not args.no_pid_check,
+        storage_options=env.storage_options,
+    )
+    if args.json:
+        env.print_json({
+            "root": report.root, "dry_run": report.dry_run,
+            "found": [vars(d) for d in report.found], "done": [vars(d) for d in report.done],
+            "kept": [{"name": n, "why": w} for n, w in report.kept], "errors": report.errors,
+        })
+    else:
+        if report.found:
+            t = Table(show_header=True, header_style="bold", box=None, pad_edge=False)
+            for col in ("action", "what", "size", "age", "why"):
+                t.add_column(col, justify="right" if col in ("size", "age") else "left")
+            done = {id(d) for d in report.done}
+            for d in report.found:
+                action = d.action if (args.dry_run or id(d) in done) else f"{d.action} FAILED"
+                t.add_row(
+                    ("would " if args.dry_run else "") + action + " " + d.kind, d.name,
+                    fmt_bytes(d.size) if d.size else "-", fmt_duration(d.age_s) if d.age_s else "-", d.reason,
+                )
+            env.out.print(t)
+        verb = "would reclaim" if args.dry_run else "reclaimed"
+        n = len(report.found) if args.dry_run else len(report.done)
+        size = sum(d.size for d in report.found) if args.dry_run else report.reclaimed_bytes
+        env.out.print(f"{n} leftovers of crashed saves under {report.root}; {verb} {fmt_bytes(size)}", markup=False)
+        if report.kept:
+            env.out.print(f"{len(report.kept)} stagesave files kept (saves in progress or too recent)", markup=False)
+            if args.verbose:
+                for name, why in report.kept:
+                    env.out.print(f"  kept {name}: {why}", markup=False)
+    if report.errors:
+        raise CliError(f"{len(report.errors)} items could not be cleaned: {report.errors[0]}")
+    return 0

@@ -1,0 +1,78 @@
+"""``stagesave ls ROOT...``: checkpoints under one or more roots (tiers), newest first."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+from rich.table import Table
+
+from ._common import Env
+from ._found import Row, find_rows
+from ._units import fmt_bytes
+
+__all__ = ["add_parser", "run"]
+
+_STYLE = {"committed": "green", "unverified": "yellow", "corrupt": "bold red", "torn": "red"}
+
+
+def fmt_time(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t > 0 else "-"
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "ls",
+        help="list checkpoints under roots (local folders or URLs), newest first",
+        description="List checkpoints (files and folders) directly under each ROOT, newest first: "
+        "step, size, creation time, status (committed, unverified = no manifest, corrupt, "
+        "torn = crashed before publishing) and tier. Give several roots to see every tier.",
+    )
+    p.add_argument("roots", nargs="+", metavar="ROOT")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=run)
+
+
+def run(env: Env, args: argparse.Namespace) -> int:
+    rows: list[Row] = []
+    in_progress = 0
+    debris_count = 0
+    for root in args.roots:
+        store = env.root(root)
+        found, debris, kept = find_rows(store)
+        rows += found
+        in_progress += len(kept)
+        debris_count += len(debris) - sum(1 for r in found if r.status == "torn")
+    rows.sort(key=lambda r: r.created, reverse=True)
+    if args.json:
+        env.print_json([r.to_dict() for r in rows])
+        return 0
+    if not rows:
+        env.out.print(f"no checkpoints under {', '.join(args.roots)}")
+    else:
+        multi = len(args.roots) > 1
+        t = Table(show_header=True, header_style="bold", box=None, pad_edge=False)
+        t.add_column("checkpoint")
+        t.add_column("step", justify="right")
+        t.add_column("size", justify="right")
+        t.add_column("created")
+        t.add_column("status")
+        t.add_column("tier")
+        for r in rows:
+            name = (r.path if multi else r.name) + ("/" if r.is_dir else "")
+            status = f"[{_STYLE.get(r.status, '')}]{r.status}[/]"
+            t.add_row(name, "-" if r.step is None else str(r.step), fmt_bytes(r.size), fmt_time(r.created), status, r.tier)
+        env.out.print(t)
+        for r in rows:
+            if r.status in ("corrupt", "torn"):
+                for p in r.problems:
+                    env.out.print(f"  {r.name}: {p}", markup=False)
+    notes = []
+    if debris_count:
+        notes.append(f"{debris_count} leftovers of crashed saves (`stagesave gc` removes them)")
+    if in_progress:
+        notes.append(f"{in_progress} temporaries of saves in progress")
+    for n in notes:
+        env.out.print(n, markup=False)
+    return 0
