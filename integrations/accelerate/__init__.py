@@ -1,1 +1,49 @@
-"""stagesave for Hugging Face Accelerate (``pip install 'stagesave[accelerate]'``)."""
+"""stagesave for Hugging Face Accelerate (``pip install 'stagesave[accelerate]'``).
+
+One line makes the user's unchanged ``accelerator.save_state()`` return after one copy into host
+memory, and ``accelerator.load_state()`` resume from the newest valid checkpoint::
+
+    accelerator = Accelerator(project_config=ProjectConfiguration(
+        project_dir="runs/x", automatic_checkpoint_naming=True, total_limit=3))
+    stagesave.accelerate.enable(accelerator)
+
+Folders keep Accelerate 1.x's layout and names (a plain ``load_state`` reads them), plus the
+manifest ``checkpoint.stagesave.json`` that commits and checksums them. Without touching methods::
+
+    ckpt = stagesave.accelerate.AcceleratorCheckpointer(accelerator)
+    handle = ckpt.save_state()          # a SaveHandle
+    ckpt.load_state()
+
+Without code changes: ``accelerate launch ... -m stagesave.accelerate train.py ...``; options
+come from ``STAGESAVE_ACCELERATE_*`` environment variables or the YAML file named by
+``STAGESAVE_ACCELERATE_CONFIG`` (see docs/accelerate.md).
+"""
+
+from __future__ import annotations
+
+try:
+    import accelerate as _accelerate  # noqa: F401
+except ImportError as _exc:  # pragma: no cover - exercised only without the extra
+    from stagesave.errors import MissingExtraError
+
+    raise MissingExtraError(
+        "stagesave.accelerate needs Hugging Face Accelerate: pip install 'stagesave[accelerate]'"
+    ) from _exc
+
+from ._checkpointer import AcceleratorCheckpointer, SynchronousFallbackWarning
+from ._config import ENV_CONFIG, ENV_PREFIX, ENV_SWITCH, Options
+from ._patch import disable, disable_globally, enable, enable_globally, enabled
+
+__all__ = [
+    "ENV_CONFIG",
+    "ENV_PREFIX",
+    "ENV_SWITCH",
+    "AcceleratorCheckpointer",
+    "Options",
+    "SynchronousFallbackWarning",
+    "disable",
+    "disable_globally",
+    "enable",
+    "enable_globally",
+    "enabled",
+]

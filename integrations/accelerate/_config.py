@@ -1,0 +1,173 @@
+"""Options of the Accelerate adapter, and where they come from without code changes.
+
+Accelerate's own YAML config rejects keys it does not know, so stagesave cannot live there.
+It follows Accelerate's other convention instead: ``accelerate launch`` hands its environment
+to every process unchanged, and plugins read ``PREFIX_*`` variables when they are built (as
+``FSDP_*`` and ``ACCELERATE_*`` are). ``enable()`` reads ``STAGESAVE_ACCELERATE_*`` variables and,
+when ``STAGESAVE_ACCELERATE_CONFIG`` names one, a small YAML side file with the same keys.
+Precedence: arguments passed in code, then environment variables, then the side file, then the
+defaults below. ``STAGESAVE_ACCELERATE=0`` switches the adapter off whatever the code says.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+__all__ = ["ENV_CONFIG", "ENV_PREFIX", "ENV_SWITCH", "Options", "is_switched_off", "resolve_options"]
+
+#: ``0``/``false``/``off`` disables the adapter (``enable()`` leaves Accelerate untouched).
+ENV_SWITCH = "STAGESAVE_ACCELERATE"
+#: Path of a YAML (or JSON) file holding any of the :class:`Options` keys.
+ENV_CONFIG = "STAGESAVE_ACCELERATE_CONFIG"
+#: Prefix of one variable per option: ``STAGESAVE_ACCELERATE_MAX_PENDING=1`` etc.
+ENV_PREFIX = "STAGESAVE_ACCELERATE_"
+
+_FALSE = {"0", "false", "off", "no"}
+_TRUE = {"1", "true", "on", "yes"}
+
+
+@dataclass(frozen=True)
+class Options:
+    """How the adapter checkpoints.
+
+    Attributes:
+        destination: Folder that holds ``checkpoint_<N>`` folders under automatic checkpoint
+            naming, instead of ``<project_dir>/checkpoints``: a local path or an fsspec URL
+            (``s3://bucket/run``). ``None`` keeps Accelerate's folder.
+        max_pending: Saves in flight at once (each holds one host staging buffer); a further
+            ``save_state`` waits for the oldest to finish instead of allocating more memory.
+        checksum: Chunk checksum algorithm recorded in the manifest (``"xxh3_128"``, ...).
+        verify_on_load: Read every byte of a checkpoint against its manifest before loading it;
+            under automatic naming a corrupt one is skipped for the previous valid one.
+        io_threads: Threads writing one save's chunks in parallel.
+        direct_io: Write local files with ``O_DIRECT`` where the filesystem allows it.
+        storage_options: fsspec options for URL destinations (endpoint, region, credentials).
+    """
+
+    destination: str | None = None
+    max_pending: int = 2
+    checksum: str = "xxh3_128"
+    verify_on_load: bool = True
+    io_threads: int = 4
+    direct_io: bool = True
+    storage_options: Mapping[str, Any] = field(default_factory=dict)
+
+
+_NAMES = {f.name for f in fields(Options)}
+
+
+def is_switched_off(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``STAGESAVE_ACCELERATE`` turns the adapter off in this environment.
+
+    Raises:
+        ValueError: the variable holds something other than a yes/no word.
+    """
+    env = os.environ if environ is None else environ
+    raw = env.get(ENV_SWITCH)
+    if raw is None or raw.strip() == "":
+        return False
+    word = raw.strip().lower()
+    if word in _FALSE:
+        return True
+    if word in _TRUE:
+        return False
+    raise ValueError(f"{ENV_SWITCH}={raw!r} is not understood: use 1 (on, the default) or 0 (off)")
+
+
+def _coerce(key: str, value: Any, where: str) -> Any:
+    """Convert a value from the environment or a side file to the option's type."""
+    if key in ("max_pending", "io_threads"):
+        try:
+            number = int(value)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{where}: {key} must be an integer, got {value!r}") from exc
+        if number < 1:
+            raise ValueError(f"{where}: {key} must be >= 1, got {number}")
+        return number
+    if key in ("verify_on_load", "direct_io"):
+        if isinstance(value, bool):
+            return value
+        word = str(value).strip().lower()
+        if word in _TRUE:
+            return True
+        if word in _FALSE:
+            return False
+        raise ValueError(f"{where}: {key} must be true or false, got {value!r}")
+    if key == "storage_options":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{where}: storage_options must be a JSON object: {exc}") from exc
+        if not isinstance(value, Mapping):
+            raise ValueError(f"{where}: storage_options must be a mapping, got {type(value).__name__}")
+        return dict(value)
+    if key == "destination":
+        return None if value in (None, "") else os.path.expanduser(str(value))
+    return str(value)
+
+
+def _from_file(path: str) -> dict[str, Any]:
+    """Options from the side file (YAML; JSON is valid YAML).
+
+    Raises:
+        FileNotFoundError: the file named by ``STAGESAVE_ACCELERATE_CONFIG`` does not exist.
+        ValueError: it is not a mapping or holds an unknown key.
+    """
+    import yaml  # a dependency of accelerate
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(f"{ENV_CONFIG} names {path}, which does not exist") from exc
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{ENV_CONFIG} file {path} is not valid YAML: {exc}") from exc
+    if data is None:
+        return {}
+    if isinstance(data, Mapping) and set(data) == {"stagesave"}:
+        data = data["stagesave"] or {}
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{ENV_CONFIG} file {path} must hold a mapping of options")
+    unknown = sorted(set(data) - _NAMES)
+    if unknown:
+        raise ValueError(
+            f"{ENV_CONFIG} file {path} has unknown keys {unknown}; known keys: {sorted(_NAMES)}"
+        )
+    return {k: _coerce(k, v, f"{ENV_CONFIG} file {path}") for k, v in data.items()}
+
+
+def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in _NAMES:
+        var = ENV_PREFIX + name.upper()
+        if var in env:
+            out[name] = _coerce(name, env[var], var)
+    return out
+
+
+def resolve_options(
+    overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None
+) -> Options:
+    """Defaults, then the side file, then environment variables, then ``overrides``.
+
+    Raises:
+        TypeError: ``overrides`` holds a name that is not an option.
+        ValueError: a value cannot be used (the message names the variable or file).
+        FileNotFoundError: ``STAGESAVE_ACCELERATE_CONFIG`` names a missing file.
+    """
+    env = os.environ if environ is None else environ
+    merged: dict[str, Any] = {}
+    path = env.get(ENV_CONFIG)
+    if path:
+        merged.update(_from_file(path))
+    merged.update(_from_env(env))
+    for key, value in (overrides or {}).items():
+        if key not in _NAMES:
+            raise TypeError(f"unknown stagesave.accelerate option {key!r}; known: {sorted(_NAMES)}")
+        merged[key] = _coerce(key, value, f"argument {key}")
+    return replace(Options(), **merged)

@@ -1,0 +1,120 @@
+"""What ``enable()`` changes on an Accelerator, and how it is undone.
+
+Exactly two instance attributes are set on the one ``Accelerator`` passed in: ``save_state`` and
+``load_state``, which shadow the class's methods for that object only, plus ``_stagesave``
+holding the :class:`AcceleratorCheckpointer`. ``disable()`` deletes the three attributes (the
+class methods show through again) after waiting for pending saves. The ``Accelerator`` class is
+patched only by :func:`enable_globally`, used by ``python -m stagesave.accelerate`` (so that
+``accelerate launch -m stagesave.accelerate train.py`` needs no code change); it wraps
+``Accelerator.__init__`` to call :func:`enable` on every new instance, and
+:func:`disable_globally` restores the original ``__init__``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from ._checkpointer import AcceleratorCheckpointer
+
+__all__ = ["disable", "disable_globally", "enable", "enable_globally", "enabled"]
+
+_ATTR = "_stagesave"
+_ORIGINAL_INIT = "_stagesave_original_init"
+
+
+def enabled(accelerator: Any) -> AcceleratorCheckpointer | None:
+    """The checkpointer :func:`enable` installed on ``accelerator``, or ``None``."""
+    found = vars(accelerator).get(_ATTR)
+    return found if isinstance(found, AcceleratorCheckpointer) else None
+
+
+def enable(accelerator: Any, **options: Any) -> AcceleratorCheckpointer:
+    """Make ``accelerator.save_state()`` asynchronous and ``load_state()`` verified.
+
+    After this call the unchanged ``accelerator.save_state(...)`` returns once the state is
+    staged in host memory and writes Accelerate's usual folder in the background;
+    ``accelerator.load_state()`` resumes from the newest valid checkpoint. Options
+    (``destination=``, ``max_pending=``, ``checksum=``, ``verify_on_load=``, ``io_threads=``,
+    ``direct_io=``, ``storage_options=``) override ``STAGESAVE_ACCELERATE_*`` environment
+    variables and the ``STAGESAVE_ACCELERATE_CONFIG`` side file. Calling it again returns the
+    installed checkpointer.
+
+    Under FSDP, DeepSpeed, Megatron-LM and XLA, and when ``STAGESAVE_ACCELERATE=0``, nothing is
+    patched: Accelerate's synchronous methods stay (with one warning, except when switched off).
+
+    Raises:
+        TypeError: an unknown option.
+        ValueError: an unusable option value (the message names where it came from).
+    """
+    existing = enabled(accelerator)
+    if existing is not None:
+        if options:
+            raise ValueError(
+                "stagesave.accelerate.enable() was already called on this Accelerator with other "
+                "options; call stagesave.accelerate.disable(accelerator) first"
+            )
+        return existing
+    checkpointer = AcceleratorCheckpointer(accelerator, **options)
+    if checkpointer.asynchronous:
+        cls = type(accelerator)
+        accelerator.save_state = _installed(cls.save_state, checkpointer._installed_save_state)
+        accelerator.load_state = _installed(cls.load_state, checkpointer._installed_load_state)
+    setattr(accelerator, _ATTR, checkpointer)
+    return checkpointer
+
+
+def _installed(original: Any, method: Any) -> Any:
+    """A function with the original's name and docstring that calls ``method``."""
+
+    @functools.wraps(original)
+    def installed(*args: Any, **kwargs: Any) -> Any:
+        return method(*args, **kwargs)
+
+    installed.__stagesave__ = method.__self__  # type: ignore[attr-defined]
+    return installed
+
+
+def disable(accelerator: Any, timeout: float | None = None) -> None:
+    """Give ``accelerator`` back Accelerate's own methods, then finish pending saves.
+
+    Raises:
+        TimeoutError: saves still running after ``timeout`` seconds (they were not committed).
+        CheckpointError: a background save failed.
+    """
+    checkpointer = enabled(accelerator)
+    if checkpointer is None:
+        return
+    attrs = vars(accelerator)
+    for name in ("save_state", "load_state"):
+        if getattr(attrs.get(name), "__stagesave__", None) is checkpointer:
+            del attrs[name]
+    del attrs[_ATTR]
+    checkpointer.close(timeout)
+
+
+def enable_globally(**options: Any) -> None:
+    """Call :func:`enable` on every ``Accelerator`` constructed from now on in this process."""
+    from accelerate import Accelerator
+
+    if _ORIGINAL_INIT in vars(Accelerator):
+        return
+    original = Accelerator.__init__
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        enable(self, **options)
+
+    setattr(Accelerator, _ORIGINAL_INIT, original)
+    Accelerator.__init__ = __init__  # type: ignore[method-assign]
+
+
+def disable_globally() -> None:
+    """Undo :func:`enable_globally` (Accelerators already enabled stay enabled)."""
+    from accelerate import Accelerator
+
+    original = vars(Accelerator).get(_ORIGINAL_INIT)
+    if original is not None:
+        Accelerator.__init__ = original  # type: ignore[method-assign]
+        delattr(Accelerator, _ORIGINAL_INIT)
