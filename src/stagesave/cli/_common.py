@@ -169,6 +169,7 @@ class Env:
 
 
 def _console(stream: Any) -> Console:
-    # Off a terminal, rich would wrap at 80 columns; keep table rows whole for pipes and logs.
+    # Off a terminal rich would wrap at 80 columns: keep table rows whole for pipes and logs, and
+    # never break plain lines (paths, messages) at all.
     width = None if stream.isatty() or os.environ.get("COLUMNS") else 120
-    return Console(file=stream, width=width, soft_wrap=False, highlight=False)
+    return Console(file=stream, width=width, soft_wrap=True, highlight=False)

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from .._commit import sibling_manifests
 from .._discovery import CHECKPOINT_SUFFIXES, CheckpointInfo, _read_manifest, resolve, resolve_dir, scan
 from .._gc import Debris, find_debris
 from .._manifest import Manifest
@@ -147,11 +148,18 @@ def _torn_row(store: Store, d: Debris, tier: str) -> Row | None:
     )
 
 
+def _is_checkpoint(store: Store, ci: CheckpointInfo) -> bool:
+    """Discovery calls any short file without a manifest corrupt; show only checkpoint-like ones."""
+    if ci.is_dir or ci.manifest is not None or ci.name.endswith(FOLDER_FILE_SUFFIXES):
+        return True
+    return bool(sibling_manifests(store, ci.name))
+
+
 def find_rows(store: Store) -> tuple[list[Row], list[Debris], list[tuple[str, str]]]:
     """Checkpoints, plain checkpoint folders and torn saves directly in ``store``'s root, newest
     first; plus the debris found (for ``gc``) and stagesave temporaries still in use."""
     tier = store_tier(store)
-    rows = [_row(store, ci, tier) for ci in scan(store)]
+    rows = [_row(store, ci, tier) for ci in scan(store) if _is_checkpoint(store, ci)]
     listed = {r.name for r in rows}
     for leaf in store.list_dirs(""):
         if leaf in listed or leaf.startswith(".") or TMP_MARKER in leaf or leaf.endswith(ASIDE_MARKER):

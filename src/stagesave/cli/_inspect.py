@@ -99,7 +99,8 @@ def _telemetry_rows(tel: dict[str, Any]) -> list[tuple[str, str]]:
         ("fsync_s", "  fsync"), ("commit_s", "commit"), ("time_to_commit_s", "time to commit"),
     ):
         v = tel.get(key)
-        if isinstance(v, (int, float)):
+        # Zero means "not known when the manifest was written" (commit times come after it).
+        if isinstance(v, (int, float)) and v > 0:
             rows.append((label, fmt_duration(float(v))))
     rate = tel.get("throughput_bytes_per_s")
     if isinstance(rate, (int, float)) and rate > 0:

@@ -1,0 +1,41 @@
+"""Fixtures of the CLI tests: the command line run in-process, and real checkpoints to run it on."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from clitools import CliRun  # noqa: E402
+
+
+@pytest.fixture
+def cli(capsys):
+    """``cli("ls", root)`` runs ``stagesave -q ls root`` in this process; returns code/out/err."""
+    from stagesave.cli import main
+
+    def run(*argv: object) -> CliRun:
+        capsys.readouterr()
+        code = main(["-q", *map(str, argv)])
+        out, err = capsys.readouterr()
+        return CliRun(code, out, err)
+
+    return run
+
+
+@pytest.fixture
+def cli_s3(request):
+    """The loopback S3 server of ``tests/s3server.py`` (shared ``s3`` fixture), as CLI options.
+
+    Yields ``(url_prefix, cli_options, storage_options)`` for a fresh prefix of its bucket.
+    """
+    try:
+        server = request.getfixturevalue("s3")
+    except pytest.FixtureLookupError:
+        pytest.skip("the shared `s3` fixture (tests/s3server.py, registered in tests/conftest.py) is not available")
+    from clitools import s3_options
+
+    yield s3_options(server, request.node.name)
