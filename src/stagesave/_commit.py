@@ -81,6 +81,8 @@ def write_file(
             d = digest(algorithm, f.image[lo:hi])
             hash_time[i] = time.perf_counter() - h0
             pending.write_range(lo, hi)
+            if i == 0 and n_chunks > 1:
+                crash_point("mid_data")
             return d
 
         digests = list(pool.map(one, range(n_chunks)))
@@ -129,6 +131,7 @@ def commit_files(
     try:
         for publish in publishers:
             publish()
+            crash_point("after_rename")
     except BaseException:
         for abort in aborters:
             abort()
@@ -155,3 +158,33 @@ def sibling_manifests(store: Store, name: str) -> list[str]:
 def manifest_path_for(name: str, serialization_id: str) -> str:
     directory, slash, base = name.rpartition("/")
     return f"{directory}{slash}{manifest_name(base, serialization_id)}"
+
+
+def retire_file(store: Store, name: str, manifests: Sequence[str]) -> None:
+    """Delete a committed file so that no step of the deletion leaves a valid-looking checkpoint.
+
+    Locally the data file is first renamed to a temporary name (an atomic step that makes it
+    debris), then its manifests go, then the debris. On object stores, which cannot rename, the
+    manifests go first and the data object after.
+    """
+    import os
+
+    from ._local import temp_name_for
+
+    local = store.local_path(name)
+    if local is not None:
+        debris = temp_name_for(local)
+        try:
+            os.rename(local, debris)
+        except FileNotFoundError:
+            debris = ""
+        for m in manifests:
+            store.delete(m)
+        crash_point("during_retention")
+        if debris:
+            os.unlink(debris)
+        return
+    for m in manifests:
+        store.delete(m)
+    crash_point("during_retention")
+    store.delete(name)

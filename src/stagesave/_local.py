@@ -16,7 +16,6 @@ import secrets
 import shutil
 import stat
 
-from ._crash import crash_point
 from ._names import ALIGNMENT, TMP_MARKER
 from ._store import ObjectInfo, PendingWrite, Store, check_name
 from .errors import CheckpointError, oserror_to_checkpoint_error
@@ -85,8 +84,6 @@ class _LocalPendingWrite(PendingWrite):
             if self.direct and n % ALIGNMENT and pos + n < hi:
                 raise OSError(errno.EIO, "unaligned short write with O_DIRECT")
             pos += n
-            if pos < hi:
-                crash_point("mid_data")
 
     def finish(self) -> None:
         if self.direct and self.size % ALIGNMENT:
@@ -101,7 +98,6 @@ class _LocalPendingWrite(PendingWrite):
 
     def publish(self) -> None:
         os.replace(self.tmp, self.final)
-        crash_point("after_rename")
         _fsync_dir(os.path.dirname(self.final))
 
     def abort(self) -> None:

@@ -47,7 +47,11 @@ class StoreResolver:
         with self._lock:
             store = self._stores.get(key)
             if store is None:
-                if is_url(key):
+                if key.startswith(("s3://", "s3a://")):
+                    from ._s3 import S3Store  # the fast path: parallel multipart uploads
+
+                    store = S3Store(key, self.storage_options)
+                elif is_url(key):
                     store = FsspecStore(key, self.storage_options)
                 else:
                     store = LocalStore(key, direct_io=self.direct_io)

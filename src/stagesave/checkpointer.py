@@ -14,7 +14,15 @@ from typing import Any
 
 from ._background import JobQueue
 from ._checksum import DEFAULT_ALGORITHM, check_algorithm, digest
-from ._commit import FileToWrite, WriteStats, commit_files, manifest_path_for, sibling_manifests, write_file
+from ._commit import (
+    FileToWrite,
+    WriteStats,
+    commit_files,
+    manifest_path_for,
+    retire_file,
+    sibling_manifests,
+    write_file,
+)
 from ._crash import crash_point
 from ._dircommit import commit_directory, restore_aside
 from ._discovery import CheckpointInfo, raise_if_corrupt, resolve, resolve_dir, scan, verify_entry
@@ -243,13 +251,13 @@ class Checkpointer:
         committed = [c for c in scan(store, directory) if c.status == "committed"]
         assert self.keep_last is not None
         for old in committed[self.keep_last :]:
-            if old.manifest_name is not None:
-                store.delete(old.manifest_name)  # manifest first: half-deleted is never valid
-            crash_point("during_retention")
             if old.is_dir:
+                if old.manifest_name is not None:
+                    store.delete(old.manifest_name)  # manifest first: half-deleted is never valid
+                crash_point("during_retention")
                 self._delete_dir(store, old.name)
             else:
-                store.delete(old.name)
+                retire_file(store, old.name, sibling_manifests(store, old.name))
 
     @staticmethod
     def _delete_dir(store: Store, name: str) -> None:
@@ -382,9 +390,7 @@ class Checkpointer:
                     store.delete(f"{name}/{DIR_MANIFEST}")
                     self._delete_dir(store, name)
                 else:
-                    for m in sibling_manifests(store, name):
-                        store.delete(m)
-                    store.delete(name)
+                    retire_file(store, name, sibling_manifests(store, name))
             except BaseException as exc:  # noqa: BLE001
                 error = _as_checkpoint_error(exc, f"removing checkpoint {tel.path} failed")
             self._finish(key, handle, error)

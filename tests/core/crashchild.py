@@ -1,0 +1,38 @@
+"""Code run in forked children by the crash tests (imported by the forkserver, not collected)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+import stagesave
+from stagesave._crash import ENV_VAR
+from stagesave.formats import Safetensors
+
+
+def save_step(root: str, step: int, mode: str, crash: str | None) -> None:
+    """Save checkpoint ``step``; SIGKILL at ``crash`` if given."""
+    if crash:
+        os.environ[ENV_VAR] = crash
+    else:
+        os.environ.pop(ENV_VAR, None)
+    state = {"step": step, "w": torch.full((300_000,), float(step))}
+    with stagesave.Checkpointer(root, chunk_bytes=1 << 20, keep_last=2) as ck:
+        if mode == "file":
+            ck.save(state, "last.ckpt").result()
+            ck.save(state, f"step{step}.ckpt").result()
+        else:
+            ck.save_dir({"model.safetensors": Safetensors({"w": state["w"]}), "optimizer.bin": state},
+                        f"checkpoint_{step}").result()
+    sys.stdout.flush()
+
+
+def save_loop(root: str, start: int, conn) -> None:  # type: ignore[no-untyped-def]
+    """Save forever, telling the parent after each submitted save."""
+    os.environ.pop(ENV_VAR, None)
+    with stagesave.Checkpointer(root, keep_last=3, chunk_bytes=1 << 20) as ck:
+        for step in range(start, start + 1000):
+            ck.save({"step": step, "w": torch.full((500_000,), float(step))}, f"s{step:05d}.ckpt")
+            conn.send(step)
