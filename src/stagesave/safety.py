@@ -54,7 +54,9 @@ def _numpy_globals() -> list[Any]:
     return out
 
 
-_DEFAULT: list[Any] = _numpy_globals()
+#: ``bytes`` is needed for empty byte strings (protocol 2 pickles ``b""`` as ``bytes()``),
+#: which every empty numpy array contains.
+_DEFAULT: list[Any] = [bytes, *_numpy_globals()]
 
 
 def allow_globals(*objs: Any) -> None:

@@ -90,7 +90,8 @@ def _load_torch_bytes(data: bytes, where: str, trusted: bool) -> Any:
 def _load_safetensors_bytes(data: bytes) -> dict[str, torch.Tensor]:
     from safetensors.torch import load
 
-    return dict(load(data))
+    loaded = load(data)
+    return {k: loaded[k] for k in sorted(loaded)}  # deterministic order, whatever the file's
 
 
 # --------------------------------------------------------------------------- layouts
