@@ -1,0 +1,120 @@
+"""The folder stagesave writes is the folder Accelerate's own save_state writes, file for file."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from accelerate import Accelerator
+from accel_helpers import MANIFEST, assert_same, build, load_file_content, train
+
+import stagesave
+import stagesave.accelerate as sa
+from stagesave.errors import UnsupportedObjectError
+
+
+def _accelerate_and_stagesave(tmp_path, accelerator, safe):
+    """Save the same moment twice: Accelerate's own method, then stagesave's."""
+    plain = str(tmp_path / "plain")
+    staged = str(tmp_path / "staged")
+    Accelerator.save_state(accelerator, plain, safe_serialization=safe)
+    ckpt = sa.AcceleratorCheckpointer(accelerator)
+    handle = ckpt.save_state(staged, safe_serialization=safe)
+    handle.result()
+    ckpt.close()
+    return plain, staged
+
+
+@pytest.mark.parametrize("safe", [True, False], ids=["safetensors", "torch-bin"])
+def test_same_files_and_contents_as_accelerate(tmp_path, safe):
+    acc = Accelerator(cpu=True)
+    run = build(acc, n_models=2)
+    acc.scaler = torch.amp.GradScaler("cpu", init_scale=512.0)
+    train(acc, run, 3)
+    plain, staged = _accelerate_and_stagesave(tmp_path, acc, safe)
+
+    theirs = sorted(os.listdir(plain))
+    ours = sorted(os.listdir(staged))
+    assert ours == sorted([*theirs, MANIFEST])
+    model_files = ["model.safetensors", "model_1.safetensors"] if safe else ["pytorch_model.bin", "pytorch_model_1.bin"]
+    assert theirs == sorted([
+        *model_files, "optimizer.bin", "optimizer_1.bin", "scheduler.bin", "scheduler_1.bin",
+        "scaler.pt", "random_states_0.pkl", "custom_checkpoint_0.pkl", "custom_checkpoint_1.pkl",
+    ])
+    for name in theirs:
+        assert_same(load_file_content(os.path.join(plain, name)), load_file_content(os.path.join(staged, name)), name)
+    info = stagesave.verify(staged)
+    assert info.status == "verified" and info.is_dir
+    assert sorted(f.name for f in info.manifest.files) == theirs
+
+
+def test_tied_weights_are_saved_once_as_accelerate_does(tmp_path):
+    acc = Accelerator(cpu=True)
+    run = build(acc)
+    train(acc, run, 1)
+    plain, staged = _accelerate_and_stagesave(tmp_path, acc, True)
+    ours = load_file_content(os.path.join(staged, "model.safetensors"))
+    theirs = load_file_content(os.path.join(plain, "model.safetensors"))
+    assert sorted(ours["tensors"]) == sorted(theirs["tensors"])
+    assert "out.weight" not in ours["tensors"] and "inp.weight" in ours["tensors"]
+    assert ours["metadata"] == {"format": "pt"}
+
+
+def test_manifest_records_iteration_and_step(tmp_path):
+    acc = Accelerator(cpu=True)
+    build(acc)
+    ckpt = sa.AcceleratorCheckpointer(acc)
+    ckpt.save_state(str(tmp_path / "a")).result()
+    ckpt.save_state(str(tmp_path / "b")).result()
+    ckpt.close()
+    with open(tmp_path / "b" / MANIFEST) as f:
+        meta = json.load(f)["metadata"]["accelerate"]
+    assert meta == {"iteration": 1, "step": 0, "num_processes": 1, "safe_serialization": True,
+                    "automatic_checkpoint_naming": False}
+    assert acc.project_configuration.iteration == 2
+
+
+def test_save_pre_hook_weights_and_safetensors_files_are_carried(tmp_path):
+    acc = Accelerator(cpu=True)
+    run = build(acc)
+    seen = {}
+
+    def hook(models, weights, output_dir):
+        seen["leaf"] = os.path.basename(output_dir)
+        seen["exists"] = os.path.isdir(output_dir)
+        from safetensors.torch import save_file
+
+        os.makedirs(os.path.join(output_dir, "extra"))
+        save_file({"w": weights[0]["head.weight"].clone()}, os.path.join(output_dir, "extra", "head.safetensors"),
+                  metadata={"kind": "head"})
+        weights.pop(0)  # the hook saved the model itself, as Accelerate allows
+
+    acc.register_save_state_pre_hook(hook)
+    ckpt = sa.AcceleratorCheckpointer(acc)
+    ckpt.save_state(str(tmp_path / "ck_7")).result()
+    ckpt.close()
+    assert seen == {"leaf": "ck_7", "exists": True}
+    names = sorted(os.listdir(tmp_path / "ck_7"))
+    assert "model.safetensors" not in names and "extra" in names
+    carried = load_file_content(str(tmp_path / "ck_7" / "extra" / "head.safetensors"))
+    assert carried["metadata"] == {"kind": "head"}
+    assert torch.equal(carried["tensors"]["w"], run["models"][0].state_dict()["head.weight"])
+    assert stagesave.verify(str(tmp_path / "ck_7")).status == "verified"
+
+
+def test_save_pre_hook_writing_other_files_is_refused_before_anything_is_written(tmp_path):
+    acc = Accelerator(cpu=True)
+    build(acc)
+
+    def hook(models, weights, output_dir):
+        with open(os.path.join(output_dir, "config.json"), "w") as f:
+            f.write("{}")
+
+    acc.register_save_state_pre_hook(hook)
+    ckpt = sa.AcceleratorCheckpointer(acc)
+    with pytest.raises(UnsupportedObjectError, match=r"pre-hook wrote 'config.json'.*safetensors"):
+        ckpt.save_state(str(tmp_path / "ck"))
+    ckpt.close()
+    assert not os.path.exists(tmp_path / "ck")

@@ -1,0 +1,236 @@
+"""Restoring: bitwise-equal state, plain Accelerate interop, torn and corrupt checkpoints,
+automatic naming with total_limit while saves are in flight, iteration restored."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from accelerate import Accelerator
+from accelerate.utils import ProjectConfiguration
+from accel_helpers import MANIFEST, assert_same, build, snapshot, train, visible
+
+import stagesave.accelerate as sa
+from stagesave.errors import CheckpointNotFoundError, IntegrityError
+
+
+def _auto(tmp_path, total_limit=None, **kw):
+    return Accelerator(cpu=True, project_config=ProjectConfiguration(
+        project_dir=str(tmp_path), automatic_checkpoint_naming=True, total_limit=total_limit, **kw))
+
+
+def test_bitwise_restore_after_training_continued(tmp_path):
+    acc = Accelerator(cpu=True)
+    run = build(acc, n_models=2)
+    sa.enable(acc)
+    train(acc, run, 5)
+    before = snapshot(acc, run)
+    path = acc.save_state(str(tmp_path / "ck"))
+    assert str(path) == str(tmp_path / "ck")
+    train(acc, run, 4)  # changes every parameter, moment, lr, counter and RNG stream
+    acc.load_state(str(tmp_path / "ck"))
+    assert_same(before, snapshot(acc, run))
+
+
+def test_plain_accelerate_load_state_restores_a_stagesave_checkpoint(tmp_path):
+    acc = Accelerator(cpu=True)
+    run = build(acc)
+    sa.enable(acc)
+    train(acc, run, 3)
+    before = snapshot(acc, run)
+    acc.save_state(str(tmp_path / "ck"))
+    sa.disable(acc)  # waits for the commit and gives Accelerate its methods back
+    assert "save_state" not in vars(acc) and "load_state" not in vars(acc)
+    train(acc, run, 3)
+    acc.load_state(str(tmp_path / "ck"))  # Accelerate's own code, no stagesave involved
+    assert_same(before, snapshot(acc, run))
+
+
+def test_stagesave_loads_a_plain_accelerate_folder(tmp_path):
+    acc = Accelerator(cpu=True)
+    run = build(acc)
+    train(acc, run, 2)
+    before = snapshot(acc, run)
+    acc.save_state(str(tmp_path / "plain"))
+    sa.enable(acc)
+    train(acc, run, 2)
+    acc.load_state(str(tmp_path / "plain"))
+    assert_same(before, snapshot(acc, run))
+
+
+def test_explicit_missing_or_corrupt_folder_raises(tmp_path):
+    acc = Accelerator(cpu=True)
+    run = build(acc)
+    sa.enable(acc)
+    with pytest.raises(ValueError, match="Tried to find .*nope but folder does not exist"):
+        acc.load_state(str(tmp_path / "nope"))
+    acc.save_state(str(tmp_path / "ck"))
+    acc._stagesave.wait()
+    _flip_byte(tmp_path / "ck" / "optimizer.bin")
+    train(acc, run, 1)
+    after = snapshot(acc, run)
+    with pytest.raises(IntegrityError, match=r"ck is corrupt: .*optimizer.bin: checksum mismatch"):
+        acc.load_state(str(tmp_path / "ck"))
+    assert_same(after, snapshot(acc, run))  # nothing was half-loaded
+
+
+def _flip_byte(path, offset=-100):
+    with open(path, "r+b") as f:
+        f.seek(offset, os.SEEK_END)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_automatic_naming_resumes_newest_valid_and_restores_iteration(tmp_path):
+    acc = _auto(tmp_path)
+    run = build(acc)
+    sa.enable(acc)
+    states = []
+    for _ in range(3):
+        train(acc, run, 1)
+        states.append(snapshot(acc, run))
+        acc.save_state()
+    acc._stagesave.wait()
+    root = tmp_path / "checkpoints"
+    assert visible(root) == ["checkpoint_0", "checkpoint_1", "checkpoint_2"]
+    _flip_byte(root / "checkpoint_2" / "model.safetensors")
+    train(acc, run, 2)
+    with pytest.warns(UserWarning, match=r"skipping checkpoint .*checkpoint_2: .*model.safetensors: checksum mismatch"):
+        acc.load_state()
+    assert_same(states[1], snapshot(acc, run))
+    assert acc.project_configuration.iteration == 2
+    # The next save replaces the corrupt checkpoint_2 (a valid one would be refused).
+    with pytest.warns(UserWarning, match="replacing the invalid checkpoint .*checkpoint_2"):
+        acc.save_state()
+    acc._stagesave.wait()
+    acc.load_state()
+    assert_same(states[1], snapshot(acc, run))
+    assert acc.project_configuration.iteration == 3
+
+
+def test_new_process_resumes_with_fresh_accelerator(tmp_path):
+    acc = _auto(tmp_path)
+    run = build(acc)
+    sa.enable(acc)
+    train(acc, run, 2)
+    acc.save_state()
+    train(acc, run, 2)
+    before = snapshot(acc, run)
+    acc.save_state()
+    acc._stagesave.close()
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)
+    acc2 = _auto(tmp_path)
+    run2 = build(acc2, seed=123)
+    sa.enable(acc2)
+    assert acc2.project_configuration.iteration == 0
+    acc2.load_state()
+    assert_same(before, snapshot(acc2, run2))
+    assert acc2.project_configuration.iteration == 2
+
+
+def test_existing_valid_or_plain_folder_is_refused_like_accelerate(tmp_path):
+    acc = _auto(tmp_path)
+    build(acc)
+    sa.enable(acc)
+    acc.save_state()
+    acc._stagesave.wait()
+    acc.project_configuration.iteration = 0
+    with pytest.raises(ValueError, match=r"checkpoint_0 \(0\) already exists"):
+        acc.save_state()
+    os.makedirs(tmp_path / "checkpoints" / "checkpoint_1")
+    acc.project_configuration.iteration = 1
+    with pytest.raises(ValueError, match="no stagesave manifest, so stagesave does not replace it"):
+        acc.save_state()
+
+
+def test_no_checkpoint_at_all(tmp_path):
+    acc = _auto(tmp_path)
+    build(acc)
+    sa.enable(acc)
+    with pytest.raises(CheckpointNotFoundError, match="no valid checkpoint under"):
+        acc.load_state()
+
+
+def test_total_limit_with_saves_in_flight(tmp_path):
+    acc = _auto(tmp_path, total_limit=2)
+    run = build(acc, width=1024)  # ~2 M parameters: each save writes ~25 MB in the background
+    ckpt = sa.enable(acc, max_pending=2)
+    root = tmp_path / "checkpoints"
+    overlapped = 0
+    for i in range(6):
+        train(acc, run, 1)
+        acc.save_state()
+        overlapped += ckpt.pending() > 0
+        for name in visible(root):
+            # Accelerate's listing never shows an uncommitted folder
+            assert os.path.exists(root / name / MANIFEST), f"{name} visible before its commit"
+        assert len(visible(root)) <= 3
+    before = snapshot(acc, run)
+    ckpt.wait()
+    assert overlapped > 0, "no save was still in flight when the next began"
+    assert visible(root) == ["checkpoint_4", "checkpoint_5"]
+    train(acc, run, 1)
+    acc.load_state()
+    assert_same(before, snapshot(acc, run))
+
+
+_CRASHING_TRAINER = textwrap.dedent(
+    """
+    import sys, torch
+    sys.path.insert(0, {helpers!r})
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+    from accel_helpers import build, snapshot, train
+    import stagesave.accelerate as sa
+    acc = Accelerator(cpu=True, project_config=ProjectConfiguration(
+        project_dir={root!r}, automatic_checkpoint_naming=True, total_limit=1))
+    run = build(acc)
+    sa.enable(acc)
+    for i in range(3):
+        train(acc, run, 1)
+        if i == 1:
+            torch.save(snapshot(acc, run), {expected!r})
+        acc.save_state()
+        acc._stagesave.wait() if i < 2 else None
+    acc._stagesave.wait()
+    print("NOT KILLED")
+    """
+)
+
+
+#: Files per save in this set-up: model, optimizer, scheduler, RNG, two custom objects.
+_FILES = 6
+
+
+@pytest.mark.parametrize(
+    "point",
+    [f"after_data:{2 * _FILES + 3}", "after_manifest:3"],
+    ids=["third-file-of-third-save", "after-manifest-before-rename"],
+)
+def test_sigkill_mid_save_resumes_from_previous_and_retention_kept_it(tmp_path, point):
+    expected = tmp_path / "expected.pt"
+    script = _CRASHING_TRAINER.format(helpers=os.path.dirname(__file__), root=str(tmp_path), expected=str(expected))
+    env = {**os.environ, "STAGESAVE_CRASH_AT": point}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -9, proc.stdout + proc.stderr
+    root = tmp_path / "checkpoints"
+    # total_limit=1: only the last committed checkpoint; the killed save left hidden debris only
+    assert visible(root) == ["checkpoint_1"]
+    assert any(n.startswith(".checkpoint_2.") for n in os.listdir(root))
+    acc = _auto(tmp_path, total_limit=1)
+    run = build(acc, seed=7)
+    sa.enable(acc)
+    acc.load_state()
+    assert_same(torch.load(expected, weights_only=False), snapshot(acc, run))
+    assert acc.project_configuration.iteration == 2
+    train(acc, run, 1)
+    acc.save_state()
+    acc._stagesave.wait()
+    assert visible(root) == ["checkpoint_2"]
