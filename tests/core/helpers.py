@@ -17,8 +17,8 @@ def assert_same(a: Any, b: Any, path: str = "state") -> None:
         assert a.stride() == b.stride(), f"{path}: stride {a.stride()} != {b.stride()}"
         assert a.device == b.device, f"{path}: device {a.device} != {b.device}"
         if a.numel():
-            av = a.detach().contiguous().reshape(-1).view(torch.uint8) if a.element_size() else a
-            bv = b.detach().contiguous().reshape(-1).view(torch.uint8) if b.element_size() else b
+            av = torch.empty(a.shape, dtype=a.dtype).copy_(a.detach()).reshape(-1).view(torch.uint8)
+            bv = torch.empty(b.shape, dtype=b.dtype).copy_(b.detach()).reshape(-1).view(torch.uint8)
             assert torch.equal(av, bv), f"{path}: tensor bytes differ"
         assert a.requires_grad == b.requires_grad, f"{path}: requires_grad differs"
     elif isinstance(a, np.ndarray):
