@@ -1,0 +1,386 @@
+"""``StagedCheckpointIO``: Lightning's checkpoint calls, routed through one ``stagesave.Checkpointer``.
+
+The plugin only translates: ``save_checkpoint`` stages and returns, ``remove_checkpoint`` is
+queued behind the saves submitted before it, ``load_checkpoint`` waits for a pending save of the
+same path and loads with stagesave's allow-list, ``teardown`` flushes. Everything that holds
+threads or buffers is created on first use and dropped at teardown, so the plugin is cheap to
+construct, picklable while idle, and reusable across ``fit``/``validate``/``test`` calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib
+import logging
+import os
+import pathlib
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.fabric.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
+
+from stagesave import Checkpointer, SaveHandle, SaveTelemetry
+
+from ._links import LinkKeeper, install_link_hook
+
+__all__ = ["LIGHTNING_SAFE_GLOBALS", "StagedCheckpointIO", "find_plugin"]
+
+log = logging.getLogger("stagesave.lightning")
+
+#: Plain-data classes that Lightning checkpoints commonly hold besides tensors and numpy arrays
+#: (``save_hyperparameters()`` of a ``Path`` or a ``Namespace``), allowed on top of the core's
+#: allow-list. Lightning's ``AttributeDict`` cannot be: torch's safe unpickler refuses item
+#: assignment on dict subclasses, and Lightning stores hyper-parameters as a plain ``dict``.
+LIGHTNING_SAFE_GLOBALS: tuple[Any, ...] = (
+    pathlib.PosixPath,
+    pathlib.WindowsPath,
+    pathlib.PurePosixPath,
+    pathlib.PureWindowsPath,
+    argparse.Namespace,
+)
+
+#: How many finished saves' telemetry the plugin keeps for the logging callback.
+TELEMETRY_BACKLOG = 1024
+
+_STORAGE_OPTION_KEYS = ("metadata",)
+
+
+def _import_global(name: str) -> Any:
+    module, _, attr = name.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ValueError(
+            f"safe_globals entry {name!r} does not name an importable class or function; "
+            "give a dotted path such as 'my_pkg.config.TrainConfig'"
+        ) from exc
+
+
+def _key(path: str) -> str:
+    return path.rstrip("/") if "://" in path else os.path.abspath(os.path.expanduser(path))
+
+
+class StagedCheckpointIO(CheckpointIO):
+    """A Lightning ``CheckpointIO`` whose saves cost training one copy into host memory.
+
+    ``Trainer(plugins=[StagedCheckpointIO()])`` keeps ``ModelCheckpoint``, ``ckpt_path="last"``,
+    loggers and DDP as they are. Files are genuine ``torch.save`` files at the paths Lightning
+    chooses, each with a small ``*.stagesave.json`` manifest beside it.
+
+    Args:
+        max_pending: Saves that may be in flight at once (one host staging buffer each); a
+            further save waits for a buffer instead of allocating more memory.
+        checksum: Chunk checksum: ``"xxh3_128"`` (default), ``"xxh3_64"``, ``"blake3"``, ``"sha256"``.
+        io_threads: Threads writing one file's chunks in parallel.
+        direct_io: Write local files with O_DIRECT where the filesystem allows it.
+        storage_options: fsspec options for remote paths (endpoint, credentials, region).
+        verify_on_load: Check every byte against the manifest before loading.
+        teardown_timeout: Seconds ``teardown()`` waits for pending saves (``None``: no limit).
+        telemetry_callback: Called on the writer thread with each save's ``SaveTelemetry``.
+        telemetry_jsonl: ``True`` to append telemetry lines beside local checkpoints, or a path.
+        safe_globals: Extra classes (or dotted names) allowed when loading, on top of
+            stagesave's allow-list and :data:`LIGHTNING_SAFE_GLOBALS`.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_pending: int = 2,
+        checksum: str = "xxh3_128",
+        io_threads: int = 4,
+        direct_io: bool = True,
+        storage_options: dict[str, Any] | None = None,
+        verify_on_load: bool = True,
+        teardown_timeout: float | None = 600.0,
+        telemetry_callback: Callable[[SaveTelemetry], None] | None = None,
+        telemetry_jsonl: bool | str = False,
+        safe_globals: Sequence[Any] = (),
+    ) -> None:
+        super().__init__()
+        if max_pending < 1:
+            raise ValueError(f"max_pending must be >= 1, got {max_pending}")
+        if io_threads < 1:
+            raise ValueError(f"io_threads must be >= 1, got {io_threads}")
+        if teardown_timeout is not None and teardown_timeout < 0:
+            raise ValueError(f"teardown_timeout must be >= 0 or None, got {teardown_timeout}")
+        self.max_pending = max_pending
+        self.checksum = checksum
+        self.io_threads = io_threads
+        self.direct_io = direct_io
+        self.storage_options = dict(storage_options or {})
+        self.verify_on_load = verify_on_load
+        self.teardown_timeout = teardown_timeout
+        self.telemetry_callback = telemetry_callback
+        self.telemetry_jsonl = telemetry_jsonl
+        self.safe_globals = [_import_global(g) if isinstance(g, str) else g for g in safe_globals]
+        self._init_runtime()
+        install_link_hook(find_plugin)
+
+    def _init_runtime(self) -> None:
+        self._lock = threading.RLock()
+        self._ckpt: Checkpointer | None = None
+        self._links: LinkKeeper | None = None
+        self._handles: dict[str, SaveHandle] = {}
+        self._telemetry: collections.deque[SaveTelemetry] = collections.deque(maxlen=TELEMETRY_BACKLOG)
+
+    # ------------------------------------------------------------------ the core, on demand
+    @property
+    def checkpointer(self) -> Checkpointer:
+        """The underlying :class:`stagesave.Checkpointer` (created on first use)."""
+        with self._lock:
+            if self._ckpt is None:
+                self._ckpt = Checkpointer(
+                    max_pending=self.max_pending,
+                    checksum=self.checksum,
+                    io_threads=self.io_threads,
+                    direct_io=self.direct_io,
+                    storage_options=self.storage_options,
+                    telemetry_callback=self._on_telemetry,
+                    telemetry_jsonl=self.telemetry_jsonl,
+                    safe_globals=[*LIGHTNING_SAFE_GLOBALS, *self.safe_globals],
+                )
+            return self._ckpt
+
+    def _on_telemetry(self, tel: SaveTelemetry) -> None:
+        # Runs on the writer thread: record, report a failure at once, pass on.
+        self._telemetry.append(tel)
+        if tel.error:
+            log.error(
+                "stagesave: saving %s failed in the background: %s. The checkpoint was not "
+                "committed; the error is raised at the next save, wait() or teardown.",
+                tel.path,
+                tel.error,
+            )
+        if self.telemetry_callback is not None:
+            self.telemetry_callback(tel)
+
+    def pop_telemetry(self) -> list[SaveTelemetry]:
+        """Telemetry of the saves finished since the last call (oldest first)."""
+        out = []
+        while True:
+            try:
+                out.append(self._telemetry.popleft())
+            except IndexError:
+                return out
+
+    # ------------------------------------------------------------------ CheckpointIO contract
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        """Stage ``checkpoint`` and write it to ``path`` in the background.
+
+        Returns once the state is copied into host memory; later changes to the model, the
+        optimizer or any value in ``checkpoint`` (numpy arrays included) do not reach the file.
+
+        Args:
+            checkpoint: The state Lightning or Fabric assembled.
+            path: Target file: a local path or an fsspec URL (``s3://...``).
+            storage_options: ``None`` or ``{"metadata": {...}}``, JSON-able values recorded in
+                the checkpoint's manifest.
+
+        Raises:
+            TypeError: ``storage_options`` has keys other than ``"metadata"``.
+            stagesave.CheckpointError: an earlier background save failed (raised once), the
+                target cannot be written, or the state holds an object that cannot be saved.
+        """
+        metadata = {"framework": "lightning"}
+        for field in ("epoch", "global_step"):
+            if isinstance(checkpoint.get(field), int):
+                metadata[field] = checkpoint[field]
+        if storage_options is not None:
+            unknown = set(storage_options) - set(_STORAGE_OPTION_KEYS) if isinstance(storage_options, dict) else {0}
+            if unknown:
+                raise TypeError(
+                    f"{type(self).__name__} accepts storage_options={{'metadata': {{...}}}} only, got "
+                    f"{storage_options!r}; set fsspec options with StagedCheckpointIO(storage_options=...)"
+                )
+            metadata.update(storage_options.get("metadata") or {})
+        target = os.fspath(path)
+        handle = self.checkpointer.save(checkpoint, target, metadata=metadata)
+        with self._lock:
+            self._handles = {k: h for k, h in self._handles.items() if not h.done()}
+            self._handles[_key(target)] = handle
+
+    @override
+    def load_checkpoint(
+        self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """Load a checkpoint (written by this plugin or by ``torch.save``), waiting for a pending
+        save of the same path.
+
+        Args:
+            path: Checkpoint file; a ``save_last="link"`` link is followed to its target.
+            map_location: As in ``torch.load``; ``None`` loads onto the CPU like Lightning's
+                ``TorchCheckpointIO``.
+            weights_only: ``None``/``True`` load with torch's safe unpickler and stagesave's
+                allow-list (numpy arrays, RNG states, ...); ``False`` trusts the file fully.
+
+        Raises:
+            FileNotFoundError: no checkpoint at ``path`` (a ``stagesave.CheckpointNotFoundError``).
+            stagesave.IntegrityError: the file does not match its manifest.
+            stagesave.UnsafeCheckpointError: the file needs a class that is not allow-listed.
+        """
+        target = os.fspath(path)
+        if self._links is not None and "://" not in target:
+            self._links.wait(link=target)
+        if "://" not in target and os.path.islink(target):
+            target = os.path.realpath(target)
+        return self.checkpointer.load(  # type: ignore[no-any-return]
+            target,
+            "cpu" if map_location is None else map_location,
+            verify=self.verify_on_load,
+            trusted=weights_only is False,
+        )
+
+    @override
+    def remove_checkpoint(self, path: Any) -> None:
+        """Remove a checkpoint after every save submitted before this call.
+
+        A checkpoint that a ``save_last="link"`` link still points at is removed once the link
+        has moved on (or kept, if it never does).
+        """
+        target = os.fspath(path)
+        if "://" not in target:
+            with self._lock:
+                keeper = self._links_or_new()
+            if keeper.remove(target):
+                return
+        self.checkpointer.remove(target)
+
+    def _links_or_new(self) -> LinkKeeper:
+        if self._links is None:
+            self._links = LinkKeeper(lambda p: self.checkpointer.remove(p))
+        return self._links
+
+    def link(self, target: Any, link: Any) -> None:
+        """Point the symlink ``link`` at ``target`` once ``target`` is committed (atomically).
+
+        ``ModelCheckpoint(save_last="link")`` calls this through the trainer; the link never
+        points at a checkpoint that is still being written.
+
+        Raises:
+            ValueError: ``link`` is a URL (links exist on local filesystems only).
+        """
+        target_s, link_s = os.fspath(target), os.fspath(link)
+        if "://" in link_s:
+            raise ValueError(f"cannot link {link_s}: save_last='link' needs a local directory")
+        with self._lock:
+            handle = self._handles.get(_key(target_s))
+            keeper = self._links_or_new()
+        keeper.link(target_s, link_s, handle if handle is not None and not handle.done() else None)
+
+    @override
+    def teardown(self) -> None:
+        """Flush pending saves (bounded by ``teardown_timeout``) and release threads and buffers.
+
+        Lightning calls this at the end of every ``fit``/``validate``/``test`` and when training
+        stops on an exception or SIGTERM. A save failure is raised here, except while another
+        exception is propagating: then it is logged and the original exception stays the one
+        the user sees.
+
+        Raises:
+            TimeoutError: saves still running after ``teardown_timeout`` seconds.
+            stagesave.CheckpointError: a background save failed and was not reported yet.
+        """
+        in_flight = sys.exc_info()[1]
+        deadline = None if self.teardown_timeout is None else time.monotonic() + self.teardown_timeout
+        pending = self.pending()
+        if pending:
+            rank_zero_info(f"stagesave: waiting for {pending} checkpoint operation(s) to finish writing")
+        # Links first: releasing a held removal still needs this plugin's Checkpointer.
+        with self._lock:
+            links, self._links = self._links, None
+        errors = _close_quietly(links, deadline)
+        with self._lock:
+            ckpt, self._ckpt = self._ckpt, None
+        errors += _close_quietly(ckpt, deadline)
+        if not errors:
+            return
+        if isinstance(errors[0], TimeoutError):
+            errors[0] = TimeoutError(
+                f"{errors[0]}. StagedCheckpointIO.teardown gave up after teardown_timeout="
+                f"{self.teardown_timeout} s; raise it, or check the storage (the checkpoints "
+                "still being written were not committed, earlier ones are intact)."
+            )
+        if in_flight is not None:
+            for exc in errors:
+                log.error("stagesave: while %s was propagating: %s", type(in_flight).__name__, exc)
+            return
+        for exc in errors[1:]:
+            log.error("stagesave: also failed at teardown: %s", exc)
+        raise errors[0]
+
+    # ------------------------------------------------------------------ barriers and queries
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every submitted save, removal and link update has finished.
+
+        The one-line barrier before reading a checkpoint file directly:
+        ``trainer.strategy.checkpoint_io.wait()`` (loads through the plugin wait by themselves).
+
+        Raises:
+            TimeoutError: still running after ``timeout`` seconds.
+            stagesave.CheckpointError: a background save failed (raised once).
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self._links is not None:
+            self._links.wait(timeout)
+        if self._ckpt is not None:
+            self._ckpt.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+    def pending(self) -> int:
+        """Saves, removals and link updates not finished yet."""
+        return (self._ckpt.pending() if self._ckpt is not None else 0) + (
+            self._links.pending() if self._links is not None else 0
+        )
+
+    def latest(self, dirpath: Any, *, verify: bool = False) -> str | None:
+        """Path of the newest valid checkpoint in ``dirpath`` (after this plugin's pending
+        saves), or ``None``; use it as ``trainer.fit(ckpt_path=...)``."""
+        self.wait()
+        info = self.checkpointer.latest(os.fspath(dirpath), verify=verify)
+        return None if info is None else info.path
+
+    # ------------------------------------------------------------------ pickling
+    def __getstate__(self) -> dict[str, Any]:
+        # Configuration only: threads, buffers and pending saves stay with the original.
+        state = self.__dict__.copy()
+        for runtime in ("_lock", "_ckpt", "_links", "_handles", "_telemetry"):
+            state.pop(runtime, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._init_runtime()
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(max_pending={self.max_pending}, checksum={self.checksum!r}, "
+            f"pending={self.pending()})"
+        )
+
+
+def _close_quietly(part: LinkKeeper | Checkpointer | None, deadline: float | None) -> list[BaseException]:
+    if part is None:
+        return []
+    try:
+        part.close(None if deadline is None else max(0.0, deadline - time.monotonic()))
+    except BaseException as exc:  # noqa: BLE001 - the caller raises or reports it
+        return [exc]
+    return []
+
+
+def find_plugin(owner: Any) -> StagedCheckpointIO | None:
+    """The :class:`StagedCheckpointIO` of a ``Trainer``, ``Fabric`` or strategy, or ``None``."""
+    strategy = getattr(owner, "strategy", owner)
+    io = getattr(strategy, "checkpoint_io", None)
+    seen = 0
+    while io is not None and not isinstance(io, StagedCheckpointIO) and seen < 8:
+        io = getattr(io, "checkpoint_io", None)  # unwrap Lightning's _WrappingCheckpointIO
+        seen += 1
+    return io if isinstance(io, StagedCheckpointIO) else None
+
