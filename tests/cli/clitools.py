@@ -78,21 +78,54 @@ def flip_byte(path: str, offset: int) -> None:
         f.write(bytes([b[0] ^ 0xFF]))
 
 
-_CRASH_CHILD = textwrap.dedent(
+_CRASH_DRIVER = textwrap.dedent(
     """
-    import sys, torch, stagesave
-    root, name = sys.argv[1], sys.argv[2]
-    with stagesave.Checkpointer(root, chunk_bytes=1 << 20) as ck:
-        ck.save({"w": torch.arange(600_000, dtype=torch.float32)}, name).result()
+    import json, os, signal, sys
+    import torch, stagesave
+    from stagesave.formats import Safetensors
+
+    def scenario(root, mode, name):
+        w = torch.arange(600_000, dtype=torch.float32)
+        with stagesave.Checkpointer(root, chunk_bytes=1 << 20) as ck:
+            if mode == "file":
+                ck.save({"w": w}, name).result()
+            elif mode == "replace":  # a committed file, then a crash while replacing it
+                ck.save({"w": w}, name).result()
+                ck.save({"w": w + 1}, name).result()
+            else:  # a committed folder, then a crash while replacing it
+                files = {"model.safetensors": Safetensors({"w": w}), "optimizer.bin": {"step": 1}}
+                ck.save_dir(files, name).result()
+                ck.save_dir({**files, "optimizer.bin": {"step": 2}}, name).result()
+
+    results = []
+    for root, mode, name, point in json.loads(sys.argv[1]):
+        pid = os.fork()  # one import of torch, one real process per crash
+        if pid == 0:
+            os.environ["STAGESAVE_CRASH_AT"] = point
+            try:
+                scenario(root, mode, name)
+            finally:
+                os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        results.append(os.WTERMSIG(status) if os.WIFSIGNALED(status) else -os.WEXITSTATUS(status))
+    print(json.dumps(results))
     """
 )
 
 
-def crash_save(root: os.PathLike[str] | str, name: str, point: str) -> subprocess.CompletedProcess[str]:
-    """A real child process saves ``name`` and SIGKILLs itself at crash point ``point``."""
-    env = {**os.environ, "STAGESAVE_CRASH_AT": point}
-    return subprocess.run([sys.executable, "-c", _CRASH_CHILD, str(root), name], env=env,
-                          capture_output=True, text=True, timeout=120)
+def crash_saves(scenarios: list[tuple[str, str, str, str]]) -> list[int]:
+    """Each ``(root, mode, name, point)``: a real process saves ``name`` into ``root`` and is
+    SIGKILLed at crash point ``point``; returns the signal that ended each (9 when killed).
+
+    ``mode``: ``file`` (the first save crashes), ``replace`` / ``dir`` (a committed file /
+    folder, then the save replacing it crashes: pass ``point`` as ``<point>:2``).
+    """
+    env = {k: v for k, v in os.environ.items() if k != "STAGESAVE_CRASH_AT"}
+    r = subprocess.run([sys.executable, "-c", _CRASH_DRIVER, json.dumps(scenarios)], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result: list[int] = json.loads(r.stdout.strip().splitlines()[-1])
+    return result
 
 
 def s3_options(server: Any, test_name: str) -> tuple[str, list[str], dict[str, Any]]:

@@ -39,3 +39,38 @@ def cli_s3(request):
     from clitools import s3_options
 
     yield s3_options(server, request.node.name)
+
+
+#: Debris templates: (folder, checkpoint name, crash point, mode of the crashing child).
+CRASHES = {
+    "data": ("crashed.ckpt", "after_data", "file"),
+    "manifest": ("crashed.ckpt", "after_manifest", "file"),
+    "replace": ("last.ckpt", "after_manifest:2", "replace"),
+    "dir_data": ("checkpoint_5", "after_data:3", "dir"),
+    "dir_aside": ("checkpoint_5", "after_aside:2", "dir"),
+}
+
+
+@pytest.fixture(scope="session")
+def crashed(tmp_path_factory):
+    """Folders holding what real SIGKILLed saves left behind (children run in parallel, once).
+
+    ``crashed(kind, dest)`` copies template ``kind`` (a key of ``CRASHES``) into ``dest``,
+    keeping modification times.
+    """
+    import shutil
+
+    from clitools import crash_saves
+
+    base = tmp_path_factory.mktemp("crashed")
+    scenarios = []
+    for kind, (name, point, mode) in CRASHES.items():
+        (base / kind).mkdir()
+        scenarios.append((str(base / kind), mode, name, point))
+    signals = crash_saves(scenarios)
+    assert signals == [9] * len(scenarios), f"not every child was killed at its crash point: {signals}"
+
+    def copy(kind: str, dest) -> None:
+        shutil.copytree(base / kind, dest, symlinks=True, dirs_exist_ok=True)
+
+    return copy

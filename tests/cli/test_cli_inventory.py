@@ -8,7 +8,7 @@ import os
 import torch
 
 import stagesave
-from clitools import crash_save, flip_byte, small_state, write_checkpoints, write_dir_checkpoint
+from clitools import flip_byte, small_state, write_checkpoints, write_dir_checkpoint
 
 
 def test_ls_lists_newest_first_with_status_step_size_tier(cli, tmp_path):
@@ -29,11 +29,11 @@ def test_ls_lists_newest_first_with_status_step_size_tier(cli, tmp_path):
     assert "step=30.ckpt" in text and "checkpoint_3/" in text and "committed" in text and "notes.txt" not in text
 
 
-def test_ls_shows_corrupt_and_torn(cli, tmp_path):
+def test_ls_shows_corrupt_and_torn(cli, tmp_path, crashed):
     paths = write_checkpoints(tmp_path, steps=(1, 2))
     with open(paths[0], "r+b") as f:  # truncated: the manifest names another size
         f.truncate(os.path.getsize(paths[0]) - 100)
-    assert crash_save(tmp_path, "crashed.ckpt", "after_manifest").returncode == -9
+    crashed("manifest", tmp_path)
     by = {r["name"]: r for r in cli("ls", tmp_path, "--json").json()}
     assert by["step=1.ckpt"]["status"] == "corrupt"
     assert "truncated or replaced" in by["step=1.ckpt"]["problems"][0]
@@ -150,9 +150,9 @@ def test_verify_torn_zip_without_manifest_is_corrupt(cli, tmp_path):
     assert r.code == 1 and "truncated zip" in r.err
 
 
-def test_verify_torn_save_only_fails_when_strict(cli, tmp_path):
+def test_verify_torn_save_only_fails_when_strict(cli, tmp_path, crashed):
     write_checkpoints(tmp_path, steps=(1,))
-    assert crash_save(tmp_path, "crashed.ckpt", "after_manifest").returncode == -9
+    crashed("manifest", tmp_path)
     r = cli("verify", tmp_path)
     assert r.code == 0 and "TORN" in r.out and "crashed before publishing" in r.out
     assert cli("verify", tmp_path, "--strict").code == 1
