@@ -219,7 +219,9 @@ class AcceleratorCheckpointer:
         handle: SaveHandle | None = None
         with run_save_hooks(acc, weights, _remote.leaf(target)) as hook_files:
             rng = collect_rng_state(int(acc.step))
-            rng_states = _dist.gather_to_writers(rng, int(acc.process_index), bool(config.save_on_each_node))
+            rng_states = _dist.gather_to_writers(
+                rng, int(acc.process_index), int(acc.num_processes), bool(config.save_on_each_node)
+            )
             if writer:
                 ckpt = self._checkpointer(keep_last)
                 if automatic:
@@ -293,14 +295,14 @@ class AcceleratorCheckpointer:
         acc = self.accelerator
         for ckpt in list(self._checkpointers.values()):
             ckpt.wait()
-        _dist.barrier()
+        _dist.barrier(int(acc.num_processes))
         plan: dict[str, Any] | None = None
         if int(acc.process_index) == 0:
             try:
                 plan = self._plan_load(input_dir)
             except Exception as exc:  # noqa: BLE001 - every process raises the same error below
                 plan = {"error": exc}
-        plan = _dist.broadcast_from_main(plan)
+        plan = _dist.broadcast_from_main(plan, int(acc.num_processes))
         assert plan is not None
         if "error" in plan:
             raise plan["error"]
@@ -313,7 +315,7 @@ class AcceleratorCheckpointer:
             own_copy = local
         try:
             self._accelerate_load(local, load_kwargs, **load_model_func_kwargs)
-            _dist.barrier()
+            _dist.barrier(int(acc.num_processes))
         finally:
             if own_copy is not None:
                 shutil.rmtree(os.path.dirname(own_copy), ignore_errors=True)

@@ -17,42 +17,45 @@ import torch
 __all__ = ["barrier", "broadcast_from_main", "distributed", "gather_to_writers"]
 
 
-def distributed() -> bool:
-    """Whether a default process group with more than one process is up."""
+def distributed(num_processes: int) -> bool:
+    """Whether Accelerate runs ``num_processes`` > 1 over an initialized default process group.
+
+    Accelerate's own view decides: a process it treats as alone (``num_processes == 1``) is
+    alone for stagesave too, whatever torch.distributed holds.
+    """
     return (
-        torch.distributed.is_available()
+        num_processes > 1
+        and torch.distributed.is_available()
         and torch.distributed.is_initialized()
-        and torch.distributed.get_world_size() > 1
     )
 
 
-def gather_to_writers(obj: Any, rank: int, everywhere: bool) -> dict[int, Any]:
+def gather_to_writers(obj: Any, rank: int, num_processes: int, everywhere: bool) -> dict[int, Any]:
     """Every process's ``obj`` keyed by rank: on rank 0 only, or on all when ``everywhere``.
 
     Processes that receive nothing get ``{}``.
     """
-    if not distributed():
+    if not distributed(num_processes):
         return {rank: obj}
-    world = torch.distributed.get_world_size()
     if everywhere:
-        out: list[Any] = [None] * world
+        out: list[Any] = [None] * num_processes
         torch.distributed.all_gather_object(out, (rank, obj))
         return dict(out)
-    gathered: list[Any] | None = [None] * world if rank == 0 else None
+    gathered: list[Any] | None = [None] * num_processes if rank == 0 else None
     torch.distributed.gather_object((rank, obj), gathered, dst=0)
     return dict(gathered) if gathered is not None else {}
 
 
-def broadcast_from_main(obj: Any) -> Any:
+def broadcast_from_main(obj: Any, num_processes: int) -> Any:
     """Rank 0's ``obj`` on every process."""
-    if not distributed():
+    if not distributed(num_processes):
         return obj
     box = [obj]
     torch.distributed.broadcast_object_list(box, src=0)
     return box[0]
 
 
-def barrier() -> None:
+def barrier(num_processes: int) -> None:
     """Wait for every process (no-op in a single process)."""
-    if distributed():
+    if distributed(num_processes):
         torch.distributed.barrier()

@@ -78,7 +78,7 @@ def train(accelerator: Any, run: dict[str, Any], steps: int) -> None:
             o.zero_grad()
         for c in run["counters"]:
             c.count += 1
-            c.history = c.history + torch.randn(4)
+            c.history = c.history * 0.5 + float(c.count)  # the same on every process, as Accelerate expects
 
 
 def snapshot(accelerator: Any, run: dict[str, Any]) -> dict[str, Any]:

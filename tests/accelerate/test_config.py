@@ -1,0 +1,108 @@
+"""Turning the adapter on and off: what enable() patches, disable() restores, the environment
+and side-file configuration, and the synchronous fallback for FSDP/DeepSpeed."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+from accelerate import Accelerator
+from accelerate.utils import DistributedType
+
+import stagesave.accelerate as sa
+from stagesave.accelerate._config import resolve_options
+
+
+def test_enable_patches_exactly_two_instance_methods_and_disable_restores_them(tmp_path):
+    acc = Accelerator(cpu=True)
+    other = Accelerator(cpu=True)
+    before = set(vars(acc))
+    ckpt = sa.enable(acc)
+    assert set(vars(acc)) - before == {"save_state", "load_state", "_stagesave"}
+    assert acc.save_state.__name__ == "save_state" and acc.save_state.__doc__ == Accelerator.save_state.__doc__
+    assert sa.enabled(acc) is ckpt and sa.enable(acc) is ckpt  # idempotent
+    assert "save_state" not in vars(other)  # the class and other instances are untouched
+    with pytest.raises(ValueError, match="already called on this Accelerator with other options"):
+        sa.enable(acc, max_pending=1)
+    sa.disable(acc)
+    assert set(vars(acc)) == before
+    assert acc.save_state.__func__ is Accelerator.save_state
+    assert sa.enabled(acc) is None
+    sa.disable(acc)  # a second disable is a no-op
+
+
+def test_switched_off_by_environment_leaves_accelerate_alone(monkeypatch, tmp_path):
+    monkeypatch.setenv("STAGESAVE_ACCELERATE", "0")
+    acc = Accelerator(cpu=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # switching off is deliberate: no warning
+        ckpt = sa.enable(acc)
+    assert not ckpt.asynchronous and "save_state" not in vars(acc)
+    assert ckpt.save_state(str(tmp_path / "ck")) is None  # Accelerate's own save ran
+    assert (tmp_path / "ck" / "random_states_0.pkl").exists()
+    assert not (tmp_path / "ck" / "checkpoint.stagesave.json").exists()
+    monkeypatch.setenv("STAGESAVE_ACCELERATE", "maybe")
+    with pytest.raises(ValueError, match="STAGESAVE_ACCELERATE='maybe' is not understood"):
+        sa.enable(Accelerator(cpu=True))
+
+
+def test_options_precedence_code_then_environment_then_side_file(tmp_path):
+    side = tmp_path / "stagesave.yaml"
+    side.write_text("stagesave:\n  max_pending: 3\n  checksum: blake3\n  destination: s3://bucket/run\n"
+                    "  storage_options: {endpoint_url: 'http://127.0.0.1:9000'}\n")
+    env = {"STAGESAVE_ACCELERATE_CONFIG": str(side), "STAGESAVE_ACCELERATE_MAX_PENDING": "1",
+           "STAGESAVE_ACCELERATE_VERIFY_ON_LOAD": "false"}
+    o = resolve_options({"io_threads": 2}, env)
+    assert (o.max_pending, o.checksum, o.destination, o.verify_on_load, o.io_threads) == (1, "blake3", "s3://bucket/run", False, 2)
+    assert o.storage_options == {"endpoint_url": "http://127.0.0.1:9000"}
+    assert resolve_options({"max_pending": 4}, env).max_pending == 4
+    assert resolve_options({}, {}) == sa.Options()
+
+
+def test_bad_configuration_is_named(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("max_pendng: 2\n")
+    with pytest.raises(ValueError, match=r"bad.yaml has unknown keys \['max_pendng'\]"):
+        resolve_options({}, {"STAGESAVE_ACCELERATE_CONFIG": str(bad)})
+    with pytest.raises(FileNotFoundError, match="STAGESAVE_ACCELERATE_CONFIG names .*missing.yaml"):
+        resolve_options({}, {"STAGESAVE_ACCELERATE_CONFIG": str(tmp_path / "missing.yaml")})
+    with pytest.raises(ValueError, match="STAGESAVE_ACCELERATE_MAX_PENDING: max_pending must be an integer"):
+        resolve_options({}, {"STAGESAVE_ACCELERATE_MAX_PENDING": "two"})
+    with pytest.raises(ValueError, match="STAGESAVE_ACCELERATE_IO_THREADS: io_threads must be >= 1"):
+        resolve_options({}, {"STAGESAVE_ACCELERATE_IO_THREADS": "0"})
+    with pytest.raises(TypeError, match="unknown stagesave.accelerate option 'keep_last'"):
+        sa.enable(Accelerator(cpu=True), keep_last=2)
+
+
+@pytest.mark.parametrize("kind", [DistributedType.FSDP, DistributedType.DEEPSPEED])
+def test_fsdp_and_deepspeed_keep_accelerate_methods_with_one_warning(kind):
+    # FSDP and DeepSpeed Accelerators cannot be built on this CPU-only machine (FSDP needs a
+    # GPU-type distributed backend, DeepSpeed is not installed), so this sets the kind on the
+    # real, shared AcceleratorState; the GPU test below builds a real FSDP Accelerator.
+    acc = Accelerator(cpu=True)
+    acc.state.distributed_type = kind
+    with pytest.warns(sa.SynchronousFallbackWarning) as record:
+        ckpt = sa.enable(acc)
+    assert len(record) == 1
+    assert f"{kind.value} runs save model and optimizer shards" in str(record[0].message)
+    assert "stay Accelerate's own synchronous methods" in str(record[0].message)
+    assert not ckpt.asynchronous and "save_state" not in vars(acc) and "load_state" not in vars(acc)
+
+
+@pytest.mark.gpu
+def test_real_fsdp_accelerator_falls_back(tmp_path, monkeypatch):
+    import torch
+
+    for var, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": "29533", "ACCELERATE_USE_FSDP": "true"}.items():
+        monkeypatch.setenv(var, value)
+    acc = Accelerator()
+    assert acc.distributed_type == DistributedType.FSDP
+    with pytest.warns(sa.SynchronousFallbackWarning):
+        ckpt = sa.enable(acc)
+    model = acc.prepare(torch.nn.Linear(8, 8))
+    ckpt.save_state(str(tmp_path / "ck"))
+    assert not (tmp_path / "ck" / "checkpoint.stagesave.json").exists()
+    assert any(p.name.startswith("pytorch_model_fsdp") for p in (tmp_path / "ck").iterdir())
+    acc.load_state(str(tmp_path / "ck"))
+    assert model is not None
