@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from . import _fsops as fsops
 from ._checksum import digest
 from ._crash import crash_point
 from ._manifest import FileEntry, Manifest, StorageRecord
@@ -175,14 +176,14 @@ def retire_file(store: Store, name: str, manifests: Sequence[str]) -> None:
     if local is not None:
         debris = temp_name_for(local)
         try:
-            os.rename(local, debris)
+            fsops.rename(local, debris)
         except FileNotFoundError:
             debris = ""
         for m in manifests:
             store.delete(m)
         crash_point("during_retention")
         if debris:
-            os.unlink(debris)
+            fsops.unlink(debris)
         return
     for m in manifests:
         store.delete(m)

@@ -17,6 +17,7 @@ import os
 import secrets
 from collections.abc import Callable, Sequence
 
+from . import _fsops as fsops
 from ._commit import FileToWrite, WriteStats, write_file
 from ._crash import crash_point
 from ._local import _fsync_dir
@@ -86,9 +87,7 @@ def commit_directory(
 def _remove_tree(store: Store, name: str) -> None:
     path = store.local_path(name)
     if path and os.path.isdir(path) and not os.path.islink(path):
-        import shutil
-
-        shutil.rmtree(path, ignore_errors=True)
+        fsops.rmtree(path)
 
 
 def _move_into_place(store: Store, staging: str, directory: str) -> None:
@@ -100,13 +99,13 @@ def _move_into_place(store: Store, staging: str, directory: str) -> None:
     if os.path.lexists(dst):
         aside = store.local_path(_join(parent, aside_name(leaf, f"{os.getpid()}-{secrets.token_hex(4)}")))
         assert aside is not None
-        os.rename(dst, aside)
+        fsops.rename(dst, aside)
         crash_point("after_aside")
     try:
-        os.rename(src, dst)
+        fsops.rename(src, dst)
     except BaseException:
         if aside is not None:
-            os.rename(aside, dst)
+            fsops.rename(aside, dst)
         raise
     crash_point("after_rename")
     _fsync_dir(os.path.dirname(dst))
@@ -129,7 +128,7 @@ def restore_aside(store: Store, parent: str) -> None:
         src = os.path.join(base, leaf)
         dst = os.path.join(base, original)
         if original and not os.path.lexists(dst):
-            os.rename(src, dst)
+            fsops.rename(src, dst)
             _fsync_dir(base)
         else:
             _remove_tree(store, _join(parent, leaf))

@@ -13,9 +13,9 @@ from __future__ import annotations
 import errno
 import os
 import secrets
-import shutil
 import stat
 
+from . import _fsops as fsops
 from ._names import ALIGNMENT, TMP_MARKER
 from ._store import ObjectInfo, PendingWrite, Store, check_name
 from .errors import CheckpointError, oserror_to_checkpoint_error
@@ -26,14 +26,14 @@ _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
 def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    fd = fsops.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
-        os.fsync(fd)
+        fsops.fsync(fd)
     except OSError as exc:  # some filesystems refuse fsync on directories
         if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
             raise
     finally:
-        os.close(fd)
+        fsops.close(fd)
 
 
 def temp_name_for(path: str) -> str:
@@ -53,18 +53,18 @@ class _LocalPendingWrite(PendingWrite):
         fd = -1
         if direct and _O_DIRECT and len(image) % ALIGNMENT == 0:
             try:
-                fd = os.open(self.tmp, flags | _O_DIRECT, 0o644)
+                fd = fsops.open(self.tmp, flags | _O_DIRECT, 0o644)
                 self.direct = True
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
         if fd < 0:
-            fd = os.open(self.tmp, flags, 0o644)
+            fd = fsops.open(self.tmp, flags, 0o644)
         self.fd = fd
         try:
             if size and hasattr(os, "posix_fallocate"):
                 try:
-                    os.posix_fallocate(fd, 0, size)  # fail fast on a full disk
+                    fsops.posix_fallocate(fd, 0, size)  # fail fast on a full disk
                 except OSError as exc:
                     if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
                         raise
@@ -78,7 +78,7 @@ class _LocalPendingWrite(PendingWrite):
             hi = min(len(self.image), (hi + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT)
         pos = lo
         while pos < hi:
-            n = os.pwrite(self.fd, self.image[pos:hi], pos)
+            n = fsops.pwrite(self.fd, self.image[pos:hi], pos)
             if n <= 0:
                 raise OSError(errno.EIO, f"short write at offset {pos}")
             if self.direct and n % ALIGNMENT and pos + n < hi:
@@ -87,28 +87,28 @@ class _LocalPendingWrite(PendingWrite):
 
     def finish(self) -> None:
         if self.direct and self.size % ALIGNMENT:
-            os.ftruncate(self.fd, self.size)
+            fsops.ftruncate(self.fd, self.size)
         # An fsync error is fatal: the page cache may have dropped the dirty pages, so retrying
         # could report success for bytes that never reached the disk.
-        os.fsync(self.fd)
+        fsops.fsync(self.fd)
         if not self.direct and hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(self.fd, 0, self.size, os.POSIX_FADV_DONTNEED)
-        os.close(self.fd)
+            fsops.posix_fadvise(self.fd, 0, self.size, os.POSIX_FADV_DONTNEED)
+        fsops.close(self.fd)
         self.fd = -1
 
     def publish(self) -> None:
-        os.replace(self.tmp, self.final)
+        fsops.replace(self.tmp, self.final)
         _fsync_dir(os.path.dirname(self.final))
 
     def abort(self) -> None:
         if self.fd >= 0:
             try:
-                os.close(self.fd)
+                fsops.close(self.fd)
             except OSError:
                 pass
             self.fd = -1
         try:
-            os.unlink(self.tmp)
+            fsops.unlink(self.tmp)
         except OSError:
             pass
 
@@ -134,7 +134,7 @@ class LocalStore(Store):
         parent = os.path.dirname(path)
         what = f"cannot write checkpoint {path}"
         try:
-            os.makedirs(parent, exist_ok=True)
+            fsops.makedirs(parent, exist_ok=True)
         except FileExistsError as exc:
             raise CheckpointError(f"{what}: {parent} exists and is not a directory") from exc
         except OSError as exc:
@@ -163,27 +163,27 @@ class LocalStore(Store):
 
     def begin_write(self, name: str, image: memoryview, size: int) -> PendingWrite:
         path = self._path(name)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fsops.makedirs(os.path.dirname(path), exist_ok=True)
         return _LocalPendingWrite(path, image, size, self.direct_io)
 
     def put_atomic(self, name: str, data: bytes) -> None:
         path = self._path(name)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fsops.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = temp_name_for(path)
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = fsops.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
                 view = memoryview(data)
                 while view:
-                    view = view[os.write(fd, view) :]
-                os.fsync(fd)
+                    view = view[fsops.write(fd, view) :]
+                fsops.fsync(fd)
             finally:
-                os.close(fd)
-            os.replace(tmp, path)
+                fsops.close(fd)
+            fsops.replace(tmp, path)
             _fsync_dir(os.path.dirname(path))
         except BaseException:
             try:
-                os.unlink(tmp)
+                fsops.unlink(tmp)
             except OSError:
                 pass
             raise
@@ -230,9 +230,9 @@ class LocalStore(Store):
 
     def delete(self, name: str) -> None:
         try:
-            os.unlink(self._path(name))
+            fsops.unlink(self._path(name))
         except FileNotFoundError:
             pass
 
     def delete_tree(self, name: str) -> None:
-        shutil.rmtree(self._path(name), ignore_errors=True)
+        fsops.rmtree(self._path(name))

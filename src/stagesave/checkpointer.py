@@ -12,6 +12,7 @@ import weakref
 from collections.abc import Iterable
 from typing import Any
 
+from . import _fsops as fsops
 from ._background import JobQueue
 from ._checksum import DEFAULT_ALGORITHM, check_algorithm, digest
 from ._commit import (
@@ -263,10 +264,8 @@ class Checkpointer:
     def _delete_dir(store: Store, name: str) -> None:
         local = store.local_path(name)
         if local is not None:
-            import shutil
-
             if os.path.isdir(local) and not os.path.islink(local):
-                shutil.rmtree(local)
+                fsops.rmtree(local)
             return
         for info in store.list(name):
             store.delete(info.name)
