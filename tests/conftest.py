@@ -9,6 +9,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+pytest_plugins = ["s3server"]
 
 torch.manual_seed(0)
 
