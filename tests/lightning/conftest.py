@@ -110,11 +110,13 @@ def make_trainer(root: Path, plugins: Sequence[Any] = (), callbacks: Sequence[An
 
 class WriterGate:
     """A slow telemetry consumer: while closed, it holds stagesave's writer thread after the
-    save that just committed, so every later save and removal stays pending until ``open()``."""
+    ``hold_after``-th committed save, so every later save and removal stays pending until
+    ``open()``; ``entered`` is set once it holds."""
 
-    def __init__(self) -> None:
+    def __init__(self, hold_after: int = 1) -> None:
         self._open = threading.Event()
         self.entered = threading.Event()
+        self.hold_after = hold_after
         self.seen: list[SaveTelemetry] = []
 
     def close(self) -> None:
@@ -125,6 +127,8 @@ class WriterGate:
 
     def __call__(self, tel: SaveTelemetry) -> None:
         self.seen.append(tel)
+        if len(self.seen) < self.hold_after:
+            return
         self.entered.set()
         if not self._open.wait(20):
             raise RuntimeError("WriterGate was never opened")

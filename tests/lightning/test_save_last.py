@@ -1,0 +1,165 @@
+"""``save_last`` in every mode Lightning supports: ``last.ckpt`` always names a committed
+checkpoint, also across a SIGKILL while a save is pending."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import HERE, HeldCheckpointIO, StepBatches, TinyModel, WriterGate, make_trainer, run_python
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+import stagesave
+from stagesave.lightning import StagedCheckpointIO
+
+
+class LastProbe(Callback):
+    """Before every batch, records what ``last.ckpt`` is: absent, dangling, or a checkpoint
+    with a status (``verified`` when its bytes match its manifest)."""
+
+    def __init__(self, d: Path, release: Any, first_held: Any = None) -> None:
+        self.last = d / "last.ckpt"
+        self.release = release
+        self.first_held = first_held
+        self.seen: list[str] = []
+
+    def on_train_batch_start(self, trainer: Trainer, *args: Any) -> None:
+        if trainer.global_step == 3 and self.first_held is not None:
+            assert self.first_held()  # the step-2 saves are done, later ones are held
+        if os.path.lexists(self.last) and not self.last.exists():
+            self.seen.append("dangling")
+        elif self.last.exists():
+            self.seen.append(stagesave.verify(str(self.last.resolve())).status)
+        else:
+            self.seen.append("absent")
+
+    def on_train_end(self, trainer: Trainer, pl_module: Any) -> None:
+        self.release()
+
+    def on_exception(self, trainer: Trainer, pl_module: Any, exception: BaseException) -> None:
+        self.release()
+
+
+def _eventually(cond: Any, timeout: float = 10.0) -> bool:
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def _run(tmp_path: Path, io: Any, release: Any, save_last: Any, top_k: int = 1,
+         first_held: Any = None) -> tuple[LastProbe, Path]:
+    d = tmp_path / "ckpt"
+    probe = LastProbe(d, release, first_held)
+    mc = ModelCheckpoint(dirpath=d, every_n_train_steps=2, save_top_k=top_k, save_last=save_last)
+    make_trainer(tmp_path, [io], [mc, probe], max_steps=8).fit(TinyModel(), StepBatches())
+    return probe, d
+
+
+@pytest.mark.parametrize("save_last", [True, "link"])
+def test_last_is_always_a_committed_checkpoint(tmp_path: Path, save_last: Any) -> None:
+    # Hold the writer once the step-2 saves are committed (top-k file, plus last.ckpt if a copy).
+    gate = WriterGate(hold_after=2 if save_last is True else 1)
+    io = StagedCheckpointIO(telemetry_callback=gate, max_pending=8)
+    last = tmp_path / "ckpt" / "last.ckpt"
+
+    def first_held() -> bool:  # the step-2 saves committed, and (link mode) the link moved
+        return gate.entered.wait(30) and _eventually(last.exists)
+
+    probe, d = _run(tmp_path, io, gate.open, save_last, first_held=first_held)
+    assert set(probe.seen) <= {"absent", "verified"}
+    assert probe.seen[3:] == ["verified"] * 5  # steps 3-7: the step-2 checkpoint while later ones are held
+    assert last.is_symlink() == (save_last == "link")
+    assert stagesave.verify(str(last.resolve())).status == "verified"
+    assert torch.load(last, weights_only=False)["global_step"] == 8
+    files = sorted(p.name for p in d.glob("*.ckpt") if not p.is_symlink())
+    assert files == (["epoch=0-step=8.ckpt"] if save_last == "link" else ["epoch=0-step=8.ckpt", "last.ckpt"])
+
+
+def test_async_checkpointio_link_fails_while_the_first_save_is_pending(tmp_path: Path) -> None:
+    held = HeldCheckpointIO(hold_after=0)
+    with pytest.raises(FileNotFoundError, match="epoch=0-step=2.ckpt"):
+        _run(tmp_path, AsyncCheckpointIO(held), held.release.set, "link")
+    held.release.set()
+
+
+def test_async_checkpointio_link_dangles_while_a_save_is_pending(tmp_path: Path) -> None:
+    (tmp_path / "ckpt").mkdir()
+    held = HeldCheckpointIO(hold_after=1)
+    probe, d = _run(tmp_path, AsyncCheckpointIO(held), held.release.set, "link")
+    assert "dangling" in probe.seen
+
+
+def test_plugin_link_works_from_the_first_save(tmp_path: Path) -> None:
+    probe, d = _run(tmp_path, StagedCheckpointIO(), lambda: None, "link")
+    assert set(probe.seen) <= {"absent", "verified"}  # never a dangling link, never a failure
+    assert os.readlink(d / "last.ckpt") == "epoch=0-step=8.ckpt"
+
+
+def test_save_last_false_writes_no_last(tmp_path: Path) -> None:
+    io = StagedCheckpointIO()
+    _, d = _run(tmp_path, io, lambda: None, False, top_k=-1)
+    assert sorted(p.name for p in d.glob("*.ckpt")) == [f"epoch=0-step={s}.ckpt" for s in (2, 4, 6, 8)]
+
+
+def test_link_to_a_failed_save_keeps_the_previous_target(tmp_path: Path, gate: WriterGate) -> None:
+    io = StagedCheckpointIO(telemetry_callback=gate, max_pending=8)
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    link = good / "last.ckpt"
+    io.save_checkpoint({"v": torch.ones(3)}, good / "a.ckpt")
+    io.link(good / "a.ckpt", link)
+    assert gate.entered.wait(30)
+    io.save_checkpoint({"v": torch.zeros(3)}, bad / "b.ckpt")
+    io.link(bad / "b.ckpt", link)
+    bad.rename(tmp_path / "gone")
+    (tmp_path / "bad").write_bytes(b"")  # the directory is replaced by a file: the write fails
+    gate.open()
+    with pytest.raises(stagesave.CheckpointError):
+        io.wait()
+    assert os.readlink(link) == "a.ckpt"
+    assert torch.equal(io.load_checkpoint(link)["v"], torch.ones(3))
+    io.teardown()
+
+
+# ---------------------------------------------------------------- SIGKILL while the save is pending
+class StartStep(Callback):
+    def __init__(self) -> None:
+        self.step: int | None = None
+
+    def on_train_start(self, trainer: Trainer, pl_module: Any) -> None:
+        self.step = trainer.global_step
+
+
+def _crash_then_resume(tmp_path: Path, mode: str) -> tuple[dict[str, Any], int | None]:
+    proc = run_python([str(HERE / "_child_link.py"), mode, str(tmp_path)])
+    assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
+    at_kill = json.loads(proc.stdout.strip().splitlines()[-1])
+    io: Any = AsyncCheckpointIO() if mode == "async" else StagedCheckpointIO()
+    start = StartStep()
+    mc = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=1, save_last="link")
+    make_trainer(tmp_path, [io], [mc, start], max_steps=6).fit(TinyModel(), StepBatches(), ckpt_path="last")
+    return at_kill, start.step
+
+
+def test_async_checkpointio_crash_during_link_trains_from_scratch(tmp_path: Path) -> None:
+    at_kill, start = _crash_then_resume(tmp_path, "async")
+    # last.ckpt pointed at a file never written; step 2 was already removed.
+    assert at_kill == {"last": "epoch=0-step=4.ckpt", "files": ["last.ckpt"]}
+    assert start == 0  # ckpt_path="last" silently started over
+
+
+def test_plugin_crash_during_link_resumes_from_the_committed_checkpoint(tmp_path: Path) -> None:
+    at_kill, start = _crash_then_resume(tmp_path, "staged")
+    assert at_kill["last"] == "epoch=0-step=2.ckpt"
+    assert "epoch=0-step=2.ckpt" in at_kill["files"]
+    assert start == 2
