@@ -117,6 +117,7 @@ ALTERNATIVES: dict[str, Callable[[], Starter]] = {
     "lightning AsyncCheckpointIO": make_lightning_async,
     "dcp.async_save (thread)": make_dcp_async,
     "stagesave": make_stagesave,
+    "stagesave hash-in-staging": lambda: make_stagesave(checksum_in="staging"),
 }
 
 

@@ -45,6 +45,8 @@ class FileToWrite:
     storages: Sequence[StorageRecord] = ()
     #: Name recorded in the manifest (relative to the manifest's directory).
     entry_name: str | None = None
+    #: Chunk digests computed while staging (then the writers only write).
+    digests: Sequence[str] | None = None
 
 
 @dataclass
@@ -76,11 +78,18 @@ def write_file(
         n_chunks = (f.size + chunk_bytes - 1) // chunk_bytes
         hash_time = [0.0] * n_chunks
 
+        pre = f.digests
+        if pre is not None and len(pre) != n_chunks:
+            raise ValueError(f"{len(pre)} precomputed digests for {n_chunks} chunks")
+
         def one(i: int) -> str:
             lo, hi = i * chunk_bytes, min(f.size, (i + 1) * chunk_bytes)
-            h0 = time.perf_counter()
-            d = digest(algorithm, f.image[lo:hi])
-            hash_time[i] = time.perf_counter() - h0
+            if pre is not None:
+                d = pre[i]
+            else:
+                h0 = time.perf_counter()
+                d = digest(algorithm, f.image[lo:hi])
+                hash_time[i] = time.perf_counter() - h0
             pending.write_range(lo, hi)
             if i == 0 and n_chunks > 1:
                 crash_point("mid_data")
@@ -110,6 +119,14 @@ def write_file(
         storages=tuple(f.storages),
     )
     return entry, pending.publish, pending.abort
+
+
+def chunk_digests(
+    view: memoryview, size: int, *, algorithm: str, chunk_bytes: int, pool: cf.Executor
+) -> list[str]:
+    """Digests of every chunk of ``view[:size]``, computed in parallel (the hashes drop the GIL)."""
+    n = (size + chunk_bytes - 1) // chunk_bytes
+    return list(pool.map(lambda i: digest(algorithm, view[i * chunk_bytes : min(size, (i + 1) * chunk_bytes)]), range(n)))
 
 
 def commit_files(

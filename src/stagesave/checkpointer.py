@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import concurrent.futures as cf
 import io
 import os
 import sys
@@ -12,11 +13,14 @@ import weakref
 from collections.abc import Iterable
 from typing import Any
 
+import torch
+
 from . import _fsops as fsops
 from ._background import JobQueue
 from ._checksum import DEFAULT_ALGORITHM, check_algorithm, digest
 from ._commit import (
     FileToWrite,
+    chunk_digests,
     WriteStats,
     commit_files,
     manifest_path_for,
@@ -112,6 +116,10 @@ class Checkpointer:
             beside local checkpoints, or a file path to append them to.
         safe_globals: Extra classes allowed when loading (see :mod:`stagesave.safety`).
         pinned: Pin staging buffers (default: when CUDA is available).
+        checksum_in: ``"background"`` (default): the writer threads hash each chunk as they
+            write it; ``"staging"``: hash on the caller's time, in parallel right after the copy,
+            so the background only makes syscalls (trades blocking time for less interference
+            with a training loop that keeps every core busy; see BENCHMARKS.md).
     """
 
     def __init__(
@@ -129,6 +137,7 @@ class Checkpointer:
         telemetry_jsonl: bool | str = False,
         safe_globals: Iterable[Any] = (),
         pinned: bool | None = None,
+        checksum_in: str = "background",
     ) -> None:
         if max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_pending}")
@@ -139,6 +148,10 @@ class Checkpointer:
         if chunk_bytes < ALIGNMENT or chunk_bytes % ALIGNMENT:
             raise ValueError(f"chunk_bytes must be a positive multiple of {ALIGNMENT}, got {chunk_bytes}")
         self.checksum = check_algorithm(checksum)
+        if checksum_in not in ("background", "staging"):
+            raise ValueError(f"checksum_in must be 'background' or 'staging', got {checksum_in!r}")
+        self.checksum_in = checksum_in
+        self._hash_pool: cf.ThreadPoolExecutor | None = None
         self.keep_last = keep_last
         self.chunk_bytes = chunk_bytes
         self.telemetry_callback = telemetry_callback
@@ -177,6 +190,15 @@ class Checkpointer:
         try:
             s0 = time.perf_counter()
             wait_device = stage_image(image, buf)
+            digests = None
+            if self.checksum_in == "staging":
+                if wait_device is not None:
+                    wait_device()
+                    wait_device = None
+                h0 = time.perf_counter()
+                digests = chunk_digests(buf.view, image.size, algorithm=self.checksum,
+                                        chunk_bytes=self.chunk_bytes, pool=self._staging_pool())
+                tel.checksum_s = time.perf_counter() - h0
             tel.stage_s = time.perf_counter() - s0
         except BaseException:
             self._pool.release(buf)
@@ -195,7 +217,7 @@ class Checkpointer:
             try:
                 if wait_device is not None:
                     wait_device()
-                self._write_and_commit(store, name, image, buf.view, tel, metadata or {})
+                self._write_and_commit(store, name, image, buf.view, tel, metadata or {}, digests)
                 tel.time_to_commit_s = time.perf_counter() - t_submit
                 tel.committed_at = time.time()
                 if self.keep_last is not None:
@@ -210,8 +232,14 @@ class Checkpointer:
         self._submit(job, handle, key)
         return handle
 
+    def _staging_pool(self) -> cf.ThreadPoolExecutor:
+        if self._hash_pool is None:
+            self._hash_pool = cf.ThreadPoolExecutor(max(1, torch.get_num_threads()), thread_name_prefix="stagesave-hash")
+        return self._hash_pool
+
     def _write_and_commit(
-        self, store: Store, name: str, image: FileImage, view: memoryview, tel: SaveTelemetry, metadata: dict[str, Any]
+        self, store: Store, name: str, image: FileImage, view: memoryview, tel: SaveTelemetry,
+        metadata: dict[str, Any], digests: list[str] | None = None,
     ) -> None:
         stats = WriteStats()
         queue = self._queue
@@ -219,15 +247,15 @@ class Checkpointer:
         storages = [StorageRecord(s.key, s.offset, s.nbytes) for s in image.slots]
         entry, publish, abort = write_file(
             store,
-            FileToWrite(name, view, image.size, "torch", image.serialization_id, image.id_offset, storages),
+            FileToWrite(name, view, image.size, "torch", image.serialization_id, image.id_offset, storages,
+                        digests=digests),
             algorithm=self.checksum,
             chunk_bytes=self.chunk_bytes,
             pool=queue.io_pool,
             stats=stats,
         )
-        tel.write_s, tel.checksum_s, tel.fsync_s, tel.direct_io = (
-            stats.write_s, stats.checksum_s, stats.fsync_s, stats.direct_io
-        )
+        tel.write_s, tel.fsync_s, tel.direct_io = stats.write_s, stats.fsync_s, stats.direct_io
+        tel.checksum_s += stats.checksum_s
         tel.throughput_bytes_per_s = image.size / stats.write_s if stats.write_s > 0 else 0.0
         manifest = Manifest(
             files=[entry],
@@ -673,6 +701,8 @@ class Checkpointer:
         finally:
             self._pool.close()
             self._targets.close()
+            if self._hash_pool is not None:
+                self._hash_pool.shutdown(wait=False)
             _live.discard(self)
         self._raise_failures()
 

@@ -153,3 +153,14 @@ def test_checksum_algorithms(ckpt_dir, algorithm):
     assert info.status == "verified"
     assert info.manifest.files[0].algorithm == algorithm and len(info.manifest.files[0].chunks) > 1
     assert_same(stagesave.load(ckpt_dir / "c.ckpt")["t"].shape, torch.Size([5000]))
+
+
+def test_checksums_computed_while_staging_verify_the_same(ckpt_dir):
+    with stagesave.Checkpointer(ckpt_dir, checksum_in="staging", chunk_bytes=1 << 16) as ck:
+        h = ck.save({"t": torch.randn(100_000)}, "s.ckpt")
+        assert h.telemetry.checksum_s > 0 and h.telemetry.blocking_s >= h.telemetry.checksum_s
+        h.result()
+        info = ck.verify("s.ckpt")
+        assert info.status == "verified" and len(info.manifest.files[0].chunks) > 1
+    with pytest.raises(ValueError, match="checksum_in"):
+        stagesave.Checkpointer(checksum_in="later")
