@@ -302,7 +302,8 @@ def _multipart(
             abort_stale_multipart_uploads = None
         if abort_stale_multipart_uploads is not None:
             aborted = abort_stale_multipart_uploads(
-                store.url, older_than_s=older_than_s, storage_options=storage_options
+                store,
+                older_than_s=older_than_s, storage_options=storage_options,
             )
             return [
                 Debris(str(a), "multipart-upload", "abort", f"not completed for over {older_than_s:.0f} s")

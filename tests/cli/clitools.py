@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 import textwrap
@@ -84,10 +83,10 @@ _CRASH_DRIVER = textwrap.dedent(
     import torch, stagesave
     from stagesave.formats import Safetensors
 
-    def scenario(root, mode, name):
-        w = torch.arange(600_000, dtype=torch.float32)
-        with stagesave.Checkpointer(root, chunk_bytes=1 << 20) as ck:
-            if mode == "file":
+    def scenario(root, mode, name, options):
+        w = torch.arange(600_000 if mode != "big" else 5_000_000, dtype=torch.float32)
+        with stagesave.Checkpointer(root, chunk_bytes=1 << 20, storage_options=options) as ck:
+            if mode in ("file", "big"):
                 ck.save({"w": w}, name).result()
             elif mode == "replace":  # a committed file, then a crash while replacing it
                 ck.save({"w": w}, name).result()
@@ -98,12 +97,12 @@ _CRASH_DRIVER = textwrap.dedent(
                 ck.save_dir({**files, "optimizer.bin": {"step": 2}}, name).result()
 
     results = []
-    for root, mode, name, point in json.loads(sys.argv[1]):
+    for root, mode, name, point, *options in json.loads(sys.argv[1]):
         pid = os.fork()  # one import of torch, one real process per crash
         if pid == 0:
             os.environ["STAGESAVE_CRASH_AT"] = point
             try:
-                scenario(root, mode, name)
+                scenario(root, mode, name, options[0] if options else None)
             finally:
                 os._exit(0)
         _, status = os.waitpid(pid, 0)
@@ -113,12 +112,14 @@ _CRASH_DRIVER = textwrap.dedent(
 )
 
 
-def crash_saves(scenarios: list[tuple[str, str, str, str]]) -> list[int]:
-    """Each ``(root, mode, name, point)``: a real process saves ``name`` into ``root`` and is
-    SIGKILLed at crash point ``point``; returns the signal that ended each (9 when killed).
+def crash_saves(scenarios: list[tuple[Any, ...]]) -> list[int]:
+    """Each ``(root, mode, name, point[, storage_options])``: a real process saves ``name`` into
+    ``root`` and is SIGKILLed at crash point ``point``; returns the signal that ended each (9
+    when killed).
 
-    ``mode``: ``file`` (the first save crashes), ``replace`` / ``dir`` (a committed file /
-    folder, then the save replacing it crashes: pass ``point`` as ``<point>:2``).
+    ``mode``: ``file`` (the first save crashes), ``big`` (the same with 20 MB: a multipart upload
+    on S3), ``replace`` / ``dir`` (a committed file / folder, then the save replacing it
+    crashes: pass ``point`` as ``<point>:2``).
     """
     env = {k: v for k, v in os.environ.items() if k != "STAGESAVE_CRASH_AT"}
     r = subprocess.run([sys.executable, "-c", _CRASH_DRIVER, json.dumps(scenarios)], env=env,
@@ -126,23 +127,3 @@ def crash_saves(scenarios: list[tuple[str, str, str, str]]) -> list[int]:
     assert r.returncode == 0, r.stderr[-3000:]
     result: list[int] = json.loads(r.stdout.strip().splitlines()[-1])
     return result
-
-
-def s3_options(server: Any, test_name: str) -> tuple[str, list[str], dict[str, Any]]:
-    """``(url prefix, CLI options, storage_options)`` from the shared S3 fixture object."""
-    storage: dict[str, Any] = dict(getattr(server, "storage_options", None) or {})
-    endpoint = getattr(server, "endpoint_url", None) or getattr(server, "endpoint", None)
-    if endpoint is None:
-        endpoint = storage.get("endpoint_url") or storage.get("client_kwargs", {}).get("endpoint_url")
-    if endpoint is not None:
-        storage.setdefault("endpoint_url", endpoint)
-    bucket = getattr(server, "bucket", None) or "stagesave-test"
-    base = getattr(server, "url", None) or f"s3://{bucket}"
-    prefix = f"{str(base).rstrip('/')}/cli-{re.sub(r'[^A-Za-z0-9]+', '-', test_name)[:60]}-{os.getpid()}"
-    opts: list[str] = []
-    for k, v in storage.items():
-        if k == "endpoint_url":
-            opts += ["--endpoint-url", str(v)]
-        else:
-            opts += ["-o", f"{k}={json.dumps(v)}"]
-    return prefix, opts, storage

@@ -27,18 +27,14 @@ def cli(capsys):
 
 
 @pytest.fixture
-def cli_s3(request):
-    """The loopback S3 server of ``tests/s3server.py`` (shared ``s3`` fixture), as CLI options.
-
-    Yields ``(url_prefix, cli_options, storage_options)`` for a fresh prefix of its bucket.
-    """
-    try:
-        server = request.getfixturevalue("s3")
-    except pytest.FixtureLookupError:
-        pytest.skip("the shared `s3` fixture (tests/s3server.py, registered in tests/conftest.py) is not available")
-    from clitools import s3_options
-
-    yield s3_options(server, request.node.name)
+def cli_s3(s3_url, s3_options):
+    """A fresh ``s3://`` prefix on the loopback server (tests/s3server.py), the CLI options
+    that reach it, and its storage_options."""
+    cli_options = ["--endpoint-url", s3_options["endpoint_url"], "--retries", "3"]
+    for k, v in s3_options.items():
+        if k != "endpoint_url":
+            cli_options += ["-o", f"{k}={v}"]
+    return s3_url, cli_options, s3_options
 
 
 #: Debris templates: (folder, checkpoint name, crash point, mode of the crashing child).

@@ -33,6 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
         "-o", "--storage-option", action="append", default=[], metavar="KEY=VALUE",
         help="fsspec storage option for URLs (repeatable; VALUE may be JSON), e.g. -o anon=true",
     )
+    parser.add_argument(
+        "--retries", type=int, metavar="N",
+        help="attempts per S3 request before giving up (default: the store's, 8); 1 fails fast",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module in (_plan, _ls, _inspect, _verify, _convert, _clean, _bench, _report):
         module.add_parser(sub)
@@ -49,7 +53,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             storage_options=parse_storage_options(args.storage_option, args.endpoint_url),
             debug=args.debug,
             quiet=args.quiet,
+            retries=args.retries,
         )
+        if args.retries is not None and args.retries < 1:
+            raise CliError("--retries must be at least 1", EXIT_USAGE)
         status: int = args.func(env, args)
         return status
     except KeyboardInterrupt:

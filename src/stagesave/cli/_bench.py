@@ -32,7 +32,11 @@ def synthetic_state(size_bytes: float, *, seed: int = 0) -> dict[str, Any]:
     """A training state of about ``size_bytes``: fp32 weights and Adam moments by layer."""
     if size_bytes < 1e5:
         raise ValueError(f"the benchmark state must be at least 100 kB, got {fmt_bytes(size_bytes)}")
-    hidden = 256 if size_bytes < 64e6 else (512 if size_bytes < 1e9 else 1024)
+    # A layer holds ~12 h^2 parameters, each with weight + 2 moments in fp32 (144 h^2 bytes):
+    # pick the widest power of two that still gives at least 4 layers.
+    hidden = 16
+    while hidden < 2048 and 144 * (2 * hidden) ** 2 * 4 <= size_bytes:
+        hidden *= 2
     shapes = {
         "attn.qkv.weight": (3 * hidden, hidden), "attn.out.weight": (hidden, hidden),
         "mlp.up.weight": (4 * hidden, hidden), "mlp.down.weight": (hidden, 4 * hidden),
@@ -112,13 +116,15 @@ def add_parser(sub: Any) -> None:
     p.add_argument("target", metavar="DIR|URL", help="where to write (a folder, or e.g. s3://bucket/prefix)")
     p.add_argument("--size", default="256MB", help="size of the synthetic training state (default 256MB)")
     p.add_argument("--repeat", type=int, default=3, help="saves per method; the median is shown (default 3)")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="uncounted saves per method first (buffer allocation, page cache; default 1)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=run)
 
 
 def run(env: Env, args: argparse.Namespace) -> int:
-    if args.repeat < 1:
-        raise CliError("--repeat must be at least 1", 2)
+    if args.repeat < 1 or args.warmup < 0:
+        raise CliError("--repeat must be at least 1 and --warmup at least 0", 2)
     try:
         state = synthetic_state(parse_size(args.size))
     except ValueError as exc:
@@ -133,20 +139,25 @@ def run(env: Env, args: argparse.Namespace) -> int:
     ss_path = f"{root}/stagesave-bench.ckpt"
     plain = Timing("torch.save" + ("" if is_url(root) else " + fsync"))
     staged = Timing("stagesave")
-    with env.progress("benchmarking", 2 * args.repeat * nbytes) as advance, Checkpointer(
+    runs = args.warmup + args.repeat
+    with env.progress("benchmarking", 2 * runs * nbytes) as advance, Checkpointer(
         storage_options=env.storage_options
     ) as ckpt:
         try:
-            for _ in range(args.repeat):
+            for i in range(runs):
+                counted = i >= args.warmup
                 dt = _torch_save(env, state, torch_path)
-                plain.blocking_s.append(dt)
-                plain.durable_s.append(dt)
+                if counted:
+                    plain.blocking_s.append(dt)
+                    plain.durable_s.append(dt)
                 advance(nbytes)
                 t0 = time.perf_counter()
                 handle = ckpt.save(state, ss_path)
-                staged.blocking_s.append(time.perf_counter() - t0)
+                blocked = time.perf_counter() - t0
                 handle.result()
-                staged.durable_s.append(time.perf_counter() - t0)
+                if counted:
+                    staged.blocking_s.append(blocked)
+                    staged.durable_s.append(time.perf_counter() - t0)
                 advance(nbytes)
         finally:
             _remove(env, torch_path)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -28,8 +29,24 @@ class CliError(Exception):
         self.code = code
 
 
+#: Options that are always strings, even when they look like numbers (credentials above all).
+_STRING_OPTIONS = frozenset({"key", "secret", "token", "username", "password", "profile", "endpoint_url", "region_name"})
+
+
+def _option_value(key: str, value: str) -> Any:
+    if key in _STRING_OPTIONS:
+        return value
+    if value in ("true", "false", "null") or value.startswith(("{", "[")) or re.fullmatch(r"-?\d+(\.\d+)?", value):
+        try:
+            return json.loads(value)
+        except ValueError:
+            return value
+    return value
+
+
 def parse_storage_options(pairs: list[str], endpoint_url: str | None) -> dict[str, Any]:
-    """``KEY=VALUE`` pairs (VALUE parsed as JSON when it is JSON) plus ``--endpoint-url``.
+    """``KEY=VALUE`` pairs plus ``--endpoint-url``. VALUE is read as JSON when it is a boolean,
+    null, number, object or array, except for credentials and names, which stay strings.
 
     Raises:
         CliError: a pair has no ``=``.
@@ -39,13 +56,35 @@ def parse_storage_options(pairs: list[str], endpoint_url: str | None) -> dict[st
         key, eq, value = pair.partition("=")
         if not eq or not key:
             raise CliError(f"--storage-option {pair!r}: expected KEY=VALUE, e.g. anon=true", 2)
-        try:
-            opts[key] = json.loads(value)
-        except ValueError:
-            opts[key] = value
+        opts[key] = _option_value(key, value)
     if endpoint_url:
         opts["endpoint_url"] = endpoint_url
     return opts
+
+
+class _Resolver(StoreResolver):
+    """The core's resolver, with the CLI's retry budget for ``s3://`` roots."""
+
+    def __init__(self, storage_options: dict[str, Any], retries: int | None) -> None:
+        super().__init__(None, storage_options=storage_options)
+        self.retries = retries
+        self._s3: dict[str, Store] = {}
+
+    def store_for(self, url: str) -> Store:
+        if self.retries is None or not url.startswith(("s3://", "s3a://")):
+            return super().store_for(url)
+        key = url.rstrip("/")
+        if key not in self._s3:
+            from .._s3 import RetryPolicy, S3Store
+
+            self._s3[key] = S3Store(key, self.storage_options, retry=RetryPolicy(max_attempts=self.retries))
+        return self._s3[key]
+
+    def close(self) -> None:
+        for store in self._s3.values():
+            store.close()
+        self._s3.clear()
+        super().close()
 
 
 @dataclass
@@ -68,6 +107,7 @@ class Env:
     storage_options: dict[str, Any] = field(default_factory=dict)
     debug: bool = False
     quiet: bool = False
+    retries: int | None = None
     out: Console = field(default_factory=lambda: _console(sys.stdout))
     err: Console = field(default_factory=lambda: _console(sys.stderr))
 
@@ -80,9 +120,9 @@ class Env:
         return not self.quiet and self.err.is_terminal
 
     @property
-    def resolver(self) -> StoreResolver:
+    def resolver(self) -> _Resolver:
         if self._resolver is None:
-            self._resolver = StoreResolver(None, storage_options=self.storage_options)
+            self._resolver = _Resolver(self.storage_options, self.retries)
         return self._resolver
 
     def close(self) -> None:

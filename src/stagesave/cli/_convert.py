@@ -34,12 +34,12 @@ from .._manifest import FileEntry, Manifest
 from .._names import ALIGNMENT, DEFAULT_CHUNK_BYTES, MAX_FILE_BYTES
 from .._store import Store
 from .._targets import is_url
-from ..errors import CheckpointError, IntegrityError, UnsafeCheckpointError
+from ..errors import IntegrityError, UnsafeCheckpointError
 from ..safety import safe_torch_load
 from ._common import CliError, Env, Target
-from ._found import folder_files, resolve_target, tensor_index
+from ._found import folder_files, needs_unsafe_global, resolve_target, tensor_index
 from ._units import fmt_bytes
-from ._verify import THREADS, entries_of
+from ._verify import THREADS, first_line, entries_of
 
 __all__ = ["LAYOUTS", "adopt_file", "add_parser", "export"]
 
@@ -400,11 +400,12 @@ def adopt_file(
     try:
         tensors = [{"name": t["name"], "dtype": t["dtype"], "shape": t["shape"]}
                    for t in tensor_index(store, name, kind, before.size, trusted=trusted)]
-    except UnsafeCheckpointError:
+    except Exception as exc:  # noqa: BLE001 - whatever fails to parse is not certified
+        if not needs_unsafe_global(exc):
+            reason = first_line(exc.__cause__ if isinstance(exc, UnsafeCheckpointError) and exc.__cause__ else exc)
+            raise CliError(f"{target.where} cannot be parsed as a {kind} file ({reason}); refusing to certify it") from exc
         env.err.print("note: the tensor index is left out: the file needs classes off the safe allow-list "
                       "(--trusted parses it anyway)", markup=False)
-    except (CheckpointError, ValueError, RuntimeError, EOFError) as exc:
-        raise CliError(f"{target.where} cannot be parsed as a {kind} file ({exc}); refusing to certify it") from exc
     sid, id_offset = _torch_id(store, name, before.size) if kind == "torch" else (None, None)
     n = (before.size + chunk_bytes - 1) // chunk_bytes
     with env.progress(f"hashing {name}", before.size) as advance:

@@ -23,7 +23,7 @@ from .._gc import Debris, find_debris
 from .._manifest import Manifest
 from .._names import ASIDE_MARKER, DIR_MANIFEST, TMP_MARKER, split_manifest_name
 from .._store import ObjectInfo, Store
-from ..errors import ManifestError
+from ..errors import ManifestError, UnsafeCheckpointError
 from ..safety import safe_torch_load
 
 __all__ = ["Row", "find_rows", "resolve_target", "store_tier", "tensor_index"]
@@ -246,6 +246,14 @@ def _walk(obj: Any, prefix: str, out: list[dict[str, Any]], depth: int = 0) -> N
     elif depth < 64 and isinstance(obj, (list, tuple)):
         for i, v in enumerate(obj):
             _walk(v, f"{prefix}.{i}" if prefix else str(i), out, depth + 1)
+
+
+def needs_unsafe_global(exc: BaseException) -> bool:
+    """Whether a refused load was refused for a class off the allow-list (the file is fine),
+    rather than for a pickle that does not parse (the file is damaged)."""
+    if not isinstance(exc, UnsafeCheckpointError):
+        return False
+    return "GLOBAL" in str(exc.__cause__ or "")  # torch: "Unsupported global: GLOBAL mod.Class"
 
 
 def torch_index(store: Store, name: str, size: int, *, trusted: bool = False) -> list[dict[str, Any]]:

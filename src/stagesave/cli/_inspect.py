@@ -12,7 +12,8 @@ from .._discovery import CheckpointInfo
 from .._store import Store
 from ..errors import CheckpointError, CheckpointNotFoundError
 from ._common import Env
-from ._found import folder_files, manifest_tensors, resolve_target, step_of, tensor_index
+from ._found import folder_files, manifest_tensors, needs_unsafe_global, resolve_target, step_of, tensor_index
+from ._verify import first_line
 from ._ls import fmt_time
 from ._units import fmt_bytes, fmt_duration, fmt_rate
 
@@ -63,11 +64,13 @@ def describe(store: Store, ci: CheckpointInfo, *, trusted: bool = False) -> dict
         for f in files:
             try:
                 found = tensor_index(store, f["store_name"], f["kind"], f["size"], trusted=trusted)
-            except CheckpointError as exc:
-                notes.append(f"{f['name']}: tensors not listed: {exc}")
-                continue
             except Exception as exc:  # noqa: BLE001 - a damaged file must not stop the summary
-                notes.append(f"{f['name']}: cannot be parsed: {type(exc).__name__}: {exc}")
+                if needs_unsafe_global(exc):
+                    notes.append(f"{f['name']}: tensors not listed: it needs classes off the safe "
+                                 "allow-list (--trusted parses it with the full unpickler)")
+                else:
+                    cause = exc.__cause__ if isinstance(exc, CheckpointError) and exc.__cause__ else exc
+                    notes.append(f"{f['name']}: cannot be parsed: {first_line(cause)}")
                 continue
             if len(files) > 1:
                 for t in found:

@@ -162,11 +162,11 @@ def draw_timeline(saves: list[dict[str, Any]], png: str) -> None:
         handles=[Patch(color=colors["staging"], label="staging (blocks training)"),
                  Patch(color=colors["write"], label="background write"),
                  Patch(color=colors["commit"], label="commit")],
-        loc="lower right", fontsize=8,
+        loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3, frameon=False, fontsize=8,
     )
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(png, format="png", dpi=100)
+    fig.savefig(png, format="png", dpi=100, bbox_inches="tight")
     plt.close(fig)
 
 

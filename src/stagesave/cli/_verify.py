@@ -14,7 +14,7 @@ from .._manifest import FileEntry
 from .._store import Store
 from ..errors import CheckpointNotFoundError, UnsafeCheckpointError
 from ._common import CliError, Env
-from ._found import find_rows, folder_files, resolve_target, torch_index
+from ._found import find_rows, folder_files, needs_unsafe_global, resolve_target, torch_index
 
 __all__ = ["Outcome", "add_parser", "check_entries", "entries_of", "run", "verify_checkpoint"]
 
@@ -87,14 +87,25 @@ def verify_checkpoint(env: Env, store: Store, ci: CheckpointInfo) -> Outcome:
             continue
         try:
             torch_index(store, name, size)
-        except UnsafeCheckpointError:
-            out.notes.append("its structure needs classes off the safe allow-list: not parsed")
-        except Exception as exc:  # noqa: BLE001 - any parse failure means the file is damaged
+        except Exception as exc:  # noqa: BLE001 - any other parse failure means the file is damaged
+            if needs_unsafe_global(exc):
+                out.notes.append(f"{name.rpartition('/')[2]} needs classes off the safe allow-list: structure not parsed")
+                continue
+            cause = exc.__cause__ if isinstance(exc, UnsafeCheckpointError) and exc.__cause__ else exc
             out.status = "corrupt"
             out.problems.append(
-                f"{store.describe(name)} cannot be read as a torch file: {type(exc).__name__}: {exc}"
+                f"{store.describe(name)} cannot be read as a torch file: {first_line(cause)}"
             )
     return out
+
+
+def first_line(exc: BaseException) -> str:
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    # torch's refusals bury the reason under boilerplate: keep the line that names it
+    for ln in lines:
+        if ln.startswith(("Unsupported", "Invalid", "invalid", "PytorchStreamReader")):
+            return ln
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
 
 
 def add_parser(sub: Any) -> None:

@@ -1,0 +1,77 @@
+"""The error policy: one clear line and a non-zero exit, a traceback only with --debug; the real
+entry points (`python -m stagesave`, the `stagesave` console script)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+from clitools import write_checkpoints
+
+
+def _run(*args, **kw):
+    return subprocess.run([sys.executable, "-m", "stagesave", *map(str, args)], capture_output=True, text=True,
+                          timeout=300, **kw)
+
+
+def test_python_m_stagesave_and_console_script():
+    r = _run("--help")
+    assert r.returncode == 0
+    for cmd in ("plan", "ls", "inspect", "verify", "export", "adopt", "gc", "bench", "report"):
+        assert cmd in r.stdout
+    script = os.path.join(os.path.dirname(sys.executable), "stagesave")
+    r = subprocess.run([script, "--version"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "stagesave 0.1.0"
+
+
+def test_one_line_error_and_debug_traceback(tmp_path):
+    path = write_checkpoints(tmp_path, steps=(1,))[0]
+    with open(path, "r+b") as f:
+        f.truncate(1000)
+    r = _run("export", path, tmp_path / "out.ckpt")
+    assert r.returncode == 1
+    assert r.stderr.startswith(f"stagesave: error: {path} is corrupt:") and r.stderr.count("\n") == 1
+    assert r.stdout == ""
+    r = _run("--debug", "export", path, tmp_path / "out.ckpt")
+    assert r.returncode == 1
+    assert "Traceback (most recent call last)" in r.stderr and "IntegrityError" in r.stderr
+
+
+def test_usage_errors_exit_2(cli):
+    import pytest
+
+    with pytest.raises(SystemExit) as e:
+        cli("no-such-command")
+    assert e.value.code == 2
+    r = cli("-o", "novalue", "plan", "70B")
+    assert r.code == 2 and "expected KEY=VALUE" in r.err
+
+
+def test_unreachable_endpoint(cli):
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = cli("--retries", "1", "--endpoint-url", f"http://127.0.0.1:{port}", "-o", "key=k", "-o", "secret=s",
+            "ls", "s3://bucket/ckpt")
+    assert r.code == 1
+    assert r.err.startswith("stagesave: error: ") and r.err.count("\n") == 1
+    assert "Could not connect" in r.err and f"127.0.0.1:{port}" in r.err
+    assert "secret=s" not in r.err
+
+
+def test_corrupt_manifest_is_named(cli, tmp_path):
+    path = write_checkpoints(tmp_path, steps=(1,))[0]
+    (manifest,) = [n for n in os.listdir(tmp_path) if n.endswith(".stagesave.json")]
+    (tmp_path / manifest).write_text('{"format": "stagesave", "schema": 1, "files": "nope"')
+    rows = cli("ls", tmp_path, "--json").json()
+    assert rows[0]["status"] == "corrupt" and "not valid JSON" in rows[0]["problems"][0]
+    r = cli("verify", path)
+    assert r.code == 1 and f"invalid manifest {tmp_path / manifest}: not valid JSON" in r.err
+
+
+def test_a_file_that_is_not_a_checkpoint(cli, tmp_path):
+    (tmp_path / "model.ckpt").write_bytes(b"\x80\x02 this is not really a pickle" * 4)
+    r = cli("verify", tmp_path / "model.ckpt")
+    assert r.code == 1 and "cannot be read as a torch file" in r.err

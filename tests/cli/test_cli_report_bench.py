@@ -1,0 +1,99 @@
+"""`report` on the telemetry of a real run (PNG checked to be a real image), and `bench`."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import stagesave
+from stagesave._names import TELEMETRY_FILE
+from clitools import small_state
+
+
+@pytest.fixture
+def run_with_telemetry(tmp_path):
+    """A real run: 4 saves of a real state with telemetry JSON lines, one of them a folder."""
+    from stagesave.formats import Safetensors
+
+    root = tmp_path / "run"
+    with stagesave.Checkpointer(root, telemetry_jsonl=True, keep_last=2) as ck:
+        for step in (1, 2, 3):
+            ck.save(small_state(step), f"step={step}.ckpt").result()
+        ck.save_dir({"model.safetensors": Safetensors({"w": torch.ones(1000)})}, "checkpoint_4").result()
+    return root
+
+
+def test_report_summary_and_png(cli, run_with_telemetry, tmp_path):
+    png = tmp_path / "timeline.png"
+    r = cli("report", run_with_telemetry, "--png", png, "--json")
+    assert r.code == 0, r.err
+    doc = r.json()
+    lines = [json.loads(x) for x in (run_with_telemetry / TELEMETRY_FILE).read_text().splitlines()]
+    assert doc["saves"] == len(lines) == 4 and doc["failed"] == 0
+    assert doc["bytes_total"] == sum(x["bytes"] for x in lines)
+    stalls = sorted(x["blocking_s"] for x in lines)
+    assert doc["stall_max_s"] == stalls[-1]
+    assert doc["stall_median_s"] == pytest.approx((stalls[1] + stalls[2]) / 2)
+    assert doc["commit_max_s"] == max(x["time_to_commit_s"] for x in lines)
+    # a real PNG that decodes to an image of the size drawn
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    from matplotlib.image import imread
+
+    img = imread(str(png))
+    assert img.ndim == 3 and 800 <= img.shape[1] <= 1100 and img.shape[0] >= 200
+    assert img[..., :3].std() > 0.01  # not a blank canvas
+    text = cli("report", run_with_telemetry, "--png", png).out
+    assert "training stall per save" in text and "4 saves" in text and str(png) in text
+
+
+def test_report_skips_torn_lines_and_accepts_the_file(cli, run_with_telemetry, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    f = run_with_telemetry / TELEMETRY_FILE
+    with open(f, "a") as fh:
+        fh.write('{"path": "/x", "started_at": 1')  # torn by a crash while appending
+    r = cli("report", f, "--no-png", "--json")
+    assert r.code == 0 and r.json()["unreadable_lines"] == 1 and r.json()["saves"] == 4
+    assert not (tmp_path / "stagesave-timeline.png").exists()
+    assert cli("report", f).code == 0 and (tmp_path / "stagesave-timeline.png").exists()  # the default
+
+
+def test_report_errors(cli, tmp_path):
+    r = cli("report", tmp_path, "--no-png")
+    assert r.code == 1 and f"no {TELEMETRY_FILE} in {tmp_path}" in r.err and "telemetry_jsonl=True" in r.err
+    (tmp_path / TELEMETRY_FILE).write_text("garbage\n")
+    r = cli("report", tmp_path, "--no-png")
+    assert r.code == 1 and "records no saves (1 unreadable lines)" in r.err
+
+
+def test_bench_quick(cli, tmp_path):
+    r = cli("bench", tmp_path, "--size", "2MB", "--repeat", "2", "--warmup", "0", "--json")
+    assert r.code == 0, r.err
+    doc = r.json()
+    assert 1.9e6 <= doc["state_bytes"] <= 2.6e6
+    methods = {x["method"]: x for x in doc["results"]}
+    assert set(methods) == {"torch.save + fsync", "stagesave"}
+    for x in methods.values():
+        assert x["runs"] == 2 and 0 < x["blocking_s"] <= x["durable_s"]
+    assert os.listdir(tmp_path) == []  # cleaned up after itself
+    text = cli("bench", tmp_path, "--size", "1MB", "--repeat", "1", "--warmup", "1").out
+    assert "training blocked" in text and "stagesave" in text
+
+
+def test_bench_synthetic_state_is_transformer_like():
+    from stagesave.cli._bench import state_bytes, synthetic_state
+
+    s = synthetic_state(40e6)
+    assert 30e6 <= state_bytes(s) <= 50e6
+    assert any(k.endswith("attn.qkv.weight") for k in s["model"])
+    assert set(next(iter(s["optimizer"]["state"].values()))) == {"step", "exp_avg", "exp_avg_sq"}
+
+
+def test_bench_errors(cli, tmp_path):
+    r = cli("bench", tmp_path / "missing")
+    assert r.code == 1 and "is not a folder" in r.err
+    r = cli("bench", tmp_path, "--size", "10")
+    assert r.code == 2 and "at least 100 kB" in r.err
