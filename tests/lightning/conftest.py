@@ -45,13 +45,14 @@ class StepBatches:
         return self.n
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        if self.pos >= self.n:  # the previous epoch was consumed: start the next one
+            self.epoch += 1
+            self.pos = 0
         while self.pos < self.n:
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch * 1009 + self.pos)
             self.pos += 1
             x = torch.randn(self.batch, self.dim, generator=g)
             yield x, x.sum(dim=1, keepdim=True).tanh()
-        self.epoch += 1
-        self.pos = 0
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "pos": self.pos}
@@ -76,6 +77,10 @@ class TinyModel(LightningModule):
         self.seen += 1
         self.log("loss", loss)
         return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self.net(x), y))
 
     def configure_optimizers(self) -> Any:
         opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)

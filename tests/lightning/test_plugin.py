@@ -1,0 +1,176 @@
+"""The plugin as a citizen of a Trainer: construction, the CheckpointIO contract, barriers,
+teardown, pickling, and no side effects on the process."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import StepBatches, TinyModel, WriterGate, make_trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+import stagesave
+from stagesave.lightning import StagedCheckpointIO, find_plugin, wait
+
+
+def _stagesave_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("stagesave")]
+
+
+def _manifest(path: Path) -> dict[str, Any]:
+    (m,) = path.parent.glob(f"{path.name}.*.stagesave.json")
+    return json.loads(m.read_text())  # type: ignore[no-any-return]
+
+
+def test_constructible_without_arguments_and_used_by_the_trainer(tmp_path: Path) -> None:
+    io = StagedCheckpointIO()
+    trainer = make_trainer(tmp_path, [io])
+    assert trainer.strategy.checkpoint_io is io
+    assert find_plugin(trainer) is io
+    assert _stagesave_threads() == []  # nothing started before the first save
+
+
+def test_invalid_arguments_say_what_is_wrong() -> None:
+    with pytest.raises(ValueError, match="max_pending must be >= 1, got 0"):
+        StagedCheckpointIO(max_pending=0)
+    with pytest.raises(ValueError, match="teardown_timeout must be >= 0"):
+        StagedCheckpointIO(teardown_timeout=-1)
+    with pytest.raises(ValueError, match="'no.such.Class' does not name an importable class"):
+        StagedCheckpointIO(safe_globals=["no.such.Class"])
+
+
+def test_save_checkpoint_positional_and_keyword_with_metadata(tmp_path: Path) -> None:
+    io = StagedCheckpointIO()
+    state = {"w": torch.arange(10.0), "global_step": 5, "epoch": 1}
+    io.save_checkpoint(state, tmp_path / "a.ckpt")
+    io.save_checkpoint(checkpoint=state, path=str(tmp_path / "b.ckpt"), storage_options={"metadata": {"run": "x"}})
+    io.wait()
+    assert _manifest(tmp_path / "a.ckpt")["metadata"] == {"framework": "lightning", "epoch": 1, "global_step": 5}
+    assert _manifest(tmp_path / "b.ckpt")["metadata"]["run"] == "x"
+    with pytest.raises(TypeError, match=r"accepts storage_options=\{'metadata'"):
+        io.save_checkpoint(state, tmp_path / "c.ckpt", storage_options={"compress": True})
+    io.teardown()
+
+
+def test_wait_is_the_barrier_before_reading_files_directly(tmp_path: Path, gate: WriterGate) -> None:
+    io = StagedCheckpointIO(telemetry_callback=gate, max_pending=8)
+    trainer = make_trainer(tmp_path, [io], max_steps=2, enable_checkpointing=False)
+    model = TinyModel()
+    trainer.fit(model, StepBatches())  # teardown flushed; the plugin is reusable afterwards
+    io.save_checkpoint({"x": torch.ones(1)}, tmp_path / "first.ckpt")
+    assert gate.entered.wait(30)
+    trainer.save_checkpoint(tmp_path / "manual.ckpt")
+    assert not (tmp_path / "manual.ckpt").exists()  # still being written
+    threading.Timer(0.2, gate.open).start()
+    wait(trainer)  # == trainer.strategy.checkpoint_io.wait()
+    assert torch.load(tmp_path / "manual.ckpt", weights_only=True)["global_step"] == 2
+    io.teardown()
+
+
+def test_teardown_joins_threads_and_the_plugin_is_reusable(tmp_path: Path) -> None:
+    io = StagedCheckpointIO()
+    mc = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1, save_last="link")
+    trainer = make_trainer(tmp_path, [io], [mc], max_steps=3)
+    trainer.fit(TinyModel(), StepBatches())
+    assert _stagesave_threads() == []
+    trainer.validate(TinyModel(), StepBatches(n=2), verbose=False)
+    io.save_checkpoint({"x": torch.ones(1)}, tmp_path / "again.ckpt")
+    assert _stagesave_threads() != []
+    io.teardown()
+    assert _stagesave_threads() == []
+    assert torch.load(tmp_path / "again.ckpt")["x"].item() == 1.0
+
+
+_GATE = WriterGate()
+
+
+def _held_by_module_gate(tel: stagesave.SaveTelemetry) -> None:  # picklable: a module-level function
+    _GATE(tel)
+
+
+def test_picklable_while_idle_and_while_busy(tmp_path: Path) -> None:
+    gate = _GATE
+    gate.close()
+    io = StagedCheckpointIO(max_pending=3, checksum="blake3", telemetry_callback=_held_by_module_gate)
+    copy = pickle.loads(pickle.dumps(io))
+    assert (copy.max_pending, copy.checksum) == (3, "blake3")
+    io.save_checkpoint({"x": torch.ones(1)}, tmp_path / "a.ckpt")
+    io.save_checkpoint({"x": torch.ones(1)}, tmp_path / "b.ckpt")
+    assert io.pending() >= 1
+    busy_copy = pickle.loads(pickle.dumps(io))  # configuration only; the saves stay with `io`
+    assert busy_copy.pending() == 0 and busy_copy.max_pending == 3
+    gate.open()
+    io.teardown()
+    trainer = make_trainer(tmp_path, [StagedCheckpointIO()], max_steps=1)
+    trainer.fit(TinyModel(), StepBatches())
+    restored = pickle.loads(pickle.dumps(trainer.strategy.checkpoint_io))
+    assert isinstance(restored, StagedCheckpointIO)
+
+
+def test_no_side_effects_on_cwd_or_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    work = tmp_path / "cwd"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    env_before = dict(os.environ)
+    io = StagedCheckpointIO()
+    mc = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_last="link")
+    make_trainer(tmp_path / "root", [io], [mc], max_steps=2).fit(TinyModel(), StepBatches())
+    io.load_checkpoint(tmp_path / "ckpt" / "last.ckpt")
+    io.teardown()
+    assert list(work.iterdir()) == []
+    assert dict(os.environ) == env_before
+
+
+def test_a_pending_failure_surfaces_at_wait_exactly_once(tmp_path: Path, gate: WriterGate) -> None:
+    io = StagedCheckpointIO(telemetry_callback=gate, max_pending=8)
+    io.save_checkpoint({"x": torch.ones(1)}, tmp_path / "a.ckpt")
+    assert gate.entered.wait(30)
+    vol = tmp_path / "vol"
+    io.save_checkpoint({"x": torch.ones(1)}, vol / "b.ckpt")
+    vol.rmdir()
+    vol.write_bytes(b"")
+    gate.open()
+    with pytest.raises(stagesave.CheckpointError, match=r"vol/b\.ckpt"):
+        io.wait()
+    io.wait()
+    io.teardown()
+
+
+def test_teardown_timeout_is_bounded_and_explains(tmp_path: Path, gate: WriterGate) -> None:
+    io = StagedCheckpointIO(telemetry_callback=gate, teardown_timeout=0.2, max_pending=8)
+    io.save_checkpoint({"x": torch.ones(1)}, tmp_path / "a.ckpt")
+    assert gate.entered.wait(30)
+    io.save_checkpoint({"x": torch.ones(1)}, tmp_path / "b.ckpt")
+    with pytest.raises(TimeoutError, match="teardown_timeout=0.2 s; raise it"):
+        io.teardown()
+    gate.open()
+
+
+def test_safe_globals_by_dotted_name_load_user_classes(tmp_path: Path) -> None:
+    path = tmp_path / "x.ckpt"
+    torch.save({"cfg": AsyncCheckpointIO()}, path)
+    with pytest.raises(stagesave.UnsafeCheckpointError):
+        StagedCheckpointIO().load_checkpoint(path)
+    io = StagedCheckpointIO(safe_globals=["lightning.pytorch.plugins.io.async_plugin.AsyncCheckpointIO"])
+    assert isinstance(io.load_checkpoint(path)["cfg"], AsyncCheckpointIO)
+
+
+def test_paths_and_namespaces_in_hyperparameters_load_safely(tmp_path: Path) -> None:
+    import argparse
+
+    path = tmp_path / "x.ckpt"
+    torch.save({"hyper_parameters": {"data_dir": Path("/data"), "args": argparse.Namespace(lr=0.1)}}, path)
+    hp = StagedCheckpointIO().load_checkpoint(path)["hyper_parameters"]
+    assert hp["data_dir"] == Path("/data") and hp["args"].lr == 0.1
+
+
+def test_loading_a_missing_checkpoint_is_file_not_found(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="no checkpoint at"):
+        StagedCheckpointIO().load_checkpoint(tmp_path / "nope.ckpt")

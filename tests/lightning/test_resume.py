@@ -1,0 +1,121 @@
+"""Resuming: bitwise the same weights as an uninterrupted run; ``latest()`` skips torn and
+corrupt checkpoints; the files stay plain Lightning checkpoints, readable without stagesave."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import StepBatches, TinyModel, assert_bitwise_equal, make_trainer, weights
+from lightning.pytorch import seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+import stagesave
+from stagesave.lightning import StagedCheckpointIO, latest
+
+
+def _fit(tmp_path: Path, max_steps: int, ckpt_path: str | None = None, every: int = 3) -> TinyModel:
+    seed_everything(7, workers=True)
+    model = TinyModel()
+    mc = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=every, save_top_k=-1)
+    trainer = make_trainer(tmp_path, [StagedCheckpointIO()], [mc], max_steps=max_steps, max_epochs=-1)
+    trainer.fit(model, StepBatches(n=5), ckpt_path=ckpt_path)
+    assert trainer.global_step == max_steps
+    return model
+
+
+def test_resumed_run_is_bitwise_equal_to_an_uninterrupted_run(tmp_path: Path) -> None:
+    reference = weights(_fit(tmp_path / "straight", 13))
+    _fit(tmp_path / "broken", 7)  # "crashes" after step 7; newest checkpoint: step 6 (mid-epoch)
+    resume = latest(tmp_path / "broken" / "ckpt")
+    assert resume is not None and resume.endswith("epoch=1-step=6.ckpt")
+    resumed = weights(_fit(tmp_path / "broken", 13, ckpt_path=resume))
+    assert_bitwise_equal(resumed, reference)
+
+
+def _three_checkpoints(tmp_path: Path) -> Path:
+    d = tmp_path / "ckpt"
+    io = StagedCheckpointIO()
+    for step in (1, 2, 3):
+        io.save_checkpoint({"w": torch.full((1024,), float(step)), "global_step": step}, d / f"step={step}.ckpt")
+        io.wait()
+    io.teardown()
+    return d
+
+
+def test_latest_skips_a_truncated_checkpoint(tmp_path: Path) -> None:
+    d = _three_checkpoints(tmp_path)
+    newest = d / "step=3.ckpt"
+    newest.write_bytes(newest.read_bytes()[:-100])
+    with pytest.warns(UserWarning, match=r"step=3\.ckpt"):
+        assert latest(d) == str(d / "step=2.ckpt")
+
+
+def test_latest_with_verify_skips_a_corrupted_checkpoint(tmp_path: Path) -> None:
+    d = _three_checkpoints(tmp_path)
+    newest = d / "step=3.ckpt"
+    data = bytearray(newest.read_bytes())
+    i = data.find(torch.full((1,), 3.0).numpy().tobytes())
+    data[i] ^= 0xFF  # one flipped bit inside the tensor bytes: size and id unchanged
+    newest.write_bytes(bytes(data))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert latest(d) == str(newest)  # without verify only sizes and ids are checked
+    with pytest.warns(UserWarning, match="checksum mismatch"):
+        assert latest(d, verify=True) == str(d / "step=2.ckpt")
+    with pytest.raises(stagesave.IntegrityError, match="corrupt"):
+        StagedCheckpointIO().load_checkpoint(newest)
+
+
+def test_latest_skips_a_checkpoint_torn_by_a_crash(tmp_path: Path) -> None:
+    d = _three_checkpoints(tmp_path)
+    # A crash after the manifest but before the publish leaves a manifest naming no file and
+    # the data in a hidden temporary.
+    sid = "9" * 40
+    (d / f"step=4.ckpt.{sid}.stagesave.json").write_text((next(d.glob("step=3.ckpt.*.stagesave.json"))).read_text())
+    (d / ".step=4.ckpt.123-abcd.stagesave-tmp").write_bytes(b"partial")
+    assert latest(d) == str(d / "step=3.ckpt")
+
+
+def test_latest_of_an_empty_or_missing_directory_is_none(tmp_path: Path) -> None:
+    assert latest(tmp_path / "nothing-yet") is None
+    (tmp_path / "empty").mkdir()
+    assert latest(tmp_path / "empty") is None
+
+
+def test_plain_lightning_checkpoints_resume_through_the_plugin(tmp_path: Path) -> None:
+    d = tmp_path / "ckpt"
+    make_trainer(tmp_path, [], [ModelCheckpoint(dirpath=d)], max_steps=3).fit(TinyModel(), StepBatches())
+    found = latest(d)  # no manifest: listed as an unverified, still valid, checkpoint
+    assert found == str(d / "epoch=0-step=3.ckpt")
+    trainer = make_trainer(tmp_path, [StagedCheckpointIO()], max_steps=5)
+    trainer.fit(TinyModel(), StepBatches(), ckpt_path=found)
+    assert trainer.global_step == 5
+
+
+def test_plugin_checkpoints_are_plain_lightning_checkpoints(tmp_path: Path) -> None:
+    d = tmp_path / "ckpt"
+    model = TinyModel()
+    make_trainer(tmp_path, [StagedCheckpointIO()], [ModelCheckpoint(dirpath=d)], max_steps=3).fit(
+        model, StepBatches()
+    )
+    path = d / "epoch=0-step=3.ckpt"
+    raw = torch.load(path, weights_only=True)
+    assert raw["global_step"] == 3 and "optimizer_states" in raw
+    assert_bitwise_equal(raw["state_dict"], weights(model))
+    loaded = TinyModel.load_from_checkpoint(path)
+    assert_bitwise_equal(weights(loaded), weights(model))
+    trainer = make_trainer(tmp_path, [], max_steps=4)  # Lightning's default TorchCheckpointIO
+    trainer.fit(TinyModel(), StepBatches(), ckpt_path=path)
+    assert trainer.global_step == 4
+
+
+def test_ckpt_path_last_resumes_with_the_plugin(tmp_path: Path) -> None:
+    d = tmp_path / "ckpt"
+    mc = ModelCheckpoint(dirpath=d, every_n_train_steps=2, save_last=True)
+    make_trainer(tmp_path, [StagedCheckpointIO()], [mc], max_steps=4).fit(TinyModel(), StepBatches())
+    trainer = make_trainer(tmp_path, [StagedCheckpointIO()], [ModelCheckpoint(dirpath=d, save_last=True)], max_steps=6)
+    trainer.fit(TinyModel(), StepBatches(), ckpt_path="last")
+    assert trainer.global_step == 6
