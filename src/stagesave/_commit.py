@@ -185,8 +185,6 @@ def retire_file(store: Store, name: str, manifests: Sequence[str]) -> None:
     debris), then its manifests go, then the debris. On object stores, which cannot rename, the
     manifests go first and the data object after.
     """
-    import os
-
     from ._local import temp_name_for
 
     local = store.local_path(name)

@@ -7,6 +7,7 @@ its own module. Credentials passed in ``storage_options`` never appear in ``url`
 
 from __future__ import annotations
 
+import builtins
 import posixpath
 import secrets
 from typing import Any
@@ -116,7 +117,7 @@ class FsspecStore(Store):
             out.append(ObjectInfo(name, int(e["size"]), float(mtime)))
         return out
 
-    def list_dirs(self, prefix: str = "") -> list[str]:
+    def list_dirs(self, prefix: str = "") -> builtins.list[str]:
         base = self._path(prefix) if prefix else self.root
         try:
             entries = self.fs.ls(base, detail=True)

@@ -18,7 +18,7 @@ import time
 import types
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 from torch.utils.serialization import config as _torch_save_config
@@ -259,10 +259,10 @@ def plan_torch_file(state: Any) -> FileImage:
     """
     found: dict[str, torch.UntypedStorage] = {}
     sink = _SparseSink()
-    with _torch_save_config.patch({"save.storage_alignment": ALIGNMENT}):
+    with _torch_save_config.patch({"save.storage_alignment": ALIGNMENT}):  # type: ignore[attr-defined]
         try:
             with torch.serialization.skip_data():
-                torch.save(state, sink, pickle_module=_recording_pickle_module(found))
+                torch.save(state, cast(IO[bytes], sink), pickle_module=_recording_pickle_module(found))
         except (pickle.PicklingError, TypeError, AttributeError, RuntimeError) as exc:
             where = _describe_unpicklable(state, exc)
             raise UnsupportedObjectError(
@@ -270,15 +270,15 @@ def plan_torch_file(state: Any) -> FileImage:
                 "Python values (or make it picklable) before saving."
             ) from exc
 
-    reader = torch._C.PyTorchFileReader(_SparseReader(sink.end, sink.pieces))
+    reader = torch._C.PyTorchFileReader(cast(IO[bytes], _SparseReader(sink.end, sink.pieces)))
     slots = []
     for key, storage in found.items():
-        offset = int(reader.get_record_offset(f"data/{key}"))
+        offset = int(reader.get_record_offset(f"data/{key}"))  # type: ignore[attr-defined]
         slots.append(StorageSlot(key, offset, int(storage.nbytes()), byte_view(storage)))
     slots.sort(key=lambda s: s.offset)
     # torch derives the id from record checksums, which skip_data leaves empty, so two states of
     # the same structure would share one; give each save its own (same length, time-ordered).
-    id_offset = int(reader.get_record_offset(".data/serialization_id"))
+    id_offset = int(reader.get_record_offset(".data/serialization_id"))  # type: ignore[attr-defined]
     old = str(reader.serialization_id())
     sid = _unique_id(len(old))
     pieces = _replace_bytes(sink.pieces, id_offset, sid.encode())

@@ -10,6 +10,7 @@ fsync: atomic replace, also for ``last.ckpt``.
 
 from __future__ import annotations
 
+import builtins
 import errno
 import os
 import secrets
@@ -221,7 +222,7 @@ class LocalStore(Store):
                 out.append(ObjectInfo(name, st.st_size, st.st_mtime))
         return out
 
-    def list_dirs(self, prefix: str = "") -> list[str]:
+    def list_dirs(self, prefix: str = "") -> builtins.list[str]:
         directory = self._path(prefix) if prefix else self.root
         try:
             return [e.name for e in os.scandir(directory) if e.is_dir(follow_symlinks=False)]

@@ -42,7 +42,7 @@ class HostBuffer:
     def allocate(cls, capacity: int, pinned: bool) -> HostBuffer:
         if pinned:
             tensor = torch.empty(capacity, dtype=torch.uint8, pin_memory=True)
-            view = memoryview(tensor.numpy()).cast("B")
+            view = tensor.numpy().data.cast("B")
             return cls(capacity, True, view, tensor)
         mem = mmap.mmap(-1, capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         view = memoryview(mem)

@@ -74,7 +74,7 @@ def plan_safetensors_file(
                 f"safetensors cannot store {name!r} of dtype {t.dtype}; save it as a torch file"
             )
         if t.numel():
-            key = (t.untyped_storage().data_ptr(), t.storage_offset())
+            key = (t.untyped_storage().data_ptr(), int(t.storage_offset()))
             if key in seen:
                 raise UnsupportedObjectError(
                     f"safetensors entries {seen[key]!r} and {name!r} share memory (tied weights); "

@@ -50,7 +50,7 @@ def stage_image(image: FileImage, buf: HostBuffer, base: int = 0) -> Callable[[]
         dst = dst_all[slot.offset : slot.offset + slot.nbytes]
         if src.device.type == "cuda":
             if side is None:
-                side = torch.cuda.Stream(device=src.device)
+                side = torch.cuda.Stream(device=src.device)  # type: ignore[no-untyped-call]
                 side.wait_stream(torch.cuda.current_stream(src.device))
             with torch.cuda.stream(side):
                 dst.copy_(src, non_blocking=True)
@@ -61,7 +61,7 @@ def stage_image(image: FileImage, buf: HostBuffer, base: int = 0) -> Callable[[]
             dst.copy_(src.cpu())
     if side is None:
         return None
-    event = torch.cuda.Event()
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
     event.record(side)
     torch.cuda.current_stream(side.device).wait_stream(side)
 

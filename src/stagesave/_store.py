@@ -10,6 +10,7 @@ makes it visible under its final name atomically. Small metadata goes through ``
 
 from __future__ import annotations
 
+import builtins
 import posixpath
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -105,7 +106,7 @@ class Store(ABC):
     def delete(self, name: str) -> None:
         """Remove a file; absent is not an error."""
 
-    def list_dirs(self, prefix: str = "") -> list[str]:
+    def list_dirs(self, prefix: str = "") -> builtins.list[str]:
         """Names of the directories directly inside ``prefix`` (leaf names only)."""
         return []
 
@@ -117,5 +118,5 @@ class Store(ABC):
         """A POSIX path for ``name`` when the store is a local directory, else ``None``."""
         return None
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook, most stores hold nothing
         """Release connections."""
