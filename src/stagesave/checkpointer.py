@@ -564,8 +564,16 @@ class Checkpointer:
                 if size != entry.size:
                     raise IntegrityError(f"checkpoint {where} is corrupt: {size} bytes, manifest says {entry.size}")
 
-                def read(lo: int, n: int) -> bytes:
-                    return os.pread(fd, n, lo)
+                scratch = threading.local()
+
+                def read(lo: int, n: int) -> memoryview:
+                    # One reused buffer per I/O thread: no allocation (and page faults) per chunk.
+                    buf = getattr(scratch, "buf", None)
+                    if buf is None or len(buf) < n:
+                        buf = scratch.buf = bytearray(n)
+                    view = memoryview(buf)[:n]
+                    got = os.preadv(fd, [view], lo)
+                    return view[:got]
 
                 raise_if_corrupt(self._verify_reader(entry, read, where), where)
             is_zip = os.pread(fd, 4, 0) == b"PK\x03\x04"
