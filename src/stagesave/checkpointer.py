@@ -153,6 +153,7 @@ class Checkpointer:
         self.checksum_in = checksum_in
         self._hash_pool: cf.ThreadPoolExecutor | None = None
         self.keep_last = keep_last
+        self.io_threads = io_threads
         self.chunk_bytes = chunk_bytes
         self.telemetry_callback = telemetry_callback
         self.telemetry_jsonl = telemetry_jsonl
@@ -430,12 +431,12 @@ class Checkpointer:
     def _submit(self, job: Any, handle: SaveHandle, key: str) -> None:
         with self._lock:
             if self._queue is None:
-                self._queue = JobQueue(io_threads=self._io_threads_default())
+                self._queue = self._new_queue()
             queue = self._queue
         queue.submit(job)
 
-    def _io_threads_default(self) -> int:
-        return 4
+    def _new_queue(self) -> JobQueue:
+        return JobQueue(io_threads=self.io_threads)
 
     def _finish(self, key: str, handle: SaveHandle, error: BaseException | None) -> None:
         with self._lock:
@@ -589,7 +590,7 @@ class Checkpointer:
     def _io_map(self, fn: Any, items: Iterable[Any]) -> list[Any]:
         with self._lock:
             if self._queue is None:
-                self._queue = JobQueue(io_threads=self._io_threads_default())
+                self._queue = self._new_queue()
             pool = self._queue.io_pool
         return list(pool.map(fn, items))
 
@@ -642,7 +643,7 @@ class Checkpointer:
             return info
         with self._lock:
             if self._queue is None:
-                self._queue = JobQueue(io_threads=self._io_threads_default())
+                self._queue = self._new_queue()
             pool = self._queue.io_pool
         if info.is_dir:
             problems = []

@@ -164,3 +164,9 @@ def test_checksums_computed_while_staging_verify_the_same(ckpt_dir):
         assert info.status == "verified" and len(info.manifest.files[0].chunks) > 1
     with pytest.raises(ValueError, match="checksum_in"):
         stagesave.Checkpointer(checksum_in="later")
+
+
+def test_io_threads_option_sizes_the_writer_pool(ckpt_dir):
+    with stagesave.Checkpointer(ckpt_dir, io_threads=3) as ck:
+        ck.save({"a": torch.ones(1)}, "x.ckpt").result()
+        assert ck._queue.io_pool._max_workers == 3
