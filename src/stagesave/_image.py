@@ -11,6 +11,7 @@ serialization pass.
 
 from __future__ import annotations
 
+import bisect
 import io
 import pickle
 import secrets
@@ -114,6 +115,23 @@ class _SparseSink(io.RawIOBase):
     def tell(self) -> int:
         return self.pos
 
+    def coalesced(self) -> list[tuple[int, bytes]]:
+        """The pieces sorted, with contiguous runs joined (fewer, larger copies when staging)."""
+        out: list[tuple[int, bytes]] = []
+        run_start, run = -1, []  # type: ignore[var-annotated]
+        end = -1
+        for off, data in sorted(self.pieces, key=lambda p: p[0]):
+            if off == end:
+                run.append(data)
+            else:
+                if run:
+                    out.append((run_start, b"".join(run)))
+                run_start, run = off, [data]
+            end = off + len(data)
+        if run:
+            out.append((run_start, b"".join(run)))
+        return out
+
 
 class _SparseReader(io.RawIOBase):
     """Reads the sparse skeleton as if it were the file (zeros where tensor bytes will go)."""
@@ -121,7 +139,8 @@ class _SparseReader(io.RawIOBase):
     def __init__(self, size: int, pieces: list[tuple[int, bytes]]) -> None:
         super().__init__()
         self.size = size
-        self.pieces = pieces
+        self.pieces = pieces  # sorted, non-overlapping
+        self.starts = [off for off, _ in pieces]
         self.pos = 0
 
     def readable(self) -> bool:
@@ -143,10 +162,13 @@ class _SparseReader(io.RawIOBase):
         n = max(0, min(len(view), self.size - self.pos))
         start, stop = self.pos, self.pos + n
         view[:n] = bytes(n)
-        for off, data in self.pieces:
+        i = max(0, bisect.bisect_right(self.starts, start) - 1)
+        while i < len(self.pieces) and self.pieces[i][0] < stop:
+            off, data = self.pieces[i]
             lo, hi = max(off, start), min(off + len(data), stop)
             if lo < hi:
                 view[lo - start : hi - start] = data[lo - off : hi - off]
+            i += 1
         self.pos = stop
         return n
 
@@ -270,7 +292,8 @@ def plan_torch_file(state: Any) -> FileImage:
                 "Python values (or make it picklable) before saving."
             ) from exc
 
-    reader = torch._C.PyTorchFileReader(cast(IO[bytes], _SparseReader(sink.end, sink.pieces)))
+    pieces = sink.coalesced()
+    reader = torch._C.PyTorchFileReader(cast(IO[bytes], _SparseReader(sink.end, pieces)))
     slots = []
     for key, storage in found.items():
         offset = int(reader.get_record_offset(f"data/{key}"))  # type: ignore[attr-defined]
@@ -281,7 +304,7 @@ def plan_torch_file(state: Any) -> FileImage:
     id_offset = int(reader.get_record_offset(".data/serialization_id"))  # type: ignore[attr-defined]
     old = str(reader.serialization_id())
     sid = _unique_id(len(old))
-    pieces = _replace_bytes(sink.pieces, id_offset, sid.encode())
+    pieces = _replace_bytes(pieces, id_offset, sid.encode())
     keys = {storage._cdata: key for key, storage in found.items()}
     return FileImage(
         size=sink.end,
