@@ -134,9 +134,8 @@ class _Finder:
 
     def _owner_state(self, pid: str | None, age: float) -> tuple[bool, str]:
         """``(is_debris, reason)`` for something written by ``pid`` last modified ``age`` s ago."""
-        if pid is not None and self.check_pids and self.local:
-            if not pid_alive(int(pid)):
-                return True, f"its writer (pid {pid}) is not running on this host"
+        if pid is not None and self.check_pids and self.local and not pid_alive(int(pid)):
+            return True, f"its writer (pid {pid}) is not running on this host"
         if age >= self.older_than_s:
             return True, f"untouched for {age:.0f} s (threshold {self.older_than_s:.0f} s)"
         if pid is not None and self.check_pids and self.local:
@@ -295,13 +294,14 @@ def _multipart(
     """Stale multipart uploads under an ``s3://`` root: listed (dry run) or aborted."""
     if not store.url.startswith(("s3://", "s3a://")):
         return [], []
+    abort_stale: Callable[..., list[str]] | None = None
     if not dry_run:
         try:
-            from ._s3 import abort_stale_multipart_uploads
+            from ._s3 import abort_stale_multipart_uploads as abort_stale
         except ImportError:
-            abort_stale_multipart_uploads = None
-        if abort_stale_multipart_uploads is not None:
-            aborted = abort_stale_multipart_uploads(
+            abort_stale = None
+        if abort_stale is not None:
+            aborted = abort_stale(
                 store,
                 older_than_s=older_than_s, storage_options=storage_options,
             )

@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from clitools import CliRun  # noqa: E402
+from clitools import CliRun
 
 
 @pytest.fixture

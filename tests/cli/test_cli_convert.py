@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import collections
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from clitools import flip_byte, small_state, write_checkpoints, write_dir_checkpoint
 from safetensors.torch import load_file, save_file
 
 import stagesave
-from clitools import flip_byte, small_state, write_checkpoints, write_dir_checkpoint
 
 
 def _same(a, b):
@@ -34,7 +35,7 @@ def test_export_stagesave_file_is_a_verified_byte_copy(cli, tmp_path):
     r = cli("export", src, out)
     assert r.code == 0, r.err
     assert "torch file" in r.out
-    assert out.read_bytes() == open(src, "rb").read()
+    assert out.read_bytes() == Path(src).read_bytes()
     loaded = torch.load(out, weights_only=False)
     assert _same(loaded, small_state(4))
     assert sorted(os.listdir(tmp_path)) == ["ck", "out.ckpt"]  # no manifest, no temporary
@@ -56,7 +57,7 @@ def test_export_output_rules(cli, tmp_path):
     out.write_bytes(b"keep me")
     r = cli("export", src, out)
     assert r.code == 1 and "exists; pass --force" in r.err and out.read_bytes() == b"keep me"
-    assert cli("export", src, out, "--force").code == 0 and out.read_bytes() == open(src, "rb").read()
+    assert cli("export", src, out, "--force").code == 0 and out.read_bytes() == Path(src).read_bytes()
     r = cli("export", src, tmp_path / "no" / "out.ckpt")
     assert r.code == 1 and "does not exist" in r.err
     r = cli("export", tmp_path / "missing.ckpt", tmp_path / "x.ckpt")

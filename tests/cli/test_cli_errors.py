@@ -8,40 +8,45 @@ import socket
 import subprocess
 import sys
 
+import pytest
 from clitools import write_checkpoints
+
+from stagesave.errors import IntegrityError
 
 
 def _run(*args, **kw):
     return subprocess.run([sys.executable, "-m", "stagesave", *map(str, args)], capture_output=True, text=True,
-                          timeout=300, **kw)
+                          timeout=300, check=False, **kw)
 
 
-def test_python_m_stagesave_and_console_script():
+def test_python_m_stagesave_and_console_script(tmp_path):
     r = _run("--help")
     assert r.returncode == 0
     for cmd in ("plan", "ls", "inspect", "verify", "export", "adopt", "gc", "bench", "report"):
         assert cmd in r.stdout
     script = os.path.join(os.path.dirname(sys.executable), "stagesave")
-    r = subprocess.run([script, "--version"], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and r.stdout.strip() == "stagesave 0.1.0"
+    r = subprocess.run([script, "verify", tmp_path / "nope.ckpt"], capture_output=True, text=True,
+                       timeout=300, check=False)
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr == f"stagesave: error: no such file or folder: {tmp_path / 'nope.ckpt'}\n"
 
 
-def test_one_line_error_and_debug_traceback(tmp_path):
+def test_one_line_error_and_debug_traceback(cli, tmp_path):
     path = write_checkpoints(tmp_path, steps=(1,))[0]
     with open(path, "r+b") as f:
         f.truncate(1000)
-    r = _run("export", path, tmp_path / "out.ckpt")
-    assert r.returncode == 1
-    assert r.stderr.startswith(f"stagesave: error: {path} is corrupt:") and r.stderr.count("\n") == 1
-    assert r.stdout == ""
-    r = _run("--debug", "export", path, tmp_path / "out.ckpt")
-    assert r.returncode == 1
-    assert "Traceback (most recent call last)" in r.stderr and "IntegrityError" in r.stderr
+    r = cli("export", path, tmp_path / "out.ckpt")
+    assert r.code == 1
+    assert r.err.startswith(f"stagesave: error: {path} is corrupt:") and r.err.count("\n") == 1
+    assert r.out == ""
+    with pytest.raises(IntegrityError, match="is corrupt"):  # --debug: the exception itself, with its traceback
+        cli("--debug", "export", path, tmp_path / "out.ckpt")
 
 
-def test_usage_errors_exit_2(cli):
-    import pytest
-
+def test_usage_errors_exit_2(cli, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli("--version")
+    assert e.value.code == 0 and capsys.readouterr().out == "stagesave 0.1.0\n"
     with pytest.raises(SystemExit) as e:
         cli("no-such-command")
     assert e.value.code == 2

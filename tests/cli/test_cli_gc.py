@@ -10,11 +10,11 @@ import time
 
 import pytest
 import torch
+from clitools import flip_byte, write_checkpoints
 
 import stagesave
 from stagesave._gc import collect_garbage, find_debris, pid_alive
 from stagesave._local import LocalStore
-from clitools import flip_byte, write_checkpoints
 
 
 def _tree(root):
@@ -103,7 +103,7 @@ def test_live_writers_are_left_alone_until_old(cli, tmp_path, live_pid):
     manifest.write_text("{}")  # its data file is not published yet: a save in progress
     doc = cli("gc", tmp_path, "--json").json()
     assert doc["found"] == [] and tmp.exists() and manifest.exists()
-    whys = dict((k["name"], k["why"]) for k in doc["kept"])
+    whys = {k["name"]: k["why"] for k in doc["kept"]}
     assert whys[tmp.name] == f"its writer (pid {live_pid}) is running"
     assert whys[manifest.name] == "a save of x.ckpt is in progress"
     # untouched for two hours: abandoned even though the pid is alive (pids get reused)

@@ -6,9 +6,9 @@ import json
 import os
 
 import torch
+from clitools import flip_byte, small_state, write_checkpoints, write_dir_checkpoint
 
 import stagesave
-from clitools import flip_byte, small_state, write_checkpoints, write_dir_checkpoint
 
 
 def test_ls_lists_newest_first_with_status_step_size_tier(cli, tmp_path):

@@ -7,7 +7,14 @@ import math
 import pytest
 
 from stagesave.cli._plan import bytes_per_param, daly_interval, plan, young_interval
-from stagesave.cli._units import fmt_bytes, fmt_duration, parse_count, parse_duration, parse_rate, parse_size
+from stagesave.cli._units import (
+    fmt_bytes,
+    fmt_duration,
+    parse_count,
+    parse_duration,
+    parse_rate,
+    parse_size,
+)
 
 
 def test_seed_figures_70b(cli):

@@ -7,10 +7,10 @@ import os
 
 import pytest
 import torch
+from clitools import small_state
 
 import stagesave
 from stagesave._names import TELEMETRY_FILE
-from clitools import small_state
 
 
 @pytest.fixture

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from clitools import crash_saves, small_state
 
 import stagesave
-from clitools import crash_saves, small_state
 
 pytestmark = pytest.mark.s3
 

@@ -64,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print("stagesave: interrupted", file=sys.stderr)
         return 130
-    except Exception as exc:  # noqa: BLE001 - the CLI's contract: one line, no traceback
+    except Exception as exc:
         if args.debug:
             raise
         print(f"stagesave: error: {_one_line(exc)}", file=sys.stderr)

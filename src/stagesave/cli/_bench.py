@@ -61,10 +61,11 @@ def synthetic_state(size_bytes: float, *, seed: int = 0) -> dict[str, Any]:
 
 
 def state_bytes(state: dict[str, Any]) -> int:
-    total = sum(t.numel() * t.element_size() for t in state["model"].values())
+    """Bytes of tensor data in a :func:`synthetic_state`."""
+    tensors: list[torch.Tensor] = list(state["model"].values())
     for s in state["optimizer"]["state"].values():
-        total += sum(v.numel() * v.element_size() for v in s.values())
-    return total
+        tensors += list(s.values())
+    return sum(int(t.numel()) * int(t.element_size()) for t in tensors)
 
 
 @dataclass

@@ -55,7 +55,7 @@ def run(env: Env, args: argparse.Namespace) -> int:
         if report.found:
             t = Table(show_header=True, header_style="bold", box=None, pad_edge=False)
             for col in ("action", "what", "size", "age", "why"):
-                t.add_column(col, justify="right" if col in ("size", "age") else "left")
+                t.add_column(col, justify="right" if col in ("size", "age") else "left", overflow="fold")
             done = {id(d) for d in report.done}
             for d in report.found:
                 action = d.action if (args.dry_run or id(d) in done) else f"{d.action} FAILED"

@@ -112,7 +112,7 @@ class Env:
     err: Console = field(default_factory=lambda: _console(sys.stderr))
 
     def __post_init__(self) -> None:
-        self._resolver: StoreResolver | None = None
+        self._resolver: _Resolver | None = None
 
     @property
     def interactive(self) -> bool:
@@ -121,6 +121,7 @@ class Env:
 
     @property
     def resolver(self) -> _Resolver:
+        """One resolver (and its cached connections) for the whole invocation."""
         if self._resolver is None:
             self._resolver = _Resolver(self.storage_options, self.retries)
         return self._resolver
@@ -209,7 +210,7 @@ class Env:
 
 
 def _console(stream: Any) -> Console:
-    # Off a terminal rich would wrap at 80 columns: keep table rows whole for pipes and logs, and
-    # never break plain lines (paths, messages) at all.
-    width = None if stream.isatty() or os.environ.get("COLUMNS") else 120
+    # Off a terminal rich would wrap (and cut) at 80 columns: tables take the width of their
+    # content instead, so pipes and logs get whole names, ids and messages.
+    width = None if stream.isatty() or os.environ.get("COLUMNS") else 1000
     return Console(file=stream, width=width, soft_wrap=True, highlight=False)

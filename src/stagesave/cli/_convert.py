@@ -39,9 +39,9 @@ from ..safety import safe_torch_load
 from ._common import CliError, Env, Target
 from ._found import folder_files, needs_unsafe_global, resolve_target, tensor_index
 from ._units import fmt_bytes
-from ._verify import THREADS, first_line, entries_of
+from ._verify import THREADS, entries_of, first_line
 
-__all__ = ["LAYOUTS", "adopt_file", "add_parser", "export"]
+__all__ = ["LAYOUTS", "add_parser", "adopt_file", "export"]
 
 
 # --------------------------------------------------------------------------- reading, verified
@@ -277,7 +277,7 @@ class _Output:
         self.file = os.fdopen(fd, "wb")
         return self.file
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
         if self.remote is not None:
             try:
                 if exc_type is None:
@@ -349,10 +349,10 @@ def _torch_id(store: Store, name: str, size: int) -> tuple[str | None, int | Non
 
     try:
         reader = torch._C.PyTorchFileReader(io.BufferedReader(_StoreReader(store, name, size), 1 << 20))
-        if not reader.has_record(".data/serialization_id"):
+        if not reader.has_record(".data/serialization_id"):  # type: ignore[attr-defined]
             return None, None
         sid = str(reader.serialization_id())
-        offset = int(reader.get_record_offset(".data/serialization_id"))
+        offset = int(reader.get_record_offset(".data/serialization_id"))  # type: ignore[attr-defined]
     except RuntimeError:
         return None, None
     if not sid.isalnum() or store.read_range(name, offset, len(sid)) != sid.encode():
@@ -400,7 +400,7 @@ def adopt_file(
     try:
         tensors = [{"name": t["name"], "dtype": t["dtype"], "shape": t["shape"]}
                    for t in tensor_index(store, name, kind, before.size, trusted=trusted)]
-    except Exception as exc:  # noqa: BLE001 - whatever fails to parse is not certified
+    except Exception as exc:
         if not needs_unsafe_global(exc):
             reason = first_line(exc.__cause__ if isinstance(exc, UnsafeCheckpointError) and exc.__cause__ else exc)
             raise CliError(f"{target.where} cannot be parsed as a {kind} file ({reason}); refusing to certify it") from exc

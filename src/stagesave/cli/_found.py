@@ -18,7 +18,14 @@ from typing import Any
 import torch
 
 from .._commit import sibling_manifests
-from .._discovery import CHECKPOINT_SUFFIXES, CheckpointInfo, _read_manifest, resolve, resolve_dir, scan
+from .._discovery import (
+    CHECKPOINT_SUFFIXES,
+    CheckpointInfo,
+    _read_manifest,
+    resolve,
+    resolve_dir,
+    scan,
+)
 from .._gc import Debris, find_debris
 from .._manifest import Manifest
 from .._names import ASIDE_MARKER, DIR_MANIFEST, TMP_MARKER, split_manifest_name

@@ -12,10 +12,17 @@ from .._discovery import CheckpointInfo
 from .._store import Store
 from ..errors import CheckpointError, CheckpointNotFoundError
 from ._common import Env
-from ._found import folder_files, manifest_tensors, needs_unsafe_global, resolve_target, step_of, tensor_index
-from ._verify import first_line
+from ._found import (
+    folder_files,
+    manifest_tensors,
+    needs_unsafe_global,
+    resolve_target,
+    step_of,
+    tensor_index,
+)
 from ._ls import fmt_time
 from ._units import fmt_bytes, fmt_duration, fmt_rate
+from ._verify import first_line
 
 __all__ = ["add_parser", "describe", "run"]
 
@@ -139,7 +146,7 @@ def run(env: Env, args: argparse.Namespace) -> int:
 
     ft = Table(title="files", title_justify="left", header_style="bold", box=None, pad_edge=False)
     for col in ("file", "kind", "size", "checksum", "chunks", "serialization id"):
-        ft.add_column(col, justify="right" if col in ("size", "chunks") else "left")
+        ft.add_column(col, justify="right" if col in ("size", "chunks") else "left", overflow="fold")
     for f in doc["files"]:
         checksum = f"{f['algorithm']} {f['first_digest'][:12]}..." if f["algorithm"] else "none (no manifest)"
         ft.add_row(f["name"], f["kind"], fmt_bytes(f["size"]), checksum, str(f["chunks"]), f["serialization_id"] or "-")
@@ -151,7 +158,7 @@ def run(env: Env, args: argparse.Namespace) -> int:
         tt = Table(title=f"tensors ({len(tensors)}, {fmt_bytes(doc['tensor_bytes'])})", title_justify="left",
                    header_style="bold", box=None, pad_edge=False)
         for col in ("name", "dtype", "shape", "bytes"):
-            tt.add_column(col, justify="right" if col == "bytes" else "left")
+            tt.add_column(col, justify="right" if col == "bytes" else "left", overflow="fold")
         for t in tensors[:limit]:
             tt.add_row(t["name"], t["dtype"], "x".join(str(s) for s in t["shape"]) or "scalar", fmt_bytes(t["bytes"]))
         o.print(tt)

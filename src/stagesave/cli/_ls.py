@@ -53,7 +53,7 @@ def run(env: Env, args: argparse.Namespace) -> int:
     else:
         multi = len(args.roots) > 1
         t = Table(show_header=True, header_style="bold", box=None, pad_edge=False)
-        t.add_column("checkpoint")
+        t.add_column("checkpoint", overflow="fold")
         t.add_column("step", justify="right")
         t.add_column("size", justify="right")
         t.add_column("created")
