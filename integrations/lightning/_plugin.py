@@ -281,7 +281,8 @@ class StagedCheckpointIO(CheckpointIO):
         Lightning calls this at the end of every ``fit``/``validate``/``test`` and when training
         stops on an exception or SIGTERM. A save failure is raised here, except while another
         exception is propagating: then it is logged and the original exception stays the one
-        the user sees.
+        the user sees. In a distributed run the ranks meet after the flush (normal exit only),
+        so that no rank reads a checkpoint that rank 0 is still writing.
 
         Raises:
             TimeoutError: saves still running after ``teardown_timeout`` seconds.
@@ -299,6 +300,8 @@ class StagedCheckpointIO(CheckpointIO):
         with self._lock:
             ckpt, self._ckpt = self._ckpt, None
         errors += _close_quietly(ckpt, deadline)
+        if in_flight is None and not errors:
+            errors = _meet_other_ranks(deadline)
         if not errors:
             return
         if isinstance(errors[0], TimeoutError):
@@ -362,6 +365,30 @@ class StagedCheckpointIO(CheckpointIO):
             f"{type(self).__name__}(max_pending={self.max_pending}, checksum={self.checksum!r}, "
             f"pending={self.pending()})"
         )
+
+
+def _meet_other_ranks(deadline: float | None) -> list[BaseException]:
+    """Barrier after the flush: only rank 0 writes, and no rank may go on to read a checkpoint
+    (``ckpt_path="last"``/``"best"`` of a next stage, ``latest()``) that rank 0 is still writing.
+    Runs on the training thread at the end of a stage that every rank reaches, never while an
+    exception propagates (the other ranks might never arrive)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return []
+    left = None if deadline is None else max(1.0, deadline - time.monotonic())
+    try:
+        dist.barrier(timeout=None if left is None else datetime.timedelta(seconds=left))
+    except BaseException as exc:  # noqa: BLE001 - the caller raises it with context
+        err = RuntimeError(
+            f"stagesave: ranks did not meet after the checkpoint flush ({exc}); another rank "
+            "failed or is still running. Checkpoints written so far are committed."
+        )
+        err.__cause__ = exc
+        return [err]
+    return []
 
 
 def _close_quietly(part: LinkKeeper | Checkpointer | None, deadline: float | None) -> list[BaseException]:
