@@ -1,0 +1,53 @@
+"""examples/accelerate_finetune.py under ``accelerate launch`` (1 and 2 CPU processes): a real
+SIGKILL right after an asynchronous save_state() returned, then an automatic resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import stagesave
+from test_multiprocess import launch_args
+
+EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "accelerate_finetune.py")
+ARGS = ["--steps", "12", "--save-every", "4", "--total-limit", "2"]
+
+
+def _run(cmd: list[str], out: str, *extra: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([*cmd, EXAMPLE, "--output", out, *ARGS, *extra], env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def _crash_then_resume(tmp_path, n: int) -> tuple[dict, str]:
+    out = str(tmp_path / f"run{n}")
+    crashed = _run(launch_args(n), out, "--crash-after-step", "10")
+    assert crashed.returncode != 0 and "simulated crash: SIGKILL after step 10" in crashed.stdout, crashed.stderr[-3000:]
+    root = os.path.join(out, "checkpoints")
+    # steps 4 and 8 committed (total_limit 2); step 8's save was staged, never committed
+    assert sorted(n for n in os.listdir(root) if not n.startswith(".")) == ["checkpoint_0", "checkpoint_1"]
+    resumed = _run(launch_args(n), out)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
+    assert "resumed at step 8 (next checkpoint: checkpoint_2)" in resumed.stdout
+    assert sorted(os.listdir(root)) == ["checkpoint_1", "checkpoint_2"]
+    for name in os.listdir(root):
+        assert stagesave.verify(os.path.join(root, name)).status == "verified"
+    with open(os.path.join(out, "result.json"), encoding="utf-8") as f:
+        return json.load(f), resumed.stdout
+
+
+def test_one_process_crash_and_resume_ends_with_the_uninterrupted_weights(tmp_path):
+    reference = _run([sys.executable], str(tmp_path / "reference"))
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    with open(tmp_path / "reference" / "result.json", encoding="utf-8") as f:
+        expected = json.load(f)
+    result, _ = _crash_then_resume(tmp_path, 1)
+    assert result == expected  # same step, loss and SHA-256 of every weight
+
+
+def test_two_processes_crash_and_resume(tmp_path):
+    result, stdout = _crash_then_resume(tmp_path, 2)
+    assert result["processes"] == 2 and result["step"] == 12
+    assert "save_state -> " in stdout
