@@ -165,3 +165,31 @@ def test_missing_paths(cli, tmp_path):
         assert r.err == f"stagesave: error: no such file or folder: {tmp_path / 'nope.ckpt'}\n"
     r = cli("verify", tmp_path)
     assert r.code == 1 and "no checkpoints under" in r.err
+
+
+def test_verify_folder_with_a_broken_manifest_is_corrupt(cli, tmp_path):
+    d = write_dir_checkpoint(tmp_path)
+    with open(os.path.join(d, "checkpoint.stagesave.json"), "w") as f:
+        f.write("{not json")
+    r = cli("verify", d)
+    assert r.code == 1 and "checkpoint.stagesave.json: not valid JSON" in r.err
+
+
+def test_progress_bars_on_a_terminal(tmp_path):
+    """On a terminal, verify draws a progress bar (from several reader threads) on stderr."""
+    import argparse
+    import io
+
+    from rich.console import Console
+
+    from stagesave.cli import _verify
+    from stagesave.cli._common import Env
+
+    path = write_checkpoints(tmp_path, steps=(1,), chunk_bytes=64 * 1024)[0]
+    err = io.StringIO()
+    env = Env(out=Console(file=io.StringIO()), err=Console(file=err, force_terminal=True, width=100))
+    assert env.interactive
+    assert _verify.run(env, argparse.Namespace(path=path, strict=False, json=False)) == 0
+    assert "verifying step=1.ckpt" in err.getvalue()
+    quiet = Env(quiet=True, err=Console(file=io.StringIO(), force_terminal=True))
+    assert not quiet.interactive

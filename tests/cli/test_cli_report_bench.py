@@ -97,3 +97,13 @@ def test_bench_errors(cli, tmp_path):
     assert r.code == 1 and "is not a folder" in r.err
     r = cli("bench", tmp_path, "--size", "10")
     assert r.code == 2 and "at least 100 kB" in r.err
+
+
+def test_report_counts_remote_uploads_apart(cli, run_with_telemetry):
+    f = run_with_telemetry / TELEMETRY_FILE
+    with open(f, "a") as fh:  # what a TieredStore upload records: it never blocks training
+        fh.write(json.dumps({"path": "s3://b/step=3.ckpt", "started_at": 2e9, "blocking_s": 99.0, "tier": "remote",
+                             "time_to_commit_s": 4.0, "committed_at": 2e9 + 4}) + "\n")
+    doc = cli("report", f, "--no-png", "--json").json()
+    assert doc["saves"] == 4 and doc["remote_uploads"] == 1 and doc["stall_max_s"] < 99.0
+    assert "uploads to the remote tier" in cli("report", f, "--no-png").out

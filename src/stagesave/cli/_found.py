@@ -101,7 +101,7 @@ def _plain_folder(store: Store, name: str) -> CheckpointInfo | None:
     )
 
 
-def _has_dir_manifest(store: Store, name: str) -> bool:
+def has_dir_manifest(store: Store, name: str) -> bool:
     try:
         store.info(f"{name}/{DIR_MANIFEST}" if name else DIR_MANIFEST)
         return True
@@ -117,7 +117,7 @@ def resolve_target(store: Store, name: str, is_dir: bool) -> CheckpointInfo:
     """
     if not is_dir:
         return resolve(store, name)
-    if _has_dir_manifest(store, name):
+    if has_dir_manifest(store, name):
         return resolve_dir(store, name)
     info = _plain_folder(store, name)
     if info is None:

@@ -186,7 +186,10 @@ def add_parser(sub: Any) -> None:
 
 def run(env: Env, args: argparse.Namespace) -> int:
     where, data = _source(env, args.root)
-    saves, bad = read_telemetry(data)
+    records, bad = read_telemetry(data)
+    # Uploads to a remote tier (TieredStore) never block training: counted, not mixed in.
+    saves = [r for r in records if r.get("tier") != "remote"]
+    uploads = [r for r in records if r.get("tier") == "remote"]
     if not saves:
         raise CliError(f"{where} records no saves" + (f" ({bad} unreadable lines)" if bad else ""))
     summary = summarize(saves)
@@ -194,7 +197,7 @@ def run(env: Env, args: argparse.Namespace) -> int:
         draw_timeline(saves, args.png)
     if args.json:
         env.print_json({"source": where, "unreadable_lines": bad, "png": None if args.no_png else args.png,
-                        **vars(summary)})
+                        "remote_uploads": len(uploads), **vars(summary)})
         return 0
     t = Table(title=f"{summary.saves} saves in {where}", title_justify="left", show_header=False, box=None)
     t.add_column("what")
@@ -207,6 +210,10 @@ def run(env: Env, args: argparse.Namespace) -> int:
         ("time to commit", f"median {fmt_duration(summary.commit_median_s)}, max {fmt_duration(summary.commit_max_s)}"),
         ("stalled / wall time", f"{100 * summary.stalled_fraction:.3g}% of {fmt_duration(summary.span_s)}"),
     ]
+    if uploads:
+        failed = sum(1 for u in uploads if u.get("error"))
+        times = [_num(u, "time_to_commit_s") for u in uploads if not u.get("error")] or [0.0]
+        rows.append(("uploads to the remote tier", f"{len(uploads)} ({failed} failed), median {fmt_duration(statistics.median(times))}"))
     for k, v in rows:
         t.add_row(k, v)
     env.out.print(t)

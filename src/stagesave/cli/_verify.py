@@ -14,7 +14,14 @@ from .._manifest import FileEntry
 from .._store import Store
 from ..errors import CheckpointNotFoundError, UnsafeCheckpointError
 from ._common import CliError, Env
-from ._found import find_rows, folder_files, needs_unsafe_global, resolve_target, torch_index
+from ._found import (
+    find_rows,
+    folder_files,
+    has_dir_manifest,
+    needs_unsafe_global,
+    resolve_target,
+    torch_index,
+)
 
 __all__ = ["Outcome", "add_parser", "check_entries", "entries_of", "run", "verify_checkpoint"]
 
@@ -126,12 +133,8 @@ def _collect(env: Env, path: str) -> tuple[Store, list[CheckpointInfo], list[Out
     target = env.target(path)
     if not target.is_dir:
         return target.store, [resolve_target(target.store, target.name, False)], []
-    try:
-        ci = resolve_target(target.store, target.name, True)
-        if ci.manifest is not None:
-            return target.store, [ci], []
-    except FileNotFoundError:
-        pass
+    if has_dir_manifest(target.store, target.name):  # a folder checkpoint, intact or not
+        return target.store, [resolve_target(target.store, target.name, True)], []
     store = env.root(path)
     rows, _, _ = find_rows(store)
     infos = [r.info for r in rows if r.info is not None]
