@@ -123,8 +123,9 @@ def _tree_newest_mtime(store: Store, name: str, depth: int = 0) -> tuple[float, 
 
 
 class _Finder:
-    def __init__(self, store: Store, older_than_s: float, check_pids: bool, now: float) -> None:
+    def __init__(self, store: Store, older_than_s: float, check_pids: bool, now: float, max_depth: int) -> None:
         self.store = store
+        self.max_depth = max_depth
         self.older_than_s = older_than_s
         self.check_pids = check_pids
         self.now = now
@@ -171,7 +172,7 @@ class _Finder:
                     live_owners.add(m.group("data") if m else "")
             elif leaf.endswith(ASIDE_MARKER):
                 self._aside(prefix, leaf)
-            elif not leaf.startswith(".") and depth < MAX_DEPTH:
+            elif not leaf.startswith(".") and depth < self.max_depth:
                 self.walk(sub, depth + 1)
         self._orphans(prefix, files, live_owners)
 
@@ -235,13 +236,15 @@ def orphan_reason(store: Store, prefix: str, data_leaf: str, manifest: str, pres
 
 
 def find_debris(
-    store: Store, *, older_than_s: float = 3600.0, check_pids: bool = True, now: float | None = None
+    store: Store, *, older_than_s: float = 3600.0, check_pids: bool = True, now: float | None = None,
+    max_depth: int = MAX_DEPTH,
 ) -> tuple[list[Debris], list[tuple[str, str]]]:
-    """Every piece of debris under ``store``'s root, and the stagesave temporaries kept (with why).
+    """Every piece of debris under ``store``'s root (``max_depth`` folders down; 0: the root
+    only), and the stagesave temporaries kept (with why).
 
     Multipart uploads are not included (see :func:`collect_garbage`).
     """
-    finder = _Finder(store, older_than_s, check_pids, time.time() if now is None else now)
+    finder = _Finder(store, older_than_s, check_pids, time.time() if now is None else now, max_depth)
     finder.walk("", 0)
     return finder.found, finder.kept
 

@@ -174,7 +174,7 @@ def find_rows(store: Store) -> tuple[list[Row], list[Debris], list[tuple[str, st
         ci = _plain_folder(store, leaf)
         if ci is not None:
             rows.append(_row(store, ci, tier))
-    debris, kept = find_debris(store)
+    debris, kept = find_debris(store, max_depth=0)  # this root's own leftovers: one listing
     for d in debris:
         if d.kind == "orphan-manifest":
             torn = _torn_row(store, d, tier)

@@ -72,7 +72,7 @@ def run(env: Env, args: argparse.Namespace) -> int:
     if debris_count:
         notes.append(f"{debris_count} leftovers of crashed saves (`stagesave gc` removes them)")
     if in_progress:
-        notes.append(f"{in_progress} temporaries of saves in progress")
+        notes.append(f"{in_progress} stagesave files of saves in progress")
     for n in notes:
         env.out.print(n, markup=False)
     return 0
