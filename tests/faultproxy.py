@@ -154,6 +154,30 @@ def _abort(sock: socket.socket) -> None:
     sock.close()
 
 
+class _Link:
+    """One client connection and its (lazily opened) upstream connection."""
+
+    def __init__(self, conn: socket.socket) -> None:
+        self.conn = conn
+        self.client = conn.makefile("rb")
+        self.upstream: socket.socket | None = None
+        self._up_file = None
+
+    def upstream_file(self, address: tuple[str, int]):  # noqa: ANN201 - a buffered socket file
+        if self.upstream is None:
+            self.upstream = socket.create_connection(address)
+            self._up_file = self.upstream.makefile("rb")
+        return self._up_file
+
+    def close(self) -> None:
+        for s in (self.conn, self.upstream):
+            if s is not None:
+                try:
+                    s.close()
+                except OSError:
+                    pass
+
+
 class FaultProxy:
     """Listens on 127.0.0.1 and forwards to ``upstream`` (``http://host:port``)."""
 
@@ -163,6 +187,11 @@ class FaultProxy:
         self.faults: list[Fault] = []
         self.requests: collections.Counter[str] = collections.Counter()
         self.injected: collections.Counter[str] = collections.Counter()
+        #: Every request in arrival order: (operation, path and query).
+        self.log: list[tuple[str, str]] = []
+        #: Most requests of each operation in flight at once.
+        self.max_in_flight: collections.Counter[str] = collections.Counter()
+        self._in_flight: collections.Counter[str] = collections.Counter()
         self.down = False
         self._lock = threading.Lock()
         self._sock = socket.create_server(("127.0.0.1", 0))
@@ -183,6 +212,8 @@ class FaultProxy:
             self.faults.clear()
             self.requests.clear()
             self.injected.clear()
+            self.log.clear()
+            self.max_in_flight.clear()
         self.down = False
 
     def _take(self, op: str) -> Fault | None:
@@ -234,68 +265,72 @@ class FaultProxy:
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
-        upstream: socket.socket | None = None
-        up_file = None
-        cf = conn.makefile("rb")
+        link = _Link(conn)
         try:
             while True:
-                first, headers = _read_head(cf)
+                first, headers = _read_head(link.client)
                 method, target, _ = first.decode("latin-1").split(" ", 2)
                 op = classify(method, target)
                 with self._lock:
                     self.requests[op] += 1
-                if self.down:
-                    _abort(conn)
-                    return
-                fault = self._take(op)
-                action = fault.action if fault else None
-                expect = (_get(headers, "expect") or "").lower() == "100-continue"
-                headers = [(k, v) for k, v in headers if k.lower() != "expect"]
-                if expect:
-                    conn.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
-                if action == "drop_request":
-                    length = int(_get(headers, "content-length") or 0)
-                    cf.read(min(fault.drop_after, length))  # type: ignore[union-attr]
-                    _abort(conn)
-                    return
-                body, _ = _read_body(cf, headers, request=True)
-                if action == "status":
-                    self._reply_error(conn, fault, target, method == "HEAD")  # type: ignore[arg-type]
-                    continue
-                if action == "delay":
-                    time.sleep(fault.delay_s)  # type: ignore[union-attr]
-                if action == "flip_request":
-                    body = _flip(body, fault.flip_offset)  # type: ignore[union-attr]
-                if upstream is None:
-                    upstream = socket.create_connection(self.upstream)
-                    up_file = upstream.makefile("rb")
-                upstream.sendall(_head_bytes(first, headers) + body)
-                while True:
-                    rfirst, rheaders = _read_head(up_file)
-                    if not rfirst.split(b" ", 2)[1].startswith(b"1"):
-                        break
-                status = int(rfirst.split(b" ", 2)[1])
-                rbody, to_eof = _read_body(up_file, rheaders, no_body=method == "HEAD" or status in (204, 304))
-                if action == "flip_response" and status < 300:
-                    rbody = _flip(rbody, fault.flip_offset)  # type: ignore[union-attr]
-                if action == "drop_response":
-                    conn.sendall(_head_bytes(rfirst, rheaders) + rbody[: min(fault.drop_after, len(rbody) // 2)])  # type: ignore[union-attr]
-                    _abort(conn)
-                    return
-                conn.sendall(_head_bytes(rfirst, rheaders) + rbody)
-                if to_eof or (_get(rheaders, "connection") or "").lower() == "close":
-                    return
+                    self.log.append((op, target))
+                    self._in_flight[op] += 1
+                    self.max_in_flight[op] = max(self.max_in_flight[op], self._in_flight[op])
+                try:
+                    if not self._one(link, first, headers, method, target, op):
+                        return
+                finally:
+                    with self._lock:
+                        self._in_flight[op] -= 1
         except (_Closed, OSError, ValueError):
             return
         finally:
             with self._lock:
                 self._conns.discard(conn)
-            try:
-                conn.close()
-            except OSError:
-                pass
-            if upstream is not None:
-                upstream.close()
+            link.close()
+
+    def _one(self, link: _Link, first: bytes, headers: list[tuple[str, str]], method: str, target: str,
+             op: str) -> bool:
+        """Serve one request; False when the connection is finished."""
+        conn = link.conn
+        if self.down:
+            _abort(conn)
+            return False
+        fault = self._take(op)
+        action = fault.action if fault else None
+        if (_get(headers, "expect") or "").lower() == "100-continue":
+            conn.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")  # and do not forward the Expect
+            headers = [(k, v) for k, v in headers if k.lower() != "expect"]
+        if fault is not None and action == "drop_request":
+            length = int(_get(headers, "content-length") or 0)
+            link.client.read(min(fault.drop_after, length))
+            _abort(conn)
+            return False
+        body, _ = _read_body(link.client, headers, request=True)
+        if fault is not None and action == "status":
+            self._reply_error(conn, fault, target, method == "HEAD")
+            return True
+        if fault is not None and action == "delay":
+            time.sleep(fault.delay_s)
+        if fault is not None and action == "flip_request":
+            body = _flip(body, fault.flip_offset)
+        up = link.upstream_file(self.upstream)
+        assert link.upstream is not None
+        link.upstream.sendall(_head_bytes(first, headers) + body)
+        while True:
+            rfirst, rheaders = _read_head(up)
+            if not rfirst.split(b" ", 2)[1].startswith(b"1"):
+                break
+        status = int(rfirst.split(b" ", 2)[1])
+        rbody, to_eof = _read_body(up, rheaders, no_body=method == "HEAD" or status in (204, 304))
+        if fault is not None and action == "flip_response" and status < 300:
+            rbody = _flip(rbody, fault.flip_offset)
+        if fault is not None and action == "drop_response":
+            conn.sendall(_head_bytes(rfirst, rheaders) + rbody[: min(fault.drop_after, len(rbody) // 2)])
+            _abort(conn)
+            return False
+        conn.sendall(_head_bytes(rfirst, rheaders) + rbody)
+        return not to_eof and (_get(rheaders, "connection") or "").lower() != "close"
 
     @staticmethod
     def _reply_error(conn: socket.socket, fault: Fault, target: str, head_only: bool) -> None:

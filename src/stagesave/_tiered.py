@@ -1,0 +1,603 @@
+"""Tiered storage: commit to a fast local tier first, upload to a remote tier in the background.
+
+A save that has to reach S3 before it counts is as slow as the link; a save on local NVMe is
+durable in seconds but dies with the node. The tiered store gets both: the whole commit protocol
+(``_commit.py``) runs against the local tier, so a checkpoint is committed as soon as it is on
+local disk, and every local commit queues an upload that replays the same protocol against the
+remote tier (data invisible, manifest, atomic publish), reading the committed local file through
+``mmap`` and checking each chunk against the local manifest on the way, so a copy that rotted on
+disk is never published remotely. A failed upload never fails the save: it is reported (stderr,
+telemetry with ``tier="remote"`` and ``error``) and retried after the next local commit.
+
+Each tier has its own retention; local retention never removes a checkpoint whose upload is still
+pending (it would be the only copy). Reads choose, per checkpoint, the newest committed copy,
+preferring the local tier on a tie, so ``latest()`` restores from local disk when the local copy
+is valid and from the remote tier otherwise (another node wrote a newer one, or the local disk
+was wiped). While the remote tier fails, reads skip it for ``remote_retry_after_s``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import mmap
+import os
+import re
+import sys
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from ._background import JobQueue
+from ._commit import FileToWrite, WriteStats, commit_files, sibling_manifests, write_file
+from ._crash import crash_point
+from ._dircommit import commit_directory
+from ._discovery import CheckpointInfo, resolve, resolve_dir, scan
+from ._manifest import FileEntry, Manifest
+from ._names import DIR_MANIFEST, TMP_MARKER, split_manifest_name
+from ._store import ObjectInfo, PendingWrite, Store
+from .errors import IntegrityError
+from .telemetry import SaveTelemetry, TelemetryCallback
+
+__all__ = ["TieredStore"]
+
+LOCAL, REMOTE = "local", "remote"
+_STAGING_RE = re.compile(r"^\.(?P<leaf>.+)\.\d+-[0-9a-f]+" + re.escape(TMP_MARKER) + "$")
+_live: weakref.WeakSet[TieredStore] = weakref.WeakSet()
+_exit_hook_registered = False
+
+
+def _flush_at_exit() -> None:
+    # Checkpointers first: their last local commits queue uploads that must run too.
+    try:
+        from .checkpointer import _close_all_at_exit
+
+        _close_all_at_exit()
+    except Exception as exc:  # noqa: BLE001 - report, never hang the exit
+        print(f"stagesave: flushing checkpointers before exit failed: {exc}", file=sys.stderr)
+    for store in list(_live):
+        try:
+            store.close()
+        except Exception as exc:  # noqa: BLE001
+            print(f"stagesave: uploads to {store.remote.url} did not finish before exit: {exc}", file=sys.stderr)
+
+
+def _register_exit_hook() -> None:
+    global _exit_hook_registered
+    if _exit_hook_registered:
+        return
+    _exit_hook_registered = True
+    # threading's exit hooks run before concurrent.futures refuses new work (LIFO order).
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:
+        register(_flush_at_exit)
+    else:  # pragma: no cover - other Python implementations
+        import atexit
+
+        atexit.register(_flush_at_exit)
+
+
+def _store_for(target: Store | str | os.PathLike[str], storage_options: dict[str, Any] | None) -> Store:
+    if isinstance(target, Store):
+        return target
+    url = os.fspath(target)
+    if url.startswith(("s3://", "s3a://")):
+        from ._s3 import S3Store
+
+        return S3Store(url, storage_options)
+    if "://" in url and not url.startswith("file://"):
+        from ._fsspec import FsspecStore
+
+        return FsspecStore(url, storage_options)
+    from ._local import LocalStore
+
+    return LocalStore(url.removeprefix("file://"))
+
+
+def _parent(name: str) -> str:
+    return name.rpartition("/")[0]
+
+
+class _LocalWrite(PendingWrite):
+    """The local tier's pending write; its publish is the local commit, which queues an upload."""
+
+    def __init__(self, store: TieredStore, name: str, inner: PendingWrite) -> None:
+        self.store = store
+        self.name = name
+        self.inner = inner
+        self.direct = getattr(inner, "direct", None)
+
+    def write_range(self, lo: int, hi: int) -> None:
+        self.inner.write_range(lo, hi)
+
+    def finish(self) -> None:
+        self.inner.finish()
+
+    def publish(self) -> None:
+        self.inner.publish()
+        self.store._committed_locally(self.name, is_dir=False)
+
+    def abort(self) -> None:
+        self.inner.abort()
+
+
+class TieredStore(Store):
+    """A fast local tier and a remote tier behind one checkpoint root.
+
+    Args:
+        local: The local tier: a :class:`LocalStore` or a directory (NVMe).
+        remote: The remote tier: a store or a URL (``s3://...``, any fsspec URL, a path).
+        storage_options: fsspec/s3fs options used when ``remote`` is a URL.
+        keep_local: Committed checkpoints kept on the local tier (``None``: all). A checkpoint
+            whose upload has not succeeded yet is never removed from the local tier.
+        keep_remote: Committed checkpoints kept on the remote tier (``None``: all).
+        upload_threads: Threads uploading chunks of one file in parallel.
+        telemetry_callback: Called with a :class:`SaveTelemetry` (``tier="remote"``) after each
+            upload, committed or failed.
+        remote_retry_after_s: After a remote failure, reads skip the remote tier this long.
+
+    Raises:
+        ValueError: a retention count below 1.
+    """
+
+    def __init__(
+        self,
+        local: Store | str | os.PathLike[str],
+        remote: Store | str | os.PathLike[str],
+        *,
+        storage_options: dict[str, Any] | None = None,
+        keep_local: int | None = None,
+        keep_remote: int | None = None,
+        upload_threads: int = 4,
+        telemetry_callback: TelemetryCallback | None = None,
+        remote_retry_after_s: float = 30.0,
+    ) -> None:
+        for what, n in (("keep_local", keep_local), ("keep_remote", keep_remote)):
+            if n is not None and n < 1:
+                raise ValueError(f"{what} must be >= 1 or None, got {n}")
+        self.local = _store_for(local, None)
+        self.remote = _store_for(remote, storage_options)
+        if self.local.local_path("") is None:
+            raise ValueError(f"the local tier must be a local directory, got {self.local.url}")
+        self.url = self.remote.url
+        self.keep_local = keep_local
+        self.keep_remote = keep_remote
+        self.remote_retry_after_s = remote_retry_after_s
+        self._callbacks: list[TelemetryCallback] = [telemetry_callback] if telemetry_callback else []
+        self._queue = JobQueue(io_threads=upload_threads, name="stagesave-upload")
+        self._lock = threading.Lock()
+        self._route: dict[str, str] = {}
+        self._pending: dict[str, float] = {}  # name -> when it was committed locally
+        self._records: deque[SaveTelemetry] = deque(maxlen=10_000)
+        self._remote_down_until = 0.0
+        self._closed = False
+        _live.add(self)
+        _register_exit_hook()
+
+    # ------------------------------------------------------------------ routing
+    def _key(self, name: str) -> str:
+        """The checkpoint a name belongs to: a data file (with its manifests) or a folder."""
+        with self._lock:
+            return self._key_unlocked(name)
+
+    def _remote_usable(self) -> bool:
+        return time.monotonic() >= self._remote_down_until
+
+    def _remote_failed(self) -> None:
+        self._remote_down_until = time.monotonic() + self.remote_retry_after_s
+
+    def _probe(self, store: Store, key: str) -> tuple[bool, float | None]:
+        """(exists, created time if committed) of one checkpoint in one tier."""
+        try:
+            if key == "dir:":  # the root itself is never a folder checkpoint
+                store.info(DIR_MANIFEST)
+                return True, None
+            if key.startswith("dir:"):
+                ci = resolve_dir(store, key[4:])
+                return ci.manifest is not None or ci.status == "corrupt", ci.created if ci.status == "committed" else None
+            ci = resolve(store, key)
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            return False, None
+        return True, ci.created if ci.status == "committed" else None
+
+    def _decide(self, key: str) -> str:
+        """Route ``key`` to the tier with the newest committed copy (local on a tie)."""
+        local_exists, local_created = self._probe(self.local, key)
+        remote_exists, remote_created = False, None
+        if self._remote_usable():
+            try:
+                remote_exists, remote_created = self._probe(self.remote, key)
+            except OSError:
+                self._remote_failed()
+        if local_created is not None and (remote_created is None or local_created >= remote_created):
+            tier = LOCAL
+        elif remote_created is not None:
+            tier = REMOTE
+        else:
+            tier = LOCAL if local_exists or not remote_exists else REMOTE
+        with self._lock:
+            self._route[key] = tier
+        return tier
+
+    def _tier(self, name: str) -> Store:
+        with self._lock:
+            tier = self._route.get(self._key_unlocked(name))
+        return self.remote if tier == REMOTE else self.local
+
+    def _key_unlocked(self, name: str) -> str:
+        parent, _, leaf = name.rpartition("/")
+        if leaf == DIR_MANIFEST:
+            return f"dir:{parent}"
+        parsed = split_manifest_name(leaf)
+        if parsed is not None:
+            return f"{parent}/{parsed[0]}" if parent else parsed[0]
+        return f"dir:{parent}" if f"dir:{parent}" in self._route else name
+
+    def _set_local(self, name: str) -> None:
+        key = self._key(name)
+        with self._lock:
+            self._route[key] = LOCAL
+
+    def tier_of(self, name: str) -> str:
+        """``"local"`` or ``"remote"``: where reads of ``name`` go now (after ``info``/``latest``)."""
+        return REMOTE if self._tier(name) is self.remote else LOCAL
+
+    # ------------------------------------------------------------------ Store: writing (local)
+    def check_writable(self, name: str, size: int) -> None:
+        self.local.check_writable(name, size)
+
+    def begin_write(self, name: str, image: memoryview, size: int) -> PendingWrite:
+        self._set_local(name)
+        return _LocalWrite(self, name, self.local.begin_write(name, image, size))
+
+    def put_atomic(self, name: str, data: bytes) -> None:
+        self.local.put_atomic(name, data)
+        self._set_local(name)
+        parent, _, leaf = name.rpartition("/")
+        if leaf == DIR_MANIFEST:
+            # A folder commit: the manifest goes in last, inside a staging folder that is then
+            # renamed into place (``_dircommit.py``); the upload waits for that rename.
+            head, _, staging = parent.rpartition("/")
+            match = _STAGING_RE.match(staging)
+            final = (f"{head}/{match['leaf']}" if head else match["leaf"]) if match else parent
+            try:
+                created = int(json.loads(data)["created_ns"])
+            except (ValueError, KeyError, TypeError):
+                created = 0
+            self._committed_locally(final, is_dir=True, created_ns=created)
+
+    def delete(self, name: str) -> None:
+        """Delete from both tiers (the remote one after the uploads queued before this call).
+
+        The core retires a local file by renaming it away before deleting its manifests, so a
+        manifest deleted while its data file is already gone locally retires the checkpoint on
+        the remote tier too (manifest first, then data).
+        """
+        self.local.delete(name)
+        parent, _, leaf = name.rpartition("/")
+        parsed = split_manifest_name(leaf)
+        remote_names = [name]
+        with self._lock:
+            self._pending.pop(name, None)
+            if parsed is not None:
+                data = f"{parent}/{parsed[0]}" if parent else parsed[0]
+                local_data = self.local.local_path(data)
+                if local_data is not None and os.path.exists(local_data):
+                    if data in self._pending:
+                        # Replaced by a local commit whose queued upload replaces it remotely;
+                        # removing it now would strip the remote copy of its manifest if that
+                        # upload fails.
+                        return
+                else:
+                    self._pending.pop(data, None)
+                    remote_names.append(data)
+
+        def remote_delete() -> None:
+            try:
+                for n in remote_names:
+                    self.remote.delete(n)
+                if leaf == DIR_MANIFEST:
+                    for info in self.remote.list(parent):
+                        self.remote.delete(info.name)
+            except OSError as exc:
+                self._report_failure(name, f"removing {self.remote.describe(name)} failed: {exc}", None)
+
+        self._queue.submit(remote_delete)
+
+    # ------------------------------------------------------------------ Store: reading (routed)
+    def info(self, name: str) -> ObjectInfo:
+        key = self._key(name)
+        if key == name or key.startswith("dir:") and name.endswith(DIR_MANIFEST):
+            self._decide(key)  # the first call of every resolve: choose the tier afresh
+        store = self._tier(name)
+        try:
+            return store.info(name)
+        except FileNotFoundError:
+            other = self.remote if store is self.local else self.local
+            if other is self.remote and not self._remote_usable():
+                raise
+            return other.info(name)
+
+    def read_range(self, name: str, offset: int, length: int) -> bytes:
+        return self._tier(name).read_range(name, offset, length)
+
+    def read_into(self, name: str, offset: int, out: memoryview) -> int:
+        return self._tier(name).read_into(name, offset, out)
+
+    def local_path(self, name: str) -> str | None:
+        return self.local.local_path(name) if self._tier(name) is self.local else None
+
+    def describe(self, name: str) -> str:
+        return self._tier(name).describe(name)
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        """Both tiers' files; for a checkpoint routed to one tier, that tier's file and manifests."""
+        local = {i.name: i for i in self.local.list(prefix)}
+        remote = {i.name: i for i in self._remote_list(lambda: self.remote.list(prefix))}
+        out = []
+        for name in sorted(local.keys() | remote.keys()):
+            with self._lock:
+                routed = self._route.get(self._key_unlocked(name))
+            first, second = (remote, local) if routed == REMOTE else (local, remote)
+            info = first.get(name)
+            if info is None:
+                if routed is not None and split_manifest_name(name.rpartition("/")[2]) is not None:
+                    continue  # a manifest of the copy that is not read
+                info = second[name]
+            out.append(info)
+        return out
+
+    def list_dirs(self, prefix: str = "") -> list[str]:
+        dirs = set(self.local.list_dirs(prefix))
+        dirs.update(self._remote_list(lambda: self.remote.list_dirs(prefix)))
+        return sorted(dirs)
+
+    def _remote_list(self, fn: Callable[[], list[Any]]) -> list[Any]:
+        if not self._remote_usable():
+            return []
+        try:
+            return fn()
+        except OSError as exc:
+            self._remote_failed()
+            print(f"stagesave: listing the remote tier {self.remote.url} failed ({exc}); "
+                  f"using the local tier only for {self.remote_retry_after_s:.0f} s", file=sys.stderr)
+            return []
+
+    # ------------------------------------------------------------------ uploads
+    def _committed_locally(self, name: str, *, is_dir: bool, created_ns: int = 0) -> None:
+        when = time.time()
+        with self._lock:
+            self._pending[name] = when
+        directory = _parent(name)
+        self._queue.submit(lambda: self._sync(directory, name if is_dir else None, created_ns))
+
+    def attach_telemetry(self, callback: TelemetryCallback) -> None:
+        """Also send upload telemetry to ``callback`` (e.g. the Checkpointer's own)."""
+        self._callbacks.append(callback)
+
+    def wait_uploads(self, timeout: float | None = None) -> list[SaveTelemetry]:
+        """Wait until every queued upload has finished; return the records since the last call.
+
+        Raises:
+            TimeoutError: uploads still running after ``timeout`` seconds.
+        """
+        if not self._queue.drain(timeout):
+            raise TimeoutError(f"uploads to {self.remote.url} still running after {timeout} s")
+        with self._lock:
+            out = list(self._records)
+            self._records.clear()
+        return out
+
+    def pending_uploads(self) -> list[str]:
+        """Names committed locally whose upload has not succeeded yet."""
+        with self._lock:
+            return sorted(self._pending)
+
+    def _sync(self, directory: str, expected_dir: str | None, created_ns: int) -> None:
+        """Upload the pending checkpoints of ``directory`` (newest first), then apply retention."""
+        if expected_dir is not None:
+            self._await_rename(expected_dir, created_ns)
+        with self._lock:
+            names = {n: t for n, t in self._pending.items() if _parent(n) == directory}
+        committed = {c.name: c for c in scan(self.local, directory) if c.status == "committed"}
+        for name in sorted(names, key=lambda n: names[n], reverse=True):
+            info = committed.get(name)
+            if info is None:  # removed or replaced meanwhile: nothing of it to upload
+                with self._lock:
+                    if self._pending.get(name) == names[name]:
+                        self._pending.pop(name)
+                continue
+            if not self._upload(info, names[name]):
+                return  # the remote tier is failing; the next local commit retries
+            with self._lock:
+                if self._pending.get(name) == names[name]:
+                    self._pending.pop(name)
+        self._retain(directory)
+
+    def _await_rename(self, directory: str, created_ns: int, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            ci = resolve_dir(self.local, directory)
+            if ci.manifest is not None and ci.manifest.created_ns >= created_ns:
+                return
+            time.sleep(0.02)
+
+    def _upload(self, info: CheckpointInfo, committed_at: float) -> bool:
+        assert info.manifest is not None and info.manifest_name is not None
+        tel = SaveTelemetry(path=self.remote.describe(info.name), started_at=time.time(), tier=REMOTE)
+        t0 = time.perf_counter()
+        try:
+            stats = WriteStats()
+            with self._mapped(info) as files:
+                tel.bytes = sum(f.size for f in files)
+                if info.is_dir:
+                    self._upload_dir(info, files, stats)
+                else:
+                    self._upload_file(info, files[0], stats)
+            tel.write_s, tel.checksum_s = stats.write_s, stats.checksum_s
+            tel.time_to_commit_s = time.time() - committed_at
+            tel.commit_s = max(0.0, time.perf_counter() - t0 - stats.write_s)
+            tel.throughput_bytes_per_s = tel.bytes / stats.write_s if stats.write_s > 0 else 0.0
+            tel.committed_at = time.time()
+        except Exception as exc:  # noqa: BLE001 - reported, never fails the (local) save
+            self._remote_failed()
+            self._report_failure(
+                info.name,
+                f"uploading {info.path} to {tel.path} failed: {exc}. The local checkpoint is "
+                "committed; the upload is retried after the next save",
+                tel,
+            )
+            return False
+        self._emit(tel)
+        return True
+
+    @contextlib.contextmanager
+    def _mapped(self, info: CheckpointInfo) -> Iterator[list[FileToWrite]]:
+        """The committed local files as read-only memory maps, described for ``write_file``."""
+        assert info.manifest is not None
+        entries: list[tuple[str, FileEntry]] = (
+            [(f"{info.name}/{e.name}", e) for e in info.manifest.files] if info.is_dir
+            else [(info.name, info.manifest.file(info.name.rpartition("/")[2]))]
+        )
+        maps: list[mmap.mmap] = []
+        views: list[memoryview] = []
+        try:
+            files = []
+            for name, entry in entries:
+                path = self.local.local_path(name)
+                assert path is not None
+                with open(path, "rb") as f:
+                    if entry.size:
+                        m = mmap.mmap(f.fileno(), entry.size, access=mmap.ACCESS_READ)
+                        maps.append(m)
+                        view = memoryview(m)
+                    else:
+                        view = memoryview(b"")
+                views.append(view)
+                files.append(FileToWrite(
+                    name if not info.is_dir else entry.name, view, entry.size, entry.kind,
+                    entry.serialization_id, entry.id_offset, entry.storages, entry_name=entry.name,
+                ))
+            yield files
+        finally:
+            for v in views:
+                with contextlib.suppress(BufferError):
+                    v.release()
+            for m in maps:
+                with contextlib.suppress(BufferError):
+                    m.close()
+
+    @staticmethod
+    def _check_same(info: CheckpointInfo, local: FileEntry, sent: FileEntry) -> None:
+        if sent.chunks != local.chunks:
+            bad = next(i for i, (a, b) in enumerate(zip(sent.chunks, local.chunks)) if a != b)
+            lo, hi = local.chunk_range(bad)
+            raise IntegrityError(
+                f"the local copy of {info.path} no longer matches its manifest (bytes [{lo}, {hi}) "
+                "differ): it was not uploaded. The local disk may be failing."
+            )
+
+    def _upload_file(self, info: CheckpointInfo, f: FileToWrite, stats: WriteStats) -> None:
+        assert info.manifest is not None and info.manifest_name is not None
+        local_entry = info.manifest.file(info.name.rpartition("/")[2])
+        entry, publish, abort = write_file(
+            self.remote, f, algorithm=local_entry.algorithm, chunk_bytes=local_entry.chunk_bytes,
+            pool=self._queue.io_pool, stats=stats,
+        )
+        try:
+            self._check_same(info, local_entry, entry)
+            crash_point("during_upload")
+            replaced = sibling_manifests(self.remote, info.name)
+        except BaseException:
+            abort()
+            raise
+        commit_files(self.remote, info.manifest_name, info.manifest, [publish], [abort], replaced)
+
+    def _upload_dir(self, info: CheckpointInfo, files: list[FileToWrite], stats: WriteStats) -> None:
+        manifest = info.manifest
+        assert manifest is not None
+        first = manifest.files[0]
+
+        def same_manifest(entries: list[FileEntry]) -> Manifest:
+            for local_entry, sent in zip(manifest.files, entries):
+                self._check_same(info, local_entry, sent)
+            crash_point("during_upload")
+            return manifest
+
+        commit_directory(self.remote, info.name, files, same_manifest, algorithm=first.algorithm,
+                         chunk_bytes=first.chunk_bytes, pool=self._queue.io_pool, stats=stats)
+
+    def _retain(self, directory: str) -> None:
+        try:
+            if self.keep_remote is not None:
+                remote = [c for c in scan(self.remote, directory) if c.status == "committed"]
+                for old in remote[self.keep_remote :]:
+                    self._remove(self.remote, old)
+            if self.keep_local is not None:
+                local = [c for c in scan(self.local, directory) if c.status == "committed"]
+                with self._lock:
+                    pending = set(self._pending)
+                for old in local[self.keep_local :]:
+                    if old.name not in pending:  # never remove the only copy
+                        self._remove(self.local, old)
+        except OSError as exc:
+            self._report_failure(directory, f"retention in {self.remote.url} failed: {exc}", None)
+
+    @staticmethod
+    def _remove(store: Store, ci: CheckpointInfo) -> None:
+        if ci.manifest_name is not None:
+            store.delete(ci.manifest_name)  # manifest first: half-deleted is never valid
+        if ci.is_dir:
+            local = store.local_path(ci.name)
+            if local is not None:
+                import shutil
+
+                shutil.rmtree(local, ignore_errors=True)
+                return
+            for f in store.list(ci.name):
+                store.delete(f.name)
+        else:
+            store.delete(ci.name)
+
+    def _report_failure(self, name: str, message: str, tel: SaveTelemetry | None) -> None:
+        print(f"stagesave: {message}", file=sys.stderr)
+        if tel is None:
+            tel = SaveTelemetry(path=self.remote.describe(name), started_at=time.time(), tier=REMOTE)
+        tel.error = message
+        self._emit(tel)
+
+    def _emit(self, tel: SaveTelemetry) -> None:
+        with self._lock:
+            self._records.append(tel)
+        for cb in list(self._callbacks):
+            try:
+                cb(tel)
+            except Exception as exc:  # noqa: BLE001 - a broken callback must not fail uploads
+                print(f"stagesave: telemetry callback failed: {exc!r}", file=sys.stderr)
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self, timeout: float | None = None) -> None:
+        """Finish queued uploads, then release both tiers. Safe to call more than once.
+
+        Raises:
+            TimeoutError: uploads still running after ``timeout`` seconds (they are abandoned).
+        """
+        if self._closed:
+            return
+        self._closed = True
+        _live.discard(self)
+        try:
+            if not self._queue.stop(timeout):
+                raise TimeoutError(f"uploads to {self.remote.url} still running after {timeout} s")
+        finally:
+            self.local.close()
+            self.remote.close()
+
+    def __enter__(self) -> TieredStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
