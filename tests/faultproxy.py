@@ -42,6 +42,8 @@ class Fault:
     delay_s: float = 0.0
     drop_after: int = 1024
     flip_offset: int = 0
+    #: Only requests whose path (without the query) ends with this.
+    path_suffix: str | None = None
     hits: int = 0
 
     def __post_init__(self) -> None:
@@ -139,10 +141,10 @@ def _head_bytes(first: bytes, headers: list[tuple[str, str]]) -> bytes:
 
 
 def _flip(body: bytes, offset: int) -> bytes:
-    if not body:
+    """Flip the lowest bit of byte ``offset`` (bodies shorter than that pass unchanged)."""
+    if offset >= len(body):
         return body
-    i = min(offset, len(body) - 1)
-    return body[:i] + bytes([body[i] ^ 0x01]) + body[i + 1 :]
+    return body[:offset] + bytes([body[offset] ^ 0x01]) + body[offset + 1 :]
 
 
 def _abort(sock: socket.socket) -> None:
@@ -216,10 +218,13 @@ class FaultProxy:
             self.max_in_flight.clear()
         self.down = False
 
-    def _take(self, op: str) -> Fault | None:
+    def _take(self, op: str, target: str) -> Fault | None:
+        path = target.partition("?")[0]
         with self._lock:
             for fault in self.faults:
                 if fault.op not in (None, op):
+                    continue
+                if fault.path_suffix is not None and not path.endswith(fault.path_suffix):
                     continue
                 if fault.skip > 0:
                     fault.skip -= 1
@@ -296,7 +301,7 @@ class FaultProxy:
         if self.down:
             _abort(conn)
             return False
-        fault = self._take(op)
+        fault = self._take(op, target)
         action = fault.action if fault else None
         if (_get(headers, "expect") or "").lower() == "100-continue":
             conn.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")  # and do not forward the Expect

@@ -71,12 +71,14 @@ class StoreResolver:
         full = os.path.abspath(os.path.expanduser(p))
         return self.store_for(os.path.dirname(full)), os.path.basename(full)
 
-    def dir_store(self, root: str | os.PathLike[str] | None) -> Store:
+    def dir_store(self, root: Store | str | os.PathLike[str] | None) -> Store:
         """The store for a directory argument (``None``: the checkpointer's root)."""
         if root is None:
             if self.root is None:
                 raise ValueError("no root given and the Checkpointer has none")
             return self.root
+        if isinstance(root, Store):
+            return root
         r = os.fspath(root)
         if self.root is not None and not is_url(r) and not os.path.isabs(r):
             r = os.path.join(self.root.url, r) if not is_url(self.root.url) else f"{self.root.url}/{r}"
