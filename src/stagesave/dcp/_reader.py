@@ -1,0 +1,306 @@
+"""``StagedStorageReader``: DCP loads that prove every byte before DCP sees it.
+
+The folder's manifest (``checkpoint.stagesave.json``) must say the save committed; ``.metadata``
+is checked against its digests and unpickled with an allow-list (``_metadata``); then each rank
+file is read in windows of whole checksum chunks, in parallel, every chunk checked against the
+manifest before any item in it is handed to DCP's planner. Resharding (a checkpoint written by
+N ranks loaded on M) is DCP's planner's work: this reader only serves the byte ranges it asks
+for. The I/O threads only read and hash; unpickling and tensor copies stay on the caller's thread.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import io
+import os
+import uuid
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from .._checksum import digest
+from .._discovery import CheckpointInfo, raise_if_corrupt, resolve_dir
+from .._manifest import FileEntry
+from .._names import DEFAULT_CHUNK_BYTES
+from .._store import Store, check_name
+from .._targets import StoreResolver
+from ..errors import CheckpointNotFoundError, IntegrityError, ManifestError
+from ..safety import safe_torch_load
+from ._format import METADATA_FILE
+from ._metadata import load_metadata
+
+__all__ = ["StagedStorageReader"]
+
+#: Bytes read (and verified) at once; a window holds whole chunks, at least one item.
+DEFAULT_WINDOW_BYTES = 256 * 1024 * 1024
+#: Unverified reads merge items separated by at most this many bytes (alignment padding).
+_MERGE_GAP = 64 * 1024
+
+
+@dataclass
+class _Opened:
+    store: Store
+    name: str
+    where: str
+    info: CheckpointInfo | None
+    entries: dict[str, FileEntry]
+    metadata: Metadata
+
+
+@dataclass
+class _Window:
+    lo: int
+    hi: int
+    items: list[tuple[_StorageInfo, ReadItem]]
+
+
+class StagedStorageReader(StorageReader):
+    """A DCP storage reader for stagesave folders (and, with ``verify=False``, any DCP folder).
+
+    Use it with ``torch.distributed.checkpoint.load`` on every rank::
+
+        dcp.load(state_dict, checkpoint_id="/ckpt/step-100", storage_reader=StagedStorageReader())
+
+    Args:
+        path: The checkpoint folder; ``checkpoint_id=`` of ``dcp.load`` replaces it.
+        verify: Refuse folders without a committed stagesave manifest and check every chunk read
+            against it (default). ``False`` reads any DCP folder as it is (e.g. one written by
+            ``FileSystemWriter``), still with the safe unpickler unless ``trusted``.
+        trusted: Unpickle ``.metadata`` and non-tensor items with the full unpickler.
+        safe_globals: Extra classes allowed in non-tensor items (see :mod:`stagesave.safety`).
+        storage_options: fsspec options for URLs (endpoint, credentials).
+        io_threads: Threads reading and hashing chunks in parallel.
+        window_bytes: Bytes read and verified at once per file (bounds the reader's memory).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        verify: bool = True,
+        trusted: bool = False,
+        safe_globals: Iterable[Any] = (),
+        storage_options: dict[str, Any] | None = None,
+        io_threads: int = 4,
+        window_bytes: int = DEFAULT_WINDOW_BYTES,
+        store: Store | None = None,
+    ) -> None:
+        super().__init__()
+        if io_threads < 1:
+            raise ValueError(f"io_threads must be >= 1, got {io_threads}")
+        self.path = path
+        self.verify = verify
+        self.trusted = trusted
+        self.safe_globals = list(safe_globals)
+        self.io_threads = io_threads
+        self.window_bytes = window_bytes
+        self._targets = StoreResolver(store, storage_options=storage_options)
+        self._opened: _Opened | None = None
+        self.storage_data: dict[Any, Any] = {}
+
+    # ------------------------------------------------------------------ opening
+    def open(self) -> Metadata:
+        """Resolve the folder, check its manifest and read ``.metadata`` (done once per path).
+
+        ``dcp.load`` calls this through :meth:`reset`, before any collective, so every rank
+        raises the same stagesave error instead of DCP's wrapped one.
+
+        Raises:
+            CheckpointNotFoundError: no folder or no ``.metadata`` there.
+            IntegrityError: not committed by stagesave (with ``verify``), or corrupt.
+            UnsafeCheckpointError: ``.metadata`` needs a class off the allow-list.
+        """
+        if self._opened is None:
+            self._opened = self._open()
+        return self._opened.metadata
+
+    def _open(self) -> _Opened:
+        if self.path is None:
+            raise ValueError("no checkpoint folder: pass checkpoint_id= to dcp.load or path= to the reader")
+        store, name = self._targets.split(self.path)
+        where = store.describe(name)
+        info: CheckpointInfo | None = None
+        entries: dict[str, FileEntry] = {}
+        if self.verify:
+            info = resolve_dir(store, name)
+            if info.status == "unverified":
+                if not store.list(name) and not store.list_dirs(name):
+                    raise CheckpointNotFoundError(f"no checkpoint at {where}")
+                raise IntegrityError(
+                    f"checkpoint {where} has no stagesave manifest, so it cannot be proven complete "
+                    "(a save that never committed, or a folder written by another DCP writer). "
+                    "Use stagesave.latest() to find the newest committed one, or pass verify=False "
+                    "to read it as a plain DCP folder."
+                )
+            if info.status != "committed" or info.manifest is None:
+                raise IntegrityError(f"checkpoint {where} is corrupt: {'; '.join(info.problems)}")
+            entries = {e.name: e for e in info.manifest.files}
+            if METADATA_FILE not in entries:
+                raise ManifestError(f"checkpoint {where} is not a DCP checkpoint: its manifest lists no {METADATA_FILE}")
+        mname = f"{name}/{METADATA_FILE}"
+        try:
+            size = store.info(mname).size
+        except (FileNotFoundError, IsADirectoryError) as exc:
+            raise CheckpointNotFoundError(f"no DCP checkpoint at {where}: {METADATA_FILE} is missing") from exc
+        entry = entries.get(METADATA_FILE)
+        data = self._read_verified(store, mname, 0, size, entry, None)
+        metadata = load_metadata(bytes(data), store.describe(mname), trusted=self.trusted)
+        self._check_storage_data(metadata, entries, where)
+        return _Opened(store, name, where, info, entries, metadata)
+
+    def _check_storage_data(self, metadata: Metadata, entries: dict[str, FileEntry], where: str) -> None:
+        """Untrusted offsets: every item must lie inside a file this checkpoint committed."""
+        for index, sinfo in metadata.storage_data.items():
+            if not isinstance(sinfo, _StorageInfo):
+                raise ManifestError(f"checkpoint {where}: storage data of {index.fqn} is a {type(sinfo).__name__}")
+            try:
+                check_name(sinfo.relative_path)
+            except (ValueError, TypeError) as exc:
+                raise ManifestError(f"checkpoint {where}: {index.fqn} points outside the folder "
+                                    f"({sinfo.relative_path!r})") from exc
+            if not isinstance(sinfo.offset, int) or not isinstance(sinfo.length, int) \
+                    or sinfo.offset < 0 or sinfo.length < 0:
+                raise ManifestError(f"checkpoint {where}: {index.fqn} has an invalid byte range")
+            if self.verify:
+                entry = entries.get(sinfo.relative_path)
+                if entry is None:
+                    raise IntegrityError(f"checkpoint {where} is corrupt: {index.fqn} is stored in "
+                                         f"{sinfo.relative_path}, which its manifest does not list")
+                if sinfo.offset + sinfo.length > entry.size:
+                    raise IntegrityError(f"checkpoint {where} is corrupt: {index.fqn} lies outside "
+                                         f"{sinfo.relative_path} ({sinfo.offset}+{sinfo.length} > {entry.size})")
+
+    # ------------------------------------------------------------------ StorageReader
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None:
+            self.path = checkpoint_id
+            self._opened = None
+            self.open()
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return isinstance(checkpoint_id, (str, os.PathLike))
+
+    def read_metadata(self, *args: Any, **options: Any) -> Metadata:
+        metadata = self.open()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        assert metadata.storage_meta is not None
+        metadata.storage_meta.load_id = str(uuid.uuid4())
+        return metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.storage_data = dict(metadata.storage_data)
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    @property
+    def checkpoint_id(self) -> str | os.PathLike[str] | None:
+        return self.path
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        opened = self._opened if self._opened is not None else self._open()
+        per_file: dict[str, list[tuple[_StorageInfo, ReadItem]]] = {}
+        for req in plan.items:
+            sinfo = cast(_StorageInfo, self.storage_data[req.storage_index])
+            if sinfo.transform_descriptors:
+                raise ManifestError(f"checkpoint {opened.where}: {req.storage_index.fqn} was written with "
+                                    f"stream transforms {list(sinfo.transform_descriptors)}, which this reader "
+                                    "does not apply; read it with torch's FileSystemReader")
+            per_file.setdefault(sinfo.relative_path, []).append((sinfo, req))
+        with cf.ThreadPoolExecutor(self.io_threads, thread_name_prefix="stagesave-dcp-read") as pool:
+            for rel, items in sorted(per_file.items()):
+                fname = f"{opened.name}/{rel}"
+                entry = opened.entries.get(rel)
+                items.sort(key=lambda pair: pair[0].offset)
+                for window in self._windows(items, entry):
+                    data = self._read_verified(opened.store, fname, window.lo, window.hi - window.lo, entry, pool)
+                    for sinfo, req in window.items:
+                        start = sinfo.offset - window.lo
+                        self._deliver(req, data[start : start + sinfo.length], planner, f"{opened.where}/{rel}")
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    # ------------------------------------------------------------------ reading
+    def _windows(self, items: list[tuple[_StorageInfo, ReadItem]], entry: FileEntry | None) -> Iterator[_Window]:
+        """Group sorted items into reads of whole chunks (all chunks, when verifying)."""
+        step = entry.chunk_bytes if entry is not None else 1
+        gap = 0 if entry is not None else _MERGE_GAP
+        current: _Window | None = None
+        for sinfo, req in items:
+            end = sinfo.offset + sinfo.length
+            lo = sinfo.offset // step * step
+            hi = -(-end // step) * step
+            if entry is not None:
+                hi = min(hi, entry.size)
+            if current is not None and lo <= current.hi + gap and max(hi, current.hi) - current.lo <= self.window_bytes:
+                current.hi = max(current.hi, hi)
+                current.items.append((sinfo, req))
+                continue
+            if current is not None:
+                yield current
+            current = _Window(lo, hi, [(sinfo, req)])
+        if current is not None:
+            yield current
+
+    def _read_verified(
+        self, store: Store, name: str, lo: int, length: int, entry: FileEntry | None, pool: cf.Executor | None
+    ) -> memoryview:
+        """Bytes ``[lo, lo + length)`` of ``name``; with ``entry``, every chunk checked first.
+
+        Raises:
+            IntegrityError: a chunk's digest differs, or the file is shorter than it should be.
+        """
+        out = memoryview(bytearray(length))
+        step = entry.chunk_bytes if entry is not None else DEFAULT_CHUNK_BYTES
+        path = store.describe(name)
+
+        def one(off: int) -> str | None:
+            n = min(step, length - off)
+            got = store.read_into(name, lo + off, out[off : off + n])
+            if got != n:
+                return f"{path}: truncated at byte {lo + off + got}"
+            if entry is not None:
+                i = (lo + off) // entry.chunk_bytes
+                if digest(entry.algorithm, out[off : off + n]) != entry.chunks[i]:
+                    a, b = entry.chunk_range(i)
+                    return f"{path}: checksum mismatch in bytes [{a}, {b}) (chunk {i})"
+            return None
+
+        offsets = range(0, length, step)
+        results = pool.map(one, offsets) if pool is not None and len(offsets) > 1 else map(one, offsets)
+        raise_if_corrupt([p for p in results if p], store.describe(name.rpartition("/")[0]))
+        return out
+
+    def _deliver(self, req: ReadItem, blob: memoryview, planner: LoadPlanner, where: str) -> None:
+        """Hand one verified item to DCP's planner (on the caller's thread)."""
+        if req.type == LoadItemType.BYTE_IO:
+            raw = bytes(blob)
+            if not self.trusted:
+                # DCP's planner unpickles with the full unpickler; the same bytes must first pass
+                # the allow-listed one, so nothing off the list is ever constructed.
+                safe_torch_load(io.BytesIO(raw), safe_globals=self.safe_globals,
+                                where=f"{where} (item {req.storage_index.fqn})")
+            planner.load_bytes(req, io.BytesIO(raw))
+            return
+        tensor = cast(torch.Tensor, torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True))
+        tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
+        target = planner.resolve_tensor(req).detach()
+        if target.size() != tensor.size():
+            raise IntegrityError(f"{where}: item {req.storage_index.fqn} has shape {tuple(tensor.size())} "
+                                 f"where the plan expects {tuple(target.size())}")
+        target.copy_(tensor)
+        planner.commit_tensor(req, target)

@@ -1,0 +1,347 @@
+"""``StagedStorageWriter``: ``dcp.save`` returns after one copy into host memory.
+
+DCP calls a storage writer from inside ``dcp.save``: planning and the exchange of plans and write
+results are collectives on the caller's thread, as they must be. This writer keeps them there and
+changes only what ``write_data`` does: it lays out the rank's file (offsets known now), copies
+every item into the rank's reused staging buffer, and returns DCP an already completed future
+with the write results. The write itself, the markers and the coordinator's commit then run on
+the checkpointer's background thread (``_protocol``), which makes only syscalls and hashes.
+
+Why not ``dcp.async_save``: it runs the whole ``dcp.save`` (planning collectives included) on a
+background thread, and a gloo collective off the training thread switches libgomp to passive
+waiting and halves training speed while that thread lives. With this writer the synchronous
+``dcp.save`` already returns after staging, so it is the call to use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import secrets
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from .._commit import WriteStats
+from .._image import MAX_INDEXED_TENSORS
+from .._manifest import FileEntry, Manifest
+from .._names import TMP_MARKER
+from .._stage import stage_image
+from .._store import Store
+from ..checkpointer import Checkpointer
+from ..handle import SaveHandle
+from ..telemetry import SaveTelemetry
+from ._engine import Engine
+from ._format import FORMAT_KEY, FORMAT_VALUE, SAVE_ID_KEY, WORLD_SIZE_KEY
+from ._protocol import (
+    MetadataSlot,
+    SavePlanData,
+    abandon,
+    commit,
+    report_failure,
+    wait_for_commit,
+    write_rank,
+)
+from ._rankfile import SkeletonCache, layout_rank_file
+
+__all__ = ["StagedStorageWriter"]
+
+#: Default seconds the coordinator waits for every rank's part (and the others for the commit).
+DEFAULT_COMMIT_TIMEOUT = 1800.0
+
+
+def _join(parent: str, leaf: str) -> str:
+    return f"{parent}/{leaf}" if parent else leaf
+
+
+def _tensor_index(metadata: Metadata) -> list[dict[str, Any]]:
+    """The manifest's tensor index: every tensor's global dtype and shape."""
+    out: list[dict[str, Any]] = []
+    for fqn, md in metadata.state_dict_metadata.items():
+        if len(out) >= MAX_INDEXED_TENSORS:
+            break
+        if isinstance(md, TensorStorageMetadata):
+            out.append({"name": fqn, "dtype": str(md.properties.dtype).removeprefix("torch."),
+                        "shape": list(md.size), "chunks": len(md.chunks)})
+    return out
+
+
+@dataclass
+class _Save:
+    """The state of the save in progress on this rank (from set-up to ``write_data``)."""
+
+    started: float
+    is_coordinator: bool
+    store: Store
+    name: str
+    telemetry: SaveTelemetry
+    slot: MetadataSlot | None = None
+    spec: SavePlanData | None = None
+
+
+class StagedStorageWriter(StorageWriter):
+    """A DCP storage writer whose ``dcp.save`` returns after staging; the write is background.
+
+    Use it with the synchronous ``torch.distributed.checkpoint.save`` on every rank::
+
+        writer = StagedStorageWriter(checkpointer=ckpt)          # one per process, reused
+        dcp.save(state_dict, checkpoint_id="/ckpt/step-100", storage_writer=writer)
+        writer.last_handle.result()                              # optional: wait for the commit
+
+    The folder is committed (and ``stagesave.latest`` sees it) once every rank's file is durable
+    and the coordinator wrote the manifest; until then the previous checkpoint stays the latest.
+
+    Args:
+        path: The checkpoint folder (local path, URL, or relative to the checkpointer's root);
+            ``checkpoint_id=`` of ``dcp.save`` replaces it for that save.
+        checkpointer: The :class:`~stagesave.Checkpointer` whose buffers, background queue,
+            retention and telemetry this writer shares. Default: a private one built from
+            ``options`` and closed by :meth:`close`.
+        commit_timeout: Seconds the coordinator waits for every rank's part after writing its
+            own (and the other ranks wait for the commit) before the save fails.
+        metadata: Stored in the global manifest of every save (e.g. ``{"step": 100}``).
+        **options: :class:`~stagesave.Checkpointer` arguments for the private checkpointer.
+
+    Raises:
+        ValueError: both ``checkpointer`` and checkpointer options were given, or a bad timeout.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        checkpointer: Checkpointer | None = None,
+        commit_timeout: float = DEFAULT_COMMIT_TIMEOUT,
+        metadata: dict[str, Any] | None = None,
+        **options: Any,
+    ) -> None:
+        super().__init__()
+        if checkpointer is not None and options:
+            raise ValueError(
+                f"got a checkpointer and checkpointer options ({', '.join(sorted(options))}); "
+                "configure the Checkpointer you pass instead"
+            )
+        if commit_timeout <= 0:
+            raise ValueError(f"commit_timeout must be > 0 seconds, got {commit_timeout}")
+        owned = checkpointer is None
+        self._engine = Engine(checkpointer if checkpointer is not None else Checkpointer(**options), owned=owned)
+        self.path = path
+        self.commit_timeout = float(commit_timeout)
+        self.metadata: dict[str, Any] = dict(metadata or {})
+        self.last_handle: SaveHandle | None = None
+        self._skeletons = SkeletonCache()
+        self._save: _Save | None = None
+        self._open_slots: list[MetadataSlot] = []
+        self._recent_ids: deque[str] = deque(maxlen=64)
+
+    @property
+    def checkpointer(self) -> Checkpointer:
+        """The checkpointer this writer runs on (for ``latest``, ``wait``, ``remove``...)."""
+        return self._engine.ckpt
+
+    # ------------------------------------------------------------------ StorageWriter
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None:
+            self.path = checkpoint_id
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return isinstance(checkpoint_id, (str, os.PathLike))
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=os.fspath(self.path) if self.path is not None else None)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if threading.current_thread().name.startswith("AsyncCheckpointExecutor"):
+            raise RuntimeError(
+                "StagedStorageWriter is meant for dcp.save, not dcp.async_save: async_save runs the "
+                "planning collectives on a background thread, which slows training down while it "
+                "lives. dcp.save with this writer already returns after staging; call dcp.save."
+            )
+        if not kwargs.get("use_collectives", True):
+            raise ValueError(
+                "StagedStorageWriter needs dcp.save(use_collectives=True): the coordinator commits "
+                "the folder once it knows every rank's plan"
+            )
+        if self.path is None:
+            raise ValueError("no checkpoint folder: pass checkpoint_id= to dcp.save or path= to the writer")
+        self.abandon("a new dcp.save started before the previous one reached finish() (it raised)")
+        self._engine.check_usable()
+        store, name = self._engine.split(self.path)
+        tel = SaveTelemetry(path=store.describe(name), started_at=time.time())
+        self._save = _Save(time.perf_counter(), is_coordinator, store, name, tel)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        self._current()
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        s = self._current()
+        save_id = secrets.token_hex(16)
+        parent, _, leaf = s.name.rpartition("/")
+        pid = os.getpid()
+        local = s.store.local_path(s.name) is not None
+        staging = _join(parent, f".{leaf}.{pid}-{save_id[:8]}{TMP_MARKER}") if local else s.name
+        return [
+            dataclasses.replace(plan, storage_data=SavePlanData(i, len(plans), save_id, staging, s.name, pid))
+            for i, plan in enumerate(plans)
+        ]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        s = self._current()
+        spec = plan.storage_data
+        if not isinstance(spec, SavePlanData):
+            raise RuntimeError(
+                "the save plan carries no stagesave data: StagedStorageWriter.prepare_global_plan did "
+                "not run on the coordinator for this save (is every rank using this writer?)"
+            )
+        if spec.save_id in self._recent_ids:
+            raise RuntimeError(
+                "DCP reused a cached plan of an earlier save; StagedStorageWriter needs a fresh plan "
+                "per save: create the planner with enable_plan_caching=False"
+            )
+        self._recent_ids.append(spec.save_id)
+        s.spec = spec
+        tel = s.telemetry
+        engine = self._engine
+        t0 = time.perf_counter()
+        rank_image = layout_rank_file(plan.items, planner.resolve_data, spec.file_name, spec.save_id,
+                                      self._skeletons)
+        image = rank_image.image
+        tel.plan_s = time.perf_counter() - t0
+        s.store.check_writable(_join(spec.staging, spec.file_name), image.size)
+        buf, tel.buffer_wait_s = engine.acquire(image.size)
+        try:
+            s0 = time.perf_counter()
+            wait_device = stage_image(image, buf)
+            digests = None
+            if engine.hash_while_staging:
+                if wait_device is not None:
+                    wait_device()
+                    wait_device = None
+                h0 = time.perf_counter()
+                digests = engine.staging_digests(buf.view, image.size)
+                tel.checksum_s = time.perf_counter() - h0
+            tel.stage_s = time.perf_counter() - s0
+        except BaseException:
+            engine.release(buf)
+            raise
+        tel.bytes = image.size
+        tel.tensor_bytes = rank_image.tensor_bytes
+        tel.blocking_s = time.perf_counter() - s.started
+        if s.is_coordinator:
+            s.slot = MetadataSlot()
+            self._open_slots.append(s.slot)
+        handle = SaveHandle(tel.path, tel)
+        self.last_handle = handle
+        store, slot, started = s.store, s.slot, s.started
+        user_metadata = dict(self.metadata)
+        timeout = self.commit_timeout
+        what = f"sharded checkpoint {tel.path}"
+
+        def make_manifest(entries: list[FileEntry], tensors: list[dict[str, Any]]) -> Manifest:
+            meta = {**user_metadata, FORMAT_KEY: FORMAT_VALUE, SAVE_ID_KEY: spec.save_id,
+                    WORLD_SIZE_KEY: spec.world_size}
+            return Manifest(files=entries, created_ns=time.time_ns(), tensors=tensors, metadata=meta,
+                            telemetry={k: v for k, v in tel.to_dict().items() if k not in ("path", "error")})
+
+        def job() -> None:
+            error: BaseException | None = None
+            wrote = committed = False
+            try:
+                stats = WriteStats()
+                try:
+                    if wait_device is not None:
+                        wait_device()
+                    write_rank(store, spec, buf.view, image.size, digests, algorithm=engine.checksum,
+                               chunk_bytes=engine.chunk_bytes, pool=engine.io_pool(), stats=stats)
+                    wrote = True
+                finally:
+                    engine.release(buf)
+                tel.write_s, tel.fsync_s, tel.direct_io = stats.write_s, stats.fsync_s, stats.direct_io
+                tel.checksum_s += stats.checksum_s
+                tel.throughput_bytes_per_s = image.size / stats.write_s if stats.write_s > 0 else 0.0
+                c0 = time.perf_counter()
+                deadline = time.monotonic() + timeout
+                if slot is not None:
+                    commit(store, spec, slot, make_manifest, algorithm=engine.checksum,
+                           chunk_bytes=engine.chunk_bytes, deadline=deadline, what=what)
+                    committed = True
+                    tel.commit_s = time.perf_counter() - c0
+                    tel.time_to_commit_s = time.perf_counter() - started
+                    tel.committed_at = time.time()
+                    engine.retain(store, spec.target.rpartition("/")[0])
+                else:
+                    wait_for_commit(store, spec, deadline, what)
+                    tel.commit_s = time.perf_counter() - c0
+                    tel.time_to_commit_s = time.perf_counter() - started
+                    tel.committed_at = time.time()
+            except BaseException as exc:  # noqa: BLE001 - delivered through the handle
+                if not wrote:
+                    report_failure(store, spec, exc)
+                if slot is not None and not committed:
+                    abandon(store, spec)
+                error = engine.as_error(exc, f"saving {what} failed")
+                tel.error = str(error)
+            engine.finish(handle, error)
+
+        engine.submit(job, handle)
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(rank_image.results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        s = self._current()
+        if s.slot is None or s.spec is None:
+            raise RuntimeError("finish() was called before write_data() on the coordinator")
+        metadata.version = CURRENT_DCP_VERSION
+        metadata.storage_data = {wr.index: wr.storage_data for rank in results for wr in rank}
+        metadata.storage_meta = StorageMeta(checkpoint_id=os.fspath(self.path) if self.path is not None else None,
+                                            save_id=s.spec.save_id)
+        s.slot.fill(pickle.dumps(metadata), _tensor_index(metadata))
+        self._save = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def abandon(self, reason: str = "dcp.save raised before finish()") -> None:
+        """Fail coordinator saves that will never get their metadata (``dcp.save`` raised).
+
+        Called by :func:`stagesave.dcp.save` when ``dcp.save`` raises, by the next save and by
+        :meth:`close`; without it the commit job would wait until ``commit_timeout``.
+        """
+        for slot in self._open_slots:
+            slot.abandon(reason)
+        self._open_slots = [s for s in self._open_slots if s.pending]
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait until every save of the checkpointer committed or failed.
+
+        Raises:
+            TimeoutError: still running after ``timeout`` seconds.
+            CheckpointError: a background save failed and its error was not delivered yet.
+        """
+        self._engine.wait(timeout)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Finish pending saves; close the checkpointer if this writer created it."""
+        self.abandon("the writer was closed before dcp.save reached finish()")
+        self._engine.close(timeout)
+
+    def __enter__(self) -> StagedStorageWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _current(self) -> _Save:
+        if self._save is None:
+            raise RuntimeError("StagedStorageWriter was called outside dcp.save (set_up_storage_writer did not run)")
+        return self._save

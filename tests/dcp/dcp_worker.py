@@ -1,0 +1,224 @@
+"""Multi-process scenarios of the sharded-checkpoint tests: ``python dcp_worker.py SCENARIO N OUT``.
+
+The launcher imports torch once, then forks N real processes that form a gloo group through a
+file rendezvous (no ports to collide) and run one scenario each. Every rank writes what it saw
+to ``OUT/<scenario>-rank<R>.json`` (its error as a traceback, if any); the launcher writes every
+rank's exit code to ``OUT/<scenario>-exit.json`` (-9 for a rank SIGKILLed at a crash point).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import sys
+import threading
+import time
+import traceback
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from dcp_helpers import build_model, replicated_state, train  # noqa: E402
+
+import stagesave.dcp as sdcp  # noqa: E402
+import stagesave.dcp._writer as _writer  # noqa: E402
+from stagesave import Checkpointer  # noqa: E402
+
+
+def _tel(telemetry: Any) -> dict[str, Any]:
+    return dict(telemetry.to_dict())
+
+
+def fsdp_save(rank: int, world: int, out: str) -> dict[str, Any]:
+    """FSDP2 on CPU: train, save sharded (model + Adam), and record the full reference state."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = build_model(0)
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    train(model, opt, 100 + rank, 2)
+    msd, osd = get_state_dict(model, opt)
+    result: dict[str, Any] = {"dtensor": type(msd["0.weight"]).__name__,
+                              "local_rows": int(msd["0.weight"].to_local().shape[0])}
+    writer = sdcp.StagedStorageWriter(root=os.path.join(out, "ckpt"), commit_timeout=120)
+    t0 = time.perf_counter()
+    handle = sdcp.save({"model": msd, "optim": osd, "step": 2}, "step-2", writer=writer)
+    result["returned_s"] = time.perf_counter() - t0
+    result["save"] = _tel(handle.result(120))
+    full_m, full_o = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        torch.save({"model": full_m, "optim": full_o}, os.path.join(out, "ref.pt"))
+
+    # DDP-style replicated state: identical on every rank, written once.
+    rep = replicated_state()
+    writer2 = sdcp.StagedStorageWriter(checkpointer=writer.checkpointer)
+    root = os.path.join(out, "rep")
+    result["rep_default"] = _tel(sdcp.save(rep, os.path.join(root, "default"), writer=writer2).result(120))
+    planner = sdcp.SplitReplicatedPlanner(split_bytes=256 * 1024)
+    result["rep_split"] = _tel(sdcp.save(rep, os.path.join(root, "split"), writer=writer2, planner=planner).result(120))
+    writer.close()
+    return result
+
+
+def fsdp_load(rank: int, world: int, out: str) -> dict[str, Any]:
+    """FSDP2 on a different number of ranks: load the sharded checkpoint, record the full state."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = build_model(1)  # different weights: the load must overwrite every one
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    train(model, opt, 999, 1)  # optimizer state exists, with other values
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd, "step": 0}
+    sdcp.load(state, os.path.join(out, "ckpt", "step-2"))
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    full_m, full_o = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    rep = replicated_state()
+    zeros = {
+        "emb": torch.zeros_like(rep["emb"]),
+        "blocks": {k: torch.zeros_like(v) for k, v in rep["blocks"].items()},
+        "bias": torch.zeros_like(rep["bias"]),
+        "epoch": 0,
+    }
+    sdcp.load(zeros, os.path.join(out, "rep", "split"))
+    if rank == 0:
+        torch.save({"model": full_m, "optim": full_o, "step": state["step"], "rep": zeros},
+                   os.path.join(out, "loaded.pt"))
+    return {"local_rows": int(msd["0.weight"].to_local().shape[0])}
+
+
+def killed_save(rank: int, world: int, out: str) -> dict[str, Any]:
+    """Save A (committed), then save B during which the rank named by KILL_RANK is SIGKILLed."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    victim = int(os.environ["KILL_RANK"])
+    ckpt = Checkpointer(os.path.join(out, "ckpt"), chunk_bytes=64 * 1024)
+    writer = sdcp.StagedStorageWriter(checkpointer=ckpt, commit_timeout=float(os.environ.get("COMMIT_TIMEOUT", "4")))
+    g = torch.Generator().manual_seed(11)
+    full_a = torch.randn(512, 256, generator=g)  # 512 KiB: several 64 KiB chunks per rank file
+    state = {"w": distribute_tensor(full_a.clone(), mesh, [Shard(0)]), "step": 1}
+    sdcp.save(state, "step-1", writer=writer).result(60)
+    if rank == 0:
+        torch.save({"w": full_a, "step": 1}, os.path.join(out, "ref-a.pt"))
+    state = {"w": distribute_tensor(full_a * 2, mesh, [Shard(0)]), "step": 2}
+    gated = os.environ.get("KILL_AFTER_SAVE_RETURNED") == "1"
+    gate = threading.Event()
+    if rank == victim:
+        if gated:
+            # Fault injection by wrapping the real thing: the victim's background write starts
+            # only once its dcp.save returned, so it dies after every collective finished.
+            real = _writer.write_rank
+
+            def gated_write(*args: Any, **kwargs: Any) -> Any:
+                gate.wait(60)
+                return real(*args, **kwargs)
+
+            _writer.write_rank = gated_write  # type: ignore[assignment]
+        else:
+            os.environ["STAGESAVE_CRASH_AT"] = os.environ["KILL_AT"]
+    result: dict[str, Any] = {}
+    try:
+        handle = sdcp.save(state, "step-2", writer=writer)
+    except BaseException as exc:  # noqa: BLE001 - a peer died inside dcp.save's collectives
+        result["outcome"] = "dcp.save raised"
+        result["message"] = f"{type(exc).__name__}: {exc}"
+        return result
+    if rank == victim and gated:
+        os.environ["STAGESAVE_CRASH_AT"] = os.environ["KILL_AT"]
+        gate.set()
+    try:
+        handle.result(60)
+        result["outcome"] = "committed"
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        result["outcome"] = type(exc).__name__
+        result["message"] = str(exc)
+    try:
+        ckpt.close()
+    except Exception as exc:  # noqa: BLE001 - the same failure, delivered again: not expected
+        result["close"] = f"{type(exc).__name__}: {exc}"
+    return result
+
+
+def object_store_save(rank: int, world: int, out: str) -> dict[str, Any]:
+    """The object-store protocol (no rename) on a shared folder, through fsspec's local backend."""
+    from stagesave import FsspecStore
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    store = FsspecStore(f"file://{os.path.join(out, 'objects')}", {"auto_mkdir": True})
+    writer = sdcp.StagedStorageWriter(root=store, commit_timeout=60)
+    g = torch.Generator().manual_seed(5)
+    full = torch.randn(64, 32, generator=g)
+    for step in (1, 2):  # the second save replaces the folder in place
+        state = {"w": distribute_tensor(full * step, mesh, [Shard(0)]), "step": step}
+        sdcp.save(state, "last", writer=writer).result(60)
+    loaded = {"w": distribute_tensor(torch.zeros_like(full), mesh, [Shard(0)]), "step": 0}
+    sdcp.load(loaded, "last", reader=sdcp.StagedStorageReader(store=store))
+    same = bool(torch.equal(loaded["w"].full_tensor(), full * 2)) and loaded["step"] == 2
+    writer.close()
+    return {"loaded_equal": same}
+
+
+SCENARIOS = {f.__name__: f for f in (fsdp_save, fsdp_load, killed_save, object_store_save)}
+
+
+def _child(scenario: str, rank: int, world: int, out: str) -> None:
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    path = os.path.join(out, f"{scenario}-rank{rank}.json")
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(out, scenario + '.rdzv')}",
+                                rank=rank, world_size=world)
+        result = SCENARIOS[scenario](rank, world, out)
+        result["ok"] = True
+    except BaseException:  # noqa: BLE001 - reported to the test
+        result = {"ok": False, "error": traceback.format_exc()}
+    with open(path, "w") as f:
+        json.dump(result, f)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0 if result["ok"] else 1)  # never hang in teardown of a group with a dead peer
+
+
+def main(scenario: str, world: int, out: str, timeout: float = 240.0) -> int:
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_child, args=(scenario, r, world, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    codes = []
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+            codes.append("timeout")
+        else:
+            codes.append(p.exitcode)
+    with open(os.path.join(out, f"{scenario}-exit.json"), "w") as f:
+        json.dump(codes, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], int(sys.argv[2]), sys.argv[3]))
