@@ -67,9 +67,8 @@ def fsync_folder(path: str) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from accelerate import Accelerator
-
     import stagesave.accelerate
+    from accelerate import Accelerator
 
     base = args.dir or tempfile.mkdtemp(prefix="bench-accelerate-", dir="/work" if os.path.isdir("/work") else None)
     os.makedirs(base, exist_ok=True)

@@ -33,13 +33,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import stagesave.accelerate
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
-
-import stagesave.accelerate
 
 # ----------------------------------------------------------------------------- data
 

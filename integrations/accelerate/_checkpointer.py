@@ -15,19 +15,20 @@ from __future__ import annotations
 
 import logging
 import os
-import re
-import shutil
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from stagesave import CheckpointInfo, Checkpointer, SaveHandle
-from stagesave.errors import CheckpointNotFoundError, IntegrityError
+from stagesave import Checkpointer, CheckpointInfo, SaveHandle
 
 from . import _dist, _remote
 from ._config import Options, is_switched_off, resolve_options
 from ._hooks import run_save_hooks
 from ._layout import MANIFEST_KEY, collect_rng_state, state_files
+from ._restore import LoadPlan, discard_copy, plan_explicit, plan_newest
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 __all__ = ["AcceleratorCheckpointer", "SynchronousFallbackWarning"]
 
@@ -36,7 +37,6 @@ logger = logging.getLogger("stagesave.accelerate")
 #: Accelerate's automatic naming: ``<project_dir>/checkpoints/checkpoint_<iteration>``.
 CHECKPOINTS_DIR = "checkpoints"
 FOLDER_PREFIX = "checkpoint_"
-_FOLDER_RE = re.compile(r"^checkpoint_(\d+)$")
 
 #: What Accelerate needs from an ``Accelerator`` for the asynchronous path.
 _REQUIRED_ATTRS = (
@@ -83,15 +83,6 @@ def _drop_placeholder(target: str) -> None:
         os.rmdir(target)
     except OSError:
         pass
-
-
-def _iteration_of(info: CheckpointInfo | None, folder: str) -> int | None:
-    """The ``ProjectConfiguration.iteration`` that saved this folder (manifest, else its name)."""
-    meta = info.manifest.metadata.get(MANIFEST_KEY, {}) if info is not None and info.manifest else {}
-    if isinstance(meta, dict) and isinstance(meta.get("iteration"), int):
-        return int(meta["iteration"])
-    m = _FOLDER_RE.match(_remote.leaf(folder))
-    return int(m.group(1)) if m else None
 
 
 class AcceleratorCheckpointer:
@@ -253,9 +244,8 @@ class AcceleratorCheckpointer:
             ValueError: a valid checkpoint, or a plain local folder stagesave cannot prove, is
                 already at ``target``.
         """
-        if not _remote.is_url(target):
-            if not os.path.lexists(target):
-                return
+        if not _remote.is_url(target) and not os.path.lexists(target):
+            return
         try:
             info = ckpt.verify(target)
         except FileNotFoundError:
@@ -293,117 +283,46 @@ class AcceleratorCheckpointer:
             self._accelerate_load(input_dir, load_kwargs, **load_model_func_kwargs)
             return None
         acc = self.accelerator
+        world = int(acc.num_processes)
         for ckpt in list(self._checkpointers.values()):
             ckpt.wait()
-        _dist.barrier(int(acc.num_processes))
-        plan: dict[str, Any] | None = None
+        _dist.barrier(world)  # every writer's saves are committed before anyone chooses
+        chosen: tuple[LoadPlan | None, BaseException | None] = (None, None)
         if int(acc.process_index) == 0:
             try:
-                plan = self._plan_load(input_dir)
+                chosen = (self._plan(input_dir), None)
             except Exception as exc:  # noqa: BLE001 - every process raises the same error below
-                plan = {"error": exc}
-        plan = _dist.broadcast_from_main(plan, int(acc.num_processes))
+                chosen = (None, exc)
+        received: tuple[LoadPlan | None, BaseException | None] = _dist.broadcast_from_main(chosen, world)
+        plan, error = received
+        if error is not None:
+            raise error
         assert plan is not None
-        if "error" in plan:
-            raise plan["error"]
-        local = plan["local"]
-        own_copy = None
-        if plan["remote"] and not os.path.isdir(local):  # another host: fetch this host's copy
-            own_copy = _remote.download_folder(plan["folder"], self.options.storage_options)
-            local = own_copy
-        if int(acc.process_index) == 0 and plan["remote"]:
-            own_copy = local
+        local, own_copy = plan.local, None
+        if plan.remote:
+            if os.path.isdir(local):  # rank 0's copy, on this host
+                own_copy = local if int(acc.process_index) == 0 else None
+            else:  # another host: fetch this host's own copy
+                local = own_copy = _remote.download_folder(plan.folder, self.options.storage_options)
         try:
             self._accelerate_load(local, load_kwargs, **load_model_func_kwargs)
-            _dist.barrier(int(acc.num_processes))
+            _dist.barrier(world)  # nobody removes a copy another process still reads
         finally:
             if own_copy is not None:
-                shutil.rmtree(os.path.dirname(own_copy), ignore_errors=True)
-        if plan["iteration"] is not None and (
-            acc.project_configuration.automatic_checkpoint_naming or plan["from_manifest"]
-        ):
-            acc.project_configuration.iteration = plan["iteration"] + 1
-        return str(plan["folder"])
+                discard_copy(own_copy)
+        config = acc.project_configuration
+        if plan.iteration is not None and (config.automatic_checkpoint_naming or plan.from_manifest):
+            config.iteration = plan.iteration + 1
+        return plan.folder
 
-    def _plan_load(self, input_dir: Any) -> dict[str, Any]:
-        """On rank 0: which folder to load, proven, with a local copy when it is remote."""
+    def _plan(self, input_dir: str | os.PathLike[str] | None) -> LoadPlan:
+        options = self.options
+        storage = dict(options.storage_options)
         if input_dir is not None:
-            folder = _remote.normalize(input_dir)
-            if not _remote.is_url(folder) and not os.path.isdir(folder):
-                raise ValueError(f"Tried to find {os.fspath(input_dir)} but folder does not exist")
-            plan = self._prove(folder, skip_corrupt=False)
-            assert plan is not None
-            return plan
+            return plan_explicit(self._checkpointer(), input_dir, options.verify_on_load, storage)
         if not self.accelerator.project_configuration.automatic_checkpoint_naming:
             raise ValueError("No input_dir provided and automatic checkpoint naming is disabled.")
-        root = self.checkpoints_root
-        ckpt = self._checkpointer()
-        ckpt.latest(root)  # also moves back a folder left aside by a crash mid-replacement
-        for info in ckpt.list(root):
-            if not info.is_dir or not info.valid:
-                continue
-            plan = self._prove(_remote.join(root, _remote.leaf(info.name)), skip_corrupt=True, info=info)
-            if plan is not None:
-                return plan
-        return self._plain_accelerate_folder(root)
-
-    def _prove(self, folder: str, *, skip_corrupt: bool, info: CheckpointInfo | None = None) -> dict[str, Any] | None:
-        """Verify ``folder`` (a local copy of it when remote); ``None`` if corrupt and skipped.
-
-        Raises:
-            IntegrityError: corrupt and not ``skip_corrupt``.
-            ValueError: a remote folder does not exist.
-        """
-        remote = _remote.is_url(folder)
-        local = folder
-        if remote:
-            try:
-                local = _remote.download_folder(folder, self.options.storage_options)
-            except FileNotFoundError as exc:
-                raise ValueError(f"Tried to find {folder} but folder does not exist") from exc
-        try:
-            checked = self._checkpointer().verify(local) if self.options.verify_on_load else info
-            if checked is not None and checked.status == "corrupt":
-                problem = "; ".join(checked.problems)
-                if skip_corrupt:
-                    warnings.warn(f"stagesave: skipping checkpoint {folder}: {problem}", stacklevel=5)
-                    if remote:
-                        shutil.rmtree(os.path.dirname(local), ignore_errors=True)
-                    return None
-                raise IntegrityError(f"checkpoint {folder} is corrupt: {problem}. It was not loaded.")
-        except BaseException:
-            if remote and os.path.isdir(local):
-                shutil.rmtree(os.path.dirname(local), ignore_errors=True)
-            raise
-        meta_info = checked if checked is not None and checked.manifest is not None else info
-        from_manifest = meta_info is not None and meta_info.manifest is not None
-        return {
-            "folder": folder, "local": local, "remote": remote,
-            "iteration": _iteration_of(meta_info, folder), "from_manifest": from_manifest,
-        }
-
-    def _plain_accelerate_folder(self, root: str) -> dict[str, Any]:
-        """No stagesave checkpoint: Accelerate's own choice among plain folders, if any.
-
-        Raises:
-            CheckpointNotFoundError: no checkpoint folder at all.
-        """
-        numbered = []
-        if not _remote.is_url(root) and os.path.isdir(root):
-            for name in os.listdir(root):
-                m = _FOLDER_RE.match(name)
-                if m and os.path.isdir(os.path.join(root, name)):
-                    numbered.append((int(m.group(1)), name))
-        if not numbered:
-            raise CheckpointNotFoundError(f"no valid checkpoint under {root} to resume from")
-        number, name = max(numbered)
-        folder = os.path.join(root, name)
-        warnings.warn(
-            f"stagesave: no stagesave checkpoint under {root}; resuming from {folder}, a plain "
-            "Accelerate folder that cannot be verified",
-            stacklevel=5,
-        )
-        return {"folder": folder, "local": folder, "remote": False, "iteration": number, "from_manifest": False}
+        return plan_newest(self._checkpointer(), self.checkpoints_root, options.verify_on_load, storage)
 
     # ------------------------------------------------------------------ finding, waiting
     def latest(self) -> CheckpointInfo | None:
@@ -444,10 +363,10 @@ class AcceleratorCheckpointer:
         if errors:
             raise errors[0]
 
-    def __enter__(self) -> AcceleratorCheckpointer:
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # ------------------------------------------------------------------ installed methods

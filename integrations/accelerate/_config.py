@@ -132,7 +132,8 @@ def _from_file(path: str) -> dict[str, Any]:
     if isinstance(data, Mapping) and set(data) == {"stagesave"}:
         data = data["stagesave"] or {}
     if not isinstance(data, Mapping):
-        raise ValueError(f"{ENV_CONFIG} file {path} must hold a mapping of options")
+        # A malformed file is a bad value like any other: ValueError, as documented.
+        raise ValueError(f"{ENV_CONFIG} file {path} must hold a mapping of options")  # noqa: TRY004
     unknown = sorted(set(data) - _NAMES)
     if unknown:
         raise ValueError(

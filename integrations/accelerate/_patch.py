@@ -87,7 +87,8 @@ def disable(accelerator: Any, timeout: float | None = None) -> None:
         return
     attrs = vars(accelerator)
     for name in ("save_state", "load_state"):
-        if getattr(attrs.get(name), "__stagesave__", None) is checkpointer:
+        owner = getattr(attrs.get(name), "__stagesave__", None)
+        if owner is not None and owner is checkpointer:
             del attrs[name]
     del attrs[_ATTR]
     checkpointer.close(timeout)
@@ -107,7 +108,7 @@ def enable_globally(**options: Any) -> None:
         enable(self, **options)
 
     setattr(Accelerator, _ORIGINAL_INIT, original)
-    Accelerator.__init__ = __init__  # type: ignore[method-assign]
+    Accelerator.__init__ = __init__
 
 
 def disable_globally() -> None:
@@ -116,5 +117,5 @@ def disable_globally() -> None:
 
     original = vars(Accelerator).get(_ORIGINAL_INIT)
     if original is not None:
-        Accelerator.__init__ = original  # type: ignore[method-assign]
+        Accelerator.__init__ = original
         delattr(Accelerator, _ORIGINAL_INIT)

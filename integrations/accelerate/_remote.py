@@ -25,8 +25,7 @@ def is_url(path: str) -> bool:
 def normalize(path: str | os.PathLike[str]) -> str:
     """An absolute local path, or the URL without a trailing slash."""
     p = os.fspath(path)
-    if p.startswith("file://"):
-        p = p[len("file://") :]
+    p = p.removeprefix("file://")
     if is_url(p):
         return p.rstrip("/")
     return os.path.abspath(os.path.expanduser(p))

@@ -10,9 +10,9 @@ pytest.importorskip("accelerate")
 @pytest.fixture(autouse=True)
 def fresh_accelerate_state(monkeypatch):
     """Accelerate keeps process-wide singletons; start and end each test without them."""
-    from accelerate.state import AcceleratorState, GradientState
-
     import os
+
+    from accelerate.state import AcceleratorState, GradientState
 
     for var in list(os.environ):
         if var.startswith(("STAGESAVE_ACCELERATE", "STAGESAVE_CRASH_AT")):

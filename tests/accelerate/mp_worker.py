@@ -18,7 +18,7 @@ from accelerate import Accelerator
 from accelerate.utils import ProjectConfiguration
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from accel_helpers import assert_same, build, snapshot, train  # noqa: E402
+from accel_helpers import assert_same, build, snapshot, train
 
 
 def check(result: dict, key: str, fn) -> None:

@@ -6,10 +6,9 @@ from __future__ import annotations
 import warnings
 
 import pytest
+import stagesave.accelerate as sa
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
-
-import stagesave.accelerate as sa
 from stagesave.accelerate._config import resolve_options
 
 
@@ -106,3 +105,32 @@ def test_real_fsdp_accelerator_falls_back(tmp_path, monkeypatch):
     assert any(p.name.startswith("pytorch_model_fsdp") for p in (tmp_path / "ck").iterdir())
     acc.load_state(str(tmp_path / "ck"))
     assert model is not None
+
+
+def test_runner_usage_and_class_patch_is_undone(tmp_path):
+    from stagesave.accelerate.__main__ import main
+
+    with pytest.raises(SystemExit) as exc:
+        main([])
+    assert exc.value.code == 2
+    script = tmp_path / "train.py"
+    report = tmp_path / "seen.json"
+    script.write_text(
+        "import json, sys\nfrom accelerate import Accelerator\nimport stagesave.accelerate as sa\n"
+        "acc = Accelerator(cpu=True)\n"
+        f"json.dump([__name__, sa.enabled(acc) is not None, sys.argv[1:]], open({str(report)!r}, 'w'))\n"
+    )
+    original = Accelerator.__init__
+    try:
+        main([str(script), "--lr", "3"])
+        import json
+
+        assert json.loads(report.read_text()) == ["__main__", True, ["--lr", "3"]]
+        assert Accelerator.__init__ is not original  # every new Accelerator gets enabled
+        acc = Accelerator(cpu=True)
+        assert sa.enabled(acc) is not None and "save_state" in vars(acc)
+        sa.disable(acc)
+    finally:
+        sa.disable_globally()
+    assert Accelerator.__init__ is original
+    assert sa.enabled(Accelerator(cpu=True)) is None

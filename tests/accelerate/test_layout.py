@@ -6,12 +6,12 @@ import json
 import os
 
 import pytest
+import stagesave.accelerate as sa
 import torch
-from accelerate import Accelerator
 from accel_helpers import MANIFEST, assert_same, build, load_file_content, train
+from accelerate import Accelerator
 
 import stagesave
-import stagesave.accelerate as sa
 from stagesave.errors import UnsupportedObjectError
 
 

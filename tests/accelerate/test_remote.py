@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import fsspec
 import pytest
+import stagesave.accelerate as sa
+from accel_helpers import MANIFEST, assert_same, build, snapshot, train
 from accelerate import Accelerator
 from accelerate.utils import ProjectConfiguration
-from accel_helpers import MANIFEST, assert_same, build, snapshot, train
-
-import stagesave.accelerate as sa
 
 
 @pytest.fixture

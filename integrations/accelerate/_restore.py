@@ -1,0 +1,144 @@
+"""Choosing and proving the checkpoint ``load_state`` hands to Accelerate.
+
+Accelerate's own ``load_state()`` takes the highest-numbered entry of ``checkpoints/``, complete
+or not. Here a candidate must carry a manifest that matches its files (and, with
+``verify_on_load``, every checksum); corrupt ones are skipped with a warning naming the damage.
+Only when no stagesave checkpoint exists at all does Accelerate's choice among plain folders
+apply (a run that started without stagesave keeps resuming). This runs on rank 0 only; the
+result travels to the other processes as a :class:`LoadPlan`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import warnings
+from dataclasses import dataclass
+
+from stagesave import Checkpointer, CheckpointInfo
+from stagesave.errors import CheckpointNotFoundError, IntegrityError
+
+from . import _remote
+from ._layout import MANIFEST_KEY
+
+__all__ = ["FOLDER_RE", "LoadPlan", "discard_copy", "plan_explicit", "plan_newest"]
+
+#: Accelerate's automatic folder names.
+FOLDER_RE = re.compile(r"^checkpoint_(\d+)$")
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """What to load: ``folder`` as named (path or URL), ``local`` the folder Accelerate reads.
+
+    ``iteration`` is the ``ProjectConfiguration.iteration`` that saved it (``None`` when unknown);
+    ``from_manifest`` says whether it came from stagesave's manifest.
+    """
+
+    folder: str
+    local: str
+    remote: bool
+    iteration: int | None
+    from_manifest: bool
+
+
+def discard_copy(local: str) -> None:
+    """Remove a temporary local copy made by :func:`_remote.download_folder`."""
+    shutil.rmtree(os.path.dirname(local), ignore_errors=True)
+
+
+def _iteration_of(info: CheckpointInfo | None, folder: str) -> int | None:
+    meta = info.manifest.metadata.get(MANIFEST_KEY, {}) if info is not None and info.manifest else {}
+    if isinstance(meta, dict) and isinstance(meta.get("iteration"), int):
+        return int(meta["iteration"])
+    m = FOLDER_RE.match(_remote.leaf(folder))
+    return int(m.group(1)) if m else None
+
+
+def _prove(
+    ckpt: Checkpointer, folder: str, verify: bool, storage_options: dict[str, object], *,
+    skip_corrupt: bool, info: CheckpointInfo | None = None,
+) -> LoadPlan | None:
+    """Verify ``folder`` (a local copy of it when remote); ``None`` if corrupt and skipped.
+
+    Raises:
+        IntegrityError: corrupt and not ``skip_corrupt``.
+        ValueError: a remote folder does not exist.
+    """
+    remote = _remote.is_url(folder)
+    local = folder
+    if remote:
+        try:
+            local = _remote.download_folder(folder, storage_options)
+        except FileNotFoundError as exc:
+            raise ValueError(f"Tried to find {folder} but folder does not exist") from exc
+    try:
+        checked = ckpt.verify(local) if verify else info
+        if checked is not None and checked.status == "corrupt":
+            problem = "; ".join(checked.problems)
+            if not skip_corrupt:
+                raise IntegrityError(f"checkpoint {folder} is corrupt: {problem}. It was not loaded.")
+            warnings.warn(f"stagesave: skipping checkpoint {folder}: {problem}", stacklevel=6)
+            if remote:
+                discard_copy(local)
+            return None
+    except BaseException:
+        if remote:
+            discard_copy(local)
+        raise
+    source = checked if checked is not None and checked.manifest is not None else info
+    return LoadPlan(folder, local, remote, _iteration_of(source, folder),
+                    source is not None and source.manifest is not None)
+
+
+def plan_explicit(
+    ckpt: Checkpointer, input_dir: str | os.PathLike[str], verify: bool, storage_options: dict[str, object]
+) -> LoadPlan:
+    """The folder the user named, proven (a plain Accelerate folder is loaded as it is).
+
+    Raises:
+        ValueError: it does not exist (Accelerate's message).
+        IntegrityError: its files do not match its manifest.
+    """
+    folder = _remote.normalize(input_dir)
+    if not _remote.is_url(folder) and not os.path.isdir(folder):
+        raise ValueError(f"Tried to find {os.fspath(input_dir)} but folder does not exist")
+    plan = _prove(ckpt, folder, verify, storage_options, skip_corrupt=False)
+    assert plan is not None
+    return plan
+
+
+def plan_newest(ckpt: Checkpointer, root: str, verify: bool, storage_options: dict[str, object]) -> LoadPlan:
+    """The newest valid checkpoint folder under ``root``.
+
+    Raises:
+        CheckpointNotFoundError: no checkpoint at all under ``root``.
+    """
+    ckpt.latest(root)  # also moves back a folder left aside by a crash mid-replacement
+    for info in ckpt.list(root):
+        if info.is_dir and info.valid:
+            folder = _remote.join(root, _remote.leaf(info.name))
+            plan = _prove(ckpt, folder, verify, storage_options, skip_corrupt=True, info=info)
+            if plan is not None:
+                return plan
+    return _plain_accelerate_folder(root)
+
+
+def _plain_accelerate_folder(root: str) -> LoadPlan:
+    numbered = []
+    if not _remote.is_url(root) and os.path.isdir(root):
+        for name in os.listdir(root):
+            m = FOLDER_RE.match(name)
+            if m and os.path.isdir(os.path.join(root, name)):
+                numbered.append((int(m.group(1)), name))
+    if not numbered:
+        raise CheckpointNotFoundError(f"no valid checkpoint under {root} to resume from")
+    number, name = max(numbered)
+    folder = os.path.join(root, name)
+    warnings.warn(
+        f"stagesave: no stagesave checkpoint under {root}; resuming from {folder}, a plain "
+        "Accelerate folder that cannot be verified",
+        stacklevel=5,
+    )
+    return LoadPlan(folder, folder, False, number, False)
