@@ -7,7 +7,26 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+import pytest  # noqa: E402
+
 import faultstats  # noqa: E402
+
+
+def pytest_configure(config):  # type: ignore[no-untyped-def]
+    config.addinivalue_line(
+        "markers", "fault_class(name): count this test as one trial of that fault class in the summary"
+    )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):  # type: ignore[no-untyped-def]
+    """A test marked ``fault_class`` is one trial; it found a violation if its body failed."""
+    yield
+    marker = item.get_closest_marker("fault_class")
+    if marker is None or call.when != "call":
+        return
+    known_bug = item.get_closest_marker("xfail") is not None
+    faultstats.record(marker.args[0], 1, int(call.excinfo is not None), known_bug=known_bug)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):  # type: ignore[no-untyped-def]

@@ -21,7 +21,6 @@ import pytest
 import torch
 
 import faultchild
-import faultstats
 from faulthelp import debris, file_state, latest_name
 
 _ctx = multiprocessing.get_context("forkserver")
@@ -47,15 +46,16 @@ def _exit_child(root: str, how: str, signal_after_submit: bool = False):  # type
     return p.exitcode, time.monotonic() - t0
 
 
+@pytest.mark.fault_class(FAULT_CLASS)
 @pytest.mark.parametrize(("how", "code"), [("return", 0), ("sys.exit(1)", 1), ("exception", 1)])
 def test_exit_flushes_the_pending_save(tmp_path, how, code):
     exitcode, _ = _exit_child(str(tmp_path), how)
     assert exitcode == code
     assert latest_name(tmp_path) == ("last.ckpt", 2)  # committed by the flush at exit
     assert debris(tmp_path) == []
-    faultstats.record(FAULT_CLASS, 1)
 
 
+@pytest.mark.fault_class(FAULT_CLASS)
 def test_sigterm_kills_mid_save_and_leaves_only_the_previous(tmp_path):
     """Default SIGTERM action: the process dies at once; the half-written save is not valid."""
     exitcode, _ = _exit_child(str(tmp_path), "sigterm", signal_after_submit=True)
@@ -66,26 +66,26 @@ def test_sigterm_kills_mid_save_and_leaves_only_the_previous(tmp_path):
     with stagesave.Checkpointer(tmp_path) as ck:
         assert [(c.name, c.status) for c in ck.list()] == [("last.ckpt", "committed")]
     assert all(".stagesave-tmp" in d for d in debris(tmp_path))  # only gc-able temporaries
-    faultstats.record(FAULT_CLASS, 1)
 
 
+@pytest.mark.fault_class(FAULT_CLASS)
 def test_sigterm_handler_that_exits_flushes_the_save(tmp_path):
     """Training scripts (and Lightning) turn SIGTERM into an orderly exit: the save commits."""
     exitcode, _ = _exit_child(str(tmp_path), "sigterm-handler", signal_after_submit=True)
     assert exitcode == 143
     assert latest_name(tmp_path) == ("last.ckpt", 2)
     assert debris(tmp_path) == []
-    faultstats.record(FAULT_CLASS, 1)
 
 
+@pytest.mark.fault_class(FAULT_CLASS)
 def test_exit_with_a_failing_pending_save_reports_and_does_not_hang(tmp_path):
     exitcode, _ = _exit_child(str(tmp_path), "failing-save")
     assert exitcode == 0  # the flush reports on stderr; it cannot change a finished exit code
     assert latest_name(tmp_path) == ("last.ckpt", 1)
     assert debris(tmp_path) == []
-    faultstats.record(FAULT_CLASS, 1)
 
 
+@pytest.mark.fault_class(FAULT_CLASS)
 @pytest.mark.slow
 def test_uncaught_exception_in_a_real_interpreter(tmp_path):
     """The same through a real interpreter's exit (atexit, threading shutdown, stderr)."""
@@ -102,4 +102,3 @@ def test_uncaught_exception_in_a_real_interpreter(tmp_path):
     assert r.returncode == 1 and "the training loop crashed" in r.stderr
     assert latest_name(tmp_path) == ("last.ckpt", 2)
     assert torch.equal(stagesave.load(tmp_path / "last.ckpt")["w"], file_state(2)["w"])
-    faultstats.record(FAULT_CLASS, 1)

@@ -19,7 +19,6 @@ import os
 
 import pytest
 
-import faultstats
 import stagesave
 from faultfs import Call, Recorder
 from faulthelp import debris, dir_state, file_state, latest_name
@@ -35,6 +34,7 @@ DIR_FSYNCS = ["data-1", "data-2", "staging-after-publish-1", "staging-after-publ
               "staging-after-manifest", "parent-after-rename"]
 
 _NO_SPACE = "no space left on the device"
+_AFTER_PUBLISH = ("dir-after-publish", "parent-after-rename")
 
 _PUBLISH_EIO = pytest.mark.xfail(strict=True, reason=(
     "EIO from the directory fsync after the publishing rename: the rename already took effect, "
@@ -84,45 +84,47 @@ def _cases(labels: list[str], is_dir: bool, names: list[str]) -> list:
     out = []
     for name in names:
         for i, label in enumerate(labels, 1):
-            marks = [_PUBLISH_EIO] if label in ("dir-after-publish", "parent-after-rename") else []
+            marks = [_PUBLISH_EIO] if label in _AFTER_PUBLISH else []
             out.append(pytest.param(is_dir, name, i, label, marks=marks, id=f"{name}-{label}"))
     return out
 
 
+@pytest.mark.fault_class(EIO_CLASS)
 @pytest.mark.parametrize(
     ("is_dir", "name", "nth", "label"),
     _cases(FILE_FSYNCS, False, ["last.ckpt", "new.ckpt"]) + _cases(DIR_FSYNCS, True, ["checkpoint", "other"]),
 )
 def test_eio_from_every_fsync_of_a_save(tmp_path, is_dir, name, nth, label):
     """EIO at each fsync of the protocol: fatal, reported, never retried, previous kept."""
-    _fault_then_recover(tmp_path, is_dir=is_dir, name=name, op="fsync", err=errno.EIO, nth=nth, label=label)
-    faultstats.record(EIO_CLASS, 1)
+    _fault_then_recover(tmp_path, is_dir=is_dir, name=name, op="fsync", err=errno.EIO, nth=nth,
+                        label=label)
 
 
+@pytest.mark.fault_class(ENOSPC_CLASS)
 @pytest.mark.parametrize("is_dir", [False, True], ids=["file", "dir"])
 @pytest.mark.parametrize("err", [errno.ENOSPC, errno.EDQUOT, errno.EIO], ids=errno.errorcode.get)
 @pytest.mark.parametrize("nth", [1, 3])
 def test_error_in_the_middle_of_the_background_write(tmp_path, is_dir, err, nth):
     """pwrite fails (disk full, quota, I/O error) while the writer threads are mid-file."""
-    _fault_then_recover(tmp_path, is_dir=is_dir, name="next" if is_dir else "next.ckpt", op="pwrite", err=err, nth=nth)
-    faultstats.record(ENOSPC_CLASS, 1)
+    _fault_then_recover(tmp_path, is_dir=is_dir, name="next" if is_dir else "next.ckpt", op="pwrite",
+                        err=err, nth=nth)
 
 
+@pytest.mark.fault_class(ENOSPC_CLASS)
 @pytest.mark.parametrize("is_dir", [False, True], ids=["file", "dir"])
 @pytest.mark.parametrize("nth", [1, 2])
 def test_enospc_from_fallocate(tmp_path, is_dir, nth):
     """fallocate reserves the whole file first; a full disk fails there, before any data."""
     if not is_dir and nth == 2:
         pytest.skip("a single-file save allocates once")
-    _fault_then_recover(tmp_path, is_dir=is_dir, name="next" if is_dir else "next.ckpt", op="posix_fallocate", err=errno.ENOSPC,
-                        nth=nth)
-    faultstats.record(ENOSPC_CLASS, 1)
+    _fault_then_recover(tmp_path, is_dir=is_dir, name="next" if is_dir else "next.ckpt",
+                        op="posix_fallocate", err=errno.ENOSPC, nth=nth)
 
 
+@pytest.mark.fault_class(ENOSPC_CLASS)
 def test_enospc_from_the_manifest_write(tmp_path):
     """The small manifest write is the last thing to fill the disk."""
     _fault_then_recover(tmp_path, is_dir=False, name="next.ckpt", op="write", err=errno.ENOSPC, nth=1)
-    faultstats.record(ENOSPC_CLASS, 1)
 
 
 def test_fallocate_unsupported_is_not_an_error(tmp_path):
@@ -139,6 +141,7 @@ def test_fallocate_unsupported_is_not_an_error(tmp_path):
     "leaves self.fd set and abort() closes the same fd number again: Linux has already released "
     "it, so the second close may close a file another thread just opened"
 ))
+@pytest.mark.fault_class("EIO from close (injected)")
 def test_eio_from_close_is_reported_and_the_fd_is_not_closed_twice(tmp_path):
     with stagesave.Checkpointer(tmp_path, chunk_bytes=8192) as ck:
         ck.save(file_state(1), "last.ckpt").result()

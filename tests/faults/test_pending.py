@@ -60,6 +60,7 @@ def _is_publish(root, name):  # type: ignore[no-untyped-def]
 
 
 # ---------------------------------------------------------------------------- deleted under a save
+@pytest.mark.fault_class("file deleted under a pending save")
 @pytest.mark.parametrize("is_dir", [False, True], ids=["file", "dir"])
 def test_temporary_deleted_under_a_pending_save(tmp_path, is_dir):
     """Someone (a cleanup cron, a user's rm) deletes the save's temporary while it is written."""
@@ -88,10 +89,10 @@ def test_temporary_deleted_under_a_pending_save(tmp_path, is_dir):
         else:
             ck.save(file_state(3), first).result(timeout=60)
     assert latest_name(tmp_path) == (first, 3)
-    faultstats.record("file deleted under a pending save", 1)
 
 
 # ---------------------------------------------------------------------------- load/remove pending
+@pytest.mark.fault_class("load/remove while a save is pending")
 def test_load_waits_for_a_pending_save_held_at_its_rename(tmp_path):
     with stagesave.Checkpointer(tmp_path, chunk_bytes=8192) as ck:
         ck.save(file_state(1), "last.ckpt").result()
@@ -107,9 +108,9 @@ def test_load_waits_for_a_pending_save_held_at_its_rename(tmp_path):
             gate.open()
             t.join(60)
         assert got == [2]
-    faultstats.record("load/remove while a save is pending", 1)
 
 
+@pytest.mark.fault_class("load/remove while a save is pending")
 def test_load_during_a_pending_save_that_fails_returns_the_previous(tmp_path):
     import errno
 
@@ -128,9 +129,9 @@ def test_load_during_a_pending_save_that_fails_returns_the_previous(tmp_path):
         assert got == [1]
         with pytest.raises(CheckpointError, match="Input/output error"):
             h.result()
-    faultstats.record("load/remove while a save is pending", 1)
 
 
+@pytest.mark.fault_class("load/remove while a save is pending")
 @pytest.mark.parametrize("is_dir", [False, True], ids=["file", "dir"])
 def test_remove_while_a_save_of_the_same_path_is_pending(tmp_path, is_dir):
     name = "checkpoint" if is_dir else "last.ckpt"
@@ -151,7 +152,6 @@ def test_remove_while_a_save_of_the_same_path_is_pending(tmp_path, is_dir):
         with pytest.raises(CheckpointNotFoundError):
             ck.load(os.path.join(name, "optimizer.bin") if is_dir else name)
         assert ck.latest() is None
-    faultstats.record("load/remove while a save is pending", 1)
 
 
 # ---------------------------------------------------------------------------- readers at every step
@@ -198,12 +198,12 @@ def test_reader_at_every_step_of_a_pending_overwrite_sees_old_or_new(tmp_path):
                 step_go.set()
             h.result(timeout=60)
     steps = [s for _, s, _ in seen]
+    faultstats.record("readers at every step of a pending save", len(seen) + len(problems), len(problems))
     assert not problems, problems
     assert set(steps) <= {1, 2}
     assert steps == sorted(steps)  # old until the rename, new from then on
     assert steps[0] == 1 and steps[-1] == 2
     assert len(seen) > 15
-    faultstats.record("readers at every step of a pending save", len(seen), len(problems))
 
 
 def _into_place(root: str):  # type: ignore[no-untyped-def]
@@ -273,6 +273,7 @@ def test_reader_process_at_every_step_of_a_pending_folder_overwrite(tmp_path):
     "reader in another process finds no checkpoint at all (latest() is None), and it stays so "
     "for as long as the writer is stalled there"
 ))
+@pytest.mark.fault_class("readers at every step of a pending save")
 def test_reader_process_between_the_two_renames_of_a_folder_replacement(tmp_path):
     root = str(tmp_path)
     with stagesave.Checkpointer(root, chunk_bytes=8192) as ck:
@@ -294,6 +295,7 @@ def test_reader_process_between_the_two_renames_of_a_folder_replacement(tmp_path
     "writer, so latest() from another Checkpointer in the same process moves it back while a "
     "folder save is between its two renames; that save then fails and leaves its staging folder"
 ))
+@pytest.mark.fault_class("load/remove while a save is pending")
 def test_latest_in_the_same_process_during_a_folder_replacement(tmp_path):
     root = str(tmp_path)
     with stagesave.Checkpointer(root, chunk_bytes=8192) as ck:
@@ -311,6 +313,7 @@ def test_latest_in_the_same_process_during_a_folder_replacement(tmp_path):
 
 
 # ---------------------------------------------------------------------------- close
+@pytest.mark.fault_class("save after close")
 def test_close_commits_pending_saves_then_refuses_everything(tmp_path):
     ck = stagesave.Checkpointer(tmp_path, chunk_bytes=8192)
     with Recorder(tmp_path) as rec:
@@ -329,7 +332,6 @@ def test_close_commits_pending_saves_then_refuses_everything(tmp_path):
     assert sorted(os.listdir(tmp_path)) == before
     assert ck.pending() == 0
     ck.close()
-    faultstats.record("save after close", 3)
 
 
 # ---------------------------------------------------------------------------- back-pressure

@@ -155,7 +155,7 @@ def test_power_loss_exhaustive(tmp_path, sc):
 ))
 def test_power_loss_saving_into_a_new_directory(tmp_path):
     trials, violations = replay(tmp_path, FRESH_ROOT, seeds=0)
-    faultstats.record("power loss at every op (recording fs)", trials, len(violations))
+    faultstats.record("power loss at every op (recording fs)", trials, len(violations), known_bug=True)
     assert not violations, "\n".join(violations[:5])
 
 

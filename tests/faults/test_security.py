@@ -114,6 +114,7 @@ def _rename_entry(manifest_path, old: str, new: str) -> None:
     manifest_path.write_text(json.dumps(doc))
 
 
+@pytest.mark.fault_class("path traversal in a manifest (audited)")
 @pytest.mark.parametrize("hostile", HOSTILE_NAMES)
 def test_traversal_in_a_folder_manifest_is_refused_before_any_io(world, hostile):
     base, root, outside = world
@@ -132,9 +133,9 @@ def test_traversal_in_a_folder_manifest_is_refused_before_any_io(world, hostile)
     assert best is not None and best.name == "model.ckpt"  # the good one is still found
     assert _outside(opened, str(root), str(base)) == []
     assert not any("secret" in p for p in opened)
-    faultstats.record("path traversal in a manifest (audited)", 1)
 
 
+@pytest.mark.fault_class("path traversal in a manifest (audited)")
 @pytest.mark.parametrize("hostile", HOSTILE_NAMES)
 def test_traversal_in_a_file_manifest_is_refused_before_any_io(world, hostile):
     base, root, outside = world
@@ -151,7 +152,6 @@ def test_traversal_in_a_file_manifest_is_refused_before_any_io(world, hostile):
     assert info.status == "corrupt" and any("escapes the checkpoint" in p for p in info.problems)
     assert best is None or best.name != "model.ckpt"
     assert _outside(opened, str(root), str(base)) == []
-    faultstats.record("path traversal in a manifest (audited)", 1)
 
 
 # ---------------------------------------------------------------------------- symlinks
@@ -170,6 +170,7 @@ def linked(world):
     return base, root, outside
 
 
+@pytest.mark.fault_class("symlinks out of the root")
 def test_listing_and_latest_do_not_follow_links_out_of_the_root(linked):
     base, root, outside = linked
     with audited() as opened, warnings.catch_warnings():
@@ -180,13 +181,13 @@ def test_listing_and_latest_do_not_follow_links_out_of_the_root(linked):
     assert names == ["checkpoint", "model.ckpt"]
     assert best is not None and best.name in ("checkpoint", "model.ckpt")
     assert _outside(opened, str(root), str(base)) == []
-    faultstats.record("symlinks out of the root", 1)
 
 
 def _files(d) -> dict[str, bytes]:  # type: ignore[no-untyped-def]
     return {p: (d / p).read_bytes() for p in tree(d) if (d / p).is_file()}
 
 
+@pytest.mark.fault_class("symlinks out of the root")
 def test_retention_and_removing_a_linked_file_never_delete_through_links(linked):
     base, root, outside = linked
     before = _files(outside)
@@ -197,9 +198,9 @@ def test_retention_and_removing_a_linked_file_never_delete_through_links(linked)
     assert _files(outside) == before
     assert not os.path.lexists(root / "linked.ckpt")
     assert [c.name for c in stagesave.list_checkpoints(root)] == ["s4.ckpt"]
-    faultstats.record("symlinks out of the root", 1)
 
 
+@pytest.mark.fault_class("symlinks out of the root")
 @pytest.mark.xfail(strict=True, reason=(
     "Checkpointer.remove() on a symlink to a folder checks os.path.isdir (which follows the "
     "link) and deletes <link>/checkpoint.stagesave.json, i.e. the manifest inside the target "
@@ -213,6 +214,7 @@ def test_removing_a_linked_folder_never_deletes_inside_its_target(linked):
     assert _files(outside) == before
 
 
+@pytest.mark.fault_class("symlinks out of the root")
 @pytest.mark.xfail(strict=True, reason=(
     "inside a real checkpoint folder, a manifest or data file that is a symlink out of the root "
     "is followed: LocalStore.info() stats and read_range()/verify open through the link, so "
