@@ -1,9 +1,14 @@
-"""Multi-process scenarios of the sharded-checkpoint tests: ``python dcp_worker.py SCENARIO N OUT``.
+"""Multi-process scenarios of the sharded-checkpoint tests.
 
-The launcher imports torch once, then forks N real processes that form a gloo group through a
-file rendezvous (no ports to collide) and run one scenario each. Every rank writes what it saw
-to ``OUT/<scenario>-rank<R>.json`` (its error as a traceback, if any); the launcher writes every
-rank's exit code to ``OUT/<scenario>-exit.json`` (-9 for a rank SIGKILLed at a crash point).
+``python dcp_worker.py serve`` imports torch once, then for each request read from stdin (one
+JSON line: scenario, world size, output folder, environment) forks that many real processes
+that form a gloo group through a file rendezvous (no ports to collide) and run the scenario;
+it answers one JSON line with every rank's exit code (-9 for a rank SIGKILLed at a crash point).
+Forking from this clean, thread-free process instead of starting Python per rank saves an
+import of torch per process. ``python dcp_worker.py SCENARIO N OUT`` runs one scenario.
+
+Every rank writes what it saw to ``OUT/<scenario>-rank<R>.json`` (its error as a traceback, if
+any) and its output to ``OUT/<scenario>-rank<R>.log``.
 """
 
 from __future__ import annotations
@@ -20,13 +25,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Shard, distribute_tensor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from dcp_helpers import build_model, replicated_state, train  # noqa: E402
 
 import stagesave.dcp as sdcp  # noqa: E402
 import stagesave.dcp._writer as _writer  # noqa: E402
-from stagesave import Checkpointer  # noqa: E402
+from stagesave import Checkpointer, FsspecStore  # noqa: E402
 
 
 def _tel(telemetry: Any) -> dict[str, Any]:
@@ -35,10 +44,6 @@ def _tel(telemetry: Any) -> dict[str, Any]:
 
 def fsdp_save(rank: int, world: int, out: str) -> dict[str, Any]:
     """FSDP2 on CPU: train, save sharded (model + Adam), and record the full reference state."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
     mesh = init_device_mesh("cpu", (world,))
     model = build_model(0)
     for layer in model:
@@ -72,10 +77,6 @@ def fsdp_save(rank: int, world: int, out: str) -> dict[str, Any]:
 
 def fsdp_load(rank: int, world: int, out: str) -> dict[str, Any]:
     """FSDP2 on a different number of ranks: load the sharded checkpoint, record the full state."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
     mesh = init_device_mesh("cpu", (world,))
     model = build_model(1)  # different weights: the load must overwrite every one
     for layer in model:
@@ -105,13 +106,10 @@ def fsdp_load(rank: int, world: int, out: str) -> dict[str, Any]:
 
 def killed_save(rank: int, world: int, out: str) -> dict[str, Any]:
     """Save A (committed), then save B during which the rank named by KILL_RANK is SIGKILLed."""
-    from torch.distributed.tensor import Shard, distribute_tensor
-    from torch.distributed.device_mesh import init_device_mesh
-
     mesh = init_device_mesh("cpu", (world,))
     victim = int(os.environ["KILL_RANK"])
     ckpt = Checkpointer(os.path.join(out, "ckpt"), chunk_bytes=64 * 1024)
-    writer = sdcp.StagedStorageWriter(checkpointer=ckpt, commit_timeout=float(os.environ.get("COMMIT_TIMEOUT", "4")))
+    writer = sdcp.StagedStorageWriter(checkpointer=ckpt, commit_timeout=120)
     g = torch.Generator().manual_seed(11)
     full_a = torch.randn(512, 256, generator=g)  # 512 KiB: several 64 KiB chunks per rank file
     state = {"w": distribute_tensor(full_a.clone(), mesh, [Shard(0)]), "step": 1}
@@ -119,6 +117,7 @@ def killed_save(rank: int, world: int, out: str) -> dict[str, Any]:
     if rank == 0:
         torch.save({"w": full_a, "step": 1}, os.path.join(out, "ref-a.pt"))
     state = {"w": distribute_tensor(full_a * 2, mesh, [Shard(0)]), "step": 2}
+    writer.commit_timeout = float(os.environ.get("COMMIT_TIMEOUT", "4"))  # save B: give up soon
     gated = os.environ.get("KILL_AFTER_SAVE_RETURNED") == "1"
     gate = threading.Event()
     if rank == victim:
@@ -160,9 +159,6 @@ def killed_save(rank: int, world: int, out: str) -> dict[str, Any]:
 def object_store_save(rank: int, world: int, out: str) -> dict[str, Any]:
     """The object-store protocol (no rename) on a shared folder, through fsspec's local backend."""
     from stagesave import FsspecStore
-    from torch.distributed.tensor import Shard, distribute_tensor
-    from torch.distributed.device_mesh import init_device_mesh
-
     mesh = init_device_mesh("cpu", (world,))
     store = FsspecStore(f"file://{os.path.join(out, 'objects')}", {"auto_mkdir": True})
     writer = sdcp.StagedStorageWriter(root=store, commit_timeout=60)
@@ -181,7 +177,11 @@ def object_store_save(rank: int, world: int, out: str) -> dict[str, Any]:
 SCENARIOS = {f.__name__: f for f in (fsdp_save, fsdp_load, killed_save, object_store_save)}
 
 
-def _child(scenario: str, rank: int, world: int, out: str) -> None:
+def _child(scenario: str, rank: int, world: int, out: str, env: dict[str, str]) -> None:
+    log = os.open(os.path.join(out, f"{scenario}-rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(log, 1)  # never write into the launcher's answer channel
+    os.dup2(log, 2)
+    os.environ.update(env)
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
     path = os.path.join(out, f"{scenario}-rank{rank}.json")
@@ -199,15 +199,16 @@ def _child(scenario: str, rank: int, world: int, out: str) -> None:
     os._exit(0 if result["ok"] else 1)  # never hang in teardown of a group with a dead peer
 
 
-def main(scenario: str, world: int, out: str, timeout: float = 240.0) -> int:
+def launch(scenario: str, world: int, out: str, env: dict[str, str] | None = None, timeout: float = 240.0) -> list[Any]:
+    """Fork ``world`` ranks running ``scenario``; every rank's exit code (or "timeout")."""
     ctx = multiprocessing.get_context("fork")
-    procs = [ctx.Process(target=_child, args=(scenario, r, world, out)) for r in range(world)]
+    procs = [ctx.Process(target=_child, args=(scenario, r, world, out, dict(env or {}))) for r in range(world)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))
-    codes = []
+    codes: list[Any] = []
     for p in procs:
         if p.is_alive():
             p.kill()
@@ -217,8 +218,24 @@ def main(scenario: str, world: int, out: str, timeout: float = 240.0) -> int:
             codes.append(p.exitcode)
     with open(os.path.join(out, f"{scenario}-exit.json"), "w") as f:
         json.dump(codes, f)
+    return codes
+
+
+def serve() -> int:
+    """Answer launch requests from stdin until it closes."""
+    for line in sys.stdin:
+        req = json.loads(line)
+        try:
+            codes = launch(req["scenario"], req["world"], req["out"], req.get("env"), req.get("timeout", 240.0))
+            answer: dict[str, Any] = {"exit_codes": codes}
+        except Exception:  # noqa: BLE001 - reported to the test
+            answer = {"error": traceback.format_exc()}
+        sys.stdout.write(json.dumps(answer) + "\n")
+        sys.stdout.flush()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], int(sys.argv[2]), sys.argv[3]))
+    if sys.argv[1] == "serve":
+        sys.exit(serve())
+    print(launch(sys.argv[1], int(sys.argv[2]), sys.argv[3], dict(os.environ)))

@@ -1,0 +1,90 @@
+"""Fixtures of the sharded-checkpoint tests: real multi-process runs (gloo on CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+
+@dataclass
+class Run:
+    """What one multi-process scenario left: each rank's report, exit code and output."""
+
+    out: Path
+    ranks: list[dict[str, Any] | None]
+    exit_codes: list[Any]
+    scenario: str
+
+    def log(self) -> str:
+        parts = []
+        for r in range(len(self.ranks)):
+            p = self.out / f"{self.scenario}-rank{r}.log"
+            if p.exists():
+                parts.append(f"--- rank {r}\n{p.read_text(errors='replace')[-3000:]}")
+        return "\n".join(parts)
+
+    def ok(self) -> None:
+        for r, rep in enumerate(self.ranks):
+            assert rep is not None and rep.get("ok"), f"rank {r}: {rep}\n{self.log()}"
+
+
+Launcher = Callable[..., Run]
+
+
+@pytest.fixture(scope="session")
+def launcher(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launcher]:
+    """``launcher(scenario, world, out, **env)``: run ``dcp_worker.py`` scenarios.
+
+    One launcher process per session imports torch once and forks the ranks of every scenario.
+    """
+    log = open(tmp_path_factory.mktemp("launcher") / "launcher.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(HERE, "dcp_worker.py"), "serve"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+
+    def run(scenario: str, world: int, out: Path, **env: str) -> Run:
+        out.mkdir(parents=True, exist_ok=True)
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write(json.dumps({"scenario": scenario, "world": world, "out": str(out), "env": env}) + "\n")
+        proc.stdin.flush()
+        ready, _, _ = select.select([proc.stdout], [], [], 300)
+        assert ready, f"{scenario}: the launcher did not answer within 300 s"
+        answer = json.loads(proc.stdout.readline() or '{"error": "the launcher exited"}')
+        assert "error" not in answer, answer["error"]
+        ranks = []
+        for r in range(world):
+            p = out / f"{scenario}-rank{r}.json"
+            ranks.append(json.loads(p.read_text()) if p.exists() else None)
+        return Run(out, ranks, answer["exit_codes"], scenario)
+
+    yield run
+    proc.stdin.close()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    log.close()
+
+
+@pytest.fixture(scope="session")
+def fsdp_saved(launcher: Launcher, tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """FSDP2 model + Adam trained and saved sharded by 4 ranks; replicated state saved twice."""
+    run = launcher("fsdp_save", 4, tmp_path_factory.mktemp("fsdp4"))
+    run.ok()
+    return run
