@@ -1,0 +1,338 @@
+"""Sharded checkpoints in one process (DCP without a process group): format, staging semantics,
+integrity, safety, retention, and the errors users meet."""
+
+from __future__ import annotations
+
+import errno
+import os
+import pickle
+import shutil
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from dcp_helpers import assert_same
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+
+import stagesave
+import stagesave.dcp as sdcp
+import stagesave.dcp._writer as writer_module
+from stagesave.dcp._metadata import load_metadata
+from stagesave.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    IntegrityError,
+    ManifestError,
+    StorageError,
+    UnsafeCheckpointError,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+
+def mixed_state() -> dict[str, Any]:
+    """Every kind of leaf DCP meets: dtypes, 0-d/empty/views/expanded tensors, plain objects."""
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(40, 30, generator=g)
+    return {
+        "model": {
+            "w": torch.randn(64, 48, generator=g),
+            "half": torch.randn(7, 5, generator=g).half(),
+            "bf16": torch.randn(9, generator=g).bfloat16(),
+            "ids": torch.arange(11, dtype=torch.int64),
+            "mask": torch.rand(13, generator=g) > 0.5,
+            "cplx": torch.randn(4, 3, dtype=torch.complex64, generator=g),
+            "scalar": torch.tensor(2.5),
+            "empty": torch.empty(0, 3),
+            "column": base[:, 7],  # a strided view of a bigger storage
+            "rows": base[10:20],  # a contiguous view into it
+            "expanded": torch.randn(1, 6, generator=g).expand(4, 6),  # stride 0
+        },
+        "step": 12,
+        "name": "run-a",
+        "rng": np.random.RandomState(0).get_state()[1][:8].copy(),
+        "sched": {"milestones": [3, 5], "gamma": 0.5},
+    }
+
+
+def zeros_like_state(state: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in state.items():
+        if isinstance(v, dict):
+            out[k] = zeros_like_state(v)
+        elif isinstance(v, torch.Tensor):
+            out[k] = torch.zeros(v.shape, dtype=v.dtype)
+        else:
+            out[k] = None
+    return out
+
+
+def expected(state: dict[str, Any]) -> dict[str, Any]:
+    """What a load yields: every tensor as a plain contiguous copy, other leaves as they were."""
+    return {k: expected(v) if isinstance(v, dict) else (v.contiguous().clone() if isinstance(v, torch.Tensor) else v)
+            for k, v in state.items()}
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    return tmp_path / "ckpt"
+
+
+@pytest.fixture
+def writer(root: Path):
+    w = sdcp.StagedStorageWriter(root=root, commit_timeout=60)
+    yield w
+    w.close()
+
+
+def saved(writer: sdcp.StagedStorageWriter, state: dict[str, Any], name: str, **kw: Any) -> Path:
+    sdcp.save(state, name, writer=writer, **kw).result(60)
+    return Path(writer.checkpointer._targets.root.url) / name  # type: ignore[union-attr]
+
+
+def flip(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+# ------------------------------------------------------------------ format and round trips
+def test_round_trip_through_torch_reader_and_stagesave_reader(writer):
+    state = mixed_state()
+    folder = saved(writer, state, "step-12")
+    want = expected(state)
+    plain = zeros_like_state(state)
+    dcp.load(plain, checkpoint_id=str(folder))  # torch's own FileSystemReader, no stagesave
+    ours = zeros_like_state(state)
+    sdcp.load(ours, folder)
+    for got in (plain, ours):
+        assert_same(got["model"], want["model"], "model")
+        assert got["step"] == 12 and got["name"] == "run-a" and got["sched"] == state["sched"]
+        assert np.array_equal(got["rng"], state["rng"])
+    whole = sdcp.to_state_dict(folder)
+    assert_same(whole["model"], want["model"], "to_state_dict")
+    assert stagesave.verify(folder).status == "verified"
+
+
+def test_save_returns_after_staging_and_later_changes_do_not_leak(writer, root, monkeypatch):
+    gate = threading.Event()
+    real = writer_module.write_rank
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        gate.wait(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(writer_module, "write_rank", held)
+    state = {"w": torch.arange(1000, dtype=torch.float32), "step": 1}
+    handle = sdcp.save(state, "step-1", writer=writer)
+    # dcp.save returned while nothing was written yet: the bytes are only in the staging buffer.
+    assert not handle.done() and stagesave.latest(root) is None and not (root / "step-1").exists()
+    state["w"].add_(1)  # training goes on and updates the tensor in place
+    gate.set()
+    tel = handle.result(30)
+    assert tel.error is None and tel.blocking_s > 0 and tel.committed_at is not None
+    assert tel.bytes == (root / "step-1" / "__0_0.distcp").stat().st_size
+    loaded = {"w": torch.zeros(1000), "step": 0}
+    sdcp.load(loaded, root / "step-1")
+    assert torch.equal(loaded["w"], torch.arange(1000, dtype=torch.float32)) and loaded["step"] == 1
+
+
+def test_items_are_aligned_zips_and_the_header_names_the_save(writer):
+    folder = saved(writer, {"a": torch.randn(3, 3), "b": torch.randn(5), "n": 1}, "s")
+    md = load_metadata((folder / ".metadata").read_bytes(), "test")
+    doc = stagesave.latest(folder.parent).manifest
+    assert doc is not None
+    save_id = doc.metadata["dcp_save_id"]
+    data = (folder / "__0_0.distcp").read_bytes()
+    assert data.startswith(b"stagesave-dcp\n" + save_id.encode() + b"\n")
+    assert md.storage_meta is not None and md.storage_meta.save_id == save_id
+    for index, info in md.storage_data.items():
+        assert info.relative_path == "__0_0.distcp" and info.offset % 64 == 0
+        if index.fqn != "n":
+            assert data[info.offset : info.offset + 4] == b"PK\x03\x04"  # a torch.save zip per tensor
+
+
+def test_replacing_a_folder_keeps_one_committed_copy(writer, root):
+    saved(writer, {"w": torch.zeros(8), "step": 1}, "last")
+    saved(writer, {"w": torch.ones(8), "step": 2}, "last")
+    assert sorted(os.listdir(root)) == ["last"]  # no staging or aside folder left
+    got = {"w": torch.empty(8), "step": 0}
+    sdcp.load(got, root / "last")
+    assert torch.equal(got["w"], torch.ones(8)) and got["step"] == 2
+
+
+def test_split_replicated_planner_stores_row_blocks(writer):
+    w = torch.randn(10, 4)
+    planner = sdcp.SplitReplicatedPlanner(split_bytes=64, pieces=3)
+    folder = saved(writer, {"w": w, "b": torch.ones(2)}, "split", planner=planner)
+    md = load_metadata((folder / ".metadata").read_bytes(), "test")
+    chunks = md.state_dict_metadata["w"].chunks  # type: ignore[union-attr]
+    assert [(tuple(c.offsets), tuple(c.sizes)) for c in chunks] == [((0, 0), (4, 4)), ((4, 0), (3, 4)), ((7, 0), (3, 4))]
+    got = {"w": torch.zeros(10, 4), "b": torch.zeros(2)}
+    dcp.load(got, checkpoint_id=str(folder))  # torch's reader reassembles the blocks
+    assert torch.equal(got["w"], w)
+    with pytest.raises(ValueError, match="enable_plan_caching"):
+        sdcp.SplitReplicatedPlanner(enable_plan_caching=True)
+
+
+# ------------------------------------------------------------------ the core sees sharded folders
+def test_retention_latest_and_remove_treat_the_folder_as_one_checkpoint(root):
+    ckpt = stagesave.Checkpointer(root, keep_last=2)
+    seen: list[Any] = []
+    ckpt.telemetry_callback = seen.append
+    w = sdcp.StagedStorageWriter(checkpointer=ckpt, metadata={"step": 0})
+    for step in (1, 2, 3):
+        w.metadata = {"step": step}
+        sdcp.save({"w": torch.full((4,), float(step))}, f"step-{step}", writer=w)
+    ckpt.wait()
+    assert sorted(os.listdir(root)) == ["step-2", "step-3"]
+    latest = ckpt.latest()
+    assert latest is not None and latest.name == "step-3" and latest.manifest is not None
+    assert latest.manifest.metadata["step"] == 3
+    assert [t.path.rsplit("/", 1)[1] for t in seen] == ["step-1", "step-2", "step-3"]
+    assert all(t.committed_at is not None and t.error is None for t in seen)
+    ckpt.remove("step-3").result()  # ordered after the saves, like any checkpoint
+    assert [c.name for c in ckpt.list()] == ["step-2"]
+    w.close()
+    ckpt.close()
+
+
+# ------------------------------------------------------------------ integrity
+@pytest.fixture
+def two_saves(writer, root) -> tuple[Path, Path]:
+    a = saved(writer, {"w": torch.randn(256, 64), "step": 1}, "step-1")
+    b = saved(writer, {"w": torch.randn(256, 64), "step": 2}, "step-2")
+    return a, b
+
+
+def test_flipped_byte_in_a_rank_file_is_caught(two_saves, root):
+    _, b = two_saves
+    md = load_metadata((b / ".metadata").read_bytes(), "test")
+    info = md.storage_data[MetadataIndex("w", torch.Size([0, 0]))]
+    flip(b / "__0_0.distcp", info.offset + info.length - 100)  # inside the tensor's bytes
+    with pytest.raises(IntegrityError, match=r"__0_0\.distcp: checksum mismatch in bytes \[0, \d+\) \(chunk 0\)"):
+        sdcp.load({"w": torch.zeros(256, 64), "step": 0}, b)
+    assert stagesave.verify(b).status == "corrupt"
+    with pytest.warns(UserWarning, match="skipping checkpoint .*step-2"):
+        latest = stagesave.latest(root, verify=True)
+    assert latest is not None and latest.name == "step-1"
+
+
+def test_tampered_metadata_is_caught_before_unpickling(two_saves):
+    _, b = two_saves
+    flip(b / ".metadata", 40)
+    with pytest.raises(IntegrityError, match=r"\.metadata: checksum mismatch"):
+        sdcp.load({"w": torch.zeros(256, 64), "step": 0}, b)
+
+
+def test_truncated_and_stale_rank_files_are_refused(two_saves):
+    a, b = two_saves
+    # The same shapes make the files the same size: only the save id tells them apart.
+    assert (a / "__0_0.distcp").stat().st_size == (b / "__0_0.distcp").stat().st_size
+    shutil.copy(a / "__0_0.distcp", b / "__0_0.distcp")
+    with pytest.raises(IntegrityError, match="does not carry the id its manifest names"):
+        sdcp.load({"w": torch.zeros(256, 64), "step": 0}, b)
+    with open(a / "__0_0.distcp", "r+b") as f:
+        f.truncate(1000)
+    with pytest.raises(IntegrityError, match=r"is 1000 bytes, manifest says \d+"):
+        sdcp.load({"w": torch.zeros(256, 64), "step": 0}, a)
+
+
+def test_folder_without_manifest_needs_verify_false(tmp_path):
+    state = {"w": torch.randn(5, 5), "step": 4}
+    dcp.save(state, checkpoint_id=str(tmp_path / "plain"))  # torch's FileSystemWriter
+    with pytest.raises(IntegrityError, match="has no stagesave manifest, so it cannot be proven complete"):
+        sdcp.load({"w": torch.zeros(5, 5), "step": 0}, tmp_path / "plain")
+    got = {"w": torch.zeros(5, 5), "step": 0}
+    sdcp.load(got, tmp_path / "plain", reader=sdcp.StagedStorageReader(verify=False))
+    assert torch.equal(got["w"], state["w"]) and got["step"] == 4
+    with pytest.raises(CheckpointNotFoundError, match="no checkpoint at"):
+        sdcp.load({"w": torch.zeros(5, 5)}, tmp_path / "missing")
+
+
+# ------------------------------------------------------------------ safety
+class Hyper:
+    """A user class stored as a non-tensor item (not on the safe allow-list)."""
+
+    def __init__(self, lr: float) -> None:
+        self.lr = lr
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Hyper) and other.lr == self.lr
+
+
+def test_unsafe_items_need_an_allow_list_entry_or_trust(writer):
+    folder = saved(writer, {"w": torch.ones(2), "hyper": Hyper(0.1)}, "h")
+    with pytest.raises(UnsafeCheckpointError, match=r"needs the global .*Hyper.*allow_globals\(Hyper\)"):
+        sdcp.load({"w": torch.zeros(2), "hyper": None}, folder)
+    for reader in (sdcp.StagedStorageReader(safe_globals=[Hyper]), sdcp.StagedStorageReader(trusted=True)):
+        got: dict[str, Any] = {"w": torch.zeros(2), "hyper": None}
+        sdcp.load(got, folder, reader=reader)
+        assert got["hyper"] == Hyper(0.1)
+
+
+class _Evil:
+    def __reduce__(self) -> Any:
+        return (os.system, ("echo pwned",))
+
+
+def test_metadata_unpickler_refuses_code():
+    evil = pickle.dumps(Metadata(state_dict_metadata={}, storage_meta=StorageMeta(modules=[_Evil()])))  # type: ignore[list-item]
+    with pytest.raises(UnsafeCheckpointError, match=r"needs posix\.system, which is not one of the classes"):
+        load_metadata(evil, "x/.metadata")
+    with pytest.raises(ManifestError, match="not a readable DCP metadata pickle"):
+        load_metadata(b"not a pickle", "x/.metadata")
+    with pytest.raises(ManifestError, match="holds a dict, not DCP metadata"):
+        load_metadata(pickle.dumps({"a": 1}), "x/.metadata")
+
+
+def test_storage_data_cannot_point_outside_the_folder(tmp_path):
+    folder = tmp_path / "plain"
+    dcp.save({"w": torch.ones(3)}, checkpoint_id=str(folder))
+    md = pickle.loads((folder / ".metadata").read_bytes())
+    index = next(iter(md.storage_data))
+    md.storage_data[index] = _StorageInfo("../../etc/passwd", 0, 10)
+    (folder / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(ManifestError, match=r"points outside the folder \('\.\./\.\./etc/passwd'\)"):
+        sdcp.load({"w": torch.zeros(3)}, folder, reader=sdcp.StagedStorageReader(verify=False))
+
+
+# ------------------------------------------------------------------ failures and misuse
+def test_background_failure_is_delivered_and_nothing_is_committed(writer, root, monkeypatch):
+    def disk_full(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(writer_module, "write_rank", disk_full)
+    handle = sdcp.save({"w": torch.ones(4)}, "step-1", writer=writer)
+    assert isinstance(handle.exception(30), StorageError)
+    monkeypatch.undo()
+    # Not claimed through the handle: the next save raises it, as for every stagesave save.
+    with pytest.raises(StorageError, match="no space left on the device"):
+        sdcp.save({"w": torch.ones(4)}, "step-2", writer=writer)
+    assert stagesave.latest(root) is None and os.listdir(root) == []  # no staging debris
+    sdcp.save({"w": torch.ones(4)}, "step-3", writer=writer).result(30)  # and it recovers
+    assert stagesave.latest(root).name == "step-3"
+
+
+def test_misuse_is_refused_with_the_reason(writer, root):
+    with pytest.raises(ValueError, match="needs dcp.save\\(use_collectives=True\\)"):
+        dcp.save({"w": torch.ones(2)}, checkpoint_id=str(root / "a"), storage_writer=writer, use_collectives=False)
+    response = dcp.async_save({"w": torch.ones(2)}, checkpoint_id=str(root / "b"), storage_writer=writer)
+    with pytest.raises(CheckpointException, match="meant for dcp.save, not dcp.async_save"):
+        response.result(60)  # type: ignore[union-attr]
+    planner = DefaultSavePlanner(enable_plan_caching=True)
+    sdcp.save({"w": torch.ones(2)}, "c1", writer=writer, planner=planner).result(30)
+    with pytest.raises(CheckpointException, match="enable_plan_caching=False"):
+        sdcp.save({"w": torch.ones(2)}, "c2", writer=writer, planner=planner)
+    with pytest.raises(ValueError, match="got a checkpointer and checkpointer options"):
+        sdcp.StagedStorageWriter(checkpointer=writer.checkpointer, keep_last=2)
+    assert issubclass(sdcp.CommitTimeoutError, CheckpointError) and issubclass(sdcp.CommitTimeoutError, TimeoutError)
