@@ -40,6 +40,8 @@ class CheckpointInfo:
     problems: list[str] = field(default_factory=list)
     tier: str | None = None
     is_dir: bool = False
+    #: Whether the file has stagesave manifests (matching or not).
+    problems_from_manifest: bool = False
 
     @property
     def valid(self) -> bool:
@@ -107,7 +109,8 @@ def resolve(store: Store, name: str) -> CheckpointInfo:
         )
     if not problems:
         problems.append(f"no manifest matches {path}")
-    return CheckpointInfo(path, name, "corrupt", info.mtime, info.size, problems=problems)
+    return CheckpointInfo(path, name, "corrupt", info.mtime, info.size, problems=problems,
+                          problems_from_manifest=True)
 
 
 def _plain_file_problem(store: Store, name: str, size: int) -> str | None:
@@ -177,8 +180,8 @@ def scan(store: Store, directory: str = "", *, warn: bool = False) -> list[Check
             ci = resolve(store, f.name)
         except FileNotFoundError:  # removed while we listed
             continue
-        if ci.status == "unverified" and not leaf.endswith(CHECKPOINT_SUFFIXES):
-            continue
+        if ci.manifest is None and not ci.problems_from_manifest and not leaf.endswith(CHECKPOINT_SUFFIXES):
+            continue  # a plain file that is not named like a checkpoint (notes, logs, configs)
         if ci.status == "corrupt" and warn:
             warnings.warn(f"skipping checkpoint {ci.path}: {'; '.join(ci.problems)}", stacklevel=3)
         out.append(ci)

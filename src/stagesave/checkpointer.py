@@ -87,6 +87,14 @@ def _as_checkpoint_error(exc: BaseException, what: str) -> BaseException:
     return err
 
 
+#: Telemetry fields known only after the commit: kept out of the manifest (written before it).
+_POST_COMMIT = ("path", "error", "commit_s", "time_to_commit_s", "committed_at", "tier")
+
+
+def _manifest_telemetry(tel: SaveTelemetry) -> dict[str, Any]:
+    return {k: v for k, v in tel.to_dict().items() if k not in _POST_COMMIT}
+
+
 def _has(store: Store, name: str) -> bool:
     try:
         store.info(name)
@@ -267,7 +275,7 @@ class Checkpointer:
                 for t in image.tensors
             ],
             metadata=dict(metadata),
-            telemetry={k: v for k, v in tel.to_dict().items() if k not in ("path", "error")},
+            telemetry=_manifest_telemetry(tel),
         )
         c0 = time.perf_counter()
         try:
@@ -365,22 +373,23 @@ class Checkpointer:
                                         image.serialization_id or None,
                                         image.id_offset if image.serialization_id else None, storages))
 
+        stats = WriteStats()
+
         def make_manifest(entries: list[Any]) -> Manifest:
+            tel.write_s, tel.checksum_s, tel.fsync_s, tel.direct_io = (
+                stats.write_s, tel.checksum_s + stats.checksum_s, stats.fsync_s, stats.direct_io)
             return Manifest(files=entries, created_ns=time.time_ns(), metadata=dict(metadata or {}),
-                            telemetry={k: v for k, v in tel.to_dict().items() if k not in ("path", "error")})
+                            telemetry=_manifest_telemetry(tel))
 
         def job() -> None:
             error: BaseException | None = None
             try:
                 for w in waits:
                     w()
-                stats = WriteStats()
                 assert self._queue is not None
                 c0 = time.perf_counter()
                 commit_directory(store, dname, to_write, make_manifest, algorithm=self.checksum,
                                  chunk_bytes=self.chunk_bytes, pool=self._queue.io_pool, stats=stats)
-                tel.write_s, tel.checksum_s, tel.fsync_s, tel.direct_io = (
-                    stats.write_s, stats.checksum_s, stats.fsync_s, stats.direct_io)
                 tel.commit_s = time.perf_counter() - c0 - stats.write_s
                 tel.throughput_bytes_per_s = tel.bytes / stats.write_s if stats.write_s > 0 else 0.0
                 tel.time_to_commit_s = time.perf_counter() - t_start

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .errors import UnsafeCheckpointError
+from .errors import IntegrityError, UnsafeCheckpointError
 
 __all__ = ["allow_globals", "allowed_globals", "safe_torch_load"]
 
@@ -93,16 +93,39 @@ def safe_torch_load(
     Raises:
         UnsafeCheckpointError: the file needs a global that is not allow-listed; the message
             names it and says how to allow it or opt out.
+        IntegrityError: the file is damaged (unreadable zip or pickle).
     """
+    try:
+        return _load(source, map_location, mmap, trusted, [*allowed_globals(), *safe_globals], where)
+    except (EOFError, UnicodeDecodeError) as exc:
+        raise _damaged(where, str(exc)) from exc
+    except RuntimeError as exc:
+        if "PytorchStreamReader" in str(exc) or "zip archive" in str(exc):
+            raise _damaged(where, str(exc)) from exc
+        raise
+
+
+def _damaged(where: str, text: str) -> IntegrityError:
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    detail = next((ln for ln in lines if "error" in ln.lower()), lines[0] if lines else "unreadable")
+    return IntegrityError(
+        f"cannot load {where}: the file is damaged ({detail}). "
+        "Use another checkpoint (stagesave.latest skips corrupt ones)."
+    )
+
+
+def _load(source: Any, map_location: Any, mmap: bool, trusted: bool, globs: list[Any], where: str) -> Any:
     if trusted:
         return torch.load(source, map_location=map_location, mmap=mmap, weights_only=False)
-    globs = [*allowed_globals(), *safe_globals]
     try:
         with torch.serialization.safe_globals(globs):
             return torch.load(source, map_location=map_location, mmap=mmap, weights_only=True)
     except pickle.UnpicklingError as exc:
         text = str(exc)
         m = _UNSUPPORTED.search(text)
+        if m is None and "GLOBAL" not in text:
+            # Not a refused class: the pickle itself is damaged.
+            raise _damaged(where, text) from exc
         refused = m.group(1) if m else None
         needs = f"the global {refused}" if refused else "an object"
         allow = refused.rsplit(".", 1)[-1] if refused else "TheClass"

@@ -210,3 +210,24 @@ def test_stagesave_files_are_valid_torch_zips(tmp_path):
     with zipfile.ZipFile(tmp_path / "z.ckpt") as z:
         names = z.namelist()
     assert any(n.endswith("data.pkl") for n in names) and any("/data/0" in n for n in names)
+
+
+def test_damaged_pickle_of_a_plain_file_is_an_integrity_error_not_unsafe(tmp_path):
+    path = tmp_path / "plain.ckpt"
+    torch.save({"a": 1, "w": torch.ones(2)}, path)
+    raw = bytearray(path.read_bytes())
+    with zipfile.ZipFile(path) as z:
+        info = next(i for i in z.infolist() if i.filename.endswith("data.pkl"))
+    h = info.header_offset  # the local header's own name/extra lengths (torch pads with an extra)
+    start = h + 30 + int.from_bytes(raw[h + 26 : h + 28], "little") + int.from_bytes(raw[h + 28 : h + 30], "little")
+    raw[start + 2 : start + 12] = b"\xff" * 10  # the pickle's first opcodes become garbage
+    path.write_bytes(bytes(raw))
+    with pytest.raises(IntegrityError, match="damaged"):
+        stagesave.load(path)
+
+
+def test_small_non_checkpoint_files_are_not_listed(tmp_path):
+    (tmp_path / "notes.txt").write_text("hi")
+    (tmp_path / "hparams.yaml").write_text("a: 1\n")
+    stagesave.save({"w": torch.ones(1)}, tmp_path / "a.ckpt")
+    assert [c.name for c in stagesave.list_checkpoints(tmp_path)] == ["a.ckpt"]
