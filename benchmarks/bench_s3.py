@@ -39,7 +39,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
-from common import state_bytes, transformer_state  # noqa: E402
+from common import state_bytes, transformer_state
 
 
 def _server() -> tuple[Any, Callable[[], None]]:

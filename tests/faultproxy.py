@@ -80,14 +80,14 @@ class _Closed(Exception):
     pass
 
 
-def _read_line(f) -> bytes:  # noqa: ANN001 - a buffered socket file
+def _read_line(f) -> bytes:
     line = f.readline(65536)
     if not line:
         raise _Closed
     return line
 
 
-def _read_head(f) -> tuple[bytes, list[tuple[str, str]]]:  # noqa: ANN001
+def _read_head(f) -> tuple[bytes, list[tuple[str, str]]]:
     first = _read_line(f)
     headers = []
     while True:
@@ -105,7 +105,7 @@ def _get(headers: list[tuple[str, str]], name: str) -> str | None:
     return None
 
 
-def _read_body(f, headers: list[tuple[str, str]], no_body: bool = False, request: bool = False) -> tuple[bytes, bool]:  # noqa: ANN001
+def _read_body(f, headers: list[tuple[str, str]], no_body: bool = False, request: bool = False) -> tuple[bytes, bool]:
     """The body (chunked bodies are returned with their framing) and whether it ran to EOF.
 
     A request without length or chunking has no body; a response without them runs to EOF.
@@ -165,7 +165,7 @@ class _Link:
         self.upstream: socket.socket | None = None
         self._up_file = None
 
-    def upstream_file(self, address: tuple[str, int]):  # noqa: ANN201 - a buffered socket file
+    def upstream_file(self, address: tuple[str, int]):
         if self.upstream is None:
             self.upstream = socket.create_connection(address)
             self._up_file = self.upstream.makefile("rb")

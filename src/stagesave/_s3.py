@@ -18,13 +18,14 @@ Credentials come from ``storage_options`` and are scrubbed from every message.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures as cf
+import builtins
+import contextlib
 import hashlib
 import math
 import random
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -256,11 +257,12 @@ class S3Store(Store):
             text = text.replace(s, "***")
         return text
 
-    def _run(self, coro: Awaitable[T]) -> T:
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run a coroutine on s3fs's loop from a plain thread; translate failures."""
-        future = asyncio.run_coroutine_threadsafe(coro, self._loop)  # type: ignore[arg-type]
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
         try:
-            return future.result()
+            result: T = future.result()
+            return result
         except _Attempts as failed:
             raise self._translate(failed) from failed.cause
         except BaseException:
@@ -283,7 +285,7 @@ class S3Store(Store):
                 return await attempt_fn()
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # noqa: BLE001 - classified below
+            except Exception as exc:
                 attempt += 1
                 if not _retryable(exc) or attempt >= self.retry.max_attempts:
                     raise _Attempts(op, exc, attempt) from exc
@@ -348,8 +350,9 @@ class S3Store(Store):
             )
         else:
             err = StorageError(f"S3 {op} on {where} failed: {detail}")
-        err.s3_code = code  # type: ignore[attr-defined]
-        err.attempts = failed.attempts  # type: ignore[attr-defined]
+        tagged: Any = err  # callers look at the S3 code and attempts (complete-retry, pins)
+        tagged.s3_code = code
+        tagged.attempts = failed.attempts
         return err
 
     # ------------------------------------------------------------------ writing
@@ -371,7 +374,7 @@ class S3Store(Store):
 
         try:
             self._run(asyncio.wait_for(head(), timeout=5.0))
-        except Exception as exc:  # noqa: BLE001 - only a definite "no such bucket" fails the save now
+        except Exception as exc:
             code = _code(exc)
             if code in ("404", "NoSuchBucket"):
                 raise CheckpointNotFoundError(
@@ -506,16 +509,16 @@ class S3Store(Store):
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         return self._list(prefix)[0]
 
-    def list_dirs(self, prefix: str = "") -> list[str]:
+    def list_dirs(self, prefix: str = "") -> builtins.list[str]:
         return self._list(prefix)[1]
 
-    def _list(self, prefix: str) -> tuple[list[ObjectInfo], list[str]]:
+    def _list(self, prefix: str) -> tuple[builtins.list[ObjectInfo], builtins.list[str]]:
         base = self._key(prefix) + "/" if prefix else (f"{self.prefix}/" if self.prefix else "")
         where = self.describe(prefix) if prefix else self.url
 
-        async def pages() -> tuple[list[ObjectInfo], list[str]]:
-            files: list[ObjectInfo] = []
-            dirs: list[str] = []
+        async def pages() -> tuple[builtins.list[ObjectInfo], builtins.list[str]]:
+            files: builtins.list[ObjectInfo] = []
+            dirs: builtins.list[str] = []
             token: str | None = None
             while True:
                 params: dict[str, Any] = {"Bucket": self.bucket, "Prefix": base, "Delimiter": "/"}
@@ -540,10 +543,8 @@ class S3Store(Store):
     def close(self) -> None:
         creator = getattr(self.fs, "_s3creator", None)
         if creator is not None:
-            try:
+            with contextlib.suppress(Exception):  # closing is best effort
                 type(self.fs).close_session(self._loop, creator)
-            except Exception:  # noqa: BLE001 - closing is best effort
-                pass
             self.fs._s3creator = None
             self.fs._s3 = None
 

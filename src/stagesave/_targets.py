@@ -41,8 +41,7 @@ class StoreResolver:
 
     def store_for(self, url: str) -> Store:
         """The store whose root is the directory ``url``."""
-        if url.startswith("file://"):
-            url = url[len("file://") :]
+        url = url.removeprefix("file://")
         key = url.rstrip("/") if is_url(url) else os.path.abspath(os.path.expanduser(url))
         with self._lock:
             store = self._stores.get(key)
@@ -61,8 +60,7 @@ class StoreResolver:
     def split(self, path: str | os.PathLike[str]) -> tuple[Store, str]:
         """``(store, name)`` for a checkpoint path; relative paths resolve against the root."""
         p = os.fspath(path)
-        if p.startswith("file://"):
-            p = p[len("file://") :]
+        p = p.removeprefix("file://")
         if self.root is not None and not is_url(p) and not os.path.isabs(p):
             return self.root, p.replace(os.sep, "/")
         if is_url(p):

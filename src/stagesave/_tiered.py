@@ -18,6 +18,7 @@ was wiped). While the remote tier fails, reads skip it for ``remote_retry_after_
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import json
 import mmap
@@ -350,12 +351,12 @@ class TieredStore(Store):
             out.append(info)
         return out
 
-    def list_dirs(self, prefix: str = "") -> list[str]:
+    def list_dirs(self, prefix: str = "") -> builtins.list[str]:
         dirs = set(self.local.list_dirs(prefix))
         dirs.update(self._remote_list(lambda: self.remote.list_dirs(prefix)))
         return sorted(dirs)
 
-    def _remote_list(self, fn: Callable[[], list[Any]]) -> list[Any]:
+    def _remote_list(self, fn: Callable[[], builtins.list[Any]]) -> builtins.list[Any]:
         if not self._remote_usable():
             return []
         try:
@@ -378,7 +379,7 @@ class TieredStore(Store):
         """Also send upload telemetry to ``callback`` (e.g. the Checkpointer's own)."""
         self._callbacks.append(callback)
 
-    def wait_uploads(self, timeout: float | None = None) -> list[SaveTelemetry]:
+    def wait_uploads(self, timeout: float | None = None) -> builtins.list[SaveTelemetry]:
         """Wait until every queued upload has finished; return the records since the last call.
 
         Raises:
@@ -391,7 +392,7 @@ class TieredStore(Store):
             self._records.clear()
         return out
 
-    def pending_uploads(self) -> list[str]:
+    def pending_uploads(self) -> builtins.list[str]:
         """Names committed locally whose upload has not succeeded yet."""
         with self._lock:
             return sorted(self._pending)
@@ -455,15 +456,15 @@ class TieredStore(Store):
         return True
 
     @contextlib.contextmanager
-    def _mapped(self, info: CheckpointInfo) -> Iterator[list[FileToWrite]]:
+    def _mapped(self, info: CheckpointInfo) -> Iterator[builtins.list[FileToWrite]]:
         """The committed local files as read-only memory maps, described for ``write_file``."""
         assert info.manifest is not None
-        entries: list[tuple[str, FileEntry]] = (
+        entries: builtins.list[tuple[str, FileEntry]] = (
             [(f"{info.name}/{e.name}", e) for e in info.manifest.files] if info.is_dir
             else [(info.name, info.manifest.file(info.name.rpartition("/")[2]))]
         )
-        maps: list[mmap.mmap] = []
-        views: list[memoryview] = []
+        maps: builtins.list[mmap.mmap] = []
+        views: builtins.list[memoryview] = []
         try:
             files = []
             for name, entry in entries:
@@ -516,12 +517,12 @@ class TieredStore(Store):
             raise
         commit_files(self.remote, info.manifest_name, info.manifest, [publish], [abort], replaced)
 
-    def _upload_dir(self, info: CheckpointInfo, files: list[FileToWrite], stats: WriteStats) -> None:
+    def _upload_dir(self, info: CheckpointInfo, files: builtins.list[FileToWrite], stats: WriteStats) -> None:
         manifest = info.manifest
         assert manifest is not None
         first = manifest.files[0]
 
-        def same_manifest(entries: list[FileEntry]) -> Manifest:
+        def same_manifest(entries: builtins.list[FileEntry]) -> Manifest:
             for local_entry, sent in zip(manifest.files, entries):
                 self._check_same(info, local_entry, sent)
             crash_point("during_upload")

@@ -11,10 +11,10 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from faultproxy import FaultProxy  # noqa: E402
-from s3help import FAST_RETRY, PART  # noqa: E402
+from faultproxy import FaultProxy
+from s3help import FAST_RETRY, PART
 
-from stagesave._s3 import S3Store  # noqa: E402
+from stagesave._s3 import S3Store
 
 
 @pytest.fixture

@@ -1,0 +1,189 @@
+"""The tiered store: local commit first, background upload to S3, per-tier retention, restore
+from the best tier. The remote tier is the loopback SeaweedFS behind the fault proxy, so "the
+remote is down" is a real refused connection."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from s3help import FAST_RETRY, object_names, open_uploads, small_state
+
+import stagesave
+from stagesave._local import LocalStore
+from stagesave._s3 import RetryPolicy, abort_stale_multipart_uploads
+from stagesave._tiered import TieredStore
+
+pytestmark = pytest.mark.s3
+
+
+@pytest.fixture
+def tiered(tmp_path, proxy, make_store, s3_url):
+    """``tiered(**kw)``: a TieredStore over ``tmp_path/local`` and ``s3_url`` through the proxy."""
+    made = []
+
+    def make(**kw) -> TieredStore:
+        remote = make_store(s3_url, proxy.endpoint, retry=RetryPolicy(max_attempts=2, base_delay_s=0.01))
+        store = TieredStore(LocalStore(str(tmp_path / "local")), remote, remote_retry_after_s=0.0, **kw)
+        made.append(store)
+        return store
+
+    yield make
+    for s in made:
+        s.close()
+
+
+def _local_names(store: TieredStore) -> list[str]:
+    return sorted(i.name for i in store.local.list() if not i.name.endswith(".stagesave.json"))
+
+
+def _remote_names(s3_server, url: str) -> list[str]:
+    return [n for n in object_names(s3_server, url) if not n.endswith(".stagesave.json")]
+
+
+def test_commits_locally_then_uploads_the_same_checkpoint(tiered, s3_server, s3_url, s3_options):
+    telemetry = []
+    store = tiered(telemetry_callback=telemetry.append)
+    state = small_state(1)
+    with stagesave.Checkpointer(store, telemetry_callback=telemetry.append) as ckpt:
+        local = ckpt.save(state, "a.ckpt").result()
+        assert local.path == os.path.join(store.local.url, "a.ckpt")  # committed on local disk
+        assert ckpt.verify(local.path).status == "verified"
+        uploads = store.wait_uploads()
+    assert [(u.tier, u.path, u.error, u.bytes) for u in uploads] == [("remote", f"{s3_url}/a.ckpt", None, local.bytes)]
+    # both commits are in the telemetry: the local one first, then the upload
+    assert [t.path for t in telemetry] == [local.path, f"{s3_url}/a.ckpt"]
+    assert telemetry[1].committed_at >= telemetry[0].committed_at
+    remote_manifests = [n for n in object_names(s3_server, s3_url) if n.endswith(".stagesave.json")]
+    assert remote_manifests == [n for n in os.listdir(store.local.url) if n.endswith(".stagesave.json")]
+    remote = stagesave.verify(f"{s3_url}/a.ckpt", storage_options=s3_options)
+    assert remote.status == "verified"
+    assert torch.equal(stagesave.load(f"{s3_url}/a.ckpt", storage_options=s3_options)["w"], state["w"])
+
+
+def test_remote_down_keeps_local_commits_and_the_next_save_uploads(tiered, proxy, s3_server, s3_url, capfd):
+    store = tiered()
+    with stagesave.Checkpointer(store) as ckpt:
+        proxy.down = True
+        ckpt.save(small_state(1), "a.ckpt").result()  # the save itself succeeds
+        failed = store.wait_uploads()
+        assert len(failed) == 1 and failed[0].tier == "remote"
+        assert "uploading" in failed[0].error and "local checkpoint is committed" in failed[0].error
+        assert "stagesave: uploading" in capfd.readouterr().err
+        assert store.pending_uploads() == ["a.ckpt"]
+        assert ckpt.load("a.ckpt")["step"] == 1
+        proxy.down = False
+        ckpt.save(small_state(2), "b.ckpt").result()
+        uploads = store.wait_uploads()
+    assert [(u.path.rpartition("/")[2], u.error) for u in uploads] == [("b.ckpt", None), ("a.ckpt", None)]
+    assert store.pending_uploads() == []
+    assert _remote_names(s3_server, s3_url) == ["a.ckpt", "b.ckpt"]
+
+
+def test_latest_prefers_the_valid_local_copy_and_falls_back_to_remote(tiered, s3_url, s3_options):
+    store = tiered()
+    with stagesave.Checkpointer(store) as ckpt:
+        ckpt.save(small_state(1), "a.ckpt").result()
+        ckpt.save(small_state(2), "b.ckpt").result()
+        store.wait_uploads()
+        info = ckpt.latest()
+        assert (info.name, info.path, store.tier_of("b.ckpt")) == ("b.ckpt", os.path.join(store.local.url, "b.ckpt"), "local")
+        with open(info.path, "r+b") as f:  # the local copy is torn (node crash, bad disk)
+            f.truncate(100)
+        info = ckpt.latest()  # the committed remote copy wins over the torn local one
+        assert info.name == "b.ckpt" and info.path == f"{s3_url}/b.ckpt" and store.tier_of("b.ckpt") == "remote"
+        assert ckpt.load("b.ckpt")["step"] == 2  # read from the remote tier
+        os.remove(os.path.join(store.local.url, "a.ckpt"))
+        assert ckpt.load("a.ckpt")["step"] == 1
+
+
+def test_latest_picks_a_newer_checkpoint_written_to_the_remote_elsewhere(tiered, s3_url, s3_options):
+    store = tiered()
+    with stagesave.Checkpointer(store) as ckpt:
+        ckpt.save(small_state(1), "last.ckpt").result()
+        store.wait_uploads()
+        # another node (or a restart elsewhere) commits a newer last.ckpt straight to S3
+        stagesave.save(small_state(9), f"{s3_url}/last.ckpt", storage_options=s3_options)
+        info = ckpt.latest()
+        assert info.path == f"{s3_url}/last.ckpt" and store.tier_of("last.ckpt") == "remote"
+        assert ckpt.load("last.ckpt")["step"] == 9
+
+
+def test_each_tier_has_its_own_retention(tiered, s3_server, s3_url):
+    store = tiered(keep_local=1, keep_remote=2)
+    with stagesave.Checkpointer(store) as ckpt:
+        for i in range(4):
+            ckpt.save(small_state(i), f"s{i}.ckpt").result()
+            store.wait_uploads()
+        assert _local_names(store) == ["s3.ckpt"]
+        assert _remote_names(s3_server, s3_url) == ["s2.ckpt", "s3.ckpt"]
+        assert [c.name for c in ckpt.list()] == ["s3.ckpt", "s2.ckpt"]
+        assert ckpt.load("s2.ckpt")["step"] == 2  # only on the remote tier now
+
+
+def test_local_retention_never_drops_the_only_copy(tiered, proxy, s3_server, s3_url):
+    store = tiered(keep_local=1)
+    with stagesave.Checkpointer(store) as ckpt:
+        proxy.down = True
+        for i in range(3):
+            ckpt.save(small_state(i), f"s{i}.ckpt").result()
+        store.wait_uploads()
+        assert _local_names(store) == ["s0.ckpt", "s1.ckpt", "s2.ckpt"]  # none uploaded yet
+        proxy.down = False
+        ckpt.save(small_state(3), "s3.ckpt").result()
+        assert [u.error for u in store.wait_uploads()] == [None] * 4
+    assert _local_names(store) == ["s3.ckpt"]
+    assert _remote_names(s3_server, s3_url) == ["s0.ckpt", "s1.ckpt", "s2.ckpt", "s3.ckpt"]
+
+
+def test_folder_checkpoints_are_uploaded_whole(tiered, s3_url, s3_options):
+    store = tiered()
+    files = {"model.bin": {"w": torch.arange(50.0)}, "optimizer.bin": {"m": torch.ones(3)}}
+    with stagesave.Checkpointer(store) as ckpt:
+        ckpt.save_dir(files, "checkpoint_1").result()
+        assert [u.error for u in store.wait_uploads()] == [None]
+    with stagesave.Checkpointer(storage_options=s3_options) as remote:
+        info = remote.verify(f"{s3_url}/checkpoint_1")
+        assert info.status == "verified" and info.is_dir
+        assert torch.equal(remote.load(f"{s3_url}/checkpoint_1/model.bin")["w"], torch.arange(50.0))
+
+
+def test_a_locally_rotted_copy_is_not_uploaded(tiered, proxy, s3_server, s3_url):
+    store = tiered()
+    with stagesave.Checkpointer(store) as ckpt:
+        proxy.down = True
+        ckpt.save(small_state(1), "a.ckpt").result()
+        store.wait_uploads()  # failed: a.ckpt waits for the remote tier
+        path = os.path.join(store.local.url, "a.ckpt")
+        with open(path, "r+b") as f:  # one byte of the local copy rots meanwhile
+            f.seek(os.path.getsize(path) - 30)
+            b = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([b[0] ^ 0xFF]))
+        proxy.down = False
+        ckpt.save(small_state(2), "b.ckpt").result()
+        records = store.wait_uploads()
+    errors = {u.path.rpartition("/")[2]: u.error for u in records}
+    assert errors["b.ckpt"] is None
+    assert "local copy" in errors["a.ckpt"] and "no longer matches its manifest" in errors["a.ckpt"]
+    assert _remote_names(s3_server, s3_url) == ["b.ckpt"]
+    assert open_uploads(s3_server, s3_url) == []
+
+
+def test_cleanup_call_accepts_the_tiered_store(tiered, s3_server, s3_url):
+    store = tiered()
+    bucket, _, prefix = s3_url.split("://", 1)[1].partition("/")
+    s3_server.client().create_multipart_upload(Bucket=bucket, Key=f"{prefix}/x.ckpt")
+    assert abort_stale_multipart_uploads(store, older_than_s=0) == [f"{s3_url}/x.ckpt"]
+
+
+def test_uploads_finish_before_close_returns(tmp_path, s3_url, s3_options, s3_server):
+    from stagesave._s3 import S3Store
+
+    store = TieredStore(str(tmp_path / "l"), S3Store(s3_url, s3_options, retry=FAST_RETRY))
+    with stagesave.Checkpointer(store) as ckpt:
+        for i in range(3):
+            ckpt.save(small_state(i), f"s{i}.ckpt")
+    store.close()
+    assert _remote_names(s3_server, s3_url) == ["s0.ckpt", "s1.ckpt", "s2.ckpt"]
