@@ -49,7 +49,7 @@ def launcher(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launcher]:
 
     One launcher process per session imports torch once and forks the ranks of every scenario.
     """
-    log = open(tmp_path_factory.mktemp("launcher") / "launcher.log", "w")
+    log = open(tmp_path_factory.mktemp("launcher") / "launcher.log", "w")  # noqa: SIM115 - lives for the session
     proc = subprocess.Popen(
         [sys.executable, os.path.join(HERE, "dcp_worker.py"), "serve"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,

@@ -31,11 +31,11 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from dcp_helpers import build_model, replicated_state, train  # noqa: E402
+from dcp_helpers import build_model, replicated_state, train
 
-import stagesave.dcp as sdcp  # noqa: E402
-import stagesave.dcp._writer as _writer  # noqa: E402
-from stagesave import Checkpointer, FsspecStore  # noqa: E402
+import stagesave.dcp as sdcp
+from stagesave import Checkpointer, FsspecStore
+from stagesave.dcp import _writer
 
 
 def _tel(telemetry: Any) -> dict[str, Any]:
@@ -158,7 +158,6 @@ def killed_save(rank: int, world: int, out: str) -> dict[str, Any]:
 
 def object_store_save(rank: int, world: int, out: str) -> dict[str, Any]:
     """The object-store protocol (no rename) on a shared folder, through fsspec's local backend."""
-    from stagesave import FsspecStore
     mesh = init_device_mesh("cpu", (world,))
     store = FsspecStore(f"file://{os.path.join(out, 'objects')}", {"auto_mkdir": True})
     writer = sdcp.StagedStorageWriter(root=store, commit_timeout=60)

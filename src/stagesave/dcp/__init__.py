@@ -27,11 +27,12 @@ from typing import IO, Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as _dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+from torch.distributed.checkpoint.state_dict_loader import load as _dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as _dcp_save
 
 from ..errors import CheckpointError
 from ..handle import SaveHandle
@@ -86,7 +87,7 @@ def save(
     w = StagedStorageWriter() if writer is None else writer
     try:
         try:
-            _dcp.save(state_dict, checkpoint_id=path, storage_writer=w, planner=planner,
+            _dcp_save(state_dict, checkpoint_id=path, storage_writer=w, planner=planner,
                       process_group=process_group)
         except CheckpointException as exc:
             w.abandon()
@@ -123,7 +124,7 @@ def load(
     """
     r = StagedStorageReader() if reader is None else reader
     try:
-        _dcp.load(state_dict, checkpoint_id=path, storage_reader=r, planner=planner,
+        _dcp_load(state_dict, checkpoint_id=path, storage_reader=r, planner=planner,
                   process_group=process_group)
     except CheckpointException as exc:
         inner = _stagesave_error(exc)
@@ -144,7 +145,8 @@ def to_state_dict(
     reader.open()
     state: dict[str, Any] = {}
     try:
-        _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+        _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(),  # type: ignore[no-untyped-call]
+                         no_dist=True)
     except CheckpointException as exc:
         inner = _stagesave_error(exc)
         if inner is not None:

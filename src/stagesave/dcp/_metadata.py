@@ -68,7 +68,7 @@ def load_metadata(data: bytes, where: str, *, trusted: bool = False) -> Metadata
         obj = pickle.loads(data) if trusted else _MetadataUnpickler(data, where).load()
     except UnsafeCheckpointError:
         raise
-    except Exception as exc:  # noqa: BLE001 - any parse failure means the same thing
+    except Exception as exc:  # any parse failure means the same thing
         raise ManifestError(f"cannot read {where}: not a readable DCP metadata pickle ({exc})") from exc
     if not isinstance(obj, Metadata) or not isinstance(getattr(obj, "storage_data", None), dict):
         raise ManifestError(f"cannot read {where}: it holds a {type(obj).__name__}, not DCP metadata with storage data")

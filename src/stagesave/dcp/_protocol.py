@@ -162,7 +162,7 @@ def report_failure(store: Store, spec: SavePlanData, error: BaseException) -> No
     try:
         store.put_atomic(_join(spec.staging, failure_marker(spec.rank, os.getpid(), spec.save_id)),
                          str(error).encode()[:4096])
-    except Exception:  # noqa: BLE001 - the coordinator still gives up at its deadline
+    except Exception:  # noqa: BLE001, S110 - the coordinator still gives up at its deadline
         pass
 
 
@@ -242,7 +242,7 @@ def abandon(store: Store, spec: SavePlanData) -> None:
             _remove_tree(store, spec.staging)
         else:
             store.put_atomic(_join(spec.staging, abort_marker(os.getpid(), spec.save_id)), b"aborted")
-    except Exception:  # noqa: BLE001 - debris only; gc removes it
+    except Exception:  # noqa: BLE001, S110 - debris only; gc removes it
         pass
 
 

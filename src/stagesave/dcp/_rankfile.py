@@ -48,11 +48,11 @@ def plan_skeleton(dtype: torch.dtype, shape: tuple[int, ...]) -> Skeleton:
     # Never touched: only its structure is pickled, so a large one costs address space only.
     placeholder = torch.empty(shape, dtype=dtype)
     sink = _SparseSink()
-    with _torch_save_config.patch({"save.storage_alignment": ITEM_ALIGNMENT}):  # type: ignore[attr-defined]
-        with torch.serialization.skip_data():
-            torch.save(placeholder, cast(IO[bytes], sink))
+    alignment = _torch_save_config.patch({"save.storage_alignment": ITEM_ALIGNMENT})  # type: ignore[attr-defined]
+    with alignment, torch.serialization.skip_data():
+        torch.save(placeholder, cast(IO[bytes], sink))
     reader = torch._C.PyTorchFileReader(cast(IO[bytes], _SparseReader(sink.end, sink.pieces)))
-    records = [r for r in reader.get_all_records() if r.startswith("data/")]  # type: ignore[attr-defined]
+    records = [r for r in reader.get_all_records() if r.startswith("data/")]
     if len(records) != 1:
         raise RuntimeError(f"torch.save of one tensor wrote {len(records)} storages; expected one")
     offset = int(reader.get_record_offset(records[0]))  # type: ignore[attr-defined]

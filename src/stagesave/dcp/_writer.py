@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
+from typing_extensions import Self
 
 from .._commit import WriteStats
 from .._image import MAX_INDEXED_TENSORS
@@ -200,7 +201,7 @@ class StagedStorageWriter(StorageWriter):
         s = self._current()
         spec = plan.storage_data
         if not isinstance(spec, SavePlanData):
-            raise RuntimeError(
+            raise RuntimeError(  # noqa: TRY004 - a misconfigured save, not a wrong argument
                 "the save plan carries no stagesave data: StagedStorageWriter.prepare_global_plan did "
                 "not run on the coordinator for this save (is every rank using this writer?)"
             )
@@ -335,7 +336,7 @@ class StagedStorageWriter(StorageWriter):
         self.abandon("the writer was closed before dcp.save reached finish()")
         self._engine.close(timeout)
 
-    def __enter__(self) -> StagedStorageWriter:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
