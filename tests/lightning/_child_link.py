@@ -53,6 +53,7 @@ class KillWhilePending(Callback):
 def main() -> None:
     mode, root = sys.argv[1], Path(sys.argv[2])
     d = root / "ckpt"
+    d.mkdir(parents=True)  # else AsyncCheckpointIO's link can fail outright (tested separately)
     io: Any
     held = None
     if mode == "async":
