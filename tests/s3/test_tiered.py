@@ -187,3 +187,28 @@ def test_uploads_finish_before_close_returns(tmp_path, s3_url, s3_options, s3_se
             ckpt.save(small_state(i), f"s{i}.ckpt")
     store.close()
     assert _remote_names(s3_server, s3_url) == ["s0.ckpt", "s1.ckpt", "s2.ckpt"]
+
+
+_EXITING_CHILD = """
+import sys, torch, stagesave
+from stagesave._tiered import TieredStore
+local, url, endpoint, key, secret = sys.argv[1:6]
+store = TieredStore(local, url, storage_options={"key": key, "secret": secret, "endpoint_url": endpoint})
+ckpt = stagesave.Checkpointer(store)
+ckpt.save({"w": torch.arange(10.0)}, "exit.ckpt")
+# no wait, no close: the interpreter exits with the save and its upload still queued
+"""
+
+
+def test_interpreter_exit_flushes_saves_then_uploads(tmp_path, s3_server, s3_url, s3_options):
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _EXITING_CHILD, str(tmp_path / "l"), s3_url, s3_server.endpoint,
+         s3_server.key, s3_server.secret],
+        capture_output=True, timeout=120, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr.decode()[-2000:]
+    assert _remote_names(s3_server, s3_url) == ["exit.ckpt"]
+    assert stagesave.verify(f"{s3_url}/exit.ckpt", storage_options=s3_options).status == "verified"
