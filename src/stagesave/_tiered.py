@@ -19,6 +19,7 @@ was wiped). While the remote tier fails, reads skip it for ``remote_retry_after_
 from __future__ import annotations
 
 import builtins
+import concurrent.futures as cf
 import contextlib
 import json
 import mmap
@@ -30,7 +31,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 from ._background import JobQueue
 from ._commit import FileToWrite, WriteStats, commit_files, sibling_manifests, write_file
@@ -44,6 +45,8 @@ from .errors import IntegrityError
 from .telemetry import SaveTelemetry, TelemetryCallback
 
 __all__ = ["TieredStore"]
+
+T = TypeVar("T")
 
 LOCAL, REMOTE = "local", "remote"
 _STAGING_RE = re.compile(r"^\.(?P<leaf>.+)\.\d+-[0-9a-f]+" + re.escape(TMP_MARKER) + "$")
@@ -139,6 +142,8 @@ class TieredStore(Store):
         telemetry_callback: Called with a :class:`SaveTelemetry` (``tier="remote"``) after each
             upload, committed or failed.
         remote_retry_after_s: After a remote failure, reads skip the remote tier this long.
+        remote_timeout_s: A read of the remote tier (listing, choosing a tier) that takes
+            longer counts as a failure (uploads have no such deadline).
 
     Raises:
         ValueError: a retention count below 1.
@@ -155,6 +160,7 @@ class TieredStore(Store):
         upload_threads: int = 4,
         telemetry_callback: TelemetryCallback | None = None,
         remote_retry_after_s: float = 30.0,
+        remote_timeout_s: float = 10.0,
     ) -> None:
         for what, n in (("keep_local", keep_local), ("keep_remote", keep_remote)):
             if n is not None and n < 1:
@@ -167,6 +173,8 @@ class TieredStore(Store):
         self.keep_local = keep_local
         self.keep_remote = keep_remote
         self.remote_retry_after_s = remote_retry_after_s
+        self.remote_timeout_s = remote_timeout_s
+        self._probe_pool = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="stagesave-probe")
         self._callbacks: list[TelemetryCallback] = [telemetry_callback] if telemetry_callback else []
         self._queue = JobQueue(io_threads=upload_threads, name="stagesave-upload")
         self._lock = threading.Lock()
@@ -208,17 +216,18 @@ class TieredStore(Store):
         """Route ``key`` to the tier with the newest committed copy (local on a tie)."""
         local_exists, local_created = self._probe(self.local, key)
         remote_exists, remote_created = False, None
-        if self._remote_usable():
-            try:
-                remote_exists, remote_created = self._probe(self.remote, key)
-            except OSError:
-                self._remote_failed()
+        try:
+            remote_exists, remote_created = self._remote_call(lambda: self._probe(self.remote, key))
+        except (OSError, TimeoutError):
+            pass  # the remote tier is down: route by the local tier alone
         if local_created is not None and (remote_created is None or local_created >= remote_created):
             tier = LOCAL
         elif remote_created is not None:
             tier = REMOTE
         else:
             tier = LOCAL if local_exists or not remote_exists else REMOTE
+        if key.startswith("dir:") and not (local_exists or remote_exists):
+            return tier  # not a folder checkpoint: its files keep their own routes
         with self._lock:
             self._route[key] = tier
         return tier
@@ -235,7 +244,7 @@ class TieredStore(Store):
         parsed = split_manifest_name(leaf)
         if parsed is not None:
             return f"{parent}/{parsed[0]}" if parent else parsed[0]
-        return f"dir:{parent}" if f"dir:{parent}" in self._route else name
+        return f"dir:{parent}" if parent and f"dir:{parent}" in self._route else name
 
     def _set_local(self, name: str) -> None:
         key = self._key(name)
@@ -357,15 +366,42 @@ class TieredStore(Store):
         return sorted(dirs)
 
     def _remote_list(self, fn: Callable[[], builtins.list[Any]]) -> builtins.list[Any]:
-        if not self._remote_usable():
-            return []
         try:
-            return fn()
-        except OSError as exc:
-            self._remote_failed()
+            result: builtins.list[Any] = self._remote_call(fn)
+        except (OSError, TimeoutError) as exc:
             print(f"stagesave: listing the remote tier {self.remote.url} failed ({exc}); "
                   f"using the local tier only for {self.remote_retry_after_s:.0f} s", file=sys.stderr)
             return []
+        return result
+
+    def _remote_call(self, fn: Callable[[], T]) -> T:
+        """A read of the remote tier, given up after ``remote_timeout_s``.
+
+        Reads of the remote tier sit on paths that must stay fast while the remote is down (the
+        local commit lists its directory), and a store's own retry budget can be long: past the
+        deadline the remote counts as down for ``remote_retry_after_s`` (the call itself is left
+        to finish in the background).
+
+        Raises:
+            TimeoutError: the deadline passed, or the remote is known to be down.
+            OSError: the remote failed.
+        """
+        if not self._remote_usable():
+            raise TimeoutError(f"the remote tier {self.remote.url} failed recently")
+        future = self._probe_pool.submit(fn)
+        done, _ = cf.wait([future], timeout=self.remote_timeout_s)
+        if not done:
+            self._remote_failed()
+            raise TimeoutError(
+                f"the remote tier {self.remote.url} did not answer within {self.remote_timeout_s:.0f} s"
+            )
+        try:
+            return future.result()
+        except FileNotFoundError:
+            raise
+        except OSError:
+            self._remote_failed()
+            raise
 
     # ------------------------------------------------------------------ uploads
     def _committed_locally(self, name: str, *, is_dir: bool, created_ns: int = 0) -> None:
@@ -594,6 +630,7 @@ class TieredStore(Store):
             if not self._queue.stop(timeout):
                 raise TimeoutError(f"uploads to {self.remote.url} still running after {timeout} s")
         finally:
+            self._probe_pool.shutdown(wait=False)
             self.local.close()
             self.remote.close()
 

@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+from faultproxy import Fault
 from s3help import FAST_RETRY, object_names, open_uploads, small_state
 
 import stagesave
@@ -23,8 +24,9 @@ def tiered(tmp_path, proxy, make_store, s3_url):
     """``tiered(**kw)``: a TieredStore over ``tmp_path/local`` and ``s3_url`` through the proxy."""
     made = []
 
-    def make(**kw) -> TieredStore:
-        remote = make_store(s3_url, proxy.endpoint, retry=RetryPolicy(max_attempts=2, base_delay_s=0.01))
+    def make(remote_kw: dict | None = None, **kw) -> TieredStore:
+        remote_kw = {"retry": RetryPolicy(max_attempts=2, base_delay_s=0.01), **(remote_kw or {})}
+        remote = make_store(s3_url, proxy.endpoint, **remote_kw)
         store = TieredStore(LocalStore(str(tmp_path / "local")), remote, remote_retry_after_s=0.0, **kw)
         made.append(store)
         return store
@@ -81,12 +83,32 @@ def test_remote_down_keeps_local_commits_and_the_next_save_uploads(tiered, proxy
     assert _remote_names(s3_server, s3_url) == ["a.ckpt", "b.ckpt"]
 
 
+def test_a_hanging_remote_does_not_hold_up_local_commits(tiered, proxy):
+    store = tiered(remote_kw={"read_timeout": 1.0, "connect_timeout": 1.0}, remote_timeout_s=1.0)
+    with stagesave.Checkpointer(store) as ckpt:
+        ckpt.save(small_state(1), "a.ckpt").result()
+        store.wait_uploads()
+        proxy.add(Fault(None, "delay", times=-1, delay_s=30.0))  # every remote request hangs
+        # the commit lists its directory (a remote read): it gives up on the remote after 1 s
+        ckpt.save(small_state(2), "b.ckpt").result(timeout=20)
+        assert ckpt.load("b.ckpt")["step"] == 2
+        info = ckpt.latest()
+        assert info is not None and info.name == "b.ckpt" and store.tier_of("b.ckpt") == "local"
+        records = store.wait_uploads(timeout=60)
+    assert [r.path.rpartition("/")[2] for r in records] == ["b.ckpt"] and "failed" in records[0].error
+
+
 def test_latest_prefers_the_valid_local_copy_and_falls_back_to_remote(tiered, s3_url, s3_options):
     store = tiered()
     with stagesave.Checkpointer(store) as ckpt:
         ckpt.save(small_state(1), "a.ckpt").result()
         ckpt.save(small_state(2), "b.ckpt").result()
         store.wait_uploads()
+        # a plain torch file (no manifest) beside them: discovery checks whether the root is a
+        # folder checkpoint, which must not tie the other files' routes to the root's
+        plain = os.path.join(store.local.url, "plain.pt")
+        torch.save({"x": 1}, plain)
+        os.utime(plain, (1e9, 1e9))  # older than the others
         info = ckpt.latest()
         assert (info.name, info.path, store.tier_of("b.ckpt")) == ("b.ckpt", os.path.join(store.local.url, "b.ckpt"), "local")
         with open(info.path, "r+b") as f:  # the local copy is torn (node crash, bad disk)
