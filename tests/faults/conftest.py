@@ -7,9 +7,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-import pytest  # noqa: E402
-
-import faultstats  # noqa: E402
+import faultstats
+import pytest
 
 
 def pytest_configure(config):  # type: ignore[no-untyped-def]
@@ -21,10 +20,13 @@ def pytest_configure(config):  # type: ignore[no-untyped-def]
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):  # type: ignore[no-untyped-def]
     """A test marked ``fault_class`` is one trial; it found a violation if its body failed."""
-    yield
+    outcome = yield
     marker = item.get_closest_marker("fault_class")
     if marker is None or call.when != "call":
         return
+    report = outcome.get_result()
+    if report.skipped and not hasattr(report, "wasxfail"):
+        return  # skipped inside the test: no trial ran
     known_bug = item.get_closest_marker("xfail") is not None
     faultstats.record(marker.args[0], 1, int(call.excinfo is not None), known_bug=known_bug)
 

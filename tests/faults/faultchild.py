@@ -15,9 +15,9 @@ import traceback
 from typing import Any
 
 import torch
+from faultfs import Call, Recorder
 
 import stagesave
-from faultfs import Call, Recorder
 
 
 def file_state(step: int, n: int = 4000) -> dict[str, Any]:

@@ -32,9 +32,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from typing_extensions import Self
+
 from stagesave import _fsops
 
-__all__ = ["Call", "Op", "PowerLossModel", "Recorder", "FSOPS", "MODES"]
+__all__ = ["FSOPS", "MODES", "Call", "Op", "PowerLossModel", "Recorder"]
 
 #: Every function of ``stagesave._fsops`` (all of them are wrapped).
 FSOPS = tuple(_fsops.__all__)
@@ -92,12 +94,12 @@ class Recorder:
         self._hooks: list[Callable[[Call], None]] = []
 
     # ------------------------------------------------------------------ installing
-    def __enter__(self) -> Recorder:
+    def __enter__(self) -> Self:
         for name in FSOPS:
             setattr(_fsops, name, self._wrapper(name))
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         for name in FSOPS:
             setattr(_fsops, name, self._real[name])
 

@@ -15,15 +15,15 @@ import threading
 import time
 import warnings
 
+import faultchild
+import faultstats
 import psutil
 import pytest
 import torch
-
-import faultchild
-import faultstats
-import stagesave
 from faultfs import Call, Recorder
 from faulthelp import debris, dir_state, file_state, latest_name
+
+import stagesave
 from stagesave.errors import CheckpointError, CheckpointNotFoundError, ClosedError
 
 _ctx = multiprocessing.get_context("forkserver")

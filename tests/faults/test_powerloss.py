@@ -14,27 +14,15 @@ import random
 import shutil
 from dataclasses import dataclass
 
-import pytest
-import torch
-
 import faultstats
-import stagesave
+import pytest
 from faultfs import PowerLossModel, Recorder, fsync_dir_after, rename_to
+from faulthelp import dir_state, file_state
 from invariant import Version, check_invariant, read_version_files
-from stagesave.formats import Safetensors
+
+import stagesave
 
 CHUNK = 8192
-
-
-def file_state(step: int) -> dict[str, object]:
-    return {"step": step, "w": torch.arange(4000, dtype=torch.float32) + step}
-
-
-def dir_state(step: int) -> dict[str, object]:
-    return {
-        "model.safetensors": Safetensors({"w": torch.full((2500,), float(step))}),
-        "optimizer.bin": {"step": step, "m": torch.arange(1500, dtype=torch.float64) * step},
-    }
 
 
 @dataclass(frozen=True)
@@ -64,43 +52,44 @@ SLOW_SCENARIOS = [
 FRESH_ROOT = Scenario("file-into-new-directory", ("last.ckpt",), subdir="runs/exp1")
 
 
-def run_scenario(tmp_path, sc: Scenario) -> tuple[Recorder, list[Version], str]:
-    """Do the baseline saves, then the recorded ones; the log and what each save produced."""
+def run_scenario(tmp_path, sc: Scenario) -> tuple[Recorder, PowerLossModel, list[Version], str]:
+    """Do the baseline saves, then the recorded ones.
+
+    Returns:
+        The recorder (its log), the model of the tree as it was before the log, every version
+        saved (with the log indices of its publishing rename and commit fsync), the root.
+    """
     base = tmp_path / "world"
     base.mkdir()
     root = os.path.join(base, sc.subdir) if sc.subdir else str(base)
     versions: list[Version] = []
-    order = 0
+    rec = Recorder(base)  # logs only while installed (``with rec``)
     with stagesave.Checkpointer(root, chunk_bytes=CHUNK, keep_last=sc.keep_last, io_threads=3) as ck:
 
         def one(name: str) -> tuple[int, int]:
-            nonlocal order
-            order += 1
+            order = len(versions) + 1
             state = dir_state(order) if sc.is_dir else file_state(order)
-            start = len(rec.ops) if rec is not None else 0
+            start = len(rec.ops)
             if sc.is_dir:
                 ck.save_dir(state, name).result()
             else:
                 ck.save(state, name).result()
             versions.append(Version(name, order, read_version_files(root, name, sc.is_dir), state, sc.is_dir))
-            return start, len(rec.ops) if rec is not None else 0
+            return start, len(rec.ops)
 
-        rec: Recorder | None = None
         for name in sc.baseline:
             one(name)
         model = PowerLossModel(base)
-        with Recorder(base) as rec:
+        with rec:
             for name in sc.recorded:
                 start, end = one(name)
                 v = versions[-1]
-                final = os.path.join(root, name)
-                v.publish = rename_to(rec.ops, start, end, final)
+                v.publish = rename_to(rec.ops, start, end, os.path.join(root, name))
                 v.commit = fsync_dir_after(rec.ops, v.publish, root)
                 assert 0 <= v.publish < v.commit < end, (
                     f"{v}: publish at {v.publish}, directory fsync at {v.commit}, reported at {end}"
                 )
-    rec.model = model  # type: ignore[attr-defined]
-    return rec, versions, root
+    return rec, model, versions, root
 
 
 def replay(tmp_path, sc: Scenario, seeds: int, mutate=None) -> tuple[int, list[str]]:
@@ -108,10 +97,9 @@ def replay(tmp_path, sc: Scenario, seeds: int, mutate=None) -> tuple[int, list[s
 
     ``mutate`` may rewrite the log first (to prove the check fails on a broken protocol).
     """
-    rec, versions, root = run_scenario(tmp_path, sc)
+    rec, model, versions, root = run_scenario(tmp_path, sc)
     if mutate is not None:
         rec.ops[:] = [mutate(op) for op in rec.ops]
-    model: PowerLossModel = rec.model  # type: ignore[attr-defined]
     rel_root = os.path.relpath(root, model.base)
     rng = random.Random(f"{sc.name}")
     views = [("durable", None), ("eager", None)] + [("random", s) for s in range(seeds)]

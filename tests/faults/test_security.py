@@ -19,15 +19,15 @@ import time
 import warnings
 from collections.abc import Iterator
 
+import faultstats
 import psutil
 import pytest
 import torch
+from faulthelp import dir_state, file_state, tree
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import faultstats
 import stagesave
-from faulthelp import dir_state, file_state, tree
 from stagesave.errors import CheckpointError
 
 # ---------------------------------------------------------------------------- the audit hook
@@ -172,7 +172,7 @@ def linked(world):
 
 @pytest.mark.fault_class("symlinks out of the root")
 def test_listing_and_latest_do_not_follow_links_out_of_the_root(linked):
-    base, root, outside = linked
+    base, root, _outside_dir = linked
     with audited() as opened, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with stagesave.Checkpointer(root) as ck:
@@ -189,7 +189,7 @@ def _files(d) -> dict[str, bytes]:  # type: ignore[no-untyped-def]
 
 @pytest.mark.fault_class("symlinks out of the root")
 def test_retention_and_removing_a_linked_file_never_delete_through_links(linked):
-    base, root, outside = linked
+    _base, root, outside = linked
     before = _files(outside)
     with stagesave.Checkpointer(root, keep_last=1, chunk_bytes=8192) as ck:
         for step in (2, 3, 4):
@@ -207,7 +207,7 @@ def test_retention_and_removing_a_linked_file_never_delete_through_links(linked)
     "folder outside the root"
 ))
 def test_removing_a_linked_folder_never_deletes_inside_its_target(linked):
-    base, root, outside = linked
+    _base, root, outside = linked
     before = _files(outside)
     with stagesave.Checkpointer(root) as ck:
         ck.remove("linked_folder").result()

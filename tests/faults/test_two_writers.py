@@ -17,13 +17,13 @@ import multiprocessing
 import os
 import warnings
 
-import pytest
-import torch
-
 import faultchild
 import faultstats
-import stagesave
+import pytest
+import torch
 from faultchild import file_state
+
+import stagesave
 
 _ctx = multiprocessing.get_context("forkserver")
 _ctx.set_forkserver_preload(["torch", "stagesave", "faultchild"])
