@@ -39,11 +39,11 @@ import numpy as np
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
+from stagesave.lightning import StagedCheckpointIO, latest
 from torch import nn
 
 import stagesave
 from stagesave import SaveTelemetry
-from stagesave.lightning import StagedCheckpointIO, latest
 
 DATA = Path(__file__).resolve().parent / "data" / "corpus.txt"
 
@@ -125,8 +125,8 @@ class CharLM(LightningModule):
         return loss
 
     def configure_optimizers(self) -> Any:
-        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.01)
-        warmup, total = 10, max(self.hparams.max_steps, 11)
+        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams["lr"], weight_decay=0.01)
+        warmup, total = 10, max(self.hparams["max_steps"], 11)
 
         def schedule(step: int) -> float:
             if step < warmup:
@@ -148,13 +148,13 @@ class CharLM(LightningModule):
 
     @torch.no_grad()
     def sample(self, prompt: str, n: int, seed: int = 0) -> str:
-        vocab: str = self.hparams.vocab
+        vocab: str = self.hparams["vocab"]
         index = {c: i for i, c in enumerate(vocab)}
         ids = torch.tensor([[index.get(c, 0) for c in prompt]])
         g = torch.Generator().manual_seed(seed)
         self.eval()
         for _ in range(n):
-            logits = self(ids[:, -self.hparams.seq_len :])[0, -1] / 0.8
+            logits = self(ids[:, -self.hparams["seq_len"] :])[0, -1] / 0.8
             ids = torch.cat([ids, torch.multinomial(logits.softmax(-1), 1, generator=g)[None]], dim=1)
         self.train()
         return "".join(vocab[i] for i in ids[0].tolist())

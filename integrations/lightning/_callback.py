@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
 from stagesave import SaveTelemetry
 
 from ._plugin import StagedCheckpointIO, find_plugin

@@ -78,7 +78,7 @@ def links_to(path: str) -> list[str]:
     """Symlinks in ``path``'s directory that resolve to ``path``."""
     directory = os.path.dirname(os.path.abspath(path))
     real = os.path.realpath(path)
-    out = []
+    out: list[str] = []
     try:
         entries = list(os.scandir(directory))
     except OSError:

@@ -21,10 +21,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
-from lightning.fabric.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.fabric.utilities import rank_zero_info
 from stagesave import Checkpointer, SaveHandle, SaveTelemetry
 
 from ._links import LinkKeeper, install_link_hook
@@ -77,6 +77,8 @@ class StagedCheckpointIO(CheckpointIO):
         max_pending: Saves that may be in flight at once (one host staging buffer each); a
             further save waits for a buffer instead of allocating more memory.
         checksum: Chunk checksum: ``"xxh3_128"`` (default), ``"xxh3_64"``, ``"blake3"``, ``"sha256"``.
+        checksum_in: ``"background"`` (default: the writer threads hash what they write) or
+            ``"staging"`` (hash right after the copy, so the background only makes syscalls).
         io_threads: Threads writing one file's chunks in parallel.
         direct_io: Write local files with O_DIRECT where the filesystem allows it.
         storage_options: fsspec options for remote paths (endpoint, credentials, region).
@@ -93,6 +95,7 @@ class StagedCheckpointIO(CheckpointIO):
         *,
         max_pending: int = 2,
         checksum: str = "xxh3_128",
+        checksum_in: str = "background",
         io_threads: int = 4,
         direct_io: bool = True,
         storage_options: dict[str, Any] | None = None,
@@ -103,14 +106,11 @@ class StagedCheckpointIO(CheckpointIO):
         safe_globals: Sequence[Any] = (),
     ) -> None:
         super().__init__()
-        if max_pending < 1:
-            raise ValueError(f"max_pending must be >= 1, got {max_pending}")
-        if io_threads < 1:
-            raise ValueError(f"io_threads must be >= 1, got {io_threads}")
         if teardown_timeout is not None and teardown_timeout < 0:
             raise ValueError(f"teardown_timeout must be >= 0 or None, got {teardown_timeout}")
         self.max_pending = max_pending
         self.checksum = checksum
+        self.checksum_in = checksum_in
         self.io_threads = io_threads
         self.direct_io = direct_io
         self.storage_options = dict(storage_options or {})
@@ -120,6 +120,7 @@ class StagedCheckpointIO(CheckpointIO):
         self.telemetry_jsonl = telemetry_jsonl
         self.safe_globals = [_import_global(g) if isinstance(g, str) else g for g in safe_globals]
         self._init_runtime()
+        self._new_checkpointer().close()  # the core validates every option now, not at the first save
         install_link_hook(find_plugin)
 
     def _init_runtime(self) -> None:
@@ -135,17 +136,21 @@ class StagedCheckpointIO(CheckpointIO):
         """The underlying :class:`stagesave.Checkpointer` (created on first use)."""
         with self._lock:
             if self._ckpt is None:
-                self._ckpt = Checkpointer(
-                    max_pending=self.max_pending,
-                    checksum=self.checksum,
-                    io_threads=self.io_threads,
-                    direct_io=self.direct_io,
-                    storage_options=self.storage_options,
-                    telemetry_callback=self._on_telemetry,
-                    telemetry_jsonl=self.telemetry_jsonl,
-                    safe_globals=[*LIGHTNING_SAFE_GLOBALS, *self.safe_globals],
-                )
+                self._ckpt = self._new_checkpointer()
             return self._ckpt
+
+    def _new_checkpointer(self) -> Checkpointer:
+        return Checkpointer(
+            max_pending=self.max_pending,
+            checksum=self.checksum,
+            checksum_in=self.checksum_in,
+            io_threads=self.io_threads,
+            direct_io=self.direct_io,
+            storage_options=self.storage_options,
+            telemetry_callback=self._on_telemetry,
+            telemetry_jsonl=self.telemetry_jsonl,
+            safe_globals=[*LIGHTNING_SAFE_GLOBALS, *self.safe_globals],
+        )
 
     def _on_telemetry(self, tel: SaveTelemetry) -> None:
         # Runs on the writer thread: record, report a failure at once, pass on.

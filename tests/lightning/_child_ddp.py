@@ -16,9 +16,9 @@ import torch
 from conftest import StepBatches, TinyModel
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
+from stagesave.lightning import StagedCheckpointIO, latest
 
 from stagesave import SaveTelemetry
-from stagesave.lightning import StagedCheckpointIO, latest
 
 SAVES: list[str] = []
 

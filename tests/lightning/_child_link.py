@@ -21,10 +21,9 @@ from conftest import HeldCheckpointIO, StepBatches, TinyModel, make_trainer
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
-
-from stagesave import SaveTelemetry
 from stagesave.lightning import StagedCheckpointIO
 
+from stagesave import SaveTelemetry
 
 first_committed = threading.Event()
 

@@ -18,9 +18,9 @@ from typing import Any
 from conftest import StepBatches, TinyModel, make_trainer
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
+from stagesave.lightning import StagedCheckpointIO
 
 from stagesave import SaveTelemetry
-from stagesave.lightning import StagedCheckpointIO
 
 
 def slow_storage(tel: SaveTelemetry) -> None:

@@ -83,12 +83,12 @@ class TinyModel(LightningModule):
         self.log("val_loss", nn.functional.mse_loss(self.net(x), y))
 
     def configure_optimizers(self) -> Any:
-        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams["lr"])
         return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.9)}
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["torch_rng"] = torch.get_rng_state()
-        if self.hparams.numpy_state:
+        if self.hparams["numpy_state"]:
             checkpoint["seen"] = self.seen  # by reference, as users write it
             checkpoint["numpy_rng"] = np.random.get_state()
 
@@ -99,16 +99,16 @@ class TinyModel(LightningModule):
 
 
 def make_trainer(root: Path, plugins: Sequence[Any] = (), callbacks: Sequence[Any] = (), **kw: Any) -> Trainer:
-    options: dict[str, Any] = dict(
-        default_root_dir=str(root),
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        deterministic=True,
-    )
+    options: dict[str, Any] = {
+        "default_root_dir": str(root),
+        "accelerator": "cpu",
+        "devices": 1,
+        "logger": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "num_sanity_val_steps": 0,
+        "deterministic": True,
+    }
     options.update(kw)
     return Trainer(plugins=list(plugins) or None, callbacks=list(callbacks), **options)
 
@@ -168,7 +168,7 @@ def run_python(args: Sequence[str], env: dict[str, str] | None = None, timeout: 
     full_env.update(env or {})
     full_env["PYTHONPATH"] = os.pathsep.join([str(HERE), full_env.get("PYTHONPATH", "")])
     return subprocess.run([PYTHON, *args], env=full_env, cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, check=False)
 
 
 def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -177,9 +177,10 @@ def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert a.keys() == b.keys()
-    for k in a:
-        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
-        assert torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)), f"{k} differs"
+    for k, x in a.items():
+        y = b[k]
+        assert x.dtype == y.dtype and x.shape == y.shape, k
+        assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), f"{k} differs"
 
 
 @pytest.fixture

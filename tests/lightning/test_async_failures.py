@@ -23,9 +23,9 @@ from conftest import HeldCheckpointIO, StepBatches, TinyModel, WriterGate, make_
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
+from stagesave.lightning import StagedCheckpointIO
 
 import stagesave
-from stagesave.lightning import StagedCheckpointIO
 
 
 def _ckpt_files(d: Path) -> list[str]:
@@ -66,7 +66,10 @@ def _topk_run(tmp_path: Path, io: Any, release: Any, first_written: Any) -> tupl
 
 def test_topk_removal_with_async_checkpointio_loses_or_leaks_checkpoints(tmp_path: Path) -> None:
     held = HeldCheckpointIO(hold_after=1)
-    written = lambda: _wait_until(lambda: "epoch=0-step=1.ckpt" in held.written) or True  # noqa: E731
+    def written() -> bool:
+        _wait_until(lambda: "epoch=0-step=1.ckpt" in held.written)
+        return True
+
     probe, d = _topk_run(tmp_path, AsyncCheckpointIO(held), held.release.set, written)
     # The removal of step 1 ran at once while step 2 was still queued: no checkpoint at all...
     assert [] in probe.valid
@@ -210,9 +213,9 @@ def test_plugin_teardown_never_masks_the_users_exception(
 
     mc = ModelCheckpoint(dirpath=d, every_n_train_steps=1)
     trainer = make_trainer(tmp_path, [io], [Warm(), mc], max_steps=5)
-    with caplog.at_level(logging.ERROR, logger="stagesave.lightning"):
-        with pytest.raises(ValueError, match="boom in training_step"):
-            trainer.fit(_fails_at(1, break_and_release), StepBatches())
+    with caplog.at_level(logging.ERROR, logger="stagesave.lightning"), \
+            pytest.raises(ValueError, match="boom in training_step"):
+        trainer.fit(_fails_at(1, break_and_release), StepBatches())
     # The failed save is reported, not lost, and nothing is left pending or raised later.
     assert any("epoch=0-step=1.ckpt" in r.getMessage() and "failed" in r.getMessage() for r in caplog.records)
     assert io.pending() == 0

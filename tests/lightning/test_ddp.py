@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import stagesave
 from conftest import HERE, run_python
+
+import stagesave
 
 
 def test_ddp_two_processes_save_on_rank_zero_and_resume_on_both(tmp_path: Path) -> None:

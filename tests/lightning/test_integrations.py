@@ -15,9 +15,9 @@ from lightning.fabric import Fabric
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger
+from stagesave.lightning import CheckpointTelemetryLogger, StagedCheckpointIO, wait
 
 import stagesave
-from stagesave.lightning import CheckpointTelemetryLogger, StagedCheckpointIO, wait
 
 
 def test_telemetry_reaches_the_trainers_loggers(tmp_path: Path) -> None:
@@ -84,7 +84,7 @@ def test_fabric_save_wait_load(tmp_path: Path) -> None:
 def test_fabric_load_waits_for_its_own_pending_save(tmp_path: Path) -> None:
     io = StagedCheckpointIO()
     fabric = Fabric(accelerator="cpu", devices=1, plugins=[io])
-    model, opt = _fabric_parts(fabric)
+    model, _ = _fabric_parts(fabric)
     path = tmp_path / "fabric.ckpt"
     for step in range(5):  # overwrite the same path; the load must see the last save
         fabric.save(path, {"model": model, "step": step})

@@ -15,9 +15,9 @@ import torch
 from conftest import StepBatches, TinyModel, WriterGate, make_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
+from stagesave.lightning import StagedCheckpointIO, find_plugin, wait
 
 import stagesave
-from stagesave.lightning import StagedCheckpointIO, find_plugin, wait
 
 
 def _stagesave_threads() -> list[str]:
@@ -40,6 +40,8 @@ def test_constructible_without_arguments_and_used_by_the_trainer(tmp_path: Path)
 def test_invalid_arguments_say_what_is_wrong() -> None:
     with pytest.raises(ValueError, match="max_pending must be >= 1, got 0"):
         StagedCheckpointIO(max_pending=0)
+    with pytest.raises(ValueError, match="checksum_in must be 'background' or 'staging'"):
+        StagedCheckpointIO(checksum_in="later")
     with pytest.raises(ValueError, match="teardown_timeout must be >= 0"):
         StagedCheckpointIO(teardown_timeout=-1)
     with pytest.raises(ValueError, match="'no.such.Class' does not name an importable class"):

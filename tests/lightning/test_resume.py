@@ -11,9 +11,9 @@ import torch
 from conftest import StepBatches, TinyModel, assert_bitwise_equal, make_trainer, weights
 from lightning.pytorch import seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
+from stagesave.lightning import StagedCheckpointIO, latest
 
 import stagesave
-from stagesave.lightning import StagedCheckpointIO, latest
 
 
 def _fit(tmp_path: Path, max_steps: int, ckpt_path: str | None = None, every: int = 3) -> TinyModel:

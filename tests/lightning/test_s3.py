@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 from conftest import StepBatches, TinyModel, make_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
+from stagesave.lightning import StagedCheckpointIO, latest
 
 import stagesave
-from stagesave.lightning import StagedCheckpointIO, latest
 
 pytestmark = pytest.mark.s3
 

@@ -12,13 +12,21 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import HERE, HeldCheckpointIO, StepBatches, TinyModel, WriterGate, make_trainer, run_python
+from conftest import (
+    HERE,
+    HeldCheckpointIO,
+    StepBatches,
+    TinyModel,
+    WriterGate,
+    make_trainer,
+    run_python,
+)
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
+from stagesave.lightning import StagedCheckpointIO
 
 import stagesave
-from stagesave.lightning import StagedCheckpointIO
 
 
 class LastProbe(Callback):
@@ -96,7 +104,7 @@ def test_async_checkpointio_link_fails_while_the_first_save_is_pending(tmp_path:
 def test_async_checkpointio_link_dangles_while_a_save_is_pending(tmp_path: Path) -> None:
     (tmp_path / "ckpt").mkdir()
     held = HeldCheckpointIO(hold_after=1)
-    probe, d = _run(tmp_path, AsyncCheckpointIO(held), held.release.set, "link")
+    probe, _ = _run(tmp_path, AsyncCheckpointIO(held), held.release.set, "link")
     assert "dangling" in probe.seen
 
 

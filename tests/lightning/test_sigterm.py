@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import stagesave
 from conftest import HERE, run_python
+
+import stagesave
 
 
 def test_sigterm_flushes_pending_saves_before_exit(tmp_path: Path) -> None:
