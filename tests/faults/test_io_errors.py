@@ -75,6 +75,8 @@ def _fault_then_recover(tmp_path, *, is_dir: bool, name: str, op: str, err: int,
         assert ei.value.errno == err
         assert debris(tmp_path) == []
         assert latest_name(tmp_path) == (first, 1)  # the previous checkpoint, verified
+        if name != first:  # nothing of the failed save is offered, even as an unverified file
+            assert name not in {c.name for c in ck.list() if c.valid}
         _save(ck, is_dir, 3, name).result(timeout=60)  # the cause is gone: the next save works
     assert latest_name(tmp_path) == (name, 3)
     assert debris(tmp_path) == []

@@ -1,9 +1,10 @@
 """Hostile checkpoints: traversal in manifests, symlinks out of the root, fuzzed safetensors headers.
 
-What is read is proven with an audit hook (``sys.addaudithook``): every ``open`` the process makes
-(Python's ``open``/``os.open`` and the C-level opens torch and safetensors make through Python are
-audited) is recorded while a hostile checkpoint is listed, verified and loaded, and none may
-touch a path outside the checkpoint root. Malicious pickles and fuzzed manifests are tested in
+What is read is proven with an audit hook (``sys.addaudithook``): every ``open`` made through
+Python (``open``, ``io.open``, ``os.open``, in any thread; stagesave reads every file that way, and
+torch.load opens its file that way too) is recorded while a hostile checkpoint is listed,
+verified and loaded, and none may touch a path outside the checkpoint root. (Opens made inside
+native code, e.g. by the safetensors library, are not audited; those tests do not rely on them.) Malicious pickles and fuzzed manifests are tested in
 ``tests/core/test_integrity.py``; gc and symlinks in ``tests/cli/test_cli_gc.py``.
 """
 
