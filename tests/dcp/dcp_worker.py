@@ -173,7 +173,27 @@ def object_store_save(rank: int, world: int, out: str) -> dict[str, Any]:
     return {"loaded_equal": same}
 
 
-SCENARIOS = {f.__name__: f for f in (fsdp_save, fsdp_load, killed_save, object_store_save)}
+def failed_write(rank: int, world: int, out: str) -> dict[str, Any]:
+    """Rank 1's background write fails (disk full): everyone learns it without a timeout."""
+    mesh = init_device_mesh("cpu", (world,))
+    writer = sdcp.StagedStorageWriter(root=os.path.join(out, "ckpt"), commit_timeout=120)
+    if rank == 1:
+        def disk_full(*args: Any, **kwargs: Any) -> Any:
+            raise OSError(28, "No space left on device")
+
+        _writer.write_rank = disk_full  # type: ignore[assignment]
+    state = {"w": distribute_tensor(torch.ones(64, 8), mesh, [Shard(0)])}
+    handle = sdcp.save(state, "step-1", writer=writer)
+    try:
+        handle.result(120)
+        result = {"error_type": None}
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        result = {"error_type": type(exc).__name__, "message": str(exc)}
+    writer.close()  # the failure was delivered by the handle: not raised again
+    return result
+
+
+SCENARIOS = {f.__name__: f for f in (fsdp_save, fsdp_load, killed_save, object_store_save, failed_write)}
 
 
 def _child(scenario: str, rank: int, world: int, out: str, env: dict[str, str]) -> None:

@@ -91,6 +91,7 @@ def test_export_to_one_plain_file(fsdp_saved, tmp_path, capsys):
     assert_same(mine["optim"]["state"], ref["optim"]["state"], "optim.state")
     assert mine["step"] == 2
     # The CLI's own export reads the same folder (through torch's dcp_to_torch_save).
+    assert main(["-q", "verify", str(folder)]) == 0
     assert main(["-q", "export", str(folder), str(tmp_path / "cli.pt"), "--trusted"]) == 0
     cli = torch.load(tmp_path / "cli.pt", weights_only=False)
     assert_same(cli["model"], mine["model"], "cli model")
@@ -148,6 +149,17 @@ def test_rank_killed_during_save_leaves_no_commit(launcher, tmp_path, victim, po
         assert debris == []  # the coordinator removed the staging folder when it gave up
     for d in debris:  # anything left is a temporary of a dead writer, which gc removes
         assert d.kind == "temporary-dir" and d.action == "remove" and d.name.startswith(".step-2.")
+
+
+def test_a_failed_rank_write_fails_the_save_everywhere_without_waiting(launcher, tmp_path):
+    run = launcher("failed_write", 2, tmp_path)
+    run.ok()
+    coordinator, failed = run.ranks
+    assert coordinator["error_type"] == "CheckpointError"  # not a CommitTimeoutError: no waiting
+    assert "rank 1 failed to write its part" in coordinator["message"]
+    assert "No space left on device" in coordinator["message"]
+    assert failed["error_type"] == "StorageError" and "no space left on the device" in failed["message"]
+    assert stagesave.latest(tmp_path / "ckpt") is None and os.listdir(tmp_path / "ckpt") == []
 
 
 def test_object_store_protocol_on_two_ranks(launcher, tmp_path):

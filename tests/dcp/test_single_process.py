@@ -206,6 +206,27 @@ def test_retention_latest_and_remove_treat_the_folder_as_one_checkpoint(root):
     ckpt.close()
 
 
+def test_tiered_store_uploads_the_committed_folder(tmp_path):
+    from stagesave._tiered import TieredStore
+
+    tier = TieredStore(tmp_path / "local", tmp_path / "remote")
+    ckpt = stagesave.Checkpointer(tier)
+    w = sdcp.StagedStorageWriter(checkpointer=ckpt)
+    for step in (1, 2):
+        sdcp.save({"w": torch.full((100, 10), float(step)), "step": step}, f"step-{step}", writer=w).result(30)
+    uploads = tier.wait_uploads(60)
+    assert [u.error for u in uploads] == [None, None]
+    assert sorted(os.listdir(tmp_path / "remote" / "step-2")) == [".metadata", "__0_0.distcp", "checkpoint.stagesave.json"]
+    remote = stagesave.latest(tmp_path / "remote", verify=True)
+    assert remote is not None and remote.name == "step-2" and remote.status == "verified"
+    got = {"w": torch.zeros(100, 10), "step": 0}
+    sdcp.load(got, tmp_path / "remote" / "step-2")
+    assert torch.equal(got["w"], torch.full((100, 10), 2.0)) and got["step"] == 2
+    w.close()
+    ckpt.close()
+    tier.close()
+
+
 # ------------------------------------------------------------------ integrity
 @pytest.fixture
 def two_saves(writer, root) -> tuple[Path, Path]:
