@@ -14,10 +14,10 @@ Run it, crash it, run it again::
     # 2 CPU processes (gloo): --multi_gpu makes accelerate start torchrun, even without GPUs
     accelerate launch --multi_gpu --num_processes 2 examples/accelerate_finetune.py --crash-after-step 30
 
-At the kill, the checkpoint of that step is staged but not committed, so it never appears; the
-next run resumes from the one before (the folders under ``<output>/checkpoints`` are all
-complete and verified), replays the lost steps and ends with exactly the weights of a run that
-never crashed: the last line prints their SHA-256 so you can compare.
+At the kill, the checkpoint of that step was staged but maybe not committed yet: then it never
+appears, and the next run resumes from the one before (every folder under
+``<output>/checkpoints`` is complete and verified), replays the lost steps and ends with exactly
+the weights of a run that never crashed: the last line prints their SHA-256 so you can compare.
 """
 
 from __future__ import annotations
@@ -86,55 +86,29 @@ class GPTConfig:
     dropout: float = 0.1
 
 
-class Block(nn.Module):
-    """Pre-norm transformer block: causal self-attention, then an MLP."""
-
-    def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__()
-        self.ln1 = nn.LayerNorm(cfg.d_model)
-        self.attn = nn.MultiheadAttention(cfg.d_model, cfg.n_heads, dropout=cfg.dropout, batch_first=True)
-        self.ln2 = nn.LayerNorm(cfg.d_model)
-        self.mlp = nn.Sequential(
-            nn.Linear(cfg.d_model, 4 * cfg.d_model), nn.GELU(), nn.Linear(4 * cfg.d_model, cfg.d_model),
-            nn.Dropout(cfg.dropout),
-        )
-
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        h = self.ln1(x)
-        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
-        return x + self.mlp(self.ln2(x))
-
-
 class TinyGPT(nn.Module):
-    """A decoder-only language model; the output head shares the token embedding's weight."""
+    """A pre-norm, decoder-only transformer over characters; the output head is tied to the
+    token embedding (the same model family as examples/lightning_finetune.py)."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
-        self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.pos = nn.Parameter(torch.zeros(cfg.seq_len, cfg.d_model))
+        layer = nn.TransformerEncoderLayer(cfg.d_model, cfg.n_heads, 4 * cfg.d_model, cfg.dropout,
+                                           batch_first=True, norm_first=True, activation="gelu")
+        self.blocks = nn.TransformerEncoder(layer, cfg.n_layers, enable_nested_tensor=False)
+        self.ln = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.head.weight = self.tok.weight
-        self.apply(self._init_weights)
-        mask = torch.triu(torch.full((cfg.seq_len, cfg.seq_len), float("-inf")), diagonal=1)
-        self.register_buffer("mask", mask, persistent=False)
-
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if getattr(module, "bias", None) is not None:
-                nn.init.zeros_(module.bias)
+        nn.init.normal_(self.tok.weight, std=0.02)
+        nn.init.normal_(self.pos, std=0.02)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        t = ids.shape[1]
-        x = self.drop(self.tok(ids) + self.pos(torch.arange(t, device=ids.device)))
-        for block in self.blocks:
-            x = block(x, self.mask[:t, :t])
-        return self.head(self.ln_f(x))
+        n = ids.shape[1]
+        mask = nn.Transformer.generate_square_subsequent_mask(n, device=ids.device)
+        h = self.blocks(self.tok(ids) + self.pos[:n], mask=mask, is_causal=True)
+        return self.head(self.ln(h))  # type: ignore[no-any-return]
 
 
 class Progress:

@@ -110,7 +110,7 @@ class AcceleratorCheckpointer:
         # The class's methods, bound: the real ones even when the instance is patched.
         self._accelerate_save = cls.save_state.__get__(accelerator, cls)
         self._accelerate_load = cls.load_state.__get__(accelerator, cls)
-        self._checkpointers: dict[int | None, Checkpointer] = {}
+        self._checkpointers: dict[tuple[str, int | None], Checkpointer] = {}
         self.last_handle: SaveHandle | None = None
         self.synchronous_reason: str | None = None
         if is_switched_off():
@@ -156,15 +156,18 @@ class AcceleratorCheckpointer:
             return bool(acc.is_local_main_process)
         return bool(acc.is_main_process)
 
-    def _checkpointer(self, keep_last: int | None = None) -> Checkpointer:
-        ckpt = self._checkpointers.get(keep_last)
+    def _checkpointer(self, automatic: bool = False) -> Checkpointer:
+        """The Checkpointer for automatic-naming saves (with retention) or for explicit folders."""
+        keep = self.accelerator.project_configuration.total_limit if automatic else None
+        key = ("auto", keep) if automatic else ("plain", None)
+        ckpt = self._checkpointers.get(key)
         if ckpt is None:
             o = self.options
             ckpt = Checkpointer(
-                max_pending=o.max_pending, checksum=o.checksum, keep_last=keep_last,
-                io_threads=o.io_threads, direct_io=o.direct_io, storage_options=dict(o.storage_options),
+                max_pending=o.max_pending, checksum=o.checksum, keep_last=keep, io_threads=o.io_threads,
+                direct_io=o.direct_io, storage_options=dict(o.storage_options),
             )
-            self._checkpointers[keep_last] = ckpt
+            self._checkpointers[key] = ckpt
         return ckpt
 
     # ------------------------------------------------------------------ saving
@@ -205,7 +208,6 @@ class AcceleratorCheckpointer:
         else:
             target = _remote.normalize(output_dir)
         writer = self._writes()
-        keep_last = config.total_limit if automatic else None
         weights = [acc.get_state_dict(model, unwrap=False) for model in acc._models]
         handle: SaveHandle | None = None
         with run_save_hooks(acc, weights, _remote.leaf(target)) as hook_files:
@@ -214,37 +216,49 @@ class AcceleratorCheckpointer:
                 rng, int(acc.process_index), int(acc.num_processes), bool(config.save_on_each_node)
             )
             if writer:
-                ckpt = self._checkpointer(keep_last)
-                if automatic:
-                    self._refuse_existing(ckpt, target, iteration)
-                elif not _remote.is_url(target):
-                    os.makedirs(os.path.dirname(target), exist_ok=True)
-                files = {**hook_files, **state_files(acc, weights, safe_serialization, rng_states)}
-                metadata = {
-                    MANIFEST_KEY: {
-                        "iteration": iteration,
-                        "step": int(acc.step),
-                        "num_processes": int(acc.num_processes),
-                        "safe_serialization": bool(safe_serialization),
-                        "automatic_checkpoint_naming": automatic,
-                    }
-                }
-                existed = _remote.is_url(target) or os.path.lexists(target)
-                handle = ckpt.save_dir(files, target, metadata=metadata)
-                if not existed:
-                    _drop_placeholder(target)
-                self.last_handle = handle
+                handle = self._write(target, automatic, iteration, safe_serialization, weights, rng_states, hook_files)
         config.iteration = iteration + 1
         return target, handle
 
-    def _refuse_existing(self, ckpt: Checkpointer, target: str, iteration: int) -> None:
+    def _write(
+        self, target: str, automatic: bool, iteration: int, safe_serialization: bool, weights: list[Any],
+        rng_states: dict[int, Any], hook_files: dict[str, Any],
+    ) -> SaveHandle:
+        """On a writing process: check the target, then stage every file and submit the folder."""
+        acc = self.accelerator
+        ckpt = self._checkpointer(automatic)
+        if automatic:
+            self._refuse_existing(ckpt, target, iteration, users_folder=not _remote.is_url(target))
+        elif not _remote.is_url(target):
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+        files = {**hook_files, **state_files(acc, weights, safe_serialization, rng_states)}
+        metadata = {
+            MANIFEST_KEY: {
+                "iteration": iteration,
+                "step": int(acc.step),
+                "num_processes": int(acc.num_processes),
+                "safe_serialization": bool(safe_serialization),
+                "automatic_checkpoint_naming": automatic,
+            }
+        }
+        existed = _remote.is_url(target) or os.path.lexists(target)
+        handle = ckpt.save_dir(files, target, metadata=metadata)
+        if not existed:
+            _drop_placeholder(target)
+        self.last_handle = handle
+        return handle
+
+    def _refuse_existing(self, ckpt: Checkpointer, target: str, iteration: int, *, users_folder: bool) -> None:
         """Accelerate's rule for automatic names, with torn folders replaced instead of fatal.
+
+        ``users_folder``: a folder without manifest there may be Accelerate's own (a local
+        folder); at a URL only a crashed stagesave save leaves one.
 
         Raises:
             ValueError: a valid checkpoint, or a plain local folder stagesave cannot prove, is
                 already at ``target``.
         """
-        if not _remote.is_url(target) and not os.path.lexists(target):
+        if users_folder and not os.path.lexists(target):
             return
         try:
             info = ckpt.verify(target)
@@ -256,10 +270,10 @@ class AcceleratorCheckpointer:
         )
         if info.valid and info.manifest is not None:
             raise ValueError(refuse)
-        if info.status == "unverified" and not _remote.is_url(target):
+        if info.status == "unverified" and users_folder:
             raise ValueError(f"{refuse} (It has no stagesave manifest, so stagesave does not replace it.)")
         problem = "; ".join(info.problems) or "incomplete"
-        warnings.warn(f"stagesave: replacing the invalid checkpoint {target} ({problem})", stacklevel=4)
+        warnings.warn(f"stagesave: replacing the invalid checkpoint {target} ({problem})", stacklevel=5)
 
     # ------------------------------------------------------------------ loading
     def load_state(
@@ -322,13 +336,13 @@ class AcceleratorCheckpointer:
             return plan_explicit(self._checkpointer(), input_dir, options.verify_on_load, storage)
         if not self.accelerator.project_configuration.automatic_checkpoint_naming:
             raise ValueError("No input_dir provided and automatic checkpoint naming is disabled.")
-        return plan_newest(self._checkpointer(), self.checkpoints_root, options.verify_on_load, storage)
+        return plan_newest(self._checkpointer(automatic=True), self.checkpoints_root, options.verify_on_load, storage)
 
     # ------------------------------------------------------------------ finding, waiting
     def latest(self) -> CheckpointInfo | None:
         """The newest valid checkpoint folder under automatic naming (``None`` if none)."""
         root = self.checkpoints_root
-        ckpt = self._checkpointer()
+        ckpt = self._checkpointer(automatic=True)
         ckpt.latest(root)
         return next((c for c in ckpt.list(root) if c.is_dir and c.valid), None)
 
@@ -347,7 +361,7 @@ class AcceleratorCheckpointer:
             ckpt.wait(timeout)
 
     def close(self, timeout: float | None = None) -> None:
-        """Finish pending saves and release buffers and threads (safe to call twice).
+        """Finish pending saves, release buffers and threads (safe to call twice).
 
         Raises:
             TimeoutError: saves still running after ``timeout`` seconds (not committed).
