@@ -71,4 +71,3 @@ def test_s3_destination_roundtrip(s3_url, s3_options, tmp_path):
     acc.load_state()
     assert_same(before, snapshot(acc, run))
     assert acc.project_configuration.iteration == 2
-
