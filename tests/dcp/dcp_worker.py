@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -173,23 +174,38 @@ def object_store_save(rank: int, world: int, out: str) -> dict[str, Any]:
     return {"loaded_equal": same}
 
 
+def _outcome(handle: Any) -> dict[str, Any]:
+    try:
+        handle.result(120)
+        return {"error_type": None}
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return {"error_type": type(exc).__name__, "message": str(exc)}
+
+
 def failed_write(rank: int, world: int, out: str) -> dict[str, Any]:
-    """Rank 1's background write fails (disk full): everyone learns it without a timeout."""
+    """Rank 1 fails, first while staging, then in its background write: no one waits for it."""
     mesh = init_device_mesh("cpu", (world,))
     writer = sdcp.StagedStorageWriter(root=os.path.join(out, "ckpt"), commit_timeout=120)
+    result: dict[str, Any] = {}
+    # 1. Staging fails on rank 1 (a meta tensor has no bytes); plain dcp.save, no stagesave helper.
+    state: dict[str, Any] = {"w": distribute_tensor(torch.ones(64, 8), mesh, [Shard(0)])}
+    if rank == 1:
+        state["bad"] = torch.empty(4, device="meta")
+    try:
+        dcp.save(state, checkpoint_id="step-1", storage_writer=writer)
+        result["dcp_save_raised"] = False
+    except BaseException:  # noqa: BLE001 - DCP re-raises rank 1's error on every rank
+        result["dcp_save_raised"] = True
+    result["staging"] = _outcome(writer.last_handle) if rank == 0 else None
+    # 2. Rank 1's background write fails (disk full).
     if rank == 1:
         def disk_full(*args: Any, **kwargs: Any) -> Any:
             raise OSError(28, "No space left on device")
 
         _writer.write_rank = disk_full  # type: ignore[assignment]
     state = {"w": distribute_tensor(torch.ones(64, 8), mesh, [Shard(0)])}
-    handle = sdcp.save(state, "step-1", writer=writer)
-    try:
-        handle.result(120)
-        result = {"error_type": None}
-    except Exception as exc:  # noqa: BLE001 - reported to the test
-        result = {"error_type": type(exc).__name__, "message": str(exc)}
-    writer.close()  # the failure was delivered by the handle: not raised again
+    result["write"] = _outcome(sdcp.save(state, "step-2", writer=writer))
+    writer.close()  # the failures were delivered by the handles: not raised again
     return result
 
 

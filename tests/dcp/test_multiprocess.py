@@ -151,14 +151,22 @@ def test_rank_killed_during_save_leaves_no_commit(launcher, tmp_path, victim, po
         assert d.kind == "temporary-dir" and d.action == "remove" and d.name.startswith(".step-2.")
 
 
-def test_a_failed_rank_write_fails_the_save_everywhere_without_waiting(launcher, tmp_path):
+def test_a_rank_that_fails_makes_everyone_give_up_without_waiting(launcher, tmp_path):
     run = launcher("failed_write", 2, tmp_path)
     run.ok()
     coordinator, failed = run.ranks
-    assert coordinator["error_type"] == "CheckpointError"  # not a CommitTimeoutError: no waiting
-    assert "rank 1 failed to write its part" in coordinator["message"]
-    assert "No space left on device" in coordinator["message"]
-    assert failed["error_type"] == "StorageError" and "no space left on the device" in failed["message"]
+    # Staging failed on rank 1: dcp.save raised everywhere, and the coordinator's background side
+    # gave up on the failure marker, not at its 120 s deadline (that would be CommitTimeoutError).
+    assert coordinator["dcp_save_raised"] and failed["dcp_save_raised"]
+    staging = coordinator["staging"]
+    assert staging["error_type"] == "CheckpointError"
+    assert "rank 1 failed to write its part (cannot save bad: it is a tensor on the meta device" in staging["message"]
+    # The background write failed on rank 1: both handles fail, the coordinator's at once.
+    write = coordinator["write"]
+    assert write["error_type"] == "CheckpointError"
+    assert "rank 1 failed to write its part ([Errno 28] No space left on device)" in write["message"]
+    assert failed["write"]["error_type"] == "StorageError"
+    assert "no space left on the device" in failed["write"]["message"]
     assert stagesave.latest(tmp_path / "ckpt") is None and os.listdir(tmp_path / "ckpt") == []
 
 

@@ -146,6 +146,22 @@ def test_save_returns_after_staging_and_later_changes_do_not_leak(writer, root, 
     assert torch.equal(loaded["w"], torch.arange(1000, dtype=torch.float32)) and loaded["step"] == 1
 
 
+@pytest.mark.gpu
+def test_cuda_state_is_staged_on_a_side_stream_into_pinned_memory(writer, root):
+    dev = torch.device("cuda")
+    w = torch.randn(1024, 1024, device=dev)
+    strided = torch.arange(10, device=dev)[::2]
+    ref_w, ref_v = w.clone(), strided.clone()
+    handle = sdcp.save({"w": w, "v": strided, "step": 3}, "gpu", writer=writer)
+    w.add_(1)  # on the current stream: ordered after the staging copy, never seen by the save
+    handle.result(60)
+    assert writer.checkpointer._pool.pinned
+    got = {"w": torch.zeros(1024, 1024, device=dev), "v": torch.zeros(5, dtype=torch.long, device=dev), "step": 0}
+    sdcp.load(got, root / "gpu")
+    assert got["w"].device.type == "cuda" and torch.equal(got["w"], ref_w)
+    assert torch.equal(got["v"], ref_v) and got["step"] == 3
+
+
 def test_items_are_aligned_zips_and_the_header_names_the_save(writer):
     folder = saved(writer, {"a": torch.randn(3, 3), "b": torch.randn(5), "n": 1}, "s")
     md = load_metadata((folder / ".metadata").read_bytes(), "test")

@@ -6,10 +6,12 @@ to passive waiting and slows training for as long as the thread lives). The orde
 
 1. every rank writes its data file (chunks in parallel, hashed in the same pass), publishes it
    inside the save's staging folder, and then writes its marker: its manifest entry;
-2. the coordinator, once DCP handed it the global metadata (``finish()``), polls the store until
-   every rank's marker is there (a rank that failed leaves a failure marker instead, so the
-   coordinator gives up at once; a rank that died leaves nothing, so it gives up at the
-   deadline), writes ``.metadata``, then the directory manifest naming every file, last;
+2. the coordinator polls the store until every rank's marker is there and DCP handed it the
+   global metadata (``finish()``): a rank that failed, in the background or while staging,
+   leaves a failure marker instead, so the coordinator gives up at once; a rank that died leaves
+   nothing, so it gives up at the deadline; a ``dcp.save`` that raised after the writes never
+   calls ``finish()``, so it gives up shortly after the last marker. It then writes
+   ``.metadata``, and the directory manifest naming every file last;
 3. POSIX: the staging folder is a hidden temporary beside the target and the commit renames it
    into place (``_dircommit``: an existing folder is moved aside first and removed after), so a
    crash at any step leaves the previous checkpoint or none. Object stores cannot rename: the
@@ -56,6 +58,9 @@ __all__ = ["CommitTimeoutError", "MetadataSlot", "SavePlanData", "commit", "wait
 #: Polling the store starts this fast and slows down to ``_POLL_MAX`` (seconds).
 _POLL_MIN = 0.005
 _POLL_MAX = 0.25
+#: Once every rank's part is durable, DCP's finish() (the metadata) is due within moments; a
+#: coordinator whose dcp.save raised after the writes never calls it.
+FINISH_GRACE_S = 60.0
 
 
 class CommitTimeoutError(CheckpointError, TimeoutError):
@@ -167,26 +172,53 @@ def report_failure(store: Store, spec: SavePlanData, error: BaseException) -> No
 
 
 # ----------------------------------------------------------------------------- coordinator
-def _collect_markers(store: Store, spec: SavePlanData, deadline: float, what: str) -> list[FileEntry]:
-    """Every rank's manifest entry, once all markers are there."""
+def _scan_markers(store: Store, spec: SavePlanData, what: str) -> dict[int, str]:
+    """The markers present now, by rank; raise at once if a rank reported a failure."""
+    found: dict[int, str] = {}
+    for info in store.list(spec.staging):
+        leaf = info.name.rpartition("/")[2]
+        parsed = marker_rank(leaf, spec.save_id)
+        if parsed is None:
+            continue
+        rank, failed = parsed
+        if failed:
+            reason = store.read_range(info.name, 0, 4096).decode(errors="replace")
+            raise CheckpointError(f"{what}: rank {rank} failed to write its part ({reason}); "
+                                  "the save was not committed")
+        found[rank] = info.name
+    return found
+
+
+def _wait_for_ranks(
+    store: Store, spec: SavePlanData, slot: MetadataSlot, deadline: float, what: str
+) -> tuple[dict[int, str], tuple[bytes, list[dict[str, Any]]]]:
+    """Poll until every rank's marker is there and DCP handed over the metadata.
+
+    Gives up at once when a rank reports a failure or the save is abandoned; at ``deadline``
+    when a rank never finishes; and ``FINISH_GRACE_S`` after the last marker when the metadata
+    never comes (``dcp.save`` raised after the writes, e.g. a lost peer during its gathers).
+    """
     delay = _POLL_MIN
+    all_there_since: float | None = None
     while True:
-        found: dict[int, str] = {}
-        for info in store.list(spec.staging):
-            leaf = info.name.rpartition("/")[2]
-            parsed = marker_rank(leaf, spec.save_id)
-            if parsed is None:
-                continue
-            rank, failed = parsed
-            if failed:
-                reason = store.read_range(info.name, 0, 4096).decode(errors="replace")
-                raise CheckpointError(f"{what}: rank {rank} failed to write its part ({reason}); "
-                                      "the save was not committed")
-            found[rank] = info.name
-        if len(found) >= spec.world_size and all(r in found for r in range(spec.world_size)):
-            break
-        if time.monotonic() >= deadline:
+        found = _scan_markers(store, spec, what)
+        complete = all(r in found for r in range(spec.world_size))
+        if not slot.pending:
+            metadata = slot.wait(deadline, what)  # raises at once if the save was abandoned
+            if complete:
+                return found, metadata
+        elif complete:
+            all_there_since = all_there_since if all_there_since is not None else time.monotonic()
+            if time.monotonic() - all_there_since > FINISH_GRACE_S:
+                raise CheckpointError(
+                    f"{what}: every rank wrote its part but dcp.save never reached finish() on the "
+                    "coordinator (it raised); the save was not committed"
+                )
+        now = time.monotonic()
+        if now >= deadline:
             missing = [r for r in range(spec.world_size) if r not in found]
+            if not missing:
+                slot.wait(now, what)  # raises the metadata timeout
             shown = ", ".join(map(str, missing[:16])) + (" ..." if len(missing) > 16 else "")
             raise CommitTimeoutError(
                 f"{what}: rank(s) {shown} did not finish writing their part before the commit "
@@ -194,6 +226,9 @@ def _collect_markers(store: Store, spec: SavePlanData, deadline: float, what: st
                 "the save was not committed and the previous checkpoint stays the latest"
             )
         delay = _sleep(delay)
+
+
+def _read_markers(store: Store, spec: SavePlanData, found: dict[int, str], what: str) -> list[FileEntry]:
     entries = []
     for rank in range(spec.world_size):
         name = found[rank]
@@ -219,8 +254,8 @@ def commit(
     what: str,
 ) -> None:
     """Wait for every rank, then write ``.metadata`` and the manifest and publish the folder."""
-    data, tensors = slot.wait(deadline, what)
-    entries = _collect_markers(store, spec, deadline, what)
+    found, (data, tensors) = _wait_for_ranks(store, spec, slot, deadline, what)
+    entries = _read_markers(store, spec, found, what)
     crash_point("dcp_before_metadata")
     store.put_atomic(_join(spec.staging, METADATA_FILE), data)
     chunks = tuple(digest(algorithm, data[i : i + chunk_bytes]) for i in range(0, len(data), chunk_bytes))

@@ -214,27 +214,33 @@ class StagedStorageWriter(StorageWriter):
         s.spec = spec
         tel = s.telemetry
         engine = self._engine
-        t0 = time.perf_counter()
-        rank_image = layout_rank_file(plan.items, planner.resolve_data, spec.file_name, spec.save_id,
-                                      self._skeletons)
-        image = rank_image.image
-        tel.plan_s = time.perf_counter() - t0
-        s.store.check_writable(_join(spec.staging, spec.file_name), image.size)
-        buf, tel.buffer_wait_s = engine.acquire(image.size)
         try:
-            s0 = time.perf_counter()
-            wait_device = stage_image(image, buf)
-            digests = None
-            if engine.hash_while_staging:
-                if wait_device is not None:
-                    wait_device()
-                    wait_device = None
-                h0 = time.perf_counter()
-                digests = engine.staging_digests(buf.view, image.size)
-                tel.checksum_s = time.perf_counter() - h0
-            tel.stage_s = time.perf_counter() - s0
-        except BaseException:
-            engine.release(buf)
+            t0 = time.perf_counter()
+            rank_image = layout_rank_file(plan.items, planner.resolve_data, spec.file_name, spec.save_id,
+                                          self._skeletons)
+            image = rank_image.image
+            tel.plan_s = time.perf_counter() - t0
+            s.store.check_writable(_join(spec.staging, spec.file_name), image.size)
+            buf, tel.buffer_wait_s = engine.acquire(image.size)
+            try:
+                s0 = time.perf_counter()
+                wait_device = stage_image(image, buf)
+                digests = None
+                if engine.hash_while_staging:
+                    if wait_device is not None:
+                        wait_device()
+                        wait_device = None
+                    h0 = time.perf_counter()
+                    digests = engine.staging_digests(buf.view, image.size)
+                    tel.checksum_s = time.perf_counter() - h0
+                tel.stage_s = time.perf_counter() - s0
+            except BaseException:
+                engine.release(buf)
+                raise
+        except BaseException as exc:
+            # DCP reports this to every rank through its gathers; the marker makes the
+            # coordinator's background side give up now instead of at its deadline.
+            report_failure(s.store, spec, exc)
             raise
         tel.bytes = image.size
         tel.tensor_bytes = rank_image.tensor_bytes
@@ -304,12 +310,17 @@ class StagedStorageWriter(StorageWriter):
         s = self._current()
         if s.slot is None or s.spec is None:
             raise RuntimeError("finish() was called before write_data() on the coordinator")
-        metadata.version = CURRENT_DCP_VERSION
-        metadata.storage_data = {wr.index: wr.storage_data for rank in results for wr in rank}
-        metadata.storage_meta = StorageMeta(checkpoint_id=os.fspath(self.path) if self.path is not None else None,
-                                            save_id=s.spec.save_id)
-        s.slot.fill(pickle.dumps(metadata), _tensor_index(metadata))
-        self._save = None
+        try:
+            metadata.version = CURRENT_DCP_VERSION
+            metadata.storage_data = {wr.index: wr.storage_data for rank in results for wr in rank}
+            metadata.storage_meta = StorageMeta(
+                checkpoint_id=os.fspath(self.path) if self.path is not None else None, save_id=s.spec.save_id)
+            s.slot.fill(pickle.dumps(metadata), _tensor_index(metadata))
+        except BaseException as exc:
+            s.slot.abandon(f"finish() failed: {type(exc).__name__}: {exc}")
+            raise
+        finally:
+            self._save = None
 
     # ------------------------------------------------------------------ lifecycle
     def abandon(self, reason: str = "dcp.save raised before finish()") -> None:
