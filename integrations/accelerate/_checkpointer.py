@@ -395,7 +395,14 @@ class AcceleratorCheckpointer:
             )
             return result
         target, _ = self._save(output_dir, safe_serialization)
-        return target if _remote.is_url(target) else Path(target)
+        if _remote.is_url(target):
+            return target
+        acc = self.accelerator
+        if not acc.project_configuration.automatic_checkpoint_naming:
+            return Path(os.fspath(output_dir))  # as given, like Accelerate's return value
+        if self.options.destination is None:
+            return Path(os.path.join(acc.project_dir, CHECKPOINTS_DIR, _remote.leaf(target)))
+        return Path(target)
 
     def _installed_load_state(
         self, input_dir: str | os.PathLike[str] | None = None, load_kwargs: dict[str, Any] | None = None,

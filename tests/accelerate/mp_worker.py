@@ -64,6 +64,18 @@ def main(out: str) -> None:
     train(acc, run, 2)
     Accelerator.load_state(acc, folder)  # Accelerate's own load_state, in every process
     check(result, "plain_restore", lambda: assert_same(before, snapshot(acc, run)))
+    # save_on_each_node: every node's local main writes the folder, with every rank's RNG states
+    config = acc.project_configuration
+    config.automatic_checkpoint_naming, config.save_on_each_node = False, True
+    each = os.path.join(out, "each_node")
+    before_each = snapshot(acc, run)
+    acc.save_state(each)
+    ckpt.wait()
+    acc.wait_for_everyone()
+    result["each_node_files"] = sorted(os.listdir(each))
+    train(acc, run, 1)
+    acc.load_state(each)
+    check(result, "each_node_restore", lambda: assert_same(before_each, snapshot(acc, run)))
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     acc.wait_for_everyone()

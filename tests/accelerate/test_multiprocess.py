@@ -37,6 +37,8 @@ def test_two_processes_bitwise_restore_and_plain_interop(tmp_path):
         assert r["plain_restore"] == "ok", r["plain_restore"]
         assert r["iteration"] == 3
         assert r["folders"] == ["checkpoint_1", "checkpoint_2"]
+        assert r["each_node_restore"] == "ok", r["each_node_restore"]
+        assert r["each_node_files"] == results[0]["files"]
     assert results[0]["files"] == sorted([
         "checkpoint.stagesave.json", "model.safetensors", "optimizer.bin", "scheduler.bin",
         "random_states_0.pkl", "random_states_1.pkl", "custom_checkpoint_0.pkl", "custom_checkpoint_1.pkl",
