@@ -202,7 +202,7 @@ def test_upload_of_a_killed_process_is_found_and_aborted(s3_server, s3_url, make
 def test_abort_stale_only_touches_its_own_prefix(s3_server, s3_url):
     bucket, prefix = split_url(s3_url)
     client = s3_server.client()
-    mine = client.create_multipart_upload(Bucket=bucket, Key=f"{prefix}/a/x.ckpt")
+    client.create_multipart_upload(Bucket=bucket, Key=f"{prefix}/a/x.ckpt")
     other = client.create_multipart_upload(Bucket=bucket, Key=f"{prefix}-other/x.ckpt")
     try:
         assert abort_stale_multipart_uploads(f"{s3_url}/a", older_than_s=0, storage_options=s3_server.options()) == [
@@ -212,7 +212,6 @@ def test_abort_stale_only_touches_its_own_prefix(s3_server, s3_url):
         assert keys == [f"{prefix}-other/x.ckpt"]
     finally:
         client.abort_multipart_upload(Bucket=bucket, Key=f"{prefix}-other/x.ckpt", UploadId=other["UploadId"])
-        del mine
 
 
 def test_checkpointer_dispatches_s3_urls_to_the_fast_path(s3_url, s3_options):
