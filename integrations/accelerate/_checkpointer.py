@@ -398,7 +398,7 @@ class AcceleratorCheckpointer:
         if _remote.is_url(target):
             return target
         acc = self.accelerator
-        if not acc.project_configuration.automatic_checkpoint_naming:
+        if output_dir is not None and not acc.project_configuration.automatic_checkpoint_naming:
             return Path(os.fspath(output_dir))  # as given, like Accelerate's return value
         if self.options.destination is None:
             return Path(os.path.join(acc.project_dir, CHECKPOINTS_DIR, _remote.leaf(target)))
