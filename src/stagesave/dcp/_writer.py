@@ -22,6 +22,7 @@ import secrets
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +37,7 @@ from .._commit import WriteStats
 from .._image import MAX_INDEXED_TENSORS
 from .._manifest import FileEntry, Manifest
 from .._names import TMP_MARKER
+from .._pool import HostBuffer
 from .._stage import stage_image
 from .._store import Store
 from ..checkpointer import Checkpointer
@@ -87,6 +89,79 @@ class _Save:
     telemetry: SaveTelemetry
     slot: MetadataSlot | None = None
     spec: SavePlanData | None = None
+
+
+@dataclass
+class _RankJob:
+    """One rank's background part of one save: write, then commit (coordinator) or wait."""
+
+    engine: Engine
+    store: Store
+    spec: SavePlanData
+    buf: HostBuffer
+    size: int
+    digests: list[str] | None
+    wait_device: Callable[[], None] | None
+    slot: MetadataSlot | None
+    handle: SaveHandle
+    started: float
+    timeout: float
+    user_metadata: dict[str, Any]
+
+    @property
+    def what(self) -> str:
+        return f"sharded checkpoint {self.handle.path}"
+
+    def manifest(self, entries: list[FileEntry], tensors: list[dict[str, Any]]) -> Manifest:
+        meta = {**self.user_metadata, FORMAT_KEY: FORMAT_VALUE, SAVE_ID_KEY: self.spec.save_id,
+                WORLD_SIZE_KEY: self.spec.world_size}
+        tel = self.handle.telemetry
+        return Manifest(files=entries, created_ns=time.time_ns(), tensors=tensors, metadata=meta,
+                        telemetry={k: v for k, v in tel.to_dict().items() if k not in ("path", "error")})
+
+    def _write(self) -> None:
+        engine, tel = self.engine, self.handle.telemetry
+        stats = WriteStats()
+        try:
+            if self.wait_device is not None:
+                self.wait_device()
+            write_rank(self.store, self.spec, self.buf.view, self.size, self.digests,
+                       algorithm=engine.checksum, chunk_bytes=engine.chunk_bytes,
+                       pool=engine.io_pool(), stats=stats)
+        finally:
+            engine.release(self.buf)
+        tel.write_s, tel.fsync_s, tel.direct_io = stats.write_s, stats.fsync_s, stats.direct_io
+        tel.checksum_s += stats.checksum_s
+        tel.throughput_bytes_per_s = self.size / stats.write_s if stats.write_s > 0 else 0.0
+
+    def run(self) -> None:
+        engine, spec, tel = self.engine, self.spec, self.handle.telemetry
+        error: BaseException | None = None
+        wrote = committed = False
+        try:
+            self._write()
+            wrote = True
+            c0 = time.perf_counter()
+            deadline = time.monotonic() + self.timeout
+            if self.slot is not None:
+                commit(self.store, spec, self.slot, self.manifest, algorithm=engine.checksum,
+                       chunk_bytes=engine.chunk_bytes, deadline=deadline, what=self.what)
+                committed = True
+            else:
+                wait_for_commit(self.store, spec, deadline, self.what)
+            tel.commit_s = time.perf_counter() - c0
+            tel.time_to_commit_s = time.perf_counter() - self.started
+            tel.committed_at = time.time()
+            if committed:
+                engine.retain(self.store, spec.target.rpartition("/")[0])
+        except BaseException as exc:  # noqa: BLE001 - delivered through the handle
+            if not wrote:
+                report_failure(self.store, spec, exc)
+            if self.slot is not None and not committed:
+                abandon(self.store, spec)
+            error = engine.as_error(exc, f"saving {self.what} failed")
+            tel.error = str(error)
+        engine.finish(self.handle, error)
 
 
 class StagedStorageWriter(StorageWriter):
@@ -250,58 +325,9 @@ class StagedStorageWriter(StorageWriter):
             self._open_slots.append(s.slot)
         handle = SaveHandle(tel.path, tel)
         self.last_handle = handle
-        store, slot, started = s.store, s.slot, s.started
-        user_metadata = dict(self.metadata)
-        timeout = self.commit_timeout
-        what = f"sharded checkpoint {tel.path}"
-
-        def make_manifest(entries: list[FileEntry], tensors: list[dict[str, Any]]) -> Manifest:
-            meta = {**user_metadata, FORMAT_KEY: FORMAT_VALUE, SAVE_ID_KEY: spec.save_id,
-                    WORLD_SIZE_KEY: spec.world_size}
-            return Manifest(files=entries, created_ns=time.time_ns(), tensors=tensors, metadata=meta,
-                            telemetry={k: v for k, v in tel.to_dict().items() if k not in ("path", "error")})
-
-        def job() -> None:
-            error: BaseException | None = None
-            wrote = committed = False
-            try:
-                stats = WriteStats()
-                try:
-                    if wait_device is not None:
-                        wait_device()
-                    write_rank(store, spec, buf.view, image.size, digests, algorithm=engine.checksum,
-                               chunk_bytes=engine.chunk_bytes, pool=engine.io_pool(), stats=stats)
-                    wrote = True
-                finally:
-                    engine.release(buf)
-                tel.write_s, tel.fsync_s, tel.direct_io = stats.write_s, stats.fsync_s, stats.direct_io
-                tel.checksum_s += stats.checksum_s
-                tel.throughput_bytes_per_s = image.size / stats.write_s if stats.write_s > 0 else 0.0
-                c0 = time.perf_counter()
-                deadline = time.monotonic() + timeout
-                if slot is not None:
-                    commit(store, spec, slot, make_manifest, algorithm=engine.checksum,
-                           chunk_bytes=engine.chunk_bytes, deadline=deadline, what=what)
-                    committed = True
-                    tel.commit_s = time.perf_counter() - c0
-                    tel.time_to_commit_s = time.perf_counter() - started
-                    tel.committed_at = time.time()
-                    engine.retain(store, spec.target.rpartition("/")[0])
-                else:
-                    wait_for_commit(store, spec, deadline, what)
-                    tel.commit_s = time.perf_counter() - c0
-                    tel.time_to_commit_s = time.perf_counter() - started
-                    tel.committed_at = time.time()
-            except BaseException as exc:  # noqa: BLE001 - delivered through the handle
-                if not wrote:
-                    report_failure(store, spec, exc)
-                if slot is not None and not committed:
-                    abandon(store, spec)
-                error = engine.as_error(exc, f"saving {what} failed")
-                tel.error = str(error)
-            engine.finish(handle, error)
-
-        engine.submit(job, handle)
+        job = _RankJob(engine, s.store, spec, buf, image.size, digests, wait_device, s.slot, handle,
+                       s.started, self.commit_timeout, dict(self.metadata))
+        engine.submit(job.run, handle)
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(rank_image.results)
         return fut
