@@ -16,6 +16,8 @@ from typing import Any
 from ._discovery import CheckpointInfo
 from ._fsspec import FsspecStore
 from ._local import LocalStore
+from ._s3 import RetryPolicy, S3Store, abort_stale_multipart_uploads
+from ._tiered import TieredStore
 from ._store import Store
 from .checkpointer import Checkpointer
 from .errors import (
@@ -48,12 +50,16 @@ __all__ = [
     "LocalStore",
     "ManifestError",
     "MissingExtraError",
+    "RetryPolicy",
+    "S3Store",
     "SaveHandle",
     "SaveTelemetry",
     "StorageError",
     "Store",
+    "TieredStore",
     "UnsafeCheckpointError",
     "UnsupportedObjectError",
+    "abort_stale_multipart_uploads",
     "allow_globals",
     "allowed_globals",
     "latest",

@@ -18,6 +18,7 @@ publishes.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -136,29 +137,43 @@ def commit_files(
     publishers: Sequence[Callable[[], None]],
     aborters: Sequence[Callable[[], None]],
     replaced_manifests: Sequence[str] = (),
+    *,
+    name: str | None = None,
 ) -> None:
-    """Steps 2-4: manifest, atomic publish of every file, removal of replaced manifests."""
-    try:
-        crash_point("before_manifest")
-        store.put_atomic(manifest_path, manifest.to_json())
-        crash_point("after_manifest")
-    except BaseException:
-        for abort in aborters:
-            abort()
-        raise
-    try:
-        for publish in publishers:
-            publish()
-            crash_point("after_rename")
-    except BaseException:
-        for abort in aborters:
-            abort()
-        store.delete(manifest_path)
-        raise
-    crash_point("after_commit")
-    for old in replaced_manifests:
-        if old != manifest_path:
-            store.delete(old)
+    """Steps 2-4: manifest, atomic publish of every file, removal of replaced manifests.
+
+    With ``name``, the manifests to replace are listed under the store's commit lock, which is
+    held until they are removed: two processes committing the same path cannot delete each
+    other's manifest (the later rename wins, with its own manifest).
+    """
+    with store.commit_lock(name) if name is not None else contextlib.nullcontext():
+        replaced = list(replaced_manifests)
+        if name is not None:
+            try:
+                replaced = sibling_manifests(store, name)
+            except OSError:
+                replaced = []
+        try:
+            crash_point("before_manifest")
+            store.put_atomic(manifest_path, manifest.to_json())
+            crash_point("after_manifest")
+        except BaseException:
+            for abort in aborters:
+                abort()
+            raise
+        try:
+            for publish in publishers:
+                publish()
+                crash_point("after_rename")
+        except BaseException:
+            for abort in aborters:
+                abort()
+            store.delete(manifest_path)
+            raise
+        crash_point("after_commit")
+        for old in replaced:
+            if old != manifest_path:
+                store.delete(old)
 
 
 def sibling_manifests(store: Store, name: str) -> list[str]:

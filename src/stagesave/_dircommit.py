@@ -13,6 +13,7 @@ manifest is written last, which is the commit.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import errno
 import os
 import secrets
 from collections.abc import Callable, Sequence
@@ -74,14 +75,14 @@ def commit_directory(
         crash_point("before_manifest")
         store.put_atomic(f"{staging}/{DIR_MANIFEST}", make_manifest(entries).to_json())
         crash_point("after_manifest")
+        if local_parent:
+            _move_into_place(store, staging, directory)
     except BaseException:
         for abort in aborters:
             abort()
         if local_parent:
             _remove_tree(store, staging)
         raise
-    if local_parent:
-        _move_into_place(store, staging, directory)
 
 
 def _remove_tree(store: Store, name: str) -> None:
@@ -91,27 +92,73 @@ def _remove_tree(store: Store, name: str) -> None:
 
 
 def _move_into_place(store: Store, staging: str, directory: str) -> None:
+    """Publish the staged folder under its final name, under the directory's commit lock.
+
+    Replacing an existing folder swaps the two atomically (``renameat2(RENAME_EXCHANGE)``) where
+    the filesystem can, so readers never see the name missing; elsewhere the old folder is moved
+    aside first. If the directory fsync that makes the publish durable fails, the publish is
+    undone (the old folder back under its name) before the error propagates.
+    """
     src = store.local_path(staging)
     dst = store.local_path(directory)
     assert src is not None and dst is not None
     parent, leaf = _split(directory)
-    aside = None
-    if os.path.lexists(dst):
-        aside = store.local_path(_join(parent, aside_name(leaf, f"{os.getpid()}-{secrets.token_hex(4)}")))
-        assert aside is not None
-        fsops.rename(dst, aside)
+    with store.commit_lock(directory):
+        if not os.path.lexists(dst):
+            fsops.rename(src, dst)
+            crash_point("after_rename")
+            try:
+                _fsync_dir(os.path.dirname(dst))
+            except BaseException:
+                _quietly(fsops.rename, dst, src)
+                raise
+            crash_point("after_commit")
+            return
         crash_point("after_aside")
+        try:
+            fsops.exchange(src, dst)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+                raise
+        else:
+            crash_point("after_rename")
+            try:
+                _fsync_dir(os.path.dirname(dst))
+            except BaseException:
+                _quietly(fsops.exchange, src, dst)
+                raise
+            crash_point("after_commit")
+            _remove_tree(store, staging)  # now holds the replaced folder
+            return
+        _replace_with_aside(store, src, dst, parent, leaf)
+
+
+def _replace_with_aside(store: Store, src: str, dst: str, parent: str, leaf: str) -> None:
+    aside = store.local_path(_join(parent, aside_name(leaf, f"{os.getpid()}-{secrets.token_hex(4)}")))
+    assert aside is not None
+    fsops.rename(dst, aside)
+    crash_point("after_aside")
     try:
         fsops.rename(src, dst)
     except BaseException:
-        if aside is not None:
-            fsops.rename(aside, dst)
+        fsops.rename(aside, dst)
         raise
     crash_point("after_rename")
-    _fsync_dir(os.path.dirname(dst))
+    try:
+        _fsync_dir(os.path.dirname(dst))
+    except BaseException:
+        _quietly(fsops.rename, dst, src)
+        _quietly(fsops.rename, aside, dst)
+        raise
     crash_point("after_commit")
-    if aside is not None:
-        _remove_tree(store, _join(parent, os.path.basename(aside)))
+    _remove_tree(store, _join(parent, os.path.basename(aside)))
+
+
+def _quietly(fn: Callable[[str, str], None], a: str, b: str) -> None:
+    try:
+        fn(a, b)
+    except OSError:
+        pass
 
 
 def restore_aside(store: Store, parent: str) -> None:

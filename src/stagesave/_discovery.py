@@ -146,6 +146,9 @@ def resolve_dir(store: Store, directory: str) -> CheckpointInfo:
         except (FileNotFoundError, IsADirectoryError):
             problems.append(f"{store.describe(fname)} is missing")
             continue
+        except OSError as exc:
+            problems.append(f"{store.describe(fname)}: {exc.strerror or exc}")
+            continue
         total += info.size
         if info.size != entry.size:
             problems.append(f"{store.describe(fname)} is {info.size} bytes, manifest says {entry.size}")
@@ -180,6 +183,9 @@ def scan(store: Store, directory: str = "", *, warn: bool = False) -> list[Check
             ci = resolve(store, f.name)
         except FileNotFoundError:  # removed while we listed
             continue
+        except OSError as exc:  # e.g. a symbolic link out of the root: listed, never followed
+            ci = CheckpointInfo(store.describe(f.name), f.name, "corrupt", f.mtime, f.size,
+                                problems=[f"{store.describe(f.name)}: {exc.strerror or exc}"])
         if ci.manifest is None and not ci.problems_from_manifest and not leaf.endswith(CHECKPOINT_SUFFIXES):
             continue  # a plain file that is not named like a checkpoint (notes, logs, configs)
         if ci.status == "corrupt" and warn:

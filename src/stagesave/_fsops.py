@@ -13,8 +13,8 @@ import shutil
 from typing import Any
 
 __all__ = [
-    "close", "fsync", "ftruncate", "makedirs", "open", "posix_fadvise", "posix_fallocate",
-    "pwrite", "rename", "replace", "rmtree", "unlink", "write",
+    "close", "exchange", "fsync", "ftruncate", "link", "makedirs", "mkdir", "open",
+    "posix_fadvise", "posix_fallocate", "pwrite", "rename", "replace", "rmtree", "unlink", "write",
 ]
 
 
@@ -68,3 +68,46 @@ def makedirs(path: str, exist_ok: bool = False) -> None:
 
 def rmtree(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
+
+
+def link(src: str, dst: str) -> None:
+    os.link(src, dst, follow_symlinks=False)
+
+
+def mkdir(path: str) -> None:
+    os.mkdir(path)
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+_renameat2: Any = None
+
+
+def exchange(a: str, b: str) -> None:
+    """Swap two paths atomically (``renameat2(RENAME_EXCHANGE)``).
+
+    Raises:
+        OSError: ENOSYS/EINVAL/ENOTSUP where the kernel, libc or filesystem cannot do it.
+    """
+    global _renameat2
+    if _renameat2 is None:
+        import ctypes
+        import ctypes.util
+
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = getattr(libc, "renameat2", None)
+        if fn is None:
+            _renameat2 = False
+        else:
+            fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+            _renameat2 = fn
+    if _renameat2 is False:
+        import errno
+
+        raise OSError(errno.ENOSYS, "renameat2 is not available")
+    if _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) != 0:
+        import ctypes
+
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), a, None, b)

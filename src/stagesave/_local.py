@@ -11,10 +11,13 @@ fsync: atomic replace, also for ``last.ckpt``.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import errno
+import fcntl
 import os
 import secrets
 import stat
+from collections.abc import Iterator
 
 from . import _fsops as fsops
 from ._names import ALIGNMENT, TMP_MARKER
@@ -35,6 +38,26 @@ def _fsync_dir(path: str) -> None:
             raise
     finally:
         fsops.close(fd)
+
+
+def makedirs_durable(path: str) -> None:
+    """``mkdir -p`` whose new directories survive a power loss (each parent fsynced)."""
+    missing = []
+    p = os.path.abspath(path)
+    while not os.path.isdir(p):
+        missing.append(p)
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    for d in reversed(missing):
+        try:
+            fsops.mkdir(d)
+        except FileExistsError:
+            if not os.path.isdir(d):
+                raise
+            continue
+        _fsync_dir(os.path.dirname(d))
 
 
 def temp_name_for(path: str) -> str:
@@ -94,12 +117,39 @@ class _LocalPendingWrite(PendingWrite):
         fsops.fsync(self.fd)
         if not self.direct and hasattr(os, "posix_fadvise"):
             fsops.posix_fadvise(self.fd, 0, self.size, os.POSIX_FADV_DONTNEED)
-        fsops.close(self.fd)
-        self.fd = -1
+        # Linux releases the descriptor even when close reports an error: never close it twice.
+        fd, self.fd = self.fd, -1
+        fsops.close(fd)
 
     def publish(self) -> None:
+        # Keep the replaced file reachable until the rename is durable, so that a failing
+        # directory fsync can put it back instead of leaving the new bytes under the old manifest.
+        backup = None
+        if os.path.lexists(self.final):
+            backup = temp_name_for(self.final)
+            try:
+                fsops.link(self.final, backup)
+            except OSError:
+                backup = None  # no hard links here (some network filesystems): best effort
         fsops.replace(self.tmp, self.final)
-        _fsync_dir(os.path.dirname(self.final))
+        try:
+            _fsync_dir(os.path.dirname(self.final))
+        except BaseException:
+            try:
+                if backup is not None:
+                    fsops.replace(backup, self.final)
+                    backup = None
+                else:
+                    fsops.rename(self.final, self.tmp)  # abort() removes it
+            except OSError:
+                pass
+            raise
+        finally:
+            if backup is not None:
+                try:
+                    fsops.unlink(backup)
+                except OSError:
+                    pass
 
     def abort(self) -> None:
         if self.fd >= 0:
@@ -125,6 +175,33 @@ class LocalStore(Store):
     def _path(self, name: str) -> str:
         return os.path.join(self.root, check_name(name))
 
+    def _readable(self, name: str) -> str:
+        """The path of ``name``, refusing symbolic links that lead out of the root."""
+        path = self._path(name)
+        real = os.path.realpath(path)
+        root = os.path.realpath(self.root)
+        if real != root and not real.startswith(root + os.sep):
+            raise OSError(errno.ELOOP, "a symbolic link out of the checkpoint root, not followed", path)
+        return path
+
+    @contextlib.contextmanager
+    def commit_lock(self, name: str) -> Iterator[None]:
+        directory = os.path.dirname(self._path(name)) if name not in ("", ".") else self.root
+        try:
+            fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        except OSError:
+            yield  # nothing to lock (the directory is gone): the commit step reports it
+            return
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError as exc:  # e.g. ENOLCK on some network filesystems: best effort
+                if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
     def local_path(self, name: str) -> str:
         if name in ("", "."):
             return self.root
@@ -135,7 +212,7 @@ class LocalStore(Store):
         parent = os.path.dirname(path)
         what = f"cannot write checkpoint {path}"
         try:
-            fsops.makedirs(parent, exist_ok=True)
+            makedirs_durable(parent)
         except FileExistsError as exc:
             raise CheckpointError(f"{what}: {parent} exists and is not a directory") from exc
         except OSError as exc:
@@ -164,12 +241,12 @@ class LocalStore(Store):
 
     def begin_write(self, name: str, image: memoryview, size: int) -> PendingWrite:
         path = self._path(name)
-        fsops.makedirs(os.path.dirname(path), exist_ok=True)
+        makedirs_durable(os.path.dirname(path))
         return _LocalPendingWrite(path, image, size, self.direct_io)
 
     def put_atomic(self, name: str, data: bytes) -> None:
         path = self._path(name)
-        fsops.makedirs(os.path.dirname(path), exist_ok=True)
+        makedirs_durable(os.path.dirname(path))
         tmp = temp_name_for(path)
         try:
             fd = fsops.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -190,19 +267,19 @@ class LocalStore(Store):
             raise
 
     def read_range(self, name: str, offset: int, length: int) -> bytes:
-        with open(self._path(name), "rb") as f:
+        with open(self._readable(name), "rb") as f:
             f.seek(offset)
             return f.read(length)
 
     def read_into(self, name: str, offset: int, out: memoryview) -> int:
-        fd = os.open(self._path(name), os.O_RDONLY)
+        fd = os.open(self._readable(name), os.O_RDONLY)
         try:
             return os.preadv(fd, [out], offset)
         finally:
             os.close(fd)
 
     def info(self, name: str) -> ObjectInfo:
-        st = os.stat(self._path(name))
+        st = os.stat(self._readable(name))
         if not stat.S_ISREG(st.st_mode):
             raise IsADirectoryError(errno.EISDIR, "not a regular file", self._path(name))
         return ObjectInfo(name, st.st_size, st.st_mtime)

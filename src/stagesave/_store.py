@@ -11,7 +11,9 @@ makes it visible under its final name atomically. Small metadata goes through ``
 from __future__ import annotations
 
 import builtins
+import contextlib
 import posixpath
+from contextlib import AbstractContextManager
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -113,6 +115,13 @@ class Store(ABC):
     def describe(self, name: str) -> str:
         """Where ``name`` lives, for messages (never with credentials)."""
         return f"{self.url.rstrip('/')}/{name}"
+
+    def commit_lock(self, name: str) -> AbstractContextManager[None]:
+        """Serialize commits (and aside repairs) in ``name``'s directory across processes.
+
+        Stores without a locking primitive return a no-op context.
+        """
+        return contextlib.nullcontext()
 
     def local_path(self, name: str) -> str | None:
         """A POSIX path for ``name`` when the store is a local directory, else ``None``."""

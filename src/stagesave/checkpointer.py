@@ -167,6 +167,10 @@ class Checkpointer:
         self.telemetry_jsonl = telemetry_jsonl
         self.safe_globals = list(safe_globals)
         self._targets = StoreResolver(root, storage_options=storage_options, direct_io=direct_io)
+        root_store = self._targets.root
+        attach = getattr(root_store, "attach_telemetry", None)
+        if attach is not None:  # a tiered root: its remote commits reach the same callback/JSONL
+            attach(self._emit)
         self._pool = BufferPool(max_pending, pinned)
         self._queue: JobQueue | None = None
         self._lock = threading.Lock()
@@ -191,6 +195,8 @@ class Checkpointer:
         t_start = time.perf_counter()
         store, name = self._targets.split(path)
         tel = SaveTelemetry(path=store.describe(name), started_at=time.time())
+        if hasattr(store, "attach_telemetry"):
+            tel.tier = "local"
         image = plan_torch_file(state)
         tel.plan_s = time.perf_counter() - t_start
         store.check_writable(name, image.size)
@@ -278,11 +284,8 @@ class Checkpointer:
             telemetry=_manifest_telemetry(tel),
         )
         c0 = time.perf_counter()
-        try:
-            replaced = sibling_manifests(store, name)
-        except OSError:
-            replaced = []
-        commit_files(store, manifest_path_for(name, image.serialization_id), manifest, [publish], [abort], replaced)
+        commit_files(store, manifest_path_for(name, image.serialization_id), manifest, [publish], [abort],
+                     name=name)
         tel.commit_s = time.perf_counter() - c0
 
     def _retain(self, store: Store, directory: str) -> None:
@@ -423,7 +426,9 @@ class Checkpointer:
             error: BaseException | None = None
             try:
                 local = store.local_path(name)
-                if (local is not None and os.path.isdir(local)) or store.list_dirs(name) or _has(store, f"{name}/{DIR_MANIFEST}"):
+                if local is not None and os.path.islink(local):
+                    fsops.unlink(local)  # a link: remove the link, never what it points to
+                elif (local is not None and os.path.isdir(local)) or store.list_dirs(name) or _has(store, f"{name}/{DIR_MANIFEST}"):
                     store.delete(f"{name}/{DIR_MANIFEST}")
                     self._delete_dir(store, name)
                 else:
@@ -638,6 +643,9 @@ class Checkpointer:
             CheckpointNotFoundError: no such file.
         """
         store, name = self._targets.split(path)
+        return self._verify_in(store, name)
+
+    def _verify_in(self, store: Store, name: str) -> CheckpointInfo:
         self._wait_path(store.describe(name))
         try:
             info = resolve(store, name)
@@ -678,12 +686,14 @@ class Checkpointer:
         """
         store = self._targets.dir_store(root)
         self.wait_quietly()
-        restore_aside(store, "")
-        for info in scan(store, warn=True):
+        with store.commit_lock(""):
+            restore_aside(store, "")
+            found = scan(store, warn=True)
+        for info in found:
             if not info.valid:
                 continue
             if verify and info.manifest is not None:
-                checked = self.verify(info.path if store.local_path(info.name) else f"{store.url}/{info.name}")
+                checked = self._verify_in(store, info.name)
                 if checked.status == "corrupt":
                     import warnings
 

@@ -109,11 +109,6 @@ def test_a_byte_flipped_on_the_way_up_is_caught_on_load(proxy, make_store, s3_ur
         assert info.status == "corrupt" and "checksum mismatch" in info.problems[0]
 
 
-@pytest.mark.xfail(
-    strict=True, raises=stagesave.CheckpointPermissionError,
-    reason="core bug: Checkpointer.latest(verify=True) re-opens a non-local root by URL with the "
-    "Checkpointer's storage_options instead of verifying through the root store it was given",
-)
 def test_latest_verify_skips_a_corrupt_checkpoint_of_a_store_root(proxy, make_store, s3_url):
     proxy.add(Fault("UploadPart", "flip_request", times=1, flip_offset=4096))
     with stagesave.Checkpointer(make_store(s3_url, proxy.endpoint)) as ckpt:
