@@ -230,7 +230,10 @@ def main() -> int:
                        "--hidden", str(args.hidden), "--batch", str(args.batch)]
                 cmd += ["--dir", args.dir] if args.dir else []
                 print(f"round {rnd + 1}/{args.repeats}: {mode} ...", end=" ", flush=True)
-                subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+                proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, check=False)
+                if proc.returncode != 0:
+                    print(f"failed:\n{proc.stderr[-4000:]}", file=sys.stderr)
+                    raise SystemExit(f"bench_lightning: the {mode} run failed (exit {proc.returncode})")
                 r = json.loads(out.read_text())
                 runs[mode].append(r)
                 print(f"wall {r['wall_s']:.2f} s, {len(r['blocking'])} saves", flush=True)

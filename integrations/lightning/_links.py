@@ -92,7 +92,7 @@ def links_to(path: str) -> list[str]:
 @dataclass
 class _Job:
     link: str
-    target: str | None  # None: a removal of ``link`` queued behind earlier link jobs
+    target: str | None  # None: the removal of the link ``link``
     future: cf.Future[None]
 
 
@@ -120,13 +120,12 @@ class LinkKeeper:
         """Take over the removal of ``path`` if a link needs it to wait.
 
         Returns:
-            ``True`` when the removal was queued behind pending links or held because a link
-            still points at ``path``; ``False`` when the caller should remove it now.
+            ``True`` when this keeper removes it: a link (after the link updates requested
+            before, so that a valid ``last`` exists at every moment), or a checkpoint a link still
+            points at (once no link does); ``False`` when the caller should remove it now.
         """
-        with self._lock:
-            behind_link = any(j.target is not None and _same(j.link, path) for j in self._jobs)
-        if behind_link:
-            self._submit(path, None, lambda: self._remove(path))
+        if os.path.islink(path):
+            self._submit(path, None, lambda: self._unlink(path))
             return True
         if self._targeted(path):
             with self._lock:
@@ -163,6 +162,14 @@ class LinkKeeper:
             log.warning("stagesave: %s keeps its previous target because saving %s failed", link, target)
             return
         replace_symlink(target, link)
+        self._release_held()
+
+    def _unlink(self, link: str) -> None:
+        try:
+            os.unlink(link)
+        except FileNotFoundError:
+            pass
+        _fsync_dir(os.path.dirname(os.path.abspath(link)))
         self._release_held()
 
     def _targeted(self, path: str) -> bool:

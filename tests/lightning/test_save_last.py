@@ -171,3 +171,14 @@ def test_plugin_crash_during_link_resumes_from_the_committed_checkpoint(tmp_path
     assert at_kill["last"] == "epoch=0-step=2.ckpt"
     assert "epoch=0-step=2.ckpt" in at_kill["files"]
     assert start == 2
+
+
+def test_links_with_changing_names_replace_each_other(tmp_path: Path) -> None:
+    d = tmp_path / "ckpt"
+    mc = ModelCheckpoint(dirpath=d, every_n_train_steps=2, save_top_k=1, save_last="link")
+    mc.CHECKPOINT_NAME_LAST = "last-{step}"  # a new link name each time: the previous link is removed
+    make_trainer(tmp_path, [StagedCheckpointIO()], [mc], max_steps=6).fit(TinyModel(), StepBatches())
+    links = sorted(p.name for p in d.iterdir() if p.is_symlink())
+    assert links == ["last-step=6.ckpt"]
+    assert os.readlink(d / "last-step=6.ckpt") == "epoch=0-step=6.ckpt"
+    assert sorted(p.name for p in d.glob("*.ckpt") if not p.is_symlink()) == ["epoch=0-step=6.ckpt"]
