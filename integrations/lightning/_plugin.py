@@ -50,6 +50,9 @@ TELEMETRY_BACKLOG = 1024
 
 _STORAGE_OPTION_KEYS = ("metadata",)
 
+#: Lightning's name for the checkpoint its SLURM requeue handler writes (saved synchronously).
+HPC_CHECKPOINT_PREFIX = "hpc_ckpt_"
+
 
 def _import_global(name: str) -> Any:
     module, _, attr = name.rpartition(".")
@@ -181,6 +184,8 @@ class StagedCheckpointIO(CheckpointIO):
 
         Returns once the state is copied into host memory; later changes to the model, the
         optimizer or any value in ``checkpoint`` (numpy arrays included) do not reach the file.
+        The one exception is Lightning's SLURM requeue checkpoint (``hpc_ckpt_<n>.ckpt``): the
+        job is requeued right after it, so that save returns once committed.
 
         Args:
             checkpoint: The state Lightning or Fabric assembled.
@@ -210,6 +215,10 @@ class StagedCheckpointIO(CheckpointIO):
         with self._lock:
             self._handles = {k: h for k, h in self._handles.items() if not h.done()}
             self._handles[_key(target)] = handle
+        if os.path.basename(target).startswith(HPC_CHECKPOINT_PREFIX):
+            # Lightning's SLURM auto-requeue saves this and requeues the job at once: the
+            # checkpoint must be durable before the job can be killed.
+            handle.result()
 
     @override
     def load_checkpoint(

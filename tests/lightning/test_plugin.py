@@ -176,3 +176,14 @@ def test_paths_and_namespaces_in_hyperparameters_load_safely(tmp_path: Path) -> 
 def test_loading_a_missing_checkpoint_is_file_not_found(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="no checkpoint at"):
         StagedCheckpointIO().load_checkpoint(tmp_path / "nope.ckpt")
+
+
+def test_slurm_requeue_checkpoint_is_committed_before_save_returns(tmp_path: Path) -> None:
+    io = StagedCheckpointIO()
+    trainer = make_trainer(tmp_path, [io], max_steps=1, enable_checkpointing=False)
+    trainer.fit(TinyModel(), StepBatches())
+    path = tmp_path / "hpc_ckpt_1.ckpt"  # what Lightning's SIGUSR1 handler saves before requeueing
+    trainer.save_checkpoint(path)
+    assert io.pending() == 0
+    assert stagesave.verify(str(path)).status == "verified"
+    io.teardown()
