@@ -28,6 +28,12 @@ CRASH_POINTS = (
     "after_commit",
     "during_retention",
     "during_upload",
+    # sharded (stagesave.dcp) saves
+    "dcp_before_marker",
+    "dcp_after_marker",
+    "dcp_before_metadata",
+    "dcp_before_manifest",
+    "dcp_after_manifest",
 )
 
 _counts: dict[str, int] = {}

@@ -210,3 +210,15 @@ def test_adopt_trusted_indexes_unsafe_files(cli, tmp_path):
     torch.save({"state_dict": {"w": torch.ones(3)}, "hyper": Hyper(0.1)}, path)
     assert cli("adopt", path, "--trusted").code == 0
     assert stagesave.verify(path).manifest.tensors == [{"name": "state_dict.w", "dtype": "float32", "shape": [3]}]
+
+
+def test_export_stagesave_sharded_folder_is_verified_and_needs_no_trust(cli, tmp_path):
+    import stagesave.dcp
+
+    state = {"w": torch.arange(12.0).reshape(3, 4), "b": torch.ones(5)}
+    handle = stagesave.dcp.save(state, tmp_path / "sharded")
+    handle.result(timeout=120)
+    r = cli("export", tmp_path / "sharded", tmp_path / "one.ckpt")
+    assert r.code == 0, r.err
+    out = torch.load(tmp_path / "one.ckpt", weights_only=True)
+    assert torch.equal(out["w"], state["w"]) and torch.equal(out["b"], state["b"])

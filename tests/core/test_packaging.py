@@ -38,7 +38,7 @@ def test_regular_install_from_a_wheel(tmp_path):
         names = set(z.namelist())
         z.extractall(tmp_path / "site")
     for expected in ("stagesave/__init__.py", "stagesave/py.typed", "stagesave/lightning/__init__.py",
-                     "stagesave/accelerate/__init__.py"):
+                     "stagesave/accelerate/__init__.py", "stagesave/dcp/__init__.py", "stagesave/cli/__init__.py"):
         assert expected in names, expected
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
     code = "import stagesave, stagesave.lightning, stagesave.accelerate; print(stagesave.lightning.__file__)"

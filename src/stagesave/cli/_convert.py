@@ -5,9 +5,9 @@ are small classes in ``LAYOUTS`` (tried in order; the first whose ``matches`` sa
 checkpoint): a single torch file is copied byte for byte (verified against its manifest on the
 way, never unpickled), a single safetensors file becomes a dict of tensors, an Accelerate
 ``save_state`` folder becomes ``{"model": ..., "optimizer": ..., "scheduler": ..., ...}``, and a
-local ``torch.distributed.checkpoint`` folder goes through torch's own ``dcp_to_torch_save``.
-stagesave's own sharded layout (one file per rank plus a global manifest) will be one more class
-here when the core writes it.
+sharded folder written by ``stagesave.dcp`` is gathered through its verifying reader (safe
+metadata, local or remote), and any other local ``torch.distributed.checkpoint`` folder goes
+through torch's own ``dcp_to_torch_save`` (its metadata is a pickle: ``--trusted`` only).
 
 ``adopt`` writes a manifest (chunk checksums, torch serialization id, tensor index) beside an
 existing plain checkpoint, so that ``verify``, ``latest(verify=True)`` and verified loads can
@@ -210,6 +210,24 @@ class AccelerateFolder(Layout):
         torch.save(state, out)
 
 
+class StagedDcpFolder(Layout):
+    """A sharded checkpoint written by ``stagesave.dcp``: every rank file verified against the
+    manifest, metadata read with the safe allow-list (no ``--trusted`` needed), local or remote."""
+
+    name = "stagesave sharded (torch.distributed.checkpoint) folder"
+
+    def matches(self, target: Target, ci: CheckpointInfo | None) -> bool:
+        if not target.is_dir or ci is None or ci.manifest is None:
+            return False
+        return any(f.name == ".metadata" for f in ci.manifest.files)
+
+    def export(self, env: Env, target: Target, ci: CheckpointInfo | None, out: IO[bytes], trusted: bool) -> None:
+        from stagesave.dcp import to_state_dict
+
+        state = to_state_dict(target.name, store=target.store, trusted=trusted)
+        torch.save(state, out)
+
+
 class DcpFolder(Layout):
     """A local ``torch.distributed.checkpoint`` folder (``.metadata`` + ``*.distcp``), through
     torch's own ``dcp_to_torch_save``. Its metadata is a pickle, so ``--trusted`` is required."""
@@ -241,7 +259,7 @@ class DcpFolder(Layout):
 
 
 #: Tried in order; the first layout whose ``matches`` is true exports the checkpoint.
-LAYOUTS: list[Layout] = [DcpFolder(), TorchFile(), SafetensorsFile(), AccelerateFolder()]
+LAYOUTS: list[Layout] = [StagedDcpFolder(), DcpFolder(), TorchFile(), SafetensorsFile(), AccelerateFolder()]
 
 
 # --------------------------------------------------------------------------- output
