@@ -48,11 +48,25 @@ def commit_directory(
     chunk_bytes: int,
     pool: cf.Executor,
     stats: WriteStats,
+    staging_dir: str | None = None,
 ) -> None:
-    """Write ``files`` (names relative to ``directory``) and commit them together."""
+    """Write ``files`` (names relative to ``directory``) and commit them together.
+
+    ``staging_dir`` (local stores only): stage the folder there instead of beside the target,
+    e.g. outside a folder that another program lists (it must be on the same filesystem).
+    """
     parent, leaf = _split(directory)
     local_parent = store.local_path(parent)
-    staging = _join(parent, f".{leaf}.{os.getpid()}-{secrets.token_hex(4)}{TMP_MARKER}") if local_parent else directory
+    token = f"{os.getpid()}-{secrets.token_hex(4)}{TMP_MARKER}"
+    wstore: Store = store
+    if local_parent and staging_dir:
+        from ._local import LocalStore, makedirs_durable
+
+        makedirs_durable(staging_dir)
+        wstore = LocalStore(staging_dir, direct_io=getattr(store, "direct_io", True))
+        staging = f"{leaf}.{token}"
+    else:
+        staging = _join(parent, f".{leaf}.{token}") if local_parent else directory
     if not local_parent:
         store.delete(f"{directory}/{DIR_MANIFEST}")  # an overwritten folder is never valid
     publishers: list[Callable[[], None]] = []
@@ -65,7 +79,7 @@ def commit_directory(
                 f.storages, entry_name=f.name,
             )
             entry, publish, abort = write_file(
-                store, target, algorithm=algorithm, chunk_bytes=chunk_bytes, pool=pool, stats=stats
+                wstore, target, algorithm=algorithm, chunk_bytes=chunk_bytes, pool=pool, stats=stats
             )
             entries.append(entry)
             publishers.append(publish)
@@ -73,15 +87,15 @@ def commit_directory(
         for publish in publishers:
             publish()
         crash_point("before_manifest")
-        store.put_atomic(f"{staging}/{DIR_MANIFEST}", make_manifest(entries).to_json())
+        wstore.put_atomic(f"{staging}/{DIR_MANIFEST}", make_manifest(entries).to_json())
         crash_point("after_manifest")
         if local_parent:
-            _move_into_place(store, staging, directory)
+            _move_into_place(store, staging, directory, src_path=wstore.local_path(staging))
     except BaseException:
         for abort in aborters:
             abort()
         if local_parent:
-            _remove_tree(store, staging)
+            _remove_tree(wstore, staging)
         raise
 
 
@@ -91,7 +105,7 @@ def _remove_tree(store: Store, name: str) -> None:
         fsops.rmtree(path)
 
 
-def _move_into_place(store: Store, staging: str, directory: str) -> None:
+def _move_into_place(store: Store, staging: str, directory: str, *, src_path: str | None = None) -> None:
     """Publish the staged folder under its final name, under the directory's commit lock.
 
     Replacing an existing folder swaps the two atomically (``renameat2(RENAME_EXCHANGE)``) where
@@ -99,7 +113,7 @@ def _move_into_place(store: Store, staging: str, directory: str) -> None:
     aside first. If the directory fsync that makes the publish durable fails, the publish is
     undone (the old folder back under its name) before the error propagates.
     """
-    src = store.local_path(staging)
+    src = src_path or store.local_path(staging)
     dst = store.local_path(directory)
     assert src is not None and dst is not None
     parent, leaf = _split(directory)
@@ -128,7 +142,8 @@ def _move_into_place(store: Store, staging: str, directory: str) -> None:
                 _quietly(fsops.exchange, src, dst)
                 raise
             crash_point("after_commit")
-            _remove_tree(store, staging)  # now holds the replaced folder
+            if os.path.isdir(src) and not os.path.islink(src):
+                fsops.rmtree(src)  # now holds the replaced folder
             return
         _replace_with_aside(store, src, dst, parent, leaf)
 

@@ -33,7 +33,7 @@ from ._dircommit import commit_directory, restore_aside
 from ._discovery import CheckpointInfo, raise_if_corrupt, resolve, resolve_dir, scan, verify_entry
 from ._image import FileImage, plan_torch_file
 from ._manifest import Manifest, StorageRecord
-from ._names import ALIGNMENT, DEFAULT_CHUNK_BYTES, DIR_MANIFEST, TELEMETRY_FILE
+from ._names import ALIGNMENT, DEFAULT_CHUNK_BYTES, DIR_MANIFEST, TELEMETRY_FILE, TMP_MARKER
 from ._pool import BufferPool
 from ._stage import stage_image
 from ._store import Store
@@ -85,6 +85,20 @@ def _as_checkpoint_error(exc: BaseException, what: str) -> BaseException:
         return exc
     err.__cause__ = exc
     return err
+
+
+def _check_same_filesystem(store: Store, dname: str, staging_dir: str | os.PathLike[str]) -> None:
+    target_parent = store.local_path(dname.rpartition("/")[0])
+    if target_parent is None:
+        raise ValueError("staging_dir only applies to local targets")
+    from ._local import makedirs_durable
+
+    makedirs_durable(os.fspath(staging_dir))
+    if os.stat(staging_dir).st_dev != os.stat(target_parent).st_dev:
+        raise ValueError(
+            f"staging_dir {os.fspath(staging_dir)} is on another filesystem than {target_parent}: "
+            "the finished folder is renamed into place, which needs the same filesystem"
+        )
 
 
 #: Telemetry fields known only after the commit: kept out of the manifest (written before it).
@@ -316,12 +330,15 @@ class Checkpointer:
         directory: str | os.PathLike[str],
         *,
         metadata: dict[str, Any] | None = None,
+        staging_dir: str | os.PathLike[str] | None = None,
     ) -> SaveHandle:
         """Stage several files and commit them together as one directory checkpoint.
 
         ``files`` maps names inside ``directory`` (e.g. ``"optimizer.bin"``) to a state saved
         as a torch file, or to :class:`stagesave.formats.Safetensors`. The folder appears only
         once every file and the manifest are durable; an existing folder is replaced atomically.
+        ``staging_dir`` (local targets): where the folder is assembled before it is renamed into
+        place, instead of a hidden sibling of the target; it must be on the same filesystem.
 
         Raises:
             Like :meth:`save`.
@@ -348,7 +365,11 @@ class Checkpointer:
         for _, _, image in planned:
             bases.append(total)
             total += (image.size + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
-        store.check_writable(f"{dname}/{planned[0][0]}", total)
+        # Check the parent with a sibling name: the folder itself must not appear before its commit.
+        parent, _, leaf = dname.rpartition("/")
+        store.check_writable(f"{parent}/.{leaf}{TMP_MARKER}" if parent else f".{leaf}{TMP_MARKER}", total)
+        if staging_dir is not None:
+            _check_same_filesystem(store, dname, staging_dir)
         buf, tel.buffer_wait_s = self._pool.acquire(total)
         waits = []
         try:
@@ -392,7 +413,8 @@ class Checkpointer:
                 assert self._queue is not None
                 c0 = time.perf_counter()
                 commit_directory(store, dname, to_write, make_manifest, algorithm=self.checksum,
-                                 chunk_bytes=self.chunk_bytes, pool=self._queue.io_pool, stats=stats)
+                                 chunk_bytes=self.chunk_bytes, pool=self._queue.io_pool, stats=stats,
+                                 staging_dir=os.fspath(staging_dir) if staging_dir is not None else None)
                 tel.commit_s = time.perf_counter() - c0 - stats.write_s
                 tel.throughput_bytes_per_s = tel.bytes / stats.write_s if stats.write_s > 0 else 0.0
                 tel.time_to_commit_s = time.perf_counter() - t_start

@@ -11,7 +11,7 @@ import torch
 from ._image import FileImage, plan_torch_file
 from ._safetensors import plan_safetensors_file
 
-__all__ = ["Safetensors", "plan_file"]
+__all__ = ["Raw", "Safetensors", "plan_file"]
 
 
 @dataclass(frozen=True)
@@ -22,8 +22,19 @@ class Safetensors:
     metadata: Mapping[str, str] | None = None
 
 
+@dataclass(frozen=True)
+class Raw:
+    """Write these bytes verbatim (a ``config.json``, a tokenizer file, ...)."""
+
+    data: bytes
+
+
 def plan_file(obj: Any) -> tuple[str, FileImage]:
     """``(kind, image)`` for one file's content."""
+    if isinstance(obj, Raw):
+        data = bytes(obj.data)
+        return "raw", FileImage(size=len(data), pieces=[(0, data)] if data else [], slots=[],
+                                serialization_id="", id_offset=0)
     if isinstance(obj, Safetensors):
         return "safetensors", plan_safetensors_file(obj.tensors, obj.metadata)
     return "torch", plan_torch_file(obj)

@@ -24,8 +24,9 @@ def save_step(root: str, step: int, mode: str, crash: str | None) -> None:
             ck.save(state, "last.ckpt").result()
             ck.save(state, f"step{step}.ckpt").result()
         else:
+            name = "current" if mode == "dir_replace" else f"checkpoint_{step}"
             ck.save_dir({"model.safetensors": Safetensors({"w": state["w"]}), "optimizer.bin": state},
-                        f"checkpoint_{step}").result()
+                        name).result()
     sys.stdout.flush()
 
 

@@ -170,3 +170,40 @@ def test_io_threads_option_sizes_the_writer_pool(ckpt_dir):
     with stagesave.Checkpointer(ckpt_dir, io_threads=3) as ck:
         ck.save({"a": torch.ones(1)}, "x.ckpt").result()
         assert ck._queue.io_pool._max_workers == 3
+
+
+def test_save_dir_folder_appears_only_at_commit_and_raw_files(tmp_path):
+    import threading
+
+    from stagesave.formats import Raw
+
+    with stagesave.Checkpointer(tmp_path) as ck:
+        ck.save({"a": 1}, "warm.ckpt").result()
+        gate = threading.Event()
+        ck._queue.submit(gate.wait)
+        h = ck.save_dir({"config.json": Raw(b'{"x": 1}'), "w.bin": {"w": torch.ones(3)}}, "ck_0")
+        assert not (tmp_path / "ck_0").exists()  # not even an empty folder before the commit
+        gate.set()
+        h.result(timeout=30)
+        assert (tmp_path / "ck_0" / "config.json").read_bytes() == b'{"x": 1}'
+        assert ck.verify("ck_0").status == "verified"
+
+
+def test_save_dir_staging_dir_keeps_temporaries_out_of_the_listed_folder(tmp_path):
+    listed = tmp_path / "checkpoints"
+    staging = tmp_path / ".staging"
+    seen = []
+    with stagesave.Checkpointer(listed) as ck:
+        import threading
+
+        ck.save({"a": 1}, "warm.ckpt").result()
+        gate = threading.Event()
+        ck._queue.submit(gate.wait)
+        h = ck.save_dir({"w.bin": {"w": torch.ones(3)}}, "checkpoint_1", staging_dir=staging)
+        gate.set()
+        while not h.done():
+            seen.extend(p.name for p in listed.iterdir())
+        h.result()
+        assert not any(".stagesave-tmp" in n for n in seen)
+        assert ck.verify("checkpoint_1").status == "verified"
+        assert list(staging.iterdir()) == []
