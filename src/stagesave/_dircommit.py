@@ -59,8 +59,9 @@ def commit_directory(
     local_parent = store.local_path(parent)
     token = f"{os.getpid()}-{secrets.token_hex(4)}{TMP_MARKER}"
     wstore: Store = store
-    if local_parent and staging_dir:
-        from ._local import LocalStore, makedirs_durable
+    from ._local import LocalStore, makedirs_durable
+
+    if local_parent and staging_dir and type(store) is LocalStore:  # tiered roots stage in place
 
         makedirs_durable(staging_dir)
         wstore = LocalStore(staging_dir, direct_io=getattr(store, "direct_io", True))

@@ -191,6 +191,10 @@ def scan(store: Store, directory: str = "", *, warn: bool = False) -> list[Check
         if ci.status == "corrupt" and warn:
             warnings.warn(f"skipping checkpoint {ci.path}: {'; '.join(ci.problems)}", stacklevel=3)
         out.append(ci)
+    tier_of = getattr(store, "tier_of", None)
+    if tier_of is not None:  # a tiered root: say where each checkpoint is read from
+        for ci in out:
+            ci.tier = tier_of(ci.name)
     out.sort(key=lambda c: c.created, reverse=True)
     return out
 

@@ -122,6 +122,8 @@ class _LocalWrite(PendingWrite):
 
     def publish(self) -> None:
         self.inner.publish()
+        if TMP_MARKER in self.name:
+            return  # a file of a folder being assembled: the folder uploads once committed
         self.store._committed_locally(self.name, is_dir=False)
 
     def abort(self) -> None:

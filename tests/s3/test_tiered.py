@@ -46,7 +46,7 @@ def _remote_names(s3_server, url: str) -> list[str]:
 
 def test_commits_locally_then_uploads_the_same_checkpoint(tiered, s3_server, s3_url, s3_options):
     telemetry = []
-    store = tiered(telemetry_callback=telemetry.append)
+    store = tiered()  # the Checkpointer's callback receives the tier's upload records too
     state = small_state(1)
     with stagesave.Checkpointer(store, telemetry_callback=telemetry.append) as ckpt:
         local = ckpt.save(state, "a.ckpt").result()
@@ -55,7 +55,7 @@ def test_commits_locally_then_uploads_the_same_checkpoint(tiered, s3_server, s3_
         uploads = store.wait_uploads()
     assert [(u.tier, u.path, u.error, u.bytes) for u in uploads] == [("remote", f"{s3_url}/a.ckpt", None, local.bytes)]
     # both commits are in the telemetry: the local one first, then the upload
-    assert [t.path for t in telemetry] == [local.path, f"{s3_url}/a.ckpt"]
+    assert [(t.path, t.tier) for t in telemetry] == [(local.path, "local"), (f"{s3_url}/a.ckpt", "remote")]
     assert telemetry[1].committed_at >= telemetry[0].committed_at
     remote_manifests = [n for n in object_names(s3_server, s3_url) if n.endswith(".stagesave.json")]
     assert remote_manifests == [n for n in os.listdir(store.local.url) if n.endswith(".stagesave.json")]
