@@ -123,7 +123,9 @@ class StagedCheckpointIO(CheckpointIO):
         self.telemetry_jsonl = telemetry_jsonl
         self.safe_globals = [_import_global(g) if isinstance(g, str) else g for g in safe_globals]
         self._init_runtime()
-        self._new_checkpointer().close()  # the core validates every option now, not at the first save
+        # The core validates every option now, not at the first save (pinned=False: no CUDA
+        # query before a fork-based launcher starts its workers).
+        self._new_checkpointer(pinned=False).close()
         install_link_hook(find_plugin)
 
     def _init_runtime(self) -> None:
@@ -142,8 +144,9 @@ class StagedCheckpointIO(CheckpointIO):
                 self._ckpt = self._new_checkpointer()
             return self._ckpt
 
-    def _new_checkpointer(self) -> Checkpointer:
+    def _new_checkpointer(self, pinned: bool | None = None) -> Checkpointer:
         return Checkpointer(
+            pinned=pinned,
             max_pending=self.max_pending,
             checksum=self.checksum,
             checksum_in=self.checksum_in,
