@@ -19,7 +19,8 @@ from ._local import LocalStore
 from ._s3 import RetryPolicy, S3Store, abort_stale_multipart_uploads
 from ._tiered import TieredStore
 from ._store import Store
-from .checkpointer import Checkpointer
+from ._names import TMP_MARKER, is_temporary
+from .checkpointer import Checkpointer, flush_all, flush_on_sigterm
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -55,6 +56,7 @@ __all__ = [
     "SaveHandle",
     "SaveTelemetry",
     "StorageError",
+    "TMP_MARKER",
     "Store",
     "TieredStore",
     "UnsafeCheckpointError",
@@ -62,6 +64,9 @@ __all__ = [
     "abort_stale_multipart_uploads",
     "allow_globals",
     "allowed_globals",
+    "flush_all",
+    "flush_on_sigterm",
+    "is_temporary",
     "latest",
     "list_checkpoints",
     "load",

@@ -63,6 +63,11 @@ def resolve(store: Store, name: str) -> CheckpointInfo:
     Raises:
         FileNotFoundError: the file does not exist.
     """
+    target = store.canonical(name)
+    if target != name:  # a link inside the root (Lightning's save_last="link"): judge its target
+        ci = resolve(store, target)
+        ci.path, ci.name = store.describe(name), name
+        return ci
     info = store.info(name)
     path = store.describe(name)
     candidates = sibling_manifests(store, name)

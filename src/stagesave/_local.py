@@ -184,6 +184,16 @@ class LocalStore(Store):
             raise OSError(errno.ELOOP, "a symbolic link out of the checkpoint root, not followed", path)
         return path
 
+    def canonical(self, name: str) -> str:
+        path = self._path(name)
+        if not os.path.islink(path):
+            return name
+        real = os.path.realpath(path)
+        root = os.path.realpath(self.root)
+        if not real.startswith(root + os.sep):
+            return name  # out of the root: reads refuse it
+        return os.path.relpath(real, root).replace(os.sep, "/")
+
     @contextlib.contextmanager
     def commit_lock(self, name: str) -> Iterator[None]:
         directory = os.path.dirname(self._path(name)) if name not in ("", ".") else self.root

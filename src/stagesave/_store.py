@@ -123,6 +123,10 @@ class Store(ABC):
         """
         return contextlib.nullcontext()
 
+    def canonical(self, name: str) -> str:
+        """The name that ``name`` stands for (a link inside the root resolves to its target)."""
+        return name
+
     def local_path(self, name: str) -> str | None:
         """A POSIX path for ``name`` when the store is a local directory, else ``None``."""
         return None

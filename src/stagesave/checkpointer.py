@@ -6,11 +6,12 @@ import atexit
 import concurrent.futures as cf
 import io
 import os
+import signal
 import sys
 import threading
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -54,6 +55,49 @@ from .telemetry import SaveTelemetry, TelemetryCallback
 __all__ = ["Checkpointer"]
 
 _live: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
+
+
+def flush_all(timeout: float | None = None) -> bool:
+    """Wait (at most ``timeout`` seconds in all) for the pending saves of every Checkpointer.
+
+    Failures are printed, not raised (this runs on the way out). Returns whether all finished.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    ok = True
+    for ckpt in list(_live):
+        q = ckpt._queue
+        if q is None:
+            continue
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not q.drain(left):
+            ok = False
+            print(f"stagesave: {q.pending()} checkpoint operations still running after {timeout} s; "
+                  "they are not committed", file=sys.stderr)
+        for h in ckpt._failed:
+            err = h._claim_error()
+            if err is not None:
+                print(f"stagesave: a checkpoint save failed: {err}", file=sys.stderr)
+    return ok
+
+
+def flush_on_sigterm(timeout: float = 60.0) -> None:
+    """On SIGTERM, let pending saves commit (for at most ``timeout`` s), then terminate as before.
+
+    For loops outside a framework that handles SIGTERM itself (schedulers send it before a
+    kill). The previous handler runs afterwards; with the default one the process then dies of
+    SIGTERM as it would have. Call it from the main thread.
+    """
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def handler(signum: int, frame: Any) -> None:
+        flush_all(timeout)
+        signal.signal(signum, previous)
+        if callable(previous):
+            previous(signum, frame)
+        elif previous != signal.SIG_IGN:
+            os.kill(os.getpid(), signum)
+
+    signal.signal(signal.SIGTERM, handler)
 
 
 def _close_all_at_exit() -> None:
@@ -464,6 +508,28 @@ class Checkpointer:
         self._submit(job, handle, key)
         return handle
 
+    def run_after(self, fn: Callable[[], None], *, description: str = "action") -> SaveHandle:
+        """Run ``fn`` on the writer thread after every save and removal submitted before it.
+
+        For small ordered steps such as pointing a link at a checkpoint once it is committed.
+        ``fn`` must not run torch operations or collectives (see DESIGN.md). Its exception is
+        delivered like a failed save's.
+        """
+        self._check_open()
+        tel = SaveTelemetry(path=description, started_at=time.time())
+        handle = SaveHandle(description, tel, kind="action")
+
+        def job() -> None:
+            error: BaseException | None = None
+            try:
+                fn()
+            except BaseException as exc:  # noqa: BLE001 - delivered through the handle
+                error = _as_checkpoint_error(exc, f"{description} failed")
+            self._finish(description, handle, error)
+
+        self._submit(job, handle, description)
+        return handle
+
     def _submit(self, job: Any, handle: SaveHandle, key: str) -> None:
         with self._lock:
             if self._queue is None:
@@ -578,7 +644,7 @@ class Checkpointer:
             raise CheckpointNotFoundError(f"no checkpoint at {where}") from exc
         if info.status == "corrupt":
             raise IntegrityError(f"checkpoint {where} is corrupt: {'; '.join(info.problems)}")
-        entry = info.manifest.file(name.rpartition("/")[2]) if info.manifest else None
+        entry = info.manifest.file(store.canonical(name).rpartition("/")[2]) if info.manifest else None
         globs = [*self.safe_globals, *safe_globals]
         local = store.local_path(name)
         if local is not None:
@@ -689,7 +755,7 @@ class Checkpointer:
             for entry in info.manifest.files:
                 problems += verify_entry(store, f"{name}/{entry.name}", entry, pool)
         else:
-            problems = verify_entry(store, name, info.manifest.file(name.rpartition("/")[2]), pool)
+            problems = verify_entry(store, name, info.manifest.file(store.canonical(name).rpartition("/")[2]), pool)
         info.problems = problems
         info.status = "corrupt" if problems else "verified"
         return info

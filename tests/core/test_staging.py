@@ -207,3 +207,42 @@ def test_save_dir_staging_dir_keeps_temporaries_out_of_the_listed_folder(tmp_pat
         assert not any(".stagesave-tmp" in n for n in seen)
         assert ck.verify("checkpoint_1").status == "verified"
         assert list(staging.iterdir()) == []
+
+
+def test_run_after_is_ordered_after_pending_saves(ckpt_dir):
+    seen = []
+    with stagesave.Checkpointer(ckpt_dir) as ck:
+        ck.save({"a": torch.randn(1 << 20)}, "x.ckpt")
+        h = ck.run_after(lambda: seen.append((ckpt_dir / "x.ckpt").exists()), description="check")
+        h.result(timeout=60)
+        assert seen == [True]
+        bad = ck.run_after(lambda: 1 / 0, description="boom")
+        with pytest.raises(stagesave.CheckpointError, match="boom failed"):
+            bad.result(timeout=60)
+
+
+def test_link_inside_the_root_loads_and_verifies_as_its_target(ckpt_dir):
+    import os
+
+    stagesave.save({"w": torch.ones(3)}, ckpt_dir / "epoch=1.ckpt")
+    os.symlink("epoch=1.ckpt", ckpt_dir / "last.ckpt")
+    assert stagesave.verify(ckpt_dir / "last.ckpt").status == "verified"
+    assert torch.equal(stagesave.load(ckpt_dir / "last.ckpt")["w"], torch.ones(3))
+
+
+def test_flush_on_sigterm_commits_pending_saves_then_dies_of_sigterm(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    code = (
+        "import os, signal, stagesave, torch\n"
+        "stagesave.flush_on_sigterm(timeout=60)\n"
+        f"ck = stagesave.Checkpointer({str(tmp_path)!r})\n"
+        "ck.save({'a': torch.arange(1 << 22)}, 't.ckpt')\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "import time; time.sleep(30)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], timeout=120)
+    assert r.returncode == -signal.SIGTERM
+    assert stagesave.verify(tmp_path / "t.ckpt").status == "verified"
