@@ -49,7 +49,8 @@ class Op:
     """One logged operation that changed the tree (or made part of it durable).
 
     ``kind`` is one of open, pwrite, ftruncate, fallocate, fadvise, fsync, close, rename,
-    unlink, mkdir, rmdir. ``write`` calls are logged as ``pwrite`` at the file position.
+    exchange, link, unlink, mkdir, rmdir. ``write`` calls are logged as ``pwrite`` at the file
+    position; ``dst`` is the second path of rename, exchange and link.
     """
 
     kind: str
@@ -108,11 +109,12 @@ class Recorder:
         self._hooks.append(hook)
 
     def fail(self, name: str, err: int, *, nth: int = 1,
-             when: Callable[[Call], bool] | None = None) -> list[Call]:
-        """Make the ``nth`` call of ``name`` matching ``when`` raise ``OSError(err)``.
+             when: Callable[[Call], bool] | None = None, every: bool = False) -> list[Call]:
+        """Make the ``nth`` call of ``name`` matching ``when`` (or, with ``every``, each one from
+        the ``nth`` on) raise ``OSError(err)``.
 
         Returns:
-            A list that receives the call when the fault fires (empty while it has not).
+            A list that receives each call the fault fired at.
         """
         fired: list[Call] = []
         seen = [0]
@@ -121,7 +123,7 @@ class Recorder:
             if call.name != name or (when is not None and not when(call)):
                 return
             seen[0] += 1
-            if seen[0] == nth:
+            if seen[0] == nth or (every and seen[0] > nth):
                 fired.append(call)
                 raise OSError(err, f"{os.strerror(err)} (injected)")
 
@@ -221,6 +223,10 @@ class Recorder:
                 self._log(Op("fadvise", call.path, fd=args[0], t_ns=t))
             elif name in ("replace", "rename"):
                 self._log(Op("rename", call.path, dst=os.path.abspath(args[1]), t_ns=t))
+            elif name in ("exchange", "link"):
+                self._log(Op(name, call.path, dst=os.path.abspath(args[1]), t_ns=t))
+            elif name == "mkdir":
+                self._log(Op("mkdir", call.path, t_ns=t))
             elif name == "unlink":
                 self._log(Op("unlink", call.path, t_ns=t))
             elif name == "makedirs":
@@ -299,6 +305,10 @@ def _apply_entry(entries: dict[str, int], change: tuple[Any, ...]) -> None:
         if entries.get(src) == ino:  # a subset may have dropped the creation of the source
             del entries[src]
             entries[dst] = ino
+    elif kind == "exchange":
+        _, a, b, ino_a, ino_b = change
+        if entries.get(a) == ino_a and entries.get(b) == ino_b:
+            entries[a], entries[b] = ino_b, ino_a
 
 
 class PowerLossModel:
@@ -387,6 +397,19 @@ class PowerLossModel:
             else:
                 self._change(sd, ("unlink", sname))
                 self._change(dd, ("link", dname, ino))
+        elif k == "exchange":
+            ad, aname = self._parent(op.path)
+            bd, bname = self._parent(op.dst)
+            ino_a, ino_b = ad.current[aname], bd.current[bname]
+            if ad is bd:
+                self._change(ad, ("exchange", aname, bname, ino_a, ino_b))
+            else:
+                self._change(ad, ("link", aname, ino_b))
+                self._change(bd, ("link", bname, ino_a))
+        elif k == "link":  # a second name for the same inode
+            sd, sname = self._parent(op.path)
+            dd, dname = self._parent(op.dst)
+            self._change(dd, ("link", dname, sd.current[sname]))
         elif k in ("unlink", "rmdir"):
             d, name = self._parent(op.path)
             self._change(d, ("unlink", name))
@@ -446,9 +469,10 @@ def fsync_dir_after(ops: list[Op], start: int, directory: str) -> int:
 
 
 def rename_to(ops: list[Op], start: int, end: int, dst: str) -> int:
-    """Index of the rename onto ``dst`` in ``ops[start:end]`` (-1 if none)."""
+    """Index of the rename onto ``dst`` (or exchange with it) in ``ops[start:end]`` (-1 if none)."""
     for i in range(start, end):
-        if ops[i].kind == "rename" and ops[i].dst == dst:
+        op = ops[i]
+        if (op.kind == "rename" and op.dst == dst) or (op.kind == "exchange" and dst in (op.path, op.dst)):
             return i
     return -1
 

@@ -11,7 +11,7 @@ import torch
 import stagesave
 from stagesave.formats import Safetensors
 
-__all__ = ["debris", "dir_state", "file_state", "latest_name", "tree"]
+__all__ = ["blocked_on_a_lock", "debris", "dir_state", "file_state", "latest_name", "lock_waiters", "tree"]
 
 
 def file_state(step: int, n: int = 4000) -> dict[str, Any]:
@@ -52,3 +52,25 @@ def latest_name(root: str | os.PathLike[str]) -> tuple[str | None, Any]:
             if info.is_dir:
                 return info.name, ck.load(os.path.join(info.path, "optimizer.bin"))["step"]
             return info.name, ck.load(info.path)["step"]
+
+
+def lock_waiters(pid: int) -> int:
+    """How many waits for a file lock threads of ``pid`` are in (``->`` lines of /proc/locks)."""
+    try:
+        with open("/proc/locks") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return 0
+    n = 0
+    for line in lines:
+        fields = line.split()
+        if "->" in fields:
+            rest = fields[fields.index("->") + 1 :]
+            if len(rest) > 3 and rest[3] == str(pid):
+                n += 1
+    return n
+
+
+def blocked_on_a_lock(pid: int) -> bool:
+    """Whether a thread of ``pid`` waits for a file lock."""
+    return lock_waiters(pid) > 0

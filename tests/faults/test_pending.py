@@ -7,6 +7,7 @@ the background writer thread until the test releases it; everything else is real
 
 from __future__ import annotations
 
+import errno
 import gc
 import multiprocessing
 import os
@@ -21,7 +22,7 @@ import psutil
 import pytest
 import torch
 from faultfs import Call, Recorder
-from faulthelp import debris, dir_state, file_state, latest_name
+from faulthelp import debris, dir_state, file_state, latest_name, lock_waiters
 
 import stagesave
 from stagesave.errors import CheckpointError, CheckpointNotFoundError, ClosedError
@@ -61,7 +62,14 @@ def _is_publish(root, name):  # type: ignore[no-untyped-def]
 
 # ---------------------------------------------------------------------------- deleted under a save
 @pytest.mark.fault_class("file deleted under a pending save")
-@pytest.mark.parametrize("is_dir", [False, True], ids=["file", "dir"])
+@pytest.mark.parametrize("is_dir", [
+    pytest.param(False, id="file", marks=pytest.mark.xfail(strict=True, reason=(
+        "_LocalPendingWrite.publish() hard-links the replaced file to a backup name before the "
+        "rename; when the rename fails (here: the temporary is gone) the backup is never "
+        "removed and stays behind as a .stagesave-tmp file"
+    ))),
+    pytest.param(True, id="dir"),
+])
 def test_temporary_deleted_under_a_pending_save(tmp_path, is_dir):
     """Someone (a cleanup cron, a user's rm) deletes the save's temporary while it is written."""
     with stagesave.Checkpointer(tmp_path, chunk_bytes=8192) as ck:
@@ -155,158 +163,235 @@ def test_remove_while_a_save_of_the_same_path_is_pending(tmp_path, is_dir):
 
 
 # ---------------------------------------------------------------------------- readers at every step
+class Stepper:
+    """Holds the save's background threads before each of their ``_fsops`` calls, one at a time."""
+
+    def __init__(self, rec: Recorder) -> None:
+        self._at = threading.Event()
+        self._go = threading.Event()
+        self._one = threading.Lock()  # the I/O threads write chunks in parallel: one stops at a time
+        self._current: list[Call] = []
+        rec.add_hook(self._hold)
+
+    def _hold(self, call: Call) -> None:
+        if threading.current_thread() is threading.main_thread():
+            return  # the caller's own checks (check_writable) run before the save starts
+        with self._one:
+            self._current[:] = [call]
+            self._at.set()
+            assert self._go.wait(60), "the test never released the writer"
+            self._go.clear()
+
+    def next_call(self, handle: stagesave.SaveHandle) -> Call | None:
+        """The call the writer is held at now; None once the save is done."""
+        while not handle.done():
+            if self._at.wait(0.05):
+                self._at.clear()
+                return self._current[0]
+        return None
+
+    def release(self) -> None:
+        self._go.set()
+
+
+def _in_thread(fn):  # type: ignore[no-untyped-def]
+    box: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            box["result"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - judged by the test
+            box["error"] = f"{type(exc).__name__}: {exc}"
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, box
+
+
+def _settled(alive, pid: int, already_waiting: int = 0) -> bool:  # type: ignore[no-untyped-def]
+    """Wait until a reader finished (True) or waits for a file lock held by the writer (False).
+
+    ``already_waiting``: lock waits of ``pid`` that were there before this reader started.
+    """
+    deadline = time.monotonic() + 30
+    while alive():
+        if lock_waiters(pid) > already_waiting:
+            return False
+        assert time.monotonic() < deadline, "the reader hangs without waiting for a lock"
+        time.sleep(0.005)
+    return True
+
+
+def _read_file(root: str) -> int:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with stagesave.Checkpointer(root) as other:
+            step = other.load("last.ckpt")["step"]
+            best = other.latest(verify=True)
+            assert best is not None and best.name == "last.ckpt", best
+            return step
+
+
 def test_reader_at_every_step_of_a_pending_overwrite_sees_old_or_new(tmp_path):
     """A second Checkpointer (as another process would) loads last.ckpt while the save is held
-    before each of its calls: always the old or the new checkpoint, verified, never an error."""
+    before each of its calls: always the old or the new checkpoint, verified, never an error. A
+    reader that waits for the writer's lock is let through after the step."""
     root = str(tmp_path)
+    readers = []
     with stagesave.Checkpointer(root, chunk_bytes=8192) as ck:
         ck.save(file_state(1), "last.ckpt").result()
-        seen: list[tuple[str, int, str]] = []
-        problems: list[str] = []
         with Recorder(root) as rec:
-            step_at = threading.Event()
-            step_go = threading.Event()
-            current: list[Call] = []
-            one_at_a_time = threading.Lock()
-
-            def hold(call: Call) -> None:
-                if threading.current_thread() is threading.main_thread():
-                    return  # the caller's own checks (check_writable) run before the save starts
-                with one_at_a_time:  # the I/O threads write chunks in parallel: one stops at a time
-                    current[:] = [call]
-                    step_at.set()
-                    assert step_go.wait(60)
-                    step_go.clear()
-
-            rec.add_hook(hold)
+            stepper = Stepper(rec)
             h = ck.save(file_state(2), "last.ckpt")
-            while not h.done():
-                if not step_at.wait(0.05):
-                    continue
-                step_at.clear()
-                call = current[0]
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    with stagesave.Checkpointer(root) as other:
-                        try:
-                            step = other.load("last.ckpt")["step"]
-                            best = other.latest(verify=True)
-                            assert best is not None and best.name == "last.ckpt"
-                            seen.append((call.name, step, os.path.basename(call.path)))
-                        except Exception as exc:  # noqa: BLE001 - a violation, reported below
-                            problems.append(f"before {call.name} {call.path}: {type(exc).__name__}: {exc}")
-                step_go.set()
+            while (call := stepper.next_call(h)) is not None:
+                waiting = lock_waiters(os.getpid())  # earlier readers may still wait for the lock
+                t, box = _in_thread(lambda: _read_file(root))
+                readers.append((call, t, box, _settled(t.is_alive, os.getpid(), waiting)))
+                stepper.release()
             h.result(timeout=60)
-    steps = [s for _, s, _ in seen]
-    faultstats.record("readers at every step of a pending save", len(seen) + len(problems), len(problems))
+    for _, t, _, _ in readers:
+        t.join(60)
+        assert not t.is_alive(), "a reader hangs"
+    problems = [f"before {c.name} {c.path}: {b['error']}" for c, _, b, _ in readers if "error" in b]
+    problems += [f"before {c.name}: step {b['result']}" for c, _, b, _ in readers if b.get("result") not in (1, 2, None)]
+    faultstats.record("readers at every step of a pending save", len(readers), len(problems))
     assert not problems, problems
-    assert set(steps) <= {1, 2}
-    assert steps == sorted(steps)  # old until the rename, new from then on
-    assert steps[0] == 1 and steps[-1] == 2
-    assert len(seen) > 15
+    in_step = [b["result"] for _, _, b, settled in readers if settled]
+    assert in_step == sorted(in_step)  # old until the rename, new from then on
+    assert in_step[0] == 1 and readers[-1][2]["result"] == 2
+    assert len(readers) > 15
+
+
+@pytest.mark.fault_class("readers at every step of a pending save")
+@pytest.mark.xfail(strict=True, reason=(
+    "LocalStore.list() stats each directory entry after listing it; a writer's temporary renamed "
+    "away in between (its publish) makes stat raise FileNotFoundError, which escapes list(), so "
+    "load('last.ckpt') in another process fails with 'no checkpoint at last.ckpt'"
+))
+def test_a_temporary_published_while_a_reader_lists_the_directory(tmp_path, monkeypatch):
+    """Seen in the reader test above as a rare race; made deterministic: the listing a reader
+    makes of the directory still names a writer's temporary that is renamed away right after."""
+    stagesave.save(file_state(1), tmp_path / "last.ckpt")
+    temp = tmp_path / f".last.ckpt.{os.getpid()}-0badf00d.stagesave-tmp"
+    temp.write_bytes(b"a writer's temporary")
+    real_scandir = os.scandir
+
+    def listing_then_publish(path):  # type: ignore[no-untyped-def]
+        entries = list(real_scandir(path))
+        if temp.exists():
+            temp.rename(tmp_path / "elsewhere")  # gone from its name: its writer published it
+        return iter(entries)
+
+    monkeypatch.setattr(os, "scandir", listing_then_publish)
+    assert stagesave.load(tmp_path / "last.ckpt")["step"] == 1
 
 
 def _into_place(root: str):  # type: ignore[no-untyped-def]
-    """The second rename of a folder replacement (staging folder onto the checkpoint's name)."""
-    return lambda c: (c.name == "rename" and ".stagesave-tmp" in os.path.basename(c.path)
-                      and os.path.abspath(c.args[1]) == os.path.join(root, "checkpoint"))
+    """The call that puts the staged folder under the checkpoint's name: the second rename of
+    a replacement by renames, or the atomic exchange of the two folders."""
+    final = os.path.join(root, "checkpoint")
+    return lambda c: (c.name in ("rename", "exchange") and ".stagesave-tmp" in os.path.basename(c.path)
+                      and os.path.abspath(c.args[1]) == final)
 
 
-def _read_in_other_process(root: str) -> tuple[str, object]:
-    parent, child = _ctx.Pipe()
-    p = _ctx.Process(target=faultchild.reader, args=(root, child))
-    p.start()
-    assert parent.poll(60), "reader hangs"
-    out = parent.recv()
-    p.join(30)
-    return out
+class ReaderProcess:
+    """``latest(verify=True)`` of ``root`` in another process (see ``faultchild.reader``)."""
+
+    def __init__(self, root: str) -> None:
+        self.conn, child = _ctx.Pipe()
+        self.proc = _ctx.Process(target=faultchild.reader, args=(root, child))
+        self.proc.start()
+
+    def settled(self) -> bool:
+        return _settled(lambda: not self.conn.poll(0), self.proc.pid)
+
+    def result(self) -> tuple[str, object]:
+        assert self.conn.poll(60), "the reader process hangs"
+        out = self.conn.recv()
+        self.proc.join(30)
+        return out
 
 
 def test_reader_process_at_every_step_of_a_pending_folder_overwrite(tmp_path):
     """The same with a reader process (``latest()`` repairs folders moved aside by dead writers,
     so a reader must be another process to see a live writer as alive). The one step between
-    the two renames of the replacement is the xfail test below."""
+    two renames of a replacement (where the filesystem cannot exchange two folders atomically)
+    is tested on its own below."""
     root = str(tmp_path)
-    window = _into_place(root)
+    into_place = _into_place(root)
+    readers = []
+    skipped = 0
     with stagesave.Checkpointer(root, chunk_bytes=8192) as ck:
         ck.save_dir(dir_state(1), "checkpoint").result()
-        seen: list[tuple[str, object]] = []
         with Recorder(root) as rec:
-            step_at = threading.Event()
-            step_go = threading.Event()
-            current: list[Call] = []
-            one_at_a_time = threading.Lock()
-
-            def hold(call: Call) -> None:
-                if threading.current_thread() is threading.main_thread():
-                    return
-                with one_at_a_time:  # the I/O threads write chunks in parallel: one stops at a time
-                    current[:] = [call]
-                    step_at.set()
-                    assert step_go.wait(60)
-                    step_go.clear()
-
-            rec.add_hook(hold)
+            stepper = Stepper(rec)
             h = ck.save_dir(dir_state(2), "checkpoint")
-            skipped = 0
-            while not h.done():
-                if not step_at.wait(0.05):
-                    continue
-                step_at.clear()
-                if window(current[0]):
+            while (call := stepper.next_call(h)) is not None:
+                if call.name == "rename" and into_place(call):
                     skipped += 1
                 else:
-                    seen.append((current[0].name, _read_in_other_process(root)))
-                step_go.set()
+                    r = ReaderProcess(root)
+                    readers.append((call, r, r.settled()))
+                stepper.release()
             h.result(timeout=60)
-    assert skipped == 1
+    seen = [(c.name, r.result(), settled) for c, r, settled in readers]
+    assert skipped <= 1
     bad = [s for s in seen if s[1] not in (("checkpoint", 1), ("checkpoint", 2))]
     faultstats.record("readers at every step of a pending save", len(seen), len(bad))
     assert not bad, bad
-    steps = [r[1] for _, r in seen]
-    assert steps == sorted(steps) and steps[0] == 1 and steps[-1] == 2
+    in_step = [r[1] for _, r, settled in seen if settled]
+    assert in_step == sorted(in_step) and in_step[0] == 1 and seen[-1][1] == ("checkpoint", 2)
     assert len(seen) > 30
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a folder replacement is two renames (old folder aside, new folder in); between them a "
-    "reader in another process finds no checkpoint at all (latest() is None), and it stays so "
-    "for as long as the writer is stalled there"
-))
 @pytest.mark.fault_class("readers at every step of a pending save")
-def test_reader_process_between_the_two_renames_of_a_folder_replacement(tmp_path):
+@pytest.mark.parametrize("how", ["exchange", "renames"])
+def test_reader_process_while_a_folder_replacement_is_held_at_its_publish(tmp_path, how):
+    """Held right before the staged folder takes the checkpoint's name (the exchange of the two
+    folders; or, where the filesystem cannot exchange, between the two renames), a reader process
+    sees the old or the new checkpoint, never none (if it waits for the writer's lock, the writer
+    is let go on)."""
     root = str(tmp_path)
     with stagesave.Checkpointer(root, chunk_bytes=8192) as ck:
         ck.save_dir(dir_state(1), "checkpoint").result()
         with Recorder(root) as rec:
+            if how == "renames":
+                rec.fail("exchange", errno.EINVAL, every=True)  # before the gate sees the call
             gate = Gate(rec, _into_place(root))
             h = ck.save_dir(dir_state(2), "checkpoint")
             gate.reached()
+            reader = ReaderProcess(root)
             try:
-                seen = _read_in_other_process(root)
+                reader.settled()  # finished, or waits for the writer's lock: then let it commit
             finally:
                 gate.open()
+            seen = reader.result()
             h.result(timeout=60)
     assert seen in (("checkpoint", 1), ("checkpoint", 2)), seen
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "restore_aside() treats a folder moved aside under this process's own pid as left by a dead "
-    "writer, so latest() from another Checkpointer in the same process moves it back while a "
-    "folder save is between its two renames; that save then fails and leaves its staging folder"
-))
 @pytest.mark.fault_class("load/remove while a save is pending")
-def test_latest_in_the_same_process_during_a_folder_replacement(tmp_path):
+@pytest.mark.parametrize("how", ["exchange", "renames"])
+def test_latest_in_the_same_process_during_a_folder_replacement(tmp_path, how):
+    """latest() from another Checkpointer of the same process (an evaluation callback) while a
+    folder save is held at its publish: it must not repair the live writer's aside folder."""
     root = str(tmp_path)
     with stagesave.Checkpointer(root, chunk_bytes=8192) as ck:
         ck.save_dir(dir_state(1), "checkpoint").result()
         with Recorder(root) as rec:
+            if how == "renames":
+                rec.fail("exchange", errno.EINVAL, every=True)
             gate = Gate(rec, _into_place(root))
             h = ck.save_dir(dir_state(2), "checkpoint")
-            gate.reached()  # the old folder is aside, the new one not yet in place
-            assert latest_name(root) == ("checkpoint", 1)  # e.g. an evaluation callback
-            gate.open()
+            gate.reached()  # the old folder is aside (or about to be exchanged), the new one not in place
+            t, box = _in_thread(lambda: latest_name(root))  # e.g. an evaluation callback
+            try:
+                _settled(t.is_alive, os.getpid())
+            finally:
+                gate.open()
+            t.join(60)
             error = h.exception(timeout=60)
+        assert box.get("result") in (("checkpoint", 1), ("checkpoint", 2)), box
         assert error is None, f"the pending save failed: {error}"
         assert debris(root) == []
         assert latest_name(root) == ("checkpoint", 2)

@@ -202,12 +202,8 @@ def test_retention_and_removing_a_linked_file_never_delete_through_links(linked)
 
 
 @pytest.mark.fault_class("symlinks out of the root")
-@pytest.mark.xfail(strict=True, reason=(
-    "Checkpointer.remove() on a symlink to a folder checks os.path.isdir (which follows the "
-    "link) and deletes <link>/checkpoint.stagesave.json, i.e. the manifest inside the target "
-    "folder outside the root"
-))
 def test_removing_a_linked_folder_never_deletes_inside_its_target(linked):
+    """remove() of a link to a folder outside must not delete the manifest inside that folder."""
     _base, root, outside = linked
     before = _files(outside)
     with stagesave.Checkpointer(root) as ck:
@@ -216,13 +212,10 @@ def test_removing_a_linked_folder_never_deletes_inside_its_target(linked):
 
 
 @pytest.mark.fault_class("symlinks out of the root")
-@pytest.mark.xfail(strict=True, reason=(
-    "inside a real checkpoint folder, a manifest or data file that is a symlink out of the root "
-    "is followed: LocalStore.info() stats and read_range()/verify open through the link, so "
-    "verify/latest read (and report the size of) files outside the checkpoint"
-))
 @pytest.mark.parametrize("linked_file", ["checkpoint.stagesave.json", "optimizer.bin"])
 def test_links_inside_a_checkpoint_folder_are_not_followed(world, linked_file):
+    """A real checkpoint folder whose manifest or data file links out of the root: refused
+    as corrupt, and nothing outside is opened."""
     base, root, outside = world
     target = outside / "stolen"
     shutil.copy(root / "checkpoint" / linked_file, target)  # the attacker's copy, outside

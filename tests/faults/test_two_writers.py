@@ -8,13 +8,20 @@ parent lets it go on. The parent drives both through every interleaving of those
 two new ones, whole and verified (never one writer's bytes under the other's manifest); if both
 writers reported success it is one of theirs; a writer that reported failure is not the one
 that won; every failure is a CheckpointError naming the path.
+
+A writer that waits for the other's commit lock (seen in /proc/locks) is left waiting and the
+schedule goes on with the other. Without that lock, the 6 schedules in which the loser listed
+the winner's manifest among those it replaced (its first step after the winner's second) ended
+with both writers reporting success and ``last.ckpt`` refused as corrupt.
 """
 
 from __future__ import annotations
 
 import itertools
 import multiprocessing
+import multiprocessing.connection
 import os
+import time
 import warnings
 
 import faultchild
@@ -22,6 +29,7 @@ import faultstats
 import pytest
 import torch
 from faultchild import file_state
+from faulthelp import blocked_on_a_lock
 
 import stagesave
 
@@ -31,29 +39,6 @@ _ctx.set_forkserver_preload(["torch", "stagesave", "faultchild"])
 FAULT_CLASS = "two writers, every commit interleaving (2 processes)"
 SCHEDULES = sorted({"".join(p) for p in itertools.permutations("AAAABBBB")})
 STEP = {"A": 2, "B": 3}
-
-
-def _loses_manifest(schedule: str) -> bool:
-    """Whether the current protocol loses the winner's manifest in this interleaving.
-
-    Segments per writer: 1 = write data + list the manifests to replace, 2 = write own manifest,
-    3 = publishing rename, 4 = remove the listed manifests. The winner W renames last; the loser
-    L lists W's manifest among those it replaces (and later removes it) iff L's segment 1 comes
-    after W's segment 2: W's file then ends up without its manifest.
-    """
-    done = {"A": 0, "B": 0}
-    when: dict[tuple[str, int], int] = {}
-    for i, w in enumerate(schedule):
-        done[w] += 1
-        when[(w, done[w])] = i
-    winner = "A" if when[("A", 3)] > when[("B", 3)] else "B"
-    loser = "B" if winner == "A" else "A"
-    return when[(loser, 1)] > when[(winner, 2)]
-
-
-#: Interleavings where one writer removes the other's manifest and the other's rename wins:
-#: both report success, and last.ckpt (the other's bytes) has no manifest that matches it.
-LOST_MANIFEST = {s for s in SCHEDULES if _loses_manifest(s)}
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +61,19 @@ def writers():
             p.join()
 
 
+def _step(writers, w: str) -> tuple[str, object] | None:
+    """Let writer ``w`` run to its next stop; None if it is left waiting (for the other's lock)."""
+    p, conn = writers[w]
+    conn.send("go")
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if conn.poll(0.01):
+            return conn.recv()
+        if blocked_on_a_lock(p.pid):
+            return None
+    return None  # stalled for another reason: the schedule goes on without it
+
+
 def _drive(writers, root: str, schedule: str) -> dict[str, str | None]:
     """Run both saves through ``schedule``; each writer's outcome (None: success)."""
     for w in "AB":
@@ -83,22 +81,26 @@ def _drive(writers, root: str, schedule: str) -> dict[str, str | None]:
     last = {w: writers[w][1].recv() for w in "AB"}  # both stopped before creating their data
     waiting = {"A": False, "B": False}
     for w in schedule:
-        conn = writers[w][1]
         if last[w][0] == "done" or waiting[w]:
             continue
-        conn.send("go")
-        if conn.poll(5):
-            last[w] = conn.recv()
+        got = _step(writers, w)
+        if got is None:
+            waiting[w] = True
         else:
-            waiting[w] = True  # it waits for the other writer (a lock would do that): go on
-    for w in "AB":
-        conn = writers[w][1]
-        while last[w][0] != "done":
-            if not waiting[w]:
-                conn.send("go")
-            waiting[w] = False
-            assert conn.poll(60), f"writer {w} hangs"
+            last[w] = got
+    # Let both finish, in whatever order their locks allow.
+    while any(last[w][0] != "done" for w in "AB"):
+        for w in "AB":
+            if last[w][0] != "done" and not waiting[w]:
+                writers[w][1].send("go")
+                waiting[w] = True
+        busy = {writers[w][1]: w for w in "AB" if waiting[w]}
+        ready = multiprocessing.connection.wait(list(busy), timeout=60)
+        assert ready, "both writers hang"
+        for conn in ready:
+            w = busy[conn]
             last[w] = conn.recv()
+            waiting[w] = False
     return {w: last[w][1] for w in "AB"}
 
 
@@ -128,18 +130,11 @@ def _judge(root: str, outcomes: dict[str, str | None]) -> list[str]:
     return problems
 
 
-@pytest.mark.parametrize("schedule", [
-    pytest.param(s, marks=pytest.mark.xfail(strict=True, reason=(
-        "the loser lists the winner's manifest as 'replaced' before its own rename, then deletes "
-        "it after the winner's rename: both report success, last.ckpt has no matching manifest "
-        "and is refused as corrupt (no lock, no re-check of the file's id before deleting)"
-    ))) if s in LOST_MANIFEST else s
-    for s in SCHEDULES
-])
+@pytest.mark.parametrize("schedule", SCHEDULES)
 def test_two_processes_save_the_same_path(tmp_path, writers, schedule):
     root = str(tmp_path)
     stagesave.save(file_state(1), os.path.join(root, "last.ckpt"))
     outcomes = _drive(writers, root, schedule)
     problems = _judge(root, outcomes)
-    faultstats.record(FAULT_CLASS, 1, int(bool(problems)), known_bug=schedule in LOST_MANIFEST)
+    faultstats.record(FAULT_CLASS, 1, int(bool(problems)))
     assert not problems, problems
