@@ -42,12 +42,22 @@ class LastProbe(Callback):
     def on_train_batch_start(self, trainer: Trainer, *args: Any) -> None:
         if trainer.global_step == 3 and self.first_held is not None:
             assert self.first_held()  # the step-2 saves are done, later ones are held
-        if os.path.lexists(self.last) and not self.last.exists():
-            self.seen.append("dangling")
-        elif self.last.exists():
-            self.seen.append(stagesave.verify(str(self.last.resolve())).status)
-        else:
-            self.seen.append("absent")
+        for _ in range(5):
+            if os.path.lexists(self.last) and not self.last.exists():
+                self.seen.append("dangling")
+            elif self.last.exists():
+                target = self.last.resolve()
+                try:
+                    self.seen.append(stagesave.verify(str(target)).status)
+                except FileNotFoundError:
+                    # The link moved on and top-k removed its old target between our two reads:
+                    # look again (a dangling link would still be caught above).
+                    if self.last.resolve() != target:
+                        continue
+                    raise
+            else:
+                self.seen.append("absent")
+            return
 
     def on_train_end(self, trainer: Trainer, pl_module: Any) -> None:
         self.release()
