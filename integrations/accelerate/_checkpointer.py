@@ -2,30 +2,39 @@
 
 ``save_state`` gathers exactly what Accelerate would write (``_layout.py``), hands it to
 ``Checkpointer.save_dir`` and returns once it is staged in host memory; the folder appears only
-when every file and the manifest are durable. ``load_state`` picks the checkpoint (the newest
-*valid* one under automatic naming), proves it against its manifest, and then lets Accelerate's
-own ``load_state`` read it, so restoring stays Accelerate's code, hooks and ``map_location``
-rules included.
+when every file and the manifest are durable. Under FSDP (``SHARDED_STATE_DICT``) every rank
+stages its shards through ``stagesave.dcp`` (``_fsdp.py``) and the folder is published once
+every part committed (``_assemble.py``). ``load_state`` picks the checkpoint (the newest *valid*
+one under automatic naming), proves it against its manifest(s), and then lets Accelerate's own
+``load_state`` read it, so restoring stays Accelerate's code, hooks and ``map_location`` rules
+included (FSDP's DCP folders are read through ``stagesave.dcp``'s reader).
 
-Runs that Accelerate saves through other machinery (FSDP, DeepSpeed, Megatron-LM, XLA) keep
-Accelerate's synchronous methods, announced by one :class:`SynchronousFallbackWarning`.
+Runs that Accelerate saves through other machinery (DeepSpeed, Megatron-LM, XLA, FSDP with
+other state dict types) keep Accelerate's synchronous methods, announced by one
+:class:`SynchronousFallbackWarning`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import secrets
+import time
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from stagesave import Checkpointer, CheckpointInfo, SaveHandle
+import stagesave
+from stagesave import Checkpointer, CheckpointInfo, SaveHandle, SaveTelemetry, TieredStore
+from stagesave.dcp import StagedStorageWriter
 
-from . import _dist, _remote
+from . import _dist, _fsdp, _remote
+from ._assemble import Assembly, FolderHandle, Publisher
 from ._config import Options, is_switched_off, resolve_options
 from ._hooks import run_save_hooks
 from ._layout import MANIFEST_KEY, collect_rng_state, state_files
 from ._restore import LoadPlan, discard_copy, plan_explicit, plan_newest
+from ._roots import AutoRoot, staging_dir_for
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -37,6 +46,8 @@ logger = logging.getLogger("stagesave.accelerate")
 #: Accelerate's automatic naming: ``<project_dir>/checkpoints/checkpoint_<iteration>``.
 CHECKPOINTS_DIR = "checkpoints"
 FOLDER_PREFIX = "checkpoint_"
+#: Marker in the names of work folders (as the core's temporaries, so ``stagesave gc`` knows them).
+_TMP = ".stagesave-tmp"
 
 #: What Accelerate needs from an ``Accelerator`` for the asynchronous path.
 _REQUIRED_ATTRS = (
@@ -49,17 +60,10 @@ class SynchronousFallbackWarning(UserWarning):
     """Issued once when an Accelerator keeps Accelerate's own synchronous save_state/load_state."""
 
 
-def _fallback_reason(accelerator: Any) -> str | None:
+def _fallback_reason(accelerator: Any, options: Options) -> str | None:
     from accelerate.utils import DistributedType
 
     kind = accelerator.distributed_type
-    if kind in (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
-        return (
-            f"{kind.value} runs save model and optimizer shards through {kind.value}'s own "
-            "functions, which stagesave does not stage"
-        )
-    if kind == DistributedType.XLA:
-        return "XLA runs need xm.mark_step() and XLA-side saving, which stagesave does not do"
     missing = [a for a in _REQUIRED_ATTRS if not hasattr(accelerator, a)]
     if missing:
         import accelerate
@@ -68,21 +72,34 @@ def _fallback_reason(accelerator: Any) -> str | None:
             f"this Accelerate version ({accelerate.__version__}) lacks {', '.join(missing)}, "
             "which stagesave reads to reproduce save_state's layout"
         )
+    if kind == DistributedType.FSDP:
+        reason = _fsdp.unsupported_reason(accelerator)
+        if reason is None and (options.local_tier or (options.destination and _remote.is_url(options.destination))):
+            reason = ("FSDP checkpoints are assembled from their DCP parts by renames in a local folder; "
+                      "URL destinations and local_tier are not supported with FSDP")
+        return reason
+    if kind in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
+        return (
+            f"{kind.value} runs save model and optimizer shards through {kind.value}'s own "
+            "functions, which stagesave does not stage"
+        )
+    if kind == DistributedType.XLA:
+        return "XLA runs need xm.mark_step() and XLA-side saving, which stagesave does not do"
     return None
 
 
-def _drop_placeholder(target: str) -> None:
-    """Remove the empty folder ``Checkpointer.save_dir`` creates at the target while staging.
-
-    The core's writability check makes the target folder itself (a core bug: the folder must
-    appear only when committed), so Accelerate's own ``load_state`` or ``total_limit`` could see
-    an empty ``checkpoint_<N>``. ``rmdir`` removes only an empty folder, never a committed one
-    (the commit renames a populated staging folder into place).
-    """
-    try:
-        os.rmdir(target)
-    except OSError:
-        pass
+def _check_options(options: Options) -> None:
+    """Raises ValueError for option combinations that cannot work."""
+    if options.local_tier is None:
+        if options.keep_local is not None:
+            raise ValueError("keep_local applies to local_tier, which is not set")
+        return
+    if options.destination is None:
+        raise ValueError("local_tier is a fast tier in front of destination=, which is not set")
+    if _remote.is_url(options.local_tier):
+        raise ValueError(f"local_tier must be a local directory, got {options.local_tier}")
+    if _remote.normalize(options.local_tier) == _remote.normalize(options.destination):
+        raise ValueError("local_tier and destination are the same folder")
 
 
 class AcceleratorCheckpointer:
@@ -106,18 +123,23 @@ class AcceleratorCheckpointer:
     def __init__(self, accelerator: Any, *, options: Options | None = None, **overrides: Any) -> None:
         self.accelerator = accelerator
         self.options = options if options is not None else resolve_options(overrides)
+        _check_options(self.options)
         cls = type(accelerator)
         # The class's methods, bound: the real ones even when the instance is patched.
         self._accelerate_save = cls.save_state.__get__(accelerator, cls)
         self._accelerate_load = cls.load_state.__get__(accelerator, cls)
-        self._checkpointers: dict[tuple[str, int | None], Checkpointer] = {}
+        self._checkpointers: dict[str, Checkpointer] = {}
+        self._tiered: TieredStore | None = None
+        self._staging: dict[str, str | None] = {}
+        self._writer: StagedStorageWriter | None = None
+        self._publisher = Publisher()
         self.last_handle: SaveHandle | None = None
         self.synchronous_reason: str | None = None
         if is_switched_off():
             self.synchronous_reason = "switched off by STAGESAVE_ACCELERATE"
             logger.info("stagesave.accelerate is switched off by STAGESAVE_ACCELERATE; using Accelerate's save_state")
         else:
-            reason = _fallback_reason(accelerator)
+            reason = _fallback_reason(accelerator, self.options)
             if reason is not None:
                 self.synchronous_reason = reason
                 warnings.warn(
@@ -126,6 +148,9 @@ class AcceleratorCheckpointer:
                     SynchronousFallbackWarning,
                     stacklevel=3,
                 )
+        from accelerate.utils import DistributedType
+
+        self._fsdp = self.asynchronous and accelerator.distributed_type == DistributedType.FSDP
 
     # ------------------------------------------------------------------ properties
     @property
@@ -135,7 +160,8 @@ class AcceleratorCheckpointer:
 
     @property
     def checkpoints_root(self) -> str:
-        """Where automatic naming puts ``checkpoint_<N>`` folders (path or URL).
+        """Where automatic naming puts ``checkpoint_<N>`` folders (path or URL; the remote tier's
+        URL when ``local_tier`` is set).
 
         Raises:
             ValueError: neither ``destination`` nor the Accelerator's ``project_dir`` is set.
@@ -150,25 +176,50 @@ class AcceleratorCheckpointer:
             )
         return _remote.normalize(os.path.join(project_dir, CHECKPOINTS_DIR))
 
+    @property
+    def _auto(self) -> AutoRoot:
+        tier = self.options.local_tier
+        return AutoRoot(self.checkpoints_root, _remote.normalize(tier) if tier is not None else None)
+
+    @property
+    def tiered_store(self) -> TieredStore | None:
+        """The :class:`stagesave.TieredStore` behind automatic naming with ``local_tier``
+        (``None`` before the first use or without a local tier)."""
+        return self._tiered
+
     def _writes(self) -> bool:
         acc = self.accelerator
         if acc.project_configuration.save_on_each_node:
             return bool(acc.is_local_main_process)
         return bool(acc.is_main_process)
 
-    def _checkpointer(self, automatic: bool = False) -> Checkpointer:
-        """The Checkpointer for automatic-naming saves (with retention) or for explicit folders."""
-        keep = self.accelerator.project_configuration.total_limit if automatic else None
-        key = ("auto", keep) if automatic else ("plain", None)
-        ckpt = self._checkpointers.get(key)
+    def _checkpointer(self, kind: str = "plain") -> Checkpointer:
+        """The Checkpointer for ``"auto"`` (automatic naming, with retention and the tiered
+        root), ``"plain"`` (explicit folders) or ``"fsdp"`` (parts of FSDP checkpoints)."""
+        ckpt = self._checkpointers.get(kind)
         if ckpt is None:
             o = self.options
+            root: TieredStore | None = None
+            keep = None
+            if kind == "auto":
+                keep = self.accelerator.project_configuration.total_limit
+                if o.local_tier is not None:
+                    root = self._tiered = TieredStore(
+                        o.local_tier, self.checkpoints_root, storage_options=dict(o.storage_options),
+                        keep_local=o.keep_local,
+                    )
             ckpt = Checkpointer(
-                max_pending=o.max_pending, checksum=o.checksum, keep_last=keep, io_threads=o.io_threads,
+                root, max_pending=o.max_pending, checksum=o.checksum, keep_last=keep, io_threads=o.io_threads,
                 direct_io=o.direct_io, storage_options=dict(o.storage_options),
             )
-            self._checkpointers[key] = ckpt
+            self._checkpointers[kind] = ckpt
         return ckpt
+
+    def _staging_dir(self, root: str) -> str | None:
+        """Where folders for the local automatic-naming ``root`` are assembled (cached)."""
+        if root not in self._staging:
+            self._staging[root] = staging_dir_for(root)
+        return self._staging[root]
 
     # ------------------------------------------------------------------ saving
     def save_state(
@@ -178,15 +229,16 @@ class AcceleratorCheckpointer:
         """Stage everything ``Accelerator.save_state`` saves and write it in the background.
 
         Same arguments as ``Accelerator.save_state``; ``output_dir`` may be an fsspec URL.
-        Returns the save's handle (its ``path`` is the folder), or ``None`` on processes that
-        write nothing and when Accelerate's synchronous method ran instead.
+        Returns the save's handle (its ``path`` is the folder; ``result()`` waits for its
+        commit), or ``None`` on processes that write no folder and when Accelerate's
+        synchronous method ran instead.
 
         Raises:
             ValueError: no ``output_dir`` without automatic naming; the automatic folder already
-                holds a valid checkpoint (as Accelerate refuses too).
+                holds a valid checkpoint (as Accelerate refuses too); an FSDP save to a URL or
+                over an existing folder.
             CheckpointError: an earlier background save failed; the target cannot be written.
-            UnsupportedObjectError: a state holds something stagesave cannot save, or a save
-                pre-hook wrote a file other than safetensors.
+            UnsupportedObjectError: a state holds something stagesave cannot save.
         """
         if not self.asynchronous:
             self._accelerate_save(output_dir, safe_serialization=safe_serialization, **save_model_func_kwargs)
@@ -195,85 +247,176 @@ class AcceleratorCheckpointer:
         return handle
 
     def _save(self, output_dir: Any, safe_serialization: bool) -> tuple[str, SaveHandle | None]:
+        self._publisher.raise_errors()
         acc = self.accelerator
         config = acc.project_configuration
         automatic = bool(config.automatic_checkpoint_naming)
         iteration = int(config.iteration)
         if automatic:
-            target = _remote.join(self.checkpoints_root, f"{FOLDER_PREFIX}{iteration}")
+            target = self._auto.name(f"{FOLDER_PREFIX}{iteration}")
         elif output_dir is None:
             raise ValueError(
                 "save_state needs output_dir unless ProjectConfiguration(automatic_checkpoint_naming=True)"
             )
         else:
             target = _remote.normalize(output_dir)
-        writer = self._writes()
-        weights = [acc.get_state_dict(model, unwrap=False) for model in acc._models]
-        handle: SaveHandle | None = None
-        with run_save_hooks(acc, weights, _remote.leaf(target)) as hook_files:
-            rng = collect_rng_state(int(acc.step))
-            rng_states = _dist.gather_to_writers(
-                rng, int(acc.process_index), int(acc.num_processes), bool(config.save_on_each_node)
-            )
-            if writer:
-                handle = self._write(target, automatic, iteration, safe_serialization, weights, rng_states, hook_files)
+        if self._fsdp:
+            handle = self._save_fsdp(target, automatic, iteration, safe_serialization)
+        else:
+            handle = self._save_replicated(target, automatic, iteration, safe_serialization)
         config.iteration = iteration + 1
         return target, handle
 
-    def _write(
-        self, target: str, automatic: bool, iteration: int, safe_serialization: bool, weights: list[Any],
-        rng_states: dict[int, Any], hook_files: dict[str, Any],
-    ) -> SaveHandle:
-        """On a writing process: check the target, then stage every file and submit the folder."""
+    def _metadata(self, iteration: int, automatic: bool, safe_serialization: bool, **extra: Any) -> dict[str, Any]:
         acc = self.accelerator
-        ckpt = self._checkpointer(automatic)
-        if automatic:
-            self._refuse_existing(ckpt, target, iteration, users_folder=not _remote.is_url(target))
-        elif not _remote.is_url(target):
-            os.makedirs(os.path.dirname(target), exist_ok=True)
-        files = {**hook_files, **state_files(acc, weights, safe_serialization, rng_states)}
-        metadata = {
+        return {
             MANIFEST_KEY: {
                 "iteration": iteration,
                 "step": int(acc.step),
                 "num_processes": int(acc.num_processes),
                 "safe_serialization": bool(safe_serialization),
                 "automatic_checkpoint_naming": automatic,
+                **extra,
             }
         }
-        existed = _remote.is_url(target) or os.path.lexists(target)
-        handle = ckpt.save_dir(files, target, metadata=metadata)
-        if not existed:
-            _drop_placeholder(target)
+
+    def _rng_states(self) -> dict[int, Any]:
+        acc = self.accelerator
+        return _dist.gather_to_writers(
+            collect_rng_state(int(acc.step)), int(acc.process_index), int(acc.num_processes),
+            bool(acc.project_configuration.save_on_each_node),
+        )
+
+    def _save_replicated(self, target: str, automatic: bool, iteration: int, safe: bool) -> SaveHandle | None:
+        """Every file comes from the writing process; the others contribute their RNG state."""
+        acc = self.accelerator
+        weights = [acc.get_state_dict(model, unwrap=False) for model in acc._models]
+        with run_save_hooks(acc, weights, _remote.leaf(target)) as hook_files:
+            rng_states = self._rng_states()
+            if not self._writes():
+                return None
+            ckpt = self._checkpointer("auto" if automatic else "plain")
+            staging = None
+            if automatic:
+                self._refuse_existing(ckpt, target, iteration)
+                if not self._auto.tiered and not _remote.is_url(self._auto.root):
+                    staging = self._staging_dir(self._auto.root)
+            elif not _remote.is_url(target):
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+            files = {**hook_files, **state_files(acc, weights, safe, rng_states)}
+            handle = ckpt.save_dir(files, target, metadata=self._metadata(iteration, automatic, safe),
+                                   staging_dir=staging)
         self.last_handle = handle
         return handle
 
-    def _refuse_existing(self, ckpt: Checkpointer, target: str, iteration: int, *, users_folder: bool) -> None:
+    def _save_fsdp(self, target: str, automatic: bool, iteration: int, safe: bool) -> SaveHandle | None:
+        """Every rank stages its shards (DCP parts); the main process the other files.
+
+        Rank 0 checks the target and names the work folder first and tells everyone, so that
+        a refused save raises on every rank before any collective of ``dcp.save``.
+        """
+        acc = self.accelerator
+        world, rank = int(acc.num_processes), int(acc.process_index)
+        started, t0 = time.time(), time.perf_counter()
+        leaf = _remote.leaf(target)
+        decision: tuple[tuple[str, bool] | None, BaseException | None] = (None, None)
+        if rank == 0:
+            try:
+                decision = (self._fsdp_work_folder(target, automatic, iteration), None)
+            except Exception as exc:  # noqa: BLE001 - every process raises the same error below
+                decision = (None, exc)
+        plan, error = _dist.broadcast_from_main(decision, world)
+        if error is not None:
+            raise error
+        assert plan is not None
+        work, replace_invalid = plan
+        ckpt = self._checkpointer("fsdp")
+        if self._writer is None:
+            self._writer = StagedStorageWriter(checkpointer=ckpt)
+        parts = _fsdp.part_names(acc)
+        handles = _fsdp.save_parts(acc, self._writer, f"{work}/parts")
+        with run_save_hooks(acc, [], leaf) as hook_files:
+            rng_states = self._rng_states()
+            if rank != 0:
+                return None
+            folder = f"{work}/folder/{leaf}"
+            files = {**hook_files, **state_files(acc, [], safe, rng_states, optimizers=False)}
+            meta = self._metadata(iteration, automatic, safe, fsdp={
+                "parts": parts, "state_dict_type": "SHARDED_STATE_DICT",
+                "fsdp_version": int(acc.state.fsdp_plugin.fsdp_version)})
+            handles.append(ckpt.save_dir(files, folder, metadata=meta))
+        tel = SaveTelemetry(path=target, started_at=started, blocking_s=time.perf_counter() - t0,
+                            bytes=sum(h.telemetry.bytes for h in handles))
+        handle = FolderHandle(target, tel)
+        assembly = Assembly(work, folder, [(f"{work}/parts/{p}", p) for p in parts], handles, target,
+                            replace_invalid, handle)
+        self._publisher.submit(assembly, after=self._fsdp_retention if automatic else lambda: None)
+        self.last_handle = handle
+        return handle
+
+    def _fsdp_work_folder(self, target: str, automatic: bool, iteration: int) -> tuple[str, bool]:
+        """On rank 0: refuse what cannot be saved, create the work folder; ``(work, replace_invalid)``.
+
+        Raises:
+            ValueError: a URL target; a valid checkpoint or a plain folder at an automatic
+                target; any existing folder at an explicit target.
+        """
+        if _remote.is_url(target):
+            raise ValueError(f"FSDP checkpoints through stagesave need a local folder, got {target}")
+        replace_invalid = False
+        if automatic:
+            replace_invalid = self._refuse_existing(self._checkpointer("fsdp"), target, iteration)
+            base = self._staging_dir(self._auto.root) or os.path.dirname(target)
+        else:
+            if os.path.lexists(target):
+                raise ValueError(
+                    f"{target} already exists: stagesave publishes an FSDP checkpoint by renaming it into "
+                    "place and does not replace existing folders; remove it or save to a new folder"
+                )
+            base = os.path.dirname(target)
+        work = os.path.join(base, f".{_remote.leaf(target)}.{os.getpid()}-{secrets.token_hex(4)}{_TMP}")
+        os.makedirs(os.path.join(work, "parts"))
+        os.makedirs(os.path.join(work, "folder"))
+        return work, replace_invalid
+
+    def _fsdp_retention(self) -> None:
+        """After an FSDP checkpoint was published: keep the ``total_limit`` newest (publisher thread)."""
+        keep = self.accelerator.project_configuration.total_limit
+        if keep is None:
+            return
+        committed = [c for c in stagesave.list_checkpoints(self._auto.root) if c.is_dir and c.status == "committed"]
+        ckpt = self._checkpointer("fsdp")
+        for old in committed[keep:]:
+            ckpt.remove(old.path)
+
+    def _refuse_existing(self, ckpt: Checkpointer, target: str, iteration: int) -> bool:
         """Accelerate's rule for automatic names, with torn folders replaced instead of fatal.
 
-        ``users_folder``: a folder without manifest there may be Accelerate's own (a local
-        folder); at a URL only a crashed stagesave save leaves one.
+        Returns whether an invalid checkpoint is there (to be replaced). A folder without
+        manifest may be Accelerate's own (local); at a URL only a crashed stagesave save leaves one.
 
         Raises:
             ValueError: a valid checkpoint, or a plain local folder stagesave cannot prove, is
                 already at ``target``.
         """
-        if users_folder and not os.path.lexists(target):
-            return
+        local = self._auto.local_folder(_remote.leaf(target))
+        if local is not None and not os.path.lexists(local):
+            return False
         try:
             info = ckpt.verify(target)
         except FileNotFoundError:
-            return
+            return False
         refuse = (
-            f"Checkpoint directory {target} ({iteration}) already exists. Please manually override "
+            f"Checkpoint directory {local or target} ({iteration}) already exists. Please manually override "
             "`self.save_iteration` with what iteration to start with."
         )
         if info.valid and info.manifest is not None:
             raise ValueError(refuse)
-        if info.status == "unverified" and users_folder:
+        if info.status == "unverified" and local is not None:
             raise ValueError(f"{refuse} (It has no stagesave manifest, so stagesave does not replace it.)")
         problem = "; ".join(info.problems) or "incomplete"
-        warnings.warn(f"stagesave: replacing the invalid checkpoint {target} ({problem})", stacklevel=5)
+        warnings.warn(f"stagesave: replacing the invalid checkpoint {local or target} ({problem})", stacklevel=6)
+        return True
 
     # ------------------------------------------------------------------ loading
     def load_state(
@@ -298,8 +441,7 @@ class AcceleratorCheckpointer:
             return None
         acc = self.accelerator
         world = int(acc.num_processes)
-        for ckpt in list(self._checkpointers.values()):
-            ckpt.wait()
+        self.wait()
         _dist.barrier(world)  # every writer's saves are committed before anyone chooses
         chosen: tuple[LoadPlan | None, BaseException | None] = (None, None)
         if int(acc.process_index) == 0:
@@ -319,7 +461,10 @@ class AcceleratorCheckpointer:
             else:  # another host: fetch this host's own copy
                 local = own_copy = _remote.download_folder(plan.folder, self.options.storage_options)
         try:
-            self._accelerate_load(local, load_kwargs, **load_model_func_kwargs)
+            if self._fsdp:
+                self._load_fsdp(local, load_kwargs, **load_model_func_kwargs)
+            else:
+                self._accelerate_load(local, load_kwargs, **load_model_func_kwargs)
             _dist.barrier(world)  # nobody removes a copy another process still reads
         finally:
             if own_copy is not None:
@@ -329,6 +474,22 @@ class AcceleratorCheckpointer:
             config.iteration = plan.iteration + 1
         return plan.folder
 
+    def _load_fsdp(self, local: str, load_kwargs: dict[str, Any] | None, **kwargs: Any) -> None:
+        """The DCP parts through stagesave's reader, the rest through Accelerate's ``load_state``.
+
+        Accelerate's own method is called with no models and optimizers registered for its
+        duration (exactly what it loads through ``load_fsdp_model``/``load_fsdp_optimizer``);
+        under FSDP its hooks receive an empty model list either way.
+        """
+        acc = self.accelerator
+        _fsdp.load_parts(acc, local)
+        models, optimizers = acc._models, acc._optimizers
+        acc._models, acc._optimizers = [], []
+        try:
+            self._accelerate_load(local, load_kwargs, **kwargs)
+        finally:
+            acc._models, acc._optimizers = models, optimizers
+
     def _plan(self, input_dir: str | os.PathLike[str] | None) -> LoadPlan:
         options = self.options
         storage = dict(options.storage_options)
@@ -336,22 +497,26 @@ class AcceleratorCheckpointer:
             return plan_explicit(self._checkpointer(), input_dir, options.verify_on_load, storage)
         if not self.accelerator.project_configuration.automatic_checkpoint_naming:
             raise ValueError("No input_dir provided and automatic checkpoint naming is disabled.")
-        return plan_newest(self._checkpointer(automatic=True), self.checkpoints_root, options.verify_on_load, storage)
+        auto = self._auto
+        return plan_newest(self._checkpointer("auto"), auto.list_arg, options.verify_on_load, storage,
+                           auto.folder_of, auto.plain_root)
 
     # ------------------------------------------------------------------ finding, waiting
     def latest(self) -> CheckpointInfo | None:
         """The newest valid checkpoint folder under automatic naming (``None`` if none)."""
-        root = self.checkpoints_root
-        ckpt = self._checkpointer(automatic=True)
+        root = self._auto.list_arg
+        ckpt = self._checkpointer("auto")
         ckpt.latest(root)
         return next((c for c in ckpt.list(root) if c.is_dir and c.valid), None)
 
     def pending(self) -> int:
-        """Saves of this process not committed yet."""
-        return sum(c.pending() for c in self._checkpointers.values())
+        """Saves of this process not committed (or, under FSDP, not published) yet."""
+        return sum(c.pending() for c in self._checkpointers.values()) + self._publisher.pending()
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until this process's saves are committed.
+        """Block until this process's saves are committed (and FSDP checkpoints published).
+
+        Uploads to the remote tier keep running; :meth:`wait_uploads` waits for those.
 
         Raises:
             TimeoutError: still running after ``timeout`` seconds.
@@ -359,21 +524,52 @@ class AcceleratorCheckpointer:
         """
         for ckpt in list(self._checkpointers.values()):
             ckpt.wait(timeout)
+        self._publisher.wait(timeout)
+        self._publisher.raise_errors()
+
+    def wait_uploads(self, timeout: float | None = None) -> list[SaveTelemetry]:
+        """With ``local_tier``: wait until every committed checkpoint was uploaded (or failed).
+
+        Returns the upload records since the last call (``error`` set on failed uploads, which
+        are retried after the next save). Without a local tier there is nothing to wait for.
+
+        Raises:
+            TimeoutError: uploads still running after ``timeout`` seconds.
+        """
+        self.wait(timeout)
+        return self._tiered.wait_uploads(timeout) if self._tiered is not None else []
 
     def close(self, timeout: float | None = None) -> None:
-        """Finish pending saves, release buffers and threads (safe to call twice).
+        """Finish pending saves (and uploads), release buffers and threads (safe to call twice).
 
         Raises:
             TimeoutError: saves still running after ``timeout`` seconds (not committed).
             CheckpointError: a background save failed.
         """
-        checkpointers, self._checkpointers = list(self._checkpointers.values()), {}
         errors: list[BaseException] = []
+        try:
+            self._publisher.close(timeout)  # it may still queue retention on the checkpointers
+        except BaseException as exc:  # noqa: BLE001 - close every part, then raise the first
+            errors.append(exc)
+        if self._writer is not None:
+            self._writer.close(timeout)
+            self._writer = None
+        checkpointers, self._checkpointers = list(self._checkpointers.values()), {}
         for ckpt in checkpointers:
             try:
                 ckpt.close(timeout)
-            except BaseException as exc:  # noqa: BLE001 - close every one, then raise the first
+            except BaseException as exc:  # noqa: BLE001
                 errors.append(exc)
+        if self._tiered is not None:
+            try:
+                self._tiered.close(timeout)
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+            self._tiered = None
+        try:
+            self._publisher.raise_errors()
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
         if errors:
             raise errors[0]
 
@@ -395,14 +591,15 @@ class AcceleratorCheckpointer:
             )
             return result
         target, _ = self._save(output_dir, safe_serialization)
-        if _remote.is_url(target):
-            return target
         acc = self.accelerator
         if output_dir is not None and not acc.project_configuration.automatic_checkpoint_naming:
-            return Path(os.fspath(output_dir))  # as given, like Accelerate's return value
+            return target if _remote.is_url(target) else Path(os.fspath(output_dir))  # as given, like Accelerate
+        local = self._auto.local_folder(_remote.leaf(target))
+        if local is None:
+            return target
         if self.options.destination is None:
             return Path(os.path.join(acc.project_dir, CHECKPOINTS_DIR, _remote.leaf(target)))
-        return Path(target)
+        return Path(local)
 
     def _installed_load_state(
         self, input_dir: str | os.PathLike[str] | None = None, load_kwargs: dict[str, Any] | None = None,

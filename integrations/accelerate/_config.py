@@ -46,6 +46,12 @@ class Options:
         io_threads: Threads writing one save's chunks in parallel.
         direct_io: Write local files with ``O_DIRECT`` where the filesystem allows it.
         storage_options: fsspec options for URL destinations (endpoint, region, credentials).
+        local_tier: A local directory used as a fast tier in front of a URL ``destination``
+            (automatic naming only): each checkpoint commits there first (durable in seconds)
+            and is uploaded to ``destination`` in the background; ``load_state()`` restores
+            from the local copy when it is valid and from the remote one otherwise.
+        keep_local: With ``local_tier``: committed checkpoints kept on the local tier (``None``:
+            as many as ``total_limit`` keeps). One not uploaded yet is never removed there.
     """
 
     destination: str | None = None
@@ -55,6 +61,8 @@ class Options:
     io_threads: int = 4
     direct_io: bool = True
     storage_options: Mapping[str, Any] = field(default_factory=dict)
+    local_tier: str | None = None
+    keep_local: int | None = None
 
 
 _NAMES = {f.name for f in fields(Options)}
@@ -80,7 +88,9 @@ def is_switched_off(environ: Mapping[str, str] | None = None) -> bool:
 
 def _coerce(key: str, value: Any, where: str) -> Any:
     """Convert a value from the environment or a side file to the option's type."""
-    if key in ("max_pending", "io_threads"):
+    if key == "keep_local" and value in (None, ""):
+        return None
+    if key in ("max_pending", "io_threads", "keep_local"):
         try:
             number = int(value)
         except (TypeError, ValueError) as exc:
@@ -106,7 +116,7 @@ def _coerce(key: str, value: Any, where: str) -> Any:
         if not isinstance(value, Mapping):
             raise ValueError(f"{where}: storage_options must be a mapping, got {type(value).__name__}")
         return dict(value)
-    if key == "destination":
+    if key in ("destination", "local_tier"):
         return None if value in (None, "") else os.path.expanduser(str(value))
     return str(value)
 

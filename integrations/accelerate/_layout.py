@@ -90,18 +90,22 @@ def state_files(
     weights: list[Any],
     safe_serialization: bool,
     rng_states: dict[int, dict[str, Any]],
+    *,
+    optimizers: bool = True,
 ) -> dict[str, Any]:
     """Every file of the folder Accelerate's ``save_state`` would write, name -> content.
 
     ``weights`` are the model state dicts after the save pre-hooks ran (hooks may remove some,
     as Accelerate allows); ``rng_states`` maps process index to :func:`collect_rng_state`.
+    ``optimizers=False`` leaves out ``optimizer*.bin`` (FSDP saves optimizers as DCP folders,
+    and its ``weights`` are empty for the same reason).
     """
     from accelerate.data_loader import IterableDatasetShard, SeedableRandomSampler
 
     files: dict[str, Any] = {}
     for i, state in enumerate(weights):
         files[model_file_name(i, safe_serialization)] = _model_content(state, safe_serialization)
-    for i, opt in enumerate(accelerator._optimizers):
+    for i, opt in enumerate(accelerator._optimizers if optimizers else ()):
         files[_numbered(_OPTIMIZER, i)] = opt.state_dict()
     for i, scheduler in enumerate(accelerator._schedulers):
         files[_numbered(_SCHEDULER, i)] = scheduler.state_dict()

@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from stagesave import Checkpointer, CheckpointInfo
@@ -22,7 +23,7 @@ from stagesave.errors import CheckpointNotFoundError, IntegrityError
 from . import _remote
 from ._layout import MANIFEST_KEY
 
-__all__ = ["FOLDER_RE", "LoadPlan", "discard_copy", "plan_explicit", "plan_newest"]
+__all__ = ["FOLDER_RE", "LoadPlan", "discard_copy", "fsdp_parts", "plan_explicit", "plan_newest"]
 
 #: Accelerate's automatic folder names.
 FOLDER_RE = re.compile(r"^checkpoint_(\d+)$")
@@ -46,6 +47,37 @@ class LoadPlan:
 def discard_copy(local: str) -> None:
     """Remove a temporary local copy made by :func:`_remote.download_folder`."""
     shutil.rmtree(os.path.dirname(local), ignore_errors=True)
+
+
+def fsdp_parts(info: CheckpointInfo | None) -> list[str]:
+    """The DCP folders an FSDP checkpoint's manifest names (empty for other checkpoints)."""
+    meta = info.manifest.metadata.get(MANIFEST_KEY, {}) if info is not None and info.manifest else {}
+    fsdp = meta.get("fsdp") if isinstance(meta, dict) else None
+    parts = fsdp.get("parts") if isinstance(fsdp, dict) else None
+    return [p for p in parts if isinstance(p, str)] if isinstance(parts, list) else []
+
+
+def _parts_problems(ckpt: Checkpointer, folder: str, info: CheckpointInfo, verify: bool) -> list[str]:
+    """What is wrong with the DCP folders of an FSDP checkpoint (each has its own manifest)."""
+    parts = fsdp_parts(info)
+    if not parts:
+        return []
+    problems = []
+    listed = {} if verify else {_remote.leaf(c.name): c for c in ckpt.list(folder)}
+    for part in parts:
+        path = os.path.join(folder, part)
+        if verify:
+            try:
+                found: CheckpointInfo | None = ckpt.verify(path)
+            except FileNotFoundError:
+                found = None
+        else:
+            found = listed.get(part)
+        if found is None or found.manifest is None:
+            problems.append(f"{path} is missing or has no stagesave manifest")
+        elif found.status == "corrupt":
+            problems.extend(found.problems)
+    return problems
 
 
 def _iteration_of(info: CheckpointInfo | None, folder: str) -> int | None:
@@ -75,6 +107,10 @@ def _prove(
             raise ValueError(f"Tried to find {folder} but folder does not exist") from exc
     try:
         checked = ckpt.verify(local) if verify else info
+        if checked is not None and checked.status != "corrupt" and checked.manifest is not None:
+            parts = _parts_problems(ckpt, local, checked, verify)
+            if parts:
+                checked.status, checked.problems = "corrupt", parts
         if checked is not None and checked.status == "corrupt":
             problem = "; ".join(checked.problems)
             if not skip_corrupt:
@@ -109,8 +145,14 @@ def plan_explicit(
     return plan
 
 
-def plan_newest(ckpt: Checkpointer, root: str, verify: bool, storage_options: dict[str, object]) -> LoadPlan:
-    """The newest valid checkpoint folder under ``root``.
+def plan_newest(
+    ckpt: Checkpointer, root: str | None, verify: bool, storage_options: dict[str, object],
+    folder_of: Callable[[CheckpointInfo], str], plain_root: str,
+) -> LoadPlan:
+    """The newest valid checkpoint folder under ``root`` (``None``: the checkpointer's root).
+
+    ``folder_of`` names the folder of a listed checkpoint (path or URL); ``plain_root`` is
+    where plain Accelerate folders are looked for when there is no stagesave checkpoint.
 
     Raises:
         CheckpointNotFoundError: no checkpoint at all under ``root``.
@@ -118,11 +160,10 @@ def plan_newest(ckpt: Checkpointer, root: str, verify: bool, storage_options: di
     ckpt.latest(root)  # also moves back a folder left aside by a crash mid-replacement
     for info in ckpt.list(root):
         if info.is_dir and info.valid:
-            folder = _remote.join(root, _remote.leaf(info.name))
-            plan = _prove(ckpt, folder, verify, storage_options, skip_corrupt=True, info=info)
+            plan = _prove(ckpt, folder_of(info), verify, storage_options, skip_corrupt=True, info=info)
             if plan is not None:
                 return plan
-    return _plain_accelerate_folder(root)
+    return _plain_accelerate_folder(plain_root)
 
 
 def _plain_accelerate_folder(root: str) -> LoadPlan:

@@ -73,38 +73,48 @@ def test_bad_configuration_is_named(tmp_path):
         sa.enable(Accelerator(cpu=True), keep_last=2)
 
 
-@pytest.mark.parametrize("kind", [DistributedType.FSDP, DistributedType.DEEPSPEED])
-def test_fsdp_and_deepspeed_keep_accelerate_methods_with_one_warning(kind):
-    # FSDP and DeepSpeed Accelerators cannot be built on this CPU-only machine (FSDP needs a
-    # GPU-type distributed backend, DeepSpeed is not installed), so this sets the kind on the
-    # real, shared AcceleratorState; the GPU test below builds a real FSDP Accelerator.
+def _fsdp_plugin(state_dict_type):
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    return FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type=state_dict_type)
+
+
+@pytest.mark.parametrize(
+    ("kind", "state_dict_type", "options", "message"),
+    [
+        (DistributedType.DEEPSPEED, None, {}, "DEEPSPEED runs save model and optimizer shards through DEEPSPEED's own"),
+        (DistributedType.FSDP, "FULL_STATE_DICT", {},
+         "FSDP runs with state_dict_type=FULL_STATE_DICT save through Accelerate's own torch.save calls"),
+        (DistributedType.FSDP, "SHARDED_STATE_DICT", {"destination": "memory://x/run"},
+         "URL destinations and local_tier are not supported with FSDP"),
+    ],
+    ids=["deepspeed", "fsdp-full-state-dict", "fsdp-url-destination"],
+)
+def test_runs_stagesave_cannot_stage_keep_accelerate_methods_with_one_warning(kind, state_dict_type, options, message):
+    # DeepSpeed is not installed, so this sets the kind on the real, shared AcceleratorState
+    # (Accelerate itself only picks FSDP/DeepSpeed on GPU back ends); FSDP runs that stagesave
+    # does stage are tested with real FSDP2 on 2 CPU processes (test_fsdp.py).
     acc = Accelerator(cpu=True)
     acc.state.distributed_type = kind
+    if state_dict_type is not None:
+        acc.state.fsdp_plugin = _fsdp_plugin(state_dict_type)
     with pytest.warns(sa.SynchronousFallbackWarning) as record:
-        ckpt = sa.enable(acc)
+        ckpt = sa.enable(acc, **options)
     assert len(record) == 1
-    assert f"{kind.value} runs save model and optimizer shards" in str(record[0].message)
+    assert message in str(record[0].message)
     assert "stay Accelerate's own synchronous methods" in str(record[0].message)
     assert not ckpt.asynchronous and "save_state" not in vars(acc) and "load_state" not in vars(acc)
 
 
-@pytest.mark.gpu
-def test_real_fsdp_accelerator_falls_back(tmp_path, monkeypatch):
-    import torch
-
-    for var, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": "29533", "ACCELERATE_USE_FSDP": "true"}.items():
-        monkeypatch.setenv(var, value)
-    acc = Accelerator()
-    assert acc.distributed_type == DistributedType.FSDP
-    with pytest.warns(sa.SynchronousFallbackWarning):
+def test_sharded_fsdp_is_staged_without_warning():
+    acc = Accelerator(cpu=True)
+    acc.state.distributed_type = DistributedType.FSDP
+    acc.state.fsdp_plugin = _fsdp_plugin("SHARDED_STATE_DICT")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         ckpt = sa.enable(acc)
-    model = acc.prepare(torch.nn.Linear(8, 8))
-    ckpt.save_state(str(tmp_path / "ck"))
-    assert not (tmp_path / "ck" / "checkpoint.stagesave.json").exists()
-    assert any(p.name.startswith("pytorch_model_fsdp") for p in (tmp_path / "ck").iterdir())
-    acc.load_state(str(tmp_path / "ck"))
-    assert model is not None
+    assert ckpt.asynchronous and "save_state" in vars(acc)
+    sa.disable(acc)
 
 
 def test_runner_usage_and_class_patch_is_undone(tmp_path):

@@ -12,7 +12,6 @@ from accel_helpers import MANIFEST, assert_same, build, load_file_content, train
 from accelerate import Accelerator
 
 import stagesave
-from stagesave.errors import UnsupportedObjectError
 
 
 def _accelerate_and_stagesave(tmp_path, accelerator, safe):
@@ -76,45 +75,34 @@ def test_manifest_records_iteration_and_step(tmp_path):
     assert acc.project_configuration.iteration == 2
 
 
-def test_save_pre_hook_weights_and_safetensors_files_are_carried(tmp_path):
+def test_save_pre_hook_files_are_carried_verbatim_and_weights_it_took_are_not_saved(tmp_path):
     acc = Accelerator(cpu=True)
     run = build(acc)
-    seen = {}
+    train(acc, run, 1)
+    seen = []
 
     def hook(models, weights, output_dir):
-        seen["leaf"] = os.path.basename(output_dir)
-        seen["exists"] = os.path.isdir(output_dir)
+        # What a save_pretrained-style hook does: config, tokenizer files, the weights it took.
+        seen.append((os.path.basename(output_dir), os.path.isdir(output_dir)))
         from safetensors.torch import save_file
 
-        os.makedirs(os.path.join(output_dir, "extra"))
+        os.makedirs(os.path.join(output_dir, "extra", "tokenizer"), exist_ok=True)
         save_file({"w": weights[0]["head.weight"].clone()}, os.path.join(output_dir, "extra", "head.safetensors"),
                   metadata={"kind": "head"})
+        with open(os.path.join(output_dir, "config.json"), "w") as f:
+            json.dump({"hidden": 16, "tied": True}, f)
+        with open(os.path.join(output_dir, "extra", "tokenizer", "vocab.txt"), "wb") as f:
+            f.write(bytes(range(256)) * 3)  # arbitrary bytes, not text
         weights.pop(0)  # the hook saved the model itself, as Accelerate allows
 
     acc.register_save_state_pre_hook(hook)
-    ckpt = sa.AcceleratorCheckpointer(acc)
-    ckpt.save_state(str(tmp_path / "ck_7")).result()
-    ckpt.close()
-    assert seen == {"leaf": "ck_7", "exists": True}
-    names = sorted(os.listdir(tmp_path / "ck_7"))
-    assert "model.safetensors" not in names and "extra" in names
-    carried = load_file_content(str(tmp_path / "ck_7" / "extra" / "head.safetensors"))
-    assert carried["metadata"] == {"kind": "head"}
-    assert torch.equal(carried["tensors"]["w"], run["models"][0].state_dict()["head.weight"])
-    assert stagesave.verify(str(tmp_path / "ck_7")).status == "verified"
-
-
-def test_save_pre_hook_writing_other_files_is_refused_before_anything_is_written(tmp_path):
-    acc = Accelerator(cpu=True)
-    build(acc)
-
-    def hook(models, weights, output_dir):
-        with open(os.path.join(output_dir, "config.json"), "w") as f:
-            f.write("{}")
-
-    acc.register_save_state_pre_hook(hook)
-    ckpt = sa.AcceleratorCheckpointer(acc)
-    with pytest.raises(UnsupportedObjectError, match=r"pre-hook wrote 'config.json'.*safetensors"):
-        ckpt.save_state(str(tmp_path / "ck"))
-    ckpt.close()
-    assert not os.path.exists(tmp_path / "ck")
+    plain, staged = _accelerate_and_stagesave(tmp_path, acc, True)
+    assert seen == [("plain", True), ("staged", True)]  # a scratch folder of the same name
+    hook_files = ["config.json", "extra/head.safetensors", "extra/tokenizer/vocab.txt"]
+    for rel in hook_files:  # byte for byte what the hook wrote under Accelerate's own save_state
+        with open(os.path.join(plain, rel), "rb") as a, open(os.path.join(staged, rel), "rb") as b:
+            assert a.read() == b.read(), rel
+    assert "model.safetensors" not in os.listdir(staged)
+    info = stagesave.verify(staged)
+    assert info.status == "verified"
+    assert sorted(f.name for f in info.manifest.files if "/" in f.name or f.name == "config.json") == hook_files

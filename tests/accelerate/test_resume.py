@@ -15,6 +15,7 @@ from accel_helpers import MANIFEST, assert_same, build, snapshot, train, visible
 from accelerate import Accelerator
 from accelerate.utils import ProjectConfiguration
 
+from stagesave.accelerate._roots import STAGING_DIR
 from stagesave.errors import CheckpointNotFoundError, IntegrityError
 
 
@@ -221,16 +222,29 @@ def test_sigkill_mid_save_resumes_from_previous_and_retention_kept_it(tmp_path, 
     proc = subprocess.run([sys.executable, "-c", script], env=env, check=False, capture_output=True, text=True, timeout=300)
     assert proc.returncode == -9, proc.stdout + proc.stderr
     root = tmp_path / "checkpoints"
-    # total_limit=1: only the last committed checkpoint; the killed save left hidden debris only
-    assert visible(root) == ["checkpoint_1"]
-    assert any(n.startswith(".checkpoint_2.") for n in os.listdir(root))
+    # total_limit=1: only the last committed checkpoint, and nothing else at all (hidden or not):
+    # the killed save was assembled in .stagesave-staging, outside what Accelerate lists.
+    assert sorted(os.listdir(root)) == ["checkpoint_1"]
+    debris = os.listdir(tmp_path / STAGING_DIR)
+    assert len(debris) == 1 and debris[0].startswith("checkpoint_2.") and debris[0].endswith(".stagesave-tmp")
+    want = torch.load(expected, weights_only=False)
+
+    # Plain Accelerate, without stagesave: its automatic load_state() picks the previous good folder.
+    plain = _auto(tmp_path, total_limit=1)
+    run = build(plain, seed=7)
+    plain.load_state()
+    assert_same(want, snapshot(plain, run))
+
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)
     acc = _auto(tmp_path, total_limit=1)
     run = build(acc, seed=7)
     sa.enable(acc)
     acc.load_state()
-    assert_same(torch.load(expected, weights_only=False), snapshot(acc, run))
+    assert_same(want, snapshot(acc, run))
     assert acc.project_configuration.iteration == 2
     train(acc, run, 1)
     acc.save_state()
     acc._stagesave.wait()
-    assert visible(root) == ["checkpoint_2"]
+    assert sorted(os.listdir(root)) == ["checkpoint_2"]

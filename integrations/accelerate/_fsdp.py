@@ -1,0 +1,169 @@
+"""Accelerate's FSDP sharded checkpoints through ``stagesave.dcp``.
+
+Under FSDP with ``SHARDED_STATE_DICT`` Accelerate's ``save_state`` writes each model and each
+optimizer as a DCP folder (``pytorch_model_fsdp_<i>``, ``optimizer_<i>``) with the synchronous
+``dcp.save`` and torch's ``FileSystemWriter``, on every rank. Here every rank calls the same
+synchronous ``dcp.save`` on the same state dicts, built the way Accelerate 1.x builds them
+(``save_fsdp_model``/``save_fsdp_optimizer``: FSDP1's ``state_dict_type`` context, FSDP2's
+``StateDictOptions``), but with a :class:`~stagesave.dcp.StagedStorageWriter`: it returns once
+this rank's shards are in its host buffer, and the ranks' files are written and committed in the
+background. Loading mirrors ``load_fsdp_model``/``load_fsdp_optimizer`` with a
+:class:`~stagesave.dcp.StagedStorageReader`, so DCP metadata and non-tensor items are unpickled
+under stagesave's allow-list. The folders are genuine DCP folders: Accelerate's own
+``load_state`` reads them too.
+
+Other FSDP state dict types (``FULL_STATE_DICT``, ``LOCAL_STATE_DICT``) and per-node saves keep
+Accelerate's synchronous path (see ``_checkpointer._fallback_reason``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Any
+
+import stagesave.dcp as sdcp
+from stagesave import SaveHandle
+
+__all__ = ["load_parts", "part_names", "save_parts", "unsupported_reason"]
+
+#: Accelerate's names (``accelerate.utils.constants``): ``<name>_<index>`` DCP folders.
+FSDP_MODEL_NAME = "pytorch_model_fsdp"
+OPTIMIZER_NAME = "optimizer"
+
+#: Accelerate's private helpers this module mirrors Accelerate with (checked before use).
+_HELPERS = ("_get_model_state_dict", "_set_model_state_dict", "_prepare_sd_options", "_unwrap_optimizer")
+
+
+def unsupported_reason(accelerator: Any) -> str | None:
+    """Why this FSDP Accelerator cannot save through ``stagesave.dcp`` (``None``: it can)."""
+    from accelerate.utils import fsdp_utils
+
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    if plugin is None:
+        return "this FSDP Accelerator has no fsdp_plugin to read the state dict type from"
+    kind = getattr(getattr(plugin, "state_dict_type", None), "name", str(getattr(plugin, "state_dict_type", None)))
+    if kind != "SHARDED_STATE_DICT":
+        return (
+            f"FSDP runs with state_dict_type={kind} save through Accelerate's own torch.save calls "
+            "(stagesave stages FSDP checkpoints with SHARDED_STATE_DICT, through stagesave.dcp)"
+        )
+    if accelerator.project_configuration.save_on_each_node:
+        return "FSDP runs with save_on_each_node=True write a DCP folder per node, which stagesave does not commit"
+    missing = [h for h in _HELPERS if not hasattr(fsdp_utils, h)]
+    if missing:
+        import accelerate
+
+        return (
+            f"this Accelerate version ({accelerate.__version__}) lacks accelerate.utils.fsdp_utils."
+            f"{', '.join(missing)}, which stagesave uses to build FSDP state dicts as Accelerate does"
+        )
+    return None
+
+
+def part_names(accelerator: Any) -> list[str]:
+    """The DCP folders of one checkpoint, in the order :func:`save_parts` writes them."""
+    models = [f"{FSDP_MODEL_NAME}_{i}" for i in range(len(accelerator._models))]
+    return models + [f"{OPTIMIZER_NAME}_{i}" for i in range(len(accelerator._optimizers))]
+
+
+@contextmanager
+def _state_dict_context(plugin: Any, model: Any) -> Iterator[Any]:
+    """FSDP1's ``state_dict_type`` context (FSDP2 needs none); yields the FSDP2 options."""
+    from accelerate.utils.fsdp_utils import _prepare_sd_options
+
+    if plugin.fsdp_version == 1:
+        from torch.distributed.fsdp.fully_sharded_data_parallel import (
+            FullyShardedDataParallel as FSDP,
+        )
+
+        ctx: Any = FSDP.state_dict_type(
+            model, plugin.state_dict_type, plugin.state_dict_config, plugin.optim_state_dict_config
+        )
+    else:
+        ctx = nullcontext()
+    with ctx:
+        yield _prepare_sd_options(plugin)
+
+
+def _optimizer_state(plugin: Any, model: Any, optimizer: Any, options: Any) -> Any:
+    if plugin.fsdp_version == 2:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        from accelerate.utils.fsdp_utils import _unwrap_optimizer
+
+        return get_optimizer_state_dict(model, _unwrap_optimizer(optimizer), options=options)
+    from torch.distributed.fsdp.fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
+
+    return FSDP.optim_state_dict(model, optimizer)
+
+
+def save_parts(accelerator: Any, writer: sdcp.StagedStorageWriter, base: str) -> list[SaveHandle]:
+    """On every rank: stage each model and optimizer as a DCP folder under ``base``.
+
+    Returns this rank's handles (on the coordinator, each completes when its folder commits).
+    Collectives run here, on the calling thread, as in Accelerate's own ``save_state``.
+
+    Raises:
+        CheckpointError: staging failed on this rank (the other ranks' ``dcp.save`` raise too).
+    """
+    from accelerate.utils.fsdp_utils import _get_model_state_dict
+
+    plugin = accelerator.state.fsdp_plugin
+    handles = []
+    for i, model in enumerate(accelerator._models):
+        with _state_dict_context(plugin, model) as options:
+            state = _get_model_state_dict(model, sd_options=options)
+            handles.append(sdcp.save({"model": state}, f"{base}/{FSDP_MODEL_NAME}_{i}", writer=writer))
+    for i, optimizer in enumerate(accelerator._optimizers):
+        model = accelerator._models[i]
+        with _state_dict_context(plugin, model) as options:
+            state = _optimizer_state(plugin, model, optimizer, options)
+            handles.append(sdcp.save({"optimizer": state}, f"{base}/{OPTIMIZER_NAME}_{i}", writer=writer))
+    return handles
+
+
+def load_parts(accelerator: Any, folder: str) -> None:
+    """On every rank: load each model's and optimizer's DCP folder in ``folder`` in place.
+
+    The caller has already proven the folders against their manifests (every byte, with
+    ``verify_on_load``) before anything is loaded, so a corrupt checkpoint never half-loads;
+    the reader therefore does not hash a second time. It still unpickles DCP's ``.metadata``
+    and non-tensor items under stagesave's allow-list, which plain Accelerate folders get too.
+
+    Raises:
+        CheckpointError: a folder is missing, or an item is not allow-listed.
+    """
+    from accelerate.utils.fsdp_utils import (
+        _get_model_state_dict,
+        _set_model_state_dict,
+        _unwrap_optimizer,
+    )
+
+    plugin = accelerator.state.fsdp_plugin
+
+    def reader() -> sdcp.StagedStorageReader:
+        return sdcp.StagedStorageReader(verify=False)
+
+    for i, model in enumerate(accelerator._models):
+        with _state_dict_context(plugin, model) as options:
+            state = {"model": _get_model_state_dict(model, sd_options=options)}
+            sdcp.load(state, f"{folder}/{FSDP_MODEL_NAME}_{i}", reader=reader())
+            _set_model_state_dict(model, state["model"], sd_options=options)
+    for i, optimizer in enumerate(accelerator._optimizers):
+        model = accelerator._models[i]
+        with _state_dict_context(plugin, model) as options:
+            optim = {"optimizer": _optimizer_state(plugin, model, optimizer, options)}
+            sdcp.load(optim, f"{folder}/{OPTIMIZER_NAME}_{i}", reader=reader())
+            if plugin.fsdp_version == 1:
+                from torch.distributed.fsdp.fully_sharded_data_parallel import (
+                    FullyShardedDataParallel as FSDP,
+                )
+
+                optimizer.load_state_dict(
+                    FSDP.optim_state_dict_to_load(model=model, optim=optimizer, optim_state_dict=optim["optimizer"])
+                )
+            else:
+                from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+                set_optimizer_state_dict(model, _unwrap_optimizer(optimizer), optim["optimizer"], options=options)
