@@ -499,15 +499,31 @@ class AcceleratorCheckpointer:
             raise ValueError("No input_dir provided and automatic checkpoint naming is disabled.")
         auto = self._auto
         return plan_newest(self._checkpointer("auto"), auto.list_arg, options.verify_on_load, storage,
-                           auto.folder_of, auto.plain_root)
+                           lambda info: auto.folder_of(info, self._tier_of(info)), auto.plain_root)
+
+    def _tier_of(self, info: CheckpointInfo) -> str | None:
+        """The tier the tiered store reads a listed folder from (``None`` without a local tier).
+
+        Asked with the folder's manifest name: ``CheckpointInfo.tier`` reads ``"local"`` for
+        every folder directly in a tiered root (the store keys folders by their manifest).
+        """
+        if self._tiered is None:
+            return None
+        return self._tiered.tier_of(info.manifest_name or info.name)
 
     # ------------------------------------------------------------------ finding, waiting
     def latest(self) -> CheckpointInfo | None:
-        """The newest valid checkpoint folder under automatic naming (``None`` if none)."""
+        """The newest valid checkpoint folder under automatic naming (``None`` if none).
+
+        With ``local_tier``, its ``tier`` says which copy a resume reads (``"local"``/``"remote"``).
+        """
         root = self._auto.list_arg
         ckpt = self._checkpointer("auto")
         ckpt.latest(root)
-        return next((c for c in ckpt.list(root) if c.is_dir and c.valid), None)
+        found = next((c for c in ckpt.list(root) if c.is_dir and c.valid), None)
+        if found is not None and self._tiered is not None:
+            found.tier = self._tier_of(found)
+        return found
 
     def pending(self) -> int:
         """Saves of this process not committed (or, under FSDP, not published) yet."""

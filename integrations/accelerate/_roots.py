@@ -58,10 +58,11 @@ class AutoRoot:
             return os.path.join(self.local_tier, leaf)
         return None if _remote.is_url(self.root) else os.path.join(self.root, leaf)
 
-    def folder_of(self, info: CheckpointInfo) -> str:
-        """The folder (path or URL) of a checkpoint listed under this root, on its tier."""
+    def folder_of(self, info: CheckpointInfo, tier: str | None = None) -> str:
+        """The folder (path or URL) of a checkpoint listed under this root, on ``tier``
+        (``"local"`` or ``"remote"``; the tiered store's choice for that checkpoint)."""
         leaf = _remote.leaf(info.name)
-        if self.local_tier is not None and info.tier != "remote":
+        if self.local_tier is not None and tier != "remote":
             return os.path.join(self.local_tier, leaf)
         return _remote.join(self.root, leaf)
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import shutil
+
 import fsspec
 import pytest
 import stagesave.accelerate as sa
-from accel_helpers import MANIFEST, assert_same, build, snapshot, train
+from accel_helpers import MANIFEST, assert_same, build, snapshot, train, visible
 from accelerate import Accelerator
 from accelerate.utils import ProjectConfiguration
 
@@ -71,3 +73,88 @@ def test_s3_destination_roundtrip(s3_url, s3_options, tmp_path):
     acc.load_state()
     assert_same(before, snapshot(acc, run))
     assert acc.project_configuration.iteration == 2
+
+
+def _fresh_auto(tmp_path, total_limit=None):
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)
+    return Accelerator(cpu=True, project_config=ProjectConfiguration(
+        project_dir=str(tmp_path), automatic_checkpoint_naming=True, total_limit=total_limit))
+
+
+def test_local_tier_in_front_of_a_url_destination(memory_root, tmp_path):
+    acc = _fresh_auto(tmp_path, total_limit=2)
+    run = build(acc)
+    local = tmp_path / "nvme"
+    tier = {"destination": memory_root, "local_tier": str(local), "keep_local": 1}
+    ckpt = sa.enable(acc, **tier)
+    states = []
+    for i in range(3):
+        train(acc, run, 1)
+        states.append(snapshot(acc, run))
+        assert acc.save_state() == local / f"checkpoint_{i}"  # committed locally first
+    uploads = ckpt.wait_uploads()
+    assert uploads and all(u.tier == "remote" and u.error is None for u in uploads)
+    fs = fsspec.filesystem("memory")
+    # total_limit on both tiers (the durable history on the remote), keep_local on the local one
+    assert sorted(p.rpartition("/")[2] for p in fs.ls(memory_root, detail=False)) == ["checkpoint_1", "checkpoint_2"]
+    assert fs.exists(f"{memory_root}/checkpoint_1/{MANIFEST}") and fs.exists(f"{memory_root}/checkpoint_2/{MANIFEST}")
+    assert visible(local) == ["checkpoint_2"]
+    latest = ckpt.latest()
+    assert (latest.name, latest.tier) == ("checkpoint_2", "local")
+
+    train(acc, run, 2)
+    acc.load_state()  # the valid local copy
+    assert_same(states[2], snapshot(acc, run))
+    sa.disable(acc)  # finishes uploads; plain Accelerate reads the local copy as well
+    train(acc, run, 1)
+    acc.load_state(str(local / "checkpoint_2"))
+    assert_same(states[2], snapshot(acc, run))
+
+    # A new node with an empty local disk resumes from the remote tier.
+    shutil.rmtree(local)
+    acc2 = _fresh_auto(tmp_path, total_limit=2)
+    run2 = build(acc2, seed=5)
+    ckpt2 = sa.enable(acc2, **tier)
+    assert ckpt2.latest().tier == "remote"
+    acc2.load_state()
+    assert_same(states[2], snapshot(acc2, run2))
+    assert acc2.project_configuration.iteration == 3
+    sa.disable(acc2)
+
+
+def _folders_with_objects(fs, url: str) -> list[str]:
+    """Top-level folders holding objects (SeaweedFS keeps empty directory entries after deletes)."""
+    root = url.removeprefix("s3://")
+    return sorted({p[len(root) + 1 :].split("/")[0] for p in fs.find(url, refresh=True)})
+
+
+@pytest.mark.s3
+def test_local_tier_in_front_of_s3(s3_url, s3_options, tmp_path):
+    acc = _fresh_auto(tmp_path, total_limit=2)
+    run = build(acc)
+    local = tmp_path / "nvme"
+    tier = {"destination": s3_url, "local_tier": str(local), "storage_options": s3_options}
+    ckpt = sa.enable(acc, **tier)
+    for _ in range(3):
+        train(acc, run, 1)
+        acc.save_state()
+    before = snapshot(acc, run)
+    assert all(u.error is None for u in ckpt.wait_uploads())
+    fs = fsspec.filesystem("s3", **s3_options)
+    assert _folders_with_objects(fs, s3_url) == ["checkpoint_1", "checkpoint_2"]
+    assert visible(local) == ["checkpoint_1", "checkpoint_2"]  # keep_local defaults to total_limit
+    sa.disable(acc)
+    shutil.rmtree(local)  # the node is gone; the next one starts with an empty local disk
+    acc2 = _fresh_auto(tmp_path, total_limit=2)
+    run2 = build(acc2, seed=9)
+    ckpt2 = sa.enable(acc2, **tier)
+    assert ckpt2.latest().tier == "remote"
+    acc2.load_state()
+    assert_same(before, snapshot(acc2, run2))
+    assert acc2.project_configuration.iteration == 3
+    train(acc2, run2, 1)
+    assert acc2.save_state() == local / "checkpoint_3"  # new saves commit locally again
+    sa.disable(acc2)
+    assert _folders_with_objects(fs, s3_url) == ["checkpoint_2", "checkpoint_3"]
