@@ -33,7 +33,7 @@ from ._assemble import Assembly, FolderHandle, Publisher
 from ._config import Options, is_switched_off, resolve_options
 from ._hooks import run_save_hooks
 from ._layout import MANIFEST_KEY, collect_rng_state, state_files
-from ._restore import LoadPlan, discard_copy, plan_explicit, plan_newest
+from ._restore import LoadPlan, discard_copy, parts_problems, plan_explicit, plan_newest
 from ._roots import AutoRoot, staging_dir_for
 
 if TYPE_CHECKING:
@@ -406,6 +406,10 @@ class AcceleratorCheckpointer:
             info = ckpt.verify(target)
         except FileNotFoundError:
             return False
+        if info.valid and info.manifest is not None and local is not None:
+            problems = parts_problems(ckpt, local, info, verify=True)  # an FSDP folder's DCP parts
+            if problems:
+                info.status, info.problems = "corrupt", problems
         refuse = (
             f"Checkpoint directory {local or target} ({iteration}) already exists. Please manually override "
             "`self.save_iteration` with what iteration to start with."
@@ -538,9 +542,9 @@ class AcceleratorCheckpointer:
             TimeoutError: still running after ``timeout`` seconds.
             CheckpointError: a background save failed.
         """
+        self._publisher.wait(timeout)  # first: publishing queues retention on the checkpointers
         for ckpt in list(self._checkpointers.values()):
             ckpt.wait(timeout)
-        self._publisher.wait(timeout)
         self._publisher.raise_errors()
 
     def wait_uploads(self, timeout: float | None = None) -> list[SaveTelemetry]:

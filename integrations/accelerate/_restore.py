@@ -23,7 +23,7 @@ from stagesave.errors import CheckpointNotFoundError, IntegrityError
 from . import _remote
 from ._layout import MANIFEST_KEY
 
-__all__ = ["FOLDER_RE", "LoadPlan", "discard_copy", "fsdp_parts", "plan_explicit", "plan_newest"]
+__all__ = ["FOLDER_RE", "LoadPlan", "discard_copy", "fsdp_parts", "parts_problems", "plan_explicit", "plan_newest"]
 
 #: Accelerate's automatic folder names.
 FOLDER_RE = re.compile(r"^checkpoint_(\d+)$")
@@ -57,7 +57,7 @@ def fsdp_parts(info: CheckpointInfo | None) -> list[str]:
     return [p for p in parts if isinstance(p, str)] if isinstance(parts, list) else []
 
 
-def _parts_problems(ckpt: Checkpointer, folder: str, info: CheckpointInfo, verify: bool) -> list[str]:
+def parts_problems(ckpt: Checkpointer, folder: str, info: CheckpointInfo, verify: bool) -> list[str]:
     """What is wrong with the DCP folders of an FSDP checkpoint (each has its own manifest)."""
     parts = fsdp_parts(info)
     if not parts:
@@ -108,7 +108,7 @@ def _prove(
     try:
         checked = ckpt.verify(local) if verify else info
         if checked is not None and checked.status != "corrupt" and checked.manifest is not None:
-            parts = _parts_problems(ckpt, local, checked, verify)
+            parts = parts_problems(ckpt, local, checked, verify)
             if parts:
                 checked.status, checked.problems = "corrupt", parts
         if checked is not None and checked.status == "corrupt":

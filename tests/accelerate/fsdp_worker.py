@@ -1,0 +1,359 @@
+"""FSDP2 through Accelerate on 2 CPU processes (gloo): ``python fsdp_worker.py OUT``.
+
+Accelerate picks ``DistributedType.FSDP`` only on GPU back ends, so each rank builds a real
+MULTI_CPU ``Accelerator`` and switches its shared state to FSDP with a real
+``FullyShardedDataParallelPlugin`` (version 2, ``SHARDED_STATE_DICT``) before ``prepare``; from
+there everything is Accelerate's own FSDP code (``fully_shard``, ``save_fsdp_model``,
+``load_fsdp_model``, ...) and stagesave's. The script imports torch once and forks the ranks of
+each phase (a gloo group through a file rendezvous, no ports):
+
+1. ``save``: layout and contents against Accelerate's own save, bitwise restores both ways,
+   automatic naming with ``total_limit``, a corrupt part skipped, a corrupt folder replaced;
+   finally rank 0 is SIGKILLed by a crash point in the middle of an FSDP save.
+2. ``resume``: fresh processes; plain Accelerate and stagesave both resume from the last good one.
+
+Every rank writes ``OUT/<phase>-rank<R>.json`` (updated after each scenario) and a log.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import random
+import sys
+import time
+import traceback
+import warnings
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from accel_helpers import Counter, assert_same, clone, load_file_content, train
+
+MANIFEST = "checkpoint.stagesave.json"
+CRASH_POINT = "dcp_after_manifest"  # the first part of the save committed in staging, not yet renamed
+
+
+# ----------------------------------------------------------------------------- set-up
+def accelerator(project_dir: str | None = None, total_limit: int | None = None) -> Any:
+    """A real MULTI_CPU Accelerator switched to FSDP2 with a sharded state dict."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, ProjectConfiguration
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    config = ProjectConfiguration(project_dir=project_dir, automatic_checkpoint_naming=project_dir is not None,
+                                  total_limit=total_limit)
+    acc = Accelerator(cpu=True, project_config=config)
+    acc.state.fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT")
+    acc.state.distributed_type = DistributedType.FSDP
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP  # survives AcceleratorState()
+    assert acc.is_fsdp2
+    return acc
+
+
+def build(acc: Any, seed: int = 0) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16),
+                                torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    loader = DataLoader(TensorDataset(torch.randn(64, 16), torch.randn(64, 1)), batch_size=8, shuffle=True)
+    model, opt, sched, loader = acc.prepare(model, opt, sched, loader)
+    counters = [Counter()]
+    acc.register_for_checkpointing(*counters)
+    rank = acc.process_index
+    random.seed(rank)
+    np.random.seed(rank)
+    torch.manual_seed(1000 + rank)  # every process has its own RNG streams
+    return {"models": [model], "opts": [opt], "scheds": [sched], "loader": loader, "counters": counters}
+
+
+def _local(obj: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(obj, DTensor):
+        return obj.to_local().detach().clone()
+    if isinstance(obj, dict):
+        return {k: _local(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_local(v) for v in obj)
+    return clone(obj)
+
+
+def snapshot(acc: Any, run: dict[str, Any]) -> dict[str, Any]:
+    """This rank's shards of everything a checkpoint restores, plus its RNG streams."""
+    return _local({
+        "model": run["models"][0].state_dict(),
+        "opt": run["opts"][0].state_dict(),
+        "sched": run["scheds"][0].state_dict(),
+        "counters": [c.state_dict() for c in run["counters"]],
+        "python_rng": random.getstate(),
+        "numpy_rng": np.random.get_state(),
+        "torch_rng": torch.get_rng_state(),
+        "step": acc.step,
+    })
+
+
+def check(result: dict[str, Any], key: str, fn: Any) -> None:
+    try:
+        fn()
+        result[key] = "ok"
+    except Exception:  # noqa: BLE001 - reported to the test
+        result[key] = traceback.format_exc()
+
+
+def tree(folder: str) -> list[str]:
+    """Every file under ``folder``, relative, hidden ones included."""
+    return sorted(os.path.relpath(os.path.join(top, n), folder) for top, _, names in os.walk(folder) for n in names)
+
+
+# ----------------------------------------------------------------------------- phase 1
+def explicit_folders(rank: int, out: str, result: dict[str, Any]) -> None:
+    import stagesave.accelerate as sa
+    from accelerate import Accelerator
+
+    import stagesave
+    import stagesave.dcp as sdcp
+
+    acc = accelerator()
+    run = build(acc)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ckpt = sa.enable(acc)
+    result["fallback_warnings"] = [str(w.message) for w in caught if issubclass(w.category, sa.SynchronousFallbackWarning)]
+    result["asynchronous"] = ckpt.asynchronous
+    train(acc, run, 2)
+    before = snapshot(acc, run)
+    plain, staged = os.path.join(out, "plain"), os.path.join(out, "staged")
+    Accelerator.save_state(acc, plain)  # Accelerate's own FSDP save (FileSystemWriter)
+    t0 = time.perf_counter()
+    returned = acc.save_state(staged)
+    result["blocking_s"] = time.perf_counter() - t0
+    result["returned"] = str(returned)
+    result["pending_after_return"] = ckpt.pending()
+    ckpt.wait()
+    acc.wait_for_everyone()
+    if rank == 0:
+        result["plain_tree"] = tree(plain)
+        result["staged_tree"] = tree(staged)
+        result["verify"] = stagesave.verify(staged).status
+        result["parts_verify"] = [stagesave.verify(os.path.join(staged, p)).status
+                                  for p in ("pytorch_model_fsdp_0", "optimizer_0")]
+        with open(os.path.join(staged, MANIFEST)) as f:
+            result["metadata"] = json.load(f)["metadata"]["accelerate"]
+
+        def same_contents() -> None:
+            for name in ("scheduler.bin", "custom_checkpoint_0.pkl", "random_states_0.pkl", "random_states_1.pkl"):
+                assert_same(load_file_content(os.path.join(plain, name)), load_file_content(os.path.join(staged, name)), name)
+            for part in ("pytorch_model_fsdp_0", "optimizer_0"):
+                theirs = sdcp.to_state_dict(os.path.join(plain, part), verify=False)
+                ours = sdcp.to_state_dict(os.path.join(staged, part))
+                assert_same(theirs, ours, part)
+
+        check(result, "same_contents", same_contents)
+    train(acc, run, 3)
+    acc.load_state(staged)  # stagesave: verified, DCP parts through StagedStorageReader
+    check(result, "stagesave_restore", lambda: assert_same(before, snapshot(acc, run)))
+    train(acc, run, 2)
+    Accelerator.load_state(acc, staged)  # Accelerate's own load_state reads stagesave's folder
+    check(result, "plain_reads_stagesave", lambda: assert_same(before, snapshot(acc, run)))
+    train(acc, run, 1)
+    acc.load_state(plain)  # stagesave reads Accelerate's own folder
+    check(result, "stagesave_reads_plain", lambda: assert_same(before, snapshot(acc, run)))
+    try:
+        acc.save_state(staged)
+        result["overwrite"] = "no error"
+    except ValueError as exc:
+        result["overwrite"] = str(exc)
+    sa.disable(acc)
+
+
+def automatic_naming(rank: int, out: str, result: dict[str, Any]) -> None:
+    import stagesave.accelerate as sa
+    from accelerate import Accelerator
+
+    project = os.path.join(out, "auto")
+    root = os.path.join(project, "checkpoints")
+    acc = accelerator(project, total_limit=2)
+    run = build(acc)
+    ckpt = sa.enable(acc)
+    states = []
+    for _ in range(3):
+        train(acc, run, 1)
+        states.append(snapshot(acc, run))
+        acc.save_state()
+    ckpt.wait()
+    acc.wait_for_everyone()
+    result["auto_listing"] = sorted(os.listdir(root))  # hidden entries included
+    result["auto_staging_left"] = sorted(os.listdir(os.path.join(project, ".stagesave-staging")))
+    train(acc, run, 2)
+    acc.load_state()
+    result["auto_iteration"] = acc.project_configuration.iteration
+    check(result, "auto_restore", lambda: assert_same(states[2], snapshot(acc, run)))
+
+    if rank == 0:  # one flipped byte in rank 1's shard of the newest model
+        with open(os.path.join(root, "checkpoint_2", "pytorch_model_fsdp_0", "__1_0.distcp"), "r+b") as f:
+            f.seek(-100, os.SEEK_END)
+            b = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([b[0] ^ 0xFF]))
+    acc.wait_for_everyone()
+    train(acc, run, 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        acc.load_state()
+    result["corrupt_warnings"] = [str(w.message) for w in caught if "stagesave" in str(w.message)]
+    result["corrupt_iteration"] = acc.project_configuration.iteration
+    check(result, "corrupt_skipped", lambda: assert_same(states[1], snapshot(acc, run)))
+
+    train(acc, run, 1)
+    after = snapshot(acc, run)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        acc.save_state()  # checkpoint_2 again: the corrupt folder is replaced
+    result["replace_warnings"] = [str(w.message) for w in caught if "stagesave" in str(w.message)]
+    ckpt.wait()
+    acc.wait_for_everyone()
+    result["replaced_listing"] = sorted(os.listdir(root))
+    train(acc, run, 1)
+    Accelerator.load_state(acc)  # plain Accelerate's automatic choice: the new checkpoint_2
+    check(result, "replaced_plain_restore", lambda: assert_same(after, snapshot(acc, run)))
+    sa.disable(acc)
+
+
+def crash(rank: int, out: str, result: dict[str, Any], save: Any) -> None:
+    import stagesave.accelerate as sa
+
+    acc = accelerator(os.path.join(out, "crash"))
+    run = build(acc)
+    ckpt = sa.enable(acc)
+    train(acc, run, 1)
+    acc.save_state()
+    ckpt.wait()
+    acc.wait_for_everyone()
+    torch.save(snapshot(acc, run), os.path.join(out, f"expected-rank{rank}.pt"))
+    train(acc, run, 1)
+    if rank == 0:
+        os.environ["STAGESAVE_CRASH_AT"] = CRASH_POINT
+    result["crash_armed"] = True
+    save()  # everything before the crash is on disk
+    acc.save_state()  # returns after staging; rank 0 dies in its background commit
+    ckpt.wait()  # rank 1 waits for a commit that never comes; the launcher kills it
+    result["crash_missed"] = True
+    save()
+
+
+# ----------------------------------------------------------------------------- phase 2
+def resume(rank: int, out: str, result: dict[str, Any], save: Any) -> None:
+    import stagesave.accelerate as sa
+    from accelerate import Accelerator
+
+    project = os.path.join(out, "crash")
+    root = os.path.join(project, "checkpoints")
+    expected = torch.load(os.path.join(out, f"expected-rank{rank}.pt"), weights_only=False)
+    result["listing"] = sorted(os.listdir(root))
+    result["staging"] = sorted(os.listdir(os.path.join(project, ".stagesave-staging")))
+    acc = accelerator(project)
+    run = build(acc, seed=3)
+    Accelerator.load_state(acc)  # plain Accelerate, no stagesave: picks the last good folder
+    check(result, "plain_resume", lambda: assert_same(expected, snapshot(acc, run)))
+    ckpt = sa.enable(acc)
+    train(acc, run, 2)
+    acc.load_state()
+    check(result, "stagesave_resume", lambda: assert_same(expected, snapshot(acc, run)))
+    result["iteration"] = acc.project_configuration.iteration
+    acc.save_state()
+    ckpt.wait()
+    acc.wait_for_everyone()
+    result["listing_after"] = sorted(os.listdir(root))
+    sa.disable(acc)
+
+
+def save_phase(rank: int, out: str, result: dict[str, Any], save: Any) -> None:
+    for scenario in (explicit_folders, automatic_naming):
+        try:
+            scenario(rank, out, result)
+        except Exception:  # noqa: BLE001 - reported to the test; the next scenario still runs
+            result[scenario.__name__] = traceback.format_exc()
+            raise
+        save()
+    crash(rank, out, result, save)
+
+
+PHASES = {"save": save_phase, "resume": resume}
+
+
+# ----------------------------------------------------------------------------- processes
+def _child(phase: str, rank: int, world: int, out: str) -> None:
+    log = os.open(os.path.join(out, f"{phase}-rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1"})
+    os.environ.pop("STAGESAVE_CRASH_AT", None)
+    torch.set_num_threads(1)
+    path = os.path.join(out, f"{phase}-rank{rank}.json")
+    result: dict[str, Any] = {"rank": rank}
+
+    def save() -> None:
+        with open(path + ".tmp", "w") as f:
+            json.dump(result, f)
+        os.replace(path + ".tmp", path)
+
+    code = 0
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(out, phase + '.rdzv')}",
+                                rank=rank, world_size=world)
+        PHASES[phase](rank, out, result, save)
+        result["ok"] = True
+    except BaseException:  # noqa: BLE001 - reported to the test
+        result["error"] = traceback.format_exc()
+        code = 1
+    save()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # never hang in teardown of a group with a dead peer
+
+
+def launch(phase: str, world: int, out: str, timeout: float = 400.0) -> list[Any]:
+    """Fork ``world`` ranks of ``phase``; once one is SIGKILLed, kill the others (they would wait
+    for it until their commit deadline). Returns every rank's exit code (or ``"timeout"``)."""
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_child, args=(phase, r, world, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    codes: list[Any] = [None] * world
+    while any(p.exitcode is None for p in procs) and time.monotonic() < deadline:
+        if any(p.exitcode == -9 for p in procs):
+            for p in procs:
+                if p.exitcode is None:
+                    p.kill()
+        time.sleep(0.05)
+    for i, p in enumerate(procs):
+        if p.exitcode is None:
+            p.kill()
+            p.join()
+            codes[i] = "timeout"
+        else:
+            p.join()
+            codes[i] = p.exitcode
+    return codes
+
+
+def main(out: str) -> None:
+    os.makedirs(out, exist_ok=True)
+    codes = {phase: launch(phase, 2, out) for phase in PHASES}
+    with open(os.path.join(out, "exit.json"), "w") as f:
+        json.dump(codes, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
