@@ -8,7 +8,9 @@ memory, and ``accelerator.load_state()`` resume from the newest valid checkpoint
     stagesave.accelerate.enable(accelerator)
 
 Folders keep Accelerate 1.x's layout and names (a plain ``load_state`` reads them), plus the
-manifest ``checkpoint.stagesave.json`` that commits and checksums them. Without touching methods::
+manifest ``checkpoint.stagesave.json`` that commits and checksums them; FSDP runs with a sharded
+state dict save their DCP folders through ``stagesave.dcp``. ``local_tier=`` puts a local
+directory in front of a URL ``destination=``. Without touching methods::
 
     ckpt = stagesave.accelerate.AcceleratorCheckpointer(accelerator)
     handle = ckpt.save_state()          # a SaveHandle
@@ -33,11 +35,13 @@ except ImportError as _exc:  # pragma: no cover - exercised only without the ext
 from ._checkpointer import AcceleratorCheckpointer, SynchronousFallbackWarning
 from ._config import ENV_CONFIG, ENV_PREFIX, ENV_SWITCH, Options
 from ._patch import disable, disable_globally, enable, enable_globally, enabled
+from ._roots import STAGING_DIR
 
 __all__ = [
     "ENV_CONFIG",
     "ENV_PREFIX",
     "ENV_SWITCH",
+    "STAGING_DIR",
     "AcceleratorCheckpointer",
     "Options",
     "SynchronousFallbackWarning",

@@ -3,6 +3,7 @@ and side-file configuration, and the synchronous fallback for FSDP/DeepSpeed."""
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import pytest
@@ -50,9 +51,11 @@ def test_options_precedence_code_then_environment_then_side_file(tmp_path):
     side.write_text("stagesave:\n  max_pending: 3\n  checksum: blake3\n  destination: s3://bucket/run\n"
                     "  storage_options: {endpoint_url: 'http://127.0.0.1:9000'}\n")
     env = {"STAGESAVE_ACCELERATE_CONFIG": str(side), "STAGESAVE_ACCELERATE_MAX_PENDING": "1",
-           "STAGESAVE_ACCELERATE_VERIFY_ON_LOAD": "false"}
+           "STAGESAVE_ACCELERATE_VERIFY_ON_LOAD": "false", "STAGESAVE_ACCELERATE_LOCAL_TIER": "~/nvme",
+           "STAGESAVE_ACCELERATE_KEEP_LOCAL": "2"}
     o = resolve_options({"io_threads": 2}, env)
     assert (o.max_pending, o.checksum, o.destination, o.verify_on_load, o.io_threads) == (1, "blake3", "s3://bucket/run", False, 2)
+    assert (o.local_tier, o.keep_local) == (os.path.expanduser("~/nvme"), 2)
     assert o.storage_options == {"endpoint_url": "http://127.0.0.1:9000"}
     assert resolve_options({"max_pending": 4}, env).max_pending == 4
     assert resolve_options({}, {}) == sa.Options()
@@ -71,6 +74,22 @@ def test_bad_configuration_is_named(tmp_path):
         resolve_options({}, {"STAGESAVE_ACCELERATE_IO_THREADS": "0"})
     with pytest.raises(TypeError, match="unknown stagesave.accelerate option 'keep_last'"):
         sa.enable(Accelerator(cpu=True), keep_last=2)
+    with pytest.raises(ValueError, match="STAGESAVE_ACCELERATE_KEEP_LOCAL: keep_local must be >= 1"):
+        resolve_options({}, {"STAGESAVE_ACCELERATE_KEEP_LOCAL": "0"})
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"local_tier": "/nvme/run"}, "local_tier is a fast tier in front of destination=, which is not set"),
+        ({"keep_local": 1}, "keep_local applies to local_tier, which is not set"),
+        ({"destination": "s3://b/run", "local_tier": "memory://x"}, "local_tier must be a local directory"),
+        ({"destination": "/shared/run", "local_tier": "/shared/run/"}, "local_tier and destination are the same folder"),
+    ],
+)
+def test_tier_options_that_cannot_work_are_refused(options, message):
+    with pytest.raises(ValueError, match=message):
+        sa.AcceleratorCheckpointer(Accelerator(cpu=True), **options)
 
 
 def _fsdp_plugin(state_dict_type):

@@ -28,8 +28,9 @@ def _crash_then_resume(tmp_path, n: int) -> tuple[dict, str]:
     assert crashed.returncode != 0 and "simulated crash: SIGKILL after step 10" in crashed.stdout, crashed.stderr[-3000:]
     root = os.path.join(out, "checkpoints")
     # Saves of steps 4 and 8 were submitted; each is there only if it committed before the kill
-    # (the background may lag on a busy machine), never half-written.
-    committed = sorted(n for n in os.listdir(root) if not n.startswith("."))
+    # (the background may lag on a busy machine), never half-written, and nothing else is there
+    # (unfinished saves are assembled in <output>/.stagesave-staging).
+    committed = sorted(os.listdir(root))
     assert committed in ([], ["checkpoint_0"], ["checkpoint_0", "checkpoint_1"]), committed
     resumed = _run(launch_args(n), out)
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
@@ -38,7 +39,7 @@ def _crash_then_resume(tmp_path, n: int) -> tuple[dict, str]:
         assert f"resumed at step {4 * (k + 1)} (next checkpoint: checkpoint_{k + 1})" in resumed.stdout
     else:
         assert "resumed at" not in resumed.stdout
-    final = sorted(n for n in os.listdir(root) if not n.startswith("."))  # debris of the kill is hidden
+    final = sorted(os.listdir(root))
     assert final == ["checkpoint_1", "checkpoint_2"]
     for name in final:
         assert stagesave.verify(os.path.join(root, name)).status == "verified"

@@ -104,17 +104,18 @@ def test_rank_killed_mid_save_leaves_the_previous_checkpoint_for_plain_accelerat
 
 
 @pytest.mark.gpu
-def test_real_fsdp_accelerator_on_gpu_saves_through_stagesave(tmp_path, monkeypatch):
-    """One CUDA process with Accelerate's own FSDP selection (ACCELERATE_USE_FSDP)."""
+@pytest.mark.parametrize("fsdp_version", ["1", "2"])
+def test_real_fsdp_accelerator_on_gpu_saves_through_stagesave(tmp_path, monkeypatch, fsdp_version):
+    """One CUDA process with Accelerate's own FSDP selection (FSDP1 cannot be built on CPU)."""
+    import stagesave.accelerate as sa
     import torch
     from accelerate import Accelerator
     from accelerate.utils import DistributedType
 
     import stagesave
-    import stagesave.accelerate as sa
 
     for var, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": "29533", "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2",
+                       "MASTER_PORT": "29533", "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": fsdp_version,
                        "FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT"}.items():
         monkeypatch.setenv(var, value)
     acc = Accelerator()
@@ -126,15 +127,15 @@ def test_real_fsdp_accelerator_on_gpu_saves_through_stagesave(tmp_path, monkeypa
     model, opt = acc.prepare(model, opt)
     acc.backward(model(torch.randn(4, 64, device=acc.device)).sum())
     opt.step()
-    before = {k: v.full_tensor().cpu().clone() for k, v in model.state_dict().items()}
+    before = {k: v.cpu().clone() for k, v in acc.get_state_dict(model).items()}
     acc.save_state(str(tmp_path / "ck"))
     ckpt.wait()
-    assert stagesave.verify(str(tmp_path / "ck")).status == "verified"
-    assert stagesave.verify(str(tmp_path / "ck" / "pytorch_model_fsdp_0")).status == "verified"
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(1.0)
+    for folder in ("", "pytorch_model_fsdp_0", "optimizer_0"):
+        assert stagesave.verify(str(tmp_path / "ck" / folder)).status == "verified"
+    acc.backward(model(torch.randn(4, 64, device=acc.device)).sum())
+    opt.step()
     acc.load_state(str(tmp_path / "ck"))
-    after = {k: v.full_tensor().cpu() for k, v in model.state_dict().items()}
-    assert all(torch.equal(before[k], after[k]) for k in before)
+    after = acc.get_state_dict(model)
+    assert sorted(after) == sorted(before)
+    assert all(torch.equal(before[k], after[k].cpu()) for k in before)
     sa.disable(acc)

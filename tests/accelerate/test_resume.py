@@ -15,7 +15,6 @@ from accel_helpers import MANIFEST, assert_same, build, snapshot, train, visible
 from accelerate import Accelerator
 from accelerate.utils import ProjectConfiguration
 
-from stagesave.accelerate._roots import STAGING_DIR
 from stagesave.errors import CheckpointNotFoundError, IntegrityError
 
 
@@ -225,7 +224,7 @@ def test_sigkill_mid_save_resumes_from_previous_and_retention_kept_it(tmp_path, 
     # total_limit=1: only the last committed checkpoint, and nothing else at all (hidden or not):
     # the killed save was assembled in .stagesave-staging, outside what Accelerate lists.
     assert sorted(os.listdir(root)) == ["checkpoint_1"]
-    debris = os.listdir(tmp_path / STAGING_DIR)
+    debris = os.listdir(tmp_path / sa.STAGING_DIR)
     assert len(debris) == 1 and debris[0].startswith("checkpoint_2.") and debris[0].endswith(".stagesave-tmp")
     want = torch.load(expected, weights_only=False)
 
