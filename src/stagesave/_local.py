@@ -131,7 +131,15 @@ class _LocalPendingWrite(PendingWrite):
                 fsops.link(self.final, backup)
             except OSError:
                 backup = None  # no hard links here (some network filesystems): best effort
-        fsops.replace(self.tmp, self.final)
+        try:
+            fsops.replace(self.tmp, self.final)
+        except BaseException:
+            if backup is not None:
+                try:
+                    fsops.unlink(backup)
+                except OSError:
+                    pass
+            raise
         try:
             _fsync_dir(os.path.dirname(self.final))
         except BaseException:
@@ -303,18 +311,30 @@ class LocalStore(Store):
             return out
         for entry in entries:
             # Never follow symlinks: a link could point outside the checkpoint root.
-            if entry.is_file(follow_symlinks=False):
+            try:
+                if not entry.is_file(follow_symlinks=False):
+                    continue
                 st = entry.stat(follow_symlinks=False)
-                name = f"{prefix}/{entry.name}" if prefix else entry.name
-                out.append(ObjectInfo(name, st.st_size, st.st_mtime))
+            except FileNotFoundError:  # renamed away by a writer since the directory was read
+                continue
+            name = f"{prefix}/{entry.name}" if prefix else entry.name
+            out.append(ObjectInfo(name, st.st_size, st.st_mtime))
         return out
 
     def list_dirs(self, prefix: str = "") -> builtins.list[str]:
         directory = self._path(prefix) if prefix else self.root
+        out = []
         try:
-            return [e.name for e in os.scandir(directory) if e.is_dir(follow_symlinks=False)]
+            entries = list(os.scandir(directory))
         except (FileNotFoundError, NotADirectoryError):
             return []
+        for e in entries:
+            try:
+                if e.is_dir(follow_symlinks=False):
+                    out.append(e.name)
+            except FileNotFoundError:  # renamed away since the directory was read
+                continue
+        return out
 
     def delete(self, name: str) -> None:
         try:
