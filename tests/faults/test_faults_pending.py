@@ -62,14 +62,7 @@ def _is_publish(root, name):  # type: ignore[no-untyped-def]
 
 # ---------------------------------------------------------------------------- deleted under a save
 @pytest.mark.fault_class("file deleted under a pending save")
-@pytest.mark.parametrize("is_dir", [
-    pytest.param(False, id="file", marks=pytest.mark.xfail(strict=True, reason=(
-        "_LocalPendingWrite.publish() hard-links the replaced file to a backup name before the "
-        "rename; when the rename fails (here: the temporary is gone) the backup is never "
-        "removed and stays behind as a .stagesave-tmp file"
-    ))),
-    pytest.param(True, id="dir"),
-])
+@pytest.mark.parametrize("is_dir", [False, True], ids=["file", "dir"])
 def test_temporary_deleted_under_a_pending_save(tmp_path, is_dir):
     """Someone (a cleanup cron, a user's rm) deletes the save's temporary while it is written."""
     with stagesave.Checkpointer(tmp_path, chunk_bytes=8192) as ck:
@@ -263,14 +256,10 @@ def test_reader_at_every_step_of_a_pending_overwrite_sees_old_or_new(tmp_path):
 
 
 @pytest.mark.fault_class("readers at every step of a pending save")
-@pytest.mark.xfail(strict=True, reason=(
-    "LocalStore.list() stats each directory entry after listing it; a writer's temporary renamed "
-    "away in between (its publish) makes stat raise FileNotFoundError, which escapes list(), so "
-    "load('last.ckpt') in another process fails with 'no checkpoint at last.ckpt'"
-))
 def test_a_temporary_published_while_a_reader_lists_the_directory(tmp_path, monkeypatch):
     """Seen in the reader test above as a rare race; made deterministic: the listing a reader
-    makes of the directory still names a writer's temporary that is renamed away right after."""
+    makes of the directory still names a writer's temporary that is renamed away right after,
+    and loading last.ckpt must not fail for it."""
     stagesave.save(file_state(1), tmp_path / "last.ckpt")
     temp = tmp_path / f".last.ckpt.{os.getpid()}-0badf00d.stagesave-tmp"
     temp.write_bytes(b"a writer's temporary")
