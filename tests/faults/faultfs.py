@@ -22,13 +22,11 @@ the unsynced directory operations and of the unsynced writes (no ordering guaran
 
 from __future__ import annotations
 
-import errno
 import os
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -244,15 +242,6 @@ class Recorder:
             if p and os.path.commonpath([p, self.base]) != self.base:
                 raise AssertionError(f"{op.kind} of {p} lies outside the modelled tree {self.base}")
         self.ops.append(op)
-
-    @contextmanager
-    def paused(self) -> Iterator[None]:
-        """Stop logging (e.g. while the test itself prepares files through stagesave)."""
-        self.recording = False
-        try:
-            yield
-        finally:
-            self.recording = True
 
 
 # ---------------------------------------------------------------------------- the model
@@ -475,7 +464,3 @@ def rename_to(ops: list[Op], start: int, end: int, dst: str) -> int:
         if (op.kind == "rename" and op.dst == dst) or (op.kind == "exchange" and dst in (op.path, op.dst)):
             return i
     return -1
-
-
-def errno_name(err: int) -> str:
-    return errno.errorcode.get(err, str(err))
