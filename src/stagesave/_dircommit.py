@@ -129,7 +129,6 @@ def _move_into_place(store: Store, staging: str, directory: str, *, src_path: st
                 raise
             crash_point("after_commit")
             return
-        crash_point("after_aside")
         try:
             fsops.exchange(src, dst)
         except OSError as exc:

@@ -96,11 +96,18 @@ _CRASH_DRIVER = textwrap.dedent(
                 ck.save_dir(files, name).result()
                 ck.save_dir({**files, "optimizer.bin": {"step": 2}}, name).result()
 
+    def no_exchange(a, b):
+        import errno
+        raise OSError(errno.ENOSYS, "renameat2 unavailable (simulated filesystem without it)")
+
     results = []
     for root, mode, name, point, *options in json.loads(sys.argv[1]):
         pid = os.fork()  # one import of torch, one real process per crash
         if pid == 0:
             os.environ["STAGESAVE_CRASH_AT"] = point
+            if mode == "dir_noexchange":  # the two-rename fallback, which leaves an aside folder
+                import stagesave._fsops
+                stagesave._fsops.exchange = no_exchange
             try:
                 scenario(root, mode, name, options[0] if options else None)
             finally:
@@ -119,7 +126,8 @@ def crash_saves(scenarios: list[tuple[Any, ...]]) -> list[int]:
 
     ``mode``: ``file`` (the first save crashes), ``big`` (the same with 20 MB: a multipart upload
     on S3), ``replace`` / ``dir`` (a committed file / folder, then the save replacing it
-    crashes: pass ``point`` as ``<point>:2``).
+    crashes: pass ``point`` as ``<point>:2``), ``dir_noexchange`` (as ``dir`` on a filesystem
+    without ``RENAME_EXCHANGE``, simulated: the folder is replaced by two renames).
     """
     env = {k: v for k, v in os.environ.items() if k != "STAGESAVE_CRASH_AT"}
     r = subprocess.run([sys.executable, "-c", _CRASH_DRIVER, json.dumps(scenarios)], env=env,

@@ -43,7 +43,7 @@ CRASHES = {
     "manifest": ("crashed.ckpt", "after_manifest", "file"),
     "replace": ("last.ckpt", "after_manifest:2", "replace"),
     "dir_data": ("checkpoint_5", "after_data:3", "dir"),
-    "dir_aside": ("checkpoint_5", "after_aside:2", "dir"),
+    "dir_aside": ("checkpoint_5", "after_aside", "dir_noexchange"),
 }
 
 
