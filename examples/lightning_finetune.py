@@ -214,7 +214,7 @@ def describe_directory(dirpath: str) -> None:
         step = (c.manifest.metadata.get("global_step") if c.manifest else None)
         print(f"  {c.status:11s} {os.path.basename(c.path):28s} step {step}")
     if "://" not in dirpath and os.path.isdir(dirpath):
-        for leftover in sorted(n for n in os.listdir(dirpath) if n.endswith(".stagesave-tmp")):
+        for leftover in sorted(n for n in os.listdir(dirpath) if stagesave.is_temporary(n)):
             print(f"  {'torn':11s} {leftover}  (interrupted write: never committed, ignored)")
 
 

@@ -10,6 +10,10 @@ One plugin makes every checkpoint save cost training one copy into host memory; 
         callbacks=[ModelCheckpoint(dirpath=dirpath, save_top_k=3, save_last=True)],
     )
     trainer.fit(model, ckpt_path=latest(dirpath))   # newest valid checkpoint, or from scratch
+
+Sharded checkpoints (FSDP ``state_dict_type="sharded"``, ``ModelParallelStrategy``) bypass
+``CheckpointIO`` in Lightning; swap the strategy for :class:`StagedFSDPStrategy` or
+:class:`StagedModelParallelStrategy` (same arguments, the plugin included).
 """
 
 from __future__ import annotations
@@ -17,11 +21,14 @@ from __future__ import annotations
 from ._callback import CheckpointTelemetryLogger, telemetry_metrics
 from ._plugin import LIGHTNING_SAFE_GLOBALS, StagedCheckpointIO, find_plugin
 from ._resume import latest, wait
+from ._strategies import StagedFSDPStrategy, StagedModelParallelStrategy
 
 __all__ = [
     "LIGHTNING_SAFE_GLOBALS",
     "CheckpointTelemetryLogger",
     "StagedCheckpointIO",
+    "StagedFSDPStrategy",
+    "StagedModelParallelStrategy",
     "find_plugin",
     "latest",
     "telemetry_metrics",

@@ -1,22 +1,16 @@
-"""``save_last="link"``: a ``last.ckpt`` symlink that only ever points at a committed checkpoint.
+"""``save_last="link"``: ``last.ckpt`` only ever points at a committed checkpoint.
 
-Lightning makes the link itself, right after the save call returns: it deletes ``last.ckpt`` and
-creates a new symlink to the checkpoint just submitted. With the write still in flight that
-link dangles, and a crash in that window leaves ``ckpt_path="last"`` with nothing to resume from
-(Lightning then warns once and trains from scratch). Lightning's next step in the same hook can
-also remove the checkpoint the old link points at (top-k), so for a moment no valid ``last``
-exists at all.
-
-Here a link moves only after its target is committed, atomically (a new symlink renamed over
-the old one), and removing the checkpoint a link still points at waits until the link has moved
-on. Links are made by one small thread that waits on save handles and does nothing but
-``symlink``/``rename``/``fsync``. Lightning allows ``"link"`` only for local paths, so this
-module is plain POSIX.
+Lightning makes the link right after it asks for the save, while the save is still being
+written. Here a link update is one more ordered step of the checkpointer
+(``Checkpointer.run_after``): it runs on the writer thread after the target's save, and after
+every save and removal submitted before it, and moves the link only if that save committed.
+Removing a checkpoint that a link still points at is held back until no link does (a held
+removal is submitted, again in order, once the link has moved on), so a valid ``last`` exists
+at every moment. Lightning allows ``"link"`` only for local paths, so this module is plain POSIX.
 """
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import logging
 import os
 import secrets
@@ -24,18 +18,13 @@ import shutil
 import threading
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-from stagesave import SaveHandle
+from stagesave import TMP_MARKER, Checkpointer, SaveHandle
 
 __all__ = ["LinkKeeper", "install_link_hook", "replace_symlink"]
 
 log = logging.getLogger("stagesave.lightning")
-
-#: Suffix of the temporary symlink renamed over the link; the same marker as the core's
-#: temporaries, so stagesave's clean-up recognises a leftover from a crash.
-TMP_SUFFIX = ".stagesave-tmp"
 
 
 def _fsync_dir(path: str) -> None:
@@ -51,11 +40,14 @@ def _fsync_dir(path: str) -> None:
 def replace_symlink(target: str, link: str) -> None:
     """Make ``link`` a relative symlink to ``target``, atomically replacing what was there.
 
+    The temporary link carries stagesave's temporary marker, so a leftover from a crash is
+    recognised (and removed) by ``stagesave gc``.
+
     Raises:
         OSError: the link cannot be created (e.g. the directory is not writable).
     """
     directory = os.path.dirname(os.path.abspath(link))
-    tmp = os.path.join(directory, f".{os.path.basename(link)}.{os.getpid()}-{secrets.token_hex(4)}{TMP_SUFFIX}")
+    tmp = os.path.join(directory, f".{os.path.basename(link)}.{os.getpid()}-{secrets.token_hex(4)}{TMP_MARKER}")
     os.symlink(os.path.relpath(os.path.abspath(target), directory), tmp)
     try:
         if os.path.isdir(link) and not os.path.islink(link):
@@ -70,62 +62,68 @@ def replace_symlink(target: str, link: str) -> None:
     _fsync_dir(directory)
 
 
-def _same(a: str, b: str) -> bool:
-    return os.path.abspath(a) == os.path.abspath(b)
-
-
 def links_to(path: str) -> list[str]:
     """Symlinks in ``path``'s directory that resolve to ``path``."""
-    directory = os.path.dirname(os.path.abspath(path))
+    directory = os.path.dirname(path)
     real = os.path.realpath(path)
-    out: list[str] = []
     try:
         entries = list(os.scandir(directory))
     except OSError:
-        return out
-    for entry in entries:
-        if entry.is_symlink() and os.path.realpath(entry.path) == real:
-            out.append(entry.path)
-    return out
-
-
-@dataclass
-class _Job:
-    link: str
-    target: str | None  # None: the removal of the link ``link``
-    future: cf.Future[None]
+        return []
+    return [e.path for e in entries if e.is_symlink() and os.path.realpath(e.path) == real]
 
 
 class LinkKeeper:
-    """Moves links once their targets are committed; holds removals of linked checkpoints.
+    """Link updates as ordered writer-thread steps; removals of linked checkpoints held back.
 
-    Args:
-        remove: Submits the real removal of a checkpoint (ordered after earlier saves).
+    Every method runs on the training thread. What the links *will* point at once the queued
+    updates ran is kept in ``_intended``; what they point at now is on disk. A checkpoint is
+    held while either names it, so a failed save (whose link update keeps the old target)
+    never lets the checkpoint the link still points at be removed.
     """
 
-    def __init__(self, remove: Callable[[str], Any]) -> None:
-        self._remove = remove
+    def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._pool: cf.ThreadPoolExecutor | None = None
-        self._jobs: list[_Job] = []
+        self._intended: dict[str, str] = {}
+        self._updates: dict[str, SaveHandle] = {}
         self._held: list[str] = []
-        self._errors: list[BaseException] = []
 
-    # ------------------------------------------------------------------ requests
-    def link(self, target: str, link: str, handle: SaveHandle | None) -> None:
-        """Point ``link`` at ``target`` once ``handle`` (the target's pending save) commits."""
-        self._submit(link, target, lambda: self._relink(target, link, handle))
+    def link(self, ckpt: Checkpointer, target: str, link: str, saved: SaveHandle | None) -> None:
+        """Point ``link`` at ``target`` after ``saved`` (the target's save, if any) committed."""
+        target, link = os.path.abspath(target), os.path.abspath(link)
 
-    def remove(self, path: str) -> bool:
-        """Take over the removal of ``path`` if a link needs it to wait.
+        def relink() -> None:  # on the writer thread, after the target's save finished
+            if saved is not None and saved.exception() is not None:
+                log.warning("stagesave: %s keeps its previous target because saving %s failed", link, target)
+                return
+            if not os.path.exists(target):
+                log.warning("stagesave: %s keeps its previous target because %s does not exist", link, target)
+                return
+            replace_symlink(target, link)
+
+        handle = ckpt.run_after(relink, description=f"pointing {link} at {os.path.basename(target)}")
+        with self._lock:
+            self._intended[link] = target
+            self._updates[link] = handle
+        self.release(ckpt)
+
+    def remove(self, ckpt: Checkpointer, path: str) -> bool:
+        """Take over the removal of ``path`` when links are involved.
 
         Returns:
-            ``True`` when this keeper removes it: a link (after the link updates requested
-            before, so that a valid ``last`` exists at every moment), or a checkpoint a link still
-            points at (once no link does); ``False`` when the caller should remove it now.
+            ``True`` when handled here: a link is removed after the link updates submitted before
+            (removing a link never dangles anything); a checkpoint that a link points at (now,
+            or once the queued updates ran) is held until no link does. ``False``: the caller
+            removes ``path`` as usual.
         """
-        if os.path.islink(path):
-            self._submit(path, None, lambda: self._unlink(path))
+        path = os.path.abspath(path)
+        with self._lock:
+            is_link = path in self._intended or os.path.islink(path)
+            if is_link:
+                self._intended.pop(path, None)
+        if is_link:
+            ckpt.remove(path)
+            self.release(ckpt)
             return True
         if self._targeted(path):
             with self._lock:
@@ -134,104 +132,34 @@ class LinkKeeper:
             return True
         return False
 
-    def _submit(self, link: str, target: str | None, fn: Callable[[], None]) -> None:
+    def release(self, ckpt: Checkpointer) -> None:
+        """Submit the held removals whose checkpoint no link points at any more."""
         with self._lock:
-            if self._pool is None:
-                self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="stagesave-link")
-            future = self._pool.submit(self._guard, fn)
-            job = _Job(link, target, future)
-            self._jobs.append(job)
-        future.add_done_callback(lambda _f: self._forget(job))
+            free = [p for p in self._held if not self._targeted_locked(p)]
+            self._held = [p for p in self._held if p not in free]
+        for path in free:
+            ckpt.remove(path)
 
-    def _forget(self, job: _Job) -> None:
+    def update_of(self, link: str) -> SaveHandle | None:
+        """The latest queued update of ``link`` (to wait for before reading through it)."""
         with self._lock:
-            if job in self._jobs:
-                self._jobs.remove(job)
+            return self._updates.get(os.path.abspath(link))
 
-    def _guard(self, fn: Callable[[], None]) -> None:
-        try:
-            fn()
-        except BaseException as exc:  # noqa: BLE001 - delivered by wait()/close()
-            log.error("stagesave: keeping a save_last link up to date failed: %s", exc)
-            with self._lock:
-                self._errors.append(exc)
-
-    # ------------------------------------------------------------------ worker side
-    def _relink(self, target: str, link: str, handle: SaveHandle | None) -> None:
-        if handle is not None and handle.exception() is not None:
-            log.warning("stagesave: %s keeps its previous target because saving %s failed", link, target)
-            return
-        replace_symlink(target, link)
-        self._release_held()
-
-    def _unlink(self, link: str) -> None:
-        try:
-            os.unlink(link)
-        except FileNotFoundError:
-            pass
-        _fsync_dir(os.path.dirname(os.path.abspath(link)))
-        self._release_held()
+    def kept(self) -> list[str]:
+        """Forget the removals still held (their checkpoint is still linked) and name them."""
+        with self._lock:
+            kept, self._held = self._held, []
+            self._updates.clear()
+        for path in kept:
+            log.info("stagesave: kept %s because a save_last link still points at it", path)
+        return kept
 
     def _targeted(self, path: str) -> bool:
         with self._lock:
-            pending = any(j.target is not None and _same(j.target, path) for j in self._jobs)
-        return pending or bool(links_to(path))
+            return self._targeted_locked(path)
 
-    def _release_held(self) -> None:
-        with self._lock:
-            held = list(self._held)
-        for path in held:
-            if not self._targeted(path):
-                with self._lock:
-                    self._held.remove(path)
-                self._remove(path)
-
-    # ------------------------------------------------------------------ waiting
-    def pending(self) -> int:
-        with self._lock:
-            return len(self._jobs)
-
-    def wait(self, timeout: float | None = None, link: str | None = None) -> None:
-        """Wait for pending link jobs (only those of ``link`` if given), then raise a failure.
-
-        Raises:
-            TimeoutError: still running after ``timeout`` seconds.
-            OSError: a link could not be made (raised once).
-        """
-        with self._lock:
-            futures = [j.future for j in self._jobs if link is None or _same(j.link, link)]
-        _, not_done = cf.wait(futures, timeout)
-        if not_done:
-            raise TimeoutError(f"{len(not_done)} save_last link updates still waiting after {timeout} s")
-        if link is None:
-            self._raise_errors()
-
-    def _raise_errors(self) -> None:
-        with self._lock:
-            errors, self._errors = self._errors, []
-        if errors:
-            raise errors[0]
-
-    def close(self, timeout: float | None = None) -> None:
-        """Finish pending link jobs and end the thread; held removals whose checkpoint is still
-        linked are dropped (the file is kept rather than leave a dangling link).
-
-        Raises:
-            TimeoutError: link jobs still waiting after ``timeout`` seconds.
-            OSError: a link could not be made.
-        """
-        try:
-            self.wait(timeout)
-        finally:
-            with self._lock:
-                pool, self._pool = self._pool, None
-            if pool is not None:
-                pool.shutdown(wait=False)
-        self._release_held()
-        with self._lock:
-            kept, self._held = self._held, []
-        for path in kept:
-            log.info("stagesave: kept %s because a save_last link still points at it", path)
+    def _targeted_locked(self, path: str) -> bool:
+        return path in self._intended.values() or bool(links_to(path))
 
 
 def install_link_hook(find_keeper: Callable[[Any], Any]) -> None:
@@ -261,7 +189,7 @@ def install_link_hook(find_keeper: Callable[[Any], Any]) -> None:
         if plugin is None:
             original(trainer, filepath, linkpath)
             return
-        if trainer.is_global_zero and not _same(filepath, linkpath):
+        if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
             plugin.link(filepath, linkpath)
         trainer.strategy.barrier()
 

@@ -131,7 +131,7 @@ class StagedCheckpointIO(CheckpointIO):
     def _init_runtime(self) -> None:
         self._lock = threading.RLock()
         self._ckpt: Checkpointer | None = None
-        self._links: LinkKeeper | None = None
+        self._links = LinkKeeper()
         self._handles: dict[str, SaveHandle] = {}
         self._telemetry: collections.deque[SaveTelemetry] = collections.deque(maxlen=TELEMETRY_BACKLOG)
 
@@ -215,9 +215,7 @@ class StagedCheckpointIO(CheckpointIO):
             metadata.update(storage_options.get("metadata") or {})
         target = os.fspath(path)
         handle = self.checkpointer.save(checkpoint, target, metadata=metadata)
-        with self._lock:
-            self._handles = {k: h for k, h in self._handles.items() if not h.done()}
-            self._handles[_key(target)] = handle
+        self.track(target, handle)
         if os.path.basename(target).startswith(HPC_CHECKPOINT_PREFIX):
             # Lightning's SLURM auto-requeue saves this and requeues the job at once: the
             # checkpoint must be durable before the job can be killed.
@@ -243,10 +241,10 @@ class StagedCheckpointIO(CheckpointIO):
             stagesave.UnsafeCheckpointError: the file needs a class that is not allow-listed.
         """
         target = os.fspath(path)
-        if self._links is not None and "://" not in target:
-            self._links.wait(link=target)
-        if "://" not in target and os.path.islink(target):
-            target = os.path.realpath(target)
+        if "://" not in target:
+            update = self._links.update_of(target)
+            if update is not None:
+                update.exception()  # the link moves only once its target is committed
         return self.checkpointer.load(  # type: ignore[no-any-return]
             target,
             "cpu" if map_location is None else map_location,
@@ -262,17 +260,16 @@ class StagedCheckpointIO(CheckpointIO):
         has moved on (or kept, if it never does).
         """
         target = os.fspath(path)
-        if "://" not in target:
-            with self._lock:
-                keeper = self._links_or_new()
-            if keeper.remove(target):
-                return
+        if "://" not in target and self._links.remove(self.checkpointer, target):
+            return
         self.checkpointer.remove(target)
 
-    def _links_or_new(self) -> LinkKeeper:
-        if self._links is None:
-            self._links = LinkKeeper(lambda p: self.checkpointer.remove(p))
-        return self._links
+    def track(self, path: Any, handle: SaveHandle) -> None:
+        """Record ``handle`` as the pending save of ``path`` (a link to ``path`` made later
+        moves only if that save commits). The sharded strategies register their saves here."""
+        with self._lock:
+            self._handles = {k: h for k, h in self._handles.items() if not h.done()}
+            self._handles[_key(os.fspath(path))] = handle
 
     def link(self, target: Any, link: Any) -> None:
         """Point the symlink ``link`` at ``target`` once ``target`` is committed (atomically).
@@ -288,8 +285,7 @@ class StagedCheckpointIO(CheckpointIO):
             raise ValueError(f"cannot link {link_s}: save_last='link' needs a local directory")
         with self._lock:
             handle = self._handles.get(_key(target_s))
-            keeper = self._links_or_new()
-        keeper.link(target_s, link_s, handle if handle is not None and not handle.done() else None)
+        self._links.link(self.checkpointer, target_s, link_s, handle)
 
     @override
     def teardown(self) -> None:
@@ -310,13 +306,11 @@ class StagedCheckpointIO(CheckpointIO):
         pending = self.pending()
         if pending:
             rank_zero_info(f"stagesave: waiting for {pending} checkpoint operation(s) to finish writing")
-        # Links first: releasing a held removal still needs this plugin's Checkpointer.
-        with self._lock:
-            links, self._links = self._links, None
-        errors = _close_quietly(links, deadline)
         with self._lock:
             ckpt, self._ckpt = self._ckpt, None
-        errors += _close_quietly(ckpt, deadline)
+            links, self._links = self._links, LinkKeeper()
+        errors = _flush_and_close(ckpt, links, deadline)
+        links.kept()
         if in_flight is None and not errors:
             errors = _meet_other_ranks(deadline)
         if not errors:
@@ -346,17 +340,18 @@ class StagedCheckpointIO(CheckpointIO):
             TimeoutError: still running after ``timeout`` seconds.
             stagesave.CheckpointError: a background save failed (raised once).
         """
+        ckpt = self._ckpt
+        if ckpt is None:
+            return
         deadline = None if timeout is None else time.monotonic() + timeout
-        if self._links is not None:
-            self._links.wait(timeout)
-        if self._ckpt is not None:
-            self._ckpt.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        ckpt.wait(timeout)
+        # The link updates just finished may free checkpoints whose removal was held.
+        self._links.release(ckpt)
+        ckpt.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def pending(self) -> int:
         """Saves, removals and link updates not finished yet."""
-        return (self._ckpt.pending() if self._ckpt is not None else 0) + (
-            self._links.pending() if self._links is not None else 0
-        )
+        return self._ckpt.pending() if self._ckpt is not None else 0
 
     def latest(self, dirpath: Any, *, verify: bool = False) -> str | None:
         """Path of the newest valid checkpoint in ``dirpath`` (after this plugin's pending
@@ -408,14 +403,34 @@ def _meet_other_ranks(deadline: float | None) -> list[BaseException]:
     return []
 
 
-def _close_quietly(part: LinkKeeper | Checkpointer | None, deadline: float | None) -> list[BaseException]:
-    if part is None:
+def _flush_and_close(ckpt: Checkpointer | None, links: LinkKeeper, deadline: float | None) -> list[BaseException]:
+    """Wait for every operation, submit the removals the last link updates freed, close.
+
+    Returns the errors instead of raising them (the caller decides whether they may be raised).
+    """
+    if ckpt is None:
         return []
+
+    def left() -> float | None:
+        return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+    errors: list[BaseException] = []
     try:
-        part.close(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        ckpt.wait(left())
+        links.release(ckpt)
+    except TimeoutError as exc:
+        errors.append(exc)
     except BaseException as exc:  # noqa: BLE001 - the caller raises or reports it
-        return [exc]
-    return []
+        errors.append(exc)
+        links.release(ckpt)
+    try:
+        ckpt.close(0.0 if errors and isinstance(errors[0], TimeoutError) else left())
+    except TimeoutError as exc:
+        if not errors:
+            errors.append(exc)
+    except BaseException as exc:  # noqa: BLE001
+        errors.append(exc)
+    return errors
 
 
 def find_plugin(owner: Any) -> StagedCheckpointIO | None:

@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from conftest import StepBatches, TinyModel
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning_helpers import StepBatches, TinyModel
 from stagesave.lightning import StagedCheckpointIO, latest
 
 from stagesave import SaveTelemetry

@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from conftest import StepBatches, TinyModel, make_trainer
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning_helpers import StepBatches, TinyModel, make_trainer
 from stagesave.lightning import StagedCheckpointIO
 
 from stagesave import SaveTelemetry

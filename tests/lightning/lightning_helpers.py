@@ -1,5 +1,8 @@
 """Shared parts of the Lightning tests: a tiny deterministic model, resumable data, a writer gate.
 
+A module with a name of its own (not ``conftest``), so that the tests and the child processes
+import it unambiguously when other test directories are collected in the same run.
+
 Everything here is real: a real ``Trainer`` on the CPU, real files, and faults made by slowing
 or breaking the real thing (a writer thread held by a slow telemetry consumer, a directory
 swapped for a file), never by mocking stagesave or Lightning.
@@ -16,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pytest
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.io import TorchCheckpointIO
@@ -181,11 +183,3 @@ def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
         y = b[k]
         assert x.dtype == y.dtype and x.shape == y.shape, k
         assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), f"{k} differs"
-
-
-@pytest.fixture
-def gate() -> Iterator[WriterGate]:
-    g = WriterGate()
-    g.close()
-    yield g
-    g.open()

@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import HeldCheckpointIO, StepBatches, TinyModel, WriterGate, make_trainer
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
+from lightning_helpers import HeldCheckpointIO, StepBatches, TinyModel, WriterGate, make_trainer
 from stagesave.lightning import StagedCheckpointIO
 
 import stagesave

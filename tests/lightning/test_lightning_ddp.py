@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from conftest import HERE, run_python
+from lightning_helpers import HERE, run_python
 
 import stagesave
 

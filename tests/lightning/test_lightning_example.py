@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from conftest import REPO, run_python
+from lightning_helpers import REPO, run_python
 
 EXAMPLE = str(REPO / "examples" / "lightning_finetune.py")
 SMALL = ["--max-steps", "8", "--every", "3", "--batch-size", "4", "--seq-len", "16", "--d-model", "16",

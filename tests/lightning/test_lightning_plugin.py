@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import StepBatches, TinyModel, WriterGate, make_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
+from lightning_helpers import StepBatches, TinyModel, WriterGate, make_trainer
 from stagesave.lightning import StagedCheckpointIO, find_plugin, wait
 
 import stagesave

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import StepBatches, TinyModel, assert_bitwise_equal, make_trainer, weights
 from lightning.pytorch import seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning_helpers import StepBatches, TinyModel, assert_bitwise_equal, make_trainer, weights
 from stagesave.lightning import StagedCheckpointIO, latest
 
 import stagesave
@@ -75,7 +75,7 @@ def test_latest_skips_a_checkpoint_torn_by_a_crash(tmp_path: Path) -> None:
     # the data in a hidden temporary.
     sid = "9" * 40
     (d / f"step=4.ckpt.{sid}.stagesave.json").write_text((next(d.glob("step=3.ckpt.*.stagesave.json"))).read_text())
-    (d / ".step=4.ckpt.123-abcd.stagesave-tmp").write_bytes(b"partial")
+    (d / f".step=4.ckpt.123-abcd{stagesave.TMP_MARKER}").write_bytes(b"partial")
     assert latest(d) == str(d / "step=3.ckpt")
 
 

@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import StepBatches, TinyModel, make_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning_helpers import StepBatches, TinyModel, make_trainer
 from stagesave.lightning import StagedCheckpointIO, latest
 
 import stagesave

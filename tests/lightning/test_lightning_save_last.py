@@ -12,7 +12,10 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import (
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
+from lightning_helpers import (
     HERE,
     HeldCheckpointIO,
     StepBatches,
@@ -21,9 +24,6 @@ from conftest import (
     make_trainer,
     run_python,
 )
-from lightning.pytorch import Callback, Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from stagesave.lightning import StagedCheckpointIO
 
 import stagesave
@@ -42,22 +42,15 @@ class LastProbe(Callback):
     def on_train_batch_start(self, trainer: Trainer, *args: Any) -> None:
         if trainer.global_step == 3 and self.first_held is not None:
             assert self.first_held()  # the step-2 saves are done, later ones are held
-        for _ in range(5):
-            if os.path.lexists(self.last) and not self.last.exists():
-                self.seen.append("dangling")
-            elif self.last.exists():
-                target = self.last.resolve()
-                try:
-                    self.seen.append(stagesave.verify(str(target)).status)
-                except FileNotFoundError:
-                    # The link moved on and top-k removed its old target between our two reads:
-                    # look again (a dangling link would still be caught above).
-                    if self.last.resolve() != target:
-                        continue
-                    raise
-            else:
-                self.seen.append("absent")
-            return
+        if os.path.lexists(self.last) and not self.last.exists():
+            self.seen.append("dangling")
+        elif self.last.exists():
+            # The link verifies as its target. A removal of the checkpoint it pointed at is only
+            # submitted (by the training thread) once the link has moved on, so no removal can
+            # race this read.
+            self.seen.append(stagesave.verify(str(self.last)).status)
+        else:
+            self.seen.append("absent")
 
     def on_train_end(self, trainer: Trainer, pl_module: Any) -> None:
         self.release()
@@ -86,19 +79,22 @@ def _run(tmp_path: Path, io: Any, release: Any, save_last: Any, top_k: int = 1,
 
 @pytest.mark.parametrize("save_last", [True, "link"])
 def test_last_is_always_a_committed_checkpoint(tmp_path: Path, save_last: Any) -> None:
-    # Hold the writer once the step-2 saves are committed (top-k file, plus last.ckpt if a copy).
-    gate = WriterGate(hold_after=2 if save_last is True else 1)
+    # Hold the writer on the second committed save: with save_last=True the last.ckpt copy of
+    # step 2, so every later save waits; with "link" the step-4 save, so the link update to it
+    # (an ordered step behind that save) and everything after it wait.
+    gate = WriterGate(hold_after=2)
     io = StagedCheckpointIO(telemetry_callback=gate, max_pending=8)
     last = tmp_path / "ckpt" / "last.ckpt"
 
-    def first_held() -> bool:  # the step-2 saves committed, and (link mode) the link moved
-        return gate.entered.wait(30) and _eventually(last.exists)
+    def first_held() -> bool:  # the step-2 saves committed (and, with "link", last points there)
+        return (gate.entered.wait(30) if save_last is True else True) and _eventually(last.exists)
 
     probe, d = _run(tmp_path, io, gate.open, save_last, first_held=first_held)
     assert set(probe.seen) <= {"absent", "verified"}
     assert probe.seen[3:] == ["verified"] * 5  # steps 3-7: the step-2 checkpoint while later ones are held
+    assert gate.entered.is_set()
     assert last.is_symlink() == (save_last == "link")
-    assert stagesave.verify(str(last.resolve())).status == "verified"
+    assert stagesave.verify(str(last)).status == "verified"  # the link verifies as its target
     assert torch.load(last, weights_only=False)["global_step"] == 8
     files = sorted(p.name for p in d.glob("*.ckpt") if not p.is_symlink())
     assert files == (["epoch=0-step=8.ckpt"] if save_last == "link" else ["epoch=0-step=8.ckpt", "last.ckpt"])

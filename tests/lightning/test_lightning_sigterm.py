@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conftest import HERE, run_python
+from lightning_helpers import HERE, run_python
 
 import stagesave
 
@@ -22,4 +22,4 @@ def test_sigterm_flushes_pending_saves_before_exit(tmp_path: Path) -> None:
     assert names == [f"epoch=0-step={s}.ckpt" for s in (1, 2, 3, 4, 5)]
     for n in names:
         assert stagesave.verify(str(d / n)).status == "verified"
-    assert not list(d.glob(".*stagesave-tmp"))
+    assert not [p for p in d.iterdir() if stagesave.is_temporary(p.name)]
