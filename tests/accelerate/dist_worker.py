@@ -1,18 +1,30 @@
-"""FSDP2 through Accelerate on 2 CPU processes (gloo): ``python fsdp_worker.py OUT``.
+"""Multi-process and crash scenarios of the Accelerate tests: ``python dist_worker.py OUT``.
 
-Accelerate picks ``DistributedType.FSDP`` only on GPU back ends, so each rank builds a real
-MULTI_CPU ``Accelerator`` and switches its shared state to FSDP with a real
-``FullyShardedDataParallelPlugin`` (version 2, ``SHARDED_STATE_DICT``) before ``prepare``; from
-there everything is Accelerate's own FSDP code (``fully_shard``, ``save_fsdp_model``,
-``load_fsdp_model``, ...) and stagesave's. The script imports torch once and forks the ranks of
-each phase (a gloo group through a file rendezvous, no ports):
+The script imports torch and Accelerate once and forks every process it needs from that clean,
+thread-free state, instead of starting an interpreter (and importing torch) per process. Ranks
+form a gloo group through a file rendezvous (no ports) and build real Accelerators from the
+environment, as under ``accelerate launch``. Phases, in order:
 
-1. ``save``: layout and contents against Accelerate's own save, bitwise restores both ways,
-   automatic naming with ``total_limit``, a corrupt part skipped, a corrupt folder replaced;
-   finally rank 0 is SIGKILLed by a crash point in the middle of an FSDP save.
-2. ``resume``: fresh processes; plain Accelerate and stagesave both resume from the last good one.
+1. ``ddp``: 2 MULTI_CPU processes with stagesave turned on by ``enable_globally()`` (what
+   ``python -m stagesave.accelerate`` does) and configured by ``STAGESAVE_ACCELERATE_*``:
+   bitwise restores, plain Accelerate interop, ``save_on_each_node``.
+2. ``fsdp_save``: FSDP2 on 2 processes. Accelerate picks ``DistributedType.FSDP`` only on GPU
+   back ends, so each rank builds a real MULTI_CPU Accelerator and switches its shared state to
+   FSDP with a real ``FullyShardedDataParallelPlugin`` (version 2, ``SHARDED_STATE_DICT``) before
+   ``prepare``; from there everything is Accelerate's own FSDP code (``fully_shard``,
+   ``save_fsdp_model``, ``load_fsdp_model``, ...) and stagesave's: layout and contents against
+   Accelerate's own save, bitwise restores both ways, automatic naming with ``total_limit``, a
+   corrupt part skipped and replaced; finally rank 0 is SIGKILLed by a crash point mid-save.
+3. ``fsdp_resume``: fresh processes; plain Accelerate and stagesave resume from the last good one.
+4. ``crash-<point>``: one process training with ``total_limit=1``, SIGKILLed by a crash point
+   during its third save (``test_resume.py`` inspects and resumes what it left).
+5. ``example2_crash``: ``examples/accelerate_finetune.py`` on 2 processes, SIGKILLed after a save
+   (``test_example.py`` resumes it under ``accelerate launch``).
+6. ``example-*``: the example in one process, run as ``__main__`` in a forked child:
+   uninterrupted, SIGKILLed after a save, resumed (``test_example.py``).
 
-Every rank writes ``OUT/<phase>-rank<R>.json`` (updated after each scenario) and a log.
+Every rank writes ``OUT/<phase>-rank<R>.json`` (updated after each scenario) and a log;
+``OUT/exit.json`` holds every phase's exit codes.
 """
 
 from __future__ import annotations
@@ -118,7 +130,64 @@ def tree(folder: str) -> list[str]:
     return sorted(os.path.relpath(os.path.join(top, n), folder) for top, _, names in os.walk(folder) for n in names)
 
 
-# ----------------------------------------------------------------------------- phase 1
+# ----------------------------------------------------------------------------- ddp
+def ddp(rank: int, out: str, result: dict[str, Any], save: Any) -> None:
+    """DDP-style state: the main process writes the folder, every rank's RNG state included."""
+    import stagesave.accelerate as sa
+    from accel_helpers import build as build_ddp
+    from accel_helpers import snapshot as snapshot_ddp
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    os.environ["STAGESAVE_ACCELERATE_MAX_PENDING"] = "1"
+    sa.enable_globally()  # python -m stagesave.accelerate: the script never calls enable()
+    root = os.path.join(out, "ddp")
+    acc = Accelerator(cpu=True, project_config=ProjectConfiguration(
+        project_dir=root, automatic_checkpoint_naming=True, total_limit=2))
+    run = build_ddp(acc)
+    random.seed(rank)
+    np.random.seed(rank)
+    torch.manual_seed(1000 + rank)  # every process has its own RNG streams
+    ckpt = sa.enabled(acc)
+    result.update({
+        "distributed_type": str(acc.distributed_type), "num_processes": acc.num_processes,
+        "enabled_by_runner": ckpt is not None and ckpt.asynchronous,
+        "max_pending_from_env": ckpt.options.max_pending if ckpt else None,
+    })
+    assert ckpt is not None
+    before = None
+    for i in range(3):
+        train(acc, run, 1)
+        if i == 2:
+            before = snapshot_ddp(acc, run)
+        acc.save_state()
+    train(acc, run, 3)
+    acc.load_state()
+    result["iteration"] = acc.project_configuration.iteration
+    check(result, "stagesave_restore", lambda: assert_same(before, snapshot_ddp(acc, run)))
+    folder = os.path.join(root, "checkpoints", "checkpoint_2")
+    result["folders"] = sorted(os.listdir(os.path.join(root, "checkpoints")))
+    result["files"] = sorted(os.listdir(folder))
+    train(acc, run, 2)
+    Accelerator.load_state(acc, folder)  # Accelerate's own load_state, in every process
+    check(result, "plain_restore", lambda: assert_same(before, snapshot_ddp(acc, run)))
+    # save_on_each_node: every node's local main writes the folder, with every rank's RNG states
+    config = acc.project_configuration
+    config.automatic_checkpoint_naming, config.save_on_each_node = False, True
+    each = os.path.join(out, "each_node")
+    before_each = snapshot_ddp(acc, run)
+    acc.save_state(each)
+    ckpt.wait()
+    acc.wait_for_everyone()
+    result["each_node_files"] = sorted(os.listdir(each))
+    train(acc, run, 1)
+    acc.load_state(each)
+    check(result, "each_node_restore", lambda: assert_same(before_each, snapshot_ddp(acc, run)))
+    sa.disable(acc)
+    sa.disable_globally()
+
+
+# ----------------------------------------------------------------------------- fsdp_save
 def explicit_folders(rank: int, out: str, result: dict[str, Any]) -> None:
     import stagesave.accelerate as sa
     from accelerate import Accelerator
@@ -254,8 +323,8 @@ def crash(rank: int, out: str, result: dict[str, Any], save: Any) -> None:
     save()
 
 
-# ----------------------------------------------------------------------------- phase 2
-def resume(rank: int, out: str, result: dict[str, Any], save: Any) -> None:
+# ----------------------------------------------------------------------------- fsdp_resume
+def fsdp_resume(rank: int, out: str, result: dict[str, Any], save: Any) -> None:
     import stagesave.accelerate as sa
     from accelerate import Accelerator
 
@@ -280,7 +349,7 @@ def resume(rank: int, out: str, result: dict[str, Any], save: Any) -> None:
     sa.disable(acc)
 
 
-def save_phase(rank: int, out: str, result: dict[str, Any], save: Any) -> None:
+def fsdp_save(rank: int, out: str, result: dict[str, Any], save: Any) -> None:
     for scenario in (explicit_folders, automatic_naming):
         try:
             scenario(rank, out, result)
@@ -291,7 +360,44 @@ def save_phase(rank: int, out: str, result: dict[str, Any], save: Any) -> None:
     crash(rank, out, result, save)
 
 
-PHASES = {"save": save_phase, "resume": resume}
+# ----------------------------------------------------------------------------- one process
+#: Crash points of the single-process crash test: the third file of the third save (6 files per
+#: save: model, optimizer, scheduler, RNG, two custom objects), and just before the final rename.
+SINGLE_CRASHES = {"third-file-of-third-save": "after_data:15", "after-manifest-before-rename": "after_manifest:3"}
+
+
+def crash_single(out: str) -> None:
+    """A single-process run with ``total_limit=1`` killed during its third save."""
+    import stagesave.accelerate as sa
+    from accel_helpers import build as build_ddp
+    from accel_helpers import snapshot as snapshot_ddp
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    acc = Accelerator(cpu=True, project_config=ProjectConfiguration(
+        project_dir=out, automatic_checkpoint_naming=True, total_limit=1))
+    run = build_ddp(acc)
+    ckpt = sa.enable(acc)
+    for i in range(3):
+        train(acc, run, 1)
+        if i == 1:
+            torch.save(snapshot_ddp(acc, run), os.path.join(out, "expected.pt"))
+        acc.save_state()
+        if i < 2:
+            ckpt.wait()
+    ckpt.wait()
+    print("NOT KILLED")
+
+
+def example2_crash(rank: int, out: str, result: dict[str, Any], save: Any) -> None:
+    """The example on 2 ranks, killed right after the save of step 8 returned (at step 10)."""
+    import runpy
+
+    sys.argv = [EXAMPLE, "--output", os.path.join(out, "run2"), *EXAMPLE_ARGS, "--crash-after-step", "10"]
+    runpy.run_path(EXAMPLE, run_name="__main__")
+
+
+PHASES = {"ddp": ddp, "fsdp_save": fsdp_save, "fsdp_resume": fsdp_resume, "example2_crash": example2_crash}
 
 
 # ----------------------------------------------------------------------------- processes
@@ -301,7 +407,9 @@ def _child(phase: str, rank: int, world: int, out: str) -> None:
     os.dup2(log, 2)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1"})
-    os.environ.pop("STAGESAVE_CRASH_AT", None)
+    for var in list(os.environ):
+        if var.startswith(("STAGESAVE_CRASH_AT", "STAGESAVE_ACCELERATE")):
+            del os.environ[var]
     torch.set_num_threads(1)
     path = os.path.join(out, f"{phase}-rank{rank}.json")
     result: dict[str, Any] = {"rank": rank}
@@ -352,9 +460,80 @@ def launch(phase: str, world: int, out: str, timeout: float = 400.0) -> list[Any
     return codes
 
 
+#: examples/accelerate_finetune.py and the arguments of its runs in the tests.
+EXAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples", "accelerate_finetune.py")
+EXAMPLE_ARGS = ["--steps", "12", "--save-every", "4", "--total-limit", "2"]
+EXAMPLE_RUNS = {"example-reference": ("reference", []), "example-crash": ("run1", ["--crash-after-step", "10"]),
+                "example-resume": ("run1", [])}
+
+
+def _example(out: str, name: str, folder: str, extra: list[str]) -> None:
+    import runpy
+
+    log = os.open(os.path.join(out, f"{name}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "STAGESAVE_CRASH_AT"):
+        os.environ.pop(var, None)
+    sys.argv = [EXAMPLE, "--output", os.path.join(out, folder), *EXAMPLE_ARGS, *extra]
+    code = 0
+    try:
+        runpy.run_path(EXAMPLE, run_name="__main__")
+    except BaseException:  # noqa: BLE001 - the log tells the test
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _listing(folder: str) -> list[str]:
+    return sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+
+
+def _fork(target: Any, *args: Any) -> Any:
+    """Run ``target(*args)`` in a forked child; its exit code (``"timeout"`` after 300 s)."""
+    p = multiprocessing.get_context("fork").Process(target=target, args=args)
+    p.start()
+    p.join(300)
+    if p.exitcode is None:
+        p.kill()
+        p.join()
+        return "timeout"
+    return p.exitcode
+
+
+def _single(out: str, point: str) -> None:
+    log = os.open(os.path.join(out, "log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        os.environ.pop(var, None)
+    os.environ["STAGESAVE_CRASH_AT"] = point
+    torch.set_num_threads(1)
+    code = 0
+    try:
+        crash_single(out)
+    except BaseException:  # noqa: BLE001 - the log tells the test
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def main(out: str) -> None:
     os.makedirs(out, exist_ok=True)
-    codes = {phase: launch(phase, 2, out) for phase in PHASES}
+    codes: dict[str, Any] = {phase: launch(phase, 2, out) for phase in PHASES}
+    for name, point in SINGLE_CRASHES.items():
+        folder = os.path.join(out, f"crash-{name}")
+        os.makedirs(folder)
+        codes[f"crash-{name}"] = _fork(_single, folder, point)
+    for name, (folder, extra) in EXAMPLE_RUNS.items():
+        codes[name] = _fork(_example, out, name, folder, extra)
+        if name == "example-crash":  # what the kill left, before the resume changes it
+            codes["example-crash-left"] = _listing(os.path.join(out, folder, "checkpoints"))
+    codes["example2_crash-left"] = _listing(os.path.join(out, "run2", "checkpoints"))
     with open(os.path.join(out, "exit.json"), "w") as f:
         json.dump(codes, f)
 

@@ -1,5 +1,7 @@
-"""examples/accelerate_finetune.py under ``accelerate launch`` (1 and 2 CPU processes): a real
-SIGKILL right after an asynchronous save_state() returned, then an automatic resume."""
+"""examples/accelerate_finetune.py: a real SIGKILL right after an asynchronous save_state()
+returned, then an automatic resume. In one process the runs are forked by ``dist_worker.py``; with
+2 CPU processes the example runs under ``accelerate launch``, through the no-code runner
+``-m stagesave.accelerate`` and configured by environment."""
 
 from __future__ import annotations
 
@@ -8,55 +10,63 @@ import os
 import subprocess
 import sys
 
-from test_multiprocess import launch_args
+from dist_worker import EXAMPLE, EXAMPLE_ARGS
 
 import stagesave
 
-EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "accelerate_finetune.py")
-ARGS = ["--steps", "12", "--save-every", "4", "--total-limit", "2"]
+#: ``accelerate launch`` with 2 CPU processes: ``--multi_gpu`` makes it start torchrun, and
+#: without GPUs the script's Accelerator then runs MULTI_CPU over gloo.
+LAUNCH_2 = [os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch", "--multi_gpu",
+            "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+            "--main_process_port", "0", "-m", "stagesave.accelerate"]
 
 
-def _run(cmd: list[str], out: str, *extra: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([*cmd, EXAMPLE, "--output", out, *ARGS, *extra], env=env, check=False,
+def _launch(out: str, *extra: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "STAGESAVE_ACCELERATE_MAX_PENDING": "1"}
+    return subprocess.run([*LAUNCH_2, EXAMPLE, "--output", out, *EXAMPLE_ARGS, *extra], env=env, check=False,
                           capture_output=True, text=True, timeout=300)
 
 
-def _crash_then_resume(tmp_path, n: int) -> tuple[dict, str]:
-    out = str(tmp_path / f"run{n}")
-    crashed = _run(launch_args(n), out, "--crash-after-step", "10")
-    assert crashed.returncode != 0 and "simulated crash: SIGKILL after step 10" in crashed.stdout, crashed.stderr[-3000:]
-    root = os.path.join(out, "checkpoints")
+def _check_kill_and_resume(committed: list[str], out: str, resumed_stdout: str, resumed_code: int) -> None:
     # Saves of steps 4 and 8 were submitted; each is there only if it committed before the kill
     # (the background may lag on a busy machine), never half-written, and nothing else is there
     # (unfinished saves are assembled in <output>/.stagesave-staging).
-    committed = sorted(os.listdir(root))
     assert committed in ([], ["checkpoint_0"], ["checkpoint_0", "checkpoint_1"]), committed
-    resumed = _run(launch_args(n), out)
-    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
+    assert resumed_code == 0, resumed_stdout[-3000:]
     if committed:
         k = len(committed) - 1
-        assert f"resumed at step {4 * (k + 1)} (next checkpoint: checkpoint_{k + 1})" in resumed.stdout
+        assert f"resumed at step {4 * (k + 1)} (next checkpoint: checkpoint_{k + 1})" in resumed_stdout
     else:
-        assert "resumed at" not in resumed.stdout
+        assert "resumed at" not in resumed_stdout
+    root = os.path.join(out, "checkpoints")
     final = sorted(os.listdir(root))
     assert final == ["checkpoint_1", "checkpoint_2"]
     for name in final:
         assert stagesave.verify(os.path.join(root, name)).status == "verified"
-    with open(os.path.join(out, "result.json"), encoding="utf-8") as f:
-        return json.load(f), resumed.stdout
 
 
-def test_one_process_crash_and_resume_ends_with_the_uninterrupted_weights(tmp_path):
-    reference = _run([sys.executable], str(tmp_path / "reference"))
-    assert reference.returncode == 0, reference.stderr[-3000:]
-    with open(tmp_path / "reference" / "result.json", encoding="utf-8") as f:
+def test_one_process_crash_and_resume_ends_with_the_uninterrupted_weights(worker_runs):
+    # dist_worker.py ran the example three times in forked processes: uninterrupted, killed, resumed.
+    out, codes = worker_runs.out, worker_runs.exit
+    logs = {n: (out / f"{n}.log").read_text(errors="replace") for n in ("example-reference", "example-crash", "example-resume")}
+    assert codes["example-reference"] == 0, logs["example-reference"][-3000:]
+    assert codes["example-crash"] == -9 and "simulated crash: SIGKILL after step 10" in logs["example-crash"]
+    _check_kill_and_resume(codes["example-crash-left"], str(out / "run1"), logs["example-resume"], codes["example-resume"])
+    with open(out / "reference" / "result.json", encoding="utf-8") as f:
         expected = json.load(f)
-    result, _ = _crash_then_resume(tmp_path, 1)
-    assert result == expected  # same step, loss and SHA-256 of every weight
+    with open(out / "run1" / "result.json", encoding="utf-8") as f:
+        assert json.load(f) == expected  # same step, loss and SHA-256 of every weight
 
 
-def test_two_processes_crash_and_resume(tmp_path):
-    result, stdout = _crash_then_resume(tmp_path, 2)
+def test_two_processes_crash_then_resume_under_accelerate_launch(worker_runs):
+    # dist_worker.py ran the example on 2 forked ranks and both were killed after step 10.
+    out, codes = worker_runs.out, worker_runs.exit
+    assert codes["example2_crash"] == [-9, -9], worker_runs.logs("example2_crash")
+    assert "simulated crash: SIGKILL after step 10" in worker_runs.logs("example2_crash")
+    resumed = _launch(str(out / "run2"))
+    _check_kill_and_resume(codes["example2_crash-left"], str(out / "run2"), resumed.stdout + resumed.stderr[-3000:],
+                           resumed.returncode)
+    with open(out / "run2" / "result.json", encoding="utf-8") as f:
+        result = json.load(f)
     assert result["processes"] == 2 and result["step"] == 12
-    assert "save_state -> " in stdout
+    assert "save_state -> " in resumed.stdout

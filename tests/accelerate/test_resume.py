@@ -4,9 +4,6 @@ automatic naming with total_limit while saves are in flight, iteration restored.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import stagesave.accelerate as sa
@@ -181,55 +178,21 @@ def test_total_limit_with_saves_in_flight(tmp_path):
     assert_same(before, snapshot(acc, run))
 
 
-_CRASHING_TRAINER = textwrap.dedent(
-    """
-    import sys, torch
-    sys.path.insert(0, {helpers!r})
-    from accelerate import Accelerator
-    from accelerate.utils import ProjectConfiguration
-    from accel_helpers import build, snapshot, train
-    import stagesave.accelerate as sa
-    acc = Accelerator(cpu=True, project_config=ProjectConfiguration(
-        project_dir={root!r}, automatic_checkpoint_naming=True, total_limit=1))
-    run = build(acc)
-    sa.enable(acc)
-    for i in range(3):
-        train(acc, run, 1)
-        if i == 1:
-            torch.save(snapshot(acc, run), {expected!r})
-        acc.save_state()
-        acc._stagesave.wait() if i < 2 else None
-    acc._stagesave.wait()
-    print("NOT KILLED")
-    """
-)
-
-
-#: Files per save in this set-up: model, optimizer, scheduler, RNG, two custom objects.
-_FILES = 6
-
-
-@pytest.mark.parametrize(
-    "point",
-    [f"after_data:{2 * _FILES + 3}", "after_manifest:3"],
-    ids=["third-file-of-third-save", "after-manifest-before-rename"],
-)
-def test_sigkill_mid_save_resumes_from_previous_and_retention_kept_it(tmp_path, point):
-    expected = tmp_path / "expected.pt"
-    script = _CRASHING_TRAINER.format(helpers=os.path.dirname(__file__), root=str(tmp_path), expected=str(expected))
-    env = {**os.environ, "STAGESAVE_CRASH_AT": point}
-    proc = subprocess.run([sys.executable, "-c", script], env=env, check=False, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == -9, proc.stdout + proc.stderr
-    root = tmp_path / "checkpoints"
-    # total_limit=1: only the last committed checkpoint, and nothing else at all (hidden or not):
-    # the killed save was assembled in .stagesave-staging, outside what Accelerate lists.
+@pytest.mark.parametrize("point", ["third-file-of-third-save", "after-manifest-before-rename"])
+def test_sigkill_mid_save_resumes_from_previous_and_retention_kept_it(worker_runs, point):
+    # dist_worker.py trained with total_limit=1 and was SIGKILLed during its third save.
+    assert worker_runs.exit[f"crash-{point}"] == -9
+    project = worker_runs.out / f"crash-{point}"
+    root = project / "checkpoints"
+    # Only the last committed checkpoint, and nothing else at all (hidden or not): the killed save
+    # was assembled in .stagesave-staging, outside what Accelerate lists.
     assert sorted(os.listdir(root)) == ["checkpoint_1"]
-    debris = os.listdir(tmp_path / sa.STAGING_DIR)
+    debris = os.listdir(project / sa.STAGING_DIR)
     assert len(debris) == 1 and debris[0].startswith("checkpoint_2.") and debris[0].endswith(".stagesave-tmp")
-    want = torch.load(expected, weights_only=False)
+    want = torch.load(project / "expected.pt", weights_only=False)
 
     # Plain Accelerate, without stagesave: its automatic load_state() picks the previous good folder.
-    plain = _auto(tmp_path, total_limit=1)
+    plain = _auto(project, total_limit=1)
     run = build(plain, seed=7)
     plain.load_state()
     assert_same(want, snapshot(plain, run))
@@ -237,7 +200,7 @@ def test_sigkill_mid_save_resumes_from_previous_and_retention_kept_it(tmp_path, 
     from accelerate.state import AcceleratorState
 
     AcceleratorState._reset_state(True)
-    acc = _auto(tmp_path, total_limit=1)
+    acc = _auto(project, total_limit=1)
     run = build(acc, seed=7)
     sa.enable(acc)
     acc.load_state()
