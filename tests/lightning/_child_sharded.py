@@ -13,7 +13,10 @@ auto-wrap policy) on up to two GPUs. Phases, each a ``Trainer.fit`` in the same 
 2. resume with ``ckpt_path="last"`` and the staged strategy;
 3. resume from the step-4 folder with Lightning's own strategy (the folder is Lightning's layout)
    and save a plain Lightning folder at step 6;
-4. resume from that plain folder with the staged strategy.
+4. resume from that plain folder with the staged strategy;
+5. flip one byte of a staged folder and try to resume from it.
+
+Phase 1 also tries a save whose ``meta.pt`` cannot be written (a lambda in the checkpoint).
 
 Each rank writes ``ROOT/<kind>/rank<N>.json``: fingerprints (sha256 of its shards of the model and
 optimizer state) at the end of a run and after each restore, the steps, what ``latest()`` found.
@@ -42,6 +45,7 @@ from stagesave.lightning import (
 )
 from torch import nn
 
+import stagesave
 from stagesave import SaveTelemetry
 
 
@@ -72,6 +76,10 @@ class ShardedModel(LightningModule):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
         return nn.functional.mse_loss(self.net(x), y)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if getattr(self, "unsaveable", False):
+            checkpoint["hook"] = lambda: None  # a value meta.pt cannot hold
 
     def configure_optimizers(self) -> Any:
         return torch.optim.AdamW(self.parameters(), lr=0.01)
@@ -183,6 +191,16 @@ def run(kind: str, root: Path) -> None:
     wait(first)
     first.strategy.barrier()
     out["b_after_wait"] = (root / "manual-b.ckpt").exists()
+    out["b_status"] = stagesave.verify(str(root / "manual-b.ckpt")).status
+
+    # A save whose meta.pt cannot be written fails on every rank before anything is staged.
+    first.lightning_module.unsaveable = True  # type: ignore[attr-defined]
+    try:
+        first.save_checkpoint(root / "manual-c.ckpt")
+        out["c_error"] = None
+    except Exception as exc:  # noqa: BLE001 - recorded for the test
+        out["c_error"] = [type(exc).__name__, str(exc)[:400]]
+    first.lightning_module.unsaveable = False  # type: ignore[attr-defined]
     plugin.teardown()
 
     # 2. resume with ckpt_path="last"
@@ -198,6 +216,19 @@ def run(kind: str, root: Path) -> None:
     # 4. the staged strategy reads the plain folder
     fourth = trainer(kind, root, True, 7, Record(out, "run4"))
     fourth.fit(ShardedModel(kind), StepBatches(), ckpt_path=plain_dir / "epoch=0-step=6.ckpt")
+
+    # 5. one flipped byte in a staged folder: loading refuses it on every rank
+    bad = root / "manual-b.ckpt" / "__1_0.distcp"
+    if rank == 0:
+        data = bytearray(bad.read_bytes())
+        data[-100] ^= 0xFF
+        bad.write_bytes(bytes(data))
+    torch.distributed.barrier()
+    try:
+        trainer(kind, root, True, 8).fit(ShardedModel(kind), StepBatches(), ckpt_path=root / "manual-b.ckpt")
+        out["corrupt_error"] = None
+    except Exception as exc:  # noqa: BLE001 - recorded for the test
+        out["corrupt_error"] = [type(exc).__name__, str(exc)[:400]]
 
     (root / f"rank{rank}.json").write_text(json.dumps(out))
 

@@ -15,12 +15,45 @@ from typing import Any
 
 import pytest
 import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning_helpers import HERE, run_python
+from stagesave.lightning import (
+    StagedCheckpointIO,
+    StagedFSDPStrategy,
+    StagedModelParallelStrategy,
+    find_plugin,
+)
 
 import stagesave
 import stagesave.dcp
 
 KINDS = {"fsdp": "model", "model_parallel": "state_dict"}  # strategy -> its model key in the folder
+
+
+# ---------------------------------------------------------------- the strategies as objects
+def test_the_strategies_bring_their_plugin_or_take_the_one_given(tmp_path: Path) -> None:
+    assert isinstance(StagedFSDPStrategy(state_dict_type="sharded").checkpoint_io, StagedCheckpointIO)
+    io = StagedCheckpointIO(max_pending=1)
+    assert StagedModelParallelStrategy(checkpoint_io=io).checkpoint_io is io
+    io2 = StagedCheckpointIO()
+    trainer = Trainer(strategy=StagedModelParallelStrategy(), plugins=[io2], accelerator="cpu", devices=1,
+                      logger=False, enable_checkpointing=False, default_root_dir=tmp_path)
+    assert trainer.strategy.checkpoint_io is io2 and find_plugin(trainer) is io2
+
+
+def test_sharded_saves_refuse_what_they_cannot_do(tmp_path: Path) -> None:
+    state = {"state_dict": {}, "optimizer_states": []}
+    with pytest.raises(TypeError, match="storage_options=...\\) is not supported for sharded"):
+        StagedFSDPStrategy(state_dict_type="sharded").save_checkpoint(dict(state), tmp_path / "a", {"x": 1})
+    with pytest.raises(ValueError, match="sharded checkpoints are local folders"):
+        StagedFSDPStrategy(state_dict_type="sharded").save_checkpoint(dict(state), "s3://bucket/a.ckpt")
+    other = StagedModelParallelStrategy(checkpoint_io=TorchCheckpointIO())
+    with pytest.raises(TypeError, match="its checkpoint_io is a TorchCheckpointIO"):
+        other.save_checkpoint(dict(state), tmp_path / "a.ckpt")
+
+
+# ---------------------------------------------------------------- two ranks, real runs
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +108,8 @@ def test_sharded_save_returns_before_the_folder_is_committed(
     # folder existed; wait(trainer) then made it appear, committed.
     for r in ranks:
         assert r["b_before_release"] is False and r["b_after_wait"] is True
-    assert stagesave.verify(str(root / "manual-b.ckpt")).status == "verified"
+        assert r["b_status"] == "verified"
+    assert stagesave.verify(str(root / "manual-a.ckpt")).status == "verified"
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
@@ -95,6 +129,23 @@ def test_ckpt_path_last_resumes_bitwise_and_folders_interoperate_with_lightning(
         # The staged strategy reads a plain Lightning folder (no manifests) too.
         assert r["run4_start"] == step6
     assert ranks[0]["run1_end"] != ranks[1]["run1_end"]  # the ranks really hold different shards
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_failed_sharded_save_or_a_corrupt_folder_fails_on_every_rank(
+    runs: dict[str, tuple[Path, list[dict[str, Any]]]], kind: str
+) -> None:
+    root, ranks = runs[kind]
+    for r in ranks:
+        # meta.pt could not be written: the save raised on both ranks, nothing was staged...
+        assert r["c_error"][0] == "UnsupportedObjectError"
+        assert "cannot save the value at hook (function)" in r["c_error"][1]
+        # ...and a flipped byte in a committed folder stops the load on both ranks.
+        assert r["corrupt_error"][0] == "IntegrityError"
+        assert "__1_0.distcp" in r["corrupt_error"][1] and "checksum mismatch" in r["corrupt_error"][1]
+    assert not (root / "manual-c.ckpt").exists()
+    assert not [p for p in root.iterdir() if stagesave.is_temporary(p.name)]
+    assert stagesave.verify(str(root / "manual-b.ckpt")).status == "corrupt"
 
 
 @pytest.mark.gpu
