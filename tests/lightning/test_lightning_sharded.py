@@ -42,6 +42,32 @@ def test_the_strategies_bring_their_plugin_or_take_the_one_given(tmp_path: Path)
     assert trainer.strategy.checkpoint_io is io2 and find_plugin(trainer) is io2
 
 
+def test_staged_strategies_from_a_lightningcli_yaml(tmp_path: Path) -> None:
+    from lightning.pytorch.cli import LightningCLI
+    from lightning_helpers import TinyModel
+
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(f"""
+trainer:
+  accelerator: cpu
+  devices: 1
+  logger: false
+  default_root_dir: {tmp_path}
+  strategy:
+    class_path: stagesave.lightning.StagedModelParallelStrategy
+    init_args:
+      data_parallel_size: 1
+      tensor_parallel_size: 1
+      checkpoint_io:
+        class_path: stagesave.lightning.StagedCheckpointIO
+        init_args: {{max_pending: 1}}
+""")
+    cli = LightningCLI(TinyModel, args=["--config", str(cfg)], run=False, save_config_callback=None)
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, StagedModelParallelStrategy) and strategy._data_parallel_size == 1
+    assert isinstance(strategy.checkpoint_io, StagedCheckpointIO) and strategy.checkpoint_io.max_pending == 1
+
+
 def test_sharded_saves_refuse_what_they_cannot_do(tmp_path: Path) -> None:
     state = {"state_dict": {}, "optimizer_states": []}
     with pytest.raises(TypeError, match="storage_options=...\\) is not supported for sharded"):
