@@ -9,15 +9,19 @@ never listed (``<staging>/.<leaf>.<pid>-<hex>.stagesave-tmp``, same filesystem a
     work/parts/pytorch_model_fsdp_0     committed by stagesave.dcp (its own manifest)
     work/parts/optimizer_0              committed by stagesave.dcp
     work/folder/<leaf>                  committed by save_dir: the top-level files and manifest
+    work/acks/<rank>.ok                 rank <rank> saw its parts committed (or .failed)
 
-Once every part has committed, the DCP folders are moved into ``work/folder/<leaf>`` and that
-folder is renamed to the target: the single step that makes the checkpoint visible. A crash
-before it leaves the previous checkpoint the newest (and the work folder as debris that
-``stagesave gc`` removes once its writer is dead); a failed part publishes nothing.
+The other ranks learn that a DCP part committed by finding it at its target, so the parts stay
+where they are until every rank has said it saw them (its acknowledgement file, written by its
+own publisher thread once its part handles are done). Then rank 0 moves the DCP folders into
+``work/folder/<leaf>`` and renames that folder to the target: the single step that makes the
+checkpoint visible. A crash before it leaves the previous checkpoint the newest (and the work
+folder as debris that ``stagesave gc`` removes once its writer is dead); a failed part, a failed
+rank or a missing acknowledgement (a rank died) publishes nothing.
 
-This waits on handles and renames on one small thread of its own (syscalls only: no torch op,
-no collective). The core has no public way yet to commit a folder that adopts folders committed
-by other saves; when it has, this module goes away.
+Each process does this on one small thread of its own: it waits on handles, polls a folder and
+renames (syscalls only: no torch op, no collective). The core has no public way yet to commit a
+folder that adopts folders committed by other saves; when it has, this module goes away.
 """
 
 from __future__ import annotations
@@ -30,9 +34,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from stagesave import SaveHandle
-from stagesave.errors import StorageError
+from stagesave.errors import CheckpointError, StorageError
 
-__all__ = ["Assembly", "FolderHandle", "Publisher"]
+__all__ = ["Assembly", "FolderHandle", "Publisher", "first_error"]
+
+#: Polling the acknowledgements starts this fast and slows down to ``_POLL_MAX`` (seconds).
+_POLL_MIN, _POLL_MAX = 0.005, 0.25
 
 
 class FolderHandle(SaveHandle):
@@ -55,10 +62,56 @@ class Assembly:
     work: str
     folder: str
     parts: Sequence[tuple[str, str]]  # (committed DCP folder, name inside the checkpoint)
-    handles: Sequence[SaveHandle]  # every part's commit, then the folder's own
+    handles: Sequence[SaveHandle]  # this process's part commits, then the folder's own
     target: str
     replace_invalid: bool  # the target holds a checkpoint proven invalid before the save
+    world: int
+    timeout_s: float  # for the other ranks' acknowledgements
     handle: FolderHandle
+
+
+def _acks(work: str) -> str:
+    return os.path.join(work, "acks")
+
+
+def write_ack(work: str, rank: int, error: BaseException | None) -> None:
+    """Tell rank 0 this rank is done with the save (best effort: a missing work folder means
+    rank 0 already gave up on it)."""
+    name = f"{rank}.ok" if error is None else f"{rank}.failed"
+    path = os.path.join(_acks(work), name)
+    try:
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            f.write("" if error is None else f"{type(error).__name__}: {error}"[:4096])
+        os.replace(path + ".tmp", path)
+    except FileNotFoundError:
+        pass
+
+
+def _wait_acks(work: str, world: int, timeout_s: float) -> None:
+    """Block until every rank but 0 acknowledged.
+
+    Raises:
+        CheckpointError: a rank reported a failure, or one did not answer in time.
+    """
+    deadline = time.monotonic() + timeout_s
+    delay = _POLL_MIN
+    while True:
+        names = set(os.listdir(_acks(work)))
+        failed = sorted(n for n in names if n.endswith(".failed"))
+        if failed:
+            with open(os.path.join(_acks(work), failed[0]), encoding="utf-8") as f:
+                reason = f.read()
+            raise CheckpointError(f"rank {failed[0].split('.')[0]} failed its part of the save ({reason})")
+        missing = [r for r in range(1, world) if f"{r}.ok" not in names]
+        if not missing:
+            return
+        if time.monotonic() >= deadline:
+            raise CheckpointError(
+                f"rank(s) {', '.join(map(str, missing))} did not confirm their part within {timeout_s:.0f} s "
+                "(killed or hung)"
+            )
+        time.sleep(delay)
+        delay = min(_POLL_MAX, delay * 1.5)
 
 
 def _fsync_dir(path: str) -> None:
@@ -80,10 +133,7 @@ def _publish(a: Assembly) -> None:
     _fsync_dir(a.folder)
     if os.path.lexists(a.target):
         if not a.replace_invalid:
-            raise StorageError(
-                f"{a.target} appeared while its FSDP checkpoint was being written; the new checkpoint "
-                f"was not published (it is complete in {a.folder})"
-            )
+            raise StorageError(f"{a.target} appeared while its FSDP checkpoint was being written")
         # Proven invalid before the save (torn or corrupt): nothing of value is lost if a crash
         # strikes between removing it and the rename below.
         shutil.rmtree(a.target)
@@ -91,11 +141,17 @@ def _publish(a: Assembly) -> None:
     _fsync_dir(os.path.dirname(a.target))
 
 
-class Publisher:
-    """Publishes :class:`Assembly` jobs in submission order, off the training thread.
+def first_error(handles: Sequence[SaveHandle]) -> BaseException | None:
+    """Wait for ``handles``; the first one's background error (``None``: all committed)."""
+    return next((e for e in (h.exception() for h in handles) if e is not None), None)
 
-    Errors of its own (a rename) are raised by the next :meth:`raise_errors`; a part that
-    failed is reported by its checkpointer, and its checkpoint is simply never published.
+
+class Publisher:
+    """One process's side of FSDP checkpoints, in submission order, off the training thread.
+
+    Rank 0 publishes (:meth:`submit`) or discards (:meth:`discard`); the other ranks acknowledge
+    (:meth:`acknowledge`). Errors of its own are raised by the next :meth:`raise_errors`; a part
+    that failed is reported by its checkpointer, and its checkpoint is simply never published.
     """
 
     def __init__(self) -> None:
@@ -103,23 +159,45 @@ class Publisher:
         self._futures: list[cf.Future[None]] = []
         self._errors: list[BaseException] = []
 
-    def submit(self, assembly: Assembly, after: Callable[[], None]) -> None:
-        """Publish ``assembly`` once its handles are done, then call ``after`` (retention)."""
+    def _submit(self, fn: Callable[[], None]) -> None:
         if self._pool is None:
             self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="stagesave-accelerate-publish")
         self._futures = [f for f in self._futures if not f.done()]
-        self._futures.append(self._pool.submit(self._run, assembly, after))
+        self._futures.append(self._pool.submit(fn))
+
+    def submit(self, assembly: Assembly, after: Callable[[], None]) -> None:
+        """Rank 0: publish ``assembly`` once every part is done everywhere, then call ``after``."""
+        self._submit(lambda: self._run(assembly, after))
+
+    def acknowledge(self, work: str, rank: int, wait: Callable[[], BaseException | None]) -> None:
+        """Other ranks: once ``wait`` returned (this rank's parts are done), tell rank 0."""
+        self._submit(lambda: write_ack(work, rank, wait()))
+
+    def discard(self, work: str, wait: Callable[[], None], world: int, timeout_s: float) -> None:
+        """Rank 0, after a save failed on the training thread: remove the work folder once this
+        process's parts are done (``wait``) and every other rank acknowledged its own."""
+
+        def run() -> None:
+            wait()
+            try:
+                _wait_acks(work, world, timeout_s)
+            except (CheckpointError, OSError):
+                pass  # the save failed anyway; its folder goes regardless
+            shutil.rmtree(work, ignore_errors=True)
+
+        self._submit(run)
 
     def _run(self, a: Assembly, after: Callable[[], None]) -> None:
-        # A failed part is reported by its own checkpointer; the folder then is never published.
-        error = next((e for e in (h.exception() for h in a.handles) if e is not None), None)
+        error = first_error(a.handles)
         try:
+            _wait_acks(a.work, a.world, a.timeout_s)  # before the parts move: ranks look for them
             if error is None:
                 _publish(a)
         except BaseException as exc:  # noqa: BLE001 - delivered by raise_errors() and the handle
-            error = StorageError(f"publishing the FSDP checkpoint {a.target} failed: {exc}")
-            error.__cause__ = exc
-            self._errors.append(error)
+            if error is None:
+                error = StorageError(f"the FSDP checkpoint {a.target} was not published: {exc}")
+                error.__cause__ = exc
+                self._errors.append(error)
         finally:
             shutil.rmtree(a.work, ignore_errors=True)
         a.handle.finish(error)
@@ -133,7 +211,7 @@ class Publisher:
         return sum(not f.done() for f in self._futures)
 
     def wait(self, timeout: float | None = None) -> None:
-        """Wait for every submitted publication.
+        """Wait for every submitted job.
 
         Raises:
             TimeoutError: still running after ``timeout`` seconds.
@@ -149,7 +227,7 @@ class Publisher:
             raise errors[0]
 
     def close(self, timeout: float | None = None) -> None:
-        """Finish pending publications, then end the thread."""
+        """Finish pending jobs, then end the thread."""
         try:
             self.wait(timeout)
         finally:

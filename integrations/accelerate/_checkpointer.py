@@ -21,6 +21,7 @@ import os
 import secrets
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +30,7 @@ from stagesave import Checkpointer, CheckpointInfo, SaveHandle, SaveTelemetry, T
 from stagesave.dcp import StagedStorageWriter
 
 from . import _dist, _fsdp, _remote
-from ._assemble import Assembly, FolderHandle, Publisher
+from ._assemble import Assembly, FolderHandle, Publisher, first_error
 from ._config import Options, is_switched_off, resolve_options
 from ._hooks import run_save_hooks
 from ._layout import MANIFEST_KEY, collect_rng_state, state_files
@@ -86,6 +87,16 @@ def _fallback_reason(accelerator: Any, options: Options) -> str | None:
     if kind == DistributedType.XLA:
         return "XLA runs need xm.mark_step() and XLA-side saving, which stagesave does not do"
     return None
+
+
+def _after_queue(ckpt: Checkpointer, error: BaseException) -> Callable[[], BaseException]:
+    """``error``, returned once ``ckpt``'s queued work is done (for an acknowledgement)."""
+
+    def wait() -> BaseException:
+        ckpt.wait_quietly()
+        return error
+
+    return wait
 
 
 def _check_options(options: Options) -> None:
@@ -334,22 +345,34 @@ class AcceleratorCheckpointer:
         if self._writer is None:
             self._writer = StagedStorageWriter(checkpointer=ckpt)
         parts = _fsdp.part_names(acc)
-        handles = _fsdp.save_parts(acc, self._writer, f"{work}/parts")
-        with run_save_hooks(acc, [], leaf) as hook_files:
-            rng_states = self._rng_states()
-            if rank != 0:
-                return None
-            folder = f"{work}/folder/{leaf}"
-            files = {**hook_files, **state_files(acc, [], safe, rng_states, optimizers=False)}
-            meta = self._metadata(iteration, automatic, safe, fsdp={
-                "parts": parts, "state_dict_type": "SHARDED_STATE_DICT",
-                "fsdp_version": int(acc.state.fsdp_plugin.fsdp_version)})
-            handles.append(ckpt.save_dir(files, folder, metadata=meta))
+        folder = f"{work}/folder/{leaf}"
+        timeout = self._writer.commit_timeout
+        handles: list[SaveHandle] = []
+        try:
+            handles = _fsdp.save_parts(acc, self._writer, f"{work}/parts")
+            with run_save_hooks(acc, [], leaf) as hook_files:
+                rng_states = self._rng_states()
+                if rank == 0:
+                    files = {**hook_files, **state_files(acc, [], safe, rng_states, optimizers=False)}
+                    meta = self._metadata(iteration, automatic, safe, fsdp={
+                        "parts": parts, "state_dict_type": "SHARDED_STATE_DICT",
+                        "fsdp_version": int(acc.state.fsdp_plugin.fsdp_version)})
+                    handles.append(ckpt.save_dir(files, folder, metadata=meta))
+        except BaseException as exc:
+            # Nothing will be published; the work folder goes once every rank is done with it.
+            if rank == 0:
+                self._publisher.discard(work, ckpt.wait_quietly, world, timeout)
+            else:
+                self._publisher.acknowledge(work, rank, _after_queue(ckpt, exc))
+            raise
+        if rank != 0:
+            self._publisher.acknowledge(work, rank, lambda: first_error(handles))
+            return None
         tel = SaveTelemetry(path=target, started_at=started, blocking_s=time.perf_counter() - t0,
                             bytes=sum(h.telemetry.bytes for h in handles))
         handle = FolderHandle(target, tel)
         assembly = Assembly(work, folder, [(f"{work}/parts/{p}", p) for p in parts], handles, target,
-                            replace_invalid, handle)
+                            replace_invalid, world, timeout, handle)
         self._publisher.submit(assembly, after=self._fsdp_retention if automatic else lambda: None)
         self.last_handle = handle
         return handle
@@ -375,8 +398,8 @@ class AcceleratorCheckpointer:
                 )
             base = os.path.dirname(target)
         work = os.path.join(base, f".{_remote.leaf(target)}.{os.getpid()}-{secrets.token_hex(4)}{_TMP}")
-        os.makedirs(os.path.join(work, "parts"))
-        os.makedirs(os.path.join(work, "folder"))
+        for sub in ("parts", "folder", "acks"):
+            os.makedirs(os.path.join(work, sub))
         return work, replace_invalid
 
     def _fsdp_retention(self) -> None:

@@ -301,6 +301,40 @@ def automatic_naming(rank: int, out: str, result: dict[str, Any]) -> None:
     sa.disable(acc)
 
 
+class _Unpicklable:
+    """A registered object whose state holds a lambda: staging it fails on the main process."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"fn": lambda: 0}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+def failed_save(rank: int, out: str, result: dict[str, Any]) -> None:
+    """The main process fails while staging, after every rank submitted its DCP parts."""
+    import stagesave.accelerate as sa
+
+    project = os.path.join(out, "failed")
+    acc = accelerator(project)
+    run = build(acc)
+    ckpt = sa.enable(acc)
+    train(acc, run, 1)
+    acc.save_state()
+    acc.register_for_checkpointing(_Unpicklable())
+    try:
+        acc.save_state()
+        result["failed_save"] = "no error"
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        result["failed_save"] = f"{type(exc).__name__}: {exc}"
+    ckpt.wait()
+    acc.wait_for_everyone()
+    result["failed_listing"] = sorted(os.listdir(os.path.join(project, "checkpoints")))
+    result["failed_staging_left"] = sorted(os.listdir(os.path.join(project, ".stagesave-staging")))
+    acc._custom_objects.pop()
+    sa.disable(acc)
+
+
 def crash(rank: int, out: str, result: dict[str, Any], save: Any) -> None:
     import stagesave.accelerate as sa
 
@@ -350,11 +384,11 @@ def fsdp_resume(rank: int, out: str, result: dict[str, Any], save: Any) -> None:
 
 
 def fsdp_save(rank: int, out: str, result: dict[str, Any], save: Any) -> None:
-    for scenario in (explicit_folders, automatic_naming):
+    for scenario in (explicit_folders, automatic_naming, failed_save):
         try:
             scenario(rank, out, result)
         except Exception:
-            result[scenario.__name__] = traceback.format_exc()
+            result[f"{scenario.__name__}_error"] = traceback.format_exc()
             raise
         save()
     crash(rank, out, result, save)

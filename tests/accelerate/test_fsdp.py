@@ -62,6 +62,16 @@ def test_automatic_naming_total_limit_and_corrupt_part(worker_runs):
     assert any("replacing the invalid checkpoint" in w for w in r0["replace_warnings"]), r0["replace_warnings"]
 
 
+def test_save_failing_on_the_main_process_publishes_nothing_and_leaves_nothing(worker_runs):
+    r0, r1 = worker_runs.rank(SAVE, 0), worker_runs.rank(SAVE, 1)
+    assert "failed_save" in r0, r0.get("error") or worker_runs.logs(SAVE)
+    assert "lambda" in r0["failed_save"] and r0["failed_save"] != "no error"  # raised where it failed
+    assert r1["failed_save"] == "no error"  # the other rank's part of the save went through
+    for rep in (r0, r1):
+        assert rep["failed_listing"] == ["checkpoint_0"]
+        assert rep["failed_staging_left"] == []  # the parts already written were removed
+
+
 def test_rank_killed_mid_save_leaves_the_previous_checkpoint_for_plain_accelerate_and_stagesave(worker_runs):
     assert worker_runs.exit[SAVE][0] == -9, worker_runs.logs(SAVE)  # the crash point fired on rank 0
     assert worker_runs.rank(SAVE, 0).get("crash_armed") and not worker_runs.rank(SAVE, 1).get("crash_missed")
