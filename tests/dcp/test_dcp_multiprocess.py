@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import Run
+from dcp_run import Run
 from dcp_helpers import assert_same, build_model, manifest, rank_file_sizes, replicated_state, train
 
 import stagesave
