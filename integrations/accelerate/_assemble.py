@@ -13,20 +13,20 @@ never listed (``<staging>/.<leaf>.<pid>-<hex>.stagesave-tmp``, same filesystem a
 
 The other ranks learn that a DCP part committed by finding it at its target, so the parts stay
 where they are until every rank has said it saw them (its acknowledgement file, written by its
-own publisher thread once its part handles are done). Then rank 0 moves the DCP folders into
+own writer thread once its part handles are done). Then rank 0 moves the DCP folders into
 ``work/folder/<leaf>`` and renames that folder to the target: the single step that makes the
 checkpoint visible. A crash before it leaves the previous checkpoint the newest (and the work
 folder as debris that ``stagesave gc`` removes once its writer is dead); a failed part, a failed
 rank or a missing acknowledgement (a rank died) publishes nothing.
 
-Each process does this on one small thread of its own: it waits on handles, polls a folder and
-renames (syscalls only: no torch op, no collective). The core has no public way yet to commit a
-folder that adopts folders committed by other saves; when it has, this module goes away.
+These steps run as ``Checkpointer.run_after`` actions, queued on each process's writer thread
+behind the parts they follow: they poll a folder and rename (syscalls only: no torch op, no
+collective), and their errors are delivered like a failed save's. The core has no way yet to
+commit a folder that adopts folders committed by other saves; when it has, this module goes away.
 """
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import os
 import shutil
 import time
@@ -36,23 +36,10 @@ from dataclasses import dataclass
 from stagesave import SaveHandle
 from stagesave.errors import CheckpointError, StorageError
 
-__all__ = ["Assembly", "FolderHandle", "Publisher", "first_error"]
+__all__ = ["Assembly", "discard", "first_error", "publish", "write_ack"]
 
 #: Polling the acknowledgements starts this fast and slows down to ``_POLL_MAX`` (seconds).
 _POLL_MIN, _POLL_MAX = 0.005, 0.25
-
-
-class FolderHandle(SaveHandle):
-    """The handle of a whole FSDP checkpoint: done once the folder is published (or failed)."""
-
-    def finish(self, error: BaseException | None) -> None:
-        tel = self.telemetry
-        if error is None:
-            tel.committed_at = time.time()
-            tel.time_to_commit_s = tel.committed_at - tel.started_at
-        else:
-            tel.error = str(error)
-        self._set_done(error)
 
 
 @dataclass(frozen=True)
@@ -67,7 +54,6 @@ class Assembly:
     replace_invalid: bool  # the target holds a checkpoint proven invalid before the save
     world: int
     timeout_s: float  # for the other ranks' acknowledgements
-    handle: FolderHandle
 
 
 def _acks(work: str) -> str:
@@ -146,91 +132,35 @@ def first_error(handles: Sequence[SaveHandle]) -> BaseException | None:
     return next((e for e in (h.exception() for h in handles) if e is not None), None)
 
 
-class Publisher:
-    """One process's side of FSDP checkpoints, in submission order, off the training thread.
+def publish(a: Assembly, after: Callable[[], None]) -> None:
+    """Rank 0, queued behind the parts: publish once every rank acknowledged, then ``after()``.
 
-    Rank 0 publishes (:meth:`submit`) or discards (:meth:`discard`); the other ranks acknowledge
-    (:meth:`acknowledge`). Errors of its own are raised by the next :meth:`raise_errors`; a part
-    that failed is reported by its checkpointer, and its checkpoint is simply never published.
+    Raises:
+        CheckpointError: a part failed (it was reported by its own save too), a rank failed or
+            never acknowledged, or a rename failed: the checkpoint was not published.
     """
-
-    def __init__(self) -> None:
-        self._pool: cf.ThreadPoolExecutor | None = None
-        self._futures: list[cf.Future[None]] = []
-        self._errors: list[BaseException] = []
-
-    def _submit(self, fn: Callable[[], None]) -> None:
-        if self._pool is None:
-            self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="stagesave-accelerate-publish")
-        self._futures = [f for f in self._futures if not f.done()]
-        self._futures.append(self._pool.submit(fn))
-
-    def submit(self, assembly: Assembly, after: Callable[[], None]) -> None:
-        """Rank 0: publish ``assembly`` once every part is done everywhere, then call ``after``."""
-        self._submit(lambda: self._run(assembly, after))
-
-    def acknowledge(self, work: str, rank: int, wait: Callable[[], BaseException | None]) -> None:
-        """Other ranks: once ``wait`` returned (this rank's parts are done), tell rank 0."""
-        self._submit(lambda: write_ack(work, rank, wait()))
-
-    def discard(self, work: str, wait: Callable[[], None], world: int, timeout_s: float) -> None:
-        """Rank 0, after a save failed on the training thread: remove the work folder once this
-        process's parts are done (``wait``) and every other rank acknowledged its own."""
-
-        def run() -> None:
-            wait()
-            try:
-                _wait_acks(work, world, timeout_s)
-            except (CheckpointError, OSError):
-                pass  # the save failed anyway; its folder goes regardless
-            shutil.rmtree(work, ignore_errors=True)
-
-        self._submit(run)
-
-    def _run(self, a: Assembly, after: Callable[[], None]) -> None:
-        error = first_error(a.handles)
+    error = first_error(a.handles)  # done: this runs after them
+    try:
         try:
             _wait_acks(a.work, a.world, a.timeout_s)  # before the parts move: ranks look for them
-            if error is None:
-                _publish(a)
-        except BaseException as exc:  # noqa: BLE001 - delivered by raise_errors() and the handle
-            if error is None:
-                error = StorageError(f"the FSDP checkpoint {a.target} was not published: {exc}")
-                error.__cause__ = exc
-                self._errors.append(error)
-        finally:
-            shutil.rmtree(a.work, ignore_errors=True)
-        a.handle.finish(error)
+        except CheckpointError as exc:
+            error = error or exc
         if error is None:
-            try:
-                after()
-            except Exception as exc:  # noqa: BLE001 - delivered by raise_errors()
-                self._errors.append(exc)
+            _publish(a)
+    except OSError as exc:
+        raise StorageError(f"the FSDP checkpoint {a.target} was not published: {exc}") from exc
+    finally:
+        shutil.rmtree(a.work, ignore_errors=True)
+    if error is not None:
+        raise CheckpointError(f"the FSDP checkpoint {a.target} was not published: {error}") from error
+    after()
 
-    def pending(self) -> int:
-        return sum(not f.done() for f in self._futures)
 
-    def wait(self, timeout: float | None = None) -> None:
-        """Wait for every submitted job.
-
-        Raises:
-            TimeoutError: still running after ``timeout`` seconds.
-        """
-        _, not_done = cf.wait(self._futures, timeout)
-        if not_done:
-            raise TimeoutError(f"{len(not_done)} FSDP checkpoints still being published after {timeout} s")
-
-    def raise_errors(self) -> None:
-        """Raise the first undelivered error (each error is raised once)."""
-        errors, self._errors = self._errors, []
-        if errors:
-            raise errors[0]
-
-    def close(self, timeout: float | None = None) -> None:
-        """Finish pending jobs, then end the thread."""
-        try:
-            self.wait(timeout)
-        finally:
-            if self._pool is not None:
-                self._pool.shutdown(wait=False)
-                self._pool = None
+def discard(work: str, world: int, timeout_s: float) -> None:
+    """Rank 0, queued behind the parts of a save that failed on the training thread: remove the
+    work folder once every other rank acknowledged its own parts."""
+    try:
+        _wait_acks(work, world, timeout_s)
+    except (CheckpointError, OSError):
+        pass  # the save failed anyway; its folder goes regardless
+    shutil.rmtree(work, ignore_errors=True)

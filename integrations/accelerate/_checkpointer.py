@@ -16,12 +16,12 @@ other state dict types) keep Accelerate's synchronous methods, announced by one
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import secrets
 import time
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,7 +30,7 @@ from stagesave import Checkpointer, CheckpointInfo, SaveHandle, SaveTelemetry, T
 from stagesave.dcp import StagedStorageWriter
 
 from . import _dist, _fsdp, _remote
-from ._assemble import Assembly, FolderHandle, Publisher, first_error
+from ._assemble import Assembly, discard, first_error, publish, write_ack
 from ._config import Options, is_switched_off, resolve_options
 from ._hooks import run_save_hooks
 from ._layout import MANIFEST_KEY, collect_rng_state, state_files
@@ -89,14 +89,8 @@ def _fallback_reason(accelerator: Any, options: Options) -> str | None:
     return None
 
 
-def _after_queue(ckpt: Checkpointer, error: BaseException) -> Callable[[], BaseException]:
-    """``error``, returned once ``ckpt``'s queued work is done (for an acknowledgement)."""
-
-    def wait() -> BaseException:
-        ckpt.wait_quietly()
-        return error
-
-    return wait
+def _nothing() -> None:
+    return None
 
 
 def _check_options(options: Options) -> None:
@@ -143,7 +137,6 @@ class AcceleratorCheckpointer:
         self._tiered: TieredStore | None = None
         self._staging: dict[str, str | None] = {}
         self._writer: StagedStorageWriter | None = None
-        self._publisher = Publisher()
         self.last_handle: SaveHandle | None = None
         self.synchronous_reason: str | None = None
         if is_switched_off():
@@ -258,7 +251,6 @@ class AcceleratorCheckpointer:
         return handle
 
     def _save(self, output_dir: Any, safe_serialization: bool) -> tuple[str, SaveHandle | None]:
-        self._publisher.raise_errors()
         acc = self.accelerator
         config = acc.project_configuration
         automatic = bool(config.automatic_checkpoint_naming)
@@ -328,7 +320,7 @@ class AcceleratorCheckpointer:
         """
         acc = self.accelerator
         world, rank = int(acc.num_processes), int(acc.process_index)
-        started, t0 = time.time(), time.perf_counter()
+        t0 = time.perf_counter()
         leaf = _remote.leaf(target)
         decision: tuple[tuple[str, bool] | None, BaseException | None] = (None, None)
         if rank == 0:
@@ -358,22 +350,22 @@ class AcceleratorCheckpointer:
                         "parts": parts, "state_dict_type": "SHARDED_STATE_DICT",
                         "fsdp_version": int(acc.state.fsdp_plugin.fsdp_version)})
                     handles.append(ckpt.save_dir(files, folder, metadata=meta))
-        except BaseException as exc:
+        except BaseException as failure:
             # Nothing will be published; the work folder goes once every rank is done with it.
             if rank == 0:
-                self._publisher.discard(work, ckpt.wait_quietly, world, timeout)
+                ckpt.run_after(functools.partial(discard, work, world, timeout), description=f"discarding {work}")
             else:
-                self._publisher.acknowledge(work, rank, _after_queue(ckpt, exc))
+                ckpt.run_after(functools.partial(write_ack, work, rank, failure), description=f"acknowledging {work}")
             raise
         if rank != 0:
-            self._publisher.acknowledge(work, rank, lambda: first_error(handles))
+            ckpt.run_after(lambda: write_ack(work, rank, first_error(handles)), description=f"acknowledging {work}")
             return None
-        tel = SaveTelemetry(path=target, started_at=started, blocking_s=time.perf_counter() - t0,
-                            bytes=sum(h.telemetry.bytes for h in handles))
-        handle = FolderHandle(target, tel)
         assembly = Assembly(work, folder, [(f"{work}/parts/{p}", p) for p in parts], handles, target,
-                            replace_invalid, world, timeout, handle)
-        self._publisher.submit(assembly, after=self._fsdp_retention if automatic else lambda: None)
+                            replace_invalid, world, timeout)
+        after = self._fsdp_retention if automatic else _nothing
+        handle = ckpt.run_after(lambda: publish(assembly, after), description=target)
+        handle.telemetry.blocking_s = time.perf_counter() - t0
+        handle.telemetry.bytes = sum(h.telemetry.bytes for h in handles)
         self.last_handle = handle
         return handle
 
@@ -403,7 +395,7 @@ class AcceleratorCheckpointer:
         return work, replace_invalid
 
     def _fsdp_retention(self) -> None:
-        """After an FSDP checkpoint was published: keep the ``total_limit`` newest (publisher thread)."""
+        """After an FSDP checkpoint was published: keep the ``total_limit`` newest (writer thread)."""
         keep = self.accelerator.project_configuration.total_limit
         if keep is None:
             return
@@ -554,7 +546,7 @@ class AcceleratorCheckpointer:
 
     def pending(self) -> int:
         """Saves of this process not committed (or, under FSDP, not published) yet."""
-        return sum(c.pending() for c in self._checkpointers.values()) + self._publisher.pending()
+        return sum(c.pending() for c in self._checkpointers.values())
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until this process's saves are committed (and FSDP checkpoints published).
@@ -565,10 +557,8 @@ class AcceleratorCheckpointer:
             TimeoutError: still running after ``timeout`` seconds.
             CheckpointError: a background save failed.
         """
-        self._publisher.wait(timeout)  # first: publishing queues retention on the checkpointers
         for ckpt in list(self._checkpointers.values()):
             ckpt.wait(timeout)
-        self._publisher.raise_errors()
 
     def wait_uploads(self, timeout: float | None = None) -> list[SaveTelemetry]:
         """With ``local_tier``: wait until every committed checkpoint was uploaded (or failed).
@@ -590,10 +580,6 @@ class AcceleratorCheckpointer:
             CheckpointError: a background save failed.
         """
         errors: list[BaseException] = []
-        try:
-            self._publisher.close(timeout)  # it may still queue retention on the checkpointers
-        except BaseException as exc:  # noqa: BLE001 - close every part, then raise the first
-            errors.append(exc)
         if self._writer is not None:
             self._writer.close(timeout)
             self._writer = None
@@ -601,7 +587,7 @@ class AcceleratorCheckpointer:
         for ckpt in checkpointers:
             try:
                 ckpt.close(timeout)
-            except BaseException as exc:  # noqa: BLE001
+            except BaseException as exc:  # noqa: BLE001 - close every part, then raise the first
                 errors.append(exc)
         if self._tiered is not None:
             try:
@@ -609,10 +595,6 @@ class AcceleratorCheckpointer:
             except BaseException as exc:  # noqa: BLE001
                 errors.append(exc)
             self._tiered = None
-        try:
-            self._publisher.raise_errors()
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
         if errors:
             raise errors[0]
 
