@@ -4,9 +4,9 @@ Lightning makes the link right after it asks for the save, while the save is sti
 written. Here a link update is one more ordered step of the checkpointer
 (``Checkpointer.run_after``): it runs on the writer thread after the target's save, and after
 every save and removal submitted before it, and moves the link only if that save committed.
-Removing a checkpoint that a link still points at is held back until no link does (a held
-removal is submitted, again in order, once the link has moved on), so a valid ``last`` exists
-at every moment. Lightning allows ``"link"`` only for local paths, so this module is plain POSIX.
+Removing a checkpoint that a link points at, or will point at once the queued updates ran, is
+held back; it is submitted once neither is the case, and then runs behind every link update
+queued before it, so a valid ``last`` exists at every moment. Lightning allows ``"link"`` only for local paths, so this module is plain POSIX.
 """
 
 from __future__ import annotations
@@ -79,7 +79,9 @@ class LinkKeeper:
     Every method runs on the training thread. What the links *will* point at once the queued
     updates ran is kept in ``_intended``; what they point at now is on disk. A checkpoint is
     held while either names it, so a failed save (whose link update keeps the old target)
-    never lets the checkpoint the link still points at be removed.
+    never lets the checkpoint the link still points at be removed. A released removal is
+    queued behind every link update submitted so far, so an update still pending that points
+    at it briefly (superseded by a later one) runs first.
     """
 
     def __init__(self) -> None:

@@ -42,15 +42,23 @@ class LastProbe(Callback):
     def on_train_batch_start(self, trainer: Trainer, *args: Any) -> None:
         if trainer.global_step == 3 and self.first_held is not None:
             assert self.first_held()  # the step-2 saves are done, later ones are held
-        if os.path.lexists(self.last) and not self.last.exists():
-            self.seen.append("dangling")
-        elif self.last.exists():
-            # The link verifies as its target. A removal of the checkpoint it pointed at is only
-            # submitted (by the training thread) once the link has moved on, so no removal can
-            # race this read.
-            self.seen.append(stagesave.verify(str(self.last)).status)
-        else:
-            self.seen.append("absent")
+        for _ in range(5):
+            if os.path.lexists(self.last) and not self.last.exists():
+                self.seen.append("dangling")
+            elif self.last.exists():
+                target = self.last.resolve()  # read the link once: the writer thread moves it
+                try:
+                    self.seen.append(stagesave.verify(str(target)).status)
+                except FileNotFoundError:
+                    # The link moved on and the checkpoint it held was removed (queued behind
+                    # that link update) between our two reads: look again. A dangling link
+                    # would still be caught above.
+                    if self.last.resolve() != target:
+                        continue
+                    raise
+            else:
+                self.seen.append("absent")
+            return
 
     def on_train_end(self, trainer: Trainer, pl_module: Any) -> None:
         self.release()
