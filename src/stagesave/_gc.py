@@ -40,7 +40,7 @@ from ._store import Store
 __all__ = ["Debris", "GcReport", "collect_garbage", "find_debris"]
 
 #: ``.<data name>.<pid>-<hex token>.stagesave-tmp`` (local) or ``.<data name>.<hex>.stagesave-tmp``.
-_TMP_RE = re.compile(r"^\.(?P<data>.+?)\.(?:(?P<pid>\d+)-)?(?P<token>[0-9a-f]+)" + re.escape(TMP_MARKER) + r"$")
+_TMP_RE = re.compile(r"^\.?(?P<data>.+?)\.(?:(?P<pid>\d+)-)?(?P<token>[0-9a-f]+)" + re.escape(TMP_MARKER) + r"$")
 _ASIDE_RE = re.compile(r"^\.(?P<data>.+)\.(?P<pid>\d+)-(?P<token>[0-9a-f]+)" + re.escape(ASIDE_MARKER) + r"$")
 #: How deep gc descends into sub-folders of the root (checkpoint folders nest one or two levels).
 MAX_DEPTH = 8

@@ -20,8 +20,20 @@ from stagesave.lightning import StagedCheckpointIO, find_plugin, wait
 import stagesave
 
 
+@pytest.fixture(autouse=True)
+def _threads_before() -> Any:
+    """Threads alive when the test starts (other tests' checkpointers may still be closing)."""
+    global _BEFORE
+    _BEFORE = set(threading.enumerate())
+    yield
+
+
+_BEFORE: set[threading.Thread] = set()
+
+
 def _stagesave_threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith("stagesave")]
+    """stagesave threads started since this test began and still alive."""
+    return [t.name for t in threading.enumerate() if t.name.startswith("stagesave") and t not in _BEFORE]
 
 
 def _manifest(path: Path) -> dict[str, Any]:
