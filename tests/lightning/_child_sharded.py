@@ -218,7 +218,7 @@ def run(kind: str, root: Path) -> None:
     fourth.fit(ShardedModel(kind), StepBatches(), ckpt_path=plain_dir / "epoch=0-step=6.ckpt")
 
     # 5. one flipped byte in a staged folder: loading refuses it on every rank
-    bad = root / "manual-b.ckpt" / "__1_0.distcp"
+    bad = root / "manual-b.ckpt" / f"__{first.world_size - 1}_0.distcp"  # the last rank's file
     if rank == 0:
         data = bytearray(bad.read_bytes())
         data[-100] ^= 0xFF

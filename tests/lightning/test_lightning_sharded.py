@@ -181,4 +181,5 @@ def test_fsdp_auto_wrap_on_gpu_saves_and_resumes_sharded(tmp_path: Path) -> None
     r = json.loads((tmp_path / "fsdp-cuda" / "rank0.json").read_text())
     assert r["run2_start"] == r["run1_end"] and r["run3_start"] == r["run1_end"]
     assert r["run2_end"] == r["run3_end"] and r["run4_start"] == r["run3_end"]
+    assert r["c_error"][0] == "UnsupportedObjectError" and r["corrupt_error"][0] == "IntegrityError"
     assert stagesave.verify(str(tmp_path / "fsdp-cuda" / "ckpt" / "epoch=0-step=4.ckpt")).status == "verified"
