@@ -199,7 +199,7 @@ def scan(store: Store, directory: str = "", *, warn: bool = False) -> list[Check
     tier_of = getattr(store, "tier_of", None)
     if tier_of is not None:  # a tiered root: say where each checkpoint is read from
         for ci in out:
-            ci.tier = tier_of(ci.manifest_name if ci.is_dir and ci.manifest_name else ci.name)
+            ci.tier = tier_of(ci.name)
     out.sort(key=lambda c: c.created, reverse=True)
     return out
 
