@@ -116,10 +116,12 @@ class _StagedSharding(_Base):
             stagesave.UnsafeCheckpointError: an item needs a class that is not allow-listed.
         """
         path = os.fspath(self.broadcast(checkpoint_path))
-        plugin = self._staged_io()
         if not os.path.isdir(path):
-            plugin.wait()  # a full checkpoint still being written by this plugin
+            plugin = find_plugin(self)
+            if plugin is not None:
+                plugin.wait()  # a full checkpoint still being written by this plugin
             return super().load_checkpoint(path, weights_only)
+        plugin = self._staged_io()
         module, lightning_module = self.model, self.lightning_module
         assert module is not None and lightning_module is not None
         fitting = lightning_module.trainer.state.fn == TrainerFn.FITTING

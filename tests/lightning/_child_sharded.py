@@ -14,7 +14,9 @@ auto-wrap policy) on up to two GPUs. Phases, each a ``Trainer.fit`` in the same 
 3. resume from the step-4 folder with Lightning's own strategy (the folder is Lightning's layout)
    and save a plain Lightning folder at step 6;
 4. resume from that plain folder with the staged strategy;
-5. flip one byte of a staged folder and try to resume from it.
+5. flip one byte of a staged folder and try to resume from it;
+6. (ModelParallel) ``save_distributed_checkpoint=False``: a full checkpoint file through the
+   plugin, and a resume from it.
 
 Phase 1 also tries a save whose ``meta.pt`` cannot be written (a lambda in the checkpoint).
 
@@ -138,7 +140,10 @@ class PlainFSDPStrategy(FSDPStrategy):
 def trainer(kind: str, root: Path, staged: bool, max_steps: int, *callbacks: Any) -> Trainer:
     strategy: Any
     accelerator, devices = "cpu", 2
-    if kind == "fsdp":
+    if kind == "model_parallel_full":  # full (gathered) checkpoints: single files via the plugin
+        strategy = StagedModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1,
+                                               save_distributed_checkpoint=False)
+    elif kind == "fsdp":
         strategy = (StagedFSDPStrategy if staged else PlainFSDPStrategy)(state_dict_type="sharded")
     elif kind == "fsdp-cuda":
         strategy = (StagedFSDPStrategy if staged else FSDPStrategy)(state_dict_type="sharded",
@@ -229,6 +234,14 @@ def run(kind: str, root: Path) -> None:
         out["corrupt_error"] = None
     except Exception as exc:  # noqa: BLE001 - recorded for the test
         out["corrupt_error"] = [type(exc).__name__, str(exc)[:400]]
+
+    if kind == "model_parallel":
+        # 6. the same strategy with full checkpoints: one file, written by rank 0's plugin
+        full = root / "full"
+        trainer("model_parallel_full", full, True, 2, ModelCheckpoint(dirpath=full, every_n_train_steps=2),
+                Record(out, "full1")).fit(ShardedModel(kind), StepBatches())
+        trainer("model_parallel_full", full, True, 3, Record(out, "full2")).fit(
+            ShardedModel(kind), StepBatches(), ckpt_path=full / "epoch=0-step=2.ckpt")
 
     (root / f"rank{rank}.json").write_text(json.dumps(out))
 

@@ -157,6 +157,17 @@ def test_ckpt_path_last_resumes_bitwise_and_folders_interoperate_with_lightning(
     assert ranks[0]["run1_end"] != ranks[1]["run1_end"]  # the ranks really hold different shards
 
 
+def test_model_parallel_full_checkpoints_are_single_files_through_the_plugin(
+    runs: dict[str, tuple[Path, list[dict[str, Any]]]]
+) -> None:
+    root, ranks = runs["model_parallel"]
+    path = root / "full" / "epoch=0-step=2.ckpt"
+    assert path.is_file() and stagesave.verify(str(path)).status == "verified"
+    assert torch.load(path, weights_only=True)["global_step"] == 2
+    for r in ranks:
+        assert r["full2_start"] == r["full1_end"] and r["full1_end"][0] == 2
+
+
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_a_failed_sharded_save_or_a_corrupt_folder_fails_on_every_rank(
     runs: dict[str, tuple[Path, list[dict[str, Any]]]], kind: str
