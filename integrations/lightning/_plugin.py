@@ -25,7 +25,7 @@ from typing_extensions import override
 
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.utilities import rank_zero_info
-from stagesave import Checkpointer, SaveHandle, SaveTelemetry
+from stagesave import Checkpointer, ClosedError, SaveHandle, SaveTelemetry
 
 from ._links import LinkKeeper, install_link_hook
 
@@ -133,6 +133,7 @@ class StagedCheckpointIO(CheckpointIO):
         self._ckpt: Checkpointer | None = None
         self._links = LinkKeeper()
         self._handles: dict[str, SaveHandle] = {}
+        self._last_save_failed = False  # written and read on the writer thread only
         self._telemetry: collections.deque[SaveTelemetry] = collections.deque(maxlen=TELEMETRY_BACKLOG)
 
     # ------------------------------------------------------------------ the core, on demand
@@ -161,6 +162,7 @@ class StagedCheckpointIO(CheckpointIO):
     def _on_telemetry(self, tel: SaveTelemetry) -> None:
         # Runs on the writer thread: record, report a failure at once, pass on.
         self._telemetry.append(tel)
+        self._last_save_failed = bool(tel.error)
         if tel.error:
             log.error(
                 "stagesave: saving %s failed in the background: %s. The checkpoint was not "
@@ -254,15 +256,31 @@ class StagedCheckpointIO(CheckpointIO):
 
     @override
     def remove_checkpoint(self, path: Any) -> None:
-        """Remove a checkpoint after every save submitted before this call.
+        """Remove a checkpoint after every save submitted before this call, unless the last of
+        those failed.
 
-        A checkpoint that a ``save_last="link"`` link still points at is removed once the link
-        has moved on (or kept, if it never does).
+        ``ModelCheckpoint`` removes the previous best right after asking for the new one; if the
+        new save then fails in the background, the previous one may be the newest valid
+        checkpoint, so it is kept (with a warning). A checkpoint that a ``save_last="link"``
+        link still points at is removed once the link has moved on (or kept, if it never does).
         """
         target = os.fspath(path)
-        if "://" not in target and self._links.remove(self.checkpointer, target):
+        ckpt = self.checkpointer
+        if "://" not in target and self._links.remove(ckpt, target):
             return
-        self.checkpointer.remove(target)
+        ckpt.run_after(lambda: self._remove_unless_a_save_failed(ckpt, target),
+                       description=f"removing {target}")
+
+    def _remove_unless_a_save_failed(self, ckpt: Checkpointer, target: str) -> None:
+        # On the writer thread, after every save submitted before the removal.
+        if self._last_save_failed:
+            log.warning("stagesave: kept %s: the save before its removal failed, so it may be the "
+                        "newest valid checkpoint", target)
+            return
+        try:
+            ckpt.remove(target)  # queued now; runs after what was submitted meanwhile
+        except (ClosedError, RuntimeError):
+            log.info("stagesave: kept %s: the plugin was closed before its removal", target)
 
     def track(self, path: Any, handle: SaveHandle) -> None:
         """Record ``handle`` as the pending save of ``path`` (a link to ``path`` made later

@@ -89,6 +89,32 @@ def test_topk_removal_with_plugin_is_ordered_after_queued_saves(tmp_path: Path, 
     assert stagesave.verify(str(d / "epoch=0-step=4.ckpt")).status == "verified"
 
 
+def test_plugin_keeps_the_checkpoint_whose_successor_failed(
+    tmp_path: Path, gate: WriterGate, caplog: pytest.LogCaptureFixture
+) -> None:
+    # ModelCheckpoint's order: save the new best, then remove the previous one.
+    io = StagedCheckpointIO(telemetry_callback=gate, max_pending=8)
+    good = tmp_path / "ckpt" / "step=1.ckpt"
+    io.save_checkpoint({"w": torch.ones(8)}, good)
+    assert gate.entered.wait(30)
+    bad = tmp_path / "volume"
+    io.save_checkpoint({"w": torch.zeros(8)}, bad / "step=2.ckpt")  # fails in the background
+    io.remove_checkpoint(good)
+    _break_directory(bad)
+    with caplog.at_level(logging.WARNING, logger="stagesave.lightning"):
+        gate.open()
+        with pytest.raises(stagesave.CheckpointError, match=r"volume/step=2\.ckpt"):
+            io.wait()
+    assert stagesave.verify(str(good)).status == "verified"  # still the newest valid checkpoint
+    assert any("kept" in r.getMessage() and "step=1.ckpt" in r.getMessage() for r in caplog.records)
+    # Once a later save commits, removals go ahead again.
+    io.save_checkpoint({"w": torch.full((8,), 3.0)}, tmp_path / "ckpt" / "step=3.ckpt")
+    io.remove_checkpoint(good)
+    io.wait()
+    assert not good.exists()
+    io.teardown()
+
+
 # ---------------------------------------------------------------- mutable non-tensor leaves
 def _numpy_run(tmp_path: Path, io: Any, release: Any) -> Path:
     d = tmp_path / "ckpt"
