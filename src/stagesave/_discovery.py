@@ -42,6 +42,8 @@ class CheckpointInfo:
     is_dir: bool = False
     #: Whether the file has stagesave manifests (matching or not).
     problems_from_manifest: bool = False
+    #: The name that was judged: the target when ``name`` is a link inside the root.
+    judged: str | None = None
 
     @property
     def valid(self) -> bool:
@@ -66,7 +68,7 @@ def resolve(store: Store, name: str) -> CheckpointInfo:
     target = store.canonical(name)
     if target != name:  # a link inside the root (Lightning's save_last="link"): judge its target
         ci = resolve(store, target)
-        ci.path, ci.name = store.describe(name), name
+        ci.path, ci.name, ci.judged = store.describe(name), name, target
         return ci
     info = store.info(name)
     path = store.describe(name)

@@ -644,9 +644,9 @@ class Checkpointer:
             raise CheckpointNotFoundError(f"no checkpoint at {where}") from exc
         if info.status == "corrupt":
             raise IntegrityError(f"checkpoint {where} is corrupt: {'; '.join(info.problems)}")
-        entry = info.manifest.file(store.canonical(name).rpartition("/")[2]) if info.manifest else None
+        entry = info.manifest.file((info.judged or name).rpartition("/")[2]) if info.manifest else None
         globs = [*self.safe_globals, *safe_globals]
-        local = store.local_path(name)
+        local = store.local_path(info.judged or name)  # the file judged, even if a link moved since
         if local is not None:
             return self._load_local(local, entry, where, map_location, verify, mmap, trusted, globs)
         data = bytearray(info.size)
@@ -755,7 +755,8 @@ class Checkpointer:
             for entry in info.manifest.files:
                 problems += verify_entry(store, f"{name}/{entry.name}", entry, pool)
         else:
-            problems = verify_entry(store, name, info.manifest.file(store.canonical(name).rpartition("/")[2]), pool)
+            judged = info.judged or name  # read the link once: the file resolve() judged
+            problems = verify_entry(store, judged, info.manifest.file(judged.rpartition("/")[2]), pool)
         info.problems = problems
         info.status = "corrupt" if problems else "verified"
         return info
