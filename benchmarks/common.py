@@ -148,3 +148,22 @@ def summary(xs: list[float]) -> str:
         return "-"
     med = statistics.median(xs)
     return f"{med:.3f} s (min {min(xs):.3f}, max {max(xs):.3f})"
+
+
+def mem_available_bytes() -> int:
+    """The kernel's estimate of memory available to a new allocation (MemAvailable), in bytes."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no MemAvailable in /proc/meminfo")
+
+
+def d_model_for(total_bytes: int) -> int:
+    """The widest ``d_model`` (<= 1024) that still gives a state of ``total_bytes`` a few layers."""
+    return next((d for d in (1024, 512, 256, 128) if 3 * 4 * 12 * d * d * 3 <= total_bytes), 128)
+
+
+def spread(xs: list[float]) -> dict[str, float]:
+    """Median, min and max of a non-empty list (the form every sweep figure is reported in)."""
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}

@@ -1,0 +1,592 @@
+"""One run, every alternative, several state sizes: the performance sweep of issue #7.
+
+For each state size (``--sizes``, GiB of synthetic transformer-like state from
+``common.transformer_state``) every alternative saves the same state into the same directory,
+interleaved within each of ``--repeats`` rounds (the order rotates from round to round) so that
+drift of the machine hits all of them alike. Per alternative and round:
+
+- blocking: how long the save call held the training loop, and its ratio to the copy floor (the
+  state's bytes copied once into a reused buffer, measured in the same round);
+- commit: from the call until the checkpoint is complete (durable where the alternative fsyncs;
+  the table says which), and its ratio to the ``dd`` O_DIRECT write floor of the same bytes,
+  measured in the same round;
+- training time lost per save and the mean and p99 step-time inflation while the background write
+  runs (``bench_interference.Loop`` and ``measure``: an MLP on torch's default threads);
+- the loop's baseline ms/iteration just before and just after the save. An after/before ratio
+  well above 1 is an OpenMP regime change (a background thread that ran torch ops, or a gloo
+  group, made libgomp wait passively); it is printed, and the next alternative's "before" shows
+  whether it outlived the alternative's teardown.
+
+Each round then loads the torch.save file and the stagesave file: ``torch.load`` against
+stagesave verified (mmap, the default; and a full copy) and unverified, cold (page cache dropped,
+root only) and warm, beside the raw O_DIRECT read floor.
+
+Alternatives that keep something across saves (stagesave's buffer, a reused DCP stager, DCP's
+checkpoint daemon process) get one uncounted warm-up save before the measured one, as in training
+where only the first save pays for the allocation. Each alternative is torn down after its
+measurement so that only one alternative's copies of the state are in memory at a time; at a size
+where the state plus an alternative's copies does not fit in the available memory, that
+alternative is skipped and the reason printed.
+
+Usage (as root for cold loads; niced if the machine is shared):
+  python benchmarks/bench_sweep.py --dir /work/bench-sweep --sizes 0.5,2,8 --repeats 2 \\
+      --json sweep.json --markdown sweep.md --png sweep.png
+  python benchmarks/bench_sweep.py --quick --png /tmp/sweep.png     # 0.25 GiB, one round
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import bench_interference as interference  # noqa: E402
+import common  # noqa: E402
+
+import stagesave  # noqa: E402
+
+GIB = 1 << 30
+HEADROOM = 1 * GIB  # memory left free beyond the state and an alternative's copies
+REGIME_CHANGE = 1.15  # loop slower by this factor after a save than before: flagged
+SAVE_TIMEOUT_S = 1800.0
+TORCH_SAVE = "torch.save+fsync"
+STAGESAVE = "stagesave"
+
+warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process.*")
+warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
+
+
+class Session:
+    """One alternative, set up for saves; ``close`` releases what it holds (buffers, threads)."""
+
+    def __init__(self) -> None:
+        self.called_at = 0.0
+        self.done_at: float | None = None
+
+    def start(self, state: Any, path: str) -> tuple[float, Callable[[], bool]]:
+        """Start one save; the seconds the call blocked, and a poll that says when it is done."""
+        raise NotImplementedError
+
+    def check(self) -> None:
+        """Raise the error of the last save, if it failed in the background."""
+
+    def commit_s(self) -> float | None:
+        """Seconds from the last call until the save was complete, as the alternative sees it."""
+        return None if self.done_at is None else self.done_at - self.called_at
+
+    def after_warmup(self) -> None:
+        """Drop what only the first save needed (e.g. the gloo group that starts DCP's daemon)."""
+
+    def close(self) -> None:
+        """Release buffers and threads, so the next alternative starts from a clean process."""
+
+    def _mark_done(self, _: Any = None) -> None:
+        self.done_at = time.perf_counter()
+
+
+class TorchSave(Session):
+    """``torch.save`` into the file, flush and fsync: what a synchronous CheckpointIO does."""
+
+    def start(self, state: Any, path: str) -> tuple[float, Callable[[], bool]]:
+        self.called_at = time.perf_counter()
+        blocking, done = interference.start_torch_save(state, path)
+        self.done_at = self.called_at + blocking
+        return blocking, done
+
+
+class LightningAsync(Session):
+    """Lightning's ``AsyncCheckpointIO(TorchCheckpointIO())``: clone, then torch.save in a thread."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
+
+        self.plugin = AsyncCheckpointIO(TorchCheckpointIO())
+
+    def start(self, state: Any, path: str) -> tuple[float, Callable[[], bool]]:
+        self.called_at = time.perf_counter()
+        self.done_at = None
+        self.plugin.save_checkpoint(state, path)
+        blocking = time.perf_counter() - self.called_at
+        assert self.plugin._executor is not None
+        sentinel = self.plugin._executor.submit(lambda: None)  # one FIFO worker: runs after the save
+        sentinel.add_done_callback(self._mark_done)
+        return blocking, sentinel.done
+
+    def check(self) -> None:
+        if self.plugin._error is not None:
+            raise self.plugin._error
+
+    def close(self) -> None:
+        self.plugin.teardown()
+
+
+class DcpAsync(Session):
+    """``torch.distributed.checkpoint.async_save`` in thread or process mode, with a chosen stager.
+
+    ``stager``: ``None`` lets async_save create (and close) its own per save, as a plain call does;
+    ``"reused"`` keeps one DefaultStager whose cached CPU copies later saves reuse; ``"shm"`` is
+    the same in shared memory, which process mode hands to its daemon without a copy;
+    ``"pinned+shm"`` adds pinned memory (CUDA only).
+    """
+
+    def __init__(self, base: str, *, process: bool, stager: str | None) -> None:
+        super().__init__()
+        import torch.distributed as dist
+        from torch.distributed.checkpoint import _async_process_executor
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        self.process = process
+        self._fut: Any = None
+        self._own_group = False
+        self.stager = None
+        if stager is not None:
+            self.stager = DefaultStager(StagingOptions(
+                use_pinned_memory="pinned" in stager, use_shared_memory="shm" in stager,
+                use_async_staging=False, use_non_blocking_copy=False))
+        if process and _async_process_executor._CHECKPOINT_PROCESS is None and not dist.is_initialized():
+            # Process mode learns the daemon's rendezvous through a process group; one process is
+            # a gloo group of world size 1. Its gloo threads slow torch's OpenMP threads, so the
+            # group lives only until the daemon has started (see after_warmup).
+            store = dist.FileStore(os.path.join(base, "pg-store"), 1)
+            dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+            self._own_group = True
+
+    def start(self, state: Any, path: str) -> tuple[float, Callable[[], bool]]:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
+
+        kwargs: dict[str, Any] = {}
+        if self.stager is not None:
+            kwargs["async_stager"] = self.stager
+        if self.process:
+            kwargs["async_checkpointer_type"] = AsyncCheckpointerType.PROCESS
+        self.called_at = time.perf_counter()
+        self.done_at = None
+        fut = dcp.async_save(state, checkpoint_id=path, **kwargs)
+        blocking = time.perf_counter() - self.called_at
+        if isinstance(fut, AsyncSaveResponse):
+            fut = fut.upload_completion
+        fut.add_done_callback(self._mark_done)
+        self._fut = fut
+        return blocking, fut.done
+
+    def check(self) -> None:
+        if self._fut is not None:
+            self._fut.result()
+
+    def after_warmup(self) -> None:
+        import torch.distributed as dist
+
+        if self._own_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self._own_group = False
+
+    def close(self) -> None:
+        self.after_warmup()
+        if self.stager is not None:
+            self.stager.close()
+
+
+class StageSave(Session):
+    """A stagesave ``Checkpointer`` (one buffer: ``max_pending=1``) with the given options."""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__()
+        self.ck = stagesave.Checkpointer(max_pending=1, **options)
+        self._handle: Any = None
+
+    def start(self, state: Any, path: str) -> tuple[float, Callable[[], bool]]:
+        self.called_at = time.perf_counter()
+        self._handle = self.ck.save(state, path)
+        return time.perf_counter() - self.called_at, self._handle.done
+
+    def check(self) -> None:
+        if self._handle is not None:
+            self._handle.result()
+
+    def commit_s(self) -> float | None:
+        return None if self._handle is None else float(self._handle.result().time_to_commit_s)
+
+    def close(self) -> None:
+        self.ck.close()
+
+
+def _pinned_unavailable() -> str | None:
+    return None if torch.cuda.is_available() else "pinned memory needs CUDA (torch ignores pin_memory without it)"
+
+
+def _gloo_unavailable() -> str | None:
+    import torch.distributed as dist
+
+    return None if dist.is_available() and dist.is_gloo_available() else "torch was built without gloo"
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """A way users save checkpoints today, and what the sweep must know to run it fairly."""
+
+    name: str
+    make: Callable[[str], Session]  # given the size's working directory
+    copies: float  # full copies of the state it holds while saving (for the memory check)
+    warmup: bool  # does the first save allocate what later ones reuse?
+    durable: bool  # is "done" after an fsync?
+    note: str
+    unavailable: Callable[[], str | None] = lambda: None
+
+
+ALTERNATIVES: list[Alternative] = [
+    Alternative(TORCH_SAVE, lambda base: TorchSave(), 0.0, False, True,
+                "synchronous, as TorchCheckpointIO / Accelerate save (plus fsync)"),
+    Alternative("lightning AsyncCheckpointIO", lambda base: LightningAsync(), 2.25, False, False,
+                "clone + torch.save into BytesIO in a thread; no fsync"),
+    Alternative("dcp.async_save thread", lambda base: DcpAsync(base, process=False, stager=None), 1.0, False, True,
+                "as a plain call: a fresh staged copy per save"),
+    Alternative("dcp.async_save thread (reused stager)",
+                lambda base: DcpAsync(base, process=False, stager="reused"), 1.0, True, True,
+                "one DefaultStager kept across saves"),
+    Alternative("dcp.async_save process",
+                lambda base: DcpAsync(base, process=True, stager=None), 1.5, True, True,
+                "daemon process; staged copy moved to shared memory per save", _gloo_unavailable),
+    Alternative("dcp.async_save process (shm stager)",
+                lambda base: DcpAsync(base, process=True, stager="shm"), 1.0, True, True,
+                "daemon process; reused shared-memory stager", _gloo_unavailable),
+    Alternative("dcp.async_save process (pinned+shm stager)",
+                lambda base: DcpAsync(base, process=True, stager="pinned+shm"), 1.0, True, True,
+                "daemon process; reused pinned shared-memory stager", _pinned_unavailable),
+    Alternative(STAGESAVE, lambda base: StageSave(), 1.0, True, True, "Checkpointer defaults, max_pending=1"),
+    Alternative("stagesave checksum_in=staging", lambda base: StageSave(checksum_in="staging"), 1.0, True, True,
+                "hash in the blocking copy"),
+]
+
+
+def slug(name: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in name).strip("-")
+
+
+def wait_done(done: Callable[[], bool], what: str) -> None:
+    end = time.perf_counter() + SAVE_TIMEOUT_S
+    while not done():
+        if time.perf_counter() > end:
+            raise TimeoutError(f"{what} did not finish in {SAVE_TIMEOUT_S:.0f} s")
+        time.sleep(0.02)
+
+
+def run_one(alt: Alternative, state: Any, folder: str, loop: interference.Loop, baseline_s: float) -> dict[str, Any]:
+    """Set up ``alt``, warm it up if it keeps state across saves, measure one save, tear down."""
+    os.makedirs(folder, exist_ok=True)
+    session = alt.make(folder)
+    try:
+        if alt.warmup:
+            warm = os.path.join(folder, "warmup")
+            os.makedirs(warm)
+            _, done = session.start(state, os.path.join(warm, "ckpt"))
+            wait_done(done, f"{alt.name} warm-up save")
+            session.check()
+            session.after_warmup()
+            shutil.rmtree(warm)
+        os.sync()  # no writeback of earlier saves inside this one's window
+        time.sleep(0.5)
+        before = loop.baseline(baseline_s)
+        m = interference.measure(loop, session.start, state, os.path.join(folder, "ckpt"), before)
+        session.check()
+        commit = session.commit_s()
+        os.sync()  # writeback left behind by an alternative that does not fsync is not the loop's speed
+        after = loop.baseline(baseline_s)
+    finally:
+        session.close()
+        gc.collect()
+    return {
+        "blocking_s": m["blocking"], "window_s": m["window"],
+        "commit_s": commit if commit is not None else m["blocking"] + m["window"],
+        "lost_s": m["lost"], "step_mean_x": m["meanx"], "step_p99_x": m["p99x"],
+        "baseline_before_ms": before * 1e3, "baseline_after_ms": after * 1e3,
+    }
+
+
+def touch_all(obj: Any) -> None:
+    """Read one element of every tensor, so lazily mapped tensors are really there."""
+    for t in common.tensors_of(obj):
+        if t.numel():
+            float(t.reshape(-1)[-1])
+
+
+def run_loads(torch_path: str | None, ss_path: str | None) -> tuple[dict[str, float], bool]:
+    """Cold and warm loads of this round's torch.save and stagesave files; and whether cold was possible."""
+    out: dict[str, float] = {}
+    cold = common.drop_caches()
+    if ss_path:
+        out["raw O_DIRECT read floor cold"] = common.raw_read_floor_s(ss_path)
+    loaders: list[tuple[str, Callable[[], Any]]] = []
+    loader = stagesave.Checkpointer(max_pending=1)
+    if torch_path:
+        loaders.append(("torch.load", lambda: torch.load(torch_path, weights_only=True)))
+    if ss_path:
+        loaders += [
+            ("stagesave load verified (mmap)", lambda: loader.load(ss_path)),
+            ("stagesave load verified (copy)", lambda: loader.load(ss_path, mmap=False)),
+            ("stagesave load unverified (copy)", lambda: loader.load(ss_path, verify=False, mmap=False)),
+        ]
+    try:
+        for name, fn in loaders:
+            for temp in ("cold", "warm"):
+                if temp == "cold":
+                    common.drop_caches()
+                t0 = time.perf_counter()
+                obj = fn()
+                touch_all(obj)
+                out[f"{name} {temp}"] = time.perf_counter() - t0
+                del obj
+                gc.collect()
+    finally:
+        loader.close()
+    return out, cold
+
+
+def run_size(gib: float, alts: list[Alternative], args: argparse.Namespace, base: str,
+             loop: interference.Loop) -> dict[str, Any]:
+    """Every alternative on one state size, ``args.repeats`` interleaved rounds, then loads."""
+    want = int(gib * GIB)
+    avail = common.mem_available_bytes()
+    res: dict[str, Any] = {"gib": gib, "skipped": None}
+    if 2 * want + HEADROOM > avail:  # the state and one copy (copy floor, loads) at least
+        res["skipped"] = (f"the state ({gib:g} GiB) and one copy of it need {(2 * want + HEADROOM) / GIB:.1f} GiB, "
+                          f"{avail / GIB:.1f} GiB available")
+        print(f"== {gib:g} GiB: skipped: {res['skipped']}", flush=True)
+        return res
+    state = common.transformer_state(want, d_model=common.d_model_for(want))
+    nbytes = common.state_bytes(state)
+    avail = common.mem_available_bytes()
+    res.update(bytes=nbytes, tensors=len(common.tensors_of(state)), mem_available_with_state=avail,
+               floors={"copy_s": [], "dd_direct_s": []}, loads={}, cold_cache=None, alternatives={})
+    print(f"== {gib:g} GiB: {nbytes / GIB:.2f} GiB in {res['tensors']} tensors; "
+          f"{avail / GIB:.1f} GiB memory available beside it", flush=True)
+    runnable: list[Alternative] = []
+    for alt in alts:
+        reason = alt.unavailable()
+        need = alt.copies * nbytes + HEADROOM
+        if reason is None and need > avail:
+            reason = (f"needs ~{need / GIB:.1f} GiB beside the state ({alt.copies:g} copies + headroom), "
+                      f"{avail / GIB:.1f} GiB available")
+        res["alternatives"][alt.name] = {"skipped": reason, "durable": alt.durable, "note": alt.note, "runs": []}
+        if reason:
+            print(f"   skip {alt.name}: {reason}", flush=True)
+        else:
+            runnable.append(alt)
+    for r in range(args.repeats):
+        gc.collect()
+        copy_floor = common.copy_floor_s(state, repeats=1)
+        gc.collect()
+        dd_floor = common.raw_write_floor_s(base, nbytes)
+        res["floors"]["copy_s"].append(copy_floor)
+        res["floors"]["dd_direct_s"].append(dd_floor)
+        print(f"   round {r + 1}/{args.repeats}: copy floor {copy_floor:.3f} s, dd O_DIRECT floor {dd_floor:.3f} s",
+              flush=True)
+        order = runnable[r % len(runnable):] + runnable[:r % len(runnable)] if runnable else []
+        kept: dict[str, str] = {}
+        for alt in order:
+            folder = os.path.join(base, f"r{r}-{slug(alt.name)}")
+            run = run_one(alt, state, folder, loop, args.baseline_s)
+            run.update(round=r, copy_floor_s=copy_floor, dd_floor_s=dd_floor,
+                       blocking_over_copy_floor=run["blocking_s"] / copy_floor,
+                       commit_over_dd_floor=run["commit_s"] / dd_floor,
+                       lost_over_copy_floor=run["lost_s"] / copy_floor)
+            res["alternatives"][alt.name]["runs"].append(run)
+            drift = run["baseline_after_ms"] / run["baseline_before_ms"]
+            print(f"   {alt.name:42s} blocking {run['blocking_s']:7.3f} s  commit {run['commit_s']:7.3f} s  "
+                  f"lost {run['lost_s']:7.3f} s  p99 {run['step_p99_x']:5.2f}x  "
+                  f"loop {run['baseline_before_ms']:.1f} -> {run['baseline_after_ms']:.1f} ms/it", flush=True)
+            if drift > REGIME_CHANGE:
+                print(f"   !! {alt.name}: the loop ran {drift:.2f}x slower after the save than before it "
+                      "(an OpenMP regime change?)", flush=True)
+            if alt.name in (TORCH_SAVE, STAGESAVE):
+                kept[alt.name] = os.path.join(folder, "ckpt")
+            else:
+                shutil.rmtree(folder, ignore_errors=True)
+        if not args.no_loads and kept:
+            loads, cold = run_loads(kept.get(TORCH_SAVE), kept.get(STAGESAVE))
+            res["cold_cache"] = cold
+            for k, v in loads.items():
+                res["loads"].setdefault(k, []).append(v)
+            print("   loads: " + ", ".join(f"{k} {v:.3f} s" for k, v in loads.items()), flush=True)
+        for path in kept.values():
+            shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+    del state
+    gc.collect()
+    return res
+
+
+def fmt_spread(xs: list[float], digits: int = 3) -> str:
+    if not xs:
+        return "-"
+    s = common.spread(xs)
+    if len(xs) == 1:
+        return f"{s['median']:.{digits}f}"
+    return f"{s['median']:.{digits}f} ({s['min']:.{digits}f}–{s['max']:.{digits}f})"
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    """The sweep as markdown: per size, one table of saves and one of loads (median (min–max))."""
+    meta = doc["meta"]
+    lines = [f"## Sweep {meta['date']}", "", f"`{meta['command']}`", "",
+             f"{meta['cpus']} CPUs, torch {meta['torch']} with {meta['torch_threads']} threads, "
+             f"{meta['mem_total'] / GIB:.1f} GiB RAM, repeats {meta['repeats']}, directory `{meta['dir']}`; "
+             "figures are median (min–max) over rounds; ratios are to the floors of the same round.", ""]
+    for size in doc["sizes"]:
+        if size["skipped"]:
+            lines += [f"### {size['gib']:g} GiB: skipped ({size['skipped']})", ""]
+            continue
+        fl = size["floors"]
+        lines += [f"### {size['bytes'] / GIB:.2f} GiB state ({size['tensors']} tensors)", "",
+                  f"copy floor {fmt_spread(fl['copy_s'])} s; dd O_DIRECT write floor {fmt_spread(fl['dd_direct_s'])} s",
+                  "",
+                  "| alternative | blocking s | × copy floor | commit s | × dd floor | durable | lost per save s "
+                  "| × copy floor | mean step × | p99 step × | loop ms/it before → after |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for name, a in size["alternatives"].items():
+            if a["skipped"]:
+                lines.append(f"| {name} | skipped: {a['skipped']} |||||||||| ")
+                continue
+            runs = a["runs"]
+
+            def col(key: str, digits: int = 3, runs: list[dict[str, Any]] = runs) -> str:
+                return fmt_spread([x[key] for x in runs], digits)
+
+            lines.append(
+                f"| {name} | {col('blocking_s')} | {col('blocking_over_copy_floor', 2)} | {col('commit_s')} | "
+                f"{col('commit_over_dd_floor', 2)} | {'yes' if a['durable'] else 'no'} | {col('lost_s')} | "
+                f"{col('lost_over_copy_floor', 2)} | {col('step_mean_x', 2)} | {col('step_p99_x', 2)} | "
+                f"{col('baseline_before_ms', 1)} → {col('baseline_after_ms', 1)} |")
+        if size["loads"]:
+            cold = "cold = page cache dropped" if size["cold_cache"] else "cold NOT possible here (not root): cache warm"
+            lines += ["", f"| load ({cold}) | seconds |", "|---|---|"]
+            lines += [f"| {k} | {fmt_spread(v)} |" for k, v in size["loads"].items()]
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def plot(doc: dict[str, Any], path: str) -> None:
+    """Blocking time and time to commit against state size, one line per alternative, log-scale y."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = [s for s in doc["sizes"] if not s["skipped"]]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5.2))
+    panels = (("blocking_s", "copy_s", "copy floor", "training blocked per save (s)"),
+              ("commit_s", "dd_direct_s", "dd O_DIRECT write floor", "time to commit (s)"))
+    names = list(dict.fromkeys(n for s in sizes for n in s["alternatives"]))
+    for ax, (key, floor_key, floor_name, ylabel) in zip(axes, panels, strict=True):
+        for name in names:
+            xs, med, lo, hi = [], [], [], []
+            for s in sizes:
+                runs = s["alternatives"].get(name, {}).get("runs") or []
+                if runs:
+                    sp = common.spread([x[key] for x in runs])
+                    xs.append(s["bytes"] / GIB)
+                    med.append(sp["median"])
+                    lo.append(sp["median"] - sp["min"])
+                    hi.append(sp["max"] - sp["median"])
+            if xs:
+                ax.errorbar(xs, med, yerr=[lo, hi], marker="o", capsize=3, label=name)
+        fx = [s["bytes"] / GIB for s in sizes]
+        fy = [statistics.median(s["floors"][floor_key]) for s in sizes]
+        ax.plot(fx, fy, "k--", marker="x", label=floor_name)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(fx, [f"{x:.2f}" for x in fx])
+        ax.minorticks_off()
+        ax.set_yscale("log")
+        ax.set_xlabel("state size (GiB)")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7, loc="upper left")
+    axes[0].set_title("blocking per save (median, min–max)")
+    axes[1].set_title("time to commit (median, min–max)")
+    fig.suptitle(f"checkpoint saves by state size, {doc['meta']['cpus']} CPUs, {doc['meta']['date']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", default=None, help="directory on the disk to test (default: a temp dir under /work)")
+    ap.add_argument("--sizes", default="0.5,2,8", help="state sizes in GiB, comma-separated (default 0.5,2,8)")
+    ap.add_argument("--repeats", type=int, default=2, help="interleaved rounds per size (default 2)")
+    ap.add_argument("--quick", action="store_true", help="smoke test: --sizes 0.25 --repeats 1")
+    ap.add_argument("--alternatives", default=",".join(a.name for a in ALTERNATIVES),
+                    help="comma-separated names (default: all)")
+    ap.add_argument("--baseline-s", type=float, default=2.0,
+                    help="seconds of loop baseline before and after each save (default 2)")
+    ap.add_argument("--no-loads", action="store_true", help="skip the load measurements")
+    ap.add_argument("--json", default=None, help="write every raw figure here")
+    ap.add_argument("--markdown", default=None, help="append the tables to this file")
+    ap.add_argument("--png", default=None, help="plot blocking and commit time against state size here")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.sizes, args.repeats = "0.25", 1
+    known = {a.name for a in ALTERNATIVES}
+    unknown = [n for n in args.alternatives.split(",") if n and n not in known]
+    if unknown:
+        ap.error(f"unknown alternatives {unknown}; known: {sorted(known)}")
+    if args.repeats < 1:
+        ap.error("--repeats must be at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    sizes = [float(x) for x in args.sizes.split(",") if x]
+    chosen = set(args.alternatives.split(","))
+    alts = [a for a in ALTERNATIVES if a.name in chosen]
+    base = args.dir or tempfile.mkdtemp(prefix="stagesave-sweep-", dir="/work" if os.path.isdir("/work") else None)
+    os.makedirs(base, exist_ok=True)
+    t_start = time.perf_counter()
+    meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "command": " ".join([os.path.basename(sys.executable), *sys.argv]), "dir": base,
+            "cpus": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+            "mem_total": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "repeats": args.repeats,
+            "sizes_gib": sizes, "stagesave": getattr(stagesave, "__version__", None)}
+    print(f"sweep: sizes {sizes} GiB, {args.repeats} rounds, {len(alts)} alternatives, dir {base}; "
+          f"torch {torch.__version__} with {torch.get_num_threads()} threads", flush=True)
+    loop = interference.Loop()
+    loop.baseline(1.0)  # warm the loop's allocations and threads once
+    doc: dict[str, Any] = {"meta": meta, "sizes": []}
+    try:
+        for gib in sizes:
+            doc["sizes"].append(run_size(gib, alts, args, base, loop))
+    finally:
+        meta["wall_s"] = time.perf_counter() - t_start
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(doc, f, indent=1)
+        if not args.dir:
+            shutil.rmtree(base, ignore_errors=True)
+    text = markdown(doc)
+    print("\n" + text)
+    if args.markdown:
+        with open(args.markdown, "a") as f:
+            f.write(text)
+    if args.png:
+        plot(doc, args.png)
+        print(f"plot: {args.png}")
+    print(f"sweep took {meta['wall_s']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
