@@ -220,7 +220,7 @@ class AcceleratorCheckpointer:
         return ckpt
 
     def _staging_dir(self, root: str) -> str | None:
-        """Where folders for the local automatic-naming ``root`` are assembled (cached)."""
+        """Where folders for the local automatic-naming ``root`` (or local tier) are assembled (cached)."""
         if root not in self._staging:
             self._staging[root] = staging_dir_for(root)
         return self._staging[root]
@@ -302,8 +302,9 @@ class AcceleratorCheckpointer:
             staging = None
             if automatic:
                 self._refuse_existing(ckpt, target, iteration)
-                if not self._auto.tiered and not _remote.is_url(self._auto.root):
-                    staging = self._staging_dir(self._auto.root)
+                local_root = self._auto.local_root
+                if local_root is not None:  # also with local_tier: outside what Accelerate lists
+                    staging = self._staging_dir(local_root)
             elif not _remote.is_url(target):
                 os.makedirs(os.path.dirname(target), exist_ok=True)
             files = {**hook_files, **state_files(acc, weights, safe, rng_states)}

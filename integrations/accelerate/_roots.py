@@ -6,9 +6,10 @@ local, the upload to the URL is background, restore prefers a valid local copy).
 
 Accelerate's own ``load_state()`` and ``total_limit`` list *every* entry of ``checkpoints/``,
 hidden ones included, and sort them by the first number in the name, so a temporary of an
-unfinished save must never sit there. Folders for a local root are therefore assembled in
-``<parent of the root>/.stagesave-staging`` (checked to be on the same filesystem, so the
-commit stays one rename) and renamed into place.
+unfinished save must never sit there. Folders for a local root, or for the local tier of a
+tiered one, are therefore assembled in ``<parent of that folder>/.stagesave-staging`` (checked to
+be on the same filesystem, so the commit stays one rename) and renamed into place; a tiered root
+uploads each folder once it is in place.
 """
 
 from __future__ import annotations
@@ -42,6 +43,13 @@ class AutoRoot:
     def list_arg(self) -> str | None:
         """What to pass to ``Checkpointer.list``/``latest`` (``None``: the tiered root itself)."""
         return None if self.tiered else self.root
+
+    @property
+    def local_root(self) -> str | None:
+        """The local folder checkpoints commit in (the local tier, a local root; ``None`` at a URL)."""
+        if self.local_tier is not None:
+            return self.local_tier
+        return None if _remote.is_url(self.root) else self.root
 
     @property
     def plain_root(self) -> str:

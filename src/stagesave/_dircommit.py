@@ -1,8 +1,12 @@
 """Committing a directory of files as one checkpoint (Accelerate's layout, sharded saves).
 
-On a POSIX store the files are written into a hidden temporary directory beside the target, the
-directory manifest goes in last, and the whole directory is renamed into place: a reader (or
-Accelerate's own ``load_state``) never sees a half-written checkpoint folder. Replacing an
+On a POSIX store the files are written into a hidden temporary directory beside the target (or,
+with ``staging_dir``, into ``<staging_dir>/<name>.<token>`` on the same filesystem, outside a
+folder that another program lists), the directory manifest goes in last, and the whole directory
+is renamed into place: a reader (or Accelerate's own ``load_state``) never sees a half-written
+checkpoint folder. Only after that rename does the store hear of the commit
+(``Store.folder_committed``: a tiered store then uploads the folder), so no store has to guess
+the final name from a temporary one. Replacing an
 existing folder moves the old one aside first (``.<name>.<token>.stagesave-aside``) and deletes it
 after the new one is in place; if a crash strikes between the two renames, discovery moves the
 aside folder back. On object stores there is no directory rename: the old directory manifest is
@@ -21,7 +25,7 @@ from collections.abc import Callable, Sequence
 from . import _fsops as fsops
 from ._commit import FileToWrite, WriteStats, write_file
 from ._crash import crash_point
-from ._local import _fsync_dir
+from ._local import LocalStore, _fsync_dir, makedirs_durable
 from ._manifest import FileEntry, Manifest
 from ._names import DIR_MANIFEST, TMP_MARKER, aside_name
 from ._store import Store
@@ -52,17 +56,16 @@ def commit_directory(
 ) -> None:
     """Write ``files`` (names relative to ``directory``) and commit them together.
 
-    ``staging_dir`` (local stores only): stage the folder there instead of beside the target,
-    e.g. outside a folder that another program lists (it must be on the same filesystem).
+    ``staging_dir`` (stores whose target parent is a local directory: a local root, a tiered
+    root's local tier): stage the folder there instead of beside the target, e.g. outside a
+    folder that another program lists (it must be on the same filesystem). Its files are written
+    as the store writes its own (``direct_io``), then the folder is renamed into place.
     """
     parent, leaf = _split(directory)
     local_parent = store.local_path(parent)
     token = f"{os.getpid()}-{secrets.token_hex(4)}{TMP_MARKER}"
     wstore: Store = store
-    from ._local import LocalStore, makedirs_durable
-
-    if local_parent and staging_dir and type(store) is LocalStore:  # tiered roots stage in place
-
+    if local_parent and staging_dir:
         makedirs_durable(staging_dir)
         wstore = LocalStore(staging_dir, direct_io=getattr(store, "direct_io", True))
         staging = f"{leaf}.{token}"
@@ -107,45 +110,52 @@ def _remove_tree(store: Store, name: str) -> None:
 
 
 def _move_into_place(store: Store, staging: str, directory: str, *, src_path: str | None = None) -> None:
-    """Publish the staged folder under its final name, under the directory's commit lock.
+    """Publish the staged folder under its final name, then tell the store (``folder_committed``).
 
-    Replacing an existing folder swaps the two atomically (``renameat2(RENAME_EXCHANGE)``) where
-    the filesystem can, so readers never see the name missing; elsewhere the old folder is moved
-    aside first. If the directory fsync that makes the publish durable fails, the publish is
-    undone (the old folder back under its name) before the error propagates.
+    The rename runs under the directory's commit lock. Replacing an existing folder swaps the two
+    atomically (``renameat2(RENAME_EXCHANGE)``) where the filesystem can, so readers never see the
+    name missing; elsewhere the old folder is moved aside first. If the directory fsync that makes
+    the publish durable fails, the publish is undone (the old folder back under its name) before
+    the error propagates, and the store hears of nothing.
     """
     src = src_path or store.local_path(staging)
     dst = store.local_path(directory)
     assert src is not None and dst is not None
-    parent, leaf = _split(directory)
     with store.commit_lock(directory):
-        if not os.path.lexists(dst):
-            fsops.rename(src, dst)
-            crash_point("after_rename")
-            try:
-                _fsync_dir(os.path.dirname(dst))
-            except BaseException:
-                _quietly(fsops.rename, dst, src)
-                raise
-            crash_point("after_commit")
-            return
+        _rename_into_place(store, src, dst, directory)
+    store.folder_committed(directory)
+
+
+def _rename_into_place(store: Store, src: str, dst: str, directory: str) -> None:
+    """Rename ``src`` to ``dst`` (swap, or aside then rename, when ``dst`` exists), durably."""
+    parent, leaf = _split(directory)
+    if not os.path.lexists(dst):
+        fsops.rename(src, dst)
+        crash_point("after_rename")
         try:
-            fsops.exchange(src, dst)
-        except OSError as exc:
-            if exc.errno not in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
-                raise
-        else:
-            crash_point("after_rename")
-            try:
-                _fsync_dir(os.path.dirname(dst))
-            except BaseException:
-                _quietly(fsops.exchange, src, dst)
-                raise
-            crash_point("after_commit")
-            if os.path.isdir(src) and not os.path.islink(src):
-                fsops.rmtree(src)  # now holds the replaced folder
-            return
-        _replace_with_aside(store, src, dst, parent, leaf)
+            _fsync_dir(os.path.dirname(dst))
+        except BaseException:
+            _quietly(fsops.rename, dst, src)
+            raise
+        crash_point("after_commit")
+        return
+    try:
+        fsops.exchange(src, dst)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+            raise
+    else:
+        crash_point("after_rename")
+        try:
+            _fsync_dir(os.path.dirname(dst))
+        except BaseException:
+            _quietly(fsops.exchange, src, dst)
+            raise
+        crash_point("after_commit")
+        if os.path.isdir(src) and not os.path.islink(src):
+            fsops.rmtree(src)  # now holds the replaced folder
+        return
+    _replace_with_aside(store, src, dst, parent, leaf)
 
 
 def _replace_with_aside(store: Store, src: str, dst: str, parent: str, leaf: str) -> None:

@@ -6,6 +6,8 @@ commit protocol (``_commit.py``) can order them: ``begin_write`` opens an invisi
 (a temp file, a multipart upload), ``PendingWrite.write_range`` fills it from the staging buffer
 (thread-safe, called in parallel on disjoint ranges), ``finish`` makes it durable and ``publish``
 makes it visible under its final name atomically. Small metadata goes through ``put_atomic``.
+A folder checkpoint on a local root is assembled elsewhere and renamed into place
+(``_dircommit.py``); the store hears of that commit through ``folder_committed``.
 """
 
 from __future__ import annotations
@@ -122,6 +124,16 @@ class Store(ABC):
         Stores without a locking primitive return a no-op context.
         """
         return contextlib.nullcontext()
+
+    def folder_committed(self, directory: str) -> None:
+        """Called once the folder checkpoint ``directory`` was renamed into place, committed.
+
+        The folder commit (``_dircommit.py``) assembles a folder under a temporary name, possibly
+        in another directory (``staging_dir``), and renames it into place under the commit lock;
+        it calls this hook after that rename succeeded, never after a failed commit. A store that
+        acts on committed checkpoints (a tiered store queues the upload) overrides it; the
+        default does nothing. It must not raise for reasons of its own: the folder is committed.
+        """
 
     def canonical(self, name: str) -> str:
         """The name that ``name`` stands for (a link inside the root resolves to its target)."""

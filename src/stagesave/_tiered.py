@@ -21,16 +21,15 @@ from __future__ import annotations
 import builtins
 import concurrent.futures as cf
 import contextlib
-import json
 import mmap
 import os
-import re
 import sys
 import threading
 import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from typing import Any, TypeVar
 
 from ._background import JobQueue
@@ -49,7 +48,6 @@ __all__ = ["TieredStore"]
 T = TypeVar("T")
 
 LOCAL, REMOTE = "local", "remote"
-_STAGING_RE = re.compile(r"^\.(?P<leaf>.+)\.\d+-[0-9a-f]+" + re.escape(TMP_MARKER) + "$")
 _live: weakref.WeakSet[TieredStore] = weakref.WeakSet()
 _exit_hook_registered = False
 
@@ -124,7 +122,7 @@ class _LocalWrite(PendingWrite):
         self.inner.publish()
         if TMP_MARKER in self.name:
             return  # a file of a folder being assembled: the folder uploads once committed
-        self.store._committed_locally(self.name, is_dir=False)
+        self.store._committed_locally(self.name)
 
     def abort(self) -> None:
         self.inner.abort()
@@ -269,17 +267,32 @@ class TieredStore(Store):
         self.local.put_atomic(name, data)
         self._set_local(name)
         parent, _, leaf = name.rpartition("/")
-        if leaf == DIR_MANIFEST:
-            # A folder commit: the manifest goes in last, inside a staging folder that is then
-            # renamed into place (``_dircommit.py``); the upload waits for that rename.
-            head, _, staging = parent.rpartition("/")
-            match = _STAGING_RE.match(staging)
-            final = (f"{head}/{match['leaf']}" if head else match["leaf"]) if match else parent
-            try:
-                created = int(json.loads(data)["created_ns"])
-            except (ValueError, KeyError, TypeError):
-                created = 0
-            self._committed_locally(final, is_dir=True, created_ns=created)
+        if leaf == DIR_MANIFEST and TMP_MARKER not in parent:
+            # A folder manifest written where the folder already is: that write is the commit.
+            # A folder assembled under a temporary name commits when it is renamed into place
+            # (``folder_committed``).
+            self._committed_locally(parent)
+
+    def folder_committed(self, directory: str) -> None:
+        """The folder ``directory`` was renamed into place on the local tier: queue its upload.
+
+        Wherever the folder was assembled (a hidden sibling, or a ``staging_dir`` outside the
+        root), the upload reads the committed folder under its final name.
+        """
+        try:
+            self._committed_locally(directory)
+        except RuntimeError as exc:  # the upload queue is closed: report, the commit stands
+            self._report_failure(directory, f"uploading {self.remote.describe(directory)} was not "
+                                 f"queued ({exc}); the local checkpoint is committed", None)
+
+    @property
+    def direct_io(self) -> bool:
+        """Whether the local tier writes with O_DIRECT (folders staged outside it write alike)."""
+        return bool(getattr(self.local, "direct_io", True))
+
+    def commit_lock(self, name: str) -> AbstractContextManager[None]:
+        """The local tier's commit lock: every commit (and aside repair) happens there."""
+        return self.local.commit_lock(name)
 
     def delete(self, name: str) -> None:
         """Delete from both tiers (the remote one after the uploads queued before this call).
@@ -406,12 +419,13 @@ class TieredStore(Store):
             raise
 
     # ------------------------------------------------------------------ uploads
-    def _committed_locally(self, name: str, *, is_dir: bool, created_ns: int = 0) -> None:
+    def _committed_locally(self, name: str) -> None:
+        """``name`` (a file or a folder) is committed on the local tier: queue its upload."""
         when = time.time()
         with self._lock:
             self._pending[name] = when
         directory = _parent(name)
-        self._queue.submit(lambda: self._sync(directory, name if is_dir else None, created_ns))
+        self._queue.submit(lambda: self._sync(directory))
 
     def attach_telemetry(self, callback: TelemetryCallback) -> None:
         """Also send upload telemetry to ``callback`` (e.g. the Checkpointer's own)."""
@@ -435,10 +449,8 @@ class TieredStore(Store):
         with self._lock:
             return sorted(self._pending)
 
-    def _sync(self, directory: str, expected_dir: str | None, created_ns: int) -> None:
+    def _sync(self, directory: str) -> None:
         """Upload the pending checkpoints of ``directory`` (newest first), then apply retention."""
-        if expected_dir is not None:
-            self._await_rename(expected_dir, created_ns)
         with self._lock:
             names = {n: t for n, t in self._pending.items() if _parent(n) == directory}
         committed = {c.name: c for c in scan(self.local, directory) if c.status == "committed"}
@@ -455,14 +467,6 @@ class TieredStore(Store):
                 if self._pending.get(name) == names[name]:
                     self._pending.pop(name)
         self._retain(directory)
-
-    def _await_rename(self, directory: str, created_ns: int, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            ci = resolve_dir(self.local, directory)
-            if ci.manifest is not None and ci.manifest.created_ns >= created_ns:
-                return
-            time.sleep(0.02)
 
     def _upload(self, info: CheckpointInfo, committed_at: float) -> bool:
         assert info.manifest is not None and info.manifest_name is not None

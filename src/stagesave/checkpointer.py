@@ -132,9 +132,11 @@ def _as_checkpoint_error(exc: BaseException, what: str) -> BaseException:
 
 
 def _check_same_filesystem(store: Store, dname: str, staging_dir: str | os.PathLike[str]) -> None:
+    """Refuse a ``staging_dir`` the folder cannot be renamed from (the target's local parent:
+    a local root, or a tiered root's local tier)."""
     target_parent = store.local_path(dname.rpartition("/")[0])
     if target_parent is None:
-        raise ValueError("staging_dir only applies to local targets")
+        raise ValueError("staging_dir only applies to local targets (a local root or a tiered root's local tier)")
     from ._local import makedirs_durable
 
     makedirs_durable(os.fspath(staging_dir))
@@ -381,8 +383,9 @@ class Checkpointer:
         ``files`` maps names inside ``directory`` (e.g. ``"optimizer.bin"``) to a state saved
         as a torch file, or to :class:`stagesave.formats.Safetensors`. The folder appears only
         once every file and the manifest are durable; an existing folder is replaced atomically.
-        ``staging_dir`` (local targets): where the folder is assembled before it is renamed into
-        place, instead of a hidden sibling of the target; it must be on the same filesystem.
+        ``staging_dir`` (local targets, and tiered roots: their local tier): where the folder is
+        assembled before it is renamed into place, instead of a hidden sibling of the target; it
+        must be on the same filesystem. A tiered root uploads the folder once it is in place.
 
         Raises:
             Like :meth:`save`.

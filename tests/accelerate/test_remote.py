@@ -158,3 +158,84 @@ def test_local_tier_in_front_of_s3(s3_url, s3_options, tmp_path):
     assert acc2.save_state() == local / "checkpoint_3"  # new saves commit locally again
     sa.disable(acc2)
     assert _folders_with_objects(fs, s3_url) == ["checkpoint_2", "checkpoint_3"]
+
+
+class _ListingWatcher:
+    """Lists a folder over and over from a thread (as Accelerate's ``total_limit`` pass would),
+    recording every name it ever saw there."""
+
+    def __init__(self, folder) -> None:
+        import threading
+
+        self.folder = folder
+        self.seen: set[str] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        import os
+
+        while not self._stop.is_set():
+            try:
+                self.seen.update(os.listdir(self.folder))
+            except FileNotFoundError:
+                pass
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+@pytest.mark.s3
+def test_local_tier_saves_are_assembled_outside_the_checkpoint_folder(s3_url, s3_options, tmp_path):
+    import os
+    import threading
+    import time
+
+    acc = _fresh_auto(tmp_path, total_limit=2)
+    run = build(acc, width=256)
+    local = tmp_path / "nvme"
+    staging = tmp_path / sa.STAGING_DIR  # beside local_tier, on the same filesystem
+    ckpt = sa.enable(acc, destination=s3_url, local_tier=str(local), storage_options=s3_options, io_threads=1)
+    with _ListingWatcher(local) as watcher:
+        for i in range(3):
+            train(acc, run, 1)
+            if i == 2:  # hold the third save mid-write: its only I/O thread waits behind a gate
+                gate = threading.Event()
+                ckpt._checkpointer("auto")._queue.io_pool.submit(gate.wait)
+            assert acc.save_state() == local / f"checkpoint_{i}"
+            if i == 2:
+                deadline = time.monotonic() + 30
+                while not os.listdir(staging):
+                    assert time.monotonic() < deadline, "the save was not assembled in .stagesave-staging"
+                    time.sleep(0.005)
+                [assembling] = os.listdir(staging)
+                assert assembling.startswith("checkpoint_2.") and assembling.endswith(".stagesave-tmp")
+                assert sorted(os.listdir(local)) == ["checkpoint_0", "checkpoint_1"]
+                gate.set()
+            ckpt.wait()
+        before = snapshot(acc, run)
+        uploads = ckpt.wait_uploads()
+    # Accelerate's listing of the local tier never showed a partial folder (nor any temporary)
+    assert watcher.seen == {"checkpoint_0", "checkpoint_1", "checkpoint_2"}
+    assert os.listdir(staging) == []
+    assert uploads and all(u.error is None for u in uploads)
+    assert visible(local) == ["checkpoint_1", "checkpoint_2"]
+    fs = fsspec.filesystem("s3", **s3_options)
+    assert _folders_with_objects(fs, s3_url) == ["checkpoint_1", "checkpoint_2"]
+    for name in sorted(os.listdir(local / "checkpoint_2")):  # the remote copy, byte for byte
+        assert fs.cat_file(f"{s3_url}/checkpoint_2/{name}") == (local / "checkpoint_2" / name).read_bytes(), name
+    assert os.path.exists(local / "checkpoint_2" / MANIFEST)
+    sa.disable(acc)
+    shutil.rmtree(local)  # resume from the remote tier
+    acc2 = _fresh_auto(tmp_path, total_limit=2)
+    run2 = build(acc2, width=256, seed=3)
+    ckpt2 = sa.enable(acc2, destination=s3_url, local_tier=str(local), storage_options=s3_options)
+    assert ckpt2.latest().tier == "remote"
+    acc2.load_state()
+    assert_same(before, snapshot(acc2, run2))
+    sa.disable(acc2)
