@@ -78,9 +78,31 @@ def test_bench_quick(cli, tmp_path):
     assert set(methods) == {"torch.save + fsync", "stagesave"}
     for x in methods.values():
         assert x["runs"] == 2 and 0 < x["blocking_s"] <= x["durable_s"]
+        assert "lost_s" not in x  # only with --loop
     assert os.listdir(tmp_path) == []  # cleaned up after itself
     text = cli("bench", tmp_path, "--size", "1MB", "--repeat", "1", "--warmup", "1").out
-    assert "training blocked" in text and "stagesave" in text
+    assert "training blocked" in text and "stagesave" in text and "training lost" not in text
+
+
+def test_bench_loop_reports_training_time_lost(cli, tmp_path, capsys):
+    r = cli("bench", tmp_path, "--size", "8MB", "--repeat", "2", "--warmup", "1", "--loop", "--json")
+    assert r.code == 0, r.err
+    methods = {x["method"]: x for x in r.json()["results"]}
+    assert set(methods) == {"torch.save + fsync", "stagesave"}
+    for x in methods.values():
+        assert x["runs"] == 2
+        # lost is the blocking time plus what the loop lost meanwhile: never less, never past durable
+        assert 0 < x["blocking_s"] <= x["lost_s"] <= x["durable_s"]
+        assert x["step_mean_x"] > 0 and x["step_p99_x"] > 0 and 0 < x["loop_ms_per_step"] < 5000
+    plain = methods["torch.save + fsync"]
+    assert plain["lost_s"] == plain["blocking_s"]  # synchronous: training waits for all of it
+    assert plain["step_mean_x"] == plain["step_p99_x"] == 1.0
+    assert os.listdir(tmp_path) == []
+    text = cli("bench", tmp_path, "--size", "1MB", "--repeat", "1", "--warmup", "0", "--loop").out
+    assert "training lost" in text and "ms per step at baseline" in text
+    with pytest.raises(SystemExit):
+        cli("bench", "--help")
+    assert "bench_sweep.py" in capsys.readouterr().out  # the help points to the full harness
 
 
 def test_bench_synthetic_state_is_transformer_like():
