@@ -92,6 +92,18 @@ def gloo_group() -> None:
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
 
 
+def openmp_runtimes() -> list[str]:
+    """The OpenMP runtime libraries mapped into this process (libgomp, libiomp, libomp)."""
+    found = set()
+    with open("/proc/self/maps", encoding="ascii", errors="replace") as f:
+        for line in f:
+            path = line.split()[-1]
+            name = os.path.basename(path)
+            if name.startswith(("libgomp", "libiomp", "libomp")):
+                found.add(name)
+    return sorted(found)
+
+
 def run_child(scenario: str, seconds: float) -> dict[str, float | str]:
     """Measure ``scenario`` in this (fresh) process: initial, alive, after ms/it."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -173,8 +185,9 @@ def main() -> None:
             ap.error(f"unknown scenario {n!r}; known: {', '.join(SCENARIOS)}")
     import torch
 
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs; "
-          f"{torch.__config__.parallel_info().splitlines()[1:4]}", flush=True)
+    backend = torch.__config__.parallel_info().strip().splitlines()[-1]
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs; {backend}; "
+          f"OpenMP runtimes loaded: {', '.join(openmp_runtimes()) or 'none'}", flush=True)
     rows = []
     for k, n in enumerate(names, 1):
         print(f"[{k}/{len(names)}] {n}", flush=True)

@@ -265,14 +265,28 @@ def _capacity(state: Any) -> int:
     return Layout(common.tensors_of(state)).size
 
 
+_PRIVATE: list[_Staged] = []
+
+
+def _private_staging(state: Any) -> _Staged:
+    """One private anonymous buffer (like stagesave's pool), shared by the thread writers.
+
+    They never write at the same time (each save finishes before the next alternative starts),
+    so one buffer serves all three and the run needs 2 GiB less memory per thread writer.
+    """
+    if not _PRIVATE:
+        buf = mmap.mmap(-1, _capacity(state), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        _PRIVATE.append(_Staged(state, buf))
+    return _PRIVATE[0]
+
+
 class ThreadWriter(Writer):
     """``write_image`` run by a job thread and a pool of niced threads of this process."""
 
     def __init__(self, state: Any, mode: str) -> None:
         self.mode = mode
         self.name = f"thread {mode}"
-        buf = mmap.mmap(-1, _capacity(state), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        self.staged = _Staged(state, buf)
+        self.staged = _private_staging(state)
         self.job = cf.ThreadPoolExecutor(1, thread_name_prefix=f"proto-{mode}-job", initializer=lower_priority)
         self.pool = cf.ThreadPoolExecutor(THREADS, thread_name_prefix=f"proto-{mode}-io", initializer=lower_priority)
         self._ticks: dict[int, int] = {}
