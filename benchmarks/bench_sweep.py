@@ -41,6 +41,7 @@ import datetime
 import gc
 import json
 import os
+import shlex
 import shutil
 import statistics
 import sys
@@ -54,10 +55,10 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-import bench_interference as interference  # noqa: E402
-import common  # noqa: E402
+import bench_interference as interference
+import common
 
-import stagesave  # noqa: E402
+import stagesave
 
 GIB = 1 << 30
 HEADROOM = 1 * GIB  # memory left free beyond the state and an alternative's copies
@@ -168,7 +169,10 @@ class DcpAsync(Session):
 
     def start(self, state: Any, path: str) -> tuple[float, Callable[[], bool]]:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
+        from torch.distributed.checkpoint.state_dict_saver import (
+            AsyncCheckpointerType,
+            AsyncSaveResponse,
+        )
 
         kwargs: dict[str, Any] = {}
         if self.stager is not None:
@@ -260,7 +264,7 @@ ALTERNATIVES: list[Alternative] = [
                 lambda base: DcpAsync(base, process=False, stager="reused"), 1.0, True, True,
                 "one DefaultStager kept across saves"),
     Alternative("dcp.async_save process",
-                lambda base: DcpAsync(base, process=True, stager=None), 1.5, True, True,
+                lambda base: DcpAsync(base, process=True, stager=None), 2.0, True, True,
                 "daemon process; staged copy moved to shared memory per save", _gloo_unavailable),
     Alternative("dcp.async_save process (shm stager)",
                 lambda base: DcpAsync(base, process=True, stager="shm"), 1.0, True, True,
@@ -387,6 +391,7 @@ def run_size(gib: float, alts: list[Alternative], args: argparse.Namespace, base
             print(f"   skip {alt.name}: {reason}", flush=True)
         else:
             runnable.append(alt)
+    res["loop_start_ms"] = loop.baseline(args.baseline_s) * 1e3
     for r in range(args.repeats):
         gc.collect()
         copy_floor = common.copy_floor_s(state, repeats=1)
@@ -400,7 +405,15 @@ def run_size(gib: float, alts: list[Alternative], args: argparse.Namespace, base
         kept: dict[str, str] = {}
         for alt in order:
             folder = os.path.join(base, f"r{r}-{slug(alt.name)}")
-            run = run_one(alt, state, folder, loop, args.baseline_s)
+            try:
+                run = run_one(alt, state, folder, loop, args.baseline_s)
+            except Exception as exc:  # noqa: BLE001 - one alternative failing must not lose the others' figures
+                reason = f"failed in round {r + 1}: {type(exc).__name__}: {exc}"
+                res["alternatives"][alt.name]["skipped"] = reason
+                runnable.remove(alt)
+                print(f"   !! {alt.name}: {reason}; not run again", flush=True)
+                shutil.rmtree(folder, ignore_errors=True)
+                continue
             run.update(round=r, copy_floor_s=copy_floor, dd_floor_s=dd_floor,
                        blocking_over_copy_floor=run["blocking_s"] / copy_floor,
                        commit_over_dd_floor=run["commit_s"] / dd_floor,
@@ -427,6 +440,9 @@ def run_size(gib: float, alts: list[Alternative], args: argparse.Namespace, base
             shutil.rmtree(os.path.dirname(path), ignore_errors=True)
     del state
     gc.collect()
+    res["loop_end_ms"] = loop.baseline(args.baseline_s) * 1e3
+    print(f"   loop baseline {res['loop_start_ms']:.1f} ms/it before this size, {res['loop_end_ms']:.1f} after",
+          flush=True)
     return res
 
 
@@ -443,22 +459,23 @@ def markdown(doc: dict[str, Any]) -> str:
     """The sweep as markdown: per size, one table of saves and one of loads (median (min–max))."""
     meta = doc["meta"]
     lines = [f"## Sweep {meta['date']}", "", f"`{meta['command']}`", "",
-             f"{meta['cpus']} CPUs, torch {meta['torch']} with {meta['torch_threads']} threads, "
+             (f"{meta['cpus']} CPUs, torch {meta['torch']} with {meta['torch_threads']} threads, "
              f"{meta['mem_total'] / GIB:.1f} GiB RAM, repeats {meta['repeats']}, directory `{meta['dir']}`; "
-             "figures are median (min–max) over rounds; ratios are to the floors of the same round.", ""]
+             "figures are median (min–max) over rounds; ratios are to the floors of the same round."), ""]
     for size in doc["sizes"]:
         if size["skipped"]:
             lines += [f"### {size['gib']:g} GiB: skipped ({size['skipped']})", ""]
             continue
         fl = size["floors"]
         lines += [f"### {size['bytes'] / GIB:.2f} GiB state ({size['tensors']} tensors)", "",
-                  f"copy floor {fmt_spread(fl['copy_s'])} s; dd O_DIRECT write floor {fmt_spread(fl['dd_direct_s'])} s",
+                  (f"copy floor {fmt_spread(fl['copy_s'])} s; dd O_DIRECT write floor {fmt_spread(fl['dd_direct_s'])} s; "
+                  f"loop baseline {size['loop_start_ms']:.1f} ms/it before this size, {size['loop_end_ms']:.1f} after"),
                   "",
-                  "| alternative | blocking s | × copy floor | commit s | × dd floor | durable | lost per save s "
-                  "| × copy floor | mean step × | p99 step × | loop ms/it before → after |",
+                  ("| alternative | blocking s | × copy floor | commit s | × dd floor | durable | lost per save s "
+                  "| × copy floor | mean step × | p99 step × | loop ms/it before → after |"),
                   "|---|---|---|---|---|---|---|---|---|---|---|"]
         for name, a in size["alternatives"].items():
-            if a["skipped"]:
+            if a["skipped"] and not a["runs"]:
                 lines.append(f"| {name} | skipped: {a['skipped']} |||||||||| ")
                 continue
             runs = a["runs"]
@@ -466,8 +483,9 @@ def markdown(doc: dict[str, Any]) -> str:
             def col(key: str, digits: int = 3, runs: list[dict[str, Any]] = runs) -> str:
                 return fmt_spread([x[key] for x in runs], digits)
 
+            label = f"{name} (then {a['skipped']})" if a["skipped"] else name
             lines.append(
-                f"| {name} | {col('blocking_s')} | {col('blocking_over_copy_floor', 2)} | {col('commit_s')} | "
+                f"| {label} | {col('blocking_s')} | {col('blocking_over_copy_floor', 2)} | {col('commit_s')} | "
                 f"{col('commit_over_dd_floor', 2)} | {'yes' if a['durable'] else 'no'} | {col('lost_s')} | "
                 f"{col('lost_over_copy_floor', 2)} | {col('step_mean_x', 2)} | {col('step_p99_x', 2)} | "
                 f"{col('baseline_before_ms', 1)} → {col('baseline_after_ms', 1)} |")
@@ -558,7 +576,7 @@ def main(argv: list[str] | None = None) -> None:
     os.makedirs(base, exist_ok=True)
     t_start = time.perf_counter()
     meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "command": " ".join([os.path.basename(sys.executable), *sys.argv]), "dir": base,
+            "command": shlex.join(["python", *sys.argv]), "dir": base,
             "cpus": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
             "mem_total": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "repeats": args.repeats,
             "sizes_gib": sizes, "stagesave": getattr(stagesave, "__version__", None)}
