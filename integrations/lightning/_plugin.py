@@ -80,8 +80,10 @@ class StagedCheckpointIO(CheckpointIO):
         max_pending: Saves that may be in flight at once (one host staging buffer each); a
             further save waits for a buffer instead of allocating more memory.
         checksum: Chunk checksum: ``"xxh3_128"`` (default), ``"xxh3_64"``, ``"blake3"``, ``"sha256"``.
-        checksum_in: ``"background"`` (default: the writer threads hash what they write) or
-            ``"staging"`` (hash right after the copy, so the background only makes syscalls).
+        checksum_in: ``"auto"`` (default: hash right after the copy unless a device-to-host
+            copy is still in flight), ``"staging"`` (always right after the copy, so the
+            background only makes syscalls) or ``"background"`` (the writer threads hash what
+            they write).
         io_threads: Threads writing one file's chunks in parallel.
         direct_io: Write local files with O_DIRECT where the filesystem allows it.
         storage_options: fsspec options for remote paths (endpoint, credentials, region).
@@ -98,7 +100,7 @@ class StagedCheckpointIO(CheckpointIO):
         *,
         max_pending: int = 2,
         checksum: str = "xxh3_128",
-        checksum_in: str = "background",
+        checksum_in: str = "auto",
         io_threads: int = 4,
         direct_io: bool = True,
         storage_options: dict[str, Any] | None = None,

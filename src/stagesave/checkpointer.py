@@ -184,10 +184,14 @@ class Checkpointer:
             beside local checkpoints, or a file path to append them to.
         safe_globals: Extra classes allowed when loading (see :mod:`stagesave.safety`).
         pinned: Pin staging buffers (default: when CUDA is available).
-        checksum_in: ``"background"`` (default): the writer threads hash each chunk as they
-            write it; ``"staging"``: hash on the caller's time, in parallel right after the copy,
-            so the background only makes syscalls (trades blocking time for less interference
-            with a training loop that keeps every core busy; see BENCHMARKS.md).
+        checksum_in: where each chunk's checksum is computed. ``"staging"``: on the caller's
+            time, by parallel threads right after the copy, so the background only makes
+            syscalls; ``"background"``: by the writer threads as they write each chunk;
+            ``"auto"`` (default): ``"staging"`` when every byte was copied from host memory,
+            ``"background"`` when a device-to-host copy is still in flight (hashing then would
+            make the caller wait for the device). Hashing in the background costs a training
+            loop that keeps every core busy more than the ~50 ms per GiB it adds to the
+            blocking copy (BENCHMARKS.md, "training time lost per save").
     """
 
     def __init__(
@@ -205,7 +209,7 @@ class Checkpointer:
         telemetry_jsonl: bool | str = False,
         safe_globals: Iterable[Any] = (),
         pinned: bool | None = None,
-        checksum_in: str = "background",
+        checksum_in: str = "auto",
     ) -> None:
         if max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_pending}")
@@ -216,8 +220,8 @@ class Checkpointer:
         if chunk_bytes < ALIGNMENT or chunk_bytes % ALIGNMENT:
             raise ValueError(f"chunk_bytes must be a positive multiple of {ALIGNMENT}, got {chunk_bytes}")
         self.checksum = check_algorithm(checksum)
-        if checksum_in not in ("background", "staging"):
-            raise ValueError(f"checksum_in must be 'background' or 'staging', got {checksum_in!r}")
+        if checksum_in not in ("auto", "background", "staging"):
+            raise ValueError(f"checksum_in must be 'auto', 'background' or 'staging', got {checksum_in!r}")
         self.checksum_in = checksum_in
         self._hash_pool: cf.ThreadPoolExecutor | None = None
         self.keep_last = keep_last
@@ -266,7 +270,7 @@ class Checkpointer:
             s0 = time.perf_counter()
             wait_device = stage_image(image, buf)
             digests = None
-            if self.checksum_in == "staging":
+            if self._hash_while_staging(device_copy_pending=wait_device is not None):
                 if wait_device is not None:
                     wait_device()
                     wait_device = None
@@ -306,6 +310,12 @@ class Checkpointer:
 
         self._submit(job, handle, key)
         return handle
+
+    def _hash_while_staging(self, *, device_copy_pending: bool) -> bool:
+        """Whether this save hashes its chunks on the caller's time (see ``checksum_in``)."""
+        if self.checksum_in == "auto":
+            return not device_copy_pending
+        return self.checksum_in == "staging"
 
     def _staging_pool(self) -> cf.ThreadPoolExecutor:
         if self._hash_pool is None:
@@ -821,8 +831,9 @@ class Checkpointer:
         finally:
             self._pool.close()
             self._targets.close()
-            if self._hash_pool is not None:
-                self._hash_pool.shutdown(wait=False)
+            if self._hash_pool is not None:  # only ever busy inside save(): joins at once
+                self._hash_pool.shutdown(wait=True)
+                self._hash_pool = None
             _live.discard(self)
         self._raise_failures()
 

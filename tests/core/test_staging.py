@@ -166,6 +166,26 @@ def test_checksums_computed_while_staging_verify_the_same(ckpt_dir):
         stagesave.Checkpointer(checksum_in="later")
 
 
+@pytest.mark.parametrize("checksum_in", [None, "auto", "staging"])
+def test_host_state_is_hashed_before_save_returns_by_default(ckpt_dir, checksum_in):
+    """Host-memory state: the default ("auto") hashes on the caller's time, like "staging"."""
+    options = {} if checksum_in is None else {"checksum_in": checksum_in}
+    with stagesave.Checkpointer(ckpt_dir, chunk_bytes=1 << 16, **options) as ck:
+        h = ck.save({"t": torch.randn(100_000)}, "w.ckpt")
+        assert h.telemetry.checksum_s > 0 and h.telemetry.blocking_s >= h.telemetry.checksum_s
+        h.result()
+        assert ck.verify("w.ckpt").status == "verified"
+
+
+@pytest.mark.parametrize(("checksum_in", "host", "device_pending"),
+                         [("auto", True, False), ("staging", True, True), ("background", False, False)])
+def test_where_checksums_are_computed(ckpt_dir, checksum_in, host, device_pending):
+    """"auto" leaves hashing to the writers while a device-to-host copy is still in flight."""
+    with stagesave.Checkpointer(ckpt_dir, checksum_in=checksum_in) as ck:
+        assert ck._hash_while_staging(device_copy_pending=False) is host
+        assert ck._hash_while_staging(device_copy_pending=True) is device_pending
+
+
 def test_io_threads_option_sizes_the_writer_pool(ckpt_dir):
     with stagesave.Checkpointer(ckpt_dir, io_threads=3) as ck:
         ck.save({"a": torch.ones(1)}, "x.ckpt").result()

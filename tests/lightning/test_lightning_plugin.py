@@ -52,7 +52,7 @@ def test_constructible_without_arguments_and_used_by_the_trainer(tmp_path: Path)
 def test_invalid_arguments_say_what_is_wrong() -> None:
     with pytest.raises(ValueError, match="max_pending must be >= 1, got 0"):
         StagedCheckpointIO(max_pending=0)
-    with pytest.raises(ValueError, match="checksum_in must be 'background' or 'staging'"):
+    with pytest.raises(ValueError, match="checksum_in must be 'auto', 'background' or 'staging'"):
         StagedCheckpointIO(checksum_in="later")
     with pytest.raises(ValueError, match="teardown_timeout must be >= 0"):
         StagedCheckpointIO(teardown_timeout=-1)

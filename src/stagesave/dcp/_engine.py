@@ -47,9 +47,9 @@ class Engine:
     def chunk_bytes(self) -> int:
         return self.ckpt.chunk_bytes
 
-    @property
-    def hash_while_staging(self) -> bool:
-        return self.ckpt.checksum_in == "staging"
+    def hash_while_staging(self, *, device_copy_pending: bool) -> bool:
+        """Whether a rank hashes its chunks right after its copy (``Checkpointer(checksum_in=)``)."""
+        return self.ckpt._hash_while_staging(device_copy_pending=device_copy_pending)
 
     def acquire(self, nbytes: int) -> tuple[HostBuffer, float]:
         """A reused staging buffer of at least ``nbytes`` and the seconds waited for it."""

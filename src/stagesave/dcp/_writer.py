@@ -301,7 +301,7 @@ class StagedStorageWriter(StorageWriter):
                 s0 = time.perf_counter()
                 wait_device = stage_image(image, buf)
                 digests = None
-                if engine.hash_while_staging:
+                if engine.hash_while_staging(device_copy_pending=wait_device is not None):
                     if wait_device is not None:
                         wait_device()
                         wait_device = None
