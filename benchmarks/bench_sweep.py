@@ -65,7 +65,7 @@ HEADROOM = 1 * GIB  # memory left free beyond the state and an alternative's cop
 REGIME_CHANGE = 1.15  # loop slower by this factor after a save than before: flagged
 SAVE_TIMEOUT_S = 1800.0
 TORCH_SAVE = "torch.save+fsync"
-STAGESAVE = "stagesave"
+STAGESAVE = "stagesave checksum_in=staging"  # the default for host state (checksum_in="auto")
 
 warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process.*")
 warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
@@ -272,9 +272,10 @@ ALTERNATIVES: list[Alternative] = [
     Alternative("dcp.async_save process (pinned+shm stager)",
                 lambda base: DcpAsync(base, process=True, stager="pinned+shm"), 1.0, True, True,
                 "daemon process; reused pinned shared-memory stager", _pinned_unavailable),
-    Alternative(STAGESAVE, lambda base: StageSave(), 1.0, True, True, "Checkpointer defaults, max_pending=1"),
-    Alternative("stagesave checksum_in=staging", lambda base: StageSave(checksum_in="staging"), 1.0, True, True,
-                "hash in the blocking copy"),
+    Alternative("stagesave checksum_in=background", lambda base: StageSave(checksum_in="background"), 1.0, True,
+                True, "max_pending=1; the writer threads hash as they write"),
+    Alternative(STAGESAVE, lambda base: StageSave(checksum_in="staging"), 1.0, True, True,
+                "max_pending=1; hashed right after the copy: the default for host state (checksum_in='auto')"),
 ]
 
 
@@ -555,6 +556,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--json", default=None, help="write every raw figure here")
     ap.add_argument("--markdown", default=None, help="append the tables to this file")
     ap.add_argument("--png", default=None, help="plot blocking and commit time against state size here")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                    help="measure nothing: merge the --json files of earlier runs (a size measured in a "
+                         "later file replaces one skipped or measured in an earlier one) and write "
+                         "--markdown/--png/--json from them")
     args = ap.parse_args(argv)
     if args.quick:
         args.sizes, args.repeats = "0.25", 1
@@ -567,8 +572,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def merge(paths: list[str]) -> dict[str, Any]:
+    """One document from the ``--json`` files of several runs, sizes in ascending order."""
+    docs = []
+    for path in paths:
+        with open(path) as f:
+            docs.append(json.load(f))
+    by_size: dict[float, dict[str, Any]] = {}
+    for d in docs:
+        for s in d["sizes"]:
+            key = round(s["gib"], 3)
+            if not s["skipped"] or key not in by_size:
+                by_size[key] = s
+    meta = dict(docs[0]["meta"])
+    meta["command"] = " + ".join(d["meta"]["command"] for d in docs)
+    meta["date"] = ", ".join(d["meta"]["date"] for d in docs)
+    meta["repeats"] = "/".join(str(d["meta"]["repeats"]) for d in docs)
+    return {"meta": meta, "sizes": [by_size[k] for k in sorted(by_size)]}
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.merge:
+        doc = merge(args.merge)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(doc, f, indent=1)
+        if args.markdown:
+            with open(args.markdown, "a") as f:
+                f.write(markdown(doc))
+        if args.png:
+            plot(doc, args.png)
+        return
     sizes = [float(x) for x in args.sizes.split(",") if x]
     chosen = set(args.alternatives.split(","))
     alts = [a for a in ALTERNATIVES if a.name in chosen]
