@@ -116,8 +116,8 @@ ALTERNATIVES: dict[str, Callable[[], Starter]] = {
     "torch.save+fsync (sync)": lambda: start_torch_save,
     "lightning AsyncCheckpointIO": make_lightning_async,
     "dcp.async_save (thread)": make_dcp_async,
-    "stagesave": make_stagesave,
-    "stagesave hash-in-staging": lambda: make_stagesave(checksum_in="staging"),
+    "stagesave checksum_in=background": lambda: make_stagesave(checksum_in="background"),
+    "stagesave checksum_in=staging": lambda: make_stagesave(checksum_in="staging"),  # the default on CPU
 }
 
 
