@@ -6,7 +6,8 @@ copies over its intra-op threads. CUDA storages are copied with ``non_blocking=T
 stream into pinned memory; the caller's stream is made to wait for that stream (so the next
 in-place update cannot race the copy) and the background writer waits on an event before it
 touches the bytes. Nothing here runs on a background thread: torch ops off the training thread
-switch libgomp to passive waiting and slow training down for as long as that thread lives.
+were reported to switch libgomp to passive waiting and slow training down for as long as that
+thread lives (not reproduced by ``benchmarks/bench_omp.py`` on a 2-vCPU VM; kept as a precaution).
 """
 
 from __future__ import annotations
