@@ -184,7 +184,9 @@ class Checkpointer:
             beside local checkpoints, or a file path to append them to.
         safe_globals: Extra classes allowed when loading (see :mod:`stagesave.safety`).
         pinned: Pin staging buffers (default: when CUDA is available).
-        checksum_in: where each chunk's checksum is computed. ``"staging"``: on the caller's
+        checksum_in: where each chunk's checksum is computed by :meth:`save` and by
+            ``stagesave.dcp`` (folder saves, :meth:`save_dir`, always hash in the writer
+            threads). ``"staging"``: on the caller's
             time, by parallel threads right after the copy, so the background only makes
             syscalls; ``"background"``: by the writer threads as they write each chunk;
             ``"auto"`` (default): ``"staging"`` when every byte was copied from host memory,
@@ -318,9 +320,13 @@ class Checkpointer:
         return self.checksum_in == "staging"
 
     def _staging_pool(self) -> cf.ThreadPoolExecutor:
-        if self._hash_pool is None:
-            self._hash_pool = cf.ThreadPoolExecutor(max(1, torch.get_num_threads()), thread_name_prefix="stagesave-hash")
-        return self._hash_pool
+        """The threads that hash right after the copy (created on first use, joined by ``close``)."""
+        with self._lock:
+            self._check_open()  # a save racing close() must not start threads nobody joins
+            if self._hash_pool is None:
+                self._hash_pool = cf.ThreadPoolExecutor(max(1, torch.get_num_threads()),
+                                                        thread_name_prefix="stagesave-hash")
+            return self._hash_pool
 
     def _write_and_commit(
         self, store: Store, name: str, image: FileImage, view: memoryview, tel: SaveTelemetry,

@@ -266,3 +266,16 @@ def test_flush_on_sigterm_commits_pending_saves_then_dies_of_sigterm(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], timeout=120)
     assert r.returncode == -signal.SIGTERM
     assert stagesave.verify(tmp_path / "t.ckpt").status == "verified"
+
+
+def test_closing_joins_the_hashing_threads_and_none_start_afterwards(ckpt_dir):
+    """close() joins the threads that hash after the copy; a save racing close() cannot restart them."""
+    ck = stagesave.Checkpointer(ckpt_dir)
+    ck.save({"t": torch.randn(100_000)}, "h.ckpt").result()
+    hashing = [t for t in ck._hash_pool._threads if t.is_alive()]
+    assert hashing and all(t.name.startswith("stagesave-hash") for t in hashing)
+    ck.close()
+    assert not any(t.is_alive() for t in hashing) and ck._hash_pool is None
+    with pytest.raises(stagesave.ClosedError, match="closed"):
+        ck._staging_pool()
+    assert ck._hash_pool is None

@@ -229,7 +229,9 @@ def run(env: Env, args: argparse.Namespace) -> int:
                 handle.result()
                 if counted:
                     staged.blocking_s.append(blocked)
-                    staged.durable_s.append(time.perf_counter() - t0)
+                    # from save() to committed, as the handle measured it (not the loop's last step)
+                    committed = handle.telemetry.time_to_commit_s
+                    staged.durable_s.append(committed or time.perf_counter() - t0)
                     if loop is not None:
                         staged.add_loop(blocked, window, steps, baseline)
                 advance(nbytes)
