@@ -80,7 +80,7 @@ def commit_directory(
         for f in files:
             target = FileToWrite(
                 f"{staging}/{f.name}", f.image, f.size, f.kind, f.serialization_id, f.id_offset,
-                f.storages, entry_name=f.name,
+                f.storages, entry_name=f.name, digests=f.digests,
             )
             entry, publish, abort = write_file(
                 wstore, target, algorithm=algorithm, chunk_bytes=chunk_bytes, pool=pool, stats=stats

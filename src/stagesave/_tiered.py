@@ -580,12 +580,15 @@ class TieredStore(Store):
                 for old in remote[self.keep_remote :]:
                     self._remove(self.remote, old)
             if self.keep_local is not None:
-                local = [c for c in scan(self.local, directory) if c.status == "committed"]
-                with self._lock:
-                    pending = set(self._pending)
-                for old in local[self.keep_local :]:
-                    if old.name not in pending:  # never remove the only copy
-                        self._remove(self.local, old)
+                # Under the local tier's commit lock: a Checkpointer's own retention scans the
+                # same directory under it and must not see a copy half removed from here.
+                with self.local.commit_lock(f"{directory}/{DIR_MANIFEST}" if directory else ""):
+                    local = [c for c in scan(self.local, directory) if c.status == "committed"]
+                    with self._lock:
+                        pending = set(self._pending)
+                    for old in local[self.keep_local :]:
+                        if old.name not in pending:  # never remove the only copy
+                            self._remove(self.local, old)
         except OSError as exc:
             self._report_failure(directory, f"retention in {self.remote.url} failed: {exc}", None)
 

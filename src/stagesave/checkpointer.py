@@ -155,6 +155,11 @@ def _manifest_telemetry(tel: SaveTelemetry) -> dict[str, Any]:
     return {k: v for k, v in tel.to_dict().items() if k not in _POST_COMMIT}
 
 
+def _lock_name(directory: str) -> str:
+    """A name whose commit lock is the lock of ``directory`` itself (the root for ``""``)."""
+    return f"{directory}/{DIR_MANIFEST}" if directory else ""
+
+
 def _has(store: Store, name: str) -> bool:
     try:
         store.info(name)
@@ -184,9 +189,8 @@ class Checkpointer:
             beside local checkpoints, or a file path to append them to.
         safe_globals: Extra classes allowed when loading (see :mod:`stagesave.safety`).
         pinned: Pin staging buffers (default: when CUDA is available).
-        checksum_in: where each chunk's checksum is computed by :meth:`save` and by
-            ``stagesave.dcp`` (folder saves, :meth:`save_dir`, always hash in the writer
-            threads). ``"staging"``: on the caller's
+        checksum_in: where each chunk's checksum is computed (:meth:`save`, :meth:`save_dir`
+            and ``stagesave.dcp``). ``"staging"``: on the caller's
             time, by parallel threads right after the copy, so the background only makes
             syscalls; ``"background"``: by the writer threads as they write each chunk;
             ``"auto"`` (default): ``"staging"`` when every byte was copied from host memory,
@@ -365,16 +369,23 @@ class Checkpointer:
         tel.commit_s = time.perf_counter() - c0
 
     def _retain(self, store: Store, directory: str) -> None:
-        committed = [c for c in scan(store, directory) if c.status == "committed"]
+        """Keep the ``keep_last`` newest committed checkpoints of ``directory``.
+
+        Runs under the directory's commit lock, so that another remover of the same directory
+        (a tiered store's ``keep_local``, another process) cannot make a checkpoint look torn to
+        this scan while it deletes it, which would make an older one look like the second newest.
+        """
         assert self.keep_last is not None
-        for old in committed[self.keep_last :]:
-            if old.is_dir:
-                if old.manifest_name is not None:
-                    store.delete(old.manifest_name)  # manifest first: half-deleted is never valid
-                crash_point("during_retention")
-                self._delete_dir(store, old.name)
-            else:
-                retire_file(store, old.name, sibling_manifests(store, old.name))
+        with store.commit_lock(_lock_name(directory)):
+            committed = [c for c in scan(store, directory) if c.status == "committed"]
+            for old in committed[self.keep_last :]:
+                if old.is_dir:
+                    if old.manifest_name is not None:
+                        store.delete(old.manifest_name)  # manifest first: half-deleted is never valid
+                    crash_point("during_retention")
+                    self._delete_dir(store, old.name)
+                else:
+                    retire_file(store, old.name, sibling_manifests(store, old.name))
 
     @staticmethod
     def _delete_dir(store: Store, name: str) -> None:
@@ -441,6 +452,13 @@ class Checkpointer:
                 w = stage_image(image, buf, base)
                 if w is not None:
                     waits.append(w)
+            digests: list[list[str] | None] = [None] * len(planned)
+            if self._hash_while_staging(device_copy_pending=bool(waits)):
+                h0 = time.perf_counter()
+                digests = [chunk_digests(buf.view[base:], image.size, algorithm=self.checksum,
+                                         chunk_bytes=self.chunk_bytes, pool=self._staging_pool())
+                           for base, (_, _, image) in zip(bases, planned)]
+                tel.checksum_s = time.perf_counter() - h0
             tel.stage_s = time.perf_counter() - s0
         except BaseException:
             self._pool.release(buf)
@@ -453,12 +471,13 @@ class Checkpointer:
         with self._lock:
             self._pending.setdefault(key, []).append(handle)
         to_write = []
-        for base, (fname, kind, image) in zip(bases, planned):
+        for base, (fname, kind, image), pre in zip(bases, planned, digests):
             cap = (image.size + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
             storages = [StorageRecord(s.key, s.offset, s.nbytes) for s in image.slots]
             to_write.append(FileToWrite(fname, buf.view[base : base + cap], image.size, kind,
                                         image.serialization_id or None,
-                                        image.id_offset if image.serialization_id else None, storages))
+                                        image.id_offset if image.serialization_id else None, storages,
+                                        digests=pre))
 
         stats = WriteStats()
 

@@ -279,3 +279,21 @@ def test_closing_joins_the_hashing_threads_and_none_start_afterwards(ckpt_dir):
     with pytest.raises(stagesave.ClosedError, match="closed"):
         ck._staging_pool()
     assert ck._hash_pool is None
+
+
+@pytest.mark.parametrize("checksum_in", ["auto", "background"])
+def test_folder_saves_hash_after_the_copy_by_default_and_verify_either_way(tmp_path, checksum_in):
+    from stagesave.formats import Safetensors
+
+    files = {"model.safetensors": Safetensors({"w": torch.randn(300, 300)}),
+             "optimizer.bin": {"state": {0: {"exp_avg": torch.randn(50_000)}}, "step": 3}}
+    with stagesave.Checkpointer(tmp_path, chunk_bytes=1 << 16, checksum_in=checksum_in) as ck:
+        h = ck.save_dir(files, "checkpoint_0")
+        if checksum_in == "auto":  # host state: hashed before save_dir returns
+            assert 0 < h.telemetry.checksum_s <= h.telemetry.blocking_s
+        h.result()
+        info = ck.verify("checkpoint_0")
+    assert info.status == "verified"
+    assert all(len(f.chunks) > 1 for f in info.manifest.files)
+    loaded = stagesave.load(tmp_path / "checkpoint_0" / "optimizer.bin")
+    assert torch.equal(loaded["state"][0]["exp_avg"], files["optimizer.bin"]["state"][0]["exp_avg"])
