@@ -1,11 +1,12 @@
 """The sharded commit: every rank writes its own file, one coordinator commits the folder.
 
 All of this runs on the checkpointer's background thread, and ranks coordinate only through the
-store: no collective and no torch op ever runs here (either one switches libgomp's worker threads
-to passive waiting and slows training for as long as the thread lives). The order:
+store: no collective and no torch op ever runs here (either one was reported to switch libgomp's
+worker threads to passive waiting and slow training while the thread lives; not reproduced by
+``benchmarks/bench_omp.py`` on a 2-vCPU VM, kept as a precaution). The order:
 
-1. every rank writes its data file (chunks in parallel, hashed in the same pass), publishes it
-   inside the save's staging folder, and then writes its marker: its manifest entry;
+1. every rank writes its data file (chunks in parallel, hashed after the copy or as written),
+   publishes it inside the save's staging folder, and then writes its marker: its manifest entry;
 2. the coordinator polls the store until every rank's marker is there and DCP handed it the
    global metadata (``finish()``): a rank that failed, in the background or while staging,
    leaves a failure marker instead, so the coordinator gives up at once; a rank that died leaves
