@@ -36,6 +36,7 @@ Usage (as root for cold loads; niced if the machine is shared):
 
 from __future__ import annotations
 
+import abc
 import argparse
 import datetime
 import gc
@@ -71,13 +72,14 @@ warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a
 warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
 
 
-class Session:
+class Session(abc.ABC):
     """One alternative, set up for saves; ``close`` releases what it holds (buffers, threads)."""
 
     def __init__(self) -> None:
         self.called_at = 0.0
         self.done_at: float | None = None
 
+    @abc.abstractmethod
     def start(self, state: Any, path: str) -> tuple[float, Callable[[], bool]]:
         """Start one save; the seconds the call blocked, and a poll that says when it is done."""
         raise NotImplementedError

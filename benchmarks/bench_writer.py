@@ -36,6 +36,7 @@ from __future__ import annotations
 # Only the standard library and xxhash at module level: the writer process imports this module
 # (multiprocessing "spawn") and must stay free of torch. torch and the benchmarks' helpers are
 # imported inside the functions that run in the training process.
+import abc
 import argparse
 import concurrent.futures as cf
 import ctypes
@@ -210,14 +211,16 @@ class Layout:
             target[off : off + n].copy_(t.reshape(-1).view(torch.uint8))
 
 
-class Writer:
+class Writer(abc.ABC):
     """One way of writing: ``start(state, path)`` -> (blocking seconds, done poll)."""
 
     name = ""
 
+    @abc.abstractmethod
     def start(self, state: Any, path: str) -> tuple[float, Callable[[], bool]]:
         raise NotImplementedError
 
+    @abc.abstractmethod
     def cpu_s(self) -> float:
         """CPU seconds the writer used so far (its threads or process)."""
         raise NotImplementedError

@@ -131,13 +131,7 @@ def _rename_into_place(store: Store, src: str, dst: str, directory: str) -> None
     parent, leaf = _split(directory)
     if not os.path.lexists(dst):
         fsops.rename(src, dst)
-        crash_point("after_rename")
-        try:
-            _fsync_dir(os.path.dirname(dst))
-        except BaseException:
-            _quietly(fsops.rename, dst, src)
-            raise
-        crash_point("after_commit")
+        _durable_or_undone(dst, lambda: _quietly(fsops.rename, dst, src))
         return
     try:
         fsops.exchange(src, dst)
@@ -145,13 +139,7 @@ def _rename_into_place(store: Store, src: str, dst: str, directory: str) -> None
         if exc.errno not in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
             raise
     else:
-        crash_point("after_rename")
-        try:
-            _fsync_dir(os.path.dirname(dst))
-        except BaseException:
-            _quietly(fsops.exchange, src, dst)
-            raise
-        crash_point("after_commit")
+        _durable_or_undone(dst, lambda: _quietly(fsops.exchange, src, dst))
         if os.path.isdir(src) and not os.path.islink(src):
             fsops.rmtree(src)  # now holds the replaced folder
         return
@@ -168,15 +156,23 @@ def _replace_with_aside(store: Store, src: str, dst: str, parent: str, leaf: str
     except BaseException:
         fsops.rename(aside, dst)
         raise
+    def undo() -> None:
+        _quietly(fsops.rename, dst, src)
+        _quietly(fsops.rename, aside, dst)
+
+    _durable_or_undone(dst, undo)
+    _remove_tree(store, _join(parent, os.path.basename(aside)))
+
+
+def _durable_or_undone(dst: str, undo: Callable[[], None]) -> None:
+    """After the publishing rename of ``dst``: fsync its directory, or undo the publish and raise."""
     crash_point("after_rename")
     try:
         _fsync_dir(os.path.dirname(dst))
     except BaseException:
-        _quietly(fsops.rename, dst, src)
-        _quietly(fsops.rename, aside, dst)
+        undo()
         raise
     crash_point("after_commit")
-    _remove_tree(store, _join(parent, os.path.basename(aside)))
 
 
 def _quietly(fn: Callable[[str, str], None], a: str, b: str) -> None:
