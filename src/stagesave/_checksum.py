@@ -10,13 +10,22 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
+from typing import Protocol
 
 import blake3
 import xxhash
 
-__all__ = ["ALGORITHMS", "DEFAULT_ALGORITHM", "digest", "check_algorithm"]
+__all__ = ["ALGORITHMS", "DEFAULT_ALGORITHM", "Hasher", "check_algorithm", "digest", "hasher"]
 
 Buffer = bytes | bytearray | memoryview
+
+
+class Hasher(Protocol):
+    """An incremental hash: feeding a chunk in pieces gives the digest of the whole chunk."""
+
+    def update(self, data: Buffer, /) -> object: ...
+
+    def hexdigest(self) -> str: ...
 
 DEFAULT_ALGORITHM = "xxh3_128"
 
@@ -66,3 +75,16 @@ def check_algorithm(name: str) -> str:
 def digest(algorithm: str, data: Buffer) -> str:
     """Hex digest of ``data`` with ``algorithm``."""
     return ALGORITHMS[algorithm](data)
+
+
+_INCREMENTAL: dict[str, Callable[[], Hasher]] = {
+    "xxh3_128": xxhash.xxh3_128,
+    "xxh3_64": xxhash.xxh3_64,
+    "blake3": blake3.blake3,
+    "sha256": hashlib.sha256,
+}
+
+
+def hasher(algorithm: str) -> Hasher:
+    """A fresh incremental hasher whose ``hexdigest`` equals :func:`digest` of the bytes fed."""
+    return _INCREMENTAL[algorithm]()

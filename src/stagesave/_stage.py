@@ -1,39 +1,59 @@
-"""Staging: copy a planned file image into a host buffer, on the caller's thread.
+"""Staging: copy a planned file image into a host buffer, on the caller's time.
 
 This is the only part of a save that the training loop waits for. The small pieces (zip headers,
-the pickled structure) are copied as bytes; each storage is copied by torch, which splits large
-copies over its intra-op threads. CUDA storages are copied with ``non_blocking=True`` on a side
-stream into pinned memory; the caller's stream is made to wait for that stream (so the next
-in-place update cannot race the copy) and the background writer waits on an event before it
-touches the bytes. Nothing here runs on a background thread: torch ops off the training thread
-were reported to switch libgomp to passive waiting and slow training down for as long as that
-thread lives (not reproduced by ``benchmarks/bench_omp.py`` on a 2-vCPU VM; kept as a precaution).
+the pickled structure) are copied as bytes. Then either
+
+* :func:`stage_image` copies each storage with torch, which splits large copies over its
+  intra-op threads; CUDA storages are copied with ``non_blocking=True`` on a side stream into
+  pinned memory; the caller's stream is made to wait for that stream (so the next in-place update
+  cannot race the copy) and the background writer waits on an event before it touches the bytes;
+  or
+* :func:`stage_and_hash`, for state in host memory, copies *and* hashes: each hashing thread
+  takes whole checksum chunks, copies them 1 MiB at a time (``memmove``, GIL released) and
+  hashes each MiB right after, while it is still in the core's cache. The hash then costs
+  ~0.1-0.2x of the copy instead of a second pass over memory (``benchmarks/bench_sweep.py``).
+
+Neither runs a torch op on a background thread: torch ops off the training thread were reported
+to switch libgomp to passive waiting and slow training down for as long as that thread lives
+(not reproduced by ``benchmarks/bench_omp.py`` on a 2-vCPU VM; kept as a precaution).
 """
 
 from __future__ import annotations
 
+import bisect
+import concurrent.futures as cf
+import ctypes
+import threading
+import time
 from collections.abc import Callable
 
 import torch
 
+from ._checksum import hasher
 from ._image import FileImage
 from ._pool import HostBuffer
 
-__all__ = ["stage_image"]
+__all__ = ["on_host", "stage_and_hash", "stage_image"]
+
+#: Bytes one thread copies before hashing them: fits the per-core L2 cache of current CPUs.
+SUB_CHUNK = 1 << 20
 
 
-def stage_image(image: FileImage, buf: HostBuffer, base: int = 0) -> Callable[[], None] | None:
-    """Copy ``image`` into ``buf[base : base + image.size]``.
+def on_host(image: FileImage) -> bool:
+    """Whether every byte of ``image`` is in host memory (so :func:`stage_and_hash` applies)."""
+    return all(s.source.device.type in ("cpu", "meta") for s in image.slots)
 
-    Returns:
-        ``None`` when the bytes are in place; otherwise a callable that blocks until pending
-        device-to-host copies have landed (the writer calls it before reading the buffer).
+
+def _fill_skeleton(image: FileImage, buf: HostBuffer, base: int) -> None:
+    """Write the small pieces and zero everything no storage covers (reused buffers hold old bytes).
+
+    Meta tensors have no bytes: their slots are zeroed too.
     """
     view = buf.view[base : base + image.size]
     dst_all = buf.tensor[base : base + image.size]
-    # Whatever torch does not write is zero in a torch.save file; reused buffers hold old bytes.
     spans = sorted([(off, off + len(data)) for off, data in image.pieces]
-                   + [(s.offset, s.offset + s.nbytes) for s in image.slots])
+                   + [(s.offset, s.offset + s.nbytes) for s in image.slots
+                      if s.source.device.type != "meta"])
     covered = 0
     for lo, hi in spans:
         if lo > covered:
@@ -43,11 +63,22 @@ def stage_image(image: FileImage, buf: HostBuffer, base: int = 0) -> Callable[[]
         dst_all[covered : image.size].zero_()
     for off, data in image.pieces:
         view[off : off + len(data)] = data
+
+
+def stage_image(image: FileImage, buf: HostBuffer, base: int = 0) -> Callable[[], None] | None:
+    """Copy ``image`` into ``buf[base : base + image.size]``.
+
+    Returns:
+        ``None`` when the bytes are in place; otherwise a callable that blocks until pending
+        device-to-host copies have landed (the writer calls it before reading the buffer).
+    """
+    _fill_skeleton(image, buf, base)
+    dst_all = buf.tensor[base : base + image.size]
     side: torch.cuda.Stream | None = None
     for slot in image.slots:
-        if slot.nbytes == 0:
-            continue
         src = slot.source
+        if slot.nbytes == 0 or src.device.type == "meta":
+            continue
         dst = dst_all[slot.offset : slot.offset + slot.nbytes]
         if src.device.type == "cuda":
             if side is None:
@@ -58,7 +89,7 @@ def stage_image(image: FileImage, buf: HostBuffer, base: int = 0) -> Callable[[]
                 src.record_stream(side)
         elif src.device.type == "cpu":
             dst.copy_(src)
-        elif src.device.type != "meta":
+        else:
             dst.copy_(src.cpu())
     if side is None:
         return None
@@ -70,3 +101,66 @@ def stage_image(image: FileImage, buf: HostBuffer, base: int = 0) -> Callable[[]
         event.synchronize()
 
     return wait_for_device
+
+
+def stage_and_hash(
+    image: FileImage, buf: HostBuffer, base: int = 0, *, algorithm: str, chunk_bytes: int,
+    pool: cf.Executor,
+) -> tuple[list[str], float]:
+    """Copy a host-memory ``image`` into ``buf[base:]`` and hash every chunk as it lands.
+
+    Chunk ``i`` covers ``[i * chunk_bytes, (i + 1) * chunk_bytes)`` of the image, as the writers
+    and the manifest count them. Returns when every byte is in place and hashed.
+
+    Returns:
+        The chunk digests, and the seconds the hashing added (summed over the threads, divided
+        by their number).
+
+    Raises:
+        ValueError: a storage is not in host memory (use :func:`stage_image`).
+    """
+    if not on_host(image):
+        raise ValueError("stage_and_hash needs every storage in host memory")
+    _fill_skeleton(image, buf, base)
+    dst_all = buf.tensor[base : base + image.size]
+    runs: list[tuple[int, int, int]] = []  # (start, end, source address), sorted, disjoint
+    for slot in image.slots:
+        src = slot.source
+        if slot.nbytes == 0 or src.device.type == "meta":
+            continue
+        if src.is_contiguous() and src.numel() * src.element_size() >= slot.nbytes:
+            runs.append((slot.offset, slot.offset + slot.nbytes, src.data_ptr()))
+        else:  # not expected from the planners; copied by torch here, hashed below
+            dst_all[slot.offset : slot.offset + slot.nbytes].copy_(src.reshape(-1).view(torch.uint8))
+    runs.sort()
+    starts = [r[0] for r in runs]
+    dst = buf.tensor.data_ptr() + base
+    view = buf.view[base : base + image.size]
+    size = image.size
+
+    def one_chunk(i: int) -> tuple[str, float, int]:
+        lo, hi = i * chunk_bytes, min(size, (i + 1) * chunk_bytes)
+        h = hasher(algorithm)
+        k = max(0, bisect.bisect_right(starts, lo) - 1)
+        hashing = 0.0
+        p = lo
+        while p < hi:
+            q = min(hi, p + SUB_CHUNK)
+            while k < len(runs) and runs[k][0] < q:
+                start, end, src = runs[k]
+                a, b = max(start, p), min(end, q)
+                if a < b:
+                    ctypes.memmove(dst + a, src + (a - start), b - a)
+                if end > q:
+                    break
+                k += 1
+            t = time.perf_counter()
+            h.update(view[p:q])
+            hashing += time.perf_counter() - t
+            p = q
+        return h.hexdigest(), hashing, threading.get_ident()
+
+    n = (size + chunk_bytes - 1) // chunk_bytes
+    done = list(pool.map(one_chunk, range(n)))
+    threads = len({ident for _, _, ident in done}) or 1
+    return [d for d, _, _ in done], sum(t for _, t, _ in done) / threads

@@ -35,8 +35,8 @@ from ._discovery import CheckpointInfo, raise_if_corrupt, resolve, resolve_dir, 
 from ._image import FileImage, plan_torch_file
 from ._manifest import Manifest, StorageRecord
 from ._names import ALIGNMENT, DEFAULT_CHUNK_BYTES, DIR_MANIFEST, TELEMETRY_FILE, TMP_MARKER
-from ._pool import BufferPool
-from ._stage import stage_image
+from ._pool import BufferPool, HostBuffer
+from ._stage import on_host, stage_and_hash, stage_image
 from ._store import Store
 from ._targets import StoreResolver
 from .errors import (
@@ -273,18 +273,7 @@ class Checkpointer:
         buf, waited = self._pool.acquire(image.size)
         tel.buffer_wait_s = waited
         try:
-            s0 = time.perf_counter()
-            wait_device = stage_image(image, buf)
-            digests = None
-            if self._hash_while_staging(device_copy_pending=wait_device is not None):
-                if wait_device is not None:
-                    wait_device()
-                    wait_device = None
-                h0 = time.perf_counter()
-                digests = chunk_digests(buf.view, image.size, algorithm=self.checksum,
-                                        chunk_bytes=self.chunk_bytes, pool=self._staging_pool())
-                tel.checksum_s = time.perf_counter() - h0
-            tel.stage_s = time.perf_counter() - s0
+            wait_device, digests = self._stage(image, buf, 0, tel)
         except BaseException:
             self._pool.release(buf)
             raise
@@ -316,6 +305,38 @@ class Checkpointer:
 
         self._submit(job, handle, key)
         return handle
+
+    def _stage(
+        self, image: FileImage, buf: HostBuffer, base: int, tel: SaveTelemetry,
+    ) -> tuple[Callable[[], None] | None, list[str] | None]:
+        """Copy ``image`` into ``buf[base:]`` on the caller's time, hashing it too when it should.
+
+        Adds to ``tel.stage_s`` (and ``tel.checksum_s``). Returns a callable that waits for
+        pending device copies (``None`` when the bytes are in place) and the chunk digests
+        (``None`` when the writers hash).
+        """
+        s0 = time.perf_counter()
+        digests = None
+        if on_host(image):
+            wait_device = None
+            if self._hash_while_staging(device_copy_pending=False):
+                digests, hashing = stage_and_hash(image, buf, base, algorithm=self.checksum,
+                                                  chunk_bytes=self.chunk_bytes, pool=self._staging_pool())
+                tel.checksum_s += hashing
+            else:
+                stage_image(image, buf, base)
+        else:
+            wait_device = stage_image(image, buf, base)
+            if self._hash_while_staging(device_copy_pending=wait_device is not None):
+                if wait_device is not None:
+                    wait_device()
+                    wait_device = None
+                h0 = time.perf_counter()
+                digests = chunk_digests(buf.view[base:], image.size, algorithm=self.checksum,
+                                        chunk_bytes=self.chunk_bytes, pool=self._staging_pool())
+                tel.checksum_s += time.perf_counter() - h0
+        tel.stage_s += time.perf_counter() - s0
+        return wait_device, digests
 
     def _hash_while_staging(self, *, device_copy_pending: bool) -> bool:
         """Whether this save hashes its chunks on the caller's time (see ``checksum_in``)."""
@@ -446,20 +467,13 @@ class Checkpointer:
             _check_same_filesystem(store, dname, staging_dir)
         buf, tel.buffer_wait_s = self._pool.acquire(total)
         waits = []
+        digests: list[list[str] | None] = []
         try:
-            s0 = time.perf_counter()
             for base, (_, _, image) in zip(bases, planned):
-                w = stage_image(image, buf, base)
+                w, d = self._stage(image, buf, base, tel)
+                digests.append(d)
                 if w is not None:
                     waits.append(w)
-            digests: list[list[str] | None] = [None] * len(planned)
-            if self._hash_while_staging(device_copy_pending=bool(waits)):
-                h0 = time.perf_counter()
-                digests = [chunk_digests(buf.view[base:], image.size, algorithm=self.checksum,
-                                         chunk_bytes=self.chunk_bytes, pool=self._staging_pool())
-                           for base, (_, _, image) in zip(bases, planned)]
-                tel.checksum_s = time.perf_counter() - h0
-            tel.stage_s = time.perf_counter() - s0
         except BaseException:
             self._pool.release(buf)
             raise

@@ -13,11 +13,12 @@ import concurrent.futures as cf
 from collections.abc import Callable
 from typing import Any
 
-from .._commit import chunk_digests
+from .._image import FileImage
 from .._pool import HostBuffer
 from .._store import Store
 from ..checkpointer import Checkpointer, _as_checkpoint_error
 from ..handle import SaveHandle
+from ..telemetry import SaveTelemetry
 
 __all__ = ["Engine"]
 
@@ -47,9 +48,14 @@ class Engine:
     def chunk_bytes(self) -> int:
         return self.ckpt.chunk_bytes
 
-    def hash_while_staging(self, *, device_copy_pending: bool) -> bool:
-        """Whether a rank hashes its chunks right after its copy (``Checkpointer(checksum_in=)``)."""
-        return self.ckpt._hash_while_staging(device_copy_pending=device_copy_pending)
+    def stage(
+        self, image: FileImage, buf: HostBuffer, tel: SaveTelemetry,
+    ) -> tuple[Callable[[], None] | None, list[str] | None]:
+        """Copy a rank's image on the caller's time (hashing it too per ``checksum_in``).
+
+        Returns the wait for pending device copies and the chunk digests (either may be None).
+        """
+        return self.ckpt._stage(image, buf, 0, tel)
 
     def acquire(self, nbytes: int) -> tuple[HostBuffer, float]:
         """A reused staging buffer of at least ``nbytes`` and the seconds waited for it."""
@@ -57,11 +63,6 @@ class Engine:
 
     def release(self, buf: HostBuffer) -> None:
         self.ckpt._pool.release(buf)
-
-    def staging_digests(self, view: memoryview, size: int) -> list[str]:
-        """Chunk digests computed right after the copy, by the hashing threads."""
-        return chunk_digests(view, size, algorithm=self.ckpt.checksum,
-                             chunk_bytes=self.ckpt.chunk_bytes, pool=self.ckpt._staging_pool())
 
     def submit(self, job: Callable[[], None], handle: SaveHandle) -> None:
         """Queue ``job`` behind every earlier save and removal of the checkpointer."""

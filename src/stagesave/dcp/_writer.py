@@ -38,7 +38,6 @@ from .._image import MAX_INDEXED_TENSORS
 from .._manifest import FileEntry, Manifest
 from .._names import TMP_MARKER
 from .._pool import HostBuffer
-from .._stage import stage_image
 from .._store import Store
 from ..checkpointer import Checkpointer
 from ..handle import SaveHandle
@@ -298,17 +297,7 @@ class StagedStorageWriter(StorageWriter):
             s.store.check_writable(_join(spec.staging, spec.file_name), image.size)
             buf, tel.buffer_wait_s = engine.acquire(image.size)
             try:
-                s0 = time.perf_counter()
-                wait_device = stage_image(image, buf)
-                digests = None
-                if engine.hash_while_staging(device_copy_pending=wait_device is not None):
-                    if wait_device is not None:
-                        wait_device()
-                        wait_device = None
-                    h0 = time.perf_counter()
-                    digests = engine.staging_digests(buf.view, image.size)
-                    tel.checksum_s = time.perf_counter() - h0
-                tel.stage_s = time.perf_counter() - s0
+                wait_device, digests = engine.stage(image, buf, tel)
             except BaseException:
                 engine.release(buf)
                 raise

@@ -1,0 +1,98 @@
+"""The fused copy-and-hash staging path gives the same bytes and digests as copy-then-hash."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import stagesave._stage as stage_mod
+from stagesave._commit import chunk_digests
+from stagesave._image import plan_torch_file
+from stagesave._pool import HostBuffer
+from stagesave._safetensors import plan_safetensors_file
+from stagesave._stage import on_host, stage_and_hash, stage_image
+
+_DTYPES = [torch.float32, torch.float16, torch.int64, torch.uint8, torch.bool]
+
+
+def _garbage_buffer(nbytes: int, fill: int) -> HostBuffer:
+    buf = HostBuffer.allocate(max(nbytes, 4096), pinned=False)
+    buf.tensor.fill_(fill)  # a reused buffer holds an older save's bytes
+    return buf
+
+
+@st.composite
+def states(draw: st.DrawFn) -> dict[str, object]:
+    n = draw(st.integers(0, 12))
+    state: dict[str, object] = {"step": draw(st.integers(0, 10**6)), "name": draw(st.text(max_size=20))}
+    for i in range(n):
+        numel = draw(st.sampled_from([0, 1, 3, 1000, 4097, 70_000, 300_001]))
+        dtype = draw(st.sampled_from(_DTYPES))
+        t = (torch.arange(numel) % 251).to(dtype)
+        kind = draw(st.sampled_from(["plain", "view", "transposed", "meta"]))
+        if kind == "view" and numel > 2:
+            t = t[1:]  # shares a storage with an offset: the whole storage is saved
+        elif kind == "transposed" and numel >= 1000:
+            t = t[:1000].reshape(10, 100).t()
+        elif kind == "meta":
+            t = torch.empty(numel, dtype=dtype, device="meta")
+        state[f"t{i}"] = t
+    return state
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(state=states(), chunk_pages=st.integers(1, 40), sub_pages=st.integers(1, 70),
+       base_pages=st.integers(0, 3), algorithm=st.sampled_from(["xxh3_128", "blake3", "sha256"]))
+def test_fused_staging_matches_copy_then_hash(state, chunk_pages, sub_pages, base_pages, algorithm):
+    image = plan_torch_file(state)
+    assert on_host(image)
+    chunk, base = chunk_pages * 4096, base_pages * 4096
+    reference = _garbage_buffer(base + image.size, 0xAB)
+    assert stage_image(image, reference, base) is None
+    expected = chunk_digests(reference.view[base:], image.size, algorithm=algorithm,
+                             chunk_bytes=chunk, pool=cf.ThreadPoolExecutor(1))
+    fused = _garbage_buffer(base + image.size, 0x5C)
+    old = stage_mod.SUB_CHUNK
+    stage_mod.SUB_CHUNK = sub_pages * 1024  # sub-chunks that cut through tensors and pieces
+    try:
+        with cf.ThreadPoolExecutor(3) as pool:
+            digests, hashing = stage_and_hash(image, fused, base, algorithm=algorithm,
+                                              chunk_bytes=chunk, pool=pool)
+    finally:
+        stage_mod.SUB_CHUNK = old
+    assert bytes(fused.view[base : base + image.size]) == bytes(reference.view[base : base + image.size])
+    assert bytes(fused.view[:base]) == bytes([0x5C]) * base  # nothing before base touched
+    assert digests == expected
+    assert hashing >= 0.0
+
+
+def test_fused_staging_of_a_safetensors_image_loads_back_equal():
+    from safetensors.torch import load as st_load
+
+    tensors = {"a": torch.randn(513, 7), "b": torch.arange(10_000, dtype=torch.int16),
+               "c": torch.randn(64, 64).t(), "empty": torch.zeros(0)}
+    image = plan_safetensors_file(tensors)
+    buf = _garbage_buffer(image.size, 0xFF)
+    with cf.ThreadPoolExecutor(2) as pool:
+        digests, _ = stage_and_hash(image, buf, algorithm="xxh3_128", chunk_bytes=8192, pool=pool)
+    loaded = st_load(bytes(buf.view[: image.size]))
+    for k, v in tensors.items():
+        assert torch.equal(loaded[k], v)
+    assert digests == chunk_digests(buf.view, image.size, algorithm="xxh3_128", chunk_bytes=8192,
+                                    pool=cf.ThreadPoolExecutor(1))
+
+
+def test_fused_staging_refuses_device_state():
+    image = plan_torch_file({"t": torch.ones(3)})
+    object.__setattr__(image.slots[0], "source", torch.empty(12, dtype=torch.uint8, device="meta"))
+    assert on_host(image)  # meta has no bytes: still host-only
+    fake = type("FakeDevice", (), {"device": torch.device("cuda", 0)})()
+    object.__setattr__(image.slots[0], "source", fake)
+    assert not on_host(image)
+    with pytest.raises(ValueError, match="host memory"):
+        stage_and_hash(image, _garbage_buffer(image.size, 0), algorithm="xxh3_128", chunk_bytes=4096,
+                       pool=cf.ThreadPoolExecutor(1))
