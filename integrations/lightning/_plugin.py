@@ -80,8 +80,8 @@ class StagedCheckpointIO(CheckpointIO):
         max_pending: Saves that may be in flight at once (one host staging buffer each); a
             further save waits for a buffer instead of allocating more memory.
         checksum: Chunk checksum: ``"xxh3_128"`` (default), ``"xxh3_64"``, ``"blake3"``, ``"sha256"``.
-        checksum_in: ``"auto"`` (default: hash right after the copy unless a device-to-host
-            copy is still in flight), ``"staging"`` (always right after the copy, so the
+        checksum_in: ``"auto"`` (default: hash during the copy unless a device-to-host
+            copy is still in flight), ``"staging"`` (always on the caller's time, so the
             background only makes syscalls) or ``"background"`` (the writer threads hash what
             they write).
         io_threads: Threads writing one file's chunks in parallel.

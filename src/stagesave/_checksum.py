@@ -1,7 +1,7 @@
 """Chunk checksums.
 
-A file is hashed in fixed-size chunks so that the hashing runs in parallel (right after the
-staging copy, or in the writers, each hashing the slice it writes: ``checksum_in``) and a corrupt
+A file is hashed in fixed-size chunks so that the hashing runs in parallel (in the same pass as
+the staging copy, or in the writers, each hashing the slice it writes: ``checksum_in``) and a corrupt
 byte can be located to its chunk.
 All algorithms here release the GIL on large inputs.
 """

@@ -3,7 +3,7 @@
 One order serves every store, because each store maps the steps onto its own atomic primitive:
 
 1. data to an invisible temporary (POSIX: a temp file; S3: an open multipart upload), written in
-   parallel chunks, each hashed as it is written unless its digest was computed right after the
+   parallel chunks, each hashed as it is written unless its digest was computed during the
    staging copy, then made durable (fsync / all parts up);
 2. the manifest to its final name (``<file>.<serialization_id>.stagesave.json``), durably;
 3. the atomic publish of the data (POSIX: rename over the old file + directory fsync;

@@ -191,8 +191,8 @@ class Checkpointer:
         pinned: Pin staging buffers (default: when CUDA is available).
         checksum_in: where each chunk's checksum is computed (:meth:`save`, :meth:`save_dir`
             and ``stagesave.dcp``). ``"staging"``: on the caller's
-            time, by parallel threads right after the copy, so the background only makes
-            syscalls; ``"background"``: by the writer threads as they write each chunk;
+            time, in the same pass as the copy of host state (each thread copies a MiB and
+            hashes it while it is in cache), so the background only makes syscalls; ``"background"``: by the writer threads as they write each chunk;
             ``"auto"`` (default): ``"staging"`` when every byte was copied from host memory,
             ``"background"`` when a device-to-host copy is still in flight (hashing then would
             make the caller wait for the device). Hashing in the background costs a training
@@ -345,7 +345,7 @@ class Checkpointer:
         return self.checksum_in == "staging"
 
     def _staging_pool(self) -> cf.ThreadPoolExecutor:
-        """The threads that hash right after the copy (created on first use, joined by ``close``)."""
+        """The threads that copy-and-hash on the caller's time (created on first use, joined by ``close``)."""
         with self._lock:
             self._check_open()  # a save racing close() must not start threads nobody joins
             if self._hash_pool is None:
