@@ -192,7 +192,8 @@ class Checkpointer:
         checksum_in: where each chunk's checksum is computed (:meth:`save`, :meth:`save_dir`
             and ``stagesave.dcp``). ``"staging"``: on the caller's
             time, in the same pass as the copy of host state (each thread copies a MiB and
-            hashes it while it is in cache), so the background only makes syscalls; ``"background"``: by the writer threads as they write each chunk;
+            hashes it while it is in cache), so the background only makes syscalls;
+            ``"background"``: by the writer threads as they write each chunk;
             ``"auto"`` (default): ``"staging"`` when every byte was copied from host memory,
             ``"background"`` when a device-to-host copy is still in flight (hashing then would
             make the caller wait for the device). Hashing in the background costs a training
