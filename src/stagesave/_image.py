@@ -12,6 +12,8 @@ serialization pass.
 from __future__ import annotations
 
 import bisect
+import contextlib
+import gc
 import io
 import pickle
 import secrets
@@ -269,16 +271,42 @@ def _replace_bytes(pieces: list[tuple[int, bytes]], offset: int, data: bytes) ->
     return out
 
 
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Hold off Python's cyclic garbage collector for the duration (if it was enabled).
+
+    Pickling a state of thousands of tensors allocates hundreds of thousands of short-lived
+    objects, enough to trigger full collections over every object of the training process in
+    the middle of the blocking phase (a plan of 2,688 tensors in a process holding 2 million
+    objects: median 0.08 s either way, p95 0.39 s and max 0.76 s unpaused, 0.084 s paused;
+    ``benchmarks/results/plan.md``). The garbage is collected later, as usual.
+    """
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def plan_torch_file(state: Any) -> FileImage:
     """Lay out ``state`` as a ``torch.save`` file without copying any tensor data.
 
     Every non-tensor leaf is pickled by value now, so mutating it after this call does not
     change the checkpoint; tensors are referenced by their storages, which the caller must copy
-    before they can change (the staging step does).
+    before they can change (the staging step does). The garbage collector is paused meanwhile
+    (:func:`gc_paused`).
 
     Raises:
         UnsupportedObjectError: something in the state cannot be pickled; the message names it.
     """
+    with gc_paused():
+        return _plan_torch_file(state)
+
+
+def _plan_torch_file(state: Any) -> FileImage:
     found: dict[str, torch.UntypedStorage] = {}
     sink = _SparseSink()
     with _torch_save_config.patch({"save.storage_alignment": ALIGNMENT}):  # type: ignore[attr-defined]

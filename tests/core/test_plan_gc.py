@@ -1,0 +1,73 @@
+"""The plan pauses Python's garbage collector, and leaves its on/off state as it found it."""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+from stagesave._image import _plan_torch_file, gc_paused, plan_torch_file
+
+
+def _state(n: int = 200) -> dict:
+    return {"model": {f"w{i}": torch.full((4,), float(i)) for i in range(n)},
+            "meta": [{"step": i, "name": f"layer{i}"} for i in range(n)]}
+
+
+def test_no_collection_runs_while_planning():
+    starts: list[int] = []
+
+    def callback(phase: str, info: dict) -> None:
+        if phase == "start":
+            starts.append(info["generation"])
+
+    old = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)  # a collection at nearly every allocation, if the collector is on
+    gc.callbacks.append(callback)
+    try:
+        state = _state()
+        with gc_paused():
+            starts.clear()
+            [{"x": [i]} for i in range(1000)]
+            paused = len(starts)
+        starts.clear()
+        _plan_torch_file(state)  # the same plan without the pause
+        unpaused = len(starts)
+        starts.clear()
+        image = plan_torch_file(state)
+        during_plan = len(starts)  # only around the pause: entering and leaving it allocates a little
+        starts.clear()
+        [{"x": [i]} for i in range(1000)]  # the collector is back on afterwards
+        after = len(starts)
+    finally:
+        gc.callbacks.remove(callback)
+        gc.set_threshold(*old)
+    assert paused == 0
+    assert unpaused > 100 and during_plan <= 8, (unpaused, during_plan)
+    assert after > 0 and gc.isenabled()
+    assert len(image.slots) == 200
+
+
+def test_a_disabled_collector_stays_disabled():
+    gc.disable()
+    try:
+        plan_torch_file(_state(3))
+        with gc_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_collector_is_back_on_after_an_unpicklable_state():
+    import threading
+
+    from stagesave.errors import UnsupportedObjectError
+
+    try:
+        plan_torch_file({"lock": threading.Lock()})
+    except UnsupportedObjectError:
+        pass
+    else:  # pragma: no cover - the assertion below says why
+        raise AssertionError("a lock must be refused")
+    assert gc.isenabled()
