@@ -36,7 +36,6 @@ Usage (as root for cold loads; niced if the machine is shared):
 
 from __future__ import annotations
 
-import abc
 import argparse
 import datetime
 import gc
@@ -50,7 +49,6 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -60,6 +58,7 @@ import bench_interference as interference
 import common
 
 import stagesave
+from stagesave.cli._alternatives import Alternative, available_alternatives
 
 GIB = 1 << 30
 HEADROOM = 1 * GIB  # memory left free beyond the state and an alternative's copies
@@ -72,213 +71,13 @@ warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a
 warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
 
 
-class Session(abc.ABC):
-    """One alternative, set up for saves; ``close`` releases what it holds (buffers, threads)."""
-
-    def __init__(self) -> None:
-        self.called_at = 0.0
-        self.done_at: float | None = None
-
-    @abc.abstractmethod
-    def start(self, state: Any, path: str) -> tuple[float, Callable[[], bool]]:
-        """Start one save; the seconds the call blocked, and a poll that says when it is done."""
-        raise NotImplementedError
-
-    def check(self) -> None:
-        """Raise the error of the last save, if it failed in the background."""
-
-    def commit_s(self) -> float | None:
-        """Seconds from the last call until the save was complete, as the alternative sees it."""
-        return None if self.done_at is None else self.done_at - self.called_at
-
-    def after_warmup(self) -> None:
-        """Drop what only the first save needed (e.g. the gloo group that starts DCP's daemon)."""
-
-    def close(self) -> None:
-        """Release buffers and threads, so the next alternative starts from a clean process."""
-
-    def _mark_done(self, _: Any = None) -> None:
-        self.done_at = time.perf_counter()
-
-
-class TorchSave(Session):
-    """``torch.save`` into the file, flush and fsync: what a synchronous CheckpointIO does."""
-
-    def start(self, state: Any, path: str) -> tuple[float, Callable[[], bool]]:
-        self.called_at = time.perf_counter()
-        blocking, done = interference.start_torch_save(state, path)
-        self.done_at = self.called_at + blocking
-        return blocking, done
-
-
-class LightningAsync(Session):
-    """Lightning's ``AsyncCheckpointIO(TorchCheckpointIO())``: clone, then torch.save in a thread."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
-
-        self.plugin = AsyncCheckpointIO(TorchCheckpointIO())
-
-    def start(self, state: Any, path: str) -> tuple[float, Callable[[], bool]]:
-        self.called_at = time.perf_counter()
-        self.done_at = None
-        self.plugin.save_checkpoint(state, path)
-        blocking = time.perf_counter() - self.called_at
-        assert self.plugin._executor is not None
-        sentinel = self.plugin._executor.submit(lambda: None)  # one FIFO worker: runs after the save
-        sentinel.add_done_callback(self._mark_done)
-        return blocking, sentinel.done
-
-    def check(self) -> None:
-        if self.plugin._error is not None:
-            raise self.plugin._error
-
-    def close(self) -> None:
-        self.plugin.teardown()
-
-
-class DcpAsync(Session):
-    """``torch.distributed.checkpoint.async_save`` in thread or process mode, with a chosen stager.
-
-    ``stager``: ``None`` lets async_save create (and close) its own per save, as a plain call does;
-    ``"reused"`` keeps one DefaultStager whose cached CPU copies later saves reuse; ``"shm"`` is
-    the same in shared memory, which process mode hands to its daemon without a copy;
-    ``"pinned+shm"`` adds pinned memory (CUDA only).
-    """
-
-    def __init__(self, base: str, *, process: bool, stager: str | None) -> None:
-        super().__init__()
-        import torch.distributed as dist
-        from torch.distributed.checkpoint import _async_process_executor
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-        self.process = process
-        self._fut: Any = None
-        self._own_group = False
-        self.stager = None
-        if stager is not None:
-            self.stager = DefaultStager(StagingOptions(
-                use_pinned_memory="pinned" in stager, use_shared_memory="shm" in stager,
-                use_async_staging=False, use_non_blocking_copy=False))
-        if process and _async_process_executor._CHECKPOINT_PROCESS is None and not dist.is_initialized():
-            # Process mode learns the daemon's rendezvous through a process group; one process is
-            # a gloo group of world size 1. Its gloo threads slow torch's OpenMP threads, so the
-            # group lives only until the daemon has started (see after_warmup).
-            store = dist.FileStore(os.path.join(base, "pg-store"), 1)
-            dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-            self._own_group = True
-
-    def start(self, state: Any, path: str) -> tuple[float, Callable[[], bool]]:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict_saver import (
-            AsyncCheckpointerType,
-            AsyncSaveResponse,
-        )
-
-        kwargs: dict[str, Any] = {}
-        if self.stager is not None:
-            kwargs["async_stager"] = self.stager
-        if self.process:
-            kwargs["async_checkpointer_type"] = AsyncCheckpointerType.PROCESS
-        self.called_at = time.perf_counter()
-        self.done_at = None
-        fut = dcp.async_save(state, checkpoint_id=path, **kwargs)
-        blocking = time.perf_counter() - self.called_at
-        if isinstance(fut, AsyncSaveResponse):
-            fut = fut.upload_completion
-        fut.add_done_callback(self._mark_done)
-        self._fut = fut
-        return blocking, fut.done
-
-    def check(self) -> None:
-        if self._fut is not None:
-            self._fut.result()
-
-    def after_warmup(self) -> None:
-        import torch.distributed as dist
-
-        if self._own_group and dist.is_initialized():
-            dist.destroy_process_group()
-            self._own_group = False
-
-    def close(self) -> None:
-        self.after_warmup()
-        if self.stager is not None:
-            self.stager.close()
-
-
-class StageSave(Session):
-    """A stagesave ``Checkpointer`` (one buffer: ``max_pending=1``) with the given options."""
-
-    def __init__(self, **options: Any) -> None:
-        super().__init__()
-        self.ck = stagesave.Checkpointer(max_pending=1, **options)
-        self._handle: Any = None
-
-    def start(self, state: Any, path: str) -> tuple[float, Callable[[], bool]]:
-        self.called_at = time.perf_counter()
-        self._handle = self.ck.save(state, path)
-        return time.perf_counter() - self.called_at, self._handle.done
-
-    def check(self) -> None:
-        if self._handle is not None:
-            self._handle.result()
-
-    def commit_s(self) -> float | None:
-        return None if self._handle is None else float(self._handle.result().time_to_commit_s)
-
-    def close(self) -> None:
-        self.ck.close()
-
-
-def _pinned_unavailable() -> str | None:
-    return None if torch.cuda.is_available() else "pinned memory needs CUDA (torch ignores pin_memory without it)"
-
-
-def _gloo_unavailable() -> str | None:
-    import torch.distributed as dist
-
-    return None if dist.is_available() and dist.is_gloo_available() else "torch was built without gloo"
-
-
-@dataclass(frozen=True)
-class Alternative:
-    """A way users save checkpoints today, and what the sweep must know to run it fairly."""
-
-    name: str
-    make: Callable[[str], Session]  # given the size's working directory
-    copies: float  # full copies of the state it holds while saving (for the memory check)
-    warmup: bool  # does the first save allocate what later ones reuse?
-    durable: bool  # is "done" after an fsync?
-    note: str
-    unavailable: Callable[[], str | None] = lambda: None
-
-
-ALTERNATIVES: list[Alternative] = [
-    Alternative(TORCH_SAVE, lambda base: TorchSave(), 0.0, False, True,
-                "synchronous, as TorchCheckpointIO / Accelerate save (plus fsync)"),
-    Alternative("lightning AsyncCheckpointIO", lambda base: LightningAsync(), 2.25, False, False,
-                "clone + torch.save into BytesIO in a thread; no fsync"),
-    Alternative("dcp.async_save thread", lambda base: DcpAsync(base, process=False, stager=None), 1.0, False, True,
-                "as a plain call: a fresh staged copy per save"),
-    Alternative("dcp.async_save thread (reused stager)",
-                lambda base: DcpAsync(base, process=False, stager="reused"), 1.0, True, True,
-                "one DefaultStager kept across saves"),
-    Alternative("dcp.async_save process",
-                lambda base: DcpAsync(base, process=True, stager=None), 2.0, True, True,
-                "daemon process; staged copy moved to shared memory per save", _gloo_unavailable),
-    Alternative("dcp.async_save process (shm stager)",
-                lambda base: DcpAsync(base, process=True, stager="shm"), 1.0, True, True,
-                "daemon process; reused shared-memory stager", _gloo_unavailable),
-    Alternative("dcp.async_save process (pinned+shm stager)",
-                lambda base: DcpAsync(base, process=True, stager="pinned+shm"), 1.0, True, True,
-                "daemon process; reused pinned shared-memory stager", _pinned_unavailable),
-    Alternative("stagesave checksum_in=background", lambda base: StageSave(checksum_in="background"), 1.0, True,
-                True, "max_pending=1; the writer threads hash as they write"),
-    Alternative(STAGESAVE, lambda base: StageSave(checksum_in="staging"), 1.0, True, True,
-                "max_pending=1; hashed right after the copy: the default for host state (checksum_in='auto')"),
-]
+# The alternatives are the ones `stagesave bench` runs (stagesave.cli._alternatives, plus what the
+# installed integrations contribute: Lightning's AsyncCheckpointIO, Accelerate's save_state). The
+# sweep names stagesave's default by its option ("stagesave checksum_in=staging"), so the plain
+# "stagesave" entry is left out; Accelerate's save_state is torch.save without fsync and runs in
+# bench_accelerate.py with a real model, so it is left out here too.
+ALTERNATIVES: list[Alternative] = [a for a in available_alternatives()
+                                   if a.name not in ("stagesave", "accelerate save_state")]
 
 
 def slug(name: str) -> str:
@@ -296,7 +95,7 @@ def wait_done(done: Callable[[], bool], what: str) -> None:
 def run_one(alt: Alternative, state: Any, folder: str, loop: interference.Loop, baseline_s: float) -> dict[str, Any]:
     """Set up ``alt``, warm it up if it keeps state across saves, measure one save, tear down."""
     os.makedirs(folder, exist_ok=True)
-    session = alt.make(folder)
+    session = alt.make(folder, {})
     try:
         if alt.warmup:
             warm = os.path.join(folder, "warmup")

@@ -104,7 +104,15 @@ def test_bench_on_s3(cli, cli_s3):
     url, opts, _ = cli_s3
     r = cli(*opts, "bench", url, "--size", "1MB", "--repeat", "1", "--warmup", "0", "--json")
     assert r.code == 0, r.err
-    assert {x["method"] for x in r.json()["results"]} == {"torch.save", "stagesave"}
+    doc = r.json()
+    assert {x["method"] for x in doc["results"]} == {"torch.save", "stagesave"}  # no fsync on a URL
+    assert doc["floors"]["disk_s"] is None and doc["floors"]["copy_s"] > 0
+    r = cli(*opts, "bench", url, "--size", "1MB", "--repeat", "1", "--warmup", "0", "--json",
+            "--alternatives", "stagesave,dcp.async_save thread")
+    assert r.code == 0, r.err
+    doc = r.json()
+    assert [x["method"] for x in doc["results"]] == ["stagesave"]
+    assert doc["skipped"] == [{"method": "dcp.async_save thread", "reason": "writes local paths only"}]
 
 
 def test_missing_object_and_bucket_on_s3(cli, cli_s3):

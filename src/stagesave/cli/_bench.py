@@ -1,26 +1,32 @@
-"""``stagesave bench``: a quick side by side of stagesave and ``torch.save`` on one target.
+"""``stagesave bench``: the ways of saving a checkpoint, side by side, on the user's own target.
 
-Both save the same synthetic transformer-like training state (weights plus two Adam moments per
-parameter, in layers of attention and MLP matrices) to the same place. For ``torch.save`` the
-training loop waits for the whole serialization and write (and the fsync that makes it durable);
-for stagesave it waits only for the staging copy, and the commit follows in the background.
+Every chosen alternative saves the same synthetic transformer-like training state (weights plus
+two Adam moments per parameter, in layers of attention and MLP matrices) to the same place:
+``torch.save`` + fsync (what Lightning's and Accelerate's defaults do), stagesave, and with
+``--alternatives all`` also DCP ``async_save`` (thread and process mode, with its stagers),
+Lightning's ``AsyncCheckpointIO`` and Accelerate's ``save_state`` where those are installed.
+Rounds interleave the alternatives (the order rotates), each set up afresh, warmed up and torn
+down, so that drift of the machine hits all of them alike. Ratios are against floors measured
+in the same run: the copy floor (the state's bytes copied once into a reused buffer) and, on a
+local folder, the disk floor (the same bytes written with O_DIRECT + fsync).
 
 With ``--loop`` a small CPU training loop (an MLP on torch's default threads) runs through the
 background write, and the table adds the training time lost per save: the blocking time plus what
 the loop lost while the write ran (steps slower than its baseline). A background writer that
 competes with training for the cores costs more than its blocking time says.
 
-This is the quick version on the user's own target. The full harness (every alternative:
-Lightning's AsyncCheckpointIO, DCP ``async_save`` in thread and process mode, ...; several state
-sizes; floors; loads; a plot) is ``benchmarks/bench_sweep.py`` in the source tree.
+Several state sizes, loads, cold caches and a plot: ``benchmarks/bench_sweep.py`` in the source
+tree, which runs the same alternatives.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,11 +34,19 @@ import torch
 from rich.table import Table
 
 from .._targets import is_url
-from ..checkpointer import Checkpointer
+from ._alternatives import Alternative, Session, available_alternatives, mem_available_bytes
 from ._common import CliError, Env
+from ._floors import copy_floor_s, disk_floor_s
 from ._units import fmt_bytes, fmt_duration, fmt_rate, parse_size
 
-__all__ = ["Timing", "TrainLoop", "add_parser", "run", "synthetic_state"]
+__all__ = ["DEFAULT_ALTERNATIVES", "Timing", "TrainLoop", "add_parser", "run", "synthetic_state"]
+
+#: What ``stagesave bench`` compares unless told otherwise.
+DEFAULT_ALTERNATIVES = ("torch.save+fsync", "stagesave")
+#: Memory left free beyond the state and an alternative's copies of it.
+HEADROOM_BYTES = 512 << 20
+#: A background save that takes longer than this is reported as an error.
+SAVE_TIMEOUT_S = 3600.0
 
 
 def synthetic_state(size_bytes: float, *, seed: int = 0) -> dict[str, Any]:
@@ -67,19 +81,12 @@ def synthetic_state(size_bytes: float, *, seed: int = 0) -> dict[str, Any]:
     }
 
 
-def state_bytes(state: dict[str, Any]) -> int:
-    """Bytes of tensor data in a :func:`synthetic_state`."""
-    tensors: list[torch.Tensor] = list(state["model"].values())
-    for s in state["optimizer"]["state"].values():
-        tensors += list(s.values())
-    return sum(int(t.numel()) * int(t.element_size()) for t in tensors)
-
-
 @dataclass
 class Timing:
     """One method's runs: seconds training waited, seconds until durable and, with a loop, time lost."""
 
     method: str
+    durable: bool = True
     blocking_s: list[float] = field(default_factory=list)
     durable_s: list[float] = field(default_factory=list)
     lost_s: list[float] = field(default_factory=list)
@@ -100,7 +107,8 @@ class Timing:
 
     def to_dict(self, nbytes: int) -> dict[str, Any]:
         b, d = statistics.median(self.blocking_s), statistics.median(self.durable_s)
-        out = {"method": self.method, "blocking_s": b, "durable_s": d, "runs": len(self.blocking_s),
+        out = {"method": self.method, "durable": self.durable, "blocking_s": b, "durable_s": d,
+               "runs": len(self.blocking_s),
                "throughput_bytes_per_s": nbytes / d if d > 0 else 0.0}
         if self.lost_s:
             out.update(lost_s=statistics.median(self.lost_s), step_mean_x=statistics.median(self.step_mean_x),
@@ -137,45 +145,40 @@ class TrainLoop:
         return statistics.median(times)
 
 
-def _torch_save(env: Env, state: Any, target: str) -> float:
-    t0 = time.perf_counter()
-    if is_url(target):
-        import fsspec
-
-        with fsspec.open(target, "wb", **env.storage_options) as f:
-            torch.save(state, f)
-    else:
-        with open(target, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-    return time.perf_counter() - t0
 
 
-def _remove(env: Env, target: str) -> None:
-    if is_url(target):
-        import fsspec
+def _tensors(state: dict[str, Any]) -> list[torch.Tensor]:
+    tensors: list[torch.Tensor] = list(state["model"].values())
+    for s in state["optimizer"]["state"].values():
+        tensors += list(s.values())
+    return tensors
 
-        fs, path = fsspec.core.url_to_fs(target, **env.storage_options)
-        if fs.exists(path):
-            fs.rm_file(path)
-    elif os.path.exists(target):
-        os.remove(target)
+
+def state_bytes(state: dict[str, Any]) -> int:
+    """Bytes of tensor data in a :func:`synthetic_state`."""
+    return sum(int(t.numel()) * int(t.element_size()) for t in _tensors(state))
 
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "bench",
-        help="quick side by side: stagesave vs torch.save(+fsync) on a target folder or URL",
+        help="the ways of saving a checkpoint side by side (torch.save, stagesave, DCP, Lightning, "
+             "Accelerate) on a target folder or URL",
         description=__doc__.split("\n\n")[0] if __doc__ else None,
-        epilog="The full harness (every alternative, several sizes, floors, loads, a plot) is "
-               "benchmarks/bench_sweep.py in the source tree.",
+        epilog="Several sizes, loads, cold caches and a plot: benchmarks/bench_sweep.py in the source tree.",
     )
-    p.add_argument("target", metavar="DIR|URL", help="where to write (a folder, or e.g. s3://bucket/prefix)")
+    p.add_argument("target", metavar="DIR|URL", nargs="?",
+                   help="where to write (a folder, or e.g. s3://bucket/prefix)")
     p.add_argument("--size", default="256MB", help="size of the synthetic training state (default 256MB)")
-    p.add_argument("--repeat", type=int, default=3, help="saves per method; the median is shown (default 3)")
+    p.add_argument("--alternatives", default=",".join(DEFAULT_ALTERNATIVES), metavar="NAMES",
+                   help="comma-separated alternatives to compare, or 'all' (default: %(default)s; "
+                        "--list shows them)")
+    p.add_argument("--list", action="store_true", help="list the alternatives and whether they can run here")
+    p.add_argument("--repeat", type=int, default=3,
+                   help="measured saves per alternative, one per round; the median is shown (default 3)")
     p.add_argument("--warmup", type=int, default=1,
-                   help="uncounted saves per method first (buffer allocation, page cache; default 1)")
+                   help="uncounted saves before each measured one, for alternatives that reuse something "
+                        "across saves (stagesave's buffer, DCP's stager or daemon; default 1)")
     p.add_argument("--loop", action="store_true",
                    help="run a small CPU training loop through each save and report the training time lost "
                         "per save (blocking + what the loop lost while the write ran)")
@@ -183,11 +186,111 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=run)
 
 
+def _select(spec: str) -> list[Alternative]:
+    known = available_alternatives()
+    if spec.strip() == "all":
+        return known
+    by_name = {a.name: a for a in known}
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    unknown = [n for n in names if n not in by_name]
+    if unknown or not names:
+        raise CliError(f"unknown alternatives {unknown or [spec]}; known: {', '.join(by_name)}", 2)
+    return [by_name[n] for n in dict.fromkeys(names)]
+
+
+def _list(env: Env, args: argparse.Namespace) -> int:
+    rows: list[dict[str, Any]] = [
+        {"name": a.name, "unavailable": a.unavailable(), "note": a.note, "durable": a.durable, "urls": a.urls}
+        for a in available_alternatives()
+    ]
+    if args.json:
+        env.print_json({"alternatives": rows})
+        return 0
+    t = Table(title="stagesave bench --alternatives", title_justify="left", header_style="bold")
+    for col in ("name", "runs here", "what it does"):
+        t.add_column(col)
+    for r in rows:
+        t.add_row(r["name"], "yes" if r["unavailable"] is None else f"no: {r['unavailable']}", r["note"])
+    env.out.print(t)
+    return 0
+
+
+class _Target:
+    """The target folder or URL: where each alternative writes, and how to clean up after it."""
+
+    def __init__(self, env: Env, root: str) -> None:
+        self.env, self.root, self.url = env, root, is_url(root)
+
+    def folder(self, alt: Alternative) -> str:
+        slug = "".join(c if c.isalnum() else "-" for c in alt.name).strip("-")
+        path = f"{self.root}/stagesave-bench-{slug}"
+        if not self.url:
+            os.makedirs(path, exist_ok=True)
+        return path
+
+    def remove(self, path: str) -> None:
+        if self.url:
+            import fsspec
+
+            fs, p = fsspec.core.url_to_fs(path, **self.env.storage_options)
+            if fs.exists(p):
+                fs.rm(p, recursive=True)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _wait(done: Callable[[], bool], what: str) -> None:
+    end = time.perf_counter() + SAVE_TIMEOUT_S
+    while not done():
+        if time.perf_counter() > end:
+            raise CliError(f"{what} did not finish in {SAVE_TIMEOUT_S:.0f} s")
+        time.sleep(0.005)
+
+
+def _one_round(alt: Alternative, session: Session, state: Any, folder: str, args: argparse.Namespace,
+               loop: TrainLoop | None, timing: Timing, advance: Callable[[float], None], nbytes: int) -> None:
+    """Warm ``session`` up if it reuses something, then measure one save into ``folder``."""
+    if alt.warmup:
+        for i in range(args.warmup):
+            _, done = session.start(state, f"{folder}/warmup-{i}")
+            _wait(done, f"{alt.name}: warm-up save")
+            session.check()
+            advance(nbytes)
+        session.after_warmup()
+    baseline = loop.baseline() if loop is not None else 0.0
+    blocked, done = session.start(state, f"{folder}/ckpt")
+    t0 = time.perf_counter()
+    steps: list[float] = []
+    while loop is not None and not done():
+        steps.append(loop.step())
+    window = time.perf_counter() - t0 if steps else 0.0  # done before the first step: nothing lost after the call
+    _wait(done, f"{alt.name}: save")
+    session.check()
+    timing.blocking_s.append(blocked)
+    timing.durable_s.append(session.commit_s() or blocked + (time.perf_counter() - t0))
+    if loop is not None:
+        timing.add_loop(blocked, window, steps, baseline)
+    advance(nbytes)
+
+
 def run(env: Env, args: argparse.Namespace) -> int:
+    if args.list:
+        return _list(env, args)
+    if args.target is None:
+        raise CliError("bench needs a target folder or URL (or --list)", 2)
     if args.repeat < 1 or args.warmup < 0:
         raise CliError("--repeat must be at least 1 and --warmup at least 0", 2)
+    alts = _select(args.alternatives)
     try:
-        state = synthetic_state(parse_size(args.size))
+        size = parse_size(args.size)
+    except ValueError as exc:
+        raise CliError(str(exc), 2) from exc
+    available = mem_available_bytes()
+    if available is not None and size + HEADROOM_BYTES > available:
+        raise CliError(f"a {fmt_bytes(size)} state does not fit in memory here ({fmt_bytes(available)} "
+                       "available); pick a smaller --size", 2)
+    try:
+        state = synthetic_state(size)
     except ValueError as exc:
         raise CliError(str(exc), 2) from exc
     root = args.target.rstrip("/")
@@ -195,72 +298,103 @@ def run(env: Env, args: argparse.Namespace) -> int:
         root = os.path.abspath(os.path.expanduser(root))
         if not os.path.isdir(root):
             raise CliError(f"{root} is not a folder; create it or pick another target")
+    target = _Target(env, root)
     nbytes = state_bytes(state)
-    torch_path = f"{root}/stagesave-bench-torch.pt"
-    ss_path = f"{root}/stagesave-bench.ckpt"
-    plain = Timing("torch.save" + ("" if is_url(root) else " + fsync"))
-    staged = Timing("stagesave")
-    runs = args.warmup + args.repeat
+    skipped: list[dict[str, str]] = []
+    runnable: list[Alternative] = []
+    available = mem_available_bytes()  # the state is built now
+    for alt in alts:
+        reason = alt.unavailable()
+        if reason is None and target.url and not alt.urls:
+            reason = "writes local paths only"
+        if reason is None and available is not None and nbytes * alt.copies + HEADROOM_BYTES > available:
+            reason = (f"needs {fmt_bytes(nbytes * alt.copies + HEADROOM_BYTES)} more memory, "
+                      f"{fmt_bytes(available)} available")
+        if reason is None:
+            runnable.append(alt)
+        else:
+            skipped.append({"method": alt.label(target.url), "reason": reason})
+    if not runnable:
+        raise CliError("none of the chosen alternatives can run here: "
+                       + "; ".join(f"{s['method']}: {s['reason']}" for s in skipped))
+    floors: dict[str, Any] = {"copy_s": None, "disk_s": None, "disk_direct": None}
+    if available is None or nbytes + HEADROOM_BYTES <= available:
+        floors["copy_s"] = copy_floor_s(_tensors(state))
+    if not target.url:
+        floors["disk_s"], floors["disk_direct"] = disk_floor_s(root, nbytes)
+    timings = {a.name: Timing(a.label(target.url), durable=a.durable) for a in runnable}
     loop = TrainLoop() if args.loop else None
     if loop is not None:
         loop.baseline(0.2)  # warm its allocations and threads
-    with env.progress("benchmarking", 2 * runs * nbytes) as advance, Checkpointer(
-        storage_options=env.storage_options
-    ) as ckpt:
-        try:
-            for i in range(runs):
-                counted = i >= args.warmup
-                baseline = loop.baseline() if loop is not None and counted else 0.0
-                dt = _torch_save(env, state, torch_path)
-                if counted:
-                    plain.blocking_s.append(dt)
-                    plain.durable_s.append(dt)
-                    if loop is not None:  # synchronous: the loop cannot run until it returns
-                        plain.add_loop(dt, 0.0, [], baseline)
-                advance(nbytes)
-                baseline = loop.baseline() if loop is not None and counted else 0.0
-                t0 = time.perf_counter()
-                handle = ckpt.save(state, ss_path)
-                blocked = time.perf_counter() - t0
-                steps: list[float] = []
-                while loop is not None and counted and not handle.done():
-                    steps.append(loop.step())
-                window = time.perf_counter() - t0 - blocked
-                handle.result()
-                if counted:
-                    staged.blocking_s.append(blocked)
-                    # from save() to committed, as the handle measured it (not the loop's last step)
-                    committed = handle.telemetry.time_to_commit_s
-                    staged.durable_s.append(committed or time.perf_counter() - t0)
-                    if loop is not None:
-                        staged.add_loop(blocked, window, steps, baseline)
-                advance(nbytes)
-        finally:
-            _remove(env, torch_path)
-            try:
-                ckpt.remove(ss_path).result()
-            except Exception as exc:  # noqa: BLE001 - cleanup must not hide the benchmark's error
-                env.err.print(f"note: could not remove {ss_path}: {exc}", markup=False)
-    results = [plain.to_dict(nbytes), staged.to_dict(nbytes)]
+    total = sum(nbytes * (1 + (args.warmup if a.warmup else 0)) for a in runnable) * args.repeat
+    with env.progress("benchmarking", total) as advance:
+        for r in range(args.repeat):
+            order = runnable[r % len(runnable):] + runnable[: r % len(runnable)] if runnable else []
+            for alt in order:
+                folder = target.folder(alt)
+                session = alt.make(folder, env.storage_options)
+                try:
+                    _one_round(alt, session, state, folder, args, loop, timings[alt.name], advance, nbytes)
+                except CliError:
+                    raise
+                except Exception as exc:
+                    raise CliError(f"{alt.name} failed: {type(exc).__name__}: {exc}") from exc
+                finally:
+                    try:
+                        session.close()
+                    finally:
+                        target.remove(folder)
+    results = [timings[a.name].to_dict(nbytes) for a in runnable]
+    for res in results:
+        if floors["copy_s"]:
+            res["blocking_x_copy_floor"] = res["blocking_s"] / floors["copy_s"]
+            if "lost_s" in res:
+                res["lost_x_copy_floor"] = res["lost_s"] / floors["copy_s"]
+        if floors["disk_s"]:
+            res["durable_x_disk_floor"] = res["durable_s"] / floors["disk_s"]
     if args.json:
-        env.print_json({"target": root, "state_bytes": nbytes, "results": results})
+        env.print_json({"target": root, "state_bytes": nbytes, "floors": floors, "results": results,
+                        "skipped": skipped, "torch_threads": torch.get_num_threads()})
         return 0
-    base = results[0]["blocking_s"]
+    _print_table(env, root, nbytes, args, floors, results, skipped, loop is not None)
+    return 0
+
+
+def _print_table(env: Env, root: str, nbytes: int, args: argparse.Namespace, floors: dict[str, Any],
+                 results: list[dict[str, Any]], skipped: list[dict[str, str]], with_loop: bool) -> None:
+    ref = next((r for r in results if r["method"].startswith("torch.save")), results[0] if results else None)
     t = Table(title=f"{fmt_bytes(nbytes)} training state -> {root} (median of {args.repeat})",
               title_justify="left", header_style="bold")
-    cols = ["method", "training blocked", "durable after", "throughput", "stall vs torch.save"]
-    if loop is not None:
-        cols += ["training lost", "step time while writing (mean/p99)"]
+    cols = ["method", "training blocked", "x copy floor", "complete after", "x disk floor", "throughput",
+            f"stall vs {ref['method'] if ref else '-'}"]
+    if with_loop:
+        cols += ["training lost", "x copy floor ", "step time while writing (mean/p99)"]
     for col in cols:
         t.add_column(col, justify="left" if col == "method" else "right")
+
+    def ratio(r: dict[str, Any], key: str) -> str:
+        return f"{r[key]:.2f}x" if key in r else "-"
+
     for r in results:
-        row = [r["method"], fmt_duration(r["blocking_s"]), fmt_duration(r["durable_s"]),
-               fmt_rate(r["throughput_bytes_per_s"]), f"{r['blocking_s'] / base:.2f}x" if base > 0 else "-"]
-        if loop is not None:
-            row += [fmt_duration(r["lost_s"]), f"{r['step_mean_x']:.2f}x / {r['step_p99_x']:.2f}x"]
+        complete = fmt_duration(r["durable_s"]) + ("" if r["durable"] else " (not durable)")
+        row = [r["method"], fmt_duration(r["blocking_s"]), ratio(r, "blocking_x_copy_floor"), complete,
+               ratio(r, "durable_x_disk_floor"), fmt_rate(r["throughput_bytes_per_s"]),
+               f"{r['blocking_s'] / ref['blocking_s']:.2f}x" if ref and ref["blocking_s"] > 0 else "-"]
+        if with_loop:
+            row += [fmt_duration(r["lost_s"]), ratio(r, "lost_x_copy_floor"),
+                    f"{r['step_mean_x']:.2f}x / {r['step_p99_x']:.2f}x"]
         t.add_row(*row)
     env.out.print(t)
-    if loop is not None:
-        env.out.print(f"training loop: {results[1]['loop_ms_per_step']:.1f} ms per step at baseline, torch on "
+    parts = []
+    if floors["copy_s"]:
+        parts.append(f"copy floor {fmt_duration(floors['copy_s'])}")
+    if floors["disk_s"]:
+        parts.append(f"disk floor {fmt_duration(floors['disk_s'])}"
+                     + (" (O_DIRECT + fsync)" if floors["disk_direct"] else " (buffered + fsync: O_DIRECT refused)"))
+    if parts:
+        env.out.print("; ".join(parts))
+    if with_loop and results:
+        env.out.print(f"training loop: {results[0]['loop_ms_per_step']:.1f} ms per step at baseline, torch on "
                       f"{torch.get_num_threads()} threads; lost = blocked + what the loop lost while the write ran")
-    return 0
+    for s in skipped:
+        env.out.print(f"skipped {s['method']}: {s['reason']}", markup=False)
