@@ -12,9 +12,10 @@ drift of the machine hits all of them alike. Per alternative and round:
   measured in the same round;
 - training time lost per save and the mean and p99 step-time inflation while the background write
   runs (``bench_interference.Loop`` and ``measure``: an MLP on torch's default threads), and its
-  ratio to the copy floor plus what the loop loses while ``dd`` writes the same bytes with O_DIRECT
-  in another process (``dd_lost_s``: the disk write's own cost to the loop on this machine, a
-  floor for the background part of any writer's loss);
+  ratio to the copy floor plus what the loop loses while ``raw_write.py`` writes the same bytes
+  with O_DIRECT in another process (``write_lost_s``: the disk write's own cost to the loop on
+  this machine, a floor for the background part of any writer's loss; ``write_s`` is the same
+  write alone, a floor without dd's zero-filling of every block);
 - the loop's baseline ms/iteration just before and just after the save. An after/before ratio
   well above 1 is an OpenMP regime change (a background thread that ran torch ops, or a gloo
   group, made libgomp wait passively); it is printed, and the next alternative's "before" shows
@@ -167,29 +168,33 @@ def run_loads(torch_path: str | None, ss_path: str | None) -> tuple[dict[str, fl
     return out, cold
 
 
-def dd_lost_s(base: str, nbytes: int, loop: interference.Loop, baseline_s: float) -> float:
-    """What the training loop loses while ``dd`` writes ``nbytes`` with O_DIRECT in another process.
+RAW_WRITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "raw_write.py")
 
-    No copy, no hashing, no Python in the writer: the disk write's own cost to the loop on this
-    machine (interrupts, the kernel pinning pages, the hypervisor's I/O path), a floor for the
-    background part of any writer's time lost.
+
+def raw_write_floor_s(base: str, nbytes: int) -> float:
+    """Seconds for ``raw_write.py`` (a separate process) to write ``nbytes`` with O_DIRECT + fsync."""
+    out = subprocess.run([sys.executable, RAW_WRITE, os.path.join(base, "raw-write.bin"), str(nbytes)],
+                         capture_output=True, text=True, check=True).stdout
+    return float(out.strip())
+
+
+def raw_write_lost_s(base: str, nbytes: int, loop: interference.Loop, baseline_s: float) -> float:
+    """What the training loop loses while ``raw_write.py`` writes ``nbytes`` in another process.
+
+    No copy, no hashing, no Python between the writes: the disk write's own cost to the loop on
+    this machine (interrupts, the kernel pinning pages, the hypervisor's I/O path), a floor for
+    the background part of any writer's time lost.
     """
-    path = os.path.join(base, "dd-lost.bin")
-    bs = 64 * 1024 * 1024
+    path = os.path.join(base, "raw-write-lost.bin")
     os.sync()
     time.sleep(0.5)
     before = loop.baseline(baseline_s)
 
     def start(_state: Any, _path: str) -> tuple[float, Callable[[], bool]]:
-        proc = subprocess.Popen(["dd", "if=/dev/zero", f"of={path}", f"bs={bs}", f"count={max(1, nbytes // bs)}",
-                                 "oflag=direct", "conv=fsync", "status=none"])
+        proc = subprocess.Popen([sys.executable, RAW_WRITE, path, str(nbytes)], stdout=subprocess.DEVNULL)
         return 0.0, lambda: proc.poll() is not None
 
-    try:
-        return float(interference.measure(loop, start, None, path, before)["lost"])
-    finally:
-        if os.path.exists(path):
-            os.unlink(path)
+    return float(interference.measure(loop, start, None, path, before)["lost"])
 
 
 def run_size(gib: float, alts: list[Alternative], args: argparse.Namespace, base: str,
@@ -207,7 +212,7 @@ def run_size(gib: float, alts: list[Alternative], args: argparse.Namespace, base
     nbytes = common.state_bytes(state)
     avail = common.mem_available_bytes()
     res.update(bytes=nbytes, tensors=len(common.tensors_of(state)), mem_available_with_state=avail,
-               floors={"copy_s": [], "dd_direct_s": [], "dd_lost_s": []}, loads={}, cold_cache=None,
+               floors={"copy_s": [], "dd_direct_s": [], "write_s": [], "write_lost_s": []}, loads={}, cold_cache=None,
                alternatives={})
     print(f"== {gib:g} GiB: {nbytes / GIB:.2f} GiB in {res['tensors']} tensors; "
           f"{avail / GIB:.1f} GiB memory available beside it", flush=True)
@@ -229,12 +234,15 @@ def run_size(gib: float, alts: list[Alternative], args: argparse.Namespace, base
         copy_floor = common.copy_floor_s(state, repeats=1)
         gc.collect()
         dd_floor = common.raw_write_floor_s(base, nbytes)
-        dd_lost = dd_lost_s(base, nbytes, loop, args.baseline_s)
+        write_floor = raw_write_floor_s(base, nbytes)
+        write_lost = raw_write_lost_s(base, nbytes, loop, args.baseline_s)
         res["floors"]["copy_s"].append(copy_floor)
         res["floors"]["dd_direct_s"].append(dd_floor)
-        res["floors"]["dd_lost_s"].append(dd_lost)
+        res["floors"]["write_s"].append(write_floor)
+        res["floors"]["write_lost_s"].append(write_lost)
         print(f"   round {r + 1}/{args.repeats}: copy floor {copy_floor:.3f} s, dd O_DIRECT floor {dd_floor:.3f} s, "
-              f"the loop lost {dd_lost:.3f} s to that dd write", flush=True)
+              f"raw O_DIRECT write floor {write_floor:.3f} s, the loop lost {write_lost:.3f} s to that raw write",
+              flush=True)
         order = runnable[r % len(runnable):] + runnable[:r % len(runnable)] if runnable else []
         kept: dict[str, str] = {}
         for alt in order:
@@ -252,7 +260,8 @@ def run_size(gib: float, alts: list[Alternative], args: argparse.Namespace, base
                        blocking_over_copy_floor=run["blocking_s"] / copy_floor,
                        commit_over_dd_floor=run["commit_s"] / dd_floor,
                        lost_over_copy_floor=run["lost_s"] / copy_floor,
-                       lost_over_copy_and_write_floor=run["lost_s"] / (copy_floor + dd_lost))
+                       commit_over_write_floor=run["commit_s"] / write_floor,
+                       lost_over_copy_and_write_floor=run["lost_s"] / (copy_floor + write_lost))
             res["alternatives"][alt.name]["runs"].append(run)
             drift = run["baseline_after_ms"] / run["baseline_before_ms"]
             print(f"   {alt.name:42s} blocking {run['blocking_s']:7.3f} s  commit {run['commit_s']:7.3f} s  "
@@ -304,15 +313,17 @@ def markdown(doc: dict[str, Any]) -> str:
         fl = size["floors"]
         lines += [f"### {size['bytes'] / GIB:.2f} GiB state ({size['tensors']} tensors)", "",
                   (f"copy floor {fmt_spread(fl['copy_s'])} s; dd O_DIRECT write floor {fmt_spread(fl['dd_direct_s'])} s"
-                  + (f"; the loop lost {fmt_spread(fl['dd_lost_s'])} s while that dd ran" if fl.get("dd_lost_s") else "")
+                  + (f"; raw O_DIRECT write floor {fmt_spread(fl['write_s'])} s (`raw_write.py`), the loop lost "
+                     f"{fmt_spread(fl['write_lost_s'])} s while it ran" if fl.get("write_lost_s") else "")
                   + f"; loop baseline {size['loop_start_ms']:.1f} ms/it before this size, {size['loop_end_ms']:.1f} after"),
                   "",
-                  ("| alternative | blocking s | × copy floor | commit s | × dd floor | durable | lost per save s "
-                  "| × copy floor | × (copy floor + dd lost) | mean step × | p99 step × | loop ms/it before → after |"),
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  ("| alternative | blocking s | × copy floor | commit s | × dd floor | × raw write floor | durable "
+                   "| lost per save s "
+                  "| × copy floor | × (copy floor + raw write lost) | mean step × | p99 step × | loop ms/it before → after |"),
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for name, a in size["alternatives"].items():
             if a["skipped"] and not a["runs"]:
-                lines.append(f"| {name} | skipped: {a['skipped']} ||||||||||| ")
+                lines.append(f"| {name} | skipped: {a['skipped']} |||||||||||| ")
                 continue
             runs = a["runs"]
 
@@ -322,7 +333,9 @@ def markdown(doc: dict[str, Any]) -> str:
             label = f"{name} (then {a['skipped']})" if a["skipped"] else name
             lines.append(
                 f"| {label} | {col('blocking_s')} | {col('blocking_over_copy_floor', 2)} | {col('commit_s')} | "
-                f"{col('commit_over_dd_floor', 2)} | {'yes' if a['durable'] else 'no'} | {col('lost_s')} | "
+                f"{col('commit_over_dd_floor', 2)} | "
+                f"{col('commit_over_write_floor', 2) if 'commit_over_write_floor' in runs[0] else '—'} | "
+                f"{'yes' if a['durable'] else 'no'} | {col('lost_s')} | "
                 f"{col('lost_over_copy_floor', 2)} | "
                 f"{col('lost_over_copy_and_write_floor', 2) if 'lost_over_copy_and_write_floor' in runs[0] else '—'} | "
                 f"{col('step_mean_x', 2)} | {col('step_p99_x', 2)} | "
