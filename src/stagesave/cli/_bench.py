@@ -26,6 +26,7 @@ import os
 import shutil
 import statistics
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -327,7 +328,9 @@ def run(env: Env, args: argparse.Namespace) -> int:
     if loop is not None:
         loop.baseline(0.2)  # warm its allocations and threads
     total = sum(nbytes * (1 + (args.warmup if a.warmup else 0)) for a in runnable) * args.repeat
-    with env.progress("benchmarking", total) as advance:
+    with env.progress("benchmarking", total) as advance, warnings.catch_warnings():
+        # DCP warns on every single-process save, from its background thread too
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process.*")
         for r in range(args.repeat):
             order = runnable[r % len(runnable):] + runnable[: r % len(runnable)] if runnable else []
             for alt in order:
