@@ -190,11 +190,16 @@ def raw_write_lost_s(base: str, nbytes: int, loop: interference.Loop, baseline_s
     time.sleep(0.5)
     before = loop.baseline(baseline_s)
 
-    def start(_state: Any, _path: str) -> tuple[float, Callable[[], bool]]:
-        proc = subprocess.Popen([sys.executable, RAW_WRITE, path, str(nbytes)], stdout=subprocess.DEVNULL)
-        return 0.0, lambda: proc.poll() is not None
+    procs: list[subprocess.Popen[bytes]] = []
 
-    return float(interference.measure(loop, start, None, path, before)["lost"])
+    def start(_state: Any, _path: str) -> tuple[float, Callable[[], bool]]:
+        procs.append(subprocess.Popen([sys.executable, RAW_WRITE, path, str(nbytes)], stdout=subprocess.DEVNULL))
+        return 0.0, lambda: procs[0].poll() is not None
+
+    lost = float(interference.measure(loop, start, None, path, before)["lost"])
+    if procs[0].returncode != 0:
+        raise RuntimeError(f"raw_write.py failed (exit {procs[0].returncode}): no raw write floor")
+    return lost
 
 
 def run_size(gib: float, alts: list[Alternative], args: argparse.Namespace, base: str,

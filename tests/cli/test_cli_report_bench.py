@@ -188,3 +188,55 @@ def test_bench_all_alternatives(tmp_path):
     durable = {x["method"]: x["durable"] for x in doc["results"]}
     assert durable["lightning AsyncCheckpointIO"] is False and durable["stagesave"] is True
     assert os.listdir(tmp_path) == []
+    # without a warm-up save DCP's process mode must still start its daemon on the measured save
+    r = subprocess.run([exe, "-q", "bench", tmp_path, "--size", "2MB", "--repeat", "1", "--warmup", "0", "--json",
+                        "--alternatives", "dcp.async_save process,dcp.async_save process (shm stager)"],
+                       capture_output=True, text=True, timeout=300, check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert {x["method"] for x in json.loads(r.stdout)["results"]} == {
+        "dcp.async_save process", "dcp.async_save process (shm stager)"}
+    assert os.listdir(tmp_path) == []
+
+
+class _Broken:
+    """An alternative that fails the way a broken plugin would: its save raises, then its teardown."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        with open(os.path.join(folder, "half-written"), "wb") as f:
+            f.write(b"x" * 100)
+
+    def start(self, state, path):
+        raise RuntimeError("boom in save")
+
+    def check(self) -> None:
+        pass
+
+    def close(self) -> None:
+        raise OSError("boom in teardown")
+
+
+def test_a_failing_alternative_is_named_and_leaves_nothing(tmp_path, capsys):
+    import argparse
+
+    from stagesave.cli._alternatives import Alternative
+    from stagesave.cli._bench import Timing, _measure_round, _Target
+    from stagesave.cli._common import CliError, Env
+
+    env = Env()
+    target = _Target(env, str(tmp_path))
+    args = argparse.Namespace(warmup=1)
+    broken = Alternative("broken", lambda folder, options: _Broken(folder), 1.0, True, True, "")
+    with pytest.raises(CliError, match=r"^broken failed: RuntimeError: boom in save$") as info:
+        _measure_round(env, target, broken, {}, args, None, Timing("broken"), lambda n: None, 1)
+    assert isinstance(info.value.__cause__, RuntimeError)
+    assert "tearing down broken also failed: boom in teardown" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == []  # its folder and what it wrote are gone
+
+    def cannot_start(folder, options):
+        raise ValueError("no such backend")
+
+    unbuildable = Alternative("unbuildable", cannot_start, 1.0, False, True, "")
+    with pytest.raises(CliError, match="unbuildable failed: ValueError: no such backend"):
+        _measure_round(env, target, unbuildable, {}, args, None, Timing("unbuildable"), lambda n: None, 1)
+    assert os.listdir(tmp_path) == []

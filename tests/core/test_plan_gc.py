@@ -71,3 +71,27 @@ def test_collector_is_back_on_after_an_unpicklable_state():
     else:  # pragma: no cover - the assertion below says why
         raise AssertionError("a lock must be refused")
     assert gc.isenabled()
+
+
+def test_pauses_nest_and_overlap_across_threads():
+    import threading
+
+    inside = threading.Event()
+    leave = threading.Event()
+
+    def other() -> None:
+        with gc_paused():
+            inside.set()
+            leave.wait(10)
+
+    t = threading.Thread(target=other)
+    with gc_paused():
+        t.start()
+        assert inside.wait(10) and not gc.isenabled()
+    assert not gc.isenabled()  # the other thread's pause is still on
+    leave.set()
+    t.join(10)
+    assert gc.isenabled()
+    with gc_paused(), gc_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()

@@ -199,13 +199,20 @@ class DcpAsync(Session):
 
     def after_warmup(self) -> None:
         import torch.distributed as dist
+        from torch.distributed.checkpoint import _async_process_executor
 
+        if self.process and _async_process_executor._CHECKPOINT_PROCESS is None:
+            return  # the daemon has not started yet: it still needs the group to learn its rendezvous
         if self._own_group and dist.is_initialized():
             dist.destroy_process_group()
             self._own_group = False
 
     def close(self) -> None:
-        self.after_warmup()
+        import torch.distributed as dist
+
+        if self._own_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self._own_group = False
         if self.stager is not None:
             self.stager.close()
 
@@ -260,8 +267,9 @@ def _failed_plugin(name: str, exc: BaseException) -> Alternative:
 def available_alternatives(*, plugins: bool = True) -> list[Alternative]:
     """The built-in alternatives, then those the installed integrations contribute.
 
-    An integration whose extra is not installed contributes alternatives that say so through
-    ``unavailable``; one whose entry point fails to load is listed as ``NAME (failed to load)``.
+    An integration whose entry point fails to load (e.g. ``stagesave.lightning`` without
+    Lightning installed) is listed as ``NAME (failed to load)``, with the reason as
+    ``unavailable``. ``plugins=False``: the built-in ones only (nothing else is imported).
     """
     alts = _builtin()
     if plugins:
@@ -274,12 +282,32 @@ def available_alternatives(*, plugins: bool = True) -> list[Alternative]:
 
 
 def mem_available_bytes() -> int | None:
-    """The kernel's estimate of memory available to a new allocation, or ``None`` if unknown."""
+    """Memory available to a new allocation, or ``None`` if unknown.
+
+    The kernel's estimate (``MemAvailable``), capped by this process's cgroup v2 limit when it
+    has one (a container's limit is lower than what the host has free).
+    """
+    available: int | None = None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    available = int(line.split()[1]) * 1024
+                    break
     except OSError:
         pass
-    return None
+    try:
+        with open("/proc/self/cgroup") as f:
+            group = next((line.strip().split("::", 1)[1] for line in f if line.startswith("0::")), None)
+        if group is not None:
+            base = os.path.join("/sys/fs/cgroup", group.lstrip("/"))
+            with open(os.path.join(base, "memory.max")) as f:
+                limit = f.read().strip()
+            with open(os.path.join(base, "memory.current")) as f:
+                current = int(f.read().strip())
+            if limit != "max":
+                room = max(0, int(limit) - current)
+                available = room if available is None else min(available, room)
+    except (OSError, ValueError, IndexError):
+        pass
+    return available

@@ -25,7 +25,9 @@ import argparse
 import os
 import shutil
 import statistics
+import tempfile
 import time
+import uuid
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -165,7 +167,7 @@ def add_parser(sub: Any) -> None:
         "bench",
         help="the ways of saving a checkpoint side by side (torch.save, stagesave, DCP, Lightning, "
              "Accelerate) on a target folder or URL",
-        description=__doc__.split("\n\n")[0] if __doc__ else None,
+        description=__doc__.split("\n\n")[0].replace("``", "") if __doc__ else None,
         epilog="Several sizes, loads, cold caches and a plot: benchmarks/bench_sweep.py in the source tree.",
     )
     p.add_argument("target", metavar="DIR|URL", nargs="?",
@@ -188,14 +190,18 @@ def add_parser(sub: Any) -> None:
 
 
 def _select(spec: str) -> list[Alternative]:
-    known = available_alternatives()
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    builtin = {a.name for a in available_alternatives(plugins=False)}
+    # the integrations' alternatives import Lightning / Accelerate: load them only when asked for
+    known = available_alternatives(plugins=spec.strip() == "all" or not set(names) <= builtin)
     if spec.strip() == "all":
         return known
     by_name = {a.name: a for a in known}
-    names = [n.strip() for n in spec.split(",") if n.strip()]
     unknown = [n for n in names if n not in by_name]
     if unknown or not names:
-        raise CliError(f"unknown alternatives {unknown or [spec]}; known: {', '.join(by_name)}", 2)
+        failed = [f"{a.name}: {a.unavailable()}" for a in known if a.name.endswith("(failed to load)")]
+        raise CliError(f"unknown alternatives {unknown or [spec]}; known: {', '.join(by_name)}"
+                       + (f"; not loaded: {'; '.join(failed)}" if failed else ""), 2)
     return [by_name[n] for n in dict.fromkeys(names)]
 
 
@@ -223,11 +229,11 @@ class _Target:
         self.env, self.root, self.url = env, root, is_url(root)
 
     def folder(self, alt: Alternative) -> str:
+        """A new folder (or prefix) of its own: nothing already in the target is touched."""
         slug = "".join(c if c.isalnum() else "-" for c in alt.name).strip("-")
-        path = f"{self.root}/stagesave-bench-{slug}"
-        if not self.url:
-            os.makedirs(path, exist_ok=True)
-        return path
+        if self.url:
+            return f"{self.root}/stagesave-bench-{slug}-{uuid.uuid4().hex[:12]}"
+        return tempfile.mkdtemp(prefix=f"stagesave-bench-{slug}-", dir=self.root)
 
     def remove(self, path: str) -> None:
         if self.url:
@@ -251,7 +257,7 @@ def _wait(done: Callable[[], bool], what: str) -> None:
 def _one_round(alt: Alternative, session: Session, state: Any, folder: str, args: argparse.Namespace,
                loop: TrainLoop | None, timing: Timing, advance: Callable[[float], None], nbytes: int) -> None:
     """Warm ``session`` up if it reuses something, then measure one save into ``folder``."""
-    if alt.warmup:
+    if alt.warmup and args.warmup > 0:
         for i in range(args.warmup):
             _, done = session.start(state, f"{folder}/warmup-{i}")
             _wait(done, f"{alt.name}: warm-up save")
@@ -274,6 +280,41 @@ def _one_round(alt: Alternative, session: Session, state: Any, folder: str, args
     advance(nbytes)
 
 
+def _measure_round(env: Env, target: _Target, alt: Alternative, state: Any, args: argparse.Namespace,
+                   loop: TrainLoop | None, timing: Timing, advance: Callable[[float], None], nbytes: int) -> None:
+    """Set ``alt`` up in a fresh folder, measure one save, tear it down and remove the folder.
+
+    A failure of the save is reported as such; one of the teardown after a failed save is noted
+    and does not hide it; the folder is removed whatever happened.
+    """
+    folder = target.folder(alt)
+    session: Session | None = None
+    error: BaseException | None = None
+    try:
+        session = alt.make(folder, env.storage_options)
+        _one_round(alt, session, state, folder, args, loop, timing, advance, nbytes)
+    except CliError as exc:
+        error = exc
+    except Exception as exc:  # noqa: BLE001 - reported with the alternative's name below
+        error = CliError(f"{alt.name} failed: {type(exc).__name__}: {exc}")
+        error.__cause__ = exc
+    finally:
+        try:
+            if session is not None:
+                try:
+                    session.close()
+                except Exception as exc:  # noqa: BLE001 - must not hide the save's own error
+                    if error is None:
+                        error = CliError(f"{alt.name}: tearing it down failed: {type(exc).__name__}: {exc}")
+                        error.__cause__ = exc
+                    else:
+                        env.err.print(f"note: tearing down {alt.name} also failed: {exc}", markup=False)
+        finally:
+            target.remove(folder)
+    if error is not None:
+        raise error
+
+
 def run(env: Env, args: argparse.Namespace) -> int:
     if args.list:
         return _list(env, args)
@@ -294,7 +335,7 @@ def run(env: Env, args: argparse.Namespace) -> int:
         state = synthetic_state(size)
     except ValueError as exc:
         raise CliError(str(exc), 2) from exc
-    root = args.target.rstrip("/")
+    root = args.target.rstrip("/") or "/"
     if not is_url(root):
         root = os.path.abspath(os.path.expanduser(root))
         if not os.path.isdir(root):
@@ -322,7 +363,10 @@ def run(env: Env, args: argparse.Namespace) -> int:
     if available is None or nbytes + HEADROOM_BYTES <= available:
         floors["copy_s"] = copy_floor_s(_tensors(state))
     if not target.url:
-        floors["disk_s"], floors["disk_direct"] = disk_floor_s(root, nbytes)
+        try:
+            floors["disk_s"], floors["disk_direct"] = disk_floor_s(root, nbytes)
+        except OSError as exc:
+            raise CliError(f"cannot write {fmt_bytes(nbytes)} into {root} to measure the disk floor: {exc}") from exc
     timings = {a.name: Timing(a.label(target.url), durable=a.durable) for a in runnable}
     loop = TrainLoop() if args.loop else None
     if loop is not None:
@@ -334,19 +378,7 @@ def run(env: Env, args: argparse.Namespace) -> int:
         for r in range(args.repeat):
             order = runnable[r % len(runnable):] + runnable[: r % len(runnable)] if runnable else []
             for alt in order:
-                folder = target.folder(alt)
-                session = alt.make(folder, env.storage_options)
-                try:
-                    _one_round(alt, session, state, folder, args, loop, timings[alt.name], advance, nbytes)
-                except CliError:
-                    raise
-                except Exception as exc:
-                    raise CliError(f"{alt.name} failed: {type(exc).__name__}: {exc}") from exc
-                finally:
-                    try:
-                        session.close()
-                    finally:
-                        target.remove(folder)
+                _measure_round(env, target, alt, state, args, loop, timings[alt.name], advance, nbytes)
     results = [timings[a.name].to_dict(nbytes) for a in runnable]
     for res in results:
         if floors["copy_s"]:
@@ -368,10 +400,10 @@ def _print_table(env: Env, root: str, nbytes: int, args: argparse.Namespace, flo
     ref = next((r for r in results if r["method"].startswith("torch.save")), results[0] if results else None)
     t = Table(title=f"{fmt_bytes(nbytes)} training state -> {root} (median of {args.repeat})",
               title_justify="left", header_style="bold")
-    cols = ["method", "training blocked", "x copy floor", "complete after", "x disk floor", "throughput",
+    cols = ["method", "training blocked", "blocked x copy floor", "complete after", "x disk floor", "throughput",
             f"stall vs {ref['method'] if ref else '-'}"]
     if with_loop:
-        cols += ["training lost", "x copy floor ", "step time while writing (mean/p99)"]
+        cols += ["training lost", "lost x copy floor", "step time while writing (mean/p99)"]
     for col in cols:
         t.add_column(col, justify="left" if col == "method" else "right")
 

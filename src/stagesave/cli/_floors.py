@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import statistics
@@ -56,8 +57,8 @@ def disk_floor_s(folder: str, nbytes: int) -> tuple[float, bool]:
     try:
         try:
             dt = _timed_write(path, buf, count, direct)
-        except OSError:  # O_DIRECT refused by this filesystem (at open or at the first write)
-            if not direct:
+        except OSError as exc:  # O_DIRECT refused by this filesystem (at open or at the first write)
+            if not direct or exc.errno != errno.EINVAL:
                 raise
             direct = 0
             dt = _timed_write(path, buf, count, 0)
