@@ -118,7 +118,11 @@ def killed_save(rank: int, world: int, out: str) -> dict[str, Any]:
     if rank == 0:
         torch.save({"w": full_a, "step": 1}, os.path.join(out, "ref-a.pt"))
     state = {"w": distribute_tensor(full_a * 2, mesh, [Shard(0)]), "step": 2}
-    writer.commit_timeout = float(os.environ.get("COMMIT_TIMEOUT", "4"))  # save B: give up soon
+    # Save B: the survivor gives up soon. The victim keeps the long deadline, so that on a loaded
+    # machine a coordinator chosen as victim still reaches its crash point (it waits for every
+    # part before committing) instead of timing out first.
+    if rank != victim:
+        writer.commit_timeout = float(os.environ.get("COMMIT_TIMEOUT", "4"))
     gated = os.environ.get("KILL_AFTER_SAVE_RETURNED") == "1"
     gate = threading.Event()
     if rank == victim:
