@@ -180,6 +180,8 @@ class TieredStore(Store):
         self._lock = threading.Lock()
         self._route: dict[str, str] = {}
         self._pending: dict[str, float] = {}  # name -> when it was committed locally
+        # remote copies of deleted names whose queued removal has not run yet: hidden from list()
+        self._deleting: dict[str, int] = {}
         self._records: deque[SaveTelemetry] = deque(maxlen=10_000)
         self._remote_down_until = 0.0
         self._closed = False
@@ -319,6 +321,8 @@ class TieredStore(Store):
                 else:
                     self._pending.pop(data, None)
                     remote_names.append(data)
+            for n in remote_names:
+                self._deleting[n] = self._deleting.get(n, 0) + 1
 
         def remote_delete() -> None:
             try:
@@ -329,11 +333,21 @@ class TieredStore(Store):
                         self.remote.delete(info.name)
             except OSError as exc:
                 self._report_failure(name, f"removing {self.remote.describe(name)} failed: {exc}", None)
+            finally:
+                with self._lock:
+                    for n in remote_names:
+                        left = self._deleting.pop(n, 1) - 1
+                        if left > 0:
+                            self._deleting[n] = left
 
         self._queue.submit(remote_delete)
 
     # ------------------------------------------------------------------ Store: reading (routed)
     def info(self, name: str) -> ObjectInfo:
+        with self._lock:
+            deleting = name in self._deleting
+        if deleting:  # deleted; only a new local commit of the same name can exist
+            return self.local.info(name)
         key = self._key(name)
         if key == name or key.startswith("dir:") and name.endswith(DIR_MANIFEST):
             self._decide(key)  # the first call of every resolve: choose the tier afresh
@@ -359,9 +373,16 @@ class TieredStore(Store):
         return self._tier(name).describe(name)
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
-        """Both tiers' files; for a checkpoint routed to one tier, that tier's file and manifests."""
+        """Both tiers' files; for a checkpoint routed to one tier, that tier's file and manifests.
+
+        A name deleted from both tiers is not listed from the remote tier while its queued
+        remote removal has not run yet (the removal follows the uploads queued before it).
+        """
         local = {i.name: i for i in self.local.list(prefix)}
-        remote = {i.name: i for i in self._remote_list(lambda: self.remote.list(prefix))}
+        remote_files = self._remote_list(lambda: self.remote.list(prefix))
+        with self._lock:
+            deleting = set(self._deleting)
+        remote = {i.name: i for i in remote_files if i.name not in deleting}
         out = []
         for name in sorted(local.keys() | remote.keys()):
             with self._lock:

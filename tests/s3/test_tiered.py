@@ -234,3 +234,30 @@ def test_interpreter_exit_flushes_saves_then_uploads(tmp_path, s3_server, s3_url
     assert proc.returncode == 0, proc.stderr.decode()[-2000:]
     assert _remote_names(s3_server, s3_url) == ["exit.ckpt"]
     assert stagesave.verify(f"{s3_url}/exit.ckpt", storage_options=s3_options).status == "verified"
+
+
+def test_a_removed_checkpoint_is_not_listed_while_its_remote_removal_is_slow(tiered, proxy, s3_server, s3_url):
+    """Retention removes a checkpoint from both tiers; the remote removal waits behind the uploads
+    queued before it. Until it has run, the remote copy must not reappear in listings (CI once saw
+    `list()` return a checkpoint that `keep_last` had just removed)."""
+    store = tiered()
+    with stagesave.Checkpointer(store, keep_last=2) as ckpt:
+        for i in (0, 1):
+            ckpt.save(small_state(i), f"s{i}.ckpt").result()
+        store.wait_uploads()
+        # every remote removal now takes 2 s: a slow object store
+        proxy.add(Fault("DeleteObject", "delay", times=-1, delay_s=2.0),
+                  Fault("DeleteObjects", "delay", times=-1, delay_s=2.0))
+        for i in (2, 3):
+            ckpt.save(small_state(i), f"s{i}.ckpt").result()
+        ckpt.wait()
+        assert "s1.ckpt" in _remote_names(s3_server, s3_url)  # its removal has not run yet
+        assert [c.name for c in ckpt.list()] == ["s3.ckpt", "s2.ckpt"]
+        info = ckpt.latest()
+        assert info is not None and info.name == "s3.ckpt"
+        with pytest.raises(FileNotFoundError):
+            store.info("s1.ckpt")
+        store.wait_uploads(timeout=120)
+        proxy.clear()
+        assert [c.name for c in ckpt.list()] == ["s3.ckpt", "s2.ckpt"]
+    assert _remote_names(s3_server, s3_url) == ["s2.ckpt", "s3.ckpt"]
