@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from stagesave.cli import _floors
+
 
 def transformer_state(total_bytes: int, *, d_model: int = 1024) -> dict[str, Any]:
     """A transformer-like training state of about ``total_bytes``: fp32 weights + Adam moments.
@@ -77,21 +79,11 @@ def tensors_of(state: Any) -> list[torch.Tensor]:
 
 
 def copy_floor_s(state: Any, repeats: int = 3) -> float:
-    """Seconds to copy every tensor once into a preallocated, already-touched buffer."""
-    ts = tensors_of(state)
-    n = sum(t.numel() * t.element_size() for t in ts)
-    buf = torch.empty(n, dtype=torch.uint8)
-    buf.fill_(0)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        off = 0
-        for t in ts:
-            b = t.numel() * t.element_size()
-            buf[off : off + b].copy_(t.reshape(-1).view(torch.uint8))
-            off += b
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    """Seconds to copy every tensor once into a preallocated, already-touched buffer (median).
+
+    The same measurement ``stagesave bench`` reports as its copy floor.
+    """
+    return _floors.copy_floor_s(tensors_of(state), repeats)
 
 
 def drop_caches() -> bool:
