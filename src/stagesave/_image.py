@@ -12,6 +12,7 @@ serialization pass.
 from __future__ import annotations
 
 import bisect
+import collections
 import contextlib
 import gc
 import io
@@ -121,7 +122,7 @@ class _SparseSink(io.RawIOBase):
     def coalesced(self) -> list[tuple[int, bytes]]:
         """The pieces sorted, with contiguous runs joined (fewer, larger copies when staging)."""
         out: list[tuple[int, bytes]] = []
-        run_start, run = -1, []  # type: ignore[var-annotated]
+        run_start, run = -1, []
         end = -1
         for off, data in sorted(self.pieces, key=lambda p: p[0]):
             if off == end:
@@ -176,6 +177,15 @@ class _SparseReader(io.RawIOBase):
         return n
 
 
+#: Types whose objects torch's ``persistent_id`` never names (it names storages only): the
+#: pickler asks about every object it meets, so these skip torch's check (exact types only;
+#: subclasses still go through it).
+_NEVER_PERSISTENT = frozenset({
+    int, float, complex, str, bytes, bool, type(None), tuple, list, dict, set, frozenset,
+    collections.OrderedDict, torch.Tensor, torch.nn.Parameter, torch.Size, torch.dtype, torch.device,
+})
+
+
 def _recording_pickle_module(found: dict[str, torch.UntypedStorage]) -> types.ModuleType:
     """A pickle module whose Pickler remembers which storage torch named with which key."""
 
@@ -186,6 +196,8 @@ def _recording_pickle_module(found: dict[str, torch.UntypedStorage]) -> types.Mo
             named = type(self).persistent_id
 
             def persistent_id(obj: Any) -> Any:
+                if type(obj) in _NEVER_PERSISTENT:
+                    return None
                 pid = named(self, obj)
                 if pid is not None and pid[0] == "storage":
                     storage = obj._untyped_storage if isinstance(obj, torch.TypedStorage) else obj

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
 
 import pytest
 import torch
@@ -96,3 +97,29 @@ def test_fused_staging_refuses_device_state():
     with pytest.raises(ValueError, match="host memory"):
         stage_and_hash(image, _garbage_buffer(image.size, 0), algorithm="xxh3_128", chunk_bytes=4096,
                        pool=cf.ThreadPoolExecutor(1))
+
+
+@pytest.mark.parametrize(("l2", "expected"), [
+    (None, 512 << 10),  # unknown cache: 512 KiB
+    (0, 512 << 10),
+    (256 << 10, 128 << 10),  # never below 128 KiB
+    (512 << 10, 256 << 10),
+    (1 << 20, 512 << 10),  # half the cache: source and destination both stay in it
+    (1280 << 10, 640 << 10),
+    (2 << 20, 1 << 20),
+    (32 << 20, 1 << 20),  # never above 1 MiB
+    ((1 << 20) + 1000, 512 << 10),  # page multiples
+])
+def test_sub_chunk_is_half_the_l2_cache_within_bounds(l2, expected):
+    assert stage_mod.sub_chunk_bytes(l2) == expected
+
+
+def test_sub_chunk_follows_this_machines_l2_cache():
+    l2 = stage_mod._l2_cache_bytes()
+    index2 = "/sys/devices/system/cpu/cpu0/cache/index2/size"
+    if os.path.exists(index2):  # Linux tells the cache sizes: the real one is read
+        with open(index2) as f:
+            size = f.read().strip()
+        assert l2 == int(size[:-1]) * {"K": 1 << 10, "M": 1 << 20}[size[-1]]
+    assert stage_mod.SUB_CHUNK == stage_mod.sub_chunk_bytes(l2)
+    assert stage_mod.SUB_CHUNK % 4096 == 0
