@@ -16,10 +16,10 @@ from typing import Any
 from ._discovery import CheckpointInfo
 from ._fsspec import FsspecStore
 from ._local import LocalStore
-from ._s3 import RetryPolicy, S3Store, abort_stale_multipart_uploads
-from ._tiered import TieredStore
-from ._store import Store
 from ._names import TMP_MARKER, is_temporary
+from ._s3 import RetryPolicy, S3Store, abort_stale_multipart_uploads
+from ._store import Store
+from ._tiered import TieredStore
 from .checkpointer import Checkpointer, flush_all, flush_on_sigterm
 from .errors import (
     CheckpointError,
@@ -40,6 +40,7 @@ from .telemetry import SaveTelemetry
 __version__ = "0.1.0"
 
 __all__ = [
+    "TMP_MARKER",
     "CheckpointError",
     "CheckpointInfo",
     "CheckpointNotFoundError",
@@ -56,7 +57,6 @@ __all__ = [
     "SaveHandle",
     "SaveTelemetry",
     "StorageError",
-    "TMP_MARKER",
     "Store",
     "TieredStore",
     "UnsafeCheckpointError",

@@ -18,7 +18,7 @@ __all__ = [
 ]
 
 
-def open(path: str, flags: int, mode: int = 0o777) -> int:  # noqa: A001 - mirrors os.open
+def open(path: str, flags: int, mode: int = 0o777) -> int:
     return os.open(path, flags, mode)
 
 

@@ -8,6 +8,7 @@ its own module. Credentials passed in ``storage_options`` never appear in ``url`
 from __future__ import annotations
 
 import builtins
+import contextlib
 import posixpath
 import secrets
 from typing import Any
@@ -53,10 +54,8 @@ class _PipePendingWrite(PendingWrite):
         self.store.fs.mv(self.tmp, self.final)
 
     def abort(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # abort never raises
             self.store.fs.rm_file(self.tmp)
-        except Exception:  # noqa: BLE001 - abort never raises
-            pass
 
 
 class FsspecStore(Store):

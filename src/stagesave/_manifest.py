@@ -8,6 +8,7 @@ algorithm, storage records inside the file and not overlapping.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -148,7 +149,7 @@ def _parse_file(doc: Any, where: str) -> FileEntry:
             raise _fail(where, f"storage {rec.key} lies outside the file ({rec.offset}+{rec.nbytes} > {size})")
         storages.append(rec)
     ordered = sorted(storages, key=lambda r: r.offset)
-    for a, b in zip(ordered, ordered[1:]):
+    for a, b in itertools.pairwise(ordered):
         if a.offset + a.nbytes > b.offset:
             raise _fail(where, f"storages {a.key} and {b.key} overlap")
     return FileEntry(

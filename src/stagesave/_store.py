@@ -15,8 +15,8 @@ from __future__ import annotations
 import builtins
 import contextlib
 import posixpath
-from contextlib import AbstractContextManager
 from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 __all__ = ["ObjectInfo", "PendingWrite", "Store", "check_name"]
@@ -41,12 +41,10 @@ def check_name(name: str) -> str:
         not name
         or "\x00" in name
         or "://" in name
-        or name.startswith(("/", "\\"))
+        or name.startswith(("/", "\\", "../"))
         or "\\" in name
         or posixpath.normpath(name) != name
-        or name == ".."
-        or name.startswith("../")
-        or name == "."
+        or name in ("..", ".")
     ):
         raise ValueError(f"invalid checkpoint name {name!r}: must be a relative path inside the root")
     return name
@@ -143,5 +141,5 @@ class Store(ABC):
         """A POSIX path for ``name`` when the store is a local directory, else ``None``."""
         return None
 
-    def close(self) -> None:  # noqa: B027 - optional hook, most stores hold nothing
+    def close(self) -> None:
         """Release connections."""

@@ -664,7 +664,7 @@ class TieredStore(Store):
             self.local.close()
             self.remote.close()
 
-    def __enter__(self) -> TieredStore:
+    def __enter__(self) -> TieredStore:  # noqa: PYI034 - Self needs Python 3.11
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -10,6 +10,7 @@ import signal
 import sys
 import threading
 import time
+import types
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -21,8 +22,8 @@ from ._background import JobQueue
 from ._checksum import DEFAULT_ALGORITHM, check_algorithm, digest
 from ._commit import (
     FileToWrite,
-    chunk_digests,
     WriteStats,
+    chunk_digests,
     commit_files,
     manifest_path_for,
     retire_file,
@@ -877,10 +878,12 @@ class Checkpointer:
             _live.discard(self)
         self._raise_failures()
 
-    def __enter__(self) -> Checkpointer:
+    def __enter__(self) -> Checkpointer:  # noqa: PYI034 - Self needs Python 3.11
         return self
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: types.TracebackType | None,
+    ) -> None:
         if exc_type is None:
             self.close()
         else:
