@@ -9,8 +9,12 @@ into a reused buffer, ``stagesave.cli._floors.copy_floor_s``) and ``stage_image`
 without hashing), ``--repeats`` rounds in a rotating order, and prints the median and range of
 each one's time and of its ratio to the same round's copy floor.
 
+With ``--dir DIR`` it instead saves the state with a real ``stagesave.Checkpointer`` into DIR,
+alternating the sub-chunk sizes, and reports the save's own telemetry (plan, staging and blocking
+time) against the copy floor measured right after each save.
+
 Usage: python benchmarks/bench_stage_subchunk.py [--gib 2] [--repeats 9] [--sizes 1024,512,256,128]
-                                                 [--markdown FILE]
+                                                 [--dir DIR] [--markdown FILE]
 """
 
 from __future__ import annotations
@@ -40,8 +44,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--sizes", default="1024,512,256,128", help="sub-chunk sizes in KiB")
     ap.add_argument("--threads", type=int, default=2, help="staging threads (stagesave uses the cores)")
+    ap.add_argument("--dir", default=None, help="save through a Checkpointer into this folder instead")
     ap.add_argument("--markdown", default=None, help="append the table to this file")
     args = ap.parse_args()
+    if args.dir:
+        checkpointer_rounds(args)
+        return
 
     n = int(args.gib * GIB)
     state = common.transformer_state(n, d_model=common.d_model_for(n))
@@ -93,6 +101,45 @@ def main() -> None:
             f"{image.size / GIB:.2f} GiB image, {args.threads} threads, L2 per core "
             f"{(stage_mod._l2_cache_bytes() or 0) >> 10} KiB):\n\n"
             "| staging | ms, median (min–max) | × copy floor, median of the rounds (min–max) |\n|---|---|---|\n"
+            + "\n".join(rows) + "\n")
+    print(text)
+    if args.markdown:
+        with open(args.markdown, "a") as f:
+            f.write(text)
+
+
+def checkpointer_rounds(args: argparse.Namespace) -> None:
+    """Real saves, sub-chunk sizes alternated, each save's telemetry against the copy floor."""
+    from stagesave import Checkpointer
+
+    n = int(args.gib * GIB)
+    state = common.transformer_state(n, d_model=common.d_model_for(n))
+    tensors = common.tensors_of(state)
+    sizes = [int(x) << 10 for x in args.sizes.split(",")]
+    default = stage_mod.SUB_CHUNK
+    got: dict[int, list[tuple[float, float, float]]] = {s: [] for s in sizes}
+    with Checkpointer(args.dir, keep_last=1) as ck:
+        for r in range(args.repeats + 1):  # the first round warms up (allocates the buffer)
+            order = sizes[r % len(sizes):] + sizes[: r % len(sizes)]
+            for sub in order:
+                stage_mod.SUB_CHUNK = sub
+                try:
+                    tel = ck.save(state, f"bench-{r}-{sub}.pt").telemetry
+                    ck.wait()
+                finally:
+                    stage_mod.SUB_CHUNK = default
+                floor = copy_floor_s(tensors)
+                if r:
+                    got[sub].append((tel.plan_s / floor, tel.stage_s / floor, tel.blocking_s / floor))
+    rows = []
+    for sub in sizes:
+        med = [statistics.median(x[i] for x in got[sub]) for i in range(3)]
+        mark = " (this machine's default)" if sub == default else ""
+        rows.append(f"| {sub >> 10} KiB{mark} | {med[0]:.2f} | {med[1]:.2f} | {med[2]:.2f} |")
+    text = (f"\n`python benchmarks/bench_stage_subchunk.py --gib {args.gib:g} --repeats {args.repeats} "
+            f"--sizes {args.sizes} --dir DIR` ({time.strftime('%Y-%m-%d %H:%M')}; {len(tensors)} tensors, "
+            "a Checkpointer's own telemetry, medians of the rounds):\n\n"
+            "| sub-chunk | plan × copy floor | staging × copy floor | blocking × copy floor |\n|---|---|---|---|\n"
             + "\n".join(rows) + "\n")
     print(text)
     if args.markdown:
