@@ -93,6 +93,10 @@ class StagedCheckpointIO(CheckpointIO):
         telemetry_jsonl: ``True`` to append telemetry lines beside local checkpoints, or a path.
         safe_globals: Extra classes (or dotted names) allowed when loading, on top of
             stagesave's allow-list and :data:`LIGHTNING_SAFE_GLOBALS`.
+        device_staging: Stage a GPU model's checkpoint in GPU memory (device-to-device copies)
+            and write it from there in the background, with GPUDirect Storage when kvikio is
+            installed; costs one GPU buffer of the checkpoint's size per save in flight
+            (``stagesave.Checkpointer``'s ``device_staging``). Local files only.
     """
 
     def __init__(
@@ -109,8 +113,12 @@ class StagedCheckpointIO(CheckpointIO):
         telemetry_callback: Callable[[SaveTelemetry], None] | None = None,
         telemetry_jsonl: bool | str = False,
         safe_globals: Sequence[Any] = (),
+        device_staging: bool = False,
     ) -> None:
         super().__init__()
+        if not isinstance(device_staging, bool):
+            raise TypeError(f"device_staging must be True or False, got {device_staging!r}")
+        self.device_staging = device_staging
         if teardown_timeout is not None and teardown_timeout < 0:
             raise ValueError(f"teardown_timeout must be >= 0 or None, got {teardown_timeout}")
         self.max_pending = max_pending
@@ -153,6 +161,7 @@ class StagedCheckpointIO(CheckpointIO):
             max_pending=self.max_pending,
             checksum=self.checksum,
             checksum_in=self.checksum_in,
+            device_staging=self.device_staging,
             io_threads=self.io_threads,
             direct_io=self.direct_io,
             storage_options=self.storage_options,

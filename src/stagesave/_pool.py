@@ -49,6 +49,12 @@ class HostBuffer:
         tensor = torch.frombuffer(mem, dtype=torch.uint8, count=capacity)
         return cls(capacity, False, view, tensor, mem)
 
+    @classmethod
+    def on_device(cls, capacity: int, device: torch.device) -> HostBuffer:
+        """A buffer in a device's memory (device staging): a tensor only, no host view."""
+        tensor = torch.empty(capacity, dtype=torch.uint8, device=device)
+        return cls(capacity, False, memoryview(b""), tensor)
+
     def release_memory(self) -> None:
         self.view.release()
         del self.tensor
@@ -62,10 +68,12 @@ class HostBuffer:
 class BufferPool:
     """At most ``max_buffers`` host buffers, handed out one per in-flight save."""
 
-    def __init__(self, max_buffers: int, pinned: bool | None = None) -> None:
+    def __init__(self, max_buffers: int, pinned: bool | None = None, device: torch.device | None = None) -> None:
+        """``device``: hand out buffers in that device's memory instead (see ``device_staging``)."""
         if max_buffers < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_buffers}")
         self.max_buffers = max_buffers
+        self.device = device
         self.pinned = torch.cuda.is_available() if pinned is None else pinned
         self._free: list[HostBuffer] = []
         self._count = 0
@@ -107,7 +115,10 @@ class BufferPool:
         if old is not None:
             old.release_memory()
         try:
-            return HostBuffer.allocate(_round_up(need, GROWTH_STEP), self.pinned), waited
+            capacity = _round_up(need, GROWTH_STEP)
+            if self.device is not None:
+                return HostBuffer.on_device(capacity, self.device), waited
+            return HostBuffer.allocate(capacity, self.pinned), waited
         except BaseException:
             with self._cond:
                 self._count -= 1

@@ -31,10 +31,12 @@ from ._commit import (
     write_file,
 )
 from ._crash import crash_point
+from ._device import DeviceFile, device_of, kvikio_module, stage_on_device, write_device_file
 from ._dircommit import commit_directory, restore_aside
 from ._discovery import CheckpointInfo, raise_if_corrupt, resolve, resolve_dir, scan, verify_entry
 from ._image import FileImage, plan_torch_file
-from ._manifest import Manifest, StorageRecord
+from ._local import LocalStore
+from ._manifest import FileEntry, Manifest, StorageRecord
 from ._names import ALIGNMENT, DEFAULT_CHUNK_BYTES, DIR_MANIFEST, TELEMETRY_FILE, TMP_MARKER
 from ._pool import BufferPool, HostBuffer
 from ._stage import on_host, stage_and_hash, stage_image
@@ -192,14 +194,20 @@ class Checkpointer:
         pinned: Pin staging buffers (default: when CUDA is available).
         checksum_in: where each chunk's checksum is computed (:meth:`save`, :meth:`save_dir`
             and ``stagesave.dcp``). ``"staging"``: on the caller's
-            time, in the same pass as the copy of host state (each thread copies a MiB and
-            hashes it while it is in cache), so the background only makes syscalls;
+            time, in the same pass as the copy of host state (each thread copies half an L2
+            cache and hashes it while it is in cache), so the background only makes syscalls;
             ``"background"``: by the writer threads as they write each chunk;
             ``"auto"`` (default): ``"staging"`` when every byte was copied from host memory,
             ``"background"`` when a device-to-host copy is still in flight (hashing then would
             make the caller wait for the device). Hashing in the background costs a training
             loop that keeps every core busy more than the ~50 ms per GiB it adds to the
             blocking copy (BENCHMARKS.md, "training time lost per save").
+        device_staging: Stage the state of a CUDA device in a reused buffer on that device
+            (device-to-device copies) instead of host memory, and write it from there in the
+            background: with GPUDirect Storage through kvikio when it is installed, otherwise
+            through a pinned host bounce buffer. Costs one device buffer of the checkpoint's
+            size per save in flight. Applies to :meth:`save` of local files whose device
+            tensors are on one CUDA device; other saves stage in host memory as usual.
     """
 
     def __init__(
@@ -218,6 +226,7 @@ class Checkpointer:
         safe_globals: Iterable[Any] = (),
         pinned: bool | None = None,
         checksum_in: str = "auto",
+        device_staging: bool = False,
     ) -> None:
         if max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_pending}")
@@ -231,6 +240,10 @@ class Checkpointer:
         if checksum_in not in ("auto", "background", "staging"):
             raise ValueError(f"checksum_in must be 'auto', 'background' or 'staging', got {checksum_in!r}")
         self.checksum_in = checksum_in
+        if not isinstance(device_staging, bool):
+            raise TypeError(f"device_staging must be True or False, got {device_staging!r}")
+        self.device_staging = device_staging
+        self._device_pools: dict[torch.device, BufferPool] = {}
         self._hash_pool: cf.ThreadPoolExecutor | None = None
         self.keep_last = keep_last
         self.io_threads = io_threads
@@ -272,12 +285,20 @@ class Checkpointer:
         image = plan_torch_file(state)
         tel.plan_s = time.perf_counter() - t_start
         store.check_writable(name, image.size)
-        buf, waited = self._pool.acquire(image.size)
+        device = device_of(image, store) if self.device_staging else None
+        pool = self._pool if device is None else self._device_pool(device)
+        buf, waited = pool.acquire(image.size)
         tel.buffer_wait_s = waited
         try:
-            wait_device, digests = self._stage(image, buf, 0, tel)
+            if device is None:
+                wait_device, digests = self._stage(image, buf, 0, tel)
+            else:
+                s0 = time.perf_counter()
+                wait_device, digests = stage_on_device(image, buf), None
+                tel.stage_s += time.perf_counter() - s0
+                tel.staged_on = str(device)
         except BaseException:
-            self._pool.release(buf)
+            pool.release(buf)
             raise
         tel.bytes = image.size
         tel.tensor_bytes = image.tensor_bytes
@@ -293,7 +314,10 @@ class Checkpointer:
             try:
                 if wait_device is not None:
                     wait_device()
-                self._write_and_commit(store, name, image, buf.view, tel, metadata or {}, digests)
+                if device is None:
+                    self._write_and_commit(store, name, image, buf.view, tel, metadata or {}, digests)
+                else:
+                    self._write_and_commit_device(store, name, image, buf, tel, metadata or {})
                 tel.time_to_commit_s = time.perf_counter() - t_submit
                 tel.committed_at = time.time()
                 if self.keep_last is not None:
@@ -302,11 +326,20 @@ class Checkpointer:
                 error = _as_checkpoint_error(exc, f"saving checkpoint {tel.path} failed")
                 tel.error = str(error)
             finally:
-                self._pool.release(buf)
+                pool.release(buf)
             self._finish(key, handle, error)
 
         self._submit(job, handle, key)
         return handle
+
+    def _device_pool(self, device: torch.device) -> BufferPool:
+        """The device buffers of ``device`` (``max_pending`` at most, created on first use)."""
+        with self._lock:
+            self._check_open()
+            pool = self._device_pools.get(device)
+            if pool is None:
+                pool = self._device_pools[device] = BufferPool(self._pool.max_buffers, device=device)
+            return pool
 
     def _stage(
         self, image: FileImage, buf: HostBuffer, base: int, tel: SaveTelemetry,
@@ -372,6 +405,33 @@ class Checkpointer:
             pool=queue.io_pool,
             stats=stats,
         )
+        self._commit_entry(store, name, image, (entry, publish, abort), stats, tel, metadata)
+
+    def _write_and_commit_device(
+        self, store: Store, name: str, image: FileImage, buf: HostBuffer, tel: SaveTelemetry,
+        metadata: dict[str, Any],
+    ) -> None:
+        """:meth:`_write_and_commit` for an image staged in device memory (``device_staging``)."""
+        assert isinstance(store, LocalStore) and self._queue is not None
+        stats = WriteStats()
+        kvikio = kvikio_module()
+        tel.gpudirect = kvikio is not None
+        written = write_device_file(
+            store,
+            DeviceFile(name, buf, image.size, image.serialization_id, image.id_offset,
+                       [StorageRecord(s.key, s.offset, s.nbytes) for s in image.slots]),
+            algorithm=self.checksum, chunk_bytes=self.chunk_bytes, pool=self._queue.io_pool,
+            stats=stats, kvikio=kvikio,
+        )
+        self._commit_entry(store, name, image, written, stats, tel, metadata)
+
+    def _commit_entry(
+        self, store: Store, name: str, image: FileImage,
+        written: tuple[FileEntry, Callable[[], None], Callable[[], None]], stats: WriteStats,
+        tel: SaveTelemetry, metadata: dict[str, Any],
+    ) -> None:
+        """Record the write in the telemetry and commit the file's manifest."""
+        entry, publish, abort = written
         tel.write_s, tel.fsync_s, tel.direct_io = stats.write_s, stats.fsync_s, stats.direct_io
         tel.checksum_s += stats.checksum_s
         tel.throughput_bytes_per_s = image.size / stats.write_s if stats.write_s > 0 else 0.0
@@ -871,6 +931,8 @@ class Checkpointer:
                 )
         finally:
             self._pool.close()
+            for device_pool in self._device_pools.values():
+                device_pool.close()
             self._targets.close()
             if self._hash_pool is not None:  # only ever busy inside save(): joins at once
                 self._hash_pool.shutdown(wait=True)

@@ -31,6 +31,10 @@ class SaveTelemetry:
     committed_at: float | None = None
     error: str | None = None
     tier: str | None = None
+    #: Where the save was staged: ``"host"``, or the device with ``device_staging`` (``"cuda:0"``).
+    staged_on: str = "host"
+    #: With device staging: whether kvikio (GPUDirect Storage) wrote the file.
+    gpudirect: bool | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

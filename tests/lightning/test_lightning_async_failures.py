@@ -348,3 +348,17 @@ def test_device_memory_during_save(tmp_path: Path, kind: str) -> None:
         assert extra < 16 * 2**20  # staged into host memory
     assert torch.equal(torch.load(tmp_path / "x.ckpt")["w"], state["w"].cpu())
     os.remove(tmp_path / "x.ckpt")
+
+
+@pytest.mark.gpu
+def test_device_staging_keeps_the_checkpoint_in_device_memory(tmp_path: Path) -> None:
+    state = {"w": torch.randn(64, 1024, 1024, device="cuda"), "global_step": 3}  # 256 MiB
+    expected = state["w"].cpu()
+    seen: list[Any] = []
+    io = StagedCheckpointIO(device_staging=True, telemetry_callback=seen.append)
+    io.save_checkpoint(state, tmp_path / "d.ckpt")
+    state["w"].zero_()  # the next optimizer step: must not reach the checkpoint
+    io.wait()
+    io.teardown()
+    assert seen and seen[0].staged_on.startswith("cuda") and seen[0].error is None
+    assert torch.equal(torch.load(tmp_path / "d.ckpt")["w"], expected)

@@ -58,6 +58,18 @@ def test_invalid_arguments_say_what_is_wrong() -> None:
         StagedCheckpointIO(teardown_timeout=-1)
     with pytest.raises(ValueError, match="'no.such.Class' does not name an importable class"):
         StagedCheckpointIO(safe_globals=["no.such.Class"])
+    with pytest.raises(TypeError, match="device_staging must be True or False, got 'gpu'"):
+        StagedCheckpointIO(device_staging="gpu")  # type: ignore[arg-type]
+
+
+def test_device_staging_reaches_the_checkpointer(tmp_path: Path) -> None:
+    io = StagedCheckpointIO(device_staging=True)
+    state = {"w": torch.arange(10.0), "global_step": 1}
+    io.save_checkpoint(state, tmp_path / "a.ckpt")  # host tensors: staged on the host as usual
+    io.wait()
+    assert io._new_checkpointer().device_staging is True
+    assert torch.equal(io.load_checkpoint(tmp_path / "a.ckpt")["w"], state["w"])
+    io.teardown()
 
 
 def test_save_checkpoint_positional_and_keyword_with_metadata(tmp_path: Path) -> None:

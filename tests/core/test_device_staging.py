@@ -1,0 +1,178 @@
+"""Device staging (``Checkpointer(device_staging=True)``): the image in device memory, written from there.
+
+On a machine without CUDA the layout and write code runs with host memory standing in for the
+device (the same functions, a CPU "device" buffer, the bounce-buffer writer); the tests marked
+``gpu`` run it on a real CUDA device (and through kvikio when it is installed) and skip here.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from test_stage_and_hash import states
+
+import stagesave
+import stagesave.checkpointer as checkpointer_mod
+from stagesave._commit import WriteStats, chunk_digests
+from stagesave._device import (
+    DeviceFile,
+    device_of,
+    kvikio_module,
+    stage_on_device,
+    write_device_file,
+)
+from stagesave._image import plan_torch_file
+from stagesave._local import LocalStore
+from stagesave._manifest import StorageRecord
+from stagesave._pool import HostBuffer
+from stagesave._stage import stage_image
+
+CPU = torch.device("cpu")
+
+
+def _host_image(image, fill):
+    buf = HostBuffer.allocate(max(image.size, 4096), pinned=False)
+    buf.tensor.fill_(fill)
+    stage_image(image, buf)
+    return bytes(buf.view[: image.size])
+
+
+def _device_buffer(image, fill):
+    buf = HostBuffer.on_device(image.size + 3 * 4096, CPU)
+    buf.tensor.fill_(fill)  # a reused buffer: an older image's bytes everywhere
+    return buf
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(state=states())
+def test_device_layout_is_byte_for_byte_the_host_layout(state):
+    image = plan_torch_file(state)
+    buf = _device_buffer(image, 0xA5)
+    assert stage_on_device(image, buf) is None  # host memory: nothing left in flight
+    assert bytes(buf.tensor[: image.size].numpy()) == _host_image(image, 0x3C)
+
+
+@pytest.mark.parametrize("direct_io", [True, False])
+@pytest.mark.parametrize("chunk_pages", [1, 3, 16])
+def test_device_image_written_through_the_bounce_buffer_loads_back_equal(tmp_path, direct_io, chunk_pages):
+    state = {"w": torch.randn(300, 77), "b": torch.arange(5000, dtype=torch.int16), "step": 12,
+             "t": torch.randn(64, 64).t(), "meta": torch.empty(10, device="meta"), "nested": {"x": [1.5, "a"]}}
+    image = plan_torch_file(state)
+    buf = _device_buffer(image, 0xEE)
+    stage_on_device(image, buf)
+    chunk = chunk_pages * 4096
+    store = LocalStore(str(tmp_path), direct_io=direct_io)
+    stats = WriteStats()
+    with cf.ThreadPoolExecutor(3) as pool:
+        entry, publish, _abort = write_device_file(
+            store, DeviceFile("x.pt", buf, image.size, image.serialization_id, image.id_offset,
+                              [StorageRecord(s.key, s.offset, s.nbytes) for s in image.slots]),
+            algorithm="xxh3_128", chunk_bytes=chunk, pool=pool, stats=stats, kvikio=None)
+    assert [p.name for p in tmp_path.iterdir() if p.name != "x.pt"] != []  # only the temporary so far
+    assert not (tmp_path / "x.pt").exists()
+    publish()
+    data = (tmp_path / "x.pt").read_bytes()
+    host = _host_image(image, 0)
+    assert data == host  # exactly the image: the O_DIRECT padding was truncated away
+    view = memoryview(bytearray(host))
+    assert list(entry.chunks) == chunk_digests(view, len(host), algorithm="xxh3_128", chunk_bytes=chunk,
+                                               pool=cf.ThreadPoolExecutor(1))
+    assert entry.size == image.size and stats.write_s > 0
+    out = torch.load(tmp_path / "x.pt", weights_only=True)
+    assert torch.equal(out["w"], state["w"]) and torch.equal(out["b"], state["b"]) and out["step"] == 12
+    assert torch.equal(out["t"], state["t"]) and out["nested"] == {"x": [1.5, "a"]}
+    assert sorted(os.listdir(tmp_path)) == ["x.pt"]  # no temporary left
+
+
+def test_a_failing_device_write_leaves_no_temporary(tmp_path):
+    image = plan_torch_file({"w": torch.randn(100_000)})
+    buf = _device_buffer(image, 0)
+    stage_on_device(image, buf)
+    store = LocalStore(str(tmp_path))
+
+    class Broken(cf.ThreadPoolExecutor):
+        def map(self, fn, *iterables, **kw):  # the first chunk fails after the temporary exists
+            raise OSError(5, "injected write failure")
+
+    with Broken(1) as pool, pytest.raises(OSError, match="injected write failure"):
+        write_device_file(store, DeviceFile("x.pt", buf, image.size, None, None, []),
+                          algorithm="xxh3_128", chunk_bytes=1 << 20, pool=pool, stats=WriteStats(), kvikio=None)
+    assert os.listdir(tmp_path) == []
+
+
+def test_device_staging_option_is_validated(tmp_path):
+    with pytest.raises(TypeError, match="device_staging must be True or False, got 'yes'"):
+        stagesave.Checkpointer(tmp_path, device_staging="yes")
+
+
+def test_host_state_with_device_staging_is_staged_on_the_host(tmp_path):
+    assert device_of(plan_torch_file({"w": torch.ones(3)}), LocalStore(str(tmp_path))) is None
+    with stagesave.Checkpointer(tmp_path, device_staging=True) as ck:
+        h = ck.save({"w": torch.ones(3)}, "h.pt")
+        h.result()
+        assert h.telemetry.staged_on == "host" and h.telemetry.gpudirect is None
+        assert ck._device_pools == {}
+        assert torch.equal(ck.load("h.pt")["w"], torch.ones(3))
+
+
+def test_checkpointer_device_path_end_to_end_with_host_memory_as_the_device(tmp_path, monkeypatch):
+    """The whole save path of device staging (pool, layout, bounce writes, commit, retention),
+    with host memory standing in for the device: no CUDA here, the code is the same."""
+    monkeypatch.setattr(checkpointer_mod, "device_of",
+                        lambda image, store: CPU if isinstance(store, LocalStore) else None)
+    monkeypatch.setattr(checkpointer_mod, "kvikio_module", lambda: None)
+    w = torch.randn(512, 1024)
+    with stagesave.Checkpointer(tmp_path, device_staging=True, keep_last=2, chunk_bytes=1 << 20) as ck:
+        for step in range(4):
+            before = w.clone()
+            h = ck.save({"w": w, "step": step}, f"s{step}.pt")
+            w.add_(1)  # the next step changes the tensor in place
+            h.result()
+            assert h.telemetry.staged_on == "cpu" and h.telemetry.gpudirect is False
+        assert [c.name for c in ck.list()] == ["s3.pt", "s2.pt"]
+        assert len(ck._device_pools[CPU]._free) == 1  # one device buffer, reused
+        out = ck.load("s3.pt")
+        assert out["step"] == 3 and torch.equal(out["w"], before)
+    assert stagesave.verify(tmp_path / "s3.pt").status == "verified"
+
+
+# ----------------------------------------------------------------------------- on a real GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("use_kvikio", [False, True])
+def test_cuda_state_staged_on_the_device_round_trips(ckpt_dir, monkeypatch, use_kvikio):
+    if use_kvikio and kvikio_module() is None:
+        pytest.skip("kvikio is not installed (pip install kvikio-cu12): GPUDirect Storage path untested")
+    if not use_kvikio:
+        monkeypatch.setattr(checkpointer_mod, "kvikio_module", lambda: None)
+    w = torch.randn(4096, 4096, device="cuda")  # 64 MiB
+    step = torch.tensor(7.0)  # a host tensor in the same state (Adam's step counters are)
+    expected_w, expected_step = w.cpu(), step.clone()
+    with stagesave.Checkpointer(ckpt_dir, device_staging=True) as ck:
+        h = ck.save({"w": w, "step": step, "meta": {"lr": 0.1}}, "d.pt")
+        w.mul_(0)  # queued after the device copy: must not reach the checkpoint
+        step.add_(1)
+        h.result()
+        assert h.telemetry.staged_on == str(w.device) and h.telemetry.gpudirect is use_kvikio
+        out = ck.load("d.pt", map_location="cpu")
+    assert torch.equal(out["w"], expected_w) and torch.equal(out["step"], expected_step)
+    assert out["meta"] == {"lr": 0.1}
+    assert stagesave.verify(ckpt_dir / "d.pt").status == "verified"
+
+
+@pytest.mark.gpu
+def test_device_layout_on_cuda_matches_the_host_layout():
+    state = {"a": torch.randn(1000, device="cuda"), "b": torch.arange(77, device="cuda")[3:],
+             "c": torch.ones(5), "m": torch.empty(4, device="meta"), "n": 3}
+    image = plan_torch_file(state)
+    buf = HostBuffer.on_device(image.size + 4096, torch.device("cuda"))
+    buf.tensor.fill_(0x77)
+    wait = stage_on_device(image, buf)
+    assert wait is not None
+    wait()
+    assert bytes(buf.tensor[: image.size].cpu().numpy()) == _host_image(image, 0x11)
