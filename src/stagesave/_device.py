@@ -201,22 +201,21 @@ def write_device_file(
         n_chunks = (f.size + chunk_bytes - 1) // chunk_bytes
         hash_time = [0.0] * n_chunks
         with _cufile(kvikio, pending.tmp) if kvikio is not None else contextlib.nullcontext() as cufile:
+            # kvikio splits one large write over its own threads (GPUDirect DMA where it can);
+            # meanwhile the pool copies each chunk to the host and hashes it.
+            future = cufile.pwrite(f.buf.tensor[: f.size], f.size, 0) if cufile is not None else None
 
             def one(i: int) -> str:
                 lo, hi = i * chunk_bytes, min(f.size, (i + 1) * chunk_bytes)
                 # O_DIRECT writes whole pages: the bounce path writes the buffer's padding
                 # after the image too (the buffer is larger; finish() truncates to the size).
-                end = hi if cufile is not None or not pending.direct else min(
+                end = hi if future is not None or not pending.direct else min(
                     f.buf.capacity, (hi + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT)
                 host = bounces.to_host(f.buf.tensor[lo:end])
                 h0 = time.perf_counter()
                 d = digest(algorithm, host[: hi - lo])
                 hash_time[i] = time.perf_counter() - h0
-                if cufile is not None:
-                    done = int(cufile.pwrite(f.buf.tensor[lo:hi], hi - lo, lo).get())
-                    if done != hi - lo:
-                        raise OSError(errno.EIO, f"short GPUDirect write at offset {lo}: {done} of {hi - lo} bytes")
-                else:
+                if future is None:
                     pos = 0
                     while pos < end - lo:
                         n = fsops.pwrite(pending.fd, host[pos:], lo + pos)
@@ -227,7 +226,17 @@ def write_device_file(
                     crash_point("mid_data")
                 return d
 
-            digests = list(pool.map(one, range(n_chunks)))
+            # The file is closed on leaving this block: never with kvikio's writes in flight.
+            try:
+                digests = list(pool.map(one, range(n_chunks)))
+            except BaseException:
+                if future is not None:
+                    with contextlib.suppress(Exception):  # the first error is the one to report
+                        future.get()
+                raise
+            done = int(future.get()) if future is not None else f.size
+            if done != f.size:
+                raise OSError(errno.EIO, f"short GPUDirect Storage write: {done} of {f.size} bytes")
         crash_point("after_data")
         f0 = time.perf_counter()
         pending.finish()

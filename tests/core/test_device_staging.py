@@ -104,6 +104,72 @@ def test_a_failing_device_write_leaves_no_temporary(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+class _StandInKvikio:
+    """kvikio's CuFile contract (``CuFile(path, "r+")``, ``pwrite(buf, size, offset)`` returning a
+    future whose ``get()`` is the bytes written, ``close()``) over plain ``os.pwrite`` of host
+    memory: kvikio itself needs a GPU and its driver. ``short`` makes the write fall short, a
+    storage fault that cannot be caused on purpose."""
+
+    def __init__(self, short: int = 0) -> None:
+        self.short = short
+        self.opened: list[str] = []
+        self.closed_with_pending = False
+
+    def CuFile(self, path, flags):  # kvikio's name
+        assert flags == "r+"  # the temporary already exists (fallocated): never truncate it
+        kvikio, fd = self, os.open(path, os.O_RDWR)
+        self.opened.append(path)
+
+        class Future:
+            def __init__(self, n):
+                self.n, self.got = n, False
+
+            def get(self):
+                self.got = True
+                return self.n
+
+        class File:
+            def __init__(self):
+                self.futures: list[Future] = []
+
+            def pwrite(self, buf, size, file_offset):
+                data = bytes(buf.numpy()[:size])
+                n = os.pwrite(fd, data[: size - kvikio.short], file_offset)
+                self.futures.append(Future(n))
+                return self.futures[-1]
+
+            def close(self):
+                kvikio.closed_with_pending |= not all(f.got for f in self.futures)
+                os.close(fd)
+
+        return File()
+
+
+@pytest.mark.parametrize("short", [0, 1000])
+def test_gpudirect_write_path_with_kvikio_contract(tmp_path, short):
+    state = {"w": torch.randn(70_000), "i": torch.arange(999), "step": 3}
+    image = plan_torch_file(state)
+    buf = _device_buffer(image, 0x11)
+    stage_on_device(image, buf)
+    kvikio = _StandInKvikio(short)
+    store = LocalStore(str(tmp_path))
+    f = DeviceFile("k.pt", buf, image.size, image.serialization_id, image.id_offset,
+                   [StorageRecord(s.key, s.offset, s.nbytes) for s in image.slots])
+    with cf.ThreadPoolExecutor(2) as pool:
+        if short:
+            with pytest.raises(OSError, match=f"short GPUDirect Storage write: {image.size - short} of {image.size} bytes"):
+                write_device_file(store, f, algorithm="xxh3_128", chunk_bytes=65536, pool=pool,
+                                  stats=WriteStats(), kvikio=kvikio)
+            assert os.listdir(tmp_path) == []  # the temporary is gone
+        else:
+            entry, publish, _abort = write_device_file(store, f, algorithm="xxh3_128", chunk_bytes=65536,
+                                                       pool=pool, stats=WriteStats(), kvikio=kvikio)
+            publish()
+            assert (tmp_path / "k.pt").read_bytes() == _host_image(image, 0)
+            assert len(entry.chunks) == -(-image.size // 65536)
+    assert len(kvikio.opened) == 1 and not kvikio.closed_with_pending
+
+
 def test_device_staging_option_is_validated(tmp_path):
     with pytest.raises(TypeError, match="device_staging must be True or False, got 'yes'"):
         stagesave.Checkpointer(tmp_path, device_staging="yes")
