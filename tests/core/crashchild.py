@@ -19,8 +19,15 @@ def save_step(root: str, step: int, mode: str, crash: str | None) -> None:
     else:
         os.environ.pop(ENV_VAR, None)
     state = {"step": step, "w": torch.full((300_000,), float(step))}
-    with stagesave.Checkpointer(root, chunk_bytes=1 << 20, keep_last=2) as ck:
-        if mode == "file":
+    if mode == "file_device":
+        # device staging's save path (device buffer, bounce writes) with host memory standing
+        # in for the GPU, which this machine does not have
+        import stagesave.checkpointer as checkpointer_mod
+
+        checkpointer_mod.device_of = lambda image, store: torch.device("cpu")  # type: ignore[assignment]
+        checkpointer_mod.kvikio_module = lambda: None  # type: ignore[assignment]
+    with stagesave.Checkpointer(root, chunk_bytes=1 << 20, keep_last=2, device_staging=mode == "file_device") as ck:
+        if mode in ("file", "file_device"):
             ck.save(state, "last.ckpt").result()
             ck.save(state, f"step{step}.ckpt").result()
         else:
