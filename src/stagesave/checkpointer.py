@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 import types
+import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -244,6 +245,7 @@ class Checkpointer:
             raise TypeError(f"device_staging must be True or False, got {device_staging!r}")
         self.device_staging = device_staging
         self._device_pools: dict[torch.device, BufferPool] = {}
+        self._warned_device_memory = False
         self._hash_pool: cf.ThreadPoolExecutor | None = None
         self.keep_last = keep_last
         self.io_threads = io_threads
@@ -287,7 +289,22 @@ class Checkpointer:
         store.check_writable(name, image.size)
         device = device_of(image, store) if self.device_staging else None
         pool = self._pool if device is None else self._device_pool(device)
-        buf, waited = pool.acquire(image.size)
+        try:
+            buf, waited = pool.acquire(image.size)
+        except torch.OutOfMemoryError as exc:
+            if device is None:
+                raise
+            # An optimization must not fail the save: stage this one in host memory, say so once.
+            if not self._warned_device_memory:
+                self._warned_device_memory = True
+                warnings.warn(
+                    f"device_staging: no room on {device} for a {image.size / 2**30:.2f} GiB staging "
+                    f"buffer ({str(exc).splitlines()[0]}); staging in host memory instead "
+                    "(SaveTelemetry.staged_on tells which each save used)",
+                    RuntimeWarning, stacklevel=2,
+                )
+            device, pool = None, self._pool
+            buf, waited = pool.acquire(image.size)
         tel.buffer_wait_s = waited
         try:
             if device is None:

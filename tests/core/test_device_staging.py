@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import os
+import warnings
 
 import pytest
 import torch
@@ -204,6 +205,31 @@ def test_checkpointer_device_path_end_to_end_with_host_memory_as_the_device(tmp_
         out = ck.load("s3.pt")
         assert out["step"] == 3 and torch.equal(out["w"], before)
     assert stagesave.verify(tmp_path / "s3.pt").status == "verified"
+
+
+def test_no_room_on_the_device_stages_in_host_memory_and_warns_once(tmp_path, monkeypatch):
+    """A device buffer that cannot be allocated (out of GPU memory: injected, no GPU here) must
+    not fail the save: it is staged in host memory, with one warning."""
+    monkeypatch.setattr(checkpointer_mod, "device_of",
+                        lambda image, store: CPU if isinstance(store, LocalStore) else None)
+
+    def no_room(capacity, device):
+        raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {capacity} bytes")
+
+    monkeypatch.setattr(HostBuffer, "on_device", staticmethod(no_room))
+    w = torch.randn(1000)
+    with stagesave.Checkpointer(tmp_path, device_staging=True) as ck:
+        with pytest.warns(RuntimeWarning, match=r"device_staging: no room on cpu for a 0\.00 GiB staging "
+                                                r"buffer \(CUDA out of memory\..*staging in host memory instead"):
+            first = ck.save({"w": w}, "a.pt")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # only once
+            second = ck.save({"w": w}, "b.pt")
+        for h in (first, second):
+            h.result()
+            assert h.telemetry.staged_on == "host"
+        assert torch.equal(ck.load("b.pt")["w"], w)
+        assert ck._device_pools[CPU].in_use() == 0  # the failed allocation left no count behind
 
 
 # ----------------------------------------------------------------------------- on a real GPU
