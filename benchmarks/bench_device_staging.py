@@ -6,7 +6,8 @@ interleaved over ``--repeats`` rounds:
 
 - ``host``: the default (pinned host buffers, device-to-host copies on a side stream);
 - ``device, bounce``: ``device_staging=True`` with kvikio hidden (pinned bounce buffers + O_DIRECT);
-- ``device, kvikio``: ``device_staging=True`` with kvikio, when it is installed.
+- ``device, kvikio``: ``device_staging=True`` with kvikio, when it is installed and not in its
+  compatibility mode (GPUDirect Storage).
 
 Each save's own telemetry gives the blocking time and the time to commit; the floors of the same
 round are one device-to-host copy of every tensor into a reused pinned buffer and one
@@ -30,7 +31,7 @@ import torch
 
 import stagesave.checkpointer as checkpointer_mod
 from stagesave import Checkpointer
-from stagesave._device import kvikio_module
+from stagesave._device import gpudirect_kvikio
 
 GIB = 1 << 30
 
@@ -73,19 +74,19 @@ def main() -> None:
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     device_dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    kvikio = kvikio_module()
+    kvikio = gpudirect_kvikio()
     modes = ["host", "device, bounce"] + (["device, kvikio"] if kvikio is not None else [])
     results: dict[str, list[tuple[float, float]]] = {m: [] for m in [*modes, "D2H floor", "D2D floor"]}
-    real_kvikio = checkpointer_mod.kvikio_module
+    real_kvikio = checkpointer_mod.gpudirect_kvikio
     for r in range(args.repeats + 1):  # the first round allocates the buffers
         for mode in modes[r % len(modes):] + modes[: r % len(modes)]:
-            checkpointer_mod.kvikio_module = real_kvikio if mode == "device, kvikio" else (lambda: None)
+            checkpointer_mod.gpudirect_kvikio = real_kvikio if mode == "device, kvikio" else (lambda: None)
             try:
                 with Checkpointer(args.dir, device_staging=mode != "host", max_pending=1, keep_last=1) as ck:
                     for i in range(2):  # the second save reuses the buffer
                         tel = ck.save(state, f"bench-{i}.pt").result()
             finally:
-                checkpointer_mod.kvikio_module = real_kvikio
+                checkpointer_mod.gpudirect_kvikio = real_kvikio
             if r:
                 results[mode].append((tel.blocking_s, tel.time_to_commit_s))
         if r:
@@ -93,7 +94,7 @@ def main() -> None:
             results["D2D floor"].append((copy_floor_s(tensors, device_dst), 0.0))
     d2h = statistics.median(x for x, _ in results["D2H floor"])
     print(f"\n{args.gib:g} GiB on {torch.cuda.get_device_name()}, {args.repeats} rounds, kvikio "
-          f"{'installed' if kvikio is not None else 'not installed'}; medians:\n")
+          f"{'using GPUDirect Storage' if kvikio is not None else 'not installed or in compatibility mode'}; medians:\n")
     print("| mode | blocking s | × D2H copy floor | time to commit s |\n|---|---|---|---|")
     for mode, xs in results.items():
         b = statistics.median(x for x, _ in xs)

@@ -23,6 +23,7 @@ import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from . import _fsops as fsops
 from ._checksum import digest
@@ -31,7 +32,9 @@ from ._manifest import FileEntry, Manifest, StorageRecord
 from ._names import manifest_name, split_manifest_name
 from ._store import Store
 
-__all__ = ["FileToWrite", "commit_files", "write_file"]
+__all__ = ["FileToWrite", "commit_files", "run_all", "write_file"]
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -57,6 +60,19 @@ class WriteStats:
     checksum_s: float = 0.0
     fsync_s: float = 0.0
     direct_io: bool | None = None
+
+
+def run_all(pool: cf.Executor, fn: Callable[[int], T], n: int) -> list[T]:
+    """``[fn(0), ..., fn(n - 1)]`` on ``pool``; on failure, raise the first error in order only
+    after every call has ended (``Executor.map`` would leave started calls running behind the
+    caller's cleanup: writes into a closed or reused descriptor)."""
+    futures = [pool.submit(fn, i) for i in range(n)]
+    done, _ = cf.wait(futures, return_when=cf.FIRST_EXCEPTION)
+    if any(f.exception() is not None for f in done):
+        for f in futures:
+            f.cancel()  # those not started yet
+        cf.wait(futures)
+    return [f.result() for f in futures]
 
 
 def write_file(
@@ -97,7 +113,7 @@ def write_file(
                 crash_point("mid_data")
             return d
 
-        digests = list(pool.map(one, range(n_chunks)))
+        digests = run_all(pool, one, n_chunks)
         crash_point("after_data")
         f0 = time.perf_counter()
         pending.finish()

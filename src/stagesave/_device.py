@@ -7,9 +7,12 @@ caller waits for the copies to be queued, not for PCIe. The background then, chu
 
 * copies the chunk to a pinned host bounce buffer on its own stream and hashes it (the manifest's
   checksums are computed from host bytes, as for every save);
-* writes it: with kvikio installed, ``kvikio.CuFile.pwrite`` from GPU memory (GPUDirect Storage
-  DMA where the driver and filesystem support it, kvikio's POSIX path otherwise); without kvikio,
-  the bounce buffer with ``pwrite`` (O_DIRECT where the filesystem allows it).
+* writes it: with kvikio installed and out of its compatibility mode, one ``kvikio.CuFile.pwrite``
+  of the whole image from GPU memory (GPUDirect Storage); otherwise the bounce buffer with
+  ``pwrite`` (O_DIRECT where the filesystem allows it).
+
+The background's torch work is CUDA copies on per-thread streams: no CPU kernels, so no OpenMP
+team is started off the training thread.
 
 Commit, fsync and rename are the usual ones. The cost is device memory: one buffer of the
 checkpoint's size per save in flight. Only local files qualify (URLs and tiered roots use host
@@ -22,6 +25,7 @@ import concurrent.futures as cf
 import contextlib
 import ctypes
 import errno
+import functools
 import importlib
 import threading
 import time
@@ -33,7 +37,7 @@ import torch
 
 from . import _fsops as fsops
 from ._checksum import digest
-from ._commit import WriteStats
+from ._commit import WriteStats, run_all
 from ._crash import crash_point
 from ._image import FileImage
 from ._local import LocalStore
@@ -42,14 +46,37 @@ from ._names import ALIGNMENT
 from ._pool import HostBuffer
 from ._store import Store
 
-__all__ = ["device_of", "kvikio_module", "stage_on_device", "write_device_file"]
+__all__ = ["device_of", "gpudirect_kvikio", "stage_on_device", "write_device_file"]
 
 
-def kvikio_module() -> Any | None:
-    """The ``kvikio`` module when it is installed and imports, else ``None``."""
+@functools.lru_cache(maxsize=1)
+def _import_kvikio() -> Any | None:
     try:
         return importlib.import_module("kvikio")
     except Exception:  # noqa: BLE001 - any import failure means: not usable here
+        return None
+
+
+def gpudirect_kvikio() -> Any | None:
+    """The ``kvikio`` module when it is installed and would use GPUDirect Storage, else ``None``.
+
+    In its compatibility mode (no ``libcufile``, ``/run/udev`` not readable as in most containers,
+    ``KVIKIO_COMPAT_MODE=ON``) kvikio writes with POSIX calls through its own host bounce
+    buffers: the device would be read twice (once more for the checksums), so the pinned
+    bounce path is used instead.
+    """
+    kvikio = _import_kvikio()
+    if kvikio is None:
+        return None
+    defaults = getattr(kvikio, "defaults", None)
+    try:
+        preferred = getattr(defaults, "is_compat_mode_preferred", None)
+        if preferred is not None:  # kvikio >= 25.02
+            return None if preferred() else kvikio
+        mode = defaults.compat_mode()  # type: ignore[union-attr]  # older: a bool or a CompatMode
+        off = getattr(getattr(kvikio, "CompatMode", None), "OFF", False)
+        return kvikio if mode == off else None
+    except Exception:  # noqa: BLE001 - a kvikio that cannot say is not used
         return None
 
 
@@ -68,20 +95,57 @@ def device_of(image: FileImage, store: Store) -> torch.device | None:
     return devices.pop() if len(devices) == 1 else None
 
 
-def _scatter_pieces(image: FileImage, out: torch.Tensor) -> None:
-    """Write the image's small host pieces (zip headers, the pickle) into ``out`` in one scatter."""
-    pieces = [(off, data) for off, data in image.pieces if data]
-    if not pieces:
-        return
-    device = out.device
-    packed = torch.frombuffer(bytearray(b"".join(d for _, d in pieces)), dtype=torch.uint8).to(device)
-    lengths = torch.tensor([len(d) for _, d in pieces], dtype=torch.int64)
-    starts = torch.tensor([off for off, _ in pieces], dtype=torch.int64)
-    packed_starts = torch.cumsum(lengths, 0) - lengths
-    shift = torch.repeat_interleave((starts - packed_starts).to(device), lengths.to(device),
-                                    output_size=packed.numel())
-    positions = torch.arange(packed.numel(), dtype=torch.int64, device=device) + shift
-    out.index_copy_(0, positions, packed)
+#: Pieces at least this long are uploaded with a copy of their own instead of the scatter.
+_SCATTER_MAX = 64 << 10
+
+
+def _host_tensor(nbytes: int, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=dtype, pin_memory=pinned)
+
+
+def _upload_from_host(image: FileImage, out: torch.Tensor) -> list[torch.Tensor]:
+    """Queue the image's host bytes into ``out`` on the current stream, without waiting for it.
+
+    The small pieces (zip headers, the pickle) are packed, with the position of every byte, into
+    one pinned buffer and scattered by one kernel; host tensors (e.g. optimizer step counters)
+    are first copied into pinned memory on this thread, so the caller may change them as soon as
+    ``save`` returns, then uploaded without blocking. A blocking upload from pageable memory
+    would make the caller wait for every kernel the training loop had queued.
+
+    Returns:
+        The pinned buffers, to keep alive until the copies have landed.
+    """
+    pinned = out.device.type == "cuda"
+    keep: list[torch.Tensor] = []
+    pieces = [(off, data) for off, data in image.pieces if 0 < len(data) < _SCATTER_MAX]
+    large = [(off, data) for off, data in image.pieces if len(data) >= _SCATTER_MAX]
+    for off, data in large:  # a big pickle: one copy rather than 8 bytes of index per byte
+        part = _host_tensor(len(data), torch.uint8, pinned)
+        part.numpy().data.cast("B")[:] = data
+        out[off : off + len(data)].copy_(part, non_blocking=True)
+        keep.append(part)
+    if pieces:
+        packed = _host_tensor(sum(len(d) for _, d in pieces), torch.uint8, pinned)
+        positions = _host_tensor(packed.numel(), torch.int64, pinned)
+        view = packed.numpy().data.cast("B")
+        at = 0
+        for off, data in pieces:
+            view[at : at + len(data)] = data
+            torch.arange(off, off + len(data), out=positions[at : at + len(data)])
+            at += len(data)
+        keep += [packed, positions]
+        out.index_copy_(0, positions.to(out.device, non_blocking=True), packed.to(out.device, non_blocking=True))
+    host_slots = [s for s in image.slots if s.nbytes and s.source.device.type == "cpu"]
+    if host_slots:
+        snapshot = _host_tensor(sum(s.nbytes for s in host_slots), torch.uint8, pinned)
+        at = 0
+        for slot in host_slots:
+            part = snapshot[at : at + slot.nbytes]
+            part.copy_(slot.source)
+            out[slot.offset : slot.offset + slot.nbytes].copy_(part, non_blocking=True)
+            at += slot.nbytes
+        keep.append(snapshot)
+    return keep
 
 
 def stage_on_device(image: FileImage, buf: HostBuffer) -> Callable[[], None] | None:
@@ -89,6 +153,7 @@ def stage_on_device(image: FileImage, buf: HostBuffer) -> Callable[[], None] | N
 
     Everything is queued on a side stream that first waits for the caller's stream; the caller's
     stream then waits for the side stream, so the next in-place update cannot race the copies.
+    Nothing here waits for the device.
 
     Returns:
         A callable that blocks until the copies have landed (``None`` when nothing is pending).
@@ -98,27 +163,32 @@ def stage_on_device(image: FileImage, buf: HostBuffer) -> Callable[[], None] | N
     if out.device.type == "cuda":
         side = torch.cuda.Stream(device=out.device)  # type: ignore[no-untyped-call]
         side.wait_stream(torch.cuda.current_stream(out.device))
-    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-        out.zero_()  # a reused buffer holds an older image: gaps and meta slots must read as zeros
-        _scatter_pieces(image, out)
-        # Host tensors first, with blocking copies: once save() returns they may change (a
-        # non-blocking copy from pinned memory could still be reading them).
-        for slot in image.slots:
-            if slot.nbytes and slot.source.device.type == "cpu":
-                out[slot.offset : slot.offset + slot.nbytes].copy_(slot.source)
-        for slot in image.slots:
-            src = slot.source
-            if slot.nbytes == 0 or src.device.type in ("meta", "cpu"):
-                continue
-            out[slot.offset : slot.offset + slot.nbytes].copy_(src, non_blocking=True)
-            if side is not None:
-                src.record_stream(side)
+    try:
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            out.zero_()  # a reused buffer holds an older image: gaps must read as zeros
+            keep = _upload_from_host(image, out)
+            for slot in image.slots:
+                src = slot.source
+                if slot.nbytes == 0 or src.device.type in ("meta", "cpu"):
+                    continue
+                out[slot.offset : slot.offset + slot.nbytes].copy_(src, non_blocking=True)
+                if side is not None:
+                    src.record_stream(side)
+    except BaseException:
+        if side is not None:
+            side.synchronize()  # nothing queued may outlive the buffer
+        raise
     if side is None:
         return None
     event = torch.cuda.Event()  # type: ignore[no-untyped-call]
     event.record(side)
     torch.cuda.current_stream(out.device).wait_stream(side)
-    return event.synchronize
+
+    def wait() -> None:
+        event.synchronize()
+        keep.clear()  # the pinned host copies may go now
+
+    return wait
 
 
 @dataclass
@@ -221,6 +291,8 @@ def write_device_file(
                         n = fsops.pwrite(pending.fd, host[pos:], lo + pos)
                         if n <= 0:
                             raise OSError(errno.EIO, f"short write at offset {lo + pos}")
+                        if pending.direct and n % ALIGNMENT and pos + n < end - lo:
+                            raise OSError(errno.EIO, "unaligned short write with O_DIRECT")
                         pos += n
                 if i == 0 and n_chunks > 1:
                     crash_point("mid_data")
@@ -228,7 +300,7 @@ def write_device_file(
 
             # The file is closed on leaving this block: never with kvikio's writes in flight.
             try:
-                digests = list(pool.map(one, range(n_chunks)))
+                digests = run_all(pool, one, n_chunks)
             except BaseException:
                 if future is not None:
                     with contextlib.suppress(Exception):  # the first error is the one to report

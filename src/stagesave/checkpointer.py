@@ -32,7 +32,7 @@ from ._commit import (
     write_file,
 )
 from ._crash import crash_point
-from ._device import DeviceFile, device_of, kvikio_module, stage_on_device, write_device_file
+from ._device import DeviceFile, device_of, gpudirect_kvikio, stage_on_device, write_device_file
 from ._dircommit import commit_directory, restore_aside
 from ._discovery import CheckpointInfo, raise_if_corrupt, resolve, resolve_dir, scan, verify_entry
 from ._image import FileImage, plan_torch_file
@@ -246,6 +246,7 @@ class Checkpointer:
         self.device_staging = device_staging
         self._device_pools: dict[torch.device, BufferPool] = {}
         self._warned_device_memory = False
+        self._no_room: dict[torch.device, int] = {}  # smallest image size that found no room
         self._hash_pool: cf.ThreadPoolExecutor | None = None
         self.keep_last = keep_last
         self.io_threads = io_threads
@@ -288,13 +289,18 @@ class Checkpointer:
         tel.plan_s = time.perf_counter() - t_start
         store.check_writable(name, image.size)
         device = device_of(image, store) if self.device_staging else None
+        if device is not None and image.size >= self._no_room.get(device, image.size + 1):
+            device = None  # this size did not fit on the device before: do not retry every save
         pool = self._pool if device is None else self._device_pool(device)
         try:
             buf, waited = pool.acquire(image.size)
         except torch.OutOfMemoryError as exc:
             if device is None:
                 raise
-            # An optimization must not fail the save: stage this one in host memory, say so once.
+            # An optimization must not fail the save: stage this one in host memory, say so once,
+            # and stage saves at least this large in host memory from now on (a failed CUDA
+            # allocation first empties the allocator's cache, which training would pay for).
+            self._no_room[device] = min(image.size, self._no_room.get(device, image.size))
             if not self._warned_device_memory:
                 self._warned_device_memory = True
                 warnings.warn(
@@ -431,7 +437,7 @@ class Checkpointer:
         """:meth:`_write_and_commit` for an image staged in device memory (``device_staging``)."""
         assert isinstance(store, LocalStore) and self._queue is not None
         stats = WriteStats()
-        kvikio = kvikio_module()
+        kvikio = gpudirect_kvikio()
         tel.gpudirect = kvikio is not None
         written = write_device_file(
             store,
@@ -935,10 +941,11 @@ class Checkpointer:
 
         Safe to call more than once.
         """
-        if self._closed:
+        with self._lock:  # a racing save() then cannot create a device pool this close misses
+            was_closed, self._closed = self._closed, True
+        if was_closed:
             self._raise_failures()
             return
-        self._closed = True
         q = self._queue
         try:
             if q is not None and not q.stop(timeout):
@@ -948,7 +955,9 @@ class Checkpointer:
                 )
         finally:
             self._pool.close()
-            for device_pool in self._device_pools.values():
+            with self._lock:
+                device_pools = list(self._device_pools.values())
+            for device_pool in device_pools:
                 device_pool.close()
             self._targets.close()
             if self._hash_pool is not None:  # only ever busy inside save(): joins at once

@@ -25,7 +25,7 @@ def save_step(root: str, step: int, mode: str, crash: str | None) -> None:
         import stagesave.checkpointer as checkpointer_mod
 
         checkpointer_mod.device_of = lambda image, store: torch.device("cpu")  # type: ignore[assignment]
-        checkpointer_mod.kvikio_module = lambda: None  # type: ignore[assignment]
+        checkpointer_mod.gpudirect_kvikio = lambda: None  # type: ignore[assignment]
     with stagesave.Checkpointer(root, chunk_bytes=1 << 20, keep_last=2, device_staging=mode == "file_device") as ck:
         if mode in ("file", "file_device"):
             ck.save(state, "last.ckpt").result()

@@ -22,7 +22,7 @@ from stagesave._commit import WriteStats, chunk_digests
 from stagesave._device import (
     DeviceFile,
     device_of,
-    kvikio_module,
+    gpudirect_kvikio,
     stage_on_device,
     write_device_file,
 )
@@ -57,6 +57,17 @@ def test_device_layout_is_byte_for_byte_the_host_layout(state):
     assert bytes(buf.tensor[: image.size].numpy()) == _host_image(image, 0x3C)
 
 
+def test_device_layout_of_a_large_pickle_and_many_small_pieces():
+    # a pickle of > 64 KiB goes up as one copy, the many small headers through the scatter
+    state = {"history": list(range(50_000)), "names": [f"param-{i}" for i in range(3000)],
+             **{f"t{i}": torch.full((i + 1,), float(i)) for i in range(300)}}
+    image = plan_torch_file(state)
+    assert max(len(d) for _, d in image.pieces) >= 64 << 10
+    buf = _device_buffer(image, 0x5A)
+    stage_on_device(image, buf)
+    assert bytes(buf.tensor[: image.size].numpy()) == _host_image(image, 0xC3)
+
+
 @pytest.mark.parametrize("direct_io", [True, False])
 @pytest.mark.parametrize("chunk_pages", [1, 3, 16])
 def test_device_image_written_through_the_bounce_buffer_loads_back_equal(tmp_path, direct_io, chunk_pages):
@@ -89,20 +100,44 @@ def test_device_image_written_through_the_bounce_buffer_loads_back_equal(tmp_pat
     assert sorted(os.listdir(tmp_path)) == ["x.pt"]  # no temporary left
 
 
-def test_a_failing_device_write_leaves_no_temporary(tmp_path):
-    image = plan_torch_file({"w": torch.randn(100_000)})
+def test_a_failing_device_write_leaves_no_temporary_and_no_write_after_the_abort(tmp_path, monkeypatch):
+    """ENOSPC from the second chunk's write (injected at ``_fsops.pwrite``, as tests/faults does):
+    the error comes out, every other chunk's write has ended before the temporary is removed."""
+    import errno
+    import threading
+    import time
+
+    from stagesave import _fsops
+
+    image = plan_torch_file({"w": torch.randn(1_000_000)})  # 4 MB: 16 chunks of 256 KiB
     buf = _device_buffer(image, 0)
     stage_on_device(image, buf)
     store = LocalStore(str(tmp_path))
+    real_pwrite, calls, lock = _fsops.pwrite, [], threading.Lock()
+    aborted = threading.Event()
 
-    class Broken(cf.ThreadPoolExecutor):
-        def map(self, fn, *iterables, **kw):  # the first chunk fails after the temporary exists
-            raise OSError(5, "injected write failure")
+    def pwrite(fd, data, offset):
+        with lock:
+            calls.append(aborted.is_set())
+            n = len(calls)
+        if n == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        time.sleep(0.01)  # the other chunks are still writing when the failure comes out
+        return real_pwrite(fd, data, offset)
 
-    with Broken(1) as pool, pytest.raises(OSError, match="injected write failure"):
+    monkeypatch.setattr(_fsops, "pwrite", pwrite)
+    real_unlink = _fsops.unlink
+
+    def unlink(path):
+        aborted.set()
+        real_unlink(path)
+
+    monkeypatch.setattr(_fsops, "unlink", unlink)
+    with cf.ThreadPoolExecutor(4) as pool, pytest.raises(OSError, match="No space left on device"):
         write_device_file(store, DeviceFile("x.pt", buf, image.size, None, None, []),
-                          algorithm="xxh3_128", chunk_bytes=1 << 20, pool=pool, stats=WriteStats(), kvikio=None)
-    assert os.listdir(tmp_path) == []
+                          algorithm="xxh3_128", chunk_bytes=256 << 10, pool=pool, stats=WriteStats(), kvikio=None)
+    assert aborted.is_set() and os.listdir(tmp_path) == []
+    assert len(calls) > 2 and not any(calls)  # no write started after the abort
 
 
 class _StandInKvikio:
@@ -191,7 +226,7 @@ def test_checkpointer_device_path_end_to_end_with_host_memory_as_the_device(tmp_
     with host memory standing in for the device: no CUDA here, the code is the same."""
     monkeypatch.setattr(checkpointer_mod, "device_of",
                         lambda image, store: CPU if isinstance(store, LocalStore) else None)
-    monkeypatch.setattr(checkpointer_mod, "kvikio_module", lambda: None)
+    monkeypatch.setattr(checkpointer_mod, "gpudirect_kvikio", lambda: None)
     w = torch.randn(512, 1024)
     with stagesave.Checkpointer(tmp_path, device_staging=True, keep_last=2, chunk_bytes=1 << 20) as ck:
         for step in range(4):
@@ -213,7 +248,10 @@ def test_no_room_on_the_device_stages_in_host_memory_and_warns_once(tmp_path, mo
     monkeypatch.setattr(checkpointer_mod, "device_of",
                         lambda image, store: CPU if isinstance(store, LocalStore) else None)
 
+    attempts = []
+
     def no_room(capacity, device):
+        attempts.append(capacity)
         raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {capacity} bytes")
 
     monkeypatch.setattr(HostBuffer, "on_device", staticmethod(no_room))
@@ -230,6 +268,7 @@ def test_no_room_on_the_device_stages_in_host_memory_and_warns_once(tmp_path, mo
             assert h.telemetry.staged_on == "host"
         assert torch.equal(ck.load("b.pt")["w"], w)
         assert ck._device_pools[CPU].in_use() == 0  # the failed allocation left no count behind
+        assert len(attempts) == 1  # a size that did not fit is not retried on every save
 
 
 # ----------------------------------------------------------------------------- on a real GPU
@@ -238,10 +277,11 @@ def test_no_room_on_the_device_stages_in_host_memory_and_warns_once(tmp_path, mo
 @pytest.mark.gpu
 @pytest.mark.parametrize("use_kvikio", [False, True])
 def test_cuda_state_staged_on_the_device_round_trips(ckpt_dir, monkeypatch, use_kvikio):
-    if use_kvikio and kvikio_module() is None:
-        pytest.skip("kvikio is not installed (pip install kvikio-cu12): GPUDirect Storage path untested")
+    if use_kvikio and gpudirect_kvikio() is None:
+        pytest.skip("kvikio is not installed (pip install kvikio-cu12) or in its compatibility mode: "
+                    "GPUDirect Storage path untested")
     if not use_kvikio:
-        monkeypatch.setattr(checkpointer_mod, "kvikio_module", lambda: None)
+        monkeypatch.setattr(checkpointer_mod, "gpudirect_kvikio", lambda: None)
     w = torch.randn(4096, 4096, device="cuda")  # 64 MiB
     step = torch.tensor(7.0)  # a host tensor in the same state (Adam's step counters are)
     expected_w, expected_step = w.cpu(), step.clone()
