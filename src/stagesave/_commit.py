@@ -30,9 +30,9 @@ from ._checksum import digest
 from ._crash import crash_point
 from ._manifest import FileEntry, Manifest, StorageRecord
 from ._names import manifest_name, split_manifest_name
-from ._store import Store
+from ._store import PendingWrite, Store
 
-__all__ = ["FileToWrite", "commit_files", "run_all", "write_file"]
+__all__ = ["FileToWrite", "commit_files", "finish_data", "run_all", "write_file"]
 
 T = TypeVar("T")
 
@@ -75,6 +75,15 @@ def run_all(pool: cf.Executor, fn: Callable[[int], T], n: int) -> list[T]:
     return [f.result() for f in futures]
 
 
+def finish_data(pending: PendingWrite, stats: WriteStats) -> None:
+    """Make a temporary's written data durable (step 1's end), timed into ``stats.fsync_s``."""
+    crash_point("after_data")
+    f0 = time.perf_counter()
+    pending.finish()
+    stats.fsync_s += time.perf_counter() - f0
+    crash_point("after_data_fsync")
+
+
 def write_file(
     store: Store,
     f: FileToWrite,
@@ -114,11 +123,7 @@ def write_file(
             return d
 
         digests = run_all(pool, one, n_chunks)
-        crash_point("after_data")
-        f0 = time.perf_counter()
-        pending.finish()
-        stats.fsync_s += time.perf_counter() - f0
-        crash_point("after_data_fsync")
+        finish_data(pending, stats)
     except BaseException:
         pending.abort()
         raise

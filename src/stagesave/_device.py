@@ -37,7 +37,7 @@ import torch
 
 from . import _fsops as fsops
 from ._checksum import digest
-from ._commit import WriteStats, run_all
+from ._commit import WriteStats, finish_data, run_all
 from ._crash import crash_point
 from ._image import FileImage
 from ._local import LocalStore
@@ -309,11 +309,7 @@ def write_device_file(
             done = int(future.get()) if future is not None else f.size
             if done != f.size:
                 raise OSError(errno.EIO, f"short GPUDirect Storage write: {done} of {f.size} bytes")
-        crash_point("after_data")
-        f0 = time.perf_counter()
-        pending.finish()
-        stats.fsync_s += time.perf_counter() - f0
-        crash_point("after_data_fsync")
+        finish_data(pending, stats)
     except BaseException:
         pending.abort()
         raise
