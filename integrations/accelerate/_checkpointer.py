@@ -215,6 +215,7 @@ class AcceleratorCheckpointer:
             ckpt = Checkpointer(
                 root, max_pending=o.max_pending, checksum=o.checksum, keep_last=keep, io_threads=o.io_threads,
                 direct_io=o.direct_io, storage_options=dict(o.storage_options),
+                device_staging=o.device_staging,
             )
             self._checkpointers[kind] = ckpt
         return ckpt

@@ -52,6 +52,9 @@ class Options:
             from the local copy when it is valid and from the remote one otherwise.
         keep_local: With ``local_tier``: committed checkpoints kept on the local tier (``None``:
             as many as ``total_limit`` keeps). One not uploaded yet is never removed there.
+        device_staging: Stage a GPU model's checkpoint in GPU memory (device-to-device copies)
+            and write it from there, with GPUDirect Storage when kvikio is installed; costs one
+            GPU buffer of the checkpoint's size per save in flight. Local destinations only.
     """
 
     destination: str | None = None
@@ -63,6 +66,7 @@ class Options:
     storage_options: Mapping[str, Any] = field(default_factory=dict)
     local_tier: str | None = None
     keep_local: int | None = None
+    device_staging: bool = False
 
 
 _NAMES = {f.name for f in fields(Options)}
@@ -98,7 +102,7 @@ def _coerce(key: str, value: Any, where: str) -> Any:
         if number < 1:
             raise ValueError(f"{where}: {key} must be >= 1, got {number}")
         return number
-    if key in ("verify_on_load", "direct_io"):
+    if key in ("verify_on_load", "direct_io", "device_staging"):
         if isinstance(value, bool):
             return value
         word = str(value).strip().lower()

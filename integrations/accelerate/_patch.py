@@ -36,7 +36,7 @@ def enable(accelerator: Any, **options: Any) -> AcceleratorCheckpointer:
     staged in host memory and writes Accelerate's usual folder in the background;
     ``accelerator.load_state()`` resumes from the newest valid checkpoint. Options
     (``destination=``, ``max_pending=``, ``checksum=``, ``verify_on_load=``, ``io_threads=``,
-    ``direct_io=``, ``storage_options=``) override ``STAGESAVE_ACCELERATE_*`` environment
+    ``direct_io=``, ``storage_options=``, ``device_staging=``) override ``STAGESAVE_ACCELERATE_*`` environment
     variables and the ``STAGESAVE_ACCELERATE_CONFIG`` side file. Calling it again returns the
     installed checkpointer.
 

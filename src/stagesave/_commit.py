@@ -23,7 +23,7 @@ import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from . import _fsops as fsops
 from ._checksum import digest
@@ -52,6 +52,8 @@ class FileToWrite:
     entry_name: str | None = None
     #: Chunk digests computed while staging (then the writers only write).
     digests: Sequence[str] | None = None
+    #: With device staging: the bytes in device memory (a uint8 tensor), instead of ``image``.
+    device_data: Any = None
 
 
 @dataclass

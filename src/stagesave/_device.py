@@ -29,7 +29,7 @@ import functools
 import importlib
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,18 +80,18 @@ def gpudirect_kvikio() -> Any | None:
         return None
 
 
-def device_of(image: FileImage, store: Store) -> torch.device | None:
-    """The CUDA device to stage ``image`` on, or ``None`` when device staging does not apply.
+def device_of(images: Sequence[FileImage], store: Store) -> torch.device | None:
+    """The CUDA device to stage ``images`` on, or ``None`` when device staging does not apply.
 
-    It applies when the image's device bytes are all on one CUDA device (host and meta tensors
-    may be mixed in) and the target is a local file.
+    It applies when the images' device bytes are all on one CUDA device (host and meta tensors
+    may be mixed in, and whole files of host tensors) and the target is a local file or folder.
     """
     if not isinstance(store, LocalStore):
         return None
-    kinds = {s.source.device.type for s in image.slots}
+    kinds = {s.source.device.type for image in images for s in image.slots}
     if kinds - {"cuda", "cpu", "meta"}:
         return None
-    devices = {s.source.device for s in image.slots if s.source.device.type == "cuda"}
+    devices = {s.source.device for image in images for s in image.slots if s.source.device.type == "cuda"}
     return devices.pop() if len(devices) == 1 else None
 
 
@@ -148,8 +148,9 @@ def _upload_from_host(image: FileImage, out: torch.Tensor) -> list[torch.Tensor]
     return keep
 
 
-def stage_on_device(image: FileImage, buf: HostBuffer) -> Callable[[], None] | None:
-    """Lay ``image`` out in ``buf.tensor[:image.size]`` (a device buffer; host works the same).
+def stage_on_device(image: FileImage, buf: HostBuffer, base: int = 0) -> Callable[[], None] | None:
+    """Lay ``image`` out in ``buf.tensor[base : base + image.size]`` (a device buffer; host
+    memory works the same).
 
     Everything is queued on a side stream that first waits for the caller's stream; the caller's
     stream then waits for the side stream, so the next in-place update cannot race the copies.
@@ -158,7 +159,7 @@ def stage_on_device(image: FileImage, buf: HostBuffer) -> Callable[[], None] | N
     Returns:
         A callable that blocks until the copies have landed (``None`` when nothing is pending).
     """
-    out = buf.tensor[: image.size]
+    out = buf.tensor[base : base + image.size]
     side: torch.cuda.Stream | None = None
     if out.device.type == "cuda":
         side = torch.cuda.Stream(device=out.device)  # type: ignore[no-untyped-call]
@@ -193,14 +194,20 @@ def stage_on_device(image: FileImage, buf: HostBuffer) -> Callable[[], None] | N
 
 @dataclass
 class DeviceFile:
-    """A data file whose bytes are ``buf.tensor[:size]`` in device memory."""
+    """A data file whose bytes are ``data[:size]`` in device memory.
+
+    ``data`` may run on past ``size`` (at least to the next page: O_DIRECT writes whole pages).
+    """
 
     name: str
-    buf: HostBuffer
+    data: torch.Tensor
     size: int
     serialization_id: str | None
     id_offset: int | None
-    storages: list[StorageRecord]
+    storages: Sequence[StorageRecord]
+    kind: str = "torch"
+    #: Name recorded in the manifest (default: the last part of ``name``).
+    entry_name: str | None = None
 
 
 class _Bounces:
@@ -264,7 +271,7 @@ def write_device_file(
     t0 = time.perf_counter()
     crash_point("before_data")
     pending: Any = store.begin_write(f.name, memoryview(b""), f.size)
-    device = f.buf.tensor.device
+    device = f.data.device
     span = (chunk_bytes + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
     bounces = _Bounces(span, device)
     try:
@@ -273,15 +280,15 @@ def write_device_file(
         with _cufile(kvikio, pending.tmp) if kvikio is not None else contextlib.nullcontext() as cufile:
             # kvikio splits one large write over its own threads (GPUDirect DMA where it can);
             # meanwhile the pool copies each chunk to the host and hashes it.
-            future = cufile.pwrite(f.buf.tensor[: f.size], f.size, 0) if cufile is not None else None
+            future = cufile.pwrite(f.data[: f.size], f.size, 0) if cufile is not None else None
 
             def one(i: int) -> str:
                 lo, hi = i * chunk_bytes, min(f.size, (i + 1) * chunk_bytes)
                 # O_DIRECT writes whole pages: the bounce path writes the buffer's padding
                 # after the image too (the buffer is larger; finish() truncates to the size).
                 end = hi if future is not None or not pending.direct else min(
-                    f.buf.capacity, (hi + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT)
-                host = bounces.to_host(f.buf.tensor[lo:end])
+                    f.data.numel(), (hi + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT)
+                host = bounces.to_host(f.data[lo:end])
                 h0 = time.perf_counter()
                 d = digest(algorithm, host[: hi - lo])
                 hash_time[i] = time.perf_counter() - h0
@@ -319,12 +326,12 @@ def write_device_file(
     stats.write_s += time.perf_counter() - t0
     stats.direct_io = bool(pending.direct) if kvikio is None else None
     entry = FileEntry(
-        name=f.name.rsplit("/", 1)[-1],
+        name=f.entry_name or f.name.rsplit("/", 1)[-1],
         size=f.size,
         algorithm=algorithm,
         chunk_bytes=chunk_bytes,
         chunks=tuple(digests),
-        kind="torch",
+        kind=f.kind,
         serialization_id=f.serialization_id,
         id_offset=f.id_offset,
         storages=tuple(f.storages),

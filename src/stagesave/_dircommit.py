@@ -21,10 +21,12 @@ import errno
 import os
 import secrets
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from . import _fsops as fsops
 from ._commit import FileToWrite, WriteStats, write_file
 from ._crash import crash_point
+from ._device import DeviceFile, write_device_file
 from ._local import LocalStore, _fsync_dir, makedirs_durable
 from ._manifest import FileEntry, Manifest
 from ._names import DIR_MANIFEST, TMP_MARKER, aside_name
@@ -53,8 +55,12 @@ def commit_directory(
     pool: cf.Executor,
     stats: WriteStats,
     staging_dir: str | None = None,
+    kvikio: Any | None = None,
 ) -> None:
     """Write ``files`` (names relative to ``directory``) and commit them together.
+
+    Files staged in device memory (``device_data``) are written by :func:`write_device_file`,
+    through ``kvikio`` when given (GPUDirect Storage); they need a local target.
 
     ``staging_dir`` (stores whose target parent is a local directory: a local root, a tiered
     root's local tier): stage the folder there instead of beside the target, e.g. outside a
@@ -78,13 +84,22 @@ def commit_directory(
     try:
         entries = []
         for f in files:
-            target = FileToWrite(
-                f"{staging}/{f.name}", f.image, f.size, f.kind, f.serialization_id, f.id_offset,
-                f.storages, entry_name=f.name, digests=f.digests,
-            )
-            entry, publish, abort = write_file(
-                wstore, target, algorithm=algorithm, chunk_bytes=chunk_bytes, pool=pool, stats=stats
-            )
+            if f.device_data is not None:
+                assert isinstance(wstore, LocalStore), "device staging writes local files only"
+                entry, publish, abort = write_device_file(
+                    wstore,
+                    DeviceFile(f"{staging}/{f.name}", f.device_data, f.size, f.serialization_id,
+                               f.id_offset, f.storages, kind=f.kind, entry_name=f.name),
+                    algorithm=algorithm, chunk_bytes=chunk_bytes, pool=pool, stats=stats, kvikio=kvikio,
+                )
+            else:
+                target = FileToWrite(
+                    f"{staging}/{f.name}", f.image, f.size, f.kind, f.serialization_id, f.id_offset,
+                    f.storages, entry_name=f.name, digests=f.digests,
+                )
+                entry, publish, abort = write_file(
+                    wstore, target, algorithm=algorithm, chunk_bytes=chunk_bytes, pool=pool, stats=stats
+                )
             entries.append(entry)
             publishers.append(publish)
             aborters.append(abort)

@@ -207,8 +207,9 @@ class Checkpointer:
             (device-to-device copies) instead of host memory, and write it from there in the
             background: with GPUDirect Storage through kvikio when it is installed, otherwise
             through a pinned host bounce buffer. Costs one device buffer of the checkpoint's
-            size per save in flight. Applies to :meth:`save` of local files whose device
-            tensors are on one CUDA device; other saves stage in host memory as usual.
+            size per save in flight. Applies to :meth:`save` and :meth:`save_dir` of local
+            files whose device tensors are on one CUDA device; other saves stage in host memory
+            as usual.
     """
 
     def __init__(
@@ -288,30 +289,8 @@ class Checkpointer:
         image = plan_torch_file(state)
         tel.plan_s = time.perf_counter() - t_start
         store.check_writable(name, image.size)
-        device = device_of(image, store) if self.device_staging else None
-        if device is not None and image.size >= self._no_room.get(device, image.size + 1):
-            device = None  # this size did not fit on the device before: do not retry every save
-        pool = self._pool if device is None else self._device_pool(device)
-        try:
-            buf, waited = pool.acquire(image.size)
-        except torch.OutOfMemoryError as exc:
-            if device is None:
-                raise
-            # An optimization must not fail the save: stage this one in host memory, say so once,
-            # and stage saves at least this large in host memory from now on (a failed CUDA
-            # allocation first empties the allocator's cache, which training would pay for).
-            self._no_room[device] = min(image.size, self._no_room.get(device, image.size))
-            if not self._warned_device_memory:
-                self._warned_device_memory = True
-                warnings.warn(
-                    f"device_staging: no room on {device} for a {image.size / 2**30:.2f} GiB staging "
-                    f"buffer ({str(exc).splitlines()[0]}); staging in host memory instead "
-                    "(SaveTelemetry.staged_on tells which each save used)",
-                    RuntimeWarning, stacklevel=2,
-                )
-            device, pool = None, self._pool
-            buf, waited = pool.acquire(image.size)
-        tel.buffer_wait_s = waited
+        device = device_of([image], store) if self.device_staging else None
+        pool, buf, device, tel.buffer_wait_s = self._acquire(image.size, device)
         try:
             if device is None:
                 wait_device, digests = self._stage(image, buf, 0, tel)
@@ -354,6 +333,39 @@ class Checkpointer:
 
         self._submit(job, handle, key)
         return handle
+
+    def _acquire(
+        self, nbytes: int, device: torch.device | None,
+    ) -> tuple[BufferPool, HostBuffer, torch.device | None, float]:
+        """A staging buffer: on ``device`` (device staging) when it has room, else in host memory.
+
+        Returns:
+            The pool to give it back to, the buffer, the device it is on (``None``: host) and
+            the seconds spent waiting for it.
+        """
+        if device is not None and nbytes >= self._no_room.get(device, nbytes + 1):
+            device = None  # this size did not fit on the device before: do not retry every save
+        pool = self._pool if device is None else self._device_pool(device)
+        try:
+            buf, waited = pool.acquire(nbytes)
+        except torch.OutOfMemoryError as exc:
+            if device is None:
+                raise
+            # An optimization must not fail the save: stage this one in host memory, say so once,
+            # and stage saves at least this large in host memory from now on (a failed CUDA
+            # allocation first empties the allocator's cache, which training would pay for).
+            self._no_room[device] = min(nbytes, self._no_room.get(device, nbytes))
+            if not self._warned_device_memory:
+                self._warned_device_memory = True
+                warnings.warn(
+                    f"device_staging: no room on {device} for a {nbytes / 2**30:.2f} GiB staging "
+                    f"buffer ({str(exc).splitlines()[0]}); staging in host memory instead "
+                    "(SaveTelemetry.staged_on tells which each save used)",
+                    RuntimeWarning, stacklevel=3,
+                )
+            pool, device = self._pool, None
+            buf, waited = pool.acquire(nbytes)
+        return pool, buf, device, waited
 
     def _device_pool(self, device: torch.device) -> BufferPool:
         """The device buffers of ``device`` (``max_pending`` at most, created on first use)."""
@@ -441,7 +453,7 @@ class Checkpointer:
         tel.gpudirect = kvikio is not None
         written = write_device_file(
             store,
-            DeviceFile(name, buf, image.size, image.serialization_id, image.id_offset,
+            DeviceFile(name, buf.tensor, image.size, image.serialization_id, image.id_offset,
                        [StorageRecord(s.key, s.offset, s.nbytes) for s in image.slots]),
             algorithm=self.checksum, chunk_bytes=self.chunk_bytes, pool=self._queue.io_pool,
             stats=stats, kvikio=kvikio,
@@ -550,18 +562,27 @@ class Checkpointer:
         store.check_writable(f"{parent}/.{leaf}{TMP_MARKER}" if parent else f".{leaf}{TMP_MARKER}", total)
         if staging_dir is not None:
             _check_same_filesystem(store, dname, staging_dir)
-        buf, tel.buffer_wait_s = self._pool.acquire(total)
+        images = [image for _, _, image in planned]
+        device = device_of(images, store) if self.device_staging else None
+        pool, buf, device, tel.buffer_wait_s = self._acquire(total, device)
         waits = []
         digests: list[list[str] | None] = []
         try:
-            for base, (_, _, image) in zip(bases, planned):
-                w, d = self._stage(image, buf, base, tel)
+            for base, image in zip(bases, images):
+                if device is None:
+                    w, d = self._stage(image, buf, base, tel)
+                else:
+                    s0 = time.perf_counter()
+                    w, d = stage_on_device(image, buf, base), None
+                    tel.stage_s += time.perf_counter() - s0
                 digests.append(d)
                 if w is not None:
                     waits.append(w)
         except BaseException:
-            self._pool.release(buf)
+            pool.release(buf)
             raise
+        if device is not None:
+            tel.staged_on = str(device)
         tel.bytes = sum(im.size for _, _, im in planned)
         tel.tensor_bytes = sum(im.tensor_bytes for _, _, im in planned)
         tel.blocking_s = time.perf_counter() - t_start
@@ -573,10 +594,11 @@ class Checkpointer:
         for base, (fname, kind, image), pre in zip(bases, planned, digests):
             cap = (image.size + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
             storages = [StorageRecord(s.key, s.offset, s.nbytes) for s in image.slots]
+            on_device = buf.tensor[base : base + cap] if device is not None else None
             to_write.append(FileToWrite(fname, buf.view[base : base + cap], image.size, kind,
                                         image.serialization_id or None,
                                         image.id_offset if image.serialization_id else None, storages,
-                                        digests=pre))
+                                        digests=pre, device_data=on_device))
 
         stats = WriteStats()
 
@@ -592,10 +614,15 @@ class Checkpointer:
                 for w in waits:
                     w()
                 assert self._queue is not None
+                kvikio = None
+                if device is not None:
+                    kvikio = gpudirect_kvikio()
+                    tel.gpudirect = kvikio is not None
                 c0 = time.perf_counter()
                 commit_directory(store, dname, to_write, make_manifest, algorithm=self.checksum,
                                  chunk_bytes=self.chunk_bytes, pool=self._queue.io_pool, stats=stats,
-                                 staging_dir=os.fspath(staging_dir) if staging_dir is not None else None)
+                                 staging_dir=os.fspath(staging_dir) if staging_dir is not None else None,
+                                 kvikio=kvikio)
                 tel.commit_s = time.perf_counter() - c0 - stats.write_s
                 tel.throughput_bytes_per_s = tel.bytes / stats.write_s if stats.write_s > 0 else 0.0
                 tel.time_to_commit_s = time.perf_counter() - t_start
@@ -608,7 +635,7 @@ class Checkpointer:
             finally:
                 for v in to_write:
                     v.image.release()
-                self._pool.release(buf)
+                pool.release(buf)
             self._finish(key, handle, error)
 
         self._submit(job, handle, key)

@@ -61,6 +61,17 @@ def test_options_precedence_code_then_environment_then_side_file(tmp_path):
     assert resolve_options({}, {}) == sa.Options()
 
 
+def test_device_staging_from_the_environment_reaches_the_checkpointer(tmp_path):
+    assert resolve_options({}, {}).device_staging is False
+    assert resolve_options({}, {"STAGESAVE_ACCELERATE_DEVICE_STAGING": "yes"}).device_staging is True
+    with pytest.raises(ValueError, match="STAGESAVE_ACCELERATE_DEVICE_STAGING: device_staging must be true or false"):
+        resolve_options({}, {"STAGESAVE_ACCELERATE_DEVICE_STAGING": "gpu"})
+    acc = Accelerator(cpu=True, project_dir=str(tmp_path))
+    ckpt = sa.AcceleratorCheckpointer(acc, device_staging=True)
+    assert ckpt._checkpointer().device_staging is True  # host state: staged in host memory anyway
+    ckpt.close()
+
+
 def test_bad_configuration_is_named(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("max_pendng: 2\n")

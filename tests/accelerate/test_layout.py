@@ -49,6 +49,32 @@ def test_same_files_and_contents_as_accelerate(tmp_path, safe):
     assert sorted(f.name for f in info.manifest.files) == theirs
 
 
+def test_same_folder_through_device_staging(tmp_path, monkeypatch):
+    """``device_staging=True``: the same files, staged through the device path (host memory
+    standing in for the GPU, which this machine does not have) and written by its writer."""
+    import stagesave.checkpointer as checkpointer_mod
+    from stagesave._local import LocalStore
+
+    monkeypatch.setattr(checkpointer_mod, "device_of",
+                        lambda images, store: torch.device("cpu") if isinstance(store, LocalStore) else None)
+    monkeypatch.setattr(checkpointer_mod, "gpudirect_kvikio", lambda: None)
+    acc = Accelerator(cpu=True)
+    run = build(acc)
+    train(acc, run, 2)
+    plain = str(tmp_path / "plain")
+    Accelerator.save_state(acc, plain)
+    ckpt = sa.AcceleratorCheckpointer(acc, device_staging=True)
+    tel = ckpt.save_state(str(tmp_path / "staged")).result()
+    ckpt.close()
+    assert tel.staged_on == "cpu"
+    theirs = sorted(os.listdir(plain))
+    assert sorted(os.listdir(tmp_path / "staged")) == sorted([*theirs, MANIFEST])
+    for name in theirs:
+        assert_same(load_file_content(os.path.join(plain, name)),
+                    load_file_content(str(tmp_path / "staged" / name)), name)
+    assert stagesave.verify(tmp_path / "staged").status == "verified"
+
+
 def test_tied_weights_are_saved_once_as_accelerate_does(tmp_path):
     acc = Accelerator(cpu=True)
     run = build(acc)
@@ -106,3 +132,20 @@ def test_save_pre_hook_files_are_carried_verbatim_and_weights_it_took_are_not_sa
     info = stagesave.verify(staged)
     assert info.status == "verified"
     assert sorted(f.name for f in info.manifest.files if "/" in f.name or f.name == "config.json") == hook_files
+
+
+@pytest.mark.gpu
+def test_same_folder_through_device_staging_on_a_gpu(tmp_path):
+    acc = Accelerator()  # on the GPU
+    run = build(acc)
+    train(acc, run, 2)
+    plain = str(tmp_path / "plain")
+    Accelerator.save_state(acc, plain)
+    ckpt = sa.AcceleratorCheckpointer(acc, device_staging=True)
+    tel = ckpt.save_state(str(tmp_path / "staged")).result()
+    ckpt.close()
+    assert tel.staged_on.startswith("cuda")
+    for name in sorted(os.listdir(plain)):
+        assert_same(load_file_content(os.path.join(plain, name)),
+                    load_file_content(str(tmp_path / "staged" / name)), name)
+    assert stagesave.verify(tmp_path / "staged").status == "verified"

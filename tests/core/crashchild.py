@@ -19,19 +19,19 @@ def save_step(root: str, step: int, mode: str, crash: str | None) -> None:
     else:
         os.environ.pop(ENV_VAR, None)
     state = {"step": step, "w": torch.full((300_000,), float(step))}
-    if mode == "file_device":
+    if mode in ("file_device", "dir_device"):
         # device staging's save path (device buffer, bounce writes) with host memory standing
         # in for the GPU, which this machine does not have
         import stagesave.checkpointer as checkpointer_mod
 
-        checkpointer_mod.device_of = lambda image, store: torch.device("cpu")  # type: ignore[assignment]
+        checkpointer_mod.device_of = lambda images, store: torch.device("cpu")  # type: ignore[assignment]
         checkpointer_mod.gpudirect_kvikio = lambda: None  # type: ignore[assignment]
-    with stagesave.Checkpointer(root, chunk_bytes=1 << 20, keep_last=2, device_staging=mode == "file_device") as ck:
+    with stagesave.Checkpointer(root, chunk_bytes=1 << 20, keep_last=2, device_staging=mode.endswith("_device")) as ck:
         if mode in ("file", "file_device"):
             ck.save(state, "last.ckpt").result()
             ck.save(state, f"step{step}.ckpt").result()
         else:
-            name = "current" if mode == "dir_replace" else f"checkpoint_{step}"
+            name = "current" if mode in ("dir_replace", "dir_device") else f"checkpoint_{step}"
             ck.save_dir({"model.safetensors": Safetensors({"w": state["w"]}), "optimizer.bin": state},
                         name).result()
     sys.stdout.flush()

@@ -47,7 +47,7 @@ def _check_invariant(root, expect_steps):
     return loaded_step
 
 
-@pytest.mark.parametrize("mode", ["file", "file_device", "dir", "dir_replace"])
+@pytest.mark.parametrize("mode", ["file", "file_device", "dir", "dir_replace", "dir_device"])
 @pytest.mark.parametrize("point", [p for p in CRASH_POINTS if p != "during_upload" and not p.startswith("dcp_")])
 def test_sigkill_at_every_crash_point(tmp_path, mode, point):
     assert _run(tmp_path, 1, mode) == 0

@@ -81,7 +81,7 @@ def test_device_image_written_through_the_bounce_buffer_loads_back_equal(tmp_pat
     stats = WriteStats()
     with cf.ThreadPoolExecutor(3) as pool:
         entry, publish, _abort = write_device_file(
-            store, DeviceFile("x.pt", buf, image.size, image.serialization_id, image.id_offset,
+            store, DeviceFile("x.pt", buf.tensor, image.size, image.serialization_id, image.id_offset,
                               [StorageRecord(s.key, s.offset, s.nbytes) for s in image.slots]),
             algorithm="xxh3_128", chunk_bytes=chunk, pool=pool, stats=stats, kvikio=None)
     assert [p.name for p in tmp_path.iterdir() if p.name != "x.pt"] != []  # only the temporary so far
@@ -134,7 +134,7 @@ def test_a_failing_device_write_leaves_no_temporary_and_no_write_after_the_abort
 
     monkeypatch.setattr(_fsops, "unlink", unlink)
     with cf.ThreadPoolExecutor(4) as pool, pytest.raises(OSError, match="No space left on device"):
-        write_device_file(store, DeviceFile("x.pt", buf, image.size, None, None, []),
+        write_device_file(store, DeviceFile("x.pt", buf.tensor, image.size, None, None, []),
                           algorithm="xxh3_128", chunk_bytes=256 << 10, pool=pool, stats=WriteStats(), kvikio=None)
     assert aborted.is_set() and os.listdir(tmp_path) == []
     assert len(calls) > 2 and not any(calls)  # no write started after the abort
@@ -189,7 +189,7 @@ def test_gpudirect_write_path_with_kvikio_contract(tmp_path, short):
     stage_on_device(image, buf)
     kvikio = _StandInKvikio(short)
     store = LocalStore(str(tmp_path))
-    f = DeviceFile("k.pt", buf, image.size, image.serialization_id, image.id_offset,
+    f = DeviceFile("k.pt", buf.tensor, image.size, image.serialization_id, image.id_offset,
                    [StorageRecord(s.key, s.offset, s.nbytes) for s in image.slots])
     with cf.ThreadPoolExecutor(2) as pool:
         if short:
@@ -212,7 +212,7 @@ def test_device_staging_option_is_validated(tmp_path):
 
 
 def test_host_state_with_device_staging_is_staged_on_the_host(tmp_path):
-    assert device_of(plan_torch_file({"w": torch.ones(3)}), LocalStore(str(tmp_path))) is None
+    assert device_of([plan_torch_file({"w": torch.ones(3)})], LocalStore(str(tmp_path))) is None
     with stagesave.Checkpointer(tmp_path, device_staging=True) as ck:
         h = ck.save({"w": torch.ones(3)}, "h.pt")
         h.result()
@@ -225,7 +225,7 @@ def test_checkpointer_device_path_end_to_end_with_host_memory_as_the_device(tmp_
     """The whole save path of device staging (pool, layout, bounce writes, commit, retention),
     with host memory standing in for the device: no CUDA here, the code is the same."""
     monkeypatch.setattr(checkpointer_mod, "device_of",
-                        lambda image, store: CPU if isinstance(store, LocalStore) else None)
+                        lambda images, store: CPU if isinstance(store, LocalStore) else None)
     monkeypatch.setattr(checkpointer_mod, "gpudirect_kvikio", lambda: None)
     w = torch.randn(512, 1024)
     with stagesave.Checkpointer(tmp_path, device_staging=True, keep_last=2, chunk_bytes=1 << 20) as ck:
@@ -242,11 +242,39 @@ def test_checkpointer_device_path_end_to_end_with_host_memory_as_the_device(tmp_
     assert stagesave.verify(tmp_path / "s3.pt").status == "verified"
 
 
+def test_save_dir_device_path_end_to_end_with_host_memory_as_the_device(tmp_path, monkeypatch):
+    """save_dir (Accelerate's save_state) through device staging: safetensors and torch files in
+    one device buffer, written by the bounce writer, committed as one folder."""
+    from safetensors.torch import load_file
+
+    from stagesave.formats import Safetensors
+
+    monkeypatch.setattr(checkpointer_mod, "device_of",
+                        lambda images, store: CPU if isinstance(store, LocalStore) else None)
+    monkeypatch.setattr(checkpointer_mod, "gpudirect_kvikio", lambda: None)
+    weights = {"a": torch.randn(300, 70), "b": torch.arange(4099, dtype=torch.int32)}
+    optim = {"state": {0: {"exp_avg": torch.randn(300, 70), "step": torch.tensor(5.0)}}, "lr": 0.1}
+    with stagesave.Checkpointer(tmp_path, device_staging=True, chunk_bytes=64 << 10) as ck:
+        h = ck.save_dir({"model.safetensors": Safetensors(weights), "optimizer.bin": optim,
+                         "scheduler.bin": {"last_epoch": 3}}, "checkpoint_0")
+        weights["a"].zero_()  # changed right after: not in the checkpoint
+        h.result()
+        assert h.telemetry.staged_on == "cpu" and h.telemetry.gpudirect is False
+    folder = tmp_path / "checkpoint_0"
+    assert stagesave.verify(folder).status == "verified"
+    got = load_file(folder / "model.safetensors")
+    assert torch.equal(got["b"], weights["b"]) and float(got["a"].abs().sum()) > 0
+    opt = torch.load(folder / "optimizer.bin", weights_only=True)
+    assert torch.equal(opt["state"][0]["exp_avg"], optim["state"][0]["exp_avg"]) and opt["lr"] == 0.1
+    assert torch.load(folder / "scheduler.bin", weights_only=True) == {"last_epoch": 3}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint_0"]  # no staging folder left
+
+
 def test_no_room_on_the_device_stages_in_host_memory_and_warns_once(tmp_path, monkeypatch):
     """A device buffer that cannot be allocated (out of GPU memory: injected, no GPU here) must
     not fail the save: it is staged in host memory, with one warning."""
     monkeypatch.setattr(checkpointer_mod, "device_of",
-                        lambda image, store: CPU if isinstance(store, LocalStore) else None)
+                        lambda images, store: CPU if isinstance(store, LocalStore) else None)
 
     attempts = []
 
