@@ -2,10 +2,11 @@
 
 Jobs (saves, removals) run one at a time in submission order, so a removal submitted after a
 save never overtakes it; each save's chunks are written by the I/O pool in parallel. These
-threads only make syscalls, copy memory and hash: no torch op and no collective ever runs here
+threads only make syscalls, copy memory and hash: no CPU torch op and no collective ever runs here
 (either one was reported to switch libgomp into passive waiting and slow training for as long as
 the thread lives; ``benchmarks/bench_omp.py`` did not reproduce it on a 2-vCPU VM, the rule stays
-as a free precaution). They run at a lower CPU priority so that the training threads win when cores are scarce.
+as a free precaution). With ``device_staging`` they also queue device-to-host copies on CUDA
+streams of their own (``_device.py``): GPU work, no OpenMP team. They run at a lower CPU priority so that the training threads win when cores are scarce.
 """
 
 from __future__ import annotations

@@ -68,7 +68,15 @@ def run_all(pool: cf.Executor, fn: Callable[[int], T], n: int) -> list[T]:
     """``[fn(0), ..., fn(n - 1)]`` on ``pool``; on failure, raise the first error in order only
     after every call has ended (``Executor.map`` would leave started calls running behind the
     caller's cleanup: writes into a closed or reused descriptor)."""
-    futures = [pool.submit(fn, i) for i in range(n)]
+    futures: list[cf.Future[T]] = []
+    try:
+        for i in range(n):
+            futures.append(pool.submit(fn, i))
+    except BaseException:  # e.g. the pool shut down meanwhile: let the submitted ones end first
+        for f in futures:
+            f.cancel()
+        cf.wait(futures)
+        raise
     done, _ = cf.wait(futures, return_when=cf.FIRST_EXCEPTION)
     if any(f.exception() is not None for f in done):
         for f in futures:

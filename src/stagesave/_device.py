@@ -126,13 +126,13 @@ def _upload_from_host(image: FileImage, out: torch.Tensor) -> list[torch.Tensor]
         keep.append(part)
     if pieces:
         packed = _host_tensor(sum(len(d) for _, d in pieces), torch.uint8, pinned)
+        packed.numpy().data.cast("B")[:] = b"".join(d for _, d in pieces)
+        # byte j of the packed stream goes to start[k] + (j - packed_start[k]), k its piece
+        lengths = torch.tensor([len(d) for _, d in pieces], dtype=torch.int64)
+        starts = torch.tensor([off for off, _ in pieces], dtype=torch.int64)
+        shift = torch.repeat_interleave(starts - (torch.cumsum(lengths, 0) - lengths), lengths)
         positions = _host_tensor(packed.numel(), torch.int64, pinned)
-        view = packed.numpy().data.cast("B")
-        at = 0
-        for off, data in pieces:
-            view[at : at + len(data)] = data
-            torch.arange(off, off + len(data), out=positions[at : at + len(data)])
-            at += len(data)
+        torch.add(torch.arange(packed.numel(), dtype=torch.int64), shift, out=positions)
         keep += [packed, positions]
         out.index_copy_(0, positions.to(out.device, non_blocking=True), packed.to(out.device, non_blocking=True))
     host_slots = [s for s in image.slots if s.nbytes and s.source.device.type == "cpu"]
@@ -268,6 +268,8 @@ def write_device_file(
     Returns:
         The manifest entry, and the publish and abort callables of the temporary.
     """
+    if f.data.numel() < (f.size + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT:
+        raise ValueError(f"device data of {f.data.numel()} bytes cannot hold {f.size} bytes and their page padding")
     t0 = time.perf_counter()
     crash_point("before_data")
     pending: Any = store.begin_write(f.name, memoryview(b""), f.size)

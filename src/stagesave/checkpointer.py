@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures as cf
+import contextlib
 import io
 import os
 import signal
@@ -328,6 +329,9 @@ class Checkpointer:
                 error = _as_checkpoint_error(exc, f"saving checkpoint {tel.path} failed")
                 tel.error = str(error)
             finally:
+                if wait_device is not None:
+                    with contextlib.suppress(Exception):  # no copy may still land in a reused buffer
+                        wait_device()
                 pool.release(buf)
             self._finish(key, handle, error)
 
@@ -633,6 +637,9 @@ class Checkpointer:
                 error = _as_checkpoint_error(exc, f"saving checkpoint {tel.path} failed")
                 tel.error = str(error)
             finally:
+                for w in waits:
+                    with contextlib.suppress(Exception):  # no copy may still land in a reused buffer
+                        w()
                 for v in to_write:
                     v.image.release()
                 pool.release(buf)
