@@ -335,7 +335,13 @@ class Checkpointer:
                 pool.release(buf)
             self._finish(key, handle, error)
 
-        self._submit(job, handle, key)
+        def give_back() -> None:
+            if wait_device is not None:
+                with contextlib.suppress(Exception):
+                    wait_device()
+            pool.release(buf)
+
+        self._submit(job, handle, key, release=give_back)
         return handle
 
     def _acquire(
@@ -645,7 +651,15 @@ class Checkpointer:
                 pool.release(buf)
             self._finish(key, handle, error)
 
-        self._submit(job, handle, key)
+        def give_back() -> None:
+            for w in waits:
+                with contextlib.suppress(Exception):
+                    w()
+            for v in to_write:
+                v.image.release()
+            pool.release(buf)
+
+        self._submit(job, handle, key, release=give_back)
         return handle
 
     def remove(self, path: str | os.PathLike[str]) -> SaveHandle:
@@ -701,12 +715,35 @@ class Checkpointer:
         self._submit(job, handle, description)
         return handle
 
-    def _submit(self, job: Any, handle: SaveHandle, key: str) -> None:
+    def _submit(self, job: Any, handle: SaveHandle, key: str, release: Callable[[], None] | None = None) -> None:
+        """Queue ``job``; if ``close()`` came first, give back what it holds and raise ClosedError.
+
+        ``release`` frees what the caller acquired for the job (its staging buffer).
+        """
         with self._lock:
-            if self._queue is None:
-                self._queue = self._new_queue()
-            queue = self._queue
-        queue.submit(job)
+            queue = None
+            if not self._closed:
+                if self._queue is None:
+                    self._queue = self._new_queue()
+                queue = self._queue
+        if queue is not None:
+            try:
+                queue.submit(job)
+                return
+            except RuntimeError:  # stopped by a close() racing this call
+                pass
+        if release is not None:
+            release()
+        error = ClosedError(f"the Checkpointer was closed while {handle.path} was being staged; "
+                            "it was not written")
+        with self._lock:
+            lst = self._pending.get(key, [])
+            if handle in lst:
+                lst.remove(handle)
+            if not lst:
+                self._pending.pop(key, None)
+        handle._set_done(error)
+        raise error
 
     def _new_queue(self) -> JobQueue:
         return JobQueue(io_threads=self.io_threads)

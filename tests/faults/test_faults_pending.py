@@ -408,6 +408,40 @@ def test_close_commits_pending_saves_then_refuses_everything(tmp_path):
     ck.close()
 
 
+class _ClosesItsCheckpointer:
+    """Pickling it (the save's plan) closes the Checkpointer from another thread: a close()
+    that lands after save() checked it was open and before its job was queued."""
+
+    def __init__(self, ck):
+        self.ck = ck
+
+    def __reduce__(self):
+        t = threading.Thread(target=self.ck.close)
+        t.start()
+        t.join()
+        return (int, (0,))
+
+
+@pytest.mark.fault_class("save after close")
+@pytest.mark.parametrize("kind", ["file", "folder"])
+@pytest.mark.parametrize(("checksum_in", "message"), [
+    ("staging", "this Checkpointer is closed"),  # refused when the copy wants its hashing threads
+    ("background", r"the Checkpointer was closed while .* was being staged; it was not written"),  # at the queue
+])
+def test_close_racing_a_save_being_staged_refuses_it_cleanly(tmp_path, kind, checksum_in, message):
+    ck = stagesave.Checkpointer(tmp_path, checksum_in=checksum_in)
+    state = {"w": torch.ones(1000), "closer": _ClosesItsCheckpointer(ck)}
+    with pytest.raises(ClosedError, match=message):
+        if kind == "file":
+            ck.save(state, "a.ckpt")
+        else:
+            ck.save_dir({"optimizer.bin": state}, "c")
+    assert os.listdir(tmp_path) == []
+    assert ck._pool.in_use() == 0 and ck._pool.total_bytes() == 0  # the staging buffer was given back and freed
+    assert ck.pending() == 0 and ck._pending == {}
+    ck.close()  # and it stays closed, quietly
+
+
 # ---------------------------------------------------------------------------- back-pressure
 def test_max_pending_keeps_host_memory_within_budget_over_100_saves(tmp_path):
     """100 saves of 2 MiB as fast as the caller can submit them, behind a slow disk."""
