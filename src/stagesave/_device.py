@@ -1,15 +1,16 @@
 """Device staging: the file image kept in GPU memory, written by GPUDirect Storage where it can be.
 
-With ``Checkpointer(device_staging=True)``, a save whose tensors live on one CUDA device lays the
-file image out in a reused buffer *on that device*: device-to-device copies, a side stream, an
-event (host tensors of the same state, such as optimizer step counters, are copied in too). The
-caller waits for the copies to be queued, not for PCIe. The background then, chunk by chunk:
+With ``Checkpointer(device_staging=True)``, a save (or a folder's files, ``save_dir``) whose
+tensors live on one CUDA device is laid out in a reused buffer *on that device*: device-to-device
+copies, a side stream, an event (host tensors of the same state, such as optimizer step counters,
+are copied in too, through pinned memory). The caller waits for the copies to be queued, not for
+PCIe. The background then:
 
-* copies the chunk to a pinned host bounce buffer on its own stream and hashes it (the manifest's
-  checksums are computed from host bytes, as for every save);
-* writes it: with kvikio installed and out of its compatibility mode, one ``kvikio.CuFile.pwrite``
-  of the whole image from GPU memory (GPUDirect Storage); otherwise the bounce buffer with
-  ``pwrite`` (O_DIRECT where the filesystem allows it).
+* copies each chunk to a pinned host bounce buffer on its own stream and hashes it (the
+  manifest's checksums are computed from host bytes, as for every save);
+* writes the file: with kvikio installed and out of its compatibility mode, one
+  ``kvikio.CuFile.pwrite`` of the whole image from GPU memory (GPUDirect Storage), meanwhile;
+  otherwise each chunk's bounce buffer with ``pwrite`` (O_DIRECT where the filesystem allows it).
 
 The background's torch work is CUDA copies on per-thread streams: no CPU kernels, so no OpenMP
 team is started off the training thread.
