@@ -23,7 +23,7 @@ import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from . import _fsops as fsops
 from ._checksum import digest
@@ -32,7 +32,7 @@ from ._manifest import FileEntry, Manifest, StorageRecord
 from ._names import manifest_name, split_manifest_name
 from ._store import PendingWrite, Store
 
-__all__ = ["FileToWrite", "commit_files", "finish_data", "run_all", "write_file"]
+__all__ = ["FileToWrite", "commit_files", "file_entry", "finish_data", "run_all", "write_file"]
 
 T = TypeVar("T")
 
@@ -140,7 +140,22 @@ def write_file(
     stats.checksum_s += sum(hash_time)
     stats.write_s += time.perf_counter() - t0
     stats.direct_io = getattr(pending, "direct", None)
-    entry = FileEntry(
+    return file_entry(f, algorithm, chunk_bytes, digests), pending.publish, pending.abort
+
+
+class _WrittenFile(Protocol):
+    name: str
+    entry_name: str | None
+    size: int
+    kind: str
+    serialization_id: str | None
+    id_offset: int | None
+    storages: Sequence[StorageRecord]
+
+
+def file_entry(f: _WrittenFile, algorithm: str, chunk_bytes: int, digests: Sequence[str]) -> FileEntry:
+    """The manifest entry of a data file written with these chunk digests."""
+    return FileEntry(
         name=f.entry_name or f.name.rsplit("/", 1)[-1],
         size=f.size,
         algorithm=algorithm,
@@ -151,7 +166,6 @@ def write_file(
         id_offset=f.id_offset,
         storages=tuple(f.storages),
     )
-    return entry, pending.publish, pending.abort
 
 
 def chunk_digests(

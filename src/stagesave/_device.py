@@ -38,7 +38,7 @@ import torch
 
 from . import _fsops as fsops
 from ._checksum import digest
-from ._commit import WriteStats, finish_data, run_all
+from ._commit import WriteStats, file_entry, finish_data, run_all
 from ._crash import crash_point
 from ._image import FileImage
 from ._local import LocalStore
@@ -328,15 +328,4 @@ def write_device_file(
     stats.checksum_s += sum(hash_time)
     stats.write_s += time.perf_counter() - t0
     stats.direct_io = bool(pending.direct) if kvikio is None else None
-    entry = FileEntry(
-        name=f.entry_name or f.name.rsplit("/", 1)[-1],
-        size=f.size,
-        algorithm=algorithm,
-        chunk_bytes=chunk_bytes,
-        chunks=tuple(digests),
-        kind=f.kind,
-        serialization_id=f.serialization_id,
-        id_offset=f.id_offset,
-        storages=tuple(f.storages),
-    )
-    return entry, pending.publish, pending.abort
+    return file_entry(f, algorithm, chunk_bytes, digests), pending.publish, pending.abort

@@ -312,6 +312,13 @@ class Checkpointer:
             self._pending.setdefault(key, []).append(handle)
         t_submit = t_start
 
+        def give_back() -> None:
+            """Return the buffer, once no device copy can still land in it."""
+            if wait_device is not None:
+                with contextlib.suppress(Exception):
+                    wait_device()
+            pool.release(buf)
+
         def job() -> None:
             error: BaseException | None = None
             try:
@@ -329,17 +336,8 @@ class Checkpointer:
                 error = _as_checkpoint_error(exc, f"saving checkpoint {tel.path} failed")
                 tel.error = str(error)
             finally:
-                if wait_device is not None:
-                    with contextlib.suppress(Exception):  # no copy may still land in a reused buffer
-                        wait_device()
-                pool.release(buf)
+                give_back()
             self._finish(key, handle, error)
-
-        def give_back() -> None:
-            if wait_device is not None:
-                with contextlib.suppress(Exception):
-                    wait_device()
-            pool.release(buf)
 
         self._submit(job, handle, key, release=give_back)
         return handle
@@ -612,6 +610,15 @@ class Checkpointer:
 
         stats = WriteStats()
 
+        def give_back() -> None:
+            """Return the buffer, once no device copy can still land in it."""
+            for w in waits:
+                with contextlib.suppress(Exception):
+                    w()
+            for v in to_write:
+                v.image.release()
+            pool.release(buf)
+
         def make_manifest(entries: list[Any]) -> Manifest:
             tel.write_s, tel.checksum_s, tel.fsync_s, tel.direct_io = (
                 stats.write_s, tel.checksum_s + stats.checksum_s, stats.fsync_s, stats.direct_io)
@@ -643,21 +650,8 @@ class Checkpointer:
                 error = _as_checkpoint_error(exc, f"saving checkpoint {tel.path} failed")
                 tel.error = str(error)
             finally:
-                for w in waits:
-                    with contextlib.suppress(Exception):  # no copy may still land in a reused buffer
-                        w()
-                for v in to_write:
-                    v.image.release()
-                pool.release(buf)
+                give_back()
             self._finish(key, handle, error)
-
-        def give_back() -> None:
-            for w in waits:
-                with contextlib.suppress(Exception):
-                    w()
-            for v in to_write:
-                v.image.release()
-            pool.release(buf)
 
         self._submit(job, handle, key, release=give_back)
         return handle
@@ -737,24 +731,24 @@ class Checkpointer:
         error = ClosedError(f"the Checkpointer was closed while {handle.path} was being staged; "
                             "it was not written")
         with self._lock:
-            lst = self._pending.get(key, [])
-            if handle in lst:
-                lst.remove(handle)
-            if not lst:
-                self._pending.pop(key, None)
+            self._forget(key, handle)
         handle._set_done(error)
         raise error
 
     def _new_queue(self) -> JobQueue:
         return JobQueue(io_threads=self.io_threads)
 
+    def _forget(self, key: str, handle: SaveHandle) -> None:
+        """Drop ``handle`` from the pending operations of ``key`` (hold ``self._lock``)."""
+        lst = self._pending.get(key, [])
+        if handle in lst:
+            lst.remove(handle)
+        if not lst:
+            self._pending.pop(key, None)
+
     def _finish(self, key: str, handle: SaveHandle, error: BaseException | None) -> None:
         with self._lock:
-            lst = self._pending.get(key, [])
-            if handle in lst:
-                lst.remove(handle)
-            if not lst:
-                self._pending.pop(key, None)
+            self._forget(key, handle)
             if error is not None:
                 self._failed.append(handle)
         handle._set_done(error)

@@ -58,7 +58,11 @@ def test_same_folder_through_device_staging(tmp_path, monkeypatch):
     monkeypatch.setattr(checkpointer_mod, "device_of",
                         lambda images, store: torch.device("cpu") if isinstance(store, LocalStore) else None)
     monkeypatch.setattr(checkpointer_mod, "gpudirect_kvikio", lambda: None)
-    acc = Accelerator(cpu=True)
+    assert _device_staged_like_accelerate(tmp_path, Accelerator(cpu=True)).staged_on == "cpu"
+
+
+def _device_staged_like_accelerate(tmp_path, acc):
+    """Train a little, save with Accelerate and with device staging: the same files; the telemetry."""
     run = build(acc)
     train(acc, run, 2)
     plain = str(tmp_path / "plain")
@@ -66,13 +70,13 @@ def test_same_folder_through_device_staging(tmp_path, monkeypatch):
     ckpt = sa.AcceleratorCheckpointer(acc, device_staging=True)
     tel = ckpt.save_state(str(tmp_path / "staged")).result()
     ckpt.close()
-    assert tel.staged_on == "cpu"
     theirs = sorted(os.listdir(plain))
     assert sorted(os.listdir(tmp_path / "staged")) == sorted([*theirs, MANIFEST])
     for name in theirs:
         assert_same(load_file_content(os.path.join(plain, name)),
                     load_file_content(str(tmp_path / "staged" / name)), name)
     assert stagesave.verify(tmp_path / "staged").status == "verified"
+    return tel
 
 
 def test_tied_weights_are_saved_once_as_accelerate_does(tmp_path):
@@ -136,16 +140,4 @@ def test_save_pre_hook_files_are_carried_verbatim_and_weights_it_took_are_not_sa
 
 @pytest.mark.gpu
 def test_same_folder_through_device_staging_on_a_gpu(tmp_path):
-    acc = Accelerator()  # on the GPU
-    run = build(acc)
-    train(acc, run, 2)
-    plain = str(tmp_path / "plain")
-    Accelerator.save_state(acc, plain)
-    ckpt = sa.AcceleratorCheckpointer(acc, device_staging=True)
-    tel = ckpt.save_state(str(tmp_path / "staged")).result()
-    ckpt.close()
-    assert tel.staged_on.startswith("cuda")
-    for name in sorted(os.listdir(plain)):
-        assert_same(load_file_content(os.path.join(plain, name)),
-                    load_file_content(str(tmp_path / "staged" / name)), name)
-    assert stagesave.verify(tmp_path / "staged").status == "verified"
+    assert _device_staged_like_accelerate(tmp_path, Accelerator()).staged_on.startswith("cuda")
