@@ -4,18 +4,35 @@ A file is hashed in fixed-size chunks so that the hashing runs in parallel (in t
 the staging copy, or in the writers, each hashing the slice it writes: ``checksum_in``) and a corrupt
 byte can be located to its chunk.
 All algorithms here release the GIL on large inputs.
+
+The default is CRC-32 (the zip polynomial) through ISA-L, which runs at memory speed: the CRC of
+a chunk's pieces, combined (:func:`crc32_combine`), gives both the chunk's checksum and the CRC of
+every zip record, so one pass proves the file and makes it a valid zip. CRC-32 detects damage
+(torn writes, bit rot, truncation), not tampering: ``blake3`` and ``sha256`` are the
+cryptographic choices, and signed checkpoints require one of them.
 """
 
 from __future__ import annotations
 
 import hashlib
+import zlib
 from collections.abc import Callable
 from typing import Protocol
 
 import blake3
 import xxhash
 
-__all__ = ["ALGORITHMS", "DEFAULT_ALGORITHM", "Hasher", "check_algorithm", "digest", "hasher"]
+try:  # ISA-L: CRC-32 at memory speed, GIL released
+    from isal.isal_zlib import crc32 as _crc32
+    from isal.isal_zlib import crc32_combine as _crc32_combine
+except ImportError:  # pragma: no cover - platforms without an isal wheel: same values, slower
+    _crc32 = zlib.crc32
+    _crc32_combine = None
+
+__all__ = [
+    "ALGORITHMS", "CRYPTOGRAPHIC", "DEFAULT_ALGORITHM", "Hasher", "check_algorithm", "crc32", "crc32_combine",
+    "crc32_patch", "digest", "hasher",
+]
 
 Buffer = bytes | bytearray | memoryview
 
@@ -27,7 +44,73 @@ class Hasher(Protocol):
 
     def hexdigest(self) -> str: ...
 
-DEFAULT_ALGORITHM = "xxh3_128"
+DEFAULT_ALGORITHM = "crc32"
+#: Algorithms that resist deliberate tampering (required to sign checkpoints).
+CRYPTOGRAPHIC = frozenset({"blake3", "sha256"})
+
+
+def crc32(data: Buffer, value: int = 0) -> int:
+    """CRC-32 of ``data`` (zip's polynomial), continuing from ``value``."""
+    return _crc32(data, value)
+
+
+def _gf2_times(mat: list[int], vec: int) -> int:
+    out = 0
+    i = 0
+    while vec:
+        if vec & 1:
+            out ^= mat[i]
+        vec >>= 1
+        i += 1
+    return out
+
+
+def _combine_py(crc1: int, crc2: int, len2: int) -> int:  # pragma: no cover - zlib's algorithm
+    if len2 <= 0:
+        return crc1
+    odd = [0xEDB88320] + [1 << i for i in range(31)]
+    even = [_gf2_times(odd, odd[i]) for i in range(32)]
+    odd = [_gf2_times(even, even[i]) for i in range(32)]
+    while True:
+        even = [_gf2_times(odd, odd[i]) for i in range(32)]
+        if len2 & 1:
+            crc1 = _gf2_times(even, crc1)
+        len2 >>= 1
+        if not len2:
+            break
+        odd = [_gf2_times(even, even[i]) for i in range(32)]
+        if len2 & 1:
+            crc1 = _gf2_times(odd, crc1)
+        len2 >>= 1
+        if not len2:
+            break
+    return crc1 ^ crc2
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC-32 of ``a + b`` from ``crc32(a)``, ``crc32(b)`` and ``len(b)``."""
+    if _crc32_combine is not None:
+        return int(_crc32_combine(crc1, crc2, len2))
+    return _combine_py(crc1, crc2, len2)
+
+
+_ZEROS4 = crc32(bytes(4))
+
+
+def crc32_patch(crc: int, length: int, at: int, old: bytes, new: bytes) -> int:
+    """CRC-32 of a message of ``length`` bytes whose bytes at ``at`` changed from ``old`` to ``new``.
+
+    CRC-32 is affine in the message, so the change costs a CRC of ``len(new)`` bytes and one
+    shift, however long the message (used to fix a chunk's checksum after a zip CRC field in it
+    was filled in).
+    """
+    delta = bytes(a ^ b for a, b in zip(old, new))
+    base = _ZEROS4 if len(delta) == 4 else crc32(bytes(len(delta)))
+    return crc ^ crc32_combine(crc32(delta) ^ base, 0, length - at - len(delta))
+
+
+def _crc32_hex(data: Buffer) -> str:
+    return f"{crc32(data):08x}"
 
 
 def _xxh3_128(data: Buffer) -> str:
@@ -48,6 +131,7 @@ def _sha256(data: Buffer) -> str:
 
 
 ALGORITHMS: dict[str, Callable[[Buffer], str]] = {
+    "crc32": _crc32_hex,
     "xxh3_128": _xxh3_128,
     "xxh3_64": _xxh3_64,
     "blake3": _blake3,
@@ -55,7 +139,7 @@ ALGORITHMS: dict[str, Callable[[Buffer], str]] = {
 }
 
 #: Length of the hex digest of each algorithm (used to validate manifests).
-DIGEST_HEX_LEN = {"xxh3_128": 32, "xxh3_64": 16, "blake3": 64, "sha256": 64}
+DIGEST_HEX_LEN = {"crc32": 8, "xxh3_128": 32, "xxh3_64": 16, "blake3": 64, "sha256": 64}
 
 
 def check_algorithm(name: str) -> str:
@@ -67,7 +151,7 @@ def check_algorithm(name: str) -> str:
     if name not in ALGORITHMS:
         raise ValueError(
             f"unknown checksum algorithm {name!r}; choose one of {sorted(ALGORITHMS)} "
-            f"({DEFAULT_ALGORITHM!r} is fast, 'blake3' and 'sha256' are cryptographic)"
+            f"({DEFAULT_ALGORITHM!r} is the fastest, 'blake3' and 'sha256' are cryptographic)"
         )
     return name
 
@@ -77,7 +161,20 @@ def digest(algorithm: str, data: Buffer) -> str:
     return ALGORITHMS[algorithm](data)
 
 
+class _Crc32Hasher:
+    def __init__(self) -> None:
+        self.value = 0
+
+    def update(self, data: Buffer, /) -> object:
+        self.value = crc32(data, self.value)
+        return None
+
+    def hexdigest(self) -> str:
+        return f"{self.value:08x}"
+
+
 _INCREMENTAL: dict[str, Callable[[], Hasher]] = {
+    "crc32": _Crc32Hasher,
     "xxh3_128": xxhash.xxh3_128,
     "xxh3_64": xxhash.xxh3_64,
     "blake3": blake3.blake3,

@@ -1,267 +1,515 @@
-"""The commit protocol, in one place.
+"""The commit protocol, in one place: files, folders, links, removals, copies to another store.
 
-One order serves every store, because each store maps the steps onto its own atomic primitive:
+Format 2 makes a checkpoint's proof part of its bytes, so committing is publishing:
 
-1. data to an invisible temporary (POSIX: a temp file; S3: an open multipart upload), written in
-   parallel chunks, each hashed as it is written unless its digest was computed during the
-   staging copy, then made durable (fsync / all parts up);
-2. the manifest to its final name (``<file>.<serialization_id>.stagesave.json``), durably;
-3. the atomic publish of the data (POSIX: rename over the old file + directory fsync;
-   S3: completing the multipart upload);
-4. removal of the manifest of the file that was replaced.
+* **A file** is written to an invisible temporary (POSIX: a dot-named temp file in the same
+  directory; S3: an open multipart upload), made durable, then sealed with its proof; under the
+  directory's commit lock the save takes its sequence number (one more than any committed in the
+  directory), writes the proof, and publishes (POSIX: fsync, rename over the final name, also
+  for ``last.ckpt``, directory fsync; S3: completing the upload). A crash leaves the old file or
+  the new one, each self-proving, plus debris under temporary names.
+* **A folder** is assembled under a dot-named temporary beside it (or in ``staging_dir``): every
+  file complete with its own proof, the *carrier* last (a torch file where there is one), whose
+  proof names every other file of the folder. It is published by one rename (swapped with the
+  old folder by ``RENAME_EXCHANGE`` where the filesystem can; otherwise the old one is moved
+  aside first and put back by the next writer after a crash between the two renames). On object
+  stores, which cannot rename a folder, the old carrier goes first (the folder is invalid from
+  then on), files the new save does not write go next, and the new carrier is written last:
+  that object is the commit.
+* **Removal** makes a checkpoint vanish in one step (rename to a temporary name, then delete;
+  on object stores the carrier first), so a half-removed checkpoint is never valid.
+* **A link** (Lightning's ``save_last="link"``) is a relative symbolic link created under a
+  temporary name and renamed over the old one.
+* **A copy** to another store (a tier upload, an export) writes the committed bytes as they are,
+  checking every chunk against the proof on the way: the copy proves itself too.
 
-A crash before 3 leaves the old file with its own manifest (the new manifest names an id that no
-file has: debris); after 3, the new file with its own. Nothing is ever half-visible, and a
-failure at any step aborts the temporary and removes the new manifest, so an error never
-publishes.
+Every mutating filesystem call goes through ``_fsops`` (the power-loss recorder wraps it).
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import errno
+import os
+import secrets
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any
 
 from . import _fsops as fsops
 from ._checksum import digest
 from ._crash import crash_point
-from ._manifest import FileEntry, Manifest, StorageRecord
-from ._names import manifest_name, split_manifest_name
-from ._store import PendingWrite, Store
+from ._discovery import CheckpointInfo, next_seq, resolve_dir, scan
+from ._local import LocalStore, makedirs_durable, temp_name_for
+from ._manifest import FileEntry, FolderProof, Manifest, Member
+from ._names import ASIDE_MARKER, DIR_MANIFEST, TMP_MARKER, aside_name, split_manifest_name
+from ._store import Store
+from ._write import FileToWrite, WriteStats, Written, run_all, write_data
+from .errors import IntegrityError
 
-__all__ = ["FileToWrite", "commit_files", "file_entry", "finish_data", "run_all", "write_file"]
+__all__ = [
+    "CARRIER_PREFERENCE", "commit_file", "commit_folder", "commit_link", "copy_checkpoint", "remove_checkpoint",
+    "restore_aside",
+]
 
-T = TypeVar("T")
+#: Which file of a folder carries the folder's proof: the first kind found in this order (torch
+#: files end with a footer, so finding the carrier costs one small read).
+CARRIER_PREFERENCE = ("dcp-metadata", "torch", "dcp", "safetensors")
 
-
-@dataclass
-class FileToWrite:
-    """A data file whose bytes are ``image[:size]``."""
-
-    name: str
-    image: memoryview
-    size: int
-    kind: str = "torch"
-    serialization_id: str | None = None
-    id_offset: int | None = None
-    storages: Sequence[StorageRecord] = ()
-    #: Name recorded in the manifest (relative to the manifest's directory).
-    entry_name: str | None = None
-    #: Chunk digests computed while staging (then the writers only write).
-    digests: Sequence[str] | None = None
-    #: With device staging: the bytes in device memory (a uint8 tensor), instead of ``image``.
-    device_data: Any = None
+Telemetry = Callable[[], dict[str, Any]]
 
 
-@dataclass
-class WriteStats:
-    write_s: float = 0.0
-    checksum_s: float = 0.0
-    fsync_s: float = 0.0
-    direct_io: bool | None = None
+def _parent(name: str) -> str:
+    return name.rpartition("/")[0]
 
 
-def run_all(pool: cf.Executor, fn: Callable[[int], T], n: int) -> list[T]:
-    """``[fn(0), ..., fn(n - 1)]`` on ``pool``; on failure, raise the first error in order only
-    after every call has ended (``Executor.map`` would leave started calls running behind the
-    caller's cleanup: writes into a closed or reused descriptor)."""
-    futures: list[cf.Future[T]] = []
-    try:
-        for i in range(n):
-            futures.append(pool.submit(fn, i))
-    except BaseException:  # e.g. the pool shut down meanwhile: let the submitted ones end first
-        for f in futures:
-            f.cancel()
-        cf.wait(futures)
-        raise
-    done, _ = cf.wait(futures, return_when=cf.FIRST_EXCEPTION)
-    if any(f.exception() is not None for f in done):
-        for f in futures:
-            f.cancel()  # those not started yet
-        cf.wait(futures)
-    return [f.result() for f in futures]
+def _join(parent: str, leaf: str) -> str:
+    return f"{parent}/{leaf}" if parent else leaf
 
 
-def finish_data(pending: PendingWrite, stats: WriteStats) -> None:
-    """Make a temporary's written data durable (step 1's end), timed into ``stats.fsync_s``."""
-    crash_point("after_data")
-    f0 = time.perf_counter()
-    pending.finish()
-    stats.fsync_s += time.perf_counter() - f0
-    crash_point("after_data_fsync")
+# ---------------------------------------------------------------------------- files
+def commit_file(
+    store: Store, f: FileToWrite, *, algorithm: str, chunk_bytes: int, pool: cf.Executor, stats: WriteStats,
+    metadata: dict[str, Any], telemetry: Telemetry, written: Written | None = None,
+) -> Manifest:
+    """Write, seal and publish one file. Returns the committed file's manifest.
 
+    ``written``: the data already written (device staging writes it its own way).
 
-def write_file(
-    store: Store,
-    f: FileToWrite,
-    *,
-    algorithm: str,
-    chunk_bytes: int,
-    pool: cf.Executor,
-    stats: WriteStats,
-) -> tuple[FileEntry, Callable[[], None], Callable[[], None]]:
-    """Write ``f`` to an invisible temporary, hashing each chunk as it is written.
-
-    Returns:
-        The manifest entry, and the publish and abort callables of the temporary.
+    Raises:
+        Whatever failed; nothing is published and the temporary is gone.
     """
-    t0 = time.perf_counter()
-    crash_point("before_data")
-    pending = store.begin_write(f.name, f.image, f.size)
+    w = written if written is not None else write_data(store, f, algorithm=algorithm, chunk_bytes=chunk_bytes,
+                                                       pool=pool, stats=stats)
+    directory = _parent(f.name)
     try:
-        n_chunks = (f.size + chunk_bytes - 1) // chunk_bytes
-        hash_time = [0.0] * n_chunks
-
-        pre = f.digests
-        if pre is not None and len(pre) != n_chunks:
-            raise ValueError(f"{len(pre)} precomputed digests for {n_chunks} chunks")
-
-        def one(i: int) -> str:
-            lo, hi = i * chunk_bytes, min(f.size, (i + 1) * chunk_bytes)
-            if pre is not None:
-                d = pre[i]
-            else:
-                h0 = time.perf_counter()
-                d = digest(algorithm, f.image[lo:hi])
-                hash_time[i] = time.perf_counter() - h0
-            pending.write_range(lo, hi)
-            if i == 0 and n_chunks > 1:
-                crash_point("mid_data")
-            return d
-
-        digests = run_all(pool, one, n_chunks)
-        finish_data(pending, stats)
+        with store.commit_lock(f.name):
+            seq = next_seq(store, directory)
+            manifest = w.seal(seq=seq, created_ns=time.time_ns(), metadata=metadata,
+                              tensors=_tensor_index(f), telemetry=telemetry())
+            w.finish(stats)
+            w.publish()
+            crash_point("after_rename")
     except BaseException:
-        pending.abort()
+        w.abort()
         raise
-    stats.checksum_s += sum(hash_time)
-    stats.write_s += time.perf_counter() - t0
-    stats.direct_io = getattr(pending, "direct", None)
-    return file_entry(f, algorithm, chunk_bytes, digests), pending.publish, pending.abort
+    crash_point("after_commit")
+    _drop_sidecars(store, f.name)
+    return manifest
 
 
-class _WrittenFile(Protocol):
-    name: str
-    entry_name: str | None
-    size: int
-    kind: str
-    serialization_id: str | None
-    id_offset: int | None
-    storages: Sequence[StorageRecord]
+def _tensor_index(f: FileToWrite) -> list[dict[str, Any]]:
+    return [
+        {"name": t.name, "storage": t.storage_key, "dtype": t.dtype, "shape": list(t.shape),
+         "stride": list(t.stride), "storage_offset": t.storage_offset}
+        for t in f.image.tensors
+    ]
 
 
-def file_entry(f: _WrittenFile, algorithm: str, chunk_bytes: int, digests: Sequence[str]) -> FileEntry:
-    """The manifest entry of a data file written with these chunk digests."""
-    return FileEntry(
-        name=f.entry_name or f.name.rsplit("/", 1)[-1],
-        size=f.size,
-        algorithm=algorithm,
-        chunk_bytes=chunk_bytes,
-        chunks=tuple(digests),
-        kind=f.kind,
-        serialization_id=f.serialization_id,
-        id_offset=f.id_offset,
-        storages=tuple(f.storages),
+def _drop_sidecars(store: Store, name: str) -> None:
+    """Format-1 manifests of a name that now holds a format-2 file are debris: remove them."""
+    directory, _, base = name.rpartition("/")
+    try:
+        listing = store.list(directory)
+    except OSError:
+        return
+    for info in listing:
+        parsed = split_manifest_name(info.name.rpartition("/")[2])
+        if parsed is not None and parsed[0] == base:
+            with contextlib.suppress(OSError):
+                store.delete(info.name)
+
+
+# ---------------------------------------------------------------------------- folders
+def choose_carrier(files: Sequence[FileToWrite]) -> FileToWrite:
+    """The file of a folder that carries the folder's proof.
+
+    Raises:
+        ValueError: only raw files (none of them can hold a proof).
+    """
+    for kind in CARRIER_PREFERENCE:
+        for f in files:
+            if f.image.kind == kind:
+                return f
+    raise ValueError(
+        "a folder checkpoint needs at least one torch or safetensors file to carry its proof; "
+        "it holds only raw files"
     )
 
 
-def chunk_digests(
-    view: memoryview, size: int, *, algorithm: str, chunk_bytes: int, pool: cf.Executor
-) -> list[str]:
-    """Digests of every chunk of ``view[:size]``, computed in parallel (the hashes drop the GIL)."""
-    n = (size + chunk_bytes - 1) // chunk_bytes
-    return list(pool.map(lambda i: digest(algorithm, view[i * chunk_bytes : min(size, (i + 1) * chunk_bytes)]), range(n)))
+def commit_folder(
+    store: Store, directory: str, files: Sequence[FileToWrite], *, algorithm: str, chunk_bytes: int,
+    pool: cf.Executor, stats: WriteStats, metadata: dict[str, Any], telemetry: Telemetry,
+    staging_dir: str | None = None, write: Callable[[Store, FileToWrite], Written] | None = None,
+) -> Manifest:
+    """Write ``files`` (names relative to ``directory``) and commit them as one folder checkpoint.
 
+    ``write`` writes one file's data (default :func:`write_data`; device staging passes its own).
+    ``staging_dir`` (a local target's parent): assemble the folder there instead of beside the
+    target (same filesystem).
 
-def commit_files(
-    store: Store,
-    manifest_path: str,
-    manifest: Manifest,
-    publishers: Sequence[Callable[[], None]],
-    aborters: Sequence[Callable[[], None]],
-    replaced_manifests: Sequence[str] = (),
-    *,
-    name: str | None = None,
-) -> None:
-    """Steps 2-4: manifest, atomic publish of every file, removal of replaced manifests.
-
-    With ``name``, the manifests to replace are listed under the store's commit lock, which is
-    held until they are removed: two processes committing the same path cannot delete each
-    other's manifest (the later rename wins, with its own manifest).
+    Raises:
+        ValueError: the folder has no file that can carry its proof.
     """
-    with store.commit_lock(name) if name is not None else contextlib.nullcontext():
-        replaced = list(replaced_manifests)
-        if name is not None:
-            try:
-                replaced = sibling_manifests(store, name)
-            except OSError:
-                replaced = []
-        try:
-            crash_point("before_manifest")
-            store.put_atomic(manifest_path, manifest.to_json())
-            crash_point("after_manifest")
-        except BaseException:
-            for abort in aborters:
-                abort()
-            raise
-        try:
-            for publish in publishers:
-                publish()
+    carrier = choose_carrier(files)
+    ordered = [f for f in files if f is not carrier] + [carrier]
+    token = secrets.token_hex(16)
+    parent, leaf = _parent(directory), directory.rpartition("/")[2]
+    local_parent = store.local_path(parent)
+    wstore: Store = store
+    if local_parent and staging_dir:
+        makedirs_durable(staging_dir)
+        wstore = LocalStore(staging_dir, direct_io=getattr(store, "direct_io", True))
+        staging = f"{leaf}.{os.getpid()}-{secrets.token_hex(4)}{TMP_MARKER}"
+    elif local_parent:
+        staging = _join(parent, f".{leaf}.{os.getpid()}-{secrets.token_hex(4)}{TMP_MARKER}")
+    else:
+        staging = directory
+        _clear_for_rewrite(store, directory, {(f.entry_name or f.name) for f in files})
+
+    def write_one(f: FileToWrite) -> Written:
+        target = FileToWrite(f"{staging}/{f.entry_name or f.name}", f.image, f.view, f.crcs, f.device_data,
+                             f.entry_name or f.name)
+        if write is not None:
+            return write(wstore, target)
+        return write_data(wstore, target, algorithm=algorithm, chunk_bytes=chunk_bytes, pool=pool, stats=stats)
+
+    pending: list[Written] = []
+    try:
+        members: list[Member] = []
+        listed: list[FileEntry] = []
+        carrier_name = carrier.entry_name or carrier.name
+        created = time.time_ns()
+        for f in ordered[:-1]:
+            w = write_one(f)
+            pending.append(w)
+            w.seal(seq=None, created_ns=created, metadata={}, folder=FolderProof(token, carrier_name).to_doc(False),
+                   summary_folder=(token, carrier_name))
+            w.finish(stats)
+            w.publish()
+            if f.image.kind == "raw":
+                listed.append(w.entry)
+            else:
+                members.append(Member(w.entry.name, w.length, w.proof_crc))
+        w = write_one(carrier)
+        pending.append(w)
+        folder_doc = FolderProof(token, carrier_name, members, listed).to_doc(True)
+        with store.commit_lock(directory):
+            if local_parent:
+                restore_aside(store, parent)
+            seq = next_seq(store, parent)
+            manifest = w.seal(seq=seq, created_ns=created, metadata=metadata, folder=folder_doc,
+                              summary_folder=(token, carrier_name), tensors=_tensor_index(carrier),
+                              telemetry=telemetry())
+            w.finish(stats)
+            w.publish()
+            if local_parent:
+                src = wstore.local_path(staging)
+                dst = store.local_path(directory)
+                assert src is not None and dst is not None
+                fsops.fsync_dir(src)
+                _rename_into_place(store, src, dst, directory)
+            else:
                 crash_point("after_rename")
-        except BaseException:
-            for abort in aborters:
-                abort()
-            store.delete(manifest_path)
-            raise
-        crash_point("after_commit")
-        for old in replaced:
-            if old != manifest_path:
-                store.delete(old)
+                crash_point("after_commit")
+    except BaseException:
+        for p in pending:
+            p.abort()
+        if local_parent:
+            _remove_tree(wstore, staging)
+        raise
+    store.folder_committed(directory)
+    return manifest
 
 
-def sibling_manifests(store: Store, name: str) -> list[str]:
-    """Manifests in ``name``'s directory that belong to a file called ``name``."""
-    directory, _, base = name.rpartition("/")
-    out = []
+def _clear_for_rewrite(store: Store, directory: str, keep: set[str]) -> None:
+    """Before a folder is rewritten in place (object stores): its old carrier first, so nothing
+    half-overwritten is ever valid, then every file the new save will not write."""
+    try:
+        old = resolve_dir(store, directory)
+    except OSError:
+        old = None
+    if old is not None and old.manifest is not None:
+        if old.manifest.folder is not None:
+            store.delete(f"{directory}/{old.manifest.folder.carrier}")
+        elif old.manifest_name is not None:
+            store.delete(old.manifest_name)
     for info in store.list(directory):
-        leaf = info.name.rpartition("/")[2]
-        parsed = split_manifest_name(leaf)
-        if parsed is not None and parsed[0] == base:
-            out.append(info.name)
-    return out
+        if info.name.rpartition("/")[2] not in keep:
+            store.delete(info.name)
 
 
-def manifest_path_for(name: str, serialization_id: str) -> str:
-    directory, slash, base = name.rpartition("/")
-    return f"{directory}{slash}{manifest_name(base, serialization_id)}"
+def _remove_tree(store: Store, name: str) -> None:
+    path = store.local_path(name)
+    if path and os.path.isdir(path) and not os.path.islink(path):
+        fsops.rmtree(path)
 
 
-def retire_file(store: Store, name: str, manifests: Sequence[str]) -> None:
-    """Delete a committed file so that no step of the deletion leaves a valid-looking checkpoint.
+def _rename_into_place(store: Store, src: str, dst: str, directory: str) -> None:
+    """Rename ``src`` to ``dst`` (swap, or aside then rename, when ``dst`` exists), durably."""
+    if not os.path.lexists(dst):
+        fsops.rename(src, dst)
+        _durable_or_undone(dst, lambda: _quietly(fsops.rename, dst, src))
+        return
+    try:
+        fsops.exchange(src, dst)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+            raise
+    else:
+        _durable_or_undone(dst, lambda: _quietly(fsops.exchange, src, dst))
+        if os.path.isdir(src) and not os.path.islink(src):
+            fsops.rmtree(src)  # now holds the replaced folder
+        return
+    parent, leaf = _parent(directory), directory.rpartition("/")[2]
+    aside = store.local_path(_join(parent, aside_name(leaf, f"{os.getpid()}-{secrets.token_hex(4)}")))
+    assert aside is not None
+    fsops.rename(dst, aside)
+    crash_point("after_aside")
+    try:
+        fsops.rename(src, dst)
+    except BaseException:
+        fsops.rename(aside, dst)
+        raise
 
-    Locally the data file is first renamed to a temporary name (an atomic step that makes it
-    debris), then its manifests go, then the debris. On object stores, which cannot rename, the
-    manifests go first and the data object after.
+    def undo() -> None:
+        _quietly(fsops.rename, dst, src)
+        _quietly(fsops.rename, aside, dst)
+
+    _durable_or_undone(dst, undo)
+    fsops.rmtree(aside)
+
+
+def _durable_or_undone(dst: str, undo: Callable[[], None]) -> None:
+    """After the publishing rename of ``dst``: fsync its directory, or undo the publish and raise."""
+    crash_point("after_rename")
+    try:
+        fsops.fsync_dir(os.path.dirname(dst))
+    except BaseException:
+        undo()
+        raise
+    crash_point("after_commit")
+
+
+def _quietly(fn: Callable[[str, str], None], a: str, b: str) -> None:
+    with contextlib.suppress(OSError):
+        fn(a, b)
+
+
+def restore_aside(store: Store, parent: str) -> None:
+    """Move back folders left aside by a crash between the two renames of a replacement.
+
+    Runs on the write path (under the commit lock of ``parent``), never on a read.
     """
-    from ._local import temp_name_for
+    base = store.local_path(parent)
+    if not base:
+        return
+    for leaf in store.list_dirs(parent):
+        if not leaf.endswith(ASIDE_MARKER) or not leaf.startswith("."):
+            continue
+        original, _, token = leaf[1 : -len(ASIDE_MARKER)].rpartition(".")
+        if pid_alive(token.split("-", 1)[0]):
+            continue  # a live process is in the middle of its two renames
+        src = os.path.join(base, leaf)
+        dst = os.path.join(base, original)
+        if original and not os.path.lexists(dst):
+            fsops.rename(src, dst)
+            fsops.fsync_dir(base)
+        else:
+            _remove_tree(store, _join(parent, leaf))
 
+
+def pid_alive(text: str) -> bool:
+    """Whether the process whose id is ``text`` (from a temporary's name) is alive on this host.
+
+    Our own pid counts as dead: names this process created are its own to clean.
+    """
+    if not text.isdigit():
+        return False
+    pid = int(text)
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# ---------------------------------------------------------------------------- removal
+def remove_checkpoint(store: Store, name: str, *, is_dir: bool | None = None) -> None:
+    """Make the checkpoint ``name`` (file or folder) vanish in one step, then delete its bytes.
+
+    A symbolic link is removed itself, never what it points to. A tiered store removes it from
+    both tiers (``TieredStore.retire``).
+    """
+    retire = getattr(store, "retire", None)
+    if retire is not None:
+        retire(name, is_dir)
+        return
     local = store.local_path(name)
     if local is not None:
+        if os.path.islink(local):
+            fsops.unlink(local)
+            fsops.fsync_dir(os.path.dirname(local))
+            return
+        if is_dir is None:
+            is_dir = os.path.isdir(local)
         debris = temp_name_for(local)
         try:
             fsops.rename(local, debris)
         except FileNotFoundError:
             debris = ""
-        for m in manifests:
-            store.delete(m)
         crash_point("during_retention")
         if debris:
-            fsops.unlink(debris)
+            fsops.fsync_dir(os.path.dirname(local))
+            if is_dir:
+                fsops.rmtree(debris)
+            else:
+                fsops.unlink(debris)
+        _drop_sidecars(store, name)
         return
-    for m in manifests:
+    if is_dir is None:
+        is_dir = bool(store.list(name)) or bool(store.list_dirs(name))
+    if is_dir:
+        _clear_for_rewrite(store, name, set())
+        crash_point("during_retention")
+        return
+    sidecars = [i.name for i in store.list(_parent(name))
+                if (p := split_manifest_name(i.name.rpartition("/")[2])) is not None and p[0] == name.rpartition("/")[2]]
+    for m in sidecars:  # format 1: the manifest first, so a half-removed file is never valid
         store.delete(m)
     crash_point("during_retention")
     store.delete(name)
+
+
+def retain(store: Store, directory: str, keep: int, *, skip: Callable[[CheckpointInfo], bool] | None = None) -> list[str]:
+    """Keep the ``keep`` newest committed checkpoints of ``directory``; remove older ones.
+
+    Runs under the directory's commit lock. ``skip``: checkpoints never to remove (a tiered
+    store's not-yet-uploaded ones). Returns the names removed.
+    """
+    removed = []
+    with store.commit_lock(_join(directory, DIR_MANIFEST)):
+        committed = [c for c in scan(store, directory) if c.status == "committed"]
+        for old in committed[keep:]:
+            if skip is not None and skip(old):
+                continue
+            remove_checkpoint(store, old.name, is_dir=old.is_dir)
+            removed.append(old.name)
+    return removed
+
+
+# ---------------------------------------------------------------------------- links
+def commit_link(link: str, target: str) -> None:
+    """Point the symbolic link ``link`` at ``target`` (both local paths) atomically and durably.
+
+    A relative link is created under a temporary name beside ``link`` and renamed over it; a
+    real folder of the link's name is removed first in one step.
+    """
+    directory = os.path.dirname(link)
+    tmp = temp_name_for(link)
+    fsops.symlink(os.path.relpath(target, directory), tmp)
+    try:
+        if os.path.isdir(link) and not os.path.islink(link):
+            debris = temp_name_for(link)
+            fsops.rename(link, debris)
+            fsops.rmtree(debris)
+        fsops.replace(tmp, link)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            fsops.unlink(tmp)
+        raise
+    crash_point("after_rename")
+    fsops.fsync_dir(directory)
+
+
+# ---------------------------------------------------------------------------- copies
+def copy_file(
+    dst: Store, name: str, data: memoryview, entry: FileEntry, *, pool: cf.Executor, stats: WriteStats,
+) -> None:
+    """Write the committed bytes ``data`` of one file to ``dst`` under ``name`` and publish them,
+    checking each chunk against ``entry`` on the way (a copy that rotted is never published).
+
+    Raises:
+        IntegrityError: a chunk does not match the proof.
+    """
+    t0 = time.perf_counter()
+    size = len(data)
+    pending = dst.begin_write(name, data, size)
+    try:
+        cb = entry.chunk_bytes
+        n = max(1, (size + cb - 1) // cb)
+
+        def one(i: int) -> None:
+            lo, hi = i * cb, min(size, (i + 1) * cb)
+            if i < len(entry.chunks):
+                chunk = data[lo : min(hi, entry.end)]
+                if entry.blank is not None and lo < entry.blank[0] + entry.blank[1]:
+                    b = bytearray(chunk)
+                    a, z = max(lo, entry.blank[0]), min(lo + len(chunk), entry.blank[0] + entry.blank[1])
+                    b[a - lo : z - lo] = b" " * (z - a)
+                    chunk = memoryview(bytes(b))
+                if digest(entry.algorithm, chunk) != entry.chunks[i]:
+                    raise IntegrityError(f"{dst.describe(name)}: the source's bytes [{lo}, {min(hi, entry.end)}) "
+                                         "no longer match their proof; not copied")
+            if hi > lo:
+                pending.write_range(lo, hi)
+            crash_point("during_upload")
+
+        run_all(pool, one, n)
+        pending.finish()
+        pending.publish()
+    except BaseException:
+        pending.abort()
+        raise
+    stats.write_s += time.perf_counter() - t0
+
+
+def copy_checkpoint(
+    src: Store, info: CheckpointInfo, dst: Store, *, pool: cf.Executor, stats: WriteStats,
+    read: Callable[[str], contextlib.AbstractContextManager[memoryview]],
+) -> None:
+    """Copy a committed checkpoint (file or folder) from ``src`` to the same name in ``dst``.
+
+    ``read(name)`` gives a file's bytes (a memory map of the local copy). A folder is copied
+    carrier last, after the old folder's carrier was removed (object stores) or assembled beside
+    and renamed (local destinations).
+    """
+    m = info.manifest
+    assert m is not None
+    if not info.is_dir:
+        with read(info.name) as data:
+            copy_file(dst, info.name, data, m.files[0], pool=pool, stats=stats)
+        return
+    from ._discovery import folder_entries
+
+    entries, problems = folder_entries(src, info)
+    if problems:
+        raise IntegrityError(f"{info.path} is not intact: {problems[0]}")
+    parent, leaf = _parent(info.name), info.name.rpartition("/")[2]
+    local_parent = dst.local_path(parent)
+    staging = _join(parent, f".{leaf}.{os.getpid()}-{secrets.token_hex(4)}{TMP_MARKER}") if local_parent else info.name
+    if not local_parent:
+        _clear_for_rewrite(dst, info.name, {e[0] for e in entries})
+    carrier = m.folder.carrier if m.folder is not None else None
+    order = [e for e in entries if e[0] != carrier] + [e for e in entries if e[0] == carrier]
+    try:
+        for fname, own, listed in order:
+            entry = listed if listed is not None else (own.files[0] if own is not None else None)
+            assert entry is not None
+            with read(f"{info.name}/{fname}") as data:
+                copy_file(dst, f"{staging}/{fname}", data, entry, pool=pool, stats=stats)
+        if local_parent:
+            src_path, dst_path = dst.local_path(staging), dst.local_path(info.name)
+            assert src_path is not None and dst_path is not None
+            with dst.commit_lock(info.name):
+                fsops.fsync_dir(src_path)
+                _rename_into_place(dst, src_path, dst_path, info.name)
+    except BaseException:
+        if local_parent:
+            _remove_tree(dst, staging)
+        raise

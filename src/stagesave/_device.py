@@ -6,8 +6,9 @@ copies, a side stream, an event (host tensors of the same state, such as optimiz
 are copied in too, through pinned memory). The caller waits for the copies to be queued, not for
 PCIe. The background then:
 
-* copies each chunk to a pinned host bounce buffer on its own stream and hashes it (the
-  manifest's checksums are computed from host bytes, as for every save);
+* copies each chunk to a pinned host bounce buffer on its own stream and CRCs it (the zip
+  records' CRCs, which the image holds before the data they cover), then again to fill those in
+  and hash it (the proof's checksums are computed from host bytes, as for every save);
 * writes the file: with kvikio installed and out of its compatibility mode, one
   ``kvikio.CuFile.pwrite`` of the whole image from GPU memory (GPUDirect Storage), meanwhile;
   otherwise each chunk's bounce buffer with ``pwrite`` (O_DIRECT where the filesystem allows it).
@@ -28,26 +29,27 @@ import ctypes
 import errno
 import functools
 import importlib
+import mmap
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from . import _fsops as fsops
 from ._checksum import digest
-from ._commit import WriteStats, file_entry, finish_data, run_all
 from ._crash import crash_point
 from ._image import FileImage
 from ._local import LocalStore
 from ._manifest import FileEntry, StorageRecord
 from ._names import ALIGNMENT
 from ._pool import HostBuffer
+from ._stage import crc_image
 from ._store import Store
+from ._write import FileToWrite, WriteStats, Written, late_end, run_all
 
-__all__ = ["device_of", "gpudirect_kvikio", "stage_on_device", "write_device_file"]
+__all__ = ["device_of", "gpudirect_kvikio", "stage_on_device", "write_device_data"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -193,24 +195,6 @@ def stage_on_device(image: FileImage, buf: HostBuffer, base: int = 0) -> Callabl
     return wait
 
 
-@dataclass
-class DeviceFile:
-    """A data file whose bytes are ``data[:size]`` in device memory.
-
-    ``data`` may run on past ``size`` (at least to the next page: O_DIRECT writes whole pages).
-    """
-
-    name: str
-    data: torch.Tensor
-    size: int
-    serialization_id: str | None
-    id_offset: int | None
-    storages: Sequence[StorageRecord]
-    kind: str = "torch"
-    #: Name recorded in the manifest (default: the last part of ``name``).
-    entry_name: str | None = None
-
-
 class _Bounces:
     """One pinned (or page-aligned) host buffer and one CUDA stream per writer thread."""
 
@@ -260,50 +244,85 @@ def _cufile(kvikio: Any, path: str) -> Iterator[Any]:
         f.close()
 
 
-def write_device_file(
-    store: LocalStore, f: DeviceFile, *, algorithm: str, chunk_bytes: int, pool: cf.Executor,
+def write_device_data(
+    store: LocalStore, f: FileToWrite, *, algorithm: str, chunk_bytes: int, pool: cf.Executor,
     stats: WriteStats, kvikio: Any | None,
-) -> tuple[FileEntry, Callable[[], None], Callable[[], None]]:
-    """Write a device image to an invisible temporary, hashing each chunk from a host copy.
+) -> Written:
+    """Step 1 of a file staged in device memory: CRCs, every chunk written and durable.
 
-    Returns:
-        The manifest entry, and the publish and abort callables of the temporary.
+    Two passes over the device buffer: the first copies each chunk to a host bounce buffer and
+    CRCs it (the zip records' CRCs, which sit in the image before the data they cover), the
+    second copies it again, fills in the CRCs, hashes and writes it (or, with kvikio, hashes it
+    while kvikio writes the whole image from device memory, then rewrites the pages whose CRC
+    fields it filled in). The proof is written by :meth:`Written.seal` as for host images.
     """
-    if f.data.numel() < (f.size + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT:
-        raise ValueError(f"device data of {f.data.numel()} bytes cannot hold {f.size} bytes and their page padding")
+    data = f.device_data
+    image = f.image
+    covered = image.covered
+    if data.numel() < (covered + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT:
+        raise ValueError(f"device data of {data.numel()} bytes cannot hold {covered} bytes and their page padding")
     t0 = time.perf_counter()
-    crash_point("before_data")
-    pending: Any = store.begin_write(f.name, memoryview(b""), f.size)
-    device = f.data.device
     span = (chunk_bytes + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
-    bounces = _Bounces(span, device)
+    bounces = _Bounces(span, data.device)
     try:
-        n_chunks = (f.size + chunk_bytes - 1) // chunk_bytes
+        h0 = time.perf_counter()
+        crcs = crc_image(image, chunk_bytes=chunk_bytes, pool=pool,
+                         chunk_view=lambda lo, hi: bounces.to_host(data[lo:hi]))
+        stats.checksum_s += time.perf_counter() - h0
+        fields: dict[int, list[tuple[int, bytes]]] = {}
+        for i, at in enumerate(image.crc_fields):
+            if at >= 0:
+                value = crcs.slots[i].to_bytes(4, "little")
+                for b in range(4):  # by byte: a field may straddle two chunks
+                    fields.setdefault((at + b) // chunk_bytes, []).append((at + b, value[b : b + 1]))
+        cd = None
+        if image.kind == "torch":
+            assert image.zip is not None
+            cd = image.zip.with_crcs({f"{image.zip.prefix}/data/{s.key}": crcs.slots[i]
+                                      for i, s in enumerate(image.slots)})
+        late = late_end(image)
+        last_lo = covered // ALIGNMENT * ALIGNMENT
+        kept: dict[str, bytes] = {}
+        patched_pages: dict[int, bytes] = {}
+        crash_point("before_data")
+        pending: Any = store.begin_write(f.name, memoryview(b""), covered, tail=image.kind != "safetensors")
+    except BaseException:
+        bounces.close()
+        raise
+    try:
+        n_chunks = (covered + chunk_bytes - 1) // chunk_bytes
         hash_time = [0.0] * n_chunks
         with _cufile(kvikio, pending.tmp) if kvikio is not None else contextlib.nullcontext() as cufile:
             # kvikio splits one large write over its own threads (GPUDirect DMA where it can);
             # meanwhile the pool copies each chunk to the host and hashes it.
-            future = cufile.pwrite(f.data[: f.size], f.size, 0) if cufile is not None else None
+            future = cufile.pwrite(data[:covered], covered, 0) if cufile is not None else None
 
             def one(i: int) -> str:
-                lo, hi = i * chunk_bytes, min(f.size, (i + 1) * chunk_bytes)
+                lo, hi = i * chunk_bytes, min(covered, (i + 1) * chunk_bytes)
                 # O_DIRECT writes whole pages: the bounce path writes the buffer's padding
                 # after the image too (the buffer is larger; finish() truncates to the size).
                 end = hi if future is not None or not pending.direct else min(
-                    f.data.numel(), (hi + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT)
-                host = bounces.to_host(f.data[lo:end])
+                    data.numel(), (hi + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT)
+                host = bounces.to_host(data[lo:end])
+                for at, value in fields.get(i, ()):
+                    host[at - lo : at - lo + 1] = value
+                    if future is not None:
+                        page = at // ALIGNMENT * ALIGNMENT
+                        patched_pages[page] = b""  # filled below, once every field of it is in
+                if future is not None:
+                    for page in [p for p in patched_pages if lo <= p < hi and not patched_pages[p]]:
+                        patched_pages[page] = bytes(host[page - lo : min(hi, page + ALIGNMENT) - lo])
+                if lo < late:
+                    kept["head"] = bytes(host[: min(late, hi) - lo])
+                if lo <= last_lo < hi or (last_lo == hi and i == n_chunks - 1):
+                    kept["last"] = bytes(host[last_lo - lo : hi - lo])
                 h0 = time.perf_counter()
                 d = digest(algorithm, host[: hi - lo])
                 hash_time[i] = time.perf_counter() - h0
                 if future is None:
-                    pos = 0
-                    while pos < end - lo:
-                        n = fsops.pwrite(pending.fd, host[pos:], lo + pos)
-                        if n <= 0:
-                            raise OSError(errno.EIO, f"short write at offset {lo + pos}")
-                        if pending.direct and n % ALIGNMENT and pos + n < end - lo:
-                            raise OSError(errno.EIO, "unaligned short write with O_DIRECT")
-                        pos += n
+                    start = max(lo, late) - lo
+                    if start < end - lo:
+                        _pwrite_all(pending, host[start : end - lo], lo + start)
                 if i == 0 and n_chunks > 1:
                     crash_point("mid_data")
                 return d
@@ -316,10 +335,17 @@ def write_device_file(
                     with contextlib.suppress(Exception):  # the first error is the one to report
                         future.get()
                 raise
-            done = int(future.get()) if future is not None else f.size
-            if done != f.size:
-                raise OSError(errno.EIO, f"short GPUDirect Storage write: {done} of {f.size} bytes")
-        finish_data(pending, stats)
+            done = int(future.get()) if future is not None else covered
+            if done != covered:
+                raise OSError(errno.EIO, f"short GPUDirect Storage write: {done} of {covered} bytes")
+        for page, content in sorted(patched_pages.items()):  # kvikio wrote the fields as zeros
+            if page >= late:
+                _pwrite_aligned(pending, content, page)
+        crash_point("after_data")
+        f0 = time.perf_counter()
+        pending.flush()
+        stats.fsync_s += time.perf_counter() - f0
+        crash_point("after_data_fsync")
     except BaseException:
         pending.abort()
         raise
@@ -328,4 +354,42 @@ def write_device_file(
     stats.checksum_s += sum(hash_time)
     stats.write_s += time.perf_counter() - t0
     stats.direct_io = bool(pending.direct) if kvikio is None else None
-    return file_entry(f, algorithm, chunk_bytes, digests), pending.publish, pending.abort
+    pending.last_block = kept.get("last", b"")
+
+    def write_late(head: bytes) -> None:
+        _pwrite_aligned(pending, head, 0)
+
+    entry = FileEntry(
+        name=f.entry_name or f.name.rsplit("/", 1)[-1], size=covered, algorithm=algorithm, chunk_bytes=chunk_bytes,
+        chunks=tuple(digests), kind=image.kind, serialization_id=image.serialization_id or None,
+        id_offset=image.id_offset if image.serialization_id else None,
+        storages=tuple(StorageRecord(s.key, s.offset, s.nbytes) for s in image.slots), covered=covered,
+        blank=image.blank,
+    )
+    return Written(store, f, pending, entry, cd, write_late, lambda: kept.get("head", b""))
+
+
+def _pwrite_all(pending: Any, data: memoryview, offset: int) -> None:
+    pos = 0
+    while pos < len(data):
+        n = fsops.pwrite(pending.fd, data[pos:], offset + pos)
+        if n <= 0:
+            raise OSError(errno.EIO, f"short write at offset {offset + pos}")
+        if pending.direct and n % ALIGNMENT and pos + n < len(data):
+            raise OSError(errno.EIO, "unaligned short write with O_DIRECT")
+        pos += n
+
+
+def _pwrite_aligned(pending: Any, data: bytes, offset: int) -> None:
+    """Write ``data`` at the page-aligned ``offset`` from a page-aligned copy (O_DIRECT)."""
+    n = (len(data) + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+    bounce = mmap.mmap(-1, max(n, ALIGNMENT))
+    try:
+        bounce[: len(data)] = data
+        view = memoryview(bounce)
+        try:
+            _pwrite_all(pending, view[: n if pending.direct else len(data)], offset)
+        finally:
+            view.release()
+    finally:
+        bounce.close()

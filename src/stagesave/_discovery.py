@@ -1,29 +1,44 @@
-"""Finding checkpoints and proving them: list, resolve a file's manifest, verify bytes.
+"""Finding checkpoints: list a directory, order it, tell each checkpoint's status.
 
-A data file is *committed* when a manifest beside it names its exact size and torch
-serialization id (read from the file itself at the offset the manifest gives); *unverified* when
-it has no manifest at all (a plain torch file: loadable, not provable); *corrupt* when manifests
-exist but none matches, or when verification finds a chunk whose digest differs. A manifest whose
-id matches no file is debris of a crashed save and is ignored.
+A file is *committed* when it exists under its final name and carries a valid proof (format 2:
+inside the file; format 1: a sidecar ``<name>.<serialization_id>.stagesave.json`` naming its size
+and id); *unverified* when it has none (a plain torch file: loadable, not provable); *corrupt*
+when its proof is broken or, on verification, a chunk's digest differs. A folder is committed
+when its carrier's proof names exactly the files it holds (format 2), or its
+``checkpoint.stagesave.json`` does (format 1).
+
+"Newest" is the sequence number each format-2 save records (one more than the highest committed
+in its directory), never the wall clock: format-2 checkpoints order by it, above everything
+else; format-1 and plain files, which have none, order by their recorded time or mtime.
+
+A listing costs one directory read plus, for each file not seen before, one read of its last
+few KiB (:func:`stagesave._proofread.peek`): what was learnt is cached per directory and reused
+while a file's name, size and version stay the same, so ``latest()`` and the sequence number of
+a new save stay linear in the number of checkpoints, and cheap when few changed.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import threading
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
-from ._checksum import digest
-from ._commit import sibling_manifests
 from ._manifest import FileEntry, Manifest, parse_manifest
-from ._names import ASIDE_MARKER, DIR_MANIFEST, MANIFEST_SUFFIX, MAX_MANIFEST_BYTES, is_temporary
-from ._store import Store
+from ._names import ASIDE_MARKER, DIR_MANIFEST, MANIFEST_SUFFIX, MAX_MANIFEST_BYTES, is_temporary, split_manifest_name
+from ._proofread import FileProof, chunk_problems, peek, read_proof
+from ._store import ObjectInfo, Reader, Store
 from .errors import IntegrityError, ManifestError
 
-__all__ = ["CheckpointInfo", "resolve", "resolve_dir", "scan", "verify_entry"]
+__all__ = [
+    "CheckpointInfo", "next_seq", "raise_if_corrupt", "resolve", "resolve_dir", "resolve_reader", "scan",
+    "verify_entry",
+]
 
 #: Plain files with these suffixes are listed as (unverified) checkpoints.
-CHECKPOINT_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".tar")
+CHECKPOINT_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".tar", ".safetensors")
 
 
 @dataclass
@@ -36,61 +51,103 @@ class CheckpointInfo:
     created: float
     size: int
     manifest: Manifest | None = None
+    #: Format 1: the sidecar manifest that proves it (``None`` for format 2: the file itself).
     manifest_name: str | None = None
     problems: list[str] = field(default_factory=list)
     tier: str | None = None
     is_dir: bool = False
-    #: Whether the file has stagesave manifests (matching or not).
+    #: Whether the checkpoint has a stagesave proof (matching or not).
     problems_from_manifest: bool = False
     #: The name that was judged: the target when ``name`` is a link inside the root.
     judged: str | None = None
+    #: Format 2: the save's sequence number in its directory.
+    seq: int | None = None
+    #: 2: proof inside the file(s); 1: sidecar manifests; 0: no proof (a plain file).
+    format: int = 0
 
     @property
     def valid(self) -> bool:
         return self.status in ("committed", "verified", "unverified")
 
+    def order(self) -> tuple[int, float, float, str]:
+        """Sort key, larger is newer: format 2 by sequence number, above everything else."""
+        if self.seq is not None:
+            return (1, float(self.seq), self.created, self.name)
+        return (0, self.created, 0.0, self.name)
 
-def _read_manifest(store: Store, name: str) -> Manifest:
+
+# ---------------------------------------------------------------------------- single files
+def _read_sidecar(store: Store, name: str) -> Manifest:
     info = store.info(name)
     if info.size > MAX_MANIFEST_BYTES:
-        raise ManifestError(
-            f"invalid manifest {store.describe(name)}: {info.size} bytes exceeds the limit"
-        )
+        raise ManifestError(f"invalid manifest {store.describe(name)}: {info.size} bytes exceeds the limit")
     return parse_manifest(store.read_range(name, 0, info.size), store.describe(name))
 
 
+def _sidecars(store: Store, name: str, listing: Iterable[ObjectInfo] | None = None) -> list[str]:
+    """Format-1 manifests in ``name``'s directory that belong to a file called ``name``."""
+    directory, _, base = name.rpartition("/")
+    out = []
+    for info in listing if listing is not None else store.list(directory):
+        parsed = split_manifest_name(info.name.rpartition("/")[2])
+        if parsed is not None and parsed[0] == base:
+            out.append(info.name)
+    return out
+
+
 def resolve(store: Store, name: str) -> CheckpointInfo:
-    """Status of data file ``name`` (without reading its bytes beyond the id).
+    """Status of the file ``name`` (its proof read and checked, its data not).
 
     Raises:
-        FileNotFoundError: the file does not exist.
+        FileNotFoundError: the file does not exist. IsADirectoryError: it is a folder.
     """
     target = store.canonical(name)
-    if target != name:  # a link inside the root (Lightning's save_last="link"): judge its target
-        ci = resolve(store, target)
+    with store.open(target) as reader:
+        ci = resolve_reader(store, target, reader)
+    if target != name:  # a link inside the root (Lightning's save_last="link"): judged its target
         ci.path, ci.name, ci.judged = store.describe(name), name, target
-        return ci
-    info = store.info(name)
+    return ci
+
+
+def resolve_reader(store: Store, name: str, reader: Reader, sidecars: list[str] | None = None) -> CheckpointInfo:
+    """:func:`resolve` through an open reader (the version that will be loaded or verified)."""
     path = store.describe(name)
-    candidates = sibling_manifests(store, name)
+    base = name.rpartition("/")[2]
+    got = read_proof(reader, base)
+    if got.format == 2:
+        return _from_proof(store, name, path, reader, got)
+    candidates = _sidecars(store, name) if sidecars is None else sidecars
+    if candidates:
+        return _format1(store, name, path, reader, candidates)
     directory = name.rpartition("/")[0]
-    if not candidates and name.rpartition("/")[2] != DIR_MANIFEST:
+    if base != DIR_MANIFEST:  # a file of a format-1 folder: its folder manifest proves it
         dir_manifest = f"{directory}/{DIR_MANIFEST}" if directory else DIR_MANIFEST
         try:
             store.info(dir_manifest)
-            candidates = [dir_manifest]
-        except FileNotFoundError:
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             pass
-    if not candidates:
-        problem = _plain_file_problem(store, name, info.size)
-        if problem:
-            return CheckpointInfo(path, name, "corrupt", info.mtime, info.size, problems=[problem])
-        return CheckpointInfo(path, name, "unverified", info.mtime, info.size)
+        else:
+            return _format1(store, name, path, reader, [dir_manifest])
+    p = peek(reader)
+    if p.problem:
+        return CheckpointInfo(path, name, "corrupt", reader.mtime, reader.size, problems=[p.problem])
+    return CheckpointInfo(path, name, "unverified", reader.mtime, reader.size)
+
+
+def _from_proof(store: Store, name: str, path: str, reader: Reader, got: FileProof) -> CheckpointInfo:
+    if got.manifest is None:
+        return CheckpointInfo(path, name, "corrupt", reader.mtime, reader.size, problems=got.problems,
+                              problems_from_manifest=True, format=2)
+    m = got.manifest
+    return CheckpointInfo(path, name, "committed", m.created_ns / 1e9, reader.size, m, None, seq=m.seq, format=2)
+
+
+def _format1(store: Store, name: str, path: str, reader: Reader, candidates: list[str]) -> CheckpointInfo:
     problems: list[str] = []
     parsed: list[tuple[Manifest, str]] = []
     for mname in candidates:
         try:
-            parsed.append((_read_manifest(store, mname), mname))
+            parsed.append((_read_sidecar(store, mname), mname))
         except (ManifestError, OSError) as exc:
             problems.append(str(exc))
     parsed.sort(key=lambda m: m[0].created_ns, reverse=True)
@@ -101,131 +158,310 @@ def resolve(store: Store, name: str) -> CheckpointInfo:
         except KeyError:
             problems.append(f"{store.describe(mname)} does not describe {base}")
             continue
-        if entry.size != info.size:
-            problems.append(
-                f"{path} is {info.size} bytes but its manifest says {entry.size} (truncated or replaced)"
-            )
+        if entry.size != reader.size:
+            problems.append(f"{path} is {reader.size} bytes but its manifest says {entry.size} (truncated or replaced)")
             continue
         if entry.serialization_id is not None and entry.id_offset is not None:
-            got = store.read_range(name, entry.id_offset, len(entry.serialization_id))
-            if got != entry.serialization_id.encode():
+            if reader.read(entry.id_offset, len(entry.serialization_id)) != entry.serialization_id.encode():
                 problems.append(f"{path} does not carry the serialization id its manifest names")
                 continue
-        return CheckpointInfo(
-            path, name, "committed", manifest.created_ns / 1e9, info.size, manifest, mname
-        )
+        one = Manifest([entry], manifest.created_ns, manifest.tensors, manifest.metadata, manifest.telemetry, 1)
+        return CheckpointInfo(path, name, "committed", manifest.created_ns / 1e9, reader.size, one, mname, format=1)
     if not problems:
         problems.append(f"no manifest matches {path}")
-    return CheckpointInfo(path, name, "corrupt", info.mtime, info.size, problems=problems,
-                          problems_from_manifest=True)
+    return CheckpointInfo(path, name, "corrupt", reader.mtime, reader.size, problems=problems,
+                          problems_from_manifest=True, format=1)
 
 
-def _plain_file_problem(store: Store, name: str, size: int) -> str | None:
-    """For a torch file without manifest: is it at least a complete zip (not torn)?"""
-    if size < 22:
-        return f"{store.describe(name)} is {size} bytes: too short to be a checkpoint"
-    head = store.read_range(name, 0, 4)
-    if head != b"PK\x03\x04":
-        return None  # not a zip: a legacy torch file or another format, loadable as such
-    tail = store.read_range(name, max(0, size - 65_558), min(size, 65_558))
-    if b"PK\x05\x06" not in tail:
-        return f"{store.describe(name)} is a truncated zip (no end-of-archive record): a torn write"
+# ---------------------------------------------------------------------------- folders
+def resolve_dir(store: Store, directory: str, listing: list[ObjectInfo] | None = None) -> CheckpointInfo:
+    """Status of a folder checkpoint (committed when its proof names exactly its files)."""
+    path = store.describe(directory)
+    files = {f.name.rpartition("/")[2]: f for f in (listing if listing is not None else store.list(directory))}
+    if DIR_MANIFEST in files:
+        return _dir_format1(store, directory, path, files)
+    carrier = _find_carrier(store, directory, files)
+    if carrier is None:
+        return CheckpointInfo(path, directory, "unverified", max((f.mtime for f in files.values()), default=0.0),
+                              sum(f.size for f in files.values()), is_dir=True,
+                              problems=["no stagesave proof in any of its files: completeness cannot be proven"])
+    leaf, got = carrier
+    total = sum(f.size for f in files.values())
+    if got.manifest is None or got.manifest.folder is None:
+        return CheckpointInfo(path, directory, "corrupt", 0.0, total, is_dir=True, problems=got.problems
+                              or [f"{path}: {leaf} does not prove the folder"], problems_from_manifest=True, format=2)
+    m = got.manifest
+    folder = m.folder
+    assert folder is not None
+    problems = _folder_problems(store, directory, files, m)
+    status = "corrupt" if problems else "committed"
+    return CheckpointInfo(path, directory, status, m.created_ns / 1e9, total, m, None, problems, is_dir=True,
+                          problems_from_manifest=True, seq=m.seq, format=2)
+
+
+def _find_carrier(store: Store, directory: str, files: dict[str, ObjectInfo]) -> tuple[str, FileProof] | None:
+    """The carrier of a format-2 folder: named by any of its files' summaries (or its header)."""
+    tried: set[str] = set()
+    for leaf in sorted(files):
+        if leaf in tried:
+            continue
+        tried.add(leaf)
+        try:
+            with store.open(f"{directory}/{leaf}") as reader:
+                p = peek(reader)
+                if p.format == 2 and p.summary is not None and p.summary.folder is not None:
+                    carrier = p.summary.carrier or leaf
+                    if carrier == leaf:
+                        return leaf, read_proof(reader, leaf)
+                else:
+                    got = read_proof(reader, leaf) if leaf.endswith(".safetensors") else None
+                    if got is not None and got.manifest is not None and got.manifest.folder is not None:
+                        carrier = got.manifest.folder.carrier
+                        if carrier == leaf:
+                            return leaf, got
+                    else:
+                        continue
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            continue
+        except OSError as exc:
+            return leaf, FileProof(None, None, [f"{store.describe(f'{directory}/{leaf}')}: {exc.strerror or exc}"], 2)
+        if carrier not in files:
+            return carrier, FileProof(None, None, [f"{store.describe(directory)}: its carrier {carrier} is missing"], 2)
+        try:
+            with store.open(f"{directory}/{carrier}") as reader:
+                return carrier, read_proof(reader, carrier)
+        except OSError as exc:
+            return carrier, FileProof(None, None, [f"{store.describe(directory)}/{carrier}: {exc.strerror or exc}"], 2)
     return None
 
 
-def resolve_dir(store: Store, directory: str) -> CheckpointInfo:
-    """Status of a directory checkpoint (committed when its manifest and every file agree)."""
+def _folder_problems(store: Store, directory: str, files: dict[str, ObjectInfo], m: Manifest) -> list[str]:
+    folder = m.folder
+    assert folder is not None
     path = store.describe(directory)
+    problems = []
+    expected = folder.names()
+    for extra in sorted(set(files) - expected):
+        problems.append(f"{path}/{extra} is not part of the checkpoint its proof describes")
+    for missing in sorted(expected - set(files)):
+        problems.append(f"{path}/{missing} is missing")
+    for member in folder.members:
+        got = files.get(member.name)
+        if got is not None and got.size != member.size:
+            problems.append(f"{path}/{member.name} is {got.size} bytes, its folder's proof says {member.size}")
+    for entry in folder.listed:
+        got = files.get(entry.name)
+        if got is not None and got.size != entry.size:
+            problems.append(f"{path}/{entry.name} is {got.size} bytes, its folder's proof says {entry.size}")
+    return problems
+
+
+def folder_entries(store: Store, info: CheckpointInfo) -> tuple[list[tuple[str, Manifest | None, FileEntry | None]], list[str]]:
+    """Every file of a committed folder with what proves it: ``(name, own manifest, listed entry)``.
+
+    Members are read (their proofs must carry the folder's token and the CRC the carrier pins).
+    """
+    m = info.manifest
+    assert m is not None
+    if m.folder is None:  # format 1: the folder manifest lists every file
+        return [(e.name, Manifest([e], m.created_ns, schema=1), None) for e in m.files], []
+    folder = m.folder
+    out: list[tuple[str, Manifest | None, FileEntry | None]] = [(folder.carrier, m, None)]
+    problems: list[str] = []
+    for member in folder.members:
+        name = f"{info.name}/{member.name}"
+        try:
+            with store.open(name) as reader:
+                got = read_proof(reader, member.name)
+        except OSError as exc:
+            problems.append(f"{store.describe(name)}: {exc.strerror or exc}")
+            continue
+        mm = got.manifest
+        if mm is None:
+            problems += got.problems or [f"{store.describe(name)} has no stagesave proof"]
+            continue
+        if mm.folder is None or mm.folder.token != folder.token:
+            problems.append(f"{store.describe(name)} belongs to another save than its folder")
+            continue
+        if got.proof_crc != member.proof_crc:
+            problems.append(f"{store.describe(name)} is not the version its folder's proof names")
+            continue
+        out.append((member.name, mm, None))
+    out += [(e.name, None, e) for e in folder.listed]
+    return out, problems
+
+
+def _dir_format1(store: Store, directory: str, path: str, files: dict[str, ObjectInfo]) -> CheckpointInfo:
     mname = f"{directory}/{DIR_MANIFEST}"
     try:
-        manifest = _read_manifest(store, mname)
+        manifest = _read_sidecar(store, mname)
     except FileNotFoundError:
         return CheckpointInfo(path, directory, "unverified", 0.0, 0, is_dir=True,
                               problems=["no stagesave manifest: completeness cannot be proven"])
     except (ManifestError, OSError) as exc:
-        return CheckpointInfo(path, directory, "corrupt", 0.0, 0, is_dir=True, problems=[str(exc)])
+        return CheckpointInfo(path, directory, "corrupt", 0.0, 0, is_dir=True, problems=[str(exc)], format=1)
     problems = []
     total = 0
     for entry in manifest.files:
         fname = f"{directory}/{entry.name}"
         try:
-            info = store.info(fname)
+            with store.open(fname) as reader:
+                total += reader.size
+                if reader.size != entry.size:
+                    problems.append(f"{store.describe(fname)} is {reader.size} bytes, manifest says {entry.size}")
+                elif entry.serialization_id and entry.id_offset is not None:
+                    if reader.read(entry.id_offset, len(entry.serialization_id)) != entry.serialization_id.encode():
+                        problems.append(f"{store.describe(fname)} does not carry the id its manifest names")
         except (FileNotFoundError, IsADirectoryError):
             problems.append(f"{store.describe(fname)} is missing")
-            continue
         except OSError as exc:
             problems.append(f"{store.describe(fname)}: {exc.strerror or exc}")
-            continue
-        total += info.size
-        if info.size != entry.size:
-            problems.append(f"{store.describe(fname)} is {info.size} bytes, manifest says {entry.size}")
-        elif entry.serialization_id and entry.id_offset is not None:
-            got = store.read_range(fname, entry.id_offset, len(entry.serialization_id))
-            if got != entry.serialization_id.encode():
-                problems.append(f"{store.describe(fname)} does not carry the id its manifest names")
     status = "corrupt" if problems else "committed"
-    return CheckpointInfo(path, directory, status, manifest.created_ns / 1e9, total, manifest, mname,
-                          problems, is_dir=True)
+    return CheckpointInfo(path, directory, status, manifest.created_ns / 1e9, total, manifest, mname, problems,
+                          is_dir=True, format=1, problems_from_manifest=True)
 
 
-def scan(store: Store, directory: str = "", *, warn: bool = False) -> list[CheckpointInfo]:
-    """Every checkpoint in ``directory`` of ``store`` (files and folders), newest first."""
+# ---------------------------------------------------------------------------- listing
+@dataclass
+class _Seen:
+    signature: Any
+    info: CheckpointInfo
+
+
+_cache_lock = threading.Lock()
+_cache: dict[tuple[str, str], dict[str, _Seen]] = {}
+
+
+def _cache_key(store: Store, directory: str) -> tuple[str, str]:
+    return (f"{type(store).__name__}:{store.url}", directory)
+
+
+def _peek_file(store: Store, name: str, f: ObjectInfo, sidecars: list[str]) -> CheckpointInfo | None:
+    path = store.describe(name)
+    leaf = name.rpartition("/")[2]
+    try:
+        with store.open(name) as reader:
+            p = peek(reader)
+            if p.format == 2:
+                s = p.summary
+                if s is None:
+                    return CheckpointInfo(path, name, "corrupt", reader.mtime, reader.size, problems=[p.problem or ""],
+                                          problems_from_manifest=True, format=2)
+                if s.folder is not None:
+                    return None  # a loose file of a folder save: not a checkpoint by itself
+                return CheckpointInfo(path, name, "committed", s.created_ns / 1e9, reader.size, seq=s.seq, format=2)
+            if sidecars:
+                return resolve_reader(store, name, reader, sidecars)
+            if leaf.endswith(".safetensors"):
+                got = read_proof(reader, leaf)
+                if got.format == 2:
+                    return _from_proof(store, name, path, reader, got)
+            if p.problem:
+                return CheckpointInfo(path, name, "corrupt", reader.mtime, reader.size, problems=[p.problem])
+            return CheckpointInfo(path, name, "unverified", reader.mtime, reader.size)
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        return None  # removed while we listed
+    except OSError as exc:  # e.g. a symbolic link out of the root: listed, never followed
+        return CheckpointInfo(path, name, "corrupt", f.mtime, f.size, problems=[f"{path}: {exc.strerror or exc}"])
+
+
+def _folder_signature(store: Store, sub: str, listing: list[ObjectInfo]) -> Any:
+    return tuple(sorted((f.name, f.size, f.version or f.mtime) for f in listing))
+
+
+def scan(store: Store, directory: str = "", *, warn: bool = False, full: bool = False) -> list[CheckpointInfo]:
+    """Every checkpoint in ``directory`` of ``store`` (files and folders), newest first.
+
+    Format-2 files are judged by their summaries (``full``: by their whole proof, with the
+    manifest filled in); folders by their carrier's proof.
+    """
     files = store.list(directory)
+    key = _cache_key(store, directory)
+    with _cache_lock:
+        seen = dict(_cache.get(key, {}))
+    fresh: dict[str, _Seen] = {}
     out: list[CheckpointInfo] = []
+    sidecar_of: dict[str, list[str]] = {}
+    for f in files:
+        parsed = split_manifest_name(f.name.rpartition("/")[2])
+        if parsed is not None:
+            sidecar_of.setdefault(parsed[0], []).append(f.name)
     for leaf in store.list_dirs(directory):
         if leaf.startswith(".") or is_temporary(leaf) or leaf.endswith(ASIDE_MARKER):
             continue
         sub = f"{directory}/{leaf}" if directory else leaf
-        ci = resolve_dir(store, sub)
+        listing = store.list(sub)
+        sig = _folder_signature(store, sub, listing)
+        old = seen.get(leaf + "/")
+        if old is not None and old.signature == sig:
+            ci = old.info
+        else:
+            ci = resolve_dir(store, sub, listing)
+        fresh[leaf + "/"] = _Seen(sig, ci)
         if ci.status == "unverified":
             continue  # a plain folder: not listed as a checkpoint (it may be torn)
-        if ci.status == "corrupt" and warn:
-            warnings.warn(f"skipping checkpoint {ci.path}: {'; '.join(ci.problems)}", stacklevel=3)
         out.append(ci)
     for f in files:
         leaf = f.name.rpartition("/")[2]
         if leaf.endswith(MANIFEST_SUFFIX) or is_temporary(leaf) or leaf.startswith("."):
             continue
-        try:
-            ci = resolve(store, f.name)
-        except FileNotFoundError:  # removed while we listed
-            continue
-        except OSError as exc:  # e.g. a symbolic link out of the root: listed, never followed
-            ci = CheckpointInfo(store.describe(f.name), f.name, "corrupt", f.mtime, f.size,
-                                problems=[f"{store.describe(f.name)}: {exc.strerror or exc}"])
-        if ci.manifest is None and not ci.problems_from_manifest and not leaf.endswith(CHECKPOINT_SUFFIXES):
+        sidecars = sidecar_of.get(leaf, [])
+        sig = (f.size, f.version or f.mtime, tuple(sorted(sidecars)))
+        old = seen.get(leaf)
+        if old is not None and old.signature == sig and not full:
+            ci = old.info
+        else:
+            got = _peek_file(store, f.name, f, sidecars)
+            if got is None:
+                continue
+            ci = got
+            if full and ci.format == 2 and ci.manifest is None and ci.status == "committed":
+                ci = resolve(store, f.name)
+        fresh[leaf] = _Seen(sig, ci)
+        if ci.manifest is None and not ci.problems_from_manifest and ci.format == 0 and not leaf.endswith(CHECKPOINT_SUFFIXES):
             continue  # a plain file that is not named like a checkpoint (notes, logs, configs)
-        if ci.status == "corrupt" and warn:
-            warnings.warn(f"skipping checkpoint {ci.path}: {'; '.join(ci.problems)}", stacklevel=3)
         out.append(ci)
+    with _cache_lock:
+        _cache[key] = fresh
+    if warn:
+        for ci in out:
+            if ci.status == "corrupt":
+                warnings.warn(f"skipping checkpoint {ci.path}: {'; '.join(ci.problems)}", stacklevel=3)
     tier_of = getattr(store, "tier_of", None)
     if tier_of is not None:  # a tiered root: say where each checkpoint is read from
         for ci in out:
             ci.tier = tier_of(ci.name)
-    out.sort(key=lambda c: c.created, reverse=True)
+    out.sort(key=CheckpointInfo.order, reverse=True)
     return out
 
 
-def verify_entry(
-    store: Store, name: str, entry: FileEntry, pool: cf.Executor | None = None
-) -> list[str]:
-    """Recompute every chunk digest of ``name``; the list of problems (empty when intact)."""
-    path = store.describe(name)
-    problems: list[str] = []
+def next_seq(store: Store, directory: str) -> int:
+    """The sequence number of the next save in ``directory``: one more than any committed there.
 
-    def check(i: int) -> str | None:
-        lo, hi = entry.chunk_range(i)
-        data = store.read_range(name, lo, hi - lo)
-        if len(data) != hi - lo:
-            return f"{path}: truncated at byte {lo + len(data)} (expected {entry.size} bytes)"
-        if digest(entry.algorithm, data) != entry.chunks[i]:
-            return f"{path}: checksum mismatch in bytes [{lo}, {hi}) (chunk {i})"
-        return None
+    Call it under the directory's commit lock so that two processes saving into one directory
+    number their saves in the order they commit.
+    """
+    found = scan(store, directory)
+    return 1 + max((c.seq for c in found if c.seq is not None), default=0)
 
-    indices = range(len(entry.chunks))
-    results = pool.map(check, indices) if pool is not None else map(check, indices)
-    problems.extend(r for r in results if r)
-    return problems
+
+def forget(store: Store, directory: str) -> None:
+    """Drop what the listing cache knows of ``directory`` (tests; a store that changed under us)."""
+    with _cache_lock:
+        _cache.pop(_cache_key(store, directory), None)
+
+
+# ---------------------------------------------------------------------------- verification
+def verify_entry(store: Store, name: str, entry: FileEntry, pool: cf.Executor | None = None) -> list[str]:
+    """Recompute every chunk digest of ``name`` against ``entry``; the problems (empty: intact)."""
+    try:
+        reader = store.open(name)
+    except OSError as exc:
+        return [f"{store.describe(name)}: {exc.strerror or exc}"]
+    with reader:
+        if reader.size != entry.size:
+            return [f"{reader.where} is {reader.size} bytes, its proof says {entry.size}"]
+        return chunk_problems(reader, Manifest([entry], 0), pool)
 
 
 def raise_if_corrupt(problems: list[str], path: str) -> None:
@@ -235,3 +471,4 @@ def raise_if_corrupt(problems: list[str], path: str) -> None:
             + (f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else "")
             + ". It was not loaded; use the previous checkpoint (stagesave.latest skips corrupt ones)."
         )
+

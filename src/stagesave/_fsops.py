@@ -13,8 +13,9 @@ import shutil
 from typing import Any
 
 __all__ = [
-    "close", "exchange", "fsync", "ftruncate", "link", "makedirs", "mkdir", "open",
-    "posix_fadvise", "posix_fallocate", "pwrite", "rename", "replace", "rmtree", "unlink", "write",
+    "close", "exchange", "fsync", "fsync_dir", "ftruncate", "link", "makedirs", "mkdir", "open",
+    "posix_fadvise", "posix_fallocate", "pwrite", "rename", "replace", "rmtree", "symlink", "unlink",
+    "write",
 ]
 
 
@@ -66,8 +67,31 @@ def makedirs(path: str, exist_ok: bool = False) -> None:
     os.makedirs(path, exist_ok=exist_ok)
 
 
-def rmtree(path: str) -> None:
-    shutil.rmtree(path, ignore_errors=True)
+def rmtree(path: str, ignore_errors: bool = True) -> None:
+    shutil.rmtree(path, ignore_errors=ignore_errors)
+
+
+def symlink(target: str, path: str) -> None:
+    os.symlink(target, path)
+
+
+def fsync_dir(path: str) -> None:
+    """fsync a directory, so that renames and new entries in it survive a power loss.
+
+    The one error policy of the product: filesystems that cannot fsync a directory at all
+    (EINVAL, ENOTSUP, EBADF on some network and FUSE filesystems) are accepted, since they give
+    no stronger primitive; every other error (EIO above all) propagates.
+    """
+    import errno
+
+    fd = open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        close(fd)
 
 
 def link(src: str, dst: str) -> None:

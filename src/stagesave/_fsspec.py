@@ -36,19 +36,23 @@ def _filesystem(url: str, storage_options: dict[str, Any]) -> tuple[Any, str]:
 
 
 class _PipePendingWrite(PendingWrite):
-    def __init__(self, store: FsspecStore, name: str, image: memoryview, size: int) -> None:
+    def __init__(self, store: FsspecStore, name: str, image: memoryview, size: int, tail: bool) -> None:
         self.store = store
         self.final = store._path(name)
         head, _, tail = self.final.rpartition("/")
         self.tmp = f"{head}/.{tail}.{secrets.token_hex(4)}{TMP_MARKER}"
         self.image = image
         self.size = size
+        self.tail = b""
 
     def write_range(self, lo: int, hi: int) -> None:
         pass  # one pipe in finish(): generic filesystems have no ranged writes
 
+    def write_tail(self, data: bytes) -> None:
+        self.tail = bytes(data)
+
     def finish(self) -> None:
-        self.store.fs.pipe_file(self.tmp, bytes(self.image[: self.size]))
+        self.store.fs.pipe_file(self.tmp, bytes(self.image[: self.size]) + self.tail)
 
     def publish(self) -> None:
         self.store.fs.mv(self.tmp, self.final)
@@ -72,8 +76,8 @@ class FsspecStore(Store):
     def check_writable(self, name: str, size: int) -> None:
         check_name(name)
 
-    def begin_write(self, name: str, image: memoryview, size: int) -> PendingWrite:
-        return _PipePendingWrite(self, name, image, size)
+    def begin_write(self, name: str, image: memoryview, size: int, *, tail: bool = False) -> PendingWrite:
+        return _PipePendingWrite(self, name, image, size, tail)
 
     def put_atomic(self, name: str, data: bytes) -> None:
         self.fs.pipe_file(self._path(name), data)

@@ -1,11 +1,13 @@
 """Debris of crashed saves: finding it, and never removing anything else.
 
-A save killed mid-way leaves debris the commit protocol (``_commit.py``, ``_dircommit.py``) makes
-harmless but does not clean up: temporaries (files and staging folders whose names carry
-``.stagesave-tmp``), manifests whose data file never appeared or was replaced by a later save,
-folders moved aside during a directory replacement, and, on S3, multipart uploads never
-completed (they cost storage until aborted). Each kind is recognised by the names stagesave
-gives it *and* by proof that no live save still owns it:
+A save killed mid-way leaves debris the commit protocol (``_commit.py``) makes harmless but does
+not clean up: temporaries (files and staging folders named as stagesave names them:
+``.<name>.<pid>-<token>.stagesave-tmp``), format-1 manifests whose data file never appeared or
+now carries its own proof, folders moved aside during a folder replacement, and, on S3,
+multipart uploads never completed (they cost storage until aborted). Each kind is recognised by
+the exact names stagesave gives it (a user's file that merely contains the marker is left
+alone), by its content where it has one (a manifest must parse as stagesave's), *and* by proof
+that no live save still owns it:
 
 - a temporary is removed when the pid embedded in its name is not running on this host, or when
   nothing in it was modified for ``older_than_s`` (a live writer keeps touching its temporary);
@@ -26,21 +28,26 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import _fsops as fsops
 from ._discovery import resolve
-from ._names import ASIDE_MARKER, TMP_MARKER, split_manifest_name
+from ._manifest import parse_manifest
+from ._names import ASIDE_MARKER, MAX_MANIFEST_BYTES, TMP_MARKER, split_manifest_name
 from ._store import Store
+from .errors import ManifestError
 
 __all__ = ["Debris", "GcReport", "collect_garbage", "find_debris"]
 
-#: ``.<data name>.<pid>-<hex token>.stagesave-tmp`` (local) or ``.<data name>.<hex>.stagesave-tmp``.
-_TMP_RE = re.compile(r"^\.?(?P<data>.+?)\.(?:(?P<pid>\d+)-)?(?P<token>[0-9a-f]+)" + re.escape(TMP_MARKER) + r"$")
+#: ``.<data name>.<pid>-<hex token>.stagesave-tmp`` (local), ``.<data name>.<hex>.stagesave-tmp``
+#: (object stores); folders assembled in a ``staging_dir`` have no leading dot.
+_TMP_RE = re.compile(
+    r"^\.?(?P<data>.+?)\.(?:(?P<pid>\d+)-)?(?P<token>[0-9a-f]{8}|[0-9a-f]{32})" + re.escape(TMP_MARKER) + r"$"
+)
 _ASIDE_RE = re.compile(r"^\.(?P<data>.+)\.(?P<pid>\d+)-(?P<token>[0-9a-f]+)" + re.escape(ASIDE_MARKER) + r"$")
 #: How deep gc descends into sub-folders of the root (checkpoint folders nest one or two levels).
 MAX_DEPTH = 8
@@ -151,6 +158,9 @@ class _Finder:
             if TMP_MARKER not in leaf:
                 continue
             m = _TMP_RE.match(leaf)
+            if m is None:
+                self.kept.append((info.name, "not named as stagesave names its temporaries"))
+                continue
             age = max(0.0, self.now - info.mtime)
             debris, reason = self._owner_state(m.group("pid") if m else None, age)
             if debris:
@@ -162,6 +172,9 @@ class _Finder:
             sub = _join(prefix, leaf)
             if TMP_MARKER in leaf:
                 m = _TMP_RE.match(leaf)
+                if m is None:
+                    self.kept.append((sub, "not named as stagesave names its temporaries"))
+                    continue
                 mtime, size = _tree_newest_mtime(self.store, sub)
                 age = max(0.0, self.now - mtime)
                 debris, reason = self._owner_state(m.group("pid") if m else None, age)
@@ -218,8 +231,18 @@ class _Finder:
 
 
 def orphan_reason(store: Store, prefix: str, data_leaf: str, manifest: str, present: bool) -> str | None:
-    """Why ``manifest`` is debris, or ``None`` when it is the live manifest (or evidence to keep)."""
+    """Why ``manifest`` is debris, or ``None`` when it is the live manifest, evidence to keep, or
+    not a stagesave manifest at all (a user's file that is only named like one)."""
     data = _join(prefix, data_leaf)
+    try:
+        info = store.info(manifest)
+        if info.size > MAX_MANIFEST_BYTES:
+            return None
+        parsed = parse_manifest(store.read_range(manifest, 0, info.size), store.describe(manifest))
+    except (OSError, ManifestError):
+        return None
+    if data_leaf not in {f.name for f in parsed.files}:
+        return None
     if not present:
         try:
             store.info(data)
@@ -230,6 +253,8 @@ def orphan_reason(store: Store, prefix: str, data_leaf: str, manifest: str, pres
         ci = resolve(store, data)
     except (FileNotFoundError, IsADirectoryError):
         return f"its data file {data} does not exist (the save crashed before publishing it)"
+    if ci.status == "committed" and ci.format == 2:
+        return f"{data} carries its own proof now (format 2): this format-1 manifest is stale"
     if ci.status == "committed" and ci.manifest_name is not None and ci.manifest_name != manifest:
         return f"{data} is committed under another manifest (this one is from a save that did not publish)"
     return None
@@ -269,7 +294,7 @@ def _remove(store: Store, d: Debris) -> None:
         _remove_tree(store, d.name)
         return
     if d.kind == "aside-dir" and d.action == "restore":
-        from ._dircommit import restore_aside
+        from ._commit import restore_aside
 
         restore_aside(store, d.name.rpartition("/")[0])
         return
@@ -282,7 +307,7 @@ def _remove_tree(store: Store, name: str, depth: int = 0) -> None:
         st = os.lstat(local)
         if not stat.S_ISDIR(st.st_mode):
             raise OSError(f"{local} is not a real folder (a symlink?); left alone")
-        shutil.rmtree(local)  # removes links inside, never follows them
+        fsops.rmtree(local, ignore_errors=False)  # removes links inside, never follows them
         return
     for info in store.list(name):
         store.delete(info.name)

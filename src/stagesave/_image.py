@@ -28,7 +28,9 @@ from typing import IO, Any, cast
 import torch
 from torch.utils.serialization import config as _torch_save_config
 
+from ._checksum import crc32
 from ._names import ALIGNMENT
+from ._zipfmt import TorchZip, ZipFormatError, parse_torch_zip
 from .errors import UnsupportedObjectError
 
 __all__ = ["FileImage", "StorageSlot", "TensorEntry", "plan_torch_file"]
@@ -61,7 +63,12 @@ class TensorEntry:
 
 @dataclass
 class FileImage:
-    """Everything needed to produce the file bytes without pickling again."""
+    """Everything needed to produce the file bytes without pickling again.
+
+    The staging buffer receives ``[0, size)``; the file keeps ``[0, covered)`` of it (a torch
+    file's own central directory is replaced by the format-2 tail) and the proof's chunks cover
+    exactly that range.
+    """
 
     size: int
     pieces: list[tuple[int, bytes]]
@@ -69,10 +76,23 @@ class FileImage:
     serialization_id: str
     id_offset: int
     tensors: list[TensorEntry] = field(default_factory=list)
+    #: "torch", "safetensors", "dcp" (a sharded rank file), "dcp-metadata" or "raw".
+    kind: str = "torch"
+    #: torch files: the archive (records, central directory), for the CRCs and the tail.
+    zip: TorchZip | None = None
+    #: Per slot: where its zip record's CRC goes (data descriptor), -1 when it has no record.
+    crc_fields: list[int] = field(default_factory=list)
+    #: safetensors files: the region of the header reserved for the proof (hashed as spaces).
+    blank: tuple[int, int] | None = None
 
     @property
     def tensor_bytes(self) -> int:
         return sum(s.nbytes for s in self.slots)
+
+    @property
+    def covered(self) -> int:
+        """End of the bytes the file keeps from the image (and the proof's chunks cover)."""
+        return self.zip.cd_start if self.zip is not None else self.size
 
     def devices(self) -> set[str]:
         return {s.source.device.type for s in self.slots}
@@ -358,6 +378,7 @@ def _plan_torch_file(state: Any) -> FileImage:
     old = str(reader.serialization_id())
     sid = _unique_id(len(old))
     pieces = _replace_bytes(pieces, id_offset, sid.encode())
+    zip_, crc_fields, pieces = _archive(pieces, sink.end, slots, sid)
     keys = {storage._cdata: key for key, storage in found.items()}
     return FileImage(
         size=sink.end,
@@ -366,4 +387,37 @@ def _plan_torch_file(state: Any) -> FileImage:
         serialization_id=sid,
         id_offset=id_offset,
         tensors=_index_tensors(state, keys),
+        kind="torch",
+        zip=zip_,
+        crc_fields=crc_fields,
     )
+
+
+def _archive(
+    pieces: list[tuple[int, bytes]], size: int, slots: list[StorageSlot], sid: str,
+) -> tuple[TorchZip, list[int], list[tuple[int, bytes]]]:
+    """Parse torch's archive; give the serialization id record its real CRC (we changed its bytes).
+
+    Returns the archive, where each slot's CRC goes, and the pieces with the id record's CRC.
+    """
+    sparse = _SparseReader(size, pieces)
+
+    def read(offset: int, n: int) -> bytes:
+        sparse.seek(offset)
+        out = bytearray(max(0, min(n, size - offset)))
+        sparse.readinto(out)
+        return bytes(out)
+
+    try:
+        zip_ = parse_torch_zip(read, size)
+    except ZipFormatError as exc:  # torch changed its writer: say so instead of writing a bad file
+        raise UnsupportedObjectError(f"torch {torch.__version__} wrote an archive stagesave cannot lay out: {exc}") from exc
+    id_record = zip_.record(".data/serialization_id")
+    crc = crc32(sid.encode())
+    if id_record.descriptor_crc_at >= 0:
+        pieces = _replace_bytes(pieces, id_record.descriptor_crc_at, crc.to_bytes(4, "little"))
+    zip_ = TorchZip(zip_.prefix, zip_.records, zip_.cd_start, zip_.with_crcs({id_record.name: crc}), zip_.zip64)
+    by_name = {r.name: r for r in zip_.records}
+    fields = [by_name[f"{zip_.prefix}/data/{s.key}"].descriptor_crc_at
+              if f"{zip_.prefix}/data/{s.key}" in by_name else -1 for s in slots]
+    return zip_, fields, pieces

@@ -14,6 +14,7 @@ import builtins
 import contextlib
 import errno
 import fcntl
+import mmap
 import os
 import secrets
 import stat
@@ -21,7 +22,7 @@ from collections.abc import Iterator
 
 from . import _fsops as fsops
 from ._names import ALIGNMENT, TMP_MARKER
-from ._store import ObjectInfo, PendingWrite, Store, check_name
+from ._store import ObjectInfo, PendingWrite, Reader, Store, check_name
 from .errors import CheckpointError, oserror_to_checkpoint_error
 
 __all__ = ["LocalStore"]
@@ -29,15 +30,7 @@ __all__ = ["LocalStore"]
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
-def _fsync_dir(path: str) -> None:
-    fd = fsops.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        fsops.fsync(fd)
-    except OSError as exc:  # some filesystems refuse fsync on directories
-        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
-            raise
-    finally:
-        fsops.close(fd)
+_fsync_dir = fsops.fsync_dir
 
 
 def makedirs_durable(path: str) -> None:
@@ -67,11 +60,14 @@ def temp_name_for(path: str) -> str:
 
 
 class _LocalPendingWrite(PendingWrite):
-    def __init__(self, final: str, image: memoryview, size: int, direct: bool) -> None:
+    def __init__(self, final: str, image: memoryview, size: int, direct: bool, tail: bool = False) -> None:
         self.final = final
         self.tmp = temp_name_for(final)
         self.image = image
         self.size = size
+        self.length = size  # grows with the tail
+        #: The image's last partial page when ``image`` does not hold it (device staging).
+        self.last_block: bytes | None = None
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
         self.direct = False
         fd = -1
@@ -109,14 +105,48 @@ class _LocalPendingWrite(PendingWrite):
                 raise OSError(errno.EIO, "unaligned short write with O_DIRECT")
             pos += n
 
+    def write_tail(self, data: bytes) -> None:
+        """Append ``data`` at ``size``: with O_DIRECT, the last partial block of the image is
+        written again together with the tail from an aligned bounce buffer."""
+        if self.direct:
+            lo = self.size // ALIGNMENT * ALIGNMENT
+            n = self.size - lo + len(data)
+            bounce = mmap.mmap(-1, (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT)  # page-aligned
+            try:
+                bounce[: self.size - lo] = (self.image[lo : self.size] if self.last_block is None
+                                            else self.last_block[: self.size - lo])
+                bounce[self.size - lo : n] = data
+                view = memoryview(bounce)
+                pos = 0
+                while pos < len(bounce):
+                    written = fsops.pwrite(self.fd, view[pos:], lo + pos)
+                    if written <= 0 or (written % ALIGNMENT and pos + written < len(bounce)):
+                        raise OSError(errno.EIO, f"short write at offset {lo + pos}")
+                    pos += written
+                view.release()
+            finally:
+                bounce.close()
+        else:
+            view = memoryview(data)
+            pos = 0
+            while pos < len(view):
+                written = fsops.pwrite(self.fd, view[pos:], self.size + pos)
+                if written <= 0:
+                    raise OSError(errno.EIO, f"short write at offset {self.size + pos}")
+                pos += written
+        self.length = self.size + len(data)
+
+    def flush(self) -> None:
+        fsops.fsync(self.fd)
+
     def finish(self) -> None:
-        if self.direct and self.size % ALIGNMENT:
-            fsops.ftruncate(self.fd, self.size)
+        if self.direct and self.length % ALIGNMENT:
+            fsops.ftruncate(self.fd, self.length)
         # An fsync error is fatal: the page cache may have dropped the dirty pages, so retrying
         # could report success for bytes that never reached the disk.
         fsops.fsync(self.fd)
         if not self.direct and hasattr(os, "posix_fadvise"):
-            fsops.posix_fadvise(self.fd, 0, self.size, os.POSIX_FADV_DONTNEED)
+            fsops.posix_fadvise(self.fd, 0, self.length, os.POSIX_FADV_DONTNEED)
         # Linux releases the descriptor even when close reports an error: never close it twice.
         fd, self.fd = self.fd, -1
         fsops.close(fd)
@@ -170,6 +200,36 @@ class _LocalPendingWrite(PendingWrite):
             fsops.unlink(self.tmp)
         except OSError:
             pass
+
+
+class _FdReader(Reader):
+    """One open file: every read sees the inode opened, whatever happens to the name."""
+
+    def __init__(self, name: str, path: str, fd: int, size: int, mtime: float) -> None:
+        self.name, self.where, self.fd, self.size, self.mtime = name, path, fd, size, mtime
+
+    def read(self, offset: int, length: int) -> bytes:
+        out = bytearray(max(0, min(length, self.size - offset)))
+        n = self.readinto(offset, memoryview(out))
+        del out[n:]
+        return bytes(out)
+
+    def readinto(self, offset: int, out: memoryview) -> int:
+        total = 0
+        while total < len(out):
+            n = os.preadv(self.fd, [out[total:]], offset + total)
+            if n <= 0:
+                break
+            total += n
+        return total
+
+    def fileno(self) -> int | None:
+        return self.fd
+
+    def close(self) -> None:
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
 
 
 class LocalStore(Store):
@@ -257,10 +317,25 @@ class LocalStore(Store):
                 OSError(errno.ENOSPC, f"needs {size} bytes, {free} free"), what
             )
 
-    def begin_write(self, name: str, image: memoryview, size: int) -> PendingWrite:
+    def begin_write(self, name: str, image: memoryview, size: int, *, tail: bool = False) -> PendingWrite:
         path = self._path(name)
         makedirs_durable(os.path.dirname(path))
-        return _LocalPendingWrite(path, image, size, self.direct_io)
+        return _LocalPendingWrite(path, image, size, self.direct_io, tail)
+
+    def open(self, name: str) -> Reader:
+        path = self._readable(name)
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except IsADirectoryError:
+            raise
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise IsADirectoryError(errno.EISDIR, "not a regular file", path)
+        except BaseException:
+            os.close(fd)
+            raise
+        return _FdReader(name, path, fd, st.st_size, st.st_mtime)
 
     def put_atomic(self, name: str, data: bytes) -> None:
         path = self._path(name)
@@ -318,7 +393,7 @@ class LocalStore(Store):
             except FileNotFoundError:  # renamed away by a writer since the directory was read
                 continue
             name = f"{prefix}/{entry.name}" if prefix else entry.name
-            out.append(ObjectInfo(name, st.st_size, st.st_mtime))
+            out.append(ObjectInfo(name, st.st_size, st.st_mtime, f"{st.st_ino}:{st.st_mtime_ns}"))
         return out
 
     def list_dirs(self, prefix: str = "") -> builtins.list[str]:

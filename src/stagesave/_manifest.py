@@ -1,9 +1,16 @@
-"""The sidecar manifest: what was committed, and how to prove it.
+"""The proof of a checkpoint: what was committed, and how to check it.
 
-The manifest is untrusted input when read back (a checkpoint may come from anywhere), so
-:func:`parse_manifest` checks everything before anything else uses it: size caps, schema
-version, names that stay inside the checkpoint, integer fields in range, digests of the declared
-algorithm, storage records inside the file and not overlapping.
+Format 2 (written by this version) keeps the proof *inside* each file: a zip record of torch
+files, a ``__metadata__`` entry of safetensors files, a trailer of files whose readers ignore
+trailing bytes (sharded DCP files). A small *summary* closes every file that has a footer (torch
+and trailer files): the save's sequence number and where the proof is, so that listing a
+directory reads a few hundred bytes per checkpoint. Format 1 (sidecar ``*.stagesave.json``
+files) is still read.
+
+Both are untrusted input when read back (a checkpoint may come from anywhere), so the parsers
+check everything before anything else uses it: size caps, schema version, names that stay
+inside the checkpoint, integer fields in range, digests of the declared algorithm, storage
+records inside the file and not overlapping.
 """
 
 from __future__ import annotations
@@ -19,10 +26,16 @@ from ._names import FORMAT_TAG, MAX_FILE_BYTES, MAX_MANIFEST_BYTES, SCHEMA_VERSI
 from ._store import check_name
 from .errors import ManifestError
 
-__all__ = ["FileEntry", "Manifest", "StorageRecord", "parse_manifest"]
+__all__ = [
+    "FileEntry", "FolderProof", "Manifest", "Member", "StorageRecord", "Summary", "parse_manifest",
+    "parse_proof", "parse_summary",
+]
 
 _MAX_CHUNK = 1 << 40
 _MAX_ENTRIES = 10_000_000
+_MAX_SEQ = 1 << 62
+#: Schema of the embedded proof (format 2).
+SCHEMA_EMBEDDED = 2
 
 
 @dataclass(frozen=True)
@@ -34,7 +47,12 @@ class StorageRecord:
 
 @dataclass(frozen=True)
 class FileEntry:
-    """One committed data file."""
+    """One data file and the checksums that prove it.
+
+    ``chunks`` cover ``[0, covered)`` (``covered`` defaults to ``size``); a format-2 file's
+    bytes past ``covered`` (the zip tail, the trailer) are checked by rebuilding them from the
+    proof. ``blank`` is a region hashed as spaces (the proof's own place in a safetensors header).
+    """
 
     name: str
     size: int
@@ -45,10 +63,52 @@ class FileEntry:
     serialization_id: str | None = None
     id_offset: int | None = None
     storages: tuple[StorageRecord, ...] = ()
+    covered: int | None = None
+    blank: tuple[int, int] | None = None
+
+    @property
+    def end(self) -> int:
+        """End of the bytes the chunks cover."""
+        return self.size if self.covered is None else self.covered
 
     def chunk_range(self, i: int) -> tuple[int, int]:
         lo = i * self.chunk_bytes
-        return lo, min(self.size, lo + self.chunk_bytes)
+        return lo, min(self.end, lo + self.chunk_bytes)
+
+
+@dataclass(frozen=True)
+class Member:
+    """A file of a folder checkpoint that carries its own proof, as the folder's carrier pins it."""
+
+    name: str
+    size: int
+    proof_crc: int
+
+
+@dataclass
+class FolderProof:
+    """What makes a folder one checkpoint (format 2): a token shared by its files, and, in the
+    carrier (the file written last), every other file of the folder.
+
+    ``members`` carry their own proofs (the carrier pins each by size and the CRC of its proof);
+    ``listed`` are files stagesave did not lay out (hook files, raw files): the carrier holds
+    their checksums. A file in the folder that neither names makes the folder invalid.
+    """
+
+    token: str
+    carrier: str
+    members: list[Member] = field(default_factory=list)
+    listed: list[FileEntry] = field(default_factory=list)
+
+    def names(self) -> set[str]:
+        return {self.carrier, *(m.name for m in self.members), *(f.name for f in self.listed)}
+
+    def to_doc(self, with_files: bool) -> dict[str, Any]:
+        doc: dict[str, Any] = {"token": self.token, "carrier": self.carrier}
+        if with_files:
+            doc["members"] = [[m.name, m.size, m.proof_crc] for m in self.members]
+            doc["listed"] = [_entry_doc(f) for f in self.listed]
+        return doc
 
 
 @dataclass
@@ -59,6 +119,12 @@ class Manifest:
     metadata: dict[str, Any] = field(default_factory=dict)
     telemetry: dict[str, Any] = field(default_factory=dict)
     schema: int = SCHEMA_VERSION
+    #: Format 2: the per-directory sequence number that orders checkpoints.
+    seq: int | None = None
+    #: Format 2, folder checkpoints: the folder's proof (from its carrier).
+    folder: FolderProof | None = None
+    #: Format 2, torch files: digests of the central directory and the index record.
+    zip_digests: dict[str, str] | None = None
 
     def file(self, name: str) -> FileEntry:
         for f in self.files:
@@ -67,23 +133,79 @@ class Manifest:
         raise KeyError(name)
 
     def to_json(self) -> bytes:
+        """The format-1 sidecar JSON (written only by ``stagesave adopt``)."""
         doc = {
             "format": FORMAT_TAG,
-            "schema": self.schema,
+            "schema": SCHEMA_VERSION,
             "created_ns": self.created_ns,
-            "files": [
-                {
-                    **{k: v for k, v in asdict(f).items() if k not in ("chunks", "storages")},
-                    "chunks": list(f.chunks),
-                    "storages": [asdict(s) for s in f.storages],
-                }
-                for f in self.files
-            ],
+            "files": [_entry_doc(f) for f in self.files],
             "tensors": self.tensors,
             "metadata": self.metadata,
             "telemetry": self.telemetry,
         }
         return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+
+
+def _entry_doc(f: FileEntry) -> dict[str, Any]:
+    doc = {k: v for k, v in asdict(f).items() if k not in ("chunks", "storages", "covered", "blank")}
+    doc["chunks"] = list(f.chunks)
+    doc["storages"] = [asdict(s) for s in f.storages]
+    return doc
+
+
+def proof_doc(
+    entry: FileEntry, *, seq: int | None, created_ns: int, metadata: dict[str, Any],
+    folder: dict[str, Any] | None, zip_digests: dict[str, str] | None,
+) -> dict[str, Any]:
+    """The format-2 proof of one file, as a JSON document."""
+    return {
+        "format": FORMAT_TAG,
+        "schema": SCHEMA_EMBEDDED,
+        "kind": entry.kind,
+        "seq": seq,
+        "created_ns": created_ns,
+        "covered": entry.end,
+        "algorithm": entry.algorithm,
+        "chunk_bytes": entry.chunk_bytes,
+        "chunks": list(entry.chunks),
+        "serialization_id": entry.serialization_id,
+        "id_offset": entry.id_offset,
+        "storages": [[s.key, s.offset, s.nbytes] for s in entry.storages],
+        "blank": list(entry.blank) if entry.blank is not None else None,
+        "zip": zip_digests,
+        "metadata": metadata,
+        "folder": folder,
+    }
+
+
+def dumps(doc: Any) -> bytes:
+    """Compact JSON, refusing NaN and infinities (they are not JSON)."""
+    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+
+
+@dataclass(frozen=True)
+class Summary:
+    """The few facts a listing needs, at the end of every torch/trailer file of format 2."""
+
+    kind: str
+    #: ``None`` for the files of a folder other than its carrier (the carrier's counts).
+    seq: int | None
+    created_ns: int
+    proof_offset: int
+    proof_len: int
+    proof_crc: int
+    folder: str | None = None
+    carrier: str | None = None
+
+    def to_bytes(self) -> bytes:
+        doc: dict[str, Any] = {
+            "v": SCHEMA_EMBEDDED, "kind": self.kind, "seq": self.seq, "created_ns": self.created_ns,
+            "proof": [self.proof_offset, self.proof_len, self.proof_crc],
+        }
+        if self.folder is not None:
+            doc["folder"] = self.folder
+            doc["carrier"] = self.carrier
+        return dumps(doc)
 
 
 def _fail(where: str, problem: str) -> ManifestError:
@@ -102,27 +224,80 @@ def _str(v: Any, what: str, where: str, max_len: int = 4096) -> str:
     return v
 
 
-def _parse_file(doc: Any, where: str) -> FileEntry:
-    if not isinstance(doc, dict):
-        raise _fail(where, "a file entry is not an object")
-    name = _str(doc.get("name"), "file name", where)
+def _json(data: bytes, where: str) -> Any:
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise _fail(where, f"{len(data)} bytes exceeds the {MAX_MANIFEST_BYTES}-byte limit")
+    if not data.strip():
+        raise _fail(where, "the file is empty")
+    try:
+        return json.loads(data, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as exc:
+        raise _fail(where, f"not valid JSON ({exc})") from exc
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _chunks(chunks: Any, algorithm: str, n_bytes: int, chunk_bytes: int, what: str, where: str) -> tuple[str, ...]:
+    expected = math.ceil(n_bytes / chunk_bytes) if n_bytes else 0
+    if not isinstance(chunks, list) or len(chunks) != expected:
+        raise _fail(where, f"{what}: expected {expected} chunk digests for {n_bytes} bytes")
+    hex_len = DIGEST_HEX_LEN[algorithm]
+    for c in chunks:
+        if not isinstance(c, str) or len(c) != hex_len or not all(ch in "0123456789abcdef" for ch in c):
+            raise _fail(where, f"{what}: a chunk digest is not {hex_len} lowercase hex digits")
+    return tuple(chunks)
+
+
+def _algorithm(doc: dict[str, Any], where: str) -> str:
+    algorithm = _str(doc.get("algorithm"), "algorithm", where, 32)
+    if algorithm not in ALGORITHMS:
+        raise _fail(where, f"unknown checksum algorithm {algorithm!r}")
+    return algorithm
+
+
+def _storages(raw: Any, size: int, where: str, compact: bool) -> tuple[StorageRecord, ...]:
+    if not isinstance(raw, list) or len(raw) > _MAX_ENTRIES:
+        raise _fail(where, "storages must be a list")
+    out = []
+    for s in raw:
+        if compact:
+            if not isinstance(s, list) or len(s) != 3:
+                raise _fail(where, "a storage record is not [key, offset, nbytes]")
+            key, off, n = s
+        else:
+            if not isinstance(s, dict):
+                raise _fail(where, "a storage record is not an object")
+            key, off, n = s.get("key"), s.get("offset"), s.get("nbytes")
+        rec = StorageRecord(_str(key, "storage key", where, 64), _int(off, "storage offset", where),
+                            _int(n, "storage size", where))
+        if rec.offset + rec.nbytes > size:
+            raise _fail(where, f"storage {rec.key} lies outside the file ({rec.offset}+{rec.nbytes} > {size})")
+        out.append(rec)
+    for a, b in itertools.pairwise(sorted(out, key=lambda r: r.offset)):
+        if a.offset + a.nbytes > b.offset:
+            raise _fail(where, f"storages {a.key} and {b.key} overlap")
+    return tuple(out)
+
+
+def _name(v: Any, where: str) -> str:
+    name = _str(v, "file name", where)
     try:
         check_name(name)
     except ValueError as exc:
         raise _fail(where, f"file name {name!r} escapes the checkpoint (absolute, '..' or URL)") from exc
+    return name
+
+
+def _parse_file(doc: Any, where: str) -> FileEntry:
+    if not isinstance(doc, dict):
+        raise _fail(where, "a file entry is not an object")
+    name = _name(doc.get("name"), where)
     size = _int(doc.get("size"), "size", where)
-    algorithm = _str(doc.get("algorithm"), "algorithm", where, 32)
-    if algorithm not in ALGORITHMS:
-        raise _fail(where, f"unknown checksum algorithm {algorithm!r}")
+    algorithm = _algorithm(doc, where)
     chunk_bytes = _int(doc.get("chunk_bytes"), "chunk_bytes", where, 1, _MAX_CHUNK)
-    chunks = doc.get("chunks")
-    expected = math.ceil(size / chunk_bytes) if size else 0
-    if not isinstance(chunks, list) or len(chunks) != expected:
-        raise _fail(where, f"{name}: expected {expected} chunk digests for {size} bytes")
-    hex_len = DIGEST_HEX_LEN[algorithm]
-    for c in chunks:
-        if not isinstance(c, str) or len(c) != hex_len or not all(ch in "0123456789abcdef" for ch in c):
-            raise _fail(where, f"{name}: a chunk digest is not {hex_len} lowercase hex digits")
+    chunks = _chunks(doc.get("chunks"), algorithm, size, chunk_bytes, name, where)
     kind = _str(doc.get("kind", "torch"), "kind", where, 32)
     sid = doc.get("serialization_id")
     id_offset = doc.get("id_offset")
@@ -133,52 +308,18 @@ def _parse_file(doc: Any, where: str) -> FileEntry:
         id_offset = _int(id_offset, "id_offset", where, 0, max(0, size - len(sid)))
     elif id_offset is not None:
         raise _fail(where, "id_offset without serialization_id")
-    raw_storages = doc.get("storages", [])
-    if not isinstance(raw_storages, list) or len(raw_storages) > _MAX_ENTRIES:
-        raise _fail(where, "storages must be a list")
-    storages = []
-    for s in raw_storages:
-        if not isinstance(s, dict):
-            raise _fail(where, "a storage record is not an object")
-        rec = StorageRecord(
-            key=_str(s.get("key"), "storage key", where, 64),
-            offset=_int(s.get("offset"), "storage offset", where),
-            nbytes=_int(s.get("nbytes"), "storage size", where),
-        )
-        if rec.offset + rec.nbytes > size:
-            raise _fail(where, f"storage {rec.key} lies outside the file ({rec.offset}+{rec.nbytes} > {size})")
-        storages.append(rec)
-    ordered = sorted(storages, key=lambda r: r.offset)
-    for a, b in itertools.pairwise(ordered):
-        if a.offset + a.nbytes > b.offset:
-            raise _fail(where, f"storages {a.key} and {b.key} overlap")
-    return FileEntry(
-        name=name,
-        size=size,
-        algorithm=algorithm,
-        chunk_bytes=chunk_bytes,
-        chunks=tuple(chunks),
-        kind=kind,
-        serialization_id=sid,
-        id_offset=id_offset,
-        storages=tuple(storages),
-    )
+    storages = _storages(doc.get("storages", []), size, where, compact=False)
+    return FileEntry(name=name, size=size, algorithm=algorithm, chunk_bytes=chunk_bytes, chunks=chunks,
+                     kind=kind, serialization_id=sid, id_offset=id_offset, storages=storages)
 
 
 def parse_manifest(data: bytes, where: str) -> Manifest:
-    """Parse and validate manifest bytes read from ``where``.
+    """Parse and validate a format-1 sidecar manifest read from ``where``.
 
     Raises:
         ManifestError: anything is wrong; the message names the manifest and the problem.
     """
-    if len(data) > MAX_MANIFEST_BYTES:
-        raise _fail(where, f"{len(data)} bytes exceeds the {MAX_MANIFEST_BYTES}-byte limit")
-    if not data.strip():
-        raise _fail(where, "the file is empty")
-    try:
-        doc = json.loads(data)
-    except (ValueError, RecursionError) as exc:
-        raise _fail(where, f"not valid JSON ({exc})") from exc
+    doc = _json(data, where)
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_TAG:
         raise _fail(where, "not a stagesave manifest")
     schema = doc.get("schema")
@@ -201,3 +342,136 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
     if not isinstance(tensors, list) or not isinstance(metadata, dict) or not isinstance(telemetry, dict):
         raise _fail(where, "tensors must be a list, metadata and telemetry objects")
     return Manifest(files, created, tensors, metadata, telemetry, schema)
+
+
+def parse_summary(data: bytes, where: str) -> Summary:
+    """Parse the summary at the end of a format-2 file.
+
+    Raises:
+        ManifestError: not a valid summary.
+    """
+    doc = _json(data, where)
+    if not isinstance(doc, dict) or doc.get("v") != SCHEMA_EMBEDDED:
+        raise _fail(where, "the summary is not of stagesave format 2 (written by a newer stagesave?)")
+    proof = doc.get("proof")
+    if not isinstance(proof, list) or len(proof) != 3:
+        raise _fail(where, "the summary does not locate the proof")
+    folder = doc.get("folder")
+    carrier = doc.get("carrier")
+    if folder is not None:
+        folder = _str(folder, "folder token", where, 64)
+        carrier = _name(carrier, where)
+    seq = doc.get("seq")
+    if seq is not None or folder is None:
+        seq = _int(seq, "seq", where, 0, _MAX_SEQ)
+    return Summary(
+        kind=_str(doc.get("kind"), "kind", where, 32),
+        seq=seq,
+        created_ns=_int(doc.get("created_ns"), "created_ns", where, 0, 1 << 64),
+        proof_offset=_int(proof[0], "proof offset", where),
+        proof_len=_int(proof[1], "proof length", where, 1, MAX_MANIFEST_BYTES),
+        proof_crc=_int(proof[2], "proof crc", where, 0, 0xFFFFFFFF),
+        folder=folder,
+        carrier=carrier,
+    )
+
+
+def _folder(doc: Any, where: str) -> FolderProof | None:
+    if doc is None:
+        return None
+    if not isinstance(doc, dict):
+        raise _fail(where, "folder must be an object")
+    token = _str(doc.get("token"), "folder token", where, 64)
+    carrier = _name(doc.get("carrier"), where)
+    members = []
+    raw_members = doc.get("members", [])
+    if not isinstance(raw_members, list) or len(raw_members) > 1_000_000:
+        raise _fail(where, "folder members must be a list")
+    for m in raw_members:
+        if not isinstance(m, list) or len(m) != 3:
+            raise _fail(where, "a folder member is not [name, size, proof_crc]")
+        members.append(Member(_name(m[0], where), _int(m[1], "member size", where),
+                              _int(m[2], "member proof crc", where, 0, 0xFFFFFFFF)))
+    raw_listed = doc.get("listed", [])
+    if not isinstance(raw_listed, list) or len(raw_listed) > 1_000_000:
+        raise _fail(where, "folder listed files must be a list")
+    listed = [_parse_file(f, where) for f in raw_listed]
+    proof = FolderProof(token, carrier, members, listed)
+    names = [carrier, *(m.name for m in members), *(f.name for f in listed)]
+    if len(set(names)) != len(names):
+        raise _fail(where, "a folder file is named twice")
+    return proof
+
+
+def parse_proof(data: bytes, where: str, name: str, size: int) -> Manifest:
+    """Parse and validate a format-2 proof of the file ``name`` of ``size`` bytes.
+
+    Raises:
+        ManifestError: anything is wrong; the message names the file and the problem.
+    """
+    doc = _json(data, where)
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT_TAG:
+        raise _fail(where, "not a stagesave proof")
+    if doc.get("schema") != SCHEMA_EMBEDDED:
+        raise _fail(where, f"schema {doc.get('schema')!r} is not supported by this stagesave; upgrade it")
+    kind = _str(doc.get("kind"), "kind", where, 32)
+    covered = _int(doc.get("covered"), "covered", where, 0, size)
+    algorithm = _algorithm(doc, where)
+    chunk_bytes = _int(doc.get("chunk_bytes"), "chunk_bytes", where, 1, _MAX_CHUNK)
+    chunks = _chunks(doc.get("chunks"), algorithm, covered, chunk_bytes, name, where)
+    sid = doc.get("serialization_id")
+    id_offset = doc.get("id_offset")
+    if sid is not None:
+        sid = _str(sid, "serialization_id", where, 64)
+        if not sid.isalnum():
+            raise _fail(where, "serialization_id must be alphanumeric")
+        id_offset = _int(id_offset, "id_offset", where, 0, max(0, covered - len(sid)))
+    elif id_offset is not None:
+        raise _fail(where, "id_offset without serialization_id")
+    blank = doc.get("blank")
+    if blank is not None:
+        if not isinstance(blank, list) or len(blank) != 2:
+            raise _fail(where, "blank must be [offset, length]")
+        lo = _int(blank[0], "blank offset", where, 0, covered)
+        blank = (lo, _int(blank[1], "blank length", where, 0, covered - lo))
+    zip_digests = doc.get("zip")
+    hex_len = DIGEST_HEX_LEN[algorithm]
+    if zip_digests is not None and (
+        not isinstance(zip_digests, dict) or set(zip_digests) != {"cd", "index"}
+        or not all(isinstance(v, str) and len(v) == hex_len for v in zip_digests.values())
+    ):
+        raise _fail(where, "zip must hold the digests of the central directory and the index")
+    metadata = doc.get("metadata", {})
+    if not isinstance(metadata, dict):
+        raise _fail(where, "metadata must be an object")
+    entry = FileEntry(
+        name=name, size=size, algorithm=algorithm, chunk_bytes=chunk_bytes, chunks=chunks, kind=kind,
+        serialization_id=sid, id_offset=id_offset,
+        storages=_storages(doc.get("storages", []), covered, where, compact=True),
+        covered=covered, blank=blank,
+    )
+    manifest = Manifest(
+        files=[entry], created_ns=_int(doc.get("created_ns"), "created_ns", where, 0, 1 << 64),
+        metadata=metadata, schema=SCHEMA_EMBEDDED, folder=_folder(doc.get("folder"), where),
+        zip_digests=zip_digests,
+    )
+    seq = doc.get("seq")
+    if seq is not None or manifest.folder is None:
+        manifest.seq = _int(seq, "seq", where, 0, _MAX_SEQ)
+    return manifest
+
+
+def parse_index(data: bytes, where: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The tensor index and telemetry of a format-2 torch file.
+
+    Raises:
+        ManifestError: not valid.
+    """
+    doc = _json(data, where)
+    if not isinstance(doc, dict):
+        raise _fail(where, "the index is not an object")
+    tensors = doc.get("tensors", [])
+    telemetry = doc.get("telemetry", {})
+    if not isinstance(tensors, list) or not isinstance(telemetry, dict):
+        raise _fail(where, "tensors must be a list, telemetry an object")
+    return tensors, telemetry

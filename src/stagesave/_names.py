@@ -12,8 +12,14 @@ DIR_MANIFEST = "checkpoint" + MANIFEST_SUFFIX
 ASIDE_MARKER = ".stagesave-aside"
 #: Telemetry JSON lines, one per save, beside the checkpoints when enabled.
 TELEMETRY_FILE = "stagesave-telemetry.jsonl"
-#: Schema of the manifest this version writes and reads.
+#: Schema of the sidecar manifests of format 1 (read; written only by ``stagesave adopt``).
 SCHEMA_VERSION = 1
+#: Format 2: the zip records of a torch file that hold its tensor index and its proof (proof last),
+#: relative to the archive's folder.
+INDEX_RECORD = ".data/stagesave/index.json"
+PROOF_RECORD = ".data/stagesave/proof.json"
+#: Format 2: the ``__metadata__`` key of a safetensors header that holds the proof.
+PROOF_KEY = "stagesave.proof"
 #: Format tag inside every manifest.
 FORMAT_TAG = "stagesave"
 #: Alignment of storage records in the file image and of O_DIRECT transfers.
@@ -50,3 +56,37 @@ def aside_name(leaf: str, token: str) -> str:
 def is_temporary(name: str) -> bool:
     """Whether a file name is one of stagesave's own temporaries (the only thing gc removes)."""
     return TMP_MARKER in name
+
+
+#: Longest name (each part of a path) a checkpoint may have, in UTF-8 bytes: most filesystems
+#: allow 255, and a temporary's name adds up to ~40 to the name it stands for.
+MAX_NAME_BYTES = 200
+
+
+def check_target_name(name: str) -> str:
+    """Refuse a checkpoint name that the store cannot hold or that stagesave reserves.
+
+    Raises:
+        ValueError: a part is too long, or looks like a temporary, an aside folder or a
+            format-1 manifest (stagesave would treat it as its own debris).
+    """
+    parts = name.split("/")
+    for part in parts:
+        if TMP_MARKER in part or ASIDE_MARKER in part:
+            raise ValueError(
+                f"invalid checkpoint name {name!r}: {TMP_MARKER!r} and {ASIDE_MARKER!r} are reserved for "
+                "stagesave's temporaries; choose another name"
+            )
+        if len(part.encode()) > MAX_NAME_BYTES:
+            raise ValueError(
+                f"invalid checkpoint name {name!r}: {part[:40]!r}... is {len(part.encode())} bytes, more than the "
+                f"{MAX_NAME_BYTES} stagesave allows (filesystems allow 255, and its temporaries add to the "
+                "name); choose a shorter name"
+            )
+    leaf = parts[-1]
+    if leaf == DIR_MANIFEST or split_manifest_name(leaf) is not None:
+        raise ValueError(
+            f"invalid checkpoint name {name!r}: it is named like a stagesave manifest "
+            f"(*{MANIFEST_SUFFIX}); choose another name"
+        )
+    return name

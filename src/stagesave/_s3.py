@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ._crash import crash_point
-from ._store import ObjectInfo, PendingWrite, Store, check_name
+from ._store import ObjectInfo, PendingWrite, Reader, Store, check_name
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -386,8 +386,14 @@ class S3Store(Store):
             # Access denied to HeadBucket says little: writes may still be allowed.
         self._bucket_checked = True
 
-    def begin_write(self, name: str, image: memoryview, size: int) -> PendingWrite:
-        return _Upload(self, name, image, size)
+    def begin_write(self, name: str, image: memoryview, size: int, *, tail: bool = False) -> PendingWrite:
+        return _Upload(self, name, image, size, tail)
+
+    def open(self, name: str) -> Reader:
+        info = self.info(name)  # pins the ETag that the reads then require
+        with self._lock:
+            etag = self._etags.get(name)
+        return _PinnedReader(self, name, info, etag)
 
     def put_atomic(self, name: str, data: bytes) -> None:
         key = self._key(name)
@@ -443,11 +449,14 @@ class S3Store(Store):
             FileNotFoundError: no such object.
             StorageError: the object was replaced while being read, or the server kept failing.
         """
+        with self._lock:
+            etag = self._etags.get(name)
+        return self._read_pinned(name, offset, out, etag)
+
+    def _read_pinned(self, name: str, offset: int, out: memoryview, etag: str | None) -> int:
         key = self._key(name)
         if len(out) == 0:
             return 0
-        with self._lock:
-            etag = self._etags.get(name)
         step = self.part_size
         spans = [(lo, min(len(out), lo + step)) for lo in range(0, len(out), step)]
 
@@ -529,7 +538,8 @@ class S3Store(Store):
                     leaf = obj["Key"][len(base):]
                     if leaf and "/" not in leaf:
                         name = f"{prefix}/{leaf}" if prefix else leaf
-                        files.append(ObjectInfo(name, int(obj["Size"]), obj["LastModified"].timestamp()))
+                        files.append(ObjectInfo(name, int(obj["Size"]), obj["LastModified"].timestamp(),
+                                                str(obj.get("ETag", ""))))
                 for common in page.get("CommonPrefixes", []):
                     leaf = common["Prefix"][len(base):].rstrip("/")
                     if leaf:
@@ -549,21 +559,45 @@ class S3Store(Store):
             self.fs._s3 = None
 
 
+class _PinnedReader(Reader):
+    """One version of an object: every ranged GET requires the ETag its HEAD saw."""
+
+    def __init__(self, store: S3Store, name: str, info: ObjectInfo, etag: str | None) -> None:
+        self.store, self.name, self.size, self.mtime, self.etag = store, name, info.size, info.mtime, etag
+        self.where = store.describe(name)
+
+    def read(self, offset: int, length: int) -> bytes:
+        n = max(0, min(length, self.size - offset))
+        buf = bytearray(n)
+        got = self.readinto(offset, memoryview(buf)) if n else 0
+        del buf[got:]
+        return bytes(buf)
+
+    def readinto(self, offset: int, out: memoryview) -> int:
+        n = min(len(out), max(0, self.size - offset))
+        return self.store._read_pinned(self.name, offset, out[:n], self.etag) if n else 0
+
+
 class _Upload(PendingWrite):
     """One data file: a multipart upload of image slices, or one PUT at publish time.
+
+    With a tail (a format-2 proof), the last part is the image's last slice followed by the tail,
+    uploaded once the tail is known; every other part is a slice of the image.
 
     Part tasks live on s3fs's event loop (``_tasks`` is touched only there); other threads
     schedule them with ``call_soon_threadsafe``, whose FIFO order guarantees that ``finish`` and
     ``abort``, submitted afterwards, see every part scheduled before them.
     """
 
-    def __init__(self, store: S3Store, name: str, image: memoryview, size: int) -> None:
+    def __init__(self, store: S3Store, name: str, image: memoryview, size: int, tail: bool = False) -> None:
         self.store = store
         self.name = name
         self.key = store._key(name)
         self.where = store.describe(name)
         self.view = image[:size]
         self.size = size
+        self.has_tail = tail
+        self.tail: bytes | None = None
         self.single = size <= store.multipart_threshold
         self.part_size = choose_part_size(size, store.part_size)
         self.n_parts = max(1, math.ceil(size / self.part_size))
@@ -593,11 +627,15 @@ class _Upload(PendingWrite):
     async def _upload_part(self, part: int) -> str:
         lo = (part - 1) * self.part_size
         hi = min(self.size, lo + self.part_size)
+        body: Any = self.view[lo:hi]
+        if self.has_tail and part == self.n_parts:
+            assert self.tail is not None
+            body = bytes(body) + self.tail
         try:
             result = await self.store._call(
                 "UploadPart", f"{self.where} (part {part} of {self.n_parts})", Bucket=self.store.bucket,
-                Key=self.key, UploadId=self.upload_id, PartNumber=part, Body=self.view[lo:hi],
-                ContentLength=hi - lo,
+                Key=self.key, UploadId=self.upload_id, PartNumber=part, Body=body,
+                ContentLength=len(body),
             )
         except asyncio.CancelledError:
             raise
@@ -623,13 +661,25 @@ class _Upload(PendingWrite):
                 self._raise(self._failure)  # stop early: this save is lost anyway
             first = -(-lo // self.part_size)
             last = min(-(-hi // self.part_size), self.n_parts)
+            if self.has_tail and self.tail is None:
+                last = min(last, self.n_parts - 1)  # the last part waits for the tail
             for index in range(first, last):
                 self._schedule(index + 1)
+
+    def write_tail(self, data: bytes) -> None:
+        if not self.has_tail:
+            raise ValueError("this upload was begun without a tail")
+        with self._lock:
+            self.tail = bytes(data)
+            if not self.single:
+                self._schedule(self.n_parts)
 
     def finish(self) -> None:
         """Wait until every part is up (starting any not started yet)."""
         if self.single:
             return
+        if self.has_tail and self.tail is None:
+            raise ValueError("the tail of this upload was never written")
         with self._lock:
             for part in range(1, self.n_parts + 1):
                 self._schedule(part)
@@ -647,8 +697,9 @@ class _Upload(PendingWrite):
         """Complete the upload (or PUT the small file): the object appears atomically."""
         store = self.store
         if self.single:
+            body: Any = self.view if self.tail is None else bytes(self.view) + self.tail
             store._run(store._call("PutObject", self.where, Bucket=store.bucket, Key=self.key,
-                                   Body=self.view, ContentLength=self.size))
+                                   Body=body, ContentLength=len(body)))
             self._closed = True
             return
         parts = [{"PartNumber": p, "ETag": e} for p, e in enumerate(self.etags, start=1)]

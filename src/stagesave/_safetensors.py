@@ -3,17 +3,23 @@
 Accelerate writes ``model.safetensors``; we lay the same file out in the staging buffer so it is
 written without a serialization pass, exactly as torch files are. Reading stays with the
 ``safetensors`` library (its header parser is the one users already trust).
+
+Format 2 keeps the proof in the header: ``__metadata__["stagesave.proof"]`` is reserved as a run
+of spaces when the file is laid out (safetensors refuses trailing bytes, and the data offsets
+depend on the header's length), hashed as spaces, and filled with the proof once every digest is
+known; the header's first pages are written last.
 """
 
 from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
 from ._image import FileImage, StorageSlot
+from ._names import PROOF_KEY
 from .errors import UnsupportedObjectError
 
 __all__ = ["plan_safetensors_file"]
@@ -45,20 +51,28 @@ for _name, _code in (
 _HEADER_ALIGN = 8
 
 
+#: How many bytes to reserve for the proof of a file of ``size`` bytes and these storages.
+ProofRoom = Callable[[int, list[list[object]]], int]
+
+
 def plan_safetensors_file(
-    tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+    tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None,
+    *, proof_room: ProofRoom | None = None,
 ) -> FileImage:
-    """Lay out ``tensors`` as a safetensors file.
+    """Lay out ``tensors`` as a safetensors file, with room for its proof when ``proof_room`` says.
 
     Raises:
         UnsupportedObjectError: a value is not a dense tensor, its dtype has no safetensors
-            code, two entries share memory, or metadata is not ``str -> str``.
+            code, two entries share memory, metadata is not ``str -> str`` or uses the
+            proof's key.
     """
     header: dict[str, object] = {}
     if metadata:
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
             raise UnsupportedObjectError("safetensors metadata must map str to str")
-        header["__metadata__"] = dict(metadata)
+        if PROOF_KEY in metadata:
+            raise UnsupportedObjectError(f"safetensors metadata key {PROOF_KEY!r} is stagesave's own")
+    header["__metadata__"] = dict(metadata or {})
     sources: list[tuple[str, torch.Tensor]] = []
     seen: dict[tuple[int, int], str] = {}
     offset = 0
@@ -88,9 +102,24 @@ def plan_safetensors_file(
             flat = flat.contiguous()
         sources.append((name, flat.view(torch.uint8) if nbytes else flat.new_empty(0, dtype=torch.uint8)))
         offset += nbytes
+    room = 0
+    if proof_room is not None:
+        data_bytes = offset
+        storages: list[list[object]] = [[name, 0, 0] for name, _ in sources]
+        plain = len(json.dumps(header, separators=(",", ":")))
+        room = proof_room(8 + plain + data_bytes, storages)
+        room = proof_room(8 + plain + room + data_bytes, storages)  # the room counts in the size
+        header["__metadata__"] = {**dict(metadata or {}), PROOF_KEY: " " * room}
+    elif not metadata:
+        del header["__metadata__"]
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-(8 + len(raw)) % _HEADER_ALIGN)
     head = struct.pack("<Q", len(raw)) + raw
+    blank = None
+    if proof_room is not None:
+        marker = json.dumps(PROOF_KEY).encode() + b':"'
+        at = raw.index(marker + b" " * room + b'"')
+        blank = (8 + at + len(marker), room)
     base = len(head)
     slots = []
     pos = base
@@ -98,4 +127,5 @@ def plan_safetensors_file(
         n = src.numel()
         slots.append(StorageSlot(name, pos, n, src))
         pos += n
-    return FileImage(size=pos, pieces=[(0, head)], slots=slots, serialization_id="", id_offset=0)
+    return FileImage(size=pos, pieces=[(0, head)], slots=slots, serialization_id="", id_offset=0,
+                     kind="safetensors", blank=blank)

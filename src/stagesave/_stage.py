@@ -8,10 +8,11 @@ the pickled structure) are copied as bytes. Then either
   pinned memory; the caller's stream is made to wait for that stream (so the next in-place update
   cannot race the copy) and the background writer waits on an event before it touches the bytes;
   or
-* :func:`stage_and_hash`, for state in host memory, copies *and* hashes: each hashing thread
+* :func:`stage_and_crc`, for state in host memory, copies *and* hashes: each hashing thread
   takes whole checksum chunks, copies them half an L2 cache at a time (``memmove``, GIL released)
-  and hashes each piece right after, while it is still in the core's cache. The hash then costs
-  ~0.1-0.2x of the copy instead of a second pass over memory (``benchmarks/bench_sweep.py``).
+  and CRCs each piece right after, while it is still in the core's cache. The CRCs give both the
+  chunk checksums and each zip record's CRC (format 2). The hash then costs ~0.1-0.2x of the
+  copy instead of a second pass over memory (``benchmarks/bench_sweep.py``).
 
 Neither runs a torch op on a background thread: torch ops off the training thread were reported
 to switch libgomp to passive waiting and slow training down for as long as that thread lives
@@ -27,14 +28,15 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from ._checksum import hasher
+from ._checksum import crc32, crc32_combine
 from ._image import FileImage
 from ._pool import HostBuffer
 
-__all__ = ["on_host", "stage_and_hash", "stage_image"]
+__all__ = ["ImageCrcs", "crc_image", "on_host", "stage_and_crc", "stage_image"]
 
 def _l2_cache_bytes() -> int | None:
     """The per-core level-2 cache of CPU 0 as Linux reports it (``None`` when it does not)."""
@@ -146,64 +148,160 @@ def stage_image(image: FileImage, buf: HostBuffer, base: int = 0) -> Callable[[]
     return wait_for_device
 
 
-def stage_and_hash(
-    image: FileImage, buf: HostBuffer, base: int = 0, *, algorithm: str, chunk_bytes: int,
-    pool: cf.Executor,
-) -> tuple[list[str], float]:
-    """Copy a host-memory ``image`` into ``buf[base:]`` and hash every chunk as it lands.
+@dataclass
+class ImageCrcs:
+    """CRC-32s of a staged image: of every slot (its zip record's CRC) and of every chunk.
 
-    Chunk ``i`` covers ``[i * chunk_bytes, (i + 1) * chunk_bytes)`` of the image, as the writers
-    and the manifest count them. Returns when every byte is in place and hashed.
-
-    Returns:
-        The chunk digests, and the seconds the hashing added (summed over the threads, divided
-        by their number).
-
-    Raises:
-        ValueError: a storage is not in host memory (use :func:`stage_image`).
+    Chunk ``i`` covers ``[i * chunk_bytes, (i + 1) * chunk_bytes)`` of ``[0, image.covered)``, as
+    staged: before the zip CRC fields are filled in (:func:`stagesave._finish.fill_crcs` updates
+    the chunk CRCs for them).
     """
-    if not on_host(image):
-        raise ValueError("stage_and_hash needs every storage in host memory")
-    _fill_skeleton(image, buf, base)
+
+    slots: list[int]
+    chunks: list[int]
+    chunk_bytes: int
+    #: Seconds spent hashing (summed over the threads, divided by their number).
+    seconds: float = 0.0
+
+
+def _bounds(image: FileImage) -> tuple[list[tuple[int, int, int]], list[int]]:
+    """Non-empty slots as ``(start, end, slot index)`` sorted, and their starts."""
+    bounds = sorted((s.offset, s.offset + s.nbytes, i) for i, s in enumerate(image.slots) if s.nbytes)
+    return bounds, [b[0] for b in bounds]
+
+
+def _runs(image: FileImage, buf: HostBuffer, base: int) -> list[tuple[int, int, int]]:
+    """``(start, end, source address)`` of every host slot to memmove (others copied here by torch)."""
     dst_all = buf.tensor[base : base + image.size]
-    runs: list[tuple[int, int, int]] = []  # (start, end, source address), sorted, disjoint
+    runs = []
     for slot in image.slots:
         src = slot.source
         if slot.nbytes == 0 or src.device.type == "meta":
             continue
         if src.is_contiguous() and src.numel() * src.element_size() >= slot.nbytes:
             runs.append((slot.offset, slot.offset + slot.nbytes, src.data_ptr()))
-        else:  # not expected from the planners; copied by torch here, hashed below
+        else:  # not expected from the planners; copied by torch here, hashed in the pass
             dst_all[slot.offset : slot.offset + slot.nbytes].copy_(src.reshape(-1).view(torch.uint8))
     runs.sort()
-    starts = [r[0] for r in runs]
-    dst = buf.tensor.data_ptr() + base
-    view = buf.view[base : base + image.size]
-    size = image.size
+    return runs
 
-    def one_chunk(i: int) -> tuple[str, float, int]:
+
+def _crc_pass(
+    image: FileImage, chunk_bytes: int, pool: cf.Executor, chunk_view: Callable[[int, int], memoryview],
+    copy: tuple[list[tuple[int, int, int]], int] | None = None,
+) -> ImageCrcs:
+    """CRC-32 every chunk of ``[0, image.covered)`` and every slot, memmoving ``copy`` runs first.
+
+    ``chunk_view(lo, hi)`` gives the bytes ``[lo, hi)`` of the image (once a chunk's copy is
+    done). Each thread takes whole chunks and walks them half an L2 cache at a time: the copy of
+    a piece (when copying) and its CRC run while it is in cache. A slot's CRC is built from the
+    parts the chunks saw (:func:`crc32_combine`), so the data is read once.
+    """
+    size = image.covered
+    bounds, starts = _bounds(image)
+    runs = copy[0] if copy is not None else []
+    run_starts = [r[0] for r in runs]
+    dst = copy[1] if copy is not None else 0
+
+    def one_chunk(i: int) -> tuple[int, list[tuple[int, int, int, int]], float, int]:
         lo, hi = i * chunk_bytes, min(size, (i + 1) * chunk_bytes)
-        h = hasher(algorithm)
         k = max(0, bisect.bisect_right(starts, lo) - 1)
+        r = max(0, bisect.bisect_right(run_starts, lo) - 1)
+        running = 0
+        parts: list[tuple[int, int, int, int]] = []  # (slot index, start, crc, length)
+        cur, cur_start, cur_crc, cur_len = -1, 0, 0, 0
         hashing = 0.0
+        view: memoryview | None = None if copy is not None else chunk_view(lo, hi)
         p = lo
         while p < hi:
             q = min(hi, p + SUB_CHUNK)
-            while k < len(runs) and runs[k][0] < q:
-                start, end, src = runs[k]
+            while r < len(runs) and runs[r][0] < q:
+                start, end, src = runs[r]
                 a, b = max(start, p), min(end, q)
                 if a < b:
                     ctypes.memmove(dst + a, src + (a - start), b - a)
                 if end > q:
                     break
-                k += 1
+                r += 1
+            if view is None:
+                view = chunk_view(lo, hi)
             t = time.perf_counter()
-            h.update(view[p:q])
+            x = p
+            while x < q:
+                while k < len(bounds) and bounds[k][1] <= x:
+                    k += 1
+                if k < len(bounds) and bounds[k][0] <= x:
+                    y = min(q, bounds[k][1])
+                    if cur != bounds[k][2]:
+                        if cur >= 0:
+                            running = crc32_combine(running, cur_crc, cur_len)
+                            parts.append((cur, cur_start, cur_crc, cur_len))
+                        cur, cur_start, cur_crc, cur_len = bounds[k][2], x, 0, 0
+                    cur_crc = crc32(view[x - lo : y - lo], cur_crc)
+                    cur_len += y - x
+                else:
+                    if cur >= 0:
+                        running = crc32_combine(running, cur_crc, cur_len)
+                        parts.append((cur, cur_start, cur_crc, cur_len))
+                        cur = -1
+                    y = min(q, bounds[k][0]) if k < len(bounds) else q
+                    running = crc32(view[x - lo : y - lo], running)
+                x = y
             hashing += time.perf_counter() - t
             p = q
-        return h.hexdigest(), hashing, threading.get_ident()
+        if cur >= 0:
+            running = crc32_combine(running, cur_crc, cur_len)
+            parts.append((cur, cur_start, cur_crc, cur_len))
+        return running, parts, hashing, threading.get_ident()
 
     n = (size + chunk_bytes - 1) // chunk_bytes
     done = list(pool.map(one_chunk, range(n)))
-    threads = len({ident for _, _, ident in done}) or 1
-    return [d for d, _, _ in done], sum(t for _, t, _ in done) / threads
+    slot_parts: dict[int, list[tuple[int, int, int]]] = {}
+    for _, parts, _, _ in done:
+        for idx, start, crc, length in parts:
+            slot_parts.setdefault(idx, []).append((start, crc, length))
+    slots = [0] * len(image.slots)
+    for idx, parts in slot_parts.items():
+        if len(parts) == 1:
+            slots[idx] = parts[0][1]
+            continue
+        crc = 0
+        for _, c, length in sorted(parts):
+            crc = crc32_combine(crc, c, length)
+        slots[idx] = crc
+    threads = len({ident for _, _, _, ident in done}) or 1
+    return ImageCrcs(slots, [d[0] for d in done], chunk_bytes, sum(d[2] for d in done) / threads)
+
+
+def stage_and_crc(
+    image: FileImage, buf: HostBuffer, base: int = 0, *, chunk_bytes: int, pool: cf.Executor,
+) -> ImageCrcs:
+    """Copy a host-memory ``image`` into ``buf[base:]`` and CRC every chunk and slot as it lands.
+
+    Returns when every byte is in place and hashed.
+
+    Raises:
+        ValueError: a storage is not in host memory (use :func:`stage_image`).
+    """
+    if not on_host(image):
+        raise ValueError("stage_and_crc needs every storage in host memory")
+    _fill_skeleton(image, buf, base)
+    runs = _runs(image, buf, base)
+    view = buf.view[base : base + image.size]
+    return _crc_pass(image, chunk_bytes, pool, lambda lo, hi: view[lo:hi], (runs, buf.tensor.data_ptr() + base))
+
+
+def crc_image(
+    image: FileImage, view: memoryview | None = None, *, chunk_bytes: int, pool: cf.Executor,
+    chunk_view: Callable[[int, int], memoryview] | None = None,
+) -> ImageCrcs:
+    """CRC-32 every chunk and slot of an image already staged in ``view`` (host memory), or
+    whose chunks ``chunk_view(lo, hi)`` brings to the host (device staging)."""
+    if chunk_view is None:
+        assert view is not None
+        whole = view
+
+        def chunk_view(lo: int, hi: int) -> memoryview:
+            return whole[lo:hi]
+
+    return _crc_pass(image, chunk_bytes, pool, chunk_view)

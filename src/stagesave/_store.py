@@ -4,10 +4,14 @@ A checkpoint root is a store; names inside it are relative POSIX paths (``last.c
 ``checkpoint_3/model.safetensors``). Writing a data file happens in three steps so that the
 commit protocol (``_commit.py``) can order them: ``begin_write`` opens an invisible temporary
 (a temp file, a multipart upload), ``PendingWrite.write_range`` fills it from the staging buffer
-(thread-safe, called in parallel on disjoint ranges), ``finish`` makes it durable and ``publish``
-makes it visible under its final name atomically. Small metadata goes through ``put_atomic``.
-A folder checkpoint on a local root is assembled elsewhere and renamed into place
-(``_dircommit.py``); the store hears of that commit through ``folder_committed``.
+(thread-safe, called in parallel on disjoint ranges), ``write_tail`` appends the bytes that
+follow them (a format-2 file's proof), ``finish`` makes it durable and ``publish`` makes it
+visible under its final name atomically. A folder checkpoint on a local root is assembled
+elsewhere and renamed into place; the store hears of that commit through ``folder_committed``.
+
+Reading goes through :meth:`Store.open`: one :class:`Reader` sees one version of a file (a
+descriptor locally, an ETag-pinned object on S3), so data and proof always come from the same
+write even while another process replaces the file.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
-__all__ = ["ObjectInfo", "PendingWrite", "Store", "check_name"]
+__all__ = ["ObjectInfo", "PendingWrite", "Reader", "Store", "check_name"]
 
 
 @dataclass(frozen=True)
@@ -29,6 +33,8 @@ class ObjectInfo:
     name: str
     size: int
     mtime: float
+    #: Tells two versions of a name apart where the store can (inode, ETag); "" otherwise.
+    version: str = ""
 
 
 def check_name(name: str) -> str:
@@ -57,6 +63,16 @@ class PendingWrite(ABC):
     def write_range(self, lo: int, hi: int) -> None:
         """Write bytes ``[lo, hi)`` of the image; ranges from different threads never overlap."""
 
+    def write_tail(self, data: bytes) -> None:
+        """Write ``data`` right after the image's ``size`` bytes, once every range is written.
+
+        Only for writes begun with ``tail=True``.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot append a tail")
+
+    def flush(self) -> None:
+        """Make the ranges written so far durable, keeping the file open (optional)."""
+
     @abstractmethod
     def finish(self) -> None:
         """Make everything written durable (fsync, upload the remaining parts)."""
@@ -70,6 +86,52 @@ class PendingWrite(ABC):
         """Discard everything; never raises."""
 
 
+class Reader(ABC):
+    """One version of one file, read by ranges (thread-safe)."""
+
+    name: str
+    size: int
+    mtime: float
+    #: Where it lives, for messages.
+    where: str
+
+    @abstractmethod
+    def read(self, offset: int, length: int) -> bytes:
+        """Up to ``length`` bytes at ``offset`` (fewer at the end of the file)."""
+
+    @abstractmethod
+    def readinto(self, offset: int, out: memoryview) -> int:
+        """Fill ``out`` from ``offset``; how many bytes were read."""
+
+    def fileno(self) -> int | None:
+        """A descriptor of this version when it is a local file (to load it without reopening)."""
+        return None
+
+    def close(self) -> None:
+        """Release the descriptor or connection."""
+
+    def __enter__(self) -> Reader:  # noqa: PYI034 - Self needs Python 3.11
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _RangeReader(Reader):
+    """A reader over ``Store.read_range`` for stores without versioned reads."""
+
+    def __init__(self, store: Store, name: str, info: ObjectInfo) -> None:
+        self.store, self.name, self.size, self.mtime = store, name, info.size, info.mtime
+        self.where = store.describe(name)
+
+    def read(self, offset: int, length: int) -> bytes:
+        return self.store.read_range(self.name, offset, min(length, max(0, self.size - offset)))
+
+    def readinto(self, offset: int, out: memoryview) -> int:
+        n = min(len(out), max(0, self.size - offset))
+        return self.store.read_into(self.name, offset, out[:n]) if n else 0
+
+
 class Store(ABC):
     """A checkpoint root: local directory, fsspec filesystem, or tiers of both."""
 
@@ -81,12 +143,23 @@ class Store(ABC):
         """Fail now, on the caller's thread, if writing ``name`` of ``size`` bytes cannot work."""
 
     @abstractmethod
-    def begin_write(self, name: str, image: memoryview, size: int) -> PendingWrite:
-        """Start writing ``image[:size]`` to ``name``; ``image`` may extend past ``size``."""
+    def begin_write(self, name: str, image: memoryview, size: int, *, tail: bool = False) -> PendingWrite:
+        """Start writing ``image[:size]`` to ``name``; ``image`` may extend past ``size``.
+
+        With ``tail``, :meth:`PendingWrite.write_tail` appends more bytes before ``finish``.
+        """
 
     @abstractmethod
     def put_atomic(self, name: str, data: bytes) -> None:
         """Write a small object durably and atomically."""
+
+    def open(self, name: str) -> Reader:
+        """A reader of one version of ``name``.
+
+        Raises:
+            FileNotFoundError: absent. IsADirectoryError: a directory.
+        """
+        return _RangeReader(self, name, self.info(name))
 
     @abstractmethod
     def read_range(self, name: str, offset: int, length: int) -> bytes:

@@ -3,10 +3,10 @@
 A save that has to reach S3 before it counts is as slow as the link; a save on local NVMe is
 durable in seconds but dies with the node. The tiered store gets both: the whole commit protocol
 (``_commit.py``) runs against the local tier, so a checkpoint is committed as soon as it is on
-local disk, and every local commit queues an upload that replays the same protocol against the
-remote tier (data invisible, manifest, atomic publish), reading the committed local file through
-``mmap`` and checking each chunk against the local manifest on the way, so a copy that rotted on
-disk is never published remotely. A failed upload never fails the save: it is reported (stderr,
+local disk, and every local commit queues an upload that copies the committed bytes, which carry
+their own proof, to the remote tier (invisible until published, a folder's carrier last),
+reading the committed local file through ``mmap`` and checking each chunk against its proof on
+the way, so a copy that rotted on disk is never published remotely. A failed upload never fails the save: it is reported (stderr,
 telemetry with ``tier="remote"`` and ``error``) and retried after the next local commit.
 
 Each tier has its own retention; local retention never removes a checkpoint whose upload is still
@@ -33,14 +33,11 @@ from contextlib import AbstractContextManager
 from typing import Any, TypeVar
 
 from ._background import JobQueue
-from ._commit import FileToWrite, WriteStats, commit_files, sibling_manifests, write_file
-from ._crash import crash_point
-from ._dircommit import commit_directory
+from ._commit import copy_checkpoint, remove_checkpoint, retain
 from ._discovery import CheckpointInfo, resolve, resolve_dir, scan
-from ._manifest import FileEntry, Manifest
 from ._names import DIR_MANIFEST, TMP_MARKER, split_manifest_name
-from ._store import ObjectInfo, PendingWrite, Store
-from .errors import IntegrityError
+from ._store import ObjectInfo, PendingWrite, Reader, Store
+from ._write import WriteStats
 from .telemetry import SaveTelemetry, TelemetryCallback
 
 __all__ = ["TieredStore"]
@@ -114,6 +111,12 @@ class _LocalWrite(PendingWrite):
 
     def write_range(self, lo: int, hi: int) -> None:
         self.inner.write_range(lo, hi)
+
+    def write_tail(self, data: bytes) -> None:
+        self.inner.write_tail(data)
+
+    def flush(self) -> None:
+        self.inner.flush()
 
     def finish(self) -> None:
         self.inner.finish()
@@ -200,19 +203,21 @@ class TieredStore(Store):
     def _remote_failed(self) -> None:
         self._remote_down_until = time.monotonic() + self.remote_retry_after_s
 
-    def _probe(self, store: Store, key: str) -> tuple[bool, float | None]:
-        """(exists, created time if committed) of one checkpoint in one tier."""
+    def _probe(self, store: Store, key: str) -> tuple[bool, tuple[float, float] | None]:
+        """(exists, (seq, created) if committed) of one checkpoint in one tier."""
         try:
             if key == "dir:":  # the root itself is never a folder checkpoint
-                store.info(DIR_MANIFEST)
-                return True, None
+                return False, None
             if key.startswith("dir:"):
                 ci = resolve_dir(store, key[4:])
-                return ci.manifest is not None or ci.status == "corrupt", ci.created if ci.status == "committed" else None
-            ci = resolve(store, key)
+                exists = ci.manifest is not None or ci.status == "corrupt"
+            else:
+                ci = resolve(store, key)
+                exists = True
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             return False, None
-        return True, ci.created if ci.status == "committed" else None
+        order = (float(ci.seq if ci.seq is not None else -1), ci.created)
+        return exists, order if ci.status == "committed" else None
 
     def _decide(self, key: str) -> str:
         """Route ``key`` to the tier with the newest committed copy (local on a tie)."""
@@ -261,9 +266,9 @@ class TieredStore(Store):
     def check_writable(self, name: str, size: int) -> None:
         self.local.check_writable(name, size)
 
-    def begin_write(self, name: str, image: memoryview, size: int) -> PendingWrite:
+    def begin_write(self, name: str, image: memoryview, size: int, *, tail: bool = False) -> PendingWrite:
         self._set_local(name)
-        return _LocalWrite(self, name, self.local.begin_write(name, image, size))
+        return _LocalWrite(self, name, self.local.begin_write(name, image, size, tail=tail))
 
     def put_atomic(self, name: str, data: bytes) -> None:
         self.local.put_atomic(name, data)
@@ -297,61 +302,43 @@ class TieredStore(Store):
         return self.local.commit_lock(name)
 
     def delete(self, name: str) -> None:
-        """Delete from both tiers (the remote one after the uploads queued before this call).
-
-        The core retires a local file by renaming it away before deleting its manifests, so a
-        manifest deleted while its data file is already gone locally retires the checkpoint on
-        the remote tier too (manifest first, then data).
-        """
+        """Delete a file from both tiers (the remote one after the uploads queued before this call)."""
         self.local.delete(name)
-        parent, _, leaf = name.rpartition("/")
-        parsed = split_manifest_name(leaf)
-        remote_names = [name]
         with self._lock:
             self._pending.pop(name, None)
-            if parsed is not None:
-                data = f"{parent}/{parsed[0]}" if parent else parsed[0]
-                local_data = self.local.local_path(data)
-                if local_data is not None and os.path.exists(local_data):
-                    if data in self._pending:
-                        # Replaced by a local commit whose queued upload replaces it remotely;
-                        # removing it now would strip the remote copy of its manifest if that
-                        # upload fails.
-                        return
-                else:
-                    self._pending.pop(data, None)
-                    remote_names.append(data)
-            for n in remote_names:
-                self._deleting[n] = self._deleting.get(n, 0) + 1
+        self._delete_remote(name, lambda: self.remote.delete(name))
+
+    def retire(self, name: str, is_dir: bool | None) -> None:
+        """Remove the checkpoint ``name`` from both tiers (``_commit.remove_checkpoint``): at once
+        from the local tier, from the remote tier after the uploads queued before this call."""
+        local = self.local.local_path(name)
+        if is_dir is None:
+            is_dir = local is not None and os.path.isdir(local)
+        remove_checkpoint(self.local, name, is_dir=is_dir)
+        with self._lock:
+            self._pending.pop(name, None)
+        self._delete_remote(name, lambda: remove_checkpoint(self.remote, name, is_dir=is_dir))
+
+    def _delete_remote(self, name: str, fn: Callable[[], None]) -> None:
+        with self._lock:
+            self._deleting[name] = self._deleting.get(name, 0) + 1
 
         def remote_delete() -> None:
             try:
-                for n in remote_names:
-                    self.remote.delete(n)
-                if leaf == DIR_MANIFEST:
-                    for info in self.remote.list(parent):
-                        self.remote.delete(info.name)
+                fn()
             except OSError as exc:
                 self._report_failure(name, f"removing {self.remote.describe(name)} failed: {exc}", None)
             finally:
                 with self._lock:
-                    for n in remote_names:
-                        left = self._deleting.pop(n, 1) - 1
-                        if left > 0:
-                            self._deleting[n] = left
+                    left = self._deleting.pop(name, 1) - 1
+                    if left > 0:
+                        self._deleting[name] = left
 
         self._queue.submit(remote_delete)
 
     # ------------------------------------------------------------------ Store: reading (routed)
     def info(self, name: str) -> ObjectInfo:
-        with self._lock:
-            deleting = name in self._deleting
-        if deleting:  # deleted; only a new local commit of the same name can exist
-            return self.local.info(name)
-        key = self._key(name)
-        if key == name or key.startswith("dir:") and name.endswith(DIR_MANIFEST):
-            self._decide(key)  # the first call of every resolve: choose the tier afresh
-        store = self._tier(name)
+        store = self._route_for_read(name)
         try:
             return store.info(name)
         except FileNotFoundError:
@@ -359,6 +346,31 @@ class TieredStore(Store):
             if other is self.remote and not self._remote_usable():
                 raise
             return other.info(name)
+
+    def open(self, name: str) -> Reader:
+        store = self._route_for_read(name)
+        try:
+            return store.open(name)
+        except FileNotFoundError:
+            other = self.remote if store is self.local else self.local
+            if other is self.remote and not self._remote_usable():
+                raise
+            return other.open(name)
+
+    def _route_for_read(self, name: str) -> Store:
+        with self._lock:
+            deleting = name in self._deleting
+        if deleting:  # deleted; only a new local commit of the same name can exist
+            return self.local
+        key = self._key(name)
+        if key == name:
+            self._decide(key)  # the first read of a checkpoint: choose the tier afresh
+        elif key.startswith("dir:") and name.rpartition("/")[0] == key[4:]:
+            with self._lock:
+                known = key in self._route
+            if not known:
+                self._decide(key)
+        return self._tier(name)
 
     def read_range(self, name: str, offset: int, length: int) -> bytes:
         return self._tier(name).read_range(name, offset, length)
@@ -490,17 +502,16 @@ class TieredStore(Store):
         self._retain(directory)
 
     def _upload(self, info: CheckpointInfo, committed_at: float) -> bool:
-        assert info.manifest is not None and info.manifest_name is not None
         tel = SaveTelemetry(path=self.remote.describe(info.name), started_at=time.time(), tier=REMOTE)
         t0 = time.perf_counter()
         try:
             stats = WriteStats()
-            with self._mapped(info) as files:
-                tel.bytes = sum(f.size for f in files)
-                if info.is_dir:
-                    self._upload_dir(info, files, stats)
-                else:
-                    self._upload_file(info, files[0], stats)
+            if info.manifest is None:
+                info = resolve(self.local, info.name)
+            if info.status != "committed" or info.manifest is None:
+                raise OSError(f"{info.path} is not intact: {'; '.join(info.problems)}")
+            tel.bytes = info.size
+            copy_checkpoint(self.local, info, self.remote, pool=self._queue.io_pool, stats=stats, read=self._mapped)
             tel.write_s, tel.checksum_s = stats.write_s, stats.checksum_s
             tel.time_to_commit_s = time.time() - committed_at
             tel.commit_s = max(0.0, time.perf_counter() - t0 - stats.write_s)
@@ -519,115 +530,35 @@ class TieredStore(Store):
         return True
 
     @contextlib.contextmanager
-    def _mapped(self, info: CheckpointInfo) -> Iterator[builtins.list[FileToWrite]]:
-        """The committed local files as read-only memory maps, described for ``write_file``."""
-        assert info.manifest is not None
-        entries: builtins.list[tuple[str, FileEntry]] = (
-            [(f"{info.name}/{e.name}", e) for e in info.manifest.files] if info.is_dir
-            else [(info.name, info.manifest.file(info.name.rpartition("/")[2]))]
-        )
-        maps: builtins.list[mmap.mmap] = []
-        views: builtins.list[memoryview] = []
+    def _mapped(self, name: str) -> Iterator[memoryview]:
+        """A committed local file as a read-only memory map."""
+        path = self.local.local_path(name)
+        assert path is not None
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if not size:
+                yield memoryview(b"")
+                return
+            m = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
+        view = memoryview(m)
         try:
-            files = []
-            for name, entry in entries:
-                path = self.local.local_path(name)
-                assert path is not None
-                with open(path, "rb") as f:
-                    if entry.size:
-                        m = mmap.mmap(f.fileno(), entry.size, access=mmap.ACCESS_READ)
-                        maps.append(m)
-                        view = memoryview(m)
-                    else:
-                        view = memoryview(b"")
-                views.append(view)
-                files.append(FileToWrite(
-                    name if not info.is_dir else entry.name, view, entry.size, entry.kind,
-                    entry.serialization_id, entry.id_offset, entry.storages, entry_name=entry.name,
-                ))
-            yield files
+            yield view
         finally:
-            for v in views:
-                with contextlib.suppress(BufferError):
-                    v.release()
-            for m in maps:
-                with contextlib.suppress(BufferError):
-                    m.close()
-
-    @staticmethod
-    def _check_same(info: CheckpointInfo, local: FileEntry, sent: FileEntry) -> None:
-        if sent.chunks != local.chunks:
-            bad = next(i for i, (a, b) in enumerate(zip(sent.chunks, local.chunks)) if a != b)
-            lo, hi = local.chunk_range(bad)
-            raise IntegrityError(
-                f"the local copy of {info.path} no longer matches its manifest (bytes [{lo}, {hi}) "
-                "differ): it was not uploaded. The local disk may be failing."
-            )
-
-    def _upload_file(self, info: CheckpointInfo, f: FileToWrite, stats: WriteStats) -> None:
-        assert info.manifest is not None and info.manifest_name is not None
-        local_entry = info.manifest.file(info.name.rpartition("/")[2])
-        entry, publish, abort = write_file(
-            self.remote, f, algorithm=local_entry.algorithm, chunk_bytes=local_entry.chunk_bytes,
-            pool=self._queue.io_pool, stats=stats,
-        )
-        try:
-            self._check_same(info, local_entry, entry)
-            crash_point("during_upload")
-            replaced = sibling_manifests(self.remote, info.name)
-        except BaseException:
-            abort()
-            raise
-        commit_files(self.remote, info.manifest_name, info.manifest, [publish], [abort], replaced)
-
-    def _upload_dir(self, info: CheckpointInfo, files: builtins.list[FileToWrite], stats: WriteStats) -> None:
-        manifest = info.manifest
-        assert manifest is not None
-        first = manifest.files[0]
-
-        def same_manifest(entries: builtins.list[FileEntry]) -> Manifest:
-            for local_entry, sent in zip(manifest.files, entries):
-                self._check_same(info, local_entry, sent)
-            crash_point("during_upload")
-            return manifest
-
-        commit_directory(self.remote, info.name, files, same_manifest, algorithm=first.algorithm,
-                         chunk_bytes=first.chunk_bytes, pool=self._queue.io_pool, stats=stats)
+            view.release()
+            with contextlib.suppress(BufferError):
+                m.close()
 
     def _retain(self, directory: str) -> None:
         try:
             if self.keep_remote is not None:
-                remote = [c for c in scan(self.remote, directory) if c.status == "committed"]
-                for old in remote[self.keep_remote :]:
-                    self._remove(self.remote, old)
+                retain(self.remote, directory, self.keep_remote)
             if self.keep_local is not None:
-                # Under the local tier's commit lock: a Checkpointer's own retention scans the
-                # same directory under it and must not see a copy half removed from here.
-                with self.local.commit_lock(f"{directory}/{DIR_MANIFEST}" if directory else ""):
-                    local = [c for c in scan(self.local, directory) if c.status == "committed"]
-                    with self._lock:
-                        pending = set(self._pending)
-                    for old in local[self.keep_local :]:
-                        if old.name not in pending:  # never remove the only copy
-                            self._remove(self.local, old)
+                with self._lock:
+                    pending = set(self._pending)
+                # never remove the only copy: a checkpoint whose upload has not succeeded yet
+                retain(self.local, directory, self.keep_local, skip=lambda c: c.name in pending)
         except OSError as exc:
             self._report_failure(directory, f"retention in {self.remote.url} failed: {exc}", None)
-
-    @staticmethod
-    def _remove(store: Store, ci: CheckpointInfo) -> None:
-        if ci.manifest_name is not None:
-            store.delete(ci.manifest_name)  # manifest first: half-deleted is never valid
-        if ci.is_dir:
-            local = store.local_path(ci.name)
-            if local is not None:
-                import shutil
-
-                shutil.rmtree(local, ignore_errors=True)
-                return
-            for f in store.list(ci.name):
-                store.delete(f.name)
-        else:
-            store.delete(ci.name)
 
     def _report_failure(self, name: str, message: str, tel: SaveTelemetry | None) -> None:
         print(f"stagesave: {message}", file=sys.stderr)

@@ -6,6 +6,7 @@ import atexit
 import concurrent.futures as cf
 import contextlib
 import io
+import json
 import os
 import signal
 import sys
@@ -19,37 +20,34 @@ from typing import Any
 
 import torch
 
-from . import _fsops as fsops
 from ._background import JobQueue
-from ._checksum import DEFAULT_ALGORITHM, check_algorithm, digest
-from ._commit import (
-    FileToWrite,
-    WriteStats,
-    chunk_digests,
-    commit_files,
-    manifest_path_for,
-    retire_file,
-    sibling_manifests,
-    write_file,
+from ._checksum import DEFAULT_ALGORITHM, check_algorithm
+from ._commit import commit_file, commit_folder, remove_checkpoint, restore_aside, retain
+from ._device import device_of, gpudirect_kvikio, stage_on_device, write_device_data
+from ._discovery import (
+    CheckpointInfo,
+    folder_entries,
+    raise_if_corrupt,
+    resolve_dir,
+    resolve_reader,
+    scan,
 )
-from ._crash import crash_point
-from ._device import DeviceFile, device_of, gpudirect_kvikio, stage_on_device, write_device_file
-from ._dircommit import commit_directory, restore_aside
-from ._discovery import CheckpointInfo, raise_if_corrupt, resolve, resolve_dir, scan, verify_entry
 from ._image import FileImage, plan_torch_file
 from ._local import LocalStore
-from ._manifest import FileEntry, Manifest, StorageRecord
-from ._names import ALIGNMENT, DEFAULT_CHUNK_BYTES, DIR_MANIFEST, TELEMETRY_FILE, TMP_MARKER
+from ._names import ALIGNMENT, DEFAULT_CHUNK_BYTES, TELEMETRY_FILE, TMP_MARKER, check_target_name
 from ._pool import BufferPool, HostBuffer
-from ._stage import on_host, stage_and_hash, stage_image
-from ._store import Store
+from ._proofread import chunk_problems
+from ._stage import ImageCrcs, on_host, stage_and_crc, stage_image
+from ._store import Reader, Store, check_name
 from ._targets import StoreResolver
+from ._write import FileToWrite, WriteStats, Written, proof_room
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
     ClosedError,
     IntegrityError,
     StorageError,
+    UnsupportedObjectError,
     oserror_to_checkpoint_error,
 )
 from .formats import plan_file
@@ -160,17 +158,35 @@ def _manifest_telemetry(tel: SaveTelemetry) -> dict[str, Any]:
     return {k: v for k, v in tel.to_dict().items() if k not in _POST_COMMIT}
 
 
-def _lock_name(directory: str) -> str:
-    """A name whose commit lock is the lock of ``directory`` itself (the root for ``""``)."""
-    return f"{directory}/{DIR_MANIFEST}" if directory else ""
+def _checked_metadata(metadata: dict[str, Any] | None) -> dict[str, Any]:
+    """The user's metadata, refused now (not in the background) if it cannot go into a proof.
+
+    Raises:
+        UnsupportedObjectError: not a dict of JSON values (NaN and infinities are not JSON).
+    """
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict):
+        raise UnsupportedObjectError(f"metadata must be a dict, got {type(metadata).__name__}")
+    try:
+        json.dumps(metadata, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise UnsupportedObjectError(
+            f"metadata must hold JSON values (str, numbers, bool, None, lists, dicts): {exc}"
+        ) from exc
+    return dict(metadata)
 
 
-def _has(store: Store, name: str) -> bool:
+def _is_folder(store: Store, name: str) -> bool:
+    """Whether ``name`` is a folder checkpoint rather than a file."""
+    local = store.local_path(name)
+    if local is not None:
+        return os.path.isdir(local)
     try:
         store.info(name)
-        return True
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
         return False
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        return bool(store.list(name)) or bool(store.list_dirs(name))
 
 
 class Checkpointer:
@@ -274,7 +290,8 @@ class Checkpointer:
         """Stage ``state`` and write it to ``path`` in the background.
 
         Returns after the state has been copied into host memory; changing ``state`` afterwards
-        does not change the checkpoint. The file is a genuine ``torch.save`` file.
+        does not change the checkpoint. The file is a genuine ``torch.save`` file that carries
+        its own proof.
 
         Raises:
             CheckpointError: an earlier background save failed (raised once, here or elsewhere);
@@ -284,9 +301,11 @@ class Checkpointer:
         self._raise_failures()
         t_start = time.perf_counter()
         store, name = self._targets.split(path)
+        check_target_name(name)
         tel = SaveTelemetry(path=store.describe(name), started_at=time.time())
         if hasattr(store, "attach_telemetry"):
             tel.tier = "local"
+        meta = _checked_metadata(metadata)
         image = plan_torch_file(state)
         tel.plan_s = time.perf_counter() - t_start
         store.check_writable(name, image.size)
@@ -294,16 +313,16 @@ class Checkpointer:
         pool, buf, device, tel.buffer_wait_s = self._acquire(image.size, device)
         try:
             if device is None:
-                wait_device, digests = self._stage(image, buf, 0, tel)
+                wait_device, crcs = self._stage(image, buf, 0, tel)
             else:
                 s0 = time.perf_counter()
-                wait_device, digests = stage_on_device(image, buf), None
+                wait_device, crcs = stage_on_device(image, buf), None
                 tel.stage_s += time.perf_counter() - s0
                 tel.staged_on = str(device)
         except BaseException:
             pool.release(buf)
             raise
-        tel.bytes = image.size
+        tel.bytes = image.covered
         tel.tensor_bytes = image.tensor_bytes
         tel.blocking_s = time.perf_counter() - t_start
         handle = SaveHandle(tel.path, tel)
@@ -324,14 +343,19 @@ class Checkpointer:
             try:
                 if wait_device is not None:
                     wait_device()
-                if device is None:
-                    self._write_and_commit(store, name, image, buf.view, tel, metadata or {}, digests)
-                else:
-                    self._write_and_commit_device(store, name, image, buf, tel, metadata or {})
+                stats = WriteStats()
+                f = FileToWrite(name, image, buf.view if device is None else None, crcs,
+                                buf.tensor if device is not None else None)
+                written = self._write_device(store, f, stats, tel) if device is not None else None
+                c0 = time.perf_counter()
+                commit_file(store, f, algorithm=self.checksum, chunk_bytes=self.chunk_bytes,
+                            pool=self._io_pool(), stats=stats, metadata=meta,
+                            telemetry=lambda: self._record(tel, stats), written=written)
+                tel.commit_s = time.perf_counter() - c0 - (stats.write_s if written is None else 0.0)
                 tel.time_to_commit_s = time.perf_counter() - t_submit
                 tel.committed_at = time.time()
                 if self.keep_last is not None:
-                    self._retain(store, name.rpartition("/")[0])
+                    retain(store, name.rpartition("/")[0], self.keep_last)
             except BaseException as exc:  # noqa: BLE001 - delivered through the handle
                 error = _as_checkpoint_error(exc, f"saving checkpoint {tel.path} failed")
                 tel.error = str(error)
@@ -386,21 +410,20 @@ class Checkpointer:
 
     def _stage(
         self, image: FileImage, buf: HostBuffer, base: int, tel: SaveTelemetry,
-    ) -> tuple[Callable[[], None] | None, list[str] | None]:
-        """Copy ``image`` into ``buf[base:]`` on the caller's time, hashing it too when it should.
+    ) -> tuple[Callable[[], None] | None, ImageCrcs | None]:
+        """Copy ``image`` into ``buf[base:]`` on the caller's time, CRC-ing it too when it should.
 
         Adds to ``tel.stage_s`` (and ``tel.checksum_s``). Returns a callable that waits for
-        pending device copies (``None`` when the bytes are in place) and the chunk digests
-        (``None`` when the writers hash).
+        pending device copies (``None`` when the bytes are in place) and the CRCs (``None`` when
+        the background computes them).
         """
         s0 = time.perf_counter()
-        digests = None
+        crcs = None
         if on_host(image):
             wait_device = None
             if self._hash_while_staging(device_copy_pending=False):
-                digests, hashing = stage_and_hash(image, buf, base, algorithm=self.checksum,
-                                                  chunk_bytes=self.chunk_bytes, pool=self._staging_pool())
-                tel.checksum_s += hashing
+                crcs = stage_and_crc(image, buf, base, chunk_bytes=self.chunk_bytes, pool=self._staging_pool())
+                tel.checksum_s += crcs.seconds
             else:
                 stage_image(image, buf, base)
         else:
@@ -409,12 +432,14 @@ class Checkpointer:
                 if wait_device is not None:
                     wait_device()
                     wait_device = None
+                from ._stage import crc_image
+
                 h0 = time.perf_counter()
-                digests = chunk_digests(buf.view[base:], image.size, algorithm=self.checksum,
-                                        chunk_bytes=self.chunk_bytes, pool=self._staging_pool())
+                crcs = crc_image(image, buf.view[base : base + image.size], chunk_bytes=self.chunk_bytes,
+                                 pool=self._staging_pool())
                 tel.checksum_s += time.perf_counter() - h0
         tel.stage_s += time.perf_counter() - s0
-        return wait_device, digests
+        return wait_device, crcs
 
     def _hash_while_staging(self, *, device_copy_pending: bool) -> bool:
         """Whether this save hashes its chunks on the caller's time (see ``checksum_in``)."""
@@ -431,97 +456,27 @@ class Checkpointer:
                                                         thread_name_prefix="stagesave-hash")
             return self._hash_pool
 
-    def _write_and_commit(
-        self, store: Store, name: str, image: FileImage, view: memoryview, tel: SaveTelemetry,
-        metadata: dict[str, Any], digests: list[str] | None = None,
-    ) -> None:
-        stats = WriteStats()
-        queue = self._queue
-        assert queue is not None
-        storages = [StorageRecord(s.key, s.offset, s.nbytes) for s in image.slots]
-        entry, publish, abort = write_file(
-            store,
-            FileToWrite(name, view, image.size, "torch", image.serialization_id, image.id_offset, storages,
-                        digests=digests),
-            algorithm=self.checksum,
-            chunk_bytes=self.chunk_bytes,
-            pool=queue.io_pool,
-            stats=stats,
-        )
-        self._commit_entry(store, name, image, (entry, publish, abort), stats, tel, metadata)
-
-    def _write_and_commit_device(
-        self, store: Store, name: str, image: FileImage, buf: HostBuffer, tel: SaveTelemetry,
-        metadata: dict[str, Any],
-    ) -> None:
-        """:meth:`_write_and_commit` for an image staged in device memory (``device_staging``)."""
-        assert isinstance(store, LocalStore) and self._queue is not None
-        stats = WriteStats()
+    def _write_device(self, store: Store, f: FileToWrite, stats: WriteStats, tel: SaveTelemetry) -> Written:
+        """Write the data of a file staged in device memory (``device_staging``)."""
+        assert isinstance(store, LocalStore)
         kvikio = gpudirect_kvikio()
         tel.gpudirect = kvikio is not None
-        written = write_device_file(
-            store,
-            DeviceFile(name, buf.tensor, image.size, image.serialization_id, image.id_offset,
-                       [StorageRecord(s.key, s.offset, s.nbytes) for s in image.slots]),
-            algorithm=self.checksum, chunk_bytes=self.chunk_bytes, pool=self._queue.io_pool,
-            stats=stats, kvikio=kvikio,
-        )
-        self._commit_entry(store, name, image, written, stats, tel, metadata)
+        return write_device_data(store, f, algorithm=self.checksum, chunk_bytes=self.chunk_bytes,
+                                 pool=self._io_pool(), stats=stats, kvikio=kvikio)
 
-    def _commit_entry(
-        self, store: Store, name: str, image: FileImage,
-        written: tuple[FileEntry, Callable[[], None], Callable[[], None]], stats: WriteStats,
-        tel: SaveTelemetry, metadata: dict[str, Any],
-    ) -> None:
-        """Record the write in the telemetry and commit the file's manifest."""
-        entry, publish, abort = written
-        tel.write_s, tel.fsync_s, tel.direct_io = stats.write_s, stats.fsync_s, stats.direct_io
-        tel.checksum_s += stats.checksum_s
-        tel.throughput_bytes_per_s = image.size / stats.write_s if stats.write_s > 0 else 0.0
-        manifest = Manifest(
-            files=[entry],
-            created_ns=time.time_ns(),
-            tensors=[
-                {"name": t.name, "storage": t.storage_key, "dtype": t.dtype, "shape": list(t.shape),
-                 "stride": list(t.stride), "storage_offset": t.storage_offset}
-                for t in image.tensors
-            ],
-            metadata=dict(metadata),
-            telemetry=_manifest_telemetry(tel),
-        )
-        c0 = time.perf_counter()
-        commit_files(store, manifest_path_for(name, image.serialization_id), manifest, [publish], [abort],
-                     name=name)
-        tel.commit_s = time.perf_counter() - c0
-
-    def _retain(self, store: Store, directory: str) -> None:
-        """Keep the ``keep_last`` newest committed checkpoints of ``directory``.
-
-        Runs under the directory's commit lock, so that another remover of the same directory
-        (a tiered store's ``keep_local``, another process) cannot make a checkpoint look torn to
-        this scan while it deletes it, which would make an older one look like the second newest.
-        """
-        assert self.keep_last is not None
-        with store.commit_lock(_lock_name(directory)):
-            committed = [c for c in scan(store, directory) if c.status == "committed"]
-            for old in committed[self.keep_last :]:
-                if old.is_dir:
-                    if old.manifest_name is not None:
-                        store.delete(old.manifest_name)  # manifest first: half-deleted is never valid
-                    crash_point("during_retention")
-                    self._delete_dir(store, old.name)
-                else:
-                    retire_file(store, old.name, sibling_manifests(store, old.name))
+    def _io_pool(self) -> cf.Executor:
+        queue = self._queue
+        assert queue is not None
+        return queue.io_pool
 
     @staticmethod
-    def _delete_dir(store: Store, name: str) -> None:
-        local = store.local_path(name)
-        if local is not None:
-            if os.path.isdir(local) and not os.path.islink(local):
-                fsops.rmtree(local)
-            return
-        for info in store.list(name):
-            store.delete(info.name)
+    def _record(tel: SaveTelemetry, stats: WriteStats) -> dict[str, Any]:
+        """Fold the write's figures into ``tel``; what goes into the file's index."""
+        tel.write_s, tel.fsync_s, tel.direct_io = stats.write_s, stats.fsync_s, stats.direct_io
+        tel.checksum_s += stats.checksum_s
+        stats.checksum_s = 0.0
+        tel.throughput_bytes_per_s = tel.bytes / stats.write_s if stats.write_s > 0 else 0.0
+        return _manifest_telemetry(tel)
 
     def save_dir(
         self,
@@ -531,17 +486,22 @@ class Checkpointer:
         metadata: dict[str, Any] | None = None,
         staging_dir: str | os.PathLike[str] | None = None,
     ) -> SaveHandle:
-        """Stage several files and commit them together as one directory checkpoint.
+        """Stage several files and commit them together as one folder checkpoint.
 
         ``files`` maps names inside ``directory`` (e.g. ``"optimizer.bin"``) to a state saved
-        as a torch file, or to :class:`stagesave.formats.Safetensors`. The folder appears only
-        once every file and the manifest are durable; an existing folder is replaced atomically.
-        ``staging_dir`` (local targets, and tiered roots: their local tier): where the folder is
-        assembled before it is renamed into place, instead of a hidden sibling of the target; it
-        must be on the same filesystem. A tiered root uploads the folder once it is in place.
+        as a torch file, to :class:`stagesave.formats.Safetensors` or to
+        :class:`stagesave.formats.Raw` bytes. The folder holds exactly these files; each torch
+        and safetensors file carries its own proof, and one of them (the carrier) also proves
+        the set of files. The folder appears only once everything is durable; an existing
+        folder is replaced atomically. ``staging_dir`` (local targets, and tiered roots: their
+        local tier): where the folder is assembled before it is renamed into place, instead of
+        a hidden sibling of the target; it must be on the same filesystem. A tiered root
+        uploads the folder once it is in place.
 
         Raises:
-            Like :meth:`save`.
+            ValueError: no files, an invalid file name, or only raw files (nothing can carry
+                the folder's proof).
+            Like :meth:`save` otherwise.
         """
         self._check_open()
         self._raise_failures()
@@ -549,20 +509,19 @@ class Checkpointer:
             raise ValueError("save_dir needs at least one file")
         t_start = time.perf_counter()
         store, dname = self._targets.split(directory)
+        check_target_name(dname)
         tel = SaveTelemetry(path=store.describe(dname), started_at=time.time())
-        planned = []
-        for fname, content in files.items():
+        meta = _checked_metadata(metadata)
+        for fname in files:
             try:
-                from ._store import check_name
-
                 check_name(fname)
+                check_target_name(fname)
             except ValueError as exc:
                 raise ValueError(f"invalid file name {fname!r} in directory checkpoint: {exc}") from exc
-            kind, image = plan_file(content)
-            planned.append((fname, kind, image))
+        planned = self._plan_folder(files, meta)
         tel.plan_s = time.perf_counter() - t_start
         bases, total = [], 0
-        for _, _, image in planned:
+        for _, image in planned:
             bases.append(total)
             total += (image.size + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
         # Check the parent with a sibling name: the folder itself must not appear before its commit.
@@ -570,20 +529,20 @@ class Checkpointer:
         store.check_writable(f"{parent}/.{leaf}{TMP_MARKER}" if parent else f".{leaf}{TMP_MARKER}", total)
         if staging_dir is not None:
             _check_same_filesystem(store, dname, staging_dir)
-        images = [image for _, _, image in planned]
+        images = [image for _, image in planned]
         device = device_of(images, store) if self.device_staging else None
         pool, buf, device, tel.buffer_wait_s = self._acquire(total, device)
         waits = []
-        digests: list[list[str] | None] = []
+        all_crcs: list[ImageCrcs | None] = []
         try:
             for base, image in zip(bases, images):
                 if device is None:
-                    w, d = self._stage(image, buf, base, tel)
+                    w, c = self._stage(image, buf, base, tel)
                 else:
                     s0 = time.perf_counter()
-                    w, d = stage_on_device(image, buf, base), None
+                    w, c = stage_on_device(image, buf, base), None
                     tel.stage_s += time.perf_counter() - s0
-                digests.append(d)
+                all_crcs.append(c)
                 if w is not None:
                     waits.append(w)
         except BaseException:
@@ -591,24 +550,19 @@ class Checkpointer:
             raise
         if device is not None:
             tel.staged_on = str(device)
-        tel.bytes = sum(im.size for _, _, im in planned)
-        tel.tensor_bytes = sum(im.tensor_bytes for _, _, im in planned)
+        tel.bytes = sum(im.covered for _, im in planned)
+        tel.tensor_bytes = sum(im.tensor_bytes for _, im in planned)
         tel.blocking_s = time.perf_counter() - t_start
         handle = SaveHandle(tel.path, tel)
         key = tel.path
         with self._lock:
             self._pending.setdefault(key, []).append(handle)
         to_write = []
-        for base, (fname, kind, image), pre in zip(bases, planned, digests):
+        for base, (fname, image), crcs in zip(bases, planned, all_crcs):
             cap = (image.size + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
-            storages = [StorageRecord(s.key, s.offset, s.nbytes) for s in image.slots]
             on_device = buf.tensor[base : base + cap] if device is not None else None
-            to_write.append(FileToWrite(fname, buf.view[base : base + cap], image.size, kind,
-                                        image.serialization_id or None,
-                                        image.id_offset if image.serialization_id else None, storages,
-                                        digests=pre, device_data=on_device))
-
-        stats = WriteStats()
+            view = buf.view[base : base + cap] if device is None else None
+            to_write.append(FileToWrite(fname, image, view, crcs, on_device, fname))
 
         def give_back() -> None:
             """Return the buffer, once no device copy can still land in it."""
@@ -616,36 +570,32 @@ class Checkpointer:
                 with contextlib.suppress(Exception):
                     w()
             for v in to_write:
-                v.image.release()
+                if v.view is not None:
+                    v.view.release()
             pool.release(buf)
-
-        def make_manifest(entries: list[Any]) -> Manifest:
-            tel.write_s, tel.checksum_s, tel.fsync_s, tel.direct_io = (
-                stats.write_s, tel.checksum_s + stats.checksum_s, stats.fsync_s, stats.direct_io)
-            return Manifest(files=entries, created_ns=time.time_ns(), metadata=dict(metadata or {}),
-                            telemetry=_manifest_telemetry(tel))
 
         def job() -> None:
             error: BaseException | None = None
             try:
                 for w in waits:
                     w()
-                assert self._queue is not None
-                kvikio = None
+                stats = WriteStats()
+                write = None
                 if device is not None:
-                    kvikio = gpudirect_kvikio()
-                    tel.gpudirect = kvikio is not None
+                    def write(s: Store, f: FileToWrite) -> Written:
+                        return self._write_device(s, f, stats, tel)
                 c0 = time.perf_counter()
-                commit_directory(store, dname, to_write, make_manifest, algorithm=self.checksum,
-                                 chunk_bytes=self.chunk_bytes, pool=self._queue.io_pool, stats=stats,
-                                 staging_dir=os.fspath(staging_dir) if staging_dir is not None else None,
-                                 kvikio=kvikio)
+                commit_folder(store, dname, to_write, algorithm=self.checksum, chunk_bytes=self.chunk_bytes,
+                              pool=self._io_pool(), stats=stats, metadata=meta,
+                              telemetry=lambda: self._record(tel, stats),
+                              staging_dir=os.fspath(staging_dir) if staging_dir is not None else None,
+                              write=write)
+                self._record(tel, stats)
                 tel.commit_s = time.perf_counter() - c0 - stats.write_s
-                tel.throughput_bytes_per_s = tel.bytes / stats.write_s if stats.write_s > 0 else 0.0
                 tel.time_to_commit_s = time.perf_counter() - t_start
                 tel.committed_at = time.time()
                 if self.keep_last is not None:
-                    self._retain(store, dname.rpartition("/")[0])
+                    retain(store, dname.rpartition("/")[0], self.keep_last)
             except BaseException as exc:  # noqa: BLE001 - delivered through the handle
                 error = _as_checkpoint_error(exc, f"saving checkpoint {tel.path} failed")
                 tel.error = str(error)
@@ -655,6 +605,40 @@ class Checkpointer:
 
         self._submit(job, handle, key, release=give_back)
         return handle
+
+    def _plan_folder(self, files: dict[str, Any], metadata: dict[str, Any]) -> list[tuple[str, FileImage]]:
+        """Plan every file of a folder; a safetensors file gets room for its proof (and, if it
+        will be the carrier, for the folder's list of files)."""
+        from .formats import Safetensors
+
+        plain = {n: c for n, c in files.items() if not isinstance(c, Safetensors)}
+        planned = {n: plan_file(c)[1] for n, c in plain.items()}
+        st_carrier = not any(im.kind in ("torch", "dcp", "dcp-metadata") for im in planned.values())
+        for n, content in files.items():
+            if n in planned:
+                continue
+            carrier = st_carrier and n == min(k for k, c in files.items() if isinstance(c, Safetensors))
+            folder = self._folder_bound(files, planned) if carrier else {"token": "f" * 32, "carrier": "x" * 255}
+
+            def room(size: int, storages: list[list[object]], folder: dict[str, Any] = folder,
+                     carrier: bool = carrier) -> int:
+                return proof_room(size, storages, algorithm=self.checksum, chunk_bytes=self.chunk_bytes,
+                                  metadata=metadata if carrier else {}, folder=folder)
+
+            planned[n] = plan_file(content, proof_room=room)[1]
+        return [(n, planned[n]) for n in files]
+
+    def _folder_bound(self, files: dict[str, Any], planned: dict[str, FileImage]) -> dict[str, Any]:
+        """A folder section at least as long as the real one will be (to size a reservation)."""
+        from ._checksum import DIGEST_HEX_LEN
+
+        hex_len = DIGEST_HEX_LEN[self.checksum]
+        members = [[n, 1 << 50, 0xFFFFFFFF] for n in files]
+        listed = [{"name": n, "size": 1 << 50, "algorithm": self.checksum, "chunk_bytes": self.chunk_bytes,
+                   "chunks": ["f" * hex_len] * ((im.size + self.chunk_bytes - 1) // self.chunk_bytes + 1),
+                   "kind": "raw", "serialization_id": None, "id_offset": None, "storages": []}
+                  for n, im in planned.items() if im.kind == "raw"]
+        return {"token": "f" * 32, "carrier": "x" * 255, "members": members, "listed": listed}
 
     def remove(self, path: str | os.PathLike[str]) -> SaveHandle:
         """Delete a checkpoint after every save submitted before this call.
@@ -670,14 +654,7 @@ class Checkpointer:
         def job() -> None:
             error: BaseException | None = None
             try:
-                local = store.local_path(name)
-                if local is not None and os.path.islink(local):
-                    fsops.unlink(local)  # a link: remove the link, never what it points to
-                elif (local is not None and os.path.isdir(local)) or store.list_dirs(name) or _has(store, f"{name}/{DIR_MANIFEST}"):
-                    store.delete(f"{name}/{DIR_MANIFEST}")
-                    self._delete_dir(store, name)
-                else:
-                    retire_file(store, name, sibling_manifests(store, name))
+                remove_checkpoint(store, name)
             except BaseException as exc:  # noqa: BLE001
                 error = _as_checkpoint_error(exc, f"removing checkpoint {tel.path} failed")
             self._finish(key, handle, error)
@@ -828,106 +805,99 @@ class Checkpointer:
     ) -> Any:
         """Load a checkpoint written by stagesave or by ``torch.save``.
 
-        Waits for pending saves of the same path. With ``verify`` (default) every byte is
-        checked against the manifest before anything is unpickled. Local files load with
-        ``mmap`` by default (tensors are backed by the verified file's pages, copy-on-write).
+        Waits for pending saves of the same path. The file is opened once: its proof and its
+        bytes come from that one version, even if the name is replaced meanwhile. With
+        ``verify`` (default) every byte is checked against the proof before anything is
+        unpickled. Local files load with ``mmap`` by default (tensors are backed by the
+        verified file's pages, copy-on-write).
 
         Raises:
             CheckpointNotFoundError: no such file.
-            IntegrityError: the file does not match its manifest.
+            IntegrityError: the file does not match its proof.
             UnsafeCheckpointError: the file needs a class that is not allow-listed.
         """
         store, name = self._targets.split(path)
         where = store.describe(name)
         self._wait_path(where)
-        try:
-            info = resolve(store, name)
-        except (FileNotFoundError, IsADirectoryError) as exc:
-            raise CheckpointNotFoundError(f"no checkpoint at {where}") from exc
-        if info.status == "corrupt":
-            raise IntegrityError(f"checkpoint {where} is corrupt: {'; '.join(info.problems)}")
-        entry = info.manifest.file((info.judged or name).rpartition("/")[2]) if info.manifest else None
         globs = [*self.safe_globals, *safe_globals]
-        local = store.local_path(info.judged or name)  # the file judged, even if a link moved since
-        if local is not None:
-            return self._load_local(local, entry, where, map_location, verify, mmap, trusted, globs)
-        data = bytearray(info.size)
-        view = memoryview(data)
-        self._read_parallel(store, name, view)
-        if verify and entry is not None:
-            raise_if_corrupt(self._verify_memory(entry, view, where), where)
-        return safe_torch_load(io.BytesIO(data), map_location=map_location, trusted=trusted, safe_globals=globs, where=where)
+        for attempt in range(3):
+            try:
+                return self._load_once(store, name, where, map_location, verify, mmap, trusted, globs)
+            except StorageError as exc:  # replaced while being read (S3): read the new version
+                if getattr(exc, "s3_code", None) != "PreconditionFailed" or attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
 
-    def _load_local(
-        self, local: str, entry: Any, where: str, map_location: Any, verify: bool, mmap: bool | None,
+    def _load_once(
+        self, store: Store, name: str, where: str, map_location: Any, verify: bool, mmap: bool | None,
         trusted: bool, globs: list[Any],
     ) -> Any:
-        fd = os.open(local, os.O_RDONLY)
+        judged = store.canonical(name)
         try:
-            if verify and entry is not None:
-                size = os.fstat(fd).st_size
-                if size != entry.size:
-                    raise IntegrityError(f"checkpoint {where} is corrupt: {size} bytes, manifest says {entry.size}")
-
-                scratch = threading.local()
-
-                def read(lo: int, n: int) -> memoryview:
-                    # One reused buffer per I/O thread: no allocation (and page faults) per chunk.
-                    buf = getattr(scratch, "buf", None)
-                    if buf is None or len(buf) < n:
-                        buf = scratch.buf = bytearray(n)
-                    view = memoryview(buf)[:n]
-                    got = os.preadv(fd, [view], lo)
-                    return view[:got]
-
-                raise_if_corrupt(self._verify_reader(entry, read, where), where)
-            is_zip = os.pread(fd, 4, 0) == b"PK\x03\x04"
-            use_mmap = is_zip if mmap is None else mmap
-            # Load the very inode we verified, even if the name was replaced meanwhile.
-            proc = f"/proc/self/fd/{fd}"
-            source = proc if os.path.exists(proc) else local
-            return safe_torch_load(source, map_location=map_location, mmap=use_mmap, trusted=trusted,
+            reader = store.open(judged)
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:
+            raise CheckpointNotFoundError(f"no checkpoint at {where}") from exc
+        with reader:
+            info = resolve_reader(store, judged, reader)
+            if info.status == "corrupt":
+                raise IntegrityError(f"checkpoint {where} is corrupt: {'; '.join(info.problems)}")
+            manifest = info.manifest
+            fd = reader.fileno()
+            if fd is not None:
+                if verify and manifest is not None:
+                    raise_if_corrupt(self._chunk_problems(reader, manifest), where)
+                use_mmap = reader.read(0, 4) == b"PK\x03\x04" if mmap is None else mmap
+                # Load the very inode we verified, even if the name was replaced meanwhile.
+                proc = f"/proc/self/fd/{fd}"
+                local = store.local_path(judged)
+                source = proc if os.path.exists(proc) else local
+                return safe_torch_load(source, map_location=map_location, mmap=use_mmap, trusted=trusted,
+                                       safe_globals=globs, where=where)
+            data = bytearray(reader.size)
+            view = memoryview(data)
+            self._read_parallel(reader, view)
+            if verify and manifest is not None:
+                raise_if_corrupt(self._chunk_problems(reader, manifest, view), where)
+            return safe_torch_load(io.BytesIO(data), map_location=map_location, trusted=trusted,
                                    safe_globals=globs, where=where)
-        finally:
-            os.close(fd)
 
-    def _io_map(self, fn: Any, items: Iterable[Any]) -> list[Any]:
+    def _chunk_problems(self, reader: Reader, manifest: Any, view: memoryview | None = None) -> list[str]:
+        """Check every chunk of one file through ``reader`` (or in ``view``, already read)."""
+        if view is not None:
+            return chunk_problems(reader, manifest, self._io(), read=lambda lo, n: view[lo : lo + n])
+        scratch = threading.local()
+
+        def read(lo: int, n: int) -> memoryview:
+            # One reused buffer per I/O thread: no allocation (and page faults) per chunk.
+            buf = getattr(scratch, "buf", None)
+            if buf is None or len(buf) < n:
+                buf = scratch.buf = bytearray(n)
+            got = reader.readinto(lo, memoryview(buf)[:n])
+            return memoryview(buf)[:got]
+
+        return chunk_problems(reader, manifest, self._io(), read=read)
+
+    def _io(self) -> cf.Executor:
         with self._lock:
             if self._queue is None:
                 self._queue = self._new_queue()
-            pool = self._queue.io_pool
-        return list(pool.map(fn, items))
+            return self._queue.io_pool
 
-    def _verify_reader(self, entry: Any, read: Any, where: str) -> list[str]:
-        def check(i: int) -> str | None:
-            lo, hi = entry.chunk_range(i)
-            data = read(lo, hi - lo)
-            if len(data) != hi - lo:
-                return f"truncated at byte {lo + len(data)} (expected {entry.size} bytes)"
-            if digest(entry.algorithm, data) != entry.chunks[i]:
-                return f"checksum mismatch in bytes [{lo}, {hi}) (chunk {i})"
-            return None
-
-        return [p for p in self._io_map(check, range(len(entry.chunks))) if p]
-
-    def _verify_memory(self, entry: Any, view: memoryview, where: str) -> list[str]:
-        return self._verify_reader(entry, lambda lo, n: view[lo : lo + n], where)
-
-    def _read_parallel(self, store: Store, name: str, view: memoryview) -> None:
+    def _read_parallel(self, reader: Reader, view: memoryview) -> None:
         step = self.chunk_bytes
 
         def one(lo: int) -> None:
-            n = store.read_into(name, lo, view[lo : lo + step])
+            n = reader.readinto(lo, view[lo : lo + step])
             if n != len(view[lo : lo + step]):
-                raise IntegrityError(f"checkpoint {store.describe(name)} is truncated at byte {lo + n}")
+                raise IntegrityError(f"checkpoint {reader.where} is truncated at byte {lo + n}")
 
-        self._io_map(one, range(0, len(view), step))
+        list(self._io().map(one, range(0, len(view), step)))
 
     def verify(self, path: str | os.PathLike[str]) -> CheckpointInfo:
-        """Check a file against its manifest, reading every byte.
+        """Check a checkpoint (file or folder) against its proof, reading every byte.
 
         Returns its :class:`CheckpointInfo` with ``status`` ``"verified"``, ``"corrupt"``
-        (``problems`` says what) or ``"unverified"`` (a plain torch file with no manifest).
+        (``problems`` says what) or ``"unverified"`` (a plain torch file with no proof).
 
         Raises:
             CheckpointNotFoundError: no such file.
@@ -937,34 +907,50 @@ class Checkpointer:
 
     def _verify_in(self, store: Store, name: str) -> CheckpointInfo:
         self._wait_path(store.describe(name))
-        try:
-            info = resolve(store, name)
-        except IsADirectoryError:
+        if _is_folder(store, name):
             info = resolve_dir(store, name)
-        except FileNotFoundError as exc:
-            if _has(store, f"{name}/{DIR_MANIFEST}"):
-                info = resolve_dir(store, name)
-            else:
-                raise CheckpointNotFoundError(f"no checkpoint at {store.describe(name)}") from exc
-        if info.status != "committed" or info.manifest is None:
+            if info.status != "committed" or info.manifest is None:
+                return info
+            entries, problems = folder_entries(store, info)
+            for fname, own, listed in entries:
+                full = f"{name}/{fname}"
+                try:
+                    with store.open(full) as reader:
+                        if own is not None:
+                            problems += self._chunk_problems(reader, own)
+                        elif listed is not None:
+                            if reader.size != listed.size:
+                                problems.append(f"{reader.where} is {reader.size} bytes, its proof says {listed.size}")
+                            else:
+                                from ._manifest import Manifest
+
+                                problems += self._chunk_problems(reader, Manifest([listed], 0))
+                except OSError as exc:
+                    problems.append(f"{store.describe(full)}: {exc.strerror or exc}")
+            info.problems = problems
+            info.status = "corrupt" if problems else "verified"
             return info
-        with self._lock:
-            if self._queue is None:
-                self._queue = self._new_queue()
-            pool = self._queue.io_pool
-        if info.is_dir:
-            problems = []
-            for entry in info.manifest.files:
-                problems += verify_entry(store, f"{name}/{entry.name}", entry, pool)
-        else:
-            judged = info.judged or name  # read the link once: the file resolve() judged
-            problems = verify_entry(store, judged, info.manifest.file(judged.rpartition("/")[2]), pool)
-        info.problems = problems
-        info.status = "corrupt" if problems else "verified"
+        judged = store.canonical(name)
+        try:
+            reader = store.open(judged)
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:
+            raise CheckpointNotFoundError(f"no checkpoint at {store.describe(name)}") from exc
+        with reader:
+            info = resolve_reader(store, judged, reader)
+            if judged != name:
+                info.path, info.name, info.judged = store.describe(name), name, judged
+            if info.status != "committed" or info.manifest is None:
+                return info
+            info.problems = self._chunk_problems(reader, info.manifest)
+        info.status = "corrupt" if info.problems else "verified"
         return info
 
     def list(self, root: str | os.PathLike[str] | None = None) -> list[CheckpointInfo]:
-        """Checkpoints directly in ``root``, newest first (committed, unverified and corrupt)."""
+        """Checkpoints directly in ``root``, newest first (committed, unverified and corrupt).
+
+        Format-2 files are listed from their summaries (``manifest`` is ``None`` until
+        :meth:`verify` or :meth:`latest` reads the whole proof).
+        """
         store = self._targets.dir_store(root)
         self.wait_quietly()
         return scan(store)
@@ -972,22 +958,33 @@ class Checkpointer:
     def latest(self, root: str | os.PathLike[str] | None = None, *, verify: bool = False) -> CheckpointInfo | None:
         """The newest valid checkpoint in ``root`` (``None`` if there is none).
 
-        Corrupt checkpoints are skipped with a warning naming the problem; with ``verify`` every
-        candidate's bytes are checked too, newest first, until one passes.
+        Its proof is read and checked; corrupt checkpoints are skipped with a warning naming the
+        problem; with ``verify`` every candidate's bytes are checked too, newest first, until
+        one passes.
         """
         store = self._targets.dir_store(root)
         self.wait_quietly()
-        with store.commit_lock(""):
-            restore_aside(store, "")
-            found = scan(store, warn=True)
-        for info in found:
+        try:
+            with store.commit_lock(""):
+                restore_aside(store, "")
+        except OSError as exc:  # a read-only root: reading must still work
+            warnings.warn(f"could not repair {store.url} (read-only?): {exc}", stacklevel=2)
+        for info in scan(store, warn=True):
             if not info.valid:
                 continue
+            if info.format == 2 and info.manifest is None and not info.is_dir:
+                from ._discovery import resolve
+
+                try:
+                    info = resolve(store, info.name)
+                except FileNotFoundError:
+                    continue  # removed since the listing
+                if info.status == "corrupt":
+                    warnings.warn(f"skipping checkpoint {info.path}: {'; '.join(info.problems)}", stacklevel=2)
+                    continue
             if verify and info.manifest is not None:
                 checked = self._verify_in(store, info.name)
                 if checked.status == "corrupt":
-                    import warnings
-
                     warnings.warn(f"skipping checkpoint {info.path}: {'; '.join(checked.problems)}", stacklevel=2)
                     continue
                 return checked

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ._image import FileImage, plan_torch_file
-from ._safetensors import plan_safetensors_file
+from ._safetensors import ProofRoom, plan_safetensors_file
 
 __all__ = ["Raw", "Safetensors", "plan_file"]
 
@@ -29,12 +29,12 @@ class Raw:
     data: bytes
 
 
-def plan_file(obj: Any) -> tuple[str, FileImage]:
-    """``(kind, image)`` for one file's content."""
+def plan_file(obj: Any, *, proof_room: ProofRoom | None = None) -> tuple[str, FileImage]:
+    """``(kind, image)`` for one file's content (``proof_room``: for safetensors files)."""
     if isinstance(obj, Raw):
         data = bytes(obj.data)
         return "raw", FileImage(size=len(data), pieces=[(0, data)] if data else [], slots=[],
-                                serialization_id="", id_offset=0)
+                                serialization_id="", id_offset=0, kind="raw")
     if isinstance(obj, Safetensors):
-        return "safetensors", plan_safetensors_file(obj.tensors, obj.metadata)
+        return "safetensors", plan_safetensors_file(obj.tensors, obj.metadata, proof_room=proof_room)
     return "torch", plan_torch_file(obj)

@@ -1,0 +1,347 @@
+"""Writing one file of format 2: its data, then its proof.
+
+A staged image is written in two steps, so that the commit protocol (``_commit.py``) can put the
+proof in place at the right moment:
+
+1. :func:`write_data` fills in the zip CRC of every storage record (computed while staging, or
+   here from the buffer), updates the chunk checksums for those four-byte changes (CRC-32 is
+   affine: no second pass), writes every chunk to an invisible temporary (hashing it as it goes
+   when the algorithm is not CRC-32) and makes it durable;
+2. :meth:`Written.seal` writes the proof: a torch file's tail (index record, proof record,
+   central directory, summary), a trailer for DCP files, or the reserved place in a safetensors
+   header (whose first pages are written only then). Nothing of the proof can be written
+   before every digest is known.
+
+Publishing (``finish`` + ``publish`` of the temporary) is the caller's: a file is committed iff
+it exists under its final name, and every file carries everything needed to prove itself.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from ._checksum import crc32, crc32_patch, digest
+from ._crash import crash_point
+from ._image import FileImage
+from ._manifest import FileEntry, Manifest, StorageRecord, Summary, dumps, proof_doc
+from ._names import ALIGNMENT, INDEX_RECORD, PROOF_KEY, PROOF_RECORD
+from ._stage import ImageCrcs, crc_image
+from ._store import PendingWrite, Store
+from ._zipfmt import build_tail, footer
+
+__all__ = [
+    "TRAILER_KINDS", "FileToWrite", "WriteStats", "Written", "blank_fill", "fill_crcs", "late_end", "proof_value",
+    "run_all", "write_data",
+]
+
+T = TypeVar("T")
+
+#: Kinds whose proof is a trailer after the data (their readers ignore trailing bytes).
+TRAILER_KINDS = frozenset({"dcp", "dcp-metadata"})
+
+
+@dataclass
+class FileToWrite:
+    """A staged file: ``view`` holds the image (host memory) unless ``device_data`` does."""
+
+    name: str
+    image: FileImage
+    view: memoryview | None
+    crcs: ImageCrcs | None = None
+    #: With device staging: the image in device memory (a uint8 tensor), instead of ``view``.
+    device_data: Any = None
+    #: Name inside its folder (default: the last part of ``name``).
+    entry_name: str | None = None
+
+
+@dataclass
+class WriteStats:
+    write_s: float = 0.0
+    checksum_s: float = 0.0
+    fsync_s: float = 0.0
+    direct_io: bool | None = None
+
+
+def run_all(pool: cf.Executor, fn: Callable[[int], T], n: int) -> list[T]:
+    """``[fn(0), ..., fn(n - 1)]`` on ``pool``; on failure, raise the first error in order only
+    after every call has ended (``Executor.map`` would leave started calls running behind the
+    caller's cleanup: writes into a closed or reused descriptor)."""
+    futures: list[cf.Future[T]] = []
+    try:
+        for i in range(n):
+            futures.append(pool.submit(fn, i))
+    except BaseException:  # e.g. the pool shut down meanwhile: let the submitted ones end first
+        for f in futures:
+            f.cancel()
+        cf.wait(futures)
+        raise
+    done, _ = cf.wait(futures, return_when=cf.FIRST_EXCEPTION)
+    if any(f.exception() is not None for f in done):
+        for f in futures:
+            f.cancel()  # those not started yet
+        cf.wait(futures)
+    return [f.result() for f in futures]
+
+
+def late_end(image: FileImage) -> int:
+    """Bytes at the start of the file that can only be written with the proof (a safetensors
+    header holding it), rounded up to whole pages for O_DIRECT."""
+    if image.blank is None:
+        return 0
+    end = image.blank[0] + image.blank[1]
+    return min(image.covered, (end + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT)
+
+
+def fill_crcs(image: FileImage, view: memoryview, crcs: ImageCrcs) -> list[tuple[int, bytes]]:
+    """Write each storage record's CRC into its data descriptor in ``view``; update the chunk
+    CRCs of ``crcs`` to match. Returns the ``(offset, bytes)`` written."""
+    written = []
+    cb = crcs.chunk_bytes
+    for i, at in enumerate(image.crc_fields):
+        if at < 0:
+            continue
+        new = crcs.slots[i].to_bytes(4, "little")
+        old = bytes(view[at : at + 4])
+        if old == new:
+            continue
+        view[at : at + 4] = new
+        written.append((at, new))
+        for b in range(4):  # a field may straddle two chunks: patch byte by byte where it does
+            if (at + b) // cb != at // cb:
+                break
+        else:
+            c = at // cb
+            crcs.chunks[c] = crc32_patch(crcs.chunks[c], min(cb, image.covered - c * cb), at - c * cb, old, new)
+            continue
+        for b in range(4):
+            c = (at + b) // cb
+            crcs.chunks[c] = crc32_patch(crcs.chunks[c], min(cb, image.covered - c * cb),
+                                         at + b - c * cb, old[b : b + 1], new[b : b + 1])
+    return written
+
+
+def blank_fill(length: int) -> bytes:
+    """What a reserved proof place holds while the chunks are hashed (and for verifying them)."""
+    return b" " * length
+
+
+def proof_value(proof: bytes, length: int) -> bytes:
+    """The proof as a JSON string value, padded with spaces to exactly ``length`` bytes.
+
+    Raises:
+        ValueError: it does not fit (the reservation was computed too small: a bug).
+    """
+    value = json.dumps(proof.decode()).encode()[1:-1]  # escaped, without the quotes
+    if len(value) > length:
+        raise ValueError(f"the proof needs {len(value)} bytes, {length} were reserved")
+    return value + b" " * (length - len(value))
+
+
+class Written:
+    """A file whose data is written and durable; :meth:`seal` adds its proof."""
+
+    def __init__(
+        self, store: Store, f: FileToWrite, pending: PendingWrite, entry: FileEntry, cd: bytes | None,
+        write_late: Callable[[bytes], None], head: Callable[[], bytes],
+    ) -> None:
+        self.store = store
+        self.name = f.name
+        self.image = f.image
+        self.pending = pending
+        self.entry = entry
+        self.cd = cd
+        self._write_late = write_late
+        self._head = head
+        self.proof: bytes = b""
+        self.length = entry.size
+
+    @property
+    def proof_crc(self) -> int:
+        return crc32(self.proof)
+
+    def seal(
+        self, *, seq: int | None, created_ns: int, metadata: dict[str, Any],
+        folder: dict[str, Any] | None = None, summary_folder: tuple[str, str] | None = None,
+        tensors: Sequence[dict[str, Any]] = (), telemetry: dict[str, Any] | None = None,
+    ) -> Manifest:
+        """Write the proof (never before every digest is known). Returns the file's manifest.
+
+        Args:
+            seq: The save's sequence number (``None`` for a folder's members: the carrier's counts).
+            created_ns: Wall-clock time of the save, for display.
+            metadata: The user's metadata.
+            folder: The folder section of the proof (``None`` outside folders).
+            summary_folder: ``(token, carrier name)`` for the summary of a folder's file.
+            tensors: The tensor index (torch files).
+            telemetry: The save's telemetry so far (torch files).
+        """
+        kind = self.image.kind
+        entry = self.entry
+        crash_point("before_proof")
+        if kind == "raw":
+            return Manifest(files=[entry], created_ns=created_ns, metadata=metadata, schema=2, seq=seq)
+        zip_digests = None
+        index = b""
+        if kind == "torch":
+            assert self.image.zip is not None and self.cd is not None
+            index = dumps({"tensors": list(tensors), "telemetry": telemetry or {}})
+            zip_digests = {"cd": digest(entry.algorithm, self.cd), "index": digest(entry.algorithm, index)}
+        self.proof = dumps(proof_doc(entry, seq=seq, created_ns=created_ns, metadata=metadata, folder=folder,
+                                     zip_digests=zip_digests))
+        token, carrier = summary_folder if summary_folder is not None else (None, None)
+
+        def summary(proof_at: int) -> bytes:
+            return Summary(kind, seq, created_ns, proof_at, len(self.proof), crc32(self.proof), token,
+                           carrier).to_bytes()
+
+        if kind == "torch":
+            zip_ = self.image.zip
+            assert zip_ is not None and self.cd is not None
+            index_name = f"{zip_.prefix}/{INDEX_RECORD}".encode()
+            proof_at = zip_.cd_start + 30 + len(index_name) + len(index) + 30 + len(f"{zip_.prefix}/{PROOF_RECORD}")
+            tail, offsets = build_tail(zip_, self.cd, [(INDEX_RECORD, index), (PROOF_RECORD, self.proof)],
+                                       summary(proof_at), crc32=crc32)
+            assert offsets[1] == proof_at
+            self._tail(tail)
+        elif kind in TRAILER_KINDS:
+            s = summary(entry.end)
+            self._tail(self.proof + s + footer(s, crc32))
+        elif kind == "safetensors":
+            assert self.image.blank is not None
+            at, length = self.image.blank
+            head = bytearray(self._head())
+            head[at : at + length] = proof_value(self.proof, length)
+            self._write_late(bytes(head))
+        else:
+            raise ValueError(f"no proof for files of kind {kind!r}")
+        crash_point("after_proof")
+        manifest = Manifest(files=[entry], created_ns=created_ns, tensors=list(tensors), metadata=metadata,
+                            telemetry=telemetry or {}, schema=2, seq=seq)
+        return manifest
+
+    def _tail(self, tail: bytes) -> None:
+        self.pending.write_tail(tail)
+        self.length = self.entry.end + len(tail)
+
+    def finish(self, stats: WriteStats) -> None:
+        """Make the proof durable (the data already is)."""
+        f0 = time.perf_counter()
+        self.pending.finish()
+        stats.fsync_s += time.perf_counter() - f0
+
+    def publish(self) -> None:
+        self.pending.publish()
+
+    def abort(self) -> None:
+        self.pending.abort()
+
+
+def _entry(f: FileToWrite, algorithm: str, chunk_bytes: int, digests: Sequence[str]) -> FileEntry:
+    image = f.image
+    return FileEntry(
+        name=f.entry_name or f.name.rsplit("/", 1)[-1],
+        size=image.covered,
+        algorithm=algorithm,
+        chunk_bytes=chunk_bytes,
+        chunks=tuple(digests),
+        kind=image.kind,
+        serialization_id=image.serialization_id or None,
+        id_offset=image.id_offset if image.serialization_id else None,
+        storages=tuple(StorageRecord(s.key, s.offset, s.nbytes) for s in image.slots),
+        covered=image.covered,
+        blank=image.blank,
+    )
+
+
+def write_data(
+    store: Store, f: FileToWrite, *, algorithm: str, chunk_bytes: int, pool: cf.Executor, stats: WriteStats,
+) -> Written:
+    """Step 1 for a file staged in host memory: CRCs filled in, every chunk written and durable.
+
+    Raises:
+        Whatever the store raises; the temporary is removed first.
+    """
+    assert f.view is not None, "device images go through _device.write_device_data"
+    t0 = time.perf_counter()
+    image, view = f.image, f.view
+    covered = image.covered
+    crcs = f.crcs
+    if crcs is None and (image.kind == "torch" or algorithm == "crc32"):
+        h0 = time.perf_counter()
+        crcs = crc_image(image, view, chunk_bytes=chunk_bytes, pool=pool)
+        stats.checksum_s += time.perf_counter() - h0
+    cd = None
+    if image.kind == "torch":
+        assert image.zip is not None and crcs is not None
+        fill_crcs(image, view, crcs)
+        cd = image.zip.with_crcs({f"{image.zip.prefix}/data/{s.key}": crcs.slots[i]
+                                  for i, s in enumerate(image.slots)})
+    pre = [f"{c:08x}" for c in crcs.chunks] if crcs is not None and algorithm == "crc32" else None
+    late = late_end(image)
+    crash_point("before_data")
+    pending = store.begin_write(f.name, view, covered, tail=image.kind in ("torch", *TRAILER_KINDS))
+    try:
+        n_chunks = (covered + chunk_bytes - 1) // chunk_bytes
+        hash_time = [0.0] * n_chunks
+
+        def one(i: int) -> str:
+            lo, hi = i * chunk_bytes, min(covered, (i + 1) * chunk_bytes)
+            if pre is not None:
+                d = pre[i]
+            else:
+                h0 = time.perf_counter()
+                d = digest(algorithm, view[lo:hi])
+                hash_time[i] = time.perf_counter() - h0
+            if max(lo, late) < hi:
+                pending.write_range(max(lo, late), hi)
+            if i == 0 and n_chunks > 1:
+                crash_point("mid_data")
+            return d
+
+        digests = run_all(pool, one, n_chunks)
+        crash_point("after_data")
+        f0 = time.perf_counter()
+        pending.flush()
+        stats.fsync_s += time.perf_counter() - f0
+        crash_point("after_data_fsync")
+    except BaseException:
+        pending.abort()
+        raise
+    stats.checksum_s += sum(hash_time)
+    stats.write_s += time.perf_counter() - t0
+    stats.direct_io = getattr(pending, "direct", None)
+
+    def write_late(data: bytes) -> None:
+        view[: len(data)] = data
+        pending.write_range(0, len(data))
+
+    def head() -> bytes:
+        return bytes(view[:late])
+
+    return Written(store, f, pending, _entry(f, algorithm, chunk_bytes, digests), cd, write_late, head)
+
+
+def proof_room(
+    size: int, storages: Sequence[Sequence[object]], *, algorithm: str, chunk_bytes: int,
+    metadata: dict[str, Any], folder: dict[str, Any] | None,
+) -> int:
+    """Bytes to reserve in a safetensors header for the proof of a ``size``-byte file.
+
+    The proof is built with the widest value of every field (one chunk more than needed, the
+    largest sequence number and times), escaped as a JSON string, plus a margin.
+    """
+    from ._checksum import DIGEST_HEX_LEN
+
+    n = (size + chunk_bytes - 1) // chunk_bytes + 1
+    entry = FileEntry(
+        name="x", size=size, algorithm=algorithm, chunk_bytes=chunk_bytes,
+        chunks=("f" * DIGEST_HEX_LEN[algorithm],) * n, kind="safetensors",
+        storages=tuple(StorageRecord(str(s[0]), size, size) for s in storages), covered=size, blank=(size, size),
+    )
+    doc = proof_doc(entry, seq=1 << 62, created_ns=1 << 64, metadata=metadata, folder=folder, zip_digests=None)
+    return len(json.dumps(dumps(doc).decode())) - 2 + 64
