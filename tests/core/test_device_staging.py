@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import os
 import warnings
+import zipfile
 
 import pytest
 import torch
@@ -18,18 +19,11 @@ from test_stage_and_hash import states
 
 import stagesave
 import stagesave.checkpointer as checkpointer_mod
-from stagesave._commit import WriteStats, chunk_digests
-from stagesave._device import (
-    DeviceFile,
-    device_of,
-    gpudirect_kvikio,
-    stage_on_device,
-    write_device_file,
-)
+from stagesave._device import device_of, gpudirect_kvikio, stage_on_device, write_device_data
 from stagesave._image import plan_torch_file
 from stagesave._local import LocalStore
-from stagesave._manifest import StorageRecord
 from stagesave._pool import HostBuffer
+from stagesave._write import FileToWrite, WriteStats, write_data
 from stagesave._stage import stage_image
 
 CPU = torch.device("cpu")
@@ -68,36 +62,53 @@ def test_device_layout_of_a_large_pickle_and_many_small_pieces():
     assert bytes(buf.tensor[: image.size].numpy()) == _host_image(image, 0xC3)
 
 
+def _sealed(store, written, stats):
+    """Seal and publish a written file the same way for both paths (same seq, time, metadata)."""
+    written.seal(seq=7, created_ns=123_456_789, metadata={"k": 1}, tensors=[], telemetry={})
+    written.finish(stats)
+    written.publish()
+
+
+def _host_file(tmp_path, image, chunk, algorithm="crc32"):
+    """The file the host path writes for ``image`` (the reference for the device path)."""
+    buf = HostBuffer.allocate(max(image.size, 4096) + 4096, pinned=False)
+    stage_image(image, buf)
+    store = LocalStore(str(tmp_path / "host"))
+    stats = WriteStats()
+    with cf.ThreadPoolExecutor(2) as pool:
+        _sealed(store, write_data(store, FileToWrite("x.pt", image, buf.view), algorithm=algorithm,
+                                  chunk_bytes=chunk, pool=pool, stats=stats), stats)
+    return (tmp_path / "host" / "x.pt").read_bytes()
+
+
 @pytest.mark.parametrize("direct_io", [True, False])
 @pytest.mark.parametrize("chunk_pages", [1, 3, 16])
-def test_device_image_written_through_the_bounce_buffer_loads_back_equal(tmp_path, direct_io, chunk_pages):
+@pytest.mark.parametrize("algorithm", ["crc32", "blake3"])
+def test_device_image_written_through_the_bounce_buffer_is_the_host_file(tmp_path, direct_io, chunk_pages, algorithm):
+    """Two passes over device memory (CRCs, then fill-in + hash + write) give byte for byte the
+    file the host path writes, which loads back equal and verifies."""
     state = {"w": torch.randn(300, 77), "b": torch.arange(5000, dtype=torch.int16), "step": 12,
              "t": torch.randn(64, 64).t(), "meta": torch.empty(10, device="meta"), "nested": {"x": [1.5, "a"]}}
     image = plan_torch_file(state)
     buf = _device_buffer(image, 0xEE)
     stage_on_device(image, buf)
     chunk = chunk_pages * 4096
-    store = LocalStore(str(tmp_path), direct_io=direct_io)
+    store = LocalStore(str(tmp_path / "dev"), direct_io=direct_io)
     stats = WriteStats()
     with cf.ThreadPoolExecutor(3) as pool:
-        entry, publish, _abort = write_device_file(
-            store, DeviceFile("x.pt", buf.tensor, image.size, image.serialization_id, image.id_offset,
-                              [StorageRecord(s.key, s.offset, s.nbytes) for s in image.slots]),
-            algorithm="xxh3_128", chunk_bytes=chunk, pool=pool, stats=stats, kvikio=None)
-    assert [p.name for p in tmp_path.iterdir() if p.name != "x.pt"] != []  # only the temporary so far
-    assert not (tmp_path / "x.pt").exists()
-    publish()
-    data = (tmp_path / "x.pt").read_bytes()
-    host = _host_image(image, 0)
-    assert data == host  # exactly the image: the O_DIRECT padding was truncated away
-    view = memoryview(bytearray(host))
-    assert list(entry.chunks) == chunk_digests(view, len(host), algorithm="xxh3_128", chunk_bytes=chunk,
-                                               pool=cf.ThreadPoolExecutor(1))
-    assert entry.size == image.size and stats.write_s > 0
-    out = torch.load(tmp_path / "x.pt", weights_only=True)
+        written = write_device_data(store, FileToWrite("x.pt", image, None, device_data=buf.tensor),
+                                    algorithm=algorithm, chunk_bytes=chunk, pool=pool, stats=stats, kvikio=None)
+    assert not (tmp_path / "dev" / "x.pt").exists()  # only the temporary so far
+    _sealed(store, written, stats)
+    data = (tmp_path / "dev" / "x.pt").read_bytes()
+    assert data == _host_file(tmp_path, image, chunk, algorithm)
+    assert stats.write_s > 0
+    out = torch.load(tmp_path / "dev" / "x.pt", weights_only=True)
     assert torch.equal(out["w"], state["w"]) and torch.equal(out["b"], state["b"]) and out["step"] == 12
     assert torch.equal(out["t"], state["t"]) and out["nested"] == {"x": [1.5, "a"]}
-    assert sorted(os.listdir(tmp_path)) == ["x.pt"]  # no temporary left
+    assert zipfile.ZipFile(tmp_path / "dev" / "x.pt").testzip() is None
+    assert stagesave.verify(tmp_path / "dev" / "x.pt").status == "verified"
+    assert sorted(os.listdir(tmp_path / "dev")) == ["x.pt"]  # no temporary left
 
 
 def test_a_failing_device_write_leaves_no_temporary_and_no_write_after_the_abort(tmp_path, monkeypatch):
@@ -134,8 +145,8 @@ def test_a_failing_device_write_leaves_no_temporary_and_no_write_after_the_abort
 
     monkeypatch.setattr(_fsops, "unlink", unlink)
     with cf.ThreadPoolExecutor(4) as pool, pytest.raises(OSError, match="No space left on device"):
-        write_device_file(store, DeviceFile("x.pt", buf.tensor, image.size, None, None, []),
-                          algorithm="xxh3_128", chunk_bytes=256 << 10, pool=pool, stats=WriteStats(), kvikio=None)
+        write_device_data(store, FileToWrite("x.pt", image, None, device_data=buf.tensor),
+                          algorithm="crc32", chunk_bytes=256 << 10, pool=pool, stats=WriteStats(), kvikio=None)
     assert aborted.is_set() and os.listdir(tmp_path) == []
     assert len(calls) > 2 and not any(calls)  # no write started after the abort
 
@@ -188,21 +199,23 @@ def test_gpudirect_write_path_with_kvikio_contract(tmp_path, short):
     buf = _device_buffer(image, 0x11)
     stage_on_device(image, buf)
     kvikio = _StandInKvikio(short)
-    store = LocalStore(str(tmp_path))
-    f = DeviceFile("k.pt", buf.tensor, image.size, image.serialization_id, image.id_offset,
-                   [StorageRecord(s.key, s.offset, s.nbytes) for s in image.slots])
+    store = LocalStore(str(tmp_path / "dev"))
+    f = FileToWrite("x.pt", image, None, device_data=buf.tensor)
+    covered = image.covered
     with cf.ThreadPoolExecutor(2) as pool:
         if short:
-            with pytest.raises(OSError, match=f"short GPUDirect Storage write: {image.size - short} of {image.size} bytes"):
-                write_device_file(store, f, algorithm="xxh3_128", chunk_bytes=65536, pool=pool,
+            with pytest.raises(OSError, match=f"short GPUDirect Storage write: {covered - short} of {covered} bytes"):
+                write_device_data(store, f, algorithm="crc32", chunk_bytes=65536, pool=pool,
                                   stats=WriteStats(), kvikio=kvikio)
-            assert os.listdir(tmp_path) == []  # the temporary is gone
+            assert os.listdir(tmp_path / "dev") == []  # the temporary is gone
         else:
-            entry, publish, _abort = write_device_file(store, f, algorithm="xxh3_128", chunk_bytes=65536,
-                                                       pool=pool, stats=WriteStats(), kvikio=kvikio)
-            publish()
-            assert (tmp_path / "k.pt").read_bytes() == _host_image(image, 0)
-            assert len(entry.chunks) == -(-image.size // 65536)
+            stats = WriteStats()
+            written = write_device_data(store, f, algorithm="crc32", chunk_bytes=65536, pool=pool,
+                                        stats=stats, kvikio=kvikio)
+            _sealed(store, written, stats)
+            # kvikio wrote the image with empty CRC fields; the pages holding them were rewritten
+            assert (tmp_path / "dev" / "x.pt").read_bytes() == _host_file(tmp_path, image, 65536)
+            assert len(written.entry.chunks) == -(-covered // 65536)
     assert len(kvikio.opened) == 1 and not kvikio.closed_with_pending
 
 
