@@ -18,10 +18,14 @@ Sharded checkpoints (FSDP ``state_dict_type="sharded"``, ``ModelParallelStrategy
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from ._callback import CheckpointTelemetryLogger, telemetry_metrics
 from ._plugin import LIGHTNING_SAFE_GLOBALS, StagedCheckpointIO, find_plugin
 from ._resume import latest, wait
-from ._strategies import StagedFSDPStrategy, StagedModelParallelStrategy
+
+if TYPE_CHECKING:
+    from ._strategies import StagedFSDPStrategy, StagedModelParallelStrategy
 
 __all__ = [
     "LIGHTNING_SAFE_GLOBALS",
@@ -34,3 +38,13 @@ __all__ = [
     "telemetry_metrics",
     "wait",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # The sharded strategies pull in torch.distributed.checkpoint and stagesave.dcp: imported on
+    # first use, so the plugin alone stays a light import.
+    if name in ("StagedFSDPStrategy", "StagedModelParallelStrategy"):
+        from . import _strategies
+
+        return getattr(_strategies, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -6,60 +6,28 @@ written. Here a link update is one more ordered step of the checkpointer
 every save and removal submitted before it, and moves the link only if that save committed.
 Removing a checkpoint that a link points at, or will point at once the queued updates ran, is
 held back; it is submitted once neither is the case, and then runs behind every link update
-queued before it, so a valid ``last`` exists at every moment. Lightning allows ``"link"`` only for local paths, so this module is plain POSIX.
+queued before it, so a valid ``last`` exists at every moment. Lightning allows ``"link"`` only
+for local paths; the link itself is made by the core's one commit module
+(``stagesave._commit.commit_link``: a temporary link renamed over the old one, then a directory
+fsync, every step through the filesystem seam the power-loss tests record), so the directory
+holds exactly what Lightning's own ``save_last="link"`` leaves: the link and the checkpoints.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import secrets
-import shutil
 import threading
 import warnings
 from collections.abc import Callable
 from typing import Any
 
-from stagesave import TMP_MARKER, Checkpointer, SaveHandle
+from stagesave import Checkpointer, SaveHandle
+from stagesave._commit import commit_link
 
-__all__ = ["LinkKeeper", "install_link_hook", "replace_symlink"]
+__all__ = ["LinkKeeper", "install_link_hook"]
 
 log = logging.getLogger("stagesave.lightning")
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some filesystems refuse fsync on directories; the rename is still atomic
-    finally:
-        os.close(fd)
-
-
-def replace_symlink(target: str, link: str) -> None:
-    """Make ``link`` a relative symlink to ``target``, atomically replacing what was there.
-
-    The temporary link carries stagesave's temporary marker, so a leftover from a crash is
-    recognised (and removed) by ``stagesave gc``.
-
-    Raises:
-        OSError: the link cannot be created (e.g. the directory is not writable).
-    """
-    directory = os.path.dirname(os.path.abspath(link))
-    tmp = os.path.join(directory, f".{os.path.basename(link)}.{os.getpid()}-{secrets.token_hex(4)}{TMP_MARKER}")
-    os.symlink(os.path.relpath(os.path.abspath(target), directory), tmp)
-    try:
-        if os.path.isdir(link) and not os.path.islink(link):
-            shutil.rmtree(link)  # Lightning replaces a directory of that name too
-        os.replace(tmp, link)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    _fsync_dir(directory)
 
 
 def links_to(path: str) -> list[str]:
@@ -101,7 +69,7 @@ class LinkKeeper:
             if not os.path.exists(target):
                 log.warning("stagesave: %s keeps its previous target because %s does not exist", link, target)
                 return
-            replace_symlink(target, link)
+            commit_link(link, target)
 
         handle = ckpt.run_after(relink, description=f"pointing {link} at {os.path.basename(target)}")
         with self._lock:

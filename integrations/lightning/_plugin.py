@@ -74,12 +74,18 @@ class StagedCheckpointIO(CheckpointIO):
 
     ``Trainer(plugins=[StagedCheckpointIO()])`` keeps ``ModelCheckpoint``, ``ckpt_path="last"``,
     loggers and DDP as they are. Files are genuine ``torch.save`` files at the paths Lightning
-    chooses, each with a small ``*.stagesave.json`` manifest beside it.
+    chooses and nothing else: each carries its own proof (chunk checksums, tensor index,
+    sequence number, metadata) as one more zip record inside the file (stagesave's format 2,
+    ``docs/format.md``), so the checkpoint directory lists exactly what ``TorchCheckpointIO``
+    would leave, and ``torch.load``, ``zipfile`` and ``load_from_checkpoint`` read the files as
+    they are.
 
     Args:
         max_pending: Saves that may be in flight at once (one host staging buffer each); a
             further save waits for a buffer instead of allocating more memory.
-        checksum: Chunk checksum: ``"xxh3_128"`` (default), ``"xxh3_64"``, ``"blake3"``, ``"sha256"``.
+        checksum: Chunk checksum: ``"crc32"`` (default: the chunk CRC-32s are also the zip
+            records' CRCs, so the proof costs no extra pass), ``"xxh3_128"``, ``"xxh3_64"``, or a
+            cryptographic ``"blake3"`` / ``"sha256"``.
         checksum_in: ``"auto"`` (default: hash during the copy unless a device-to-host
             copy is still in flight), ``"staging"`` (always on the caller's time, so the
             background only makes syscalls) or ``"background"`` (the writer threads hash what
@@ -87,7 +93,7 @@ class StagedCheckpointIO(CheckpointIO):
         io_threads: Threads writing one file's chunks in parallel.
         direct_io: Write local files with O_DIRECT where the filesystem allows it.
         storage_options: fsspec options for remote paths (endpoint, credentials, region).
-        verify_on_load: Check every byte against the manifest before loading.
+        verify_on_load: Check every byte against the checkpoint's proof before loading.
         teardown_timeout: Seconds ``teardown()`` waits for pending saves (``None``: no limit).
         telemetry_callback: Called on the writer thread with each save's ``SaveTelemetry``.
         telemetry_jsonl: ``True`` to append telemetry lines beside local checkpoints, or a path.
@@ -103,7 +109,7 @@ class StagedCheckpointIO(CheckpointIO):
         self,
         *,
         max_pending: int = 2,
-        checksum: str = "xxh3_128",
+        checksum: str = "crc32",
         checksum_in: str = "auto",
         io_threads: int = 4,
         direct_io: bool = True,
@@ -207,7 +213,9 @@ class StagedCheckpointIO(CheckpointIO):
             checkpoint: The state Lightning or Fabric assembled.
             path: Target file: a local path or an fsspec URL (``s3://...``).
             storage_options: ``None`` or ``{"metadata": {...}}``, JSON-able values recorded in
-                the checkpoint's manifest.
+                the proof inside the checkpoint file, next to ``framework``, ``epoch`` and
+                ``global_step`` (read them back with ``stagesave.latest(dir).manifest.metadata``
+                or ``Checkpointer.verify(path).manifest.metadata``).
 
         Raises:
             TypeError: ``storage_options`` has keys other than ``"metadata"``.
@@ -250,7 +258,7 @@ class StagedCheckpointIO(CheckpointIO):
 
         Raises:
             FileNotFoundError: no checkpoint at ``path`` (a ``stagesave.CheckpointNotFoundError``).
-            stagesave.IntegrityError: the file does not match its manifest.
+            stagesave.IntegrityError: the file does not match its proof.
             stagesave.UnsafeCheckpointError: the file needs a class that is not allow-listed.
         """
         target = os.fspath(path)

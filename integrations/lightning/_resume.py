@@ -20,9 +20,12 @@ def latest(dirpath: Any, *, verify: bool = False, storage_options: dict[str, Any
 
         trainer.fit(model, ckpt_path=stagesave.lightning.latest(dirpath))
 
-    Torn checkpoints (a crash mid-save) and files that do not match their manifest are skipped
+    "Newest" is the sequence number recorded in each stagesave checkpoint's proof, never the
+    clock (files without a proof rank below those, by modification time).
+    Torn checkpoints (a crash mid-save) and files that do not match their proof are skipped
     with a warning; with ``verify=True`` every byte of the chosen checkpoint is checked too.
-    Plain ``.ckpt`` files without a manifest count as valid (they cannot be checked).
+    Plain ``.ckpt`` files without a proof (written by ``TorchCheckpointIO``) count as valid
+    (they cannot be checked).
 
     Raises:
         stagesave.MissingExtraError: the URL needs an fsspec backend that is not installed.

@@ -288,7 +288,7 @@ def test_plugin_load_and_remove_wait_for_pending_saves(tmp_path: Path, gate: Wri
     gate.open()
     io.wait()
     assert not path.exists()
-    assert not list(tmp_path.glob("x.ckpt.*.stagesave.json"))
+    assert os.listdir(tmp_path) == []  # no proof, temporary or debris left behind
     io.teardown()
 
 

@@ -3,7 +3,6 @@ teardown, pickling, and no side effects on the process."""
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
 import threading
@@ -36,9 +35,11 @@ def _stagesave_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("stagesave") and t not in _BEFORE]
 
 
-def _manifest(path: Path) -> dict[str, Any]:
-    (m,) = path.parent.glob(f"{path.name}.*.stagesave.json")
-    return json.loads(m.read_text())  # type: ignore[no-any-return]
+def _metadata(path: Path) -> dict[str, Any]:
+    """The metadata recorded in the proof inside ``path`` (checked byte for byte first)."""
+    info = stagesave.verify(path)
+    assert info.status == "verified" and info.format == 2 and info.manifest is not None
+    return info.manifest.metadata
 
 
 def test_constructible_without_arguments_and_used_by_the_trainer(tmp_path: Path) -> None:
@@ -78,8 +79,9 @@ def test_save_checkpoint_positional_and_keyword_with_metadata(tmp_path: Path) ->
     io.save_checkpoint(state, tmp_path / "a.ckpt")
     io.save_checkpoint(checkpoint=state, path=str(tmp_path / "b.ckpt"), storage_options={"metadata": {"run": "x"}})
     io.wait()
-    assert _manifest(tmp_path / "a.ckpt")["metadata"] == {"framework": "lightning", "epoch": 1, "global_step": 5}
-    assert _manifest(tmp_path / "b.ckpt")["metadata"]["run"] == "x"
+    assert _metadata(tmp_path / "a.ckpt") == {"framework": "lightning", "epoch": 1, "global_step": 5}
+    assert _metadata(tmp_path / "b.ckpt") == {"framework": "lightning", "epoch": 1, "global_step": 5, "run": "x"}
+    assert sorted(os.listdir(tmp_path)) == ["a.ckpt", "b.ckpt"]  # the proof is inside each file
     with pytest.raises(TypeError, match=r"accepts storage_options=\{'metadata'"):
         io.save_checkpoint(state, tmp_path / "c.ckpt", storage_options={"compress": True})
     io.teardown()

@@ -71,12 +71,17 @@ def test_latest_with_verify_skips_a_corrupted_checkpoint(tmp_path: Path) -> None
 
 def test_latest_skips_a_checkpoint_torn_by_a_crash(tmp_path: Path) -> None:
     d = _three_checkpoints(tmp_path)
-    # A crash after the manifest but before the publish leaves a manifest naming no file and
-    # the data in a hidden temporary.
-    sid = "9" * 40
-    (d / f"step=4.ckpt.{sid}.stagesave.json").write_text((next(d.glob("step=3.ckpt.*.stagesave.json"))).read_text())
-    (d / f".step=4.ckpt.123-abcd{stagesave.TMP_MARKER}").write_bytes(b"partial")
+    # A crash after the proof but before the publish leaves a complete, self-proving file (with
+    # the highest sequence number of the directory) under its hidden temporary name only; a
+    # crash mid-data leaves a partial temporary.
+    io = StagedCheckpointIO()
+    io.save_checkpoint({"w": torch.full((1024,), 4.0), "global_step": 4}, d / "step=4.ckpt")
+    io.teardown()
+    assert stagesave.latest(d).seq == 4  # type: ignore[union-attr]
+    (d / "step=4.ckpt").rename(d / f".step=4.ckpt.123-abcd1234{stagesave.TMP_MARKER}")
+    (d / f".step=5.ckpt.123-abcd5678{stagesave.TMP_MARKER}").write_bytes(b"partial")
     assert latest(d) == str(d / "step=3.ckpt")
+    assert latest(d, verify=True) == str(d / "step=3.ckpt")
 
 
 def test_latest_of_an_empty_or_missing_directory_is_none(tmp_path: Path) -> None:
@@ -88,7 +93,7 @@ def test_latest_of_an_empty_or_missing_directory_is_none(tmp_path: Path) -> None
 def test_plain_lightning_checkpoints_resume_through_the_plugin(tmp_path: Path) -> None:
     d = tmp_path / "ckpt"
     make_trainer(tmp_path, [], [ModelCheckpoint(dirpath=d)], max_steps=3).fit(TinyModel(), StepBatches())
-    found = latest(d)  # no manifest: listed as an unverified, still valid, checkpoint
+    found = latest(d)  # no proof: listed as an unverified, still valid, checkpoint
     assert found == str(d / "epoch=0-step=3.ckpt")
     trainer = make_trainer(tmp_path, [StagedCheckpointIO()], max_steps=5)
     trainer.fit(TinyModel(), StepBatches(), ckpt_path=found)
