@@ -244,13 +244,13 @@ def test_checkpointer_save_load_latest_verify(store):
         assert [c.name for c in ckpt.list()] == ["step-2.ckpt", "step-1.ckpt"]
 
 
-def test_checkpointer_overwrite_keeps_one_manifest(store):
+def test_checkpointer_overwrite_leaves_exactly_the_file(store):
     with stagesave.Checkpointer(store, chunk_bytes=1 * MiB) as ckpt:
         ckpt.save(_state(1), "last.ckpt").result()
         ckpt.save(_state(2), "last.ckpt").result()
         assert _same(ckpt.load("last.ckpt"), _state(2))
-    manifests = [n for n in _names(store) if n.endswith(".stagesave.json")]
-    assert len(manifests) == 1 and manifests[0].startswith("last.ckpt.")
+        assert ckpt.verify("last.ckpt").status == "verified"
+    assert _names(store) == {"last.ckpt"}
 
 
 def test_checkpointer_retention_and_remove(store):
@@ -261,7 +261,7 @@ def test_checkpointer_retention_and_remove(store):
         assert [c.name for c in ckpt.list()] == ["s3.ckpt", "s2.ckpt"]
         ckpt.remove("s2.ckpt").result()
         assert [c.name for c in ckpt.list()] == ["s3.ckpt"]
-    assert {n for n in _names(store) if not n.endswith(".stagesave.json")} == {"s3.ckpt"}
+    assert _names(store) == {"s3.ckpt"}
 
 
 def test_checkpointer_directory_checkpoint(store):

@@ -72,8 +72,8 @@ def _join(parent: str, leaf: str) -> str:
 def commit_file(
     store: Store, f: FileToWrite, *, algorithm: str, chunk_bytes: int, pool: cf.Executor, stats: WriteStats,
     metadata: dict[str, Any], telemetry: Telemetry, written: Written | None = None,
-) -> Manifest:
-    """Write, seal and publish one file. Returns the committed file's manifest.
+) -> Written:
+    """Write, seal and publish one file. Returns it as written (``.manifest``, ``.length``).
 
     ``written``: the data already written (device staging writes it its own way).
 
@@ -86,8 +86,8 @@ def commit_file(
     try:
         with store.commit_lock(f.name):
             seq = next_seq(store, directory)
-            manifest = w.seal(seq=seq, created_ns=time.time_ns(), metadata=metadata,
-                              tensors=_tensor_index(f), telemetry=telemetry())
+            w.seal(seq=seq, created_ns=time.time_ns(), metadata=metadata, tensors=_tensor_index(f),
+                   telemetry=telemetry())
             w.finish(stats)
             w.publish()
             crash_point("after_rename")
@@ -96,7 +96,7 @@ def commit_file(
         raise
     crash_point("after_commit")
     _drop_sidecars(store, f.name)
-    return manifest
+    return w
 
 
 def _tensor_index(f: FileToWrite) -> list[dict[str, Any]]:
@@ -142,8 +142,10 @@ def commit_folder(
     store: Store, directory: str, files: Sequence[FileToWrite], *, algorithm: str, chunk_bytes: int,
     pool: cf.Executor, stats: WriteStats, metadata: dict[str, Any], telemetry: Telemetry,
     staging_dir: str | None = None, write: Callable[[Store, FileToWrite], Written] | None = None,
-) -> Manifest:
+) -> list[Written]:
     """Write ``files`` (names relative to ``directory``) and commit them as one folder checkpoint.
+
+    Returns the files as written, the carrier last.
 
     ``write`` writes one file's data (default :func:`write_data`; device staging passes its own).
     ``staging_dir`` (a local target's parent): assemble the folder there instead of beside the
@@ -199,9 +201,8 @@ def commit_folder(
             if local_parent:
                 restore_aside(store, parent)
             seq = next_seq(store, parent)
-            manifest = w.seal(seq=seq, created_ns=created, metadata=metadata, folder=folder_doc,
-                              summary_folder=(token, carrier_name), tensors=_tensor_index(carrier),
-                              telemetry=telemetry())
+            w.seal(seq=seq, created_ns=created, metadata=metadata, folder=folder_doc,
+                   summary_folder=(token, carrier_name), tensors=_tensor_index(carrier), telemetry=telemetry())
             w.finish(stats)
             w.publish()
             if local_parent:
@@ -220,7 +221,7 @@ def commit_folder(
             _remove_tree(wstore, staging)
         raise
     store.folder_committed(directory)
-    return manifest
+    return pending
 
 
 def _clear_for_rewrite(store: Store, directory: str, keep: set[str]) -> None:
@@ -373,7 +374,11 @@ def remove_checkpoint(store: Store, name: str, *, is_dir: bool | None = None) ->
         _drop_sidecars(store, name)
         return
     if is_dir is None:
-        is_dir = bool(store.list(name)) or bool(store.list_dirs(name))
+        try:
+            store.info(name)
+            is_dir = False
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            is_dir = bool(store.list(name)) or bool(store.list_dirs(name))
     if is_dir:
         _clear_for_rewrite(store, name, set())
         crash_point("during_retention")

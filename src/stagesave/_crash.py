@@ -32,6 +32,7 @@ CRASH_POINTS = (
     "dcp_before_marker",
     "dcp_after_marker",
     "dcp_before_metadata",
+    "dcp_after_metadata",
     "dcp_before_manifest",
     "dcp_after_manifest",
 )

@@ -13,11 +13,13 @@ that no live save still owns it:
   nothing in it was modified for ``older_than_s`` (a live writer keeps touching its temporary);
   names without a pid (object stores) only age out. On a filesystem shared by several hosts, a
   pid says nothing about other hosts: pass ``check_pids=False`` there.
-- a manifest is an orphan when its data file is missing, or is committed under another
-  manifest. It is never removed while a live temporary of the same data file exists (that save
-  may be between writing its manifest and publishing its data); on stores without visible
-  temporaries (S3 multipart) it must also be older than ``older_than_s``. A manifest that no
-  longer matches its file is *evidence of corruption* and is kept.
+- a format-1 manifest (a sidecar ``<name>.<id>.stagesave.json``: written by stagesave before
+  format 2, and by ``stagesave adopt``) is stale when it parses as stagesave's manifest of its
+  data file and that file is missing, now carries its own proof (format 2), or is committed
+  under another manifest. A file only named like one is a user's and is left alone. A manifest
+  is never removed while a live temporary of the same data file exists; on stores without
+  visible temporaries (S3 multipart) it must also be older than ``older_than_s``. A manifest
+  that no longer matches its file is *evidence of corruption* and is kept.
 - a folder moved aside (``.stagesave-aside``) whose mover is dead is moved back if the checkpoint
   it replaced is missing, else removed (the same repair ``latest()`` performs).
 
@@ -41,14 +43,19 @@ from ._names import ASIDE_MARKER, MAX_MANIFEST_BYTES, TMP_MARKER, split_manifest
 from ._store import Store
 from .errors import ManifestError
 
-__all__ = ["Debris", "GcReport", "collect_garbage", "find_debris"]
+__all__ = ["Debris", "GcReport", "collect_garbage", "find_debris", "match_temporary"]
 
-#: ``.<data name>.<pid>-<hex token>.stagesave-tmp`` (local), ``.<data name>.<hex>.stagesave-tmp``
-#: (object stores); folders assembled in a ``staging_dir`` have no leading dot.
+#: The exact names stagesave gives its temporaries. Files: ``.<name>.<pid>-<8 hex>.stagesave-tmp``
+#: (a local write, the backup link of a publish, a removal in progress), ``.<name>.<8 hex>.stagesave-tmp``
+#: (fsspec stores: no pid) and the markers of sharded saves ``.dcp-rank-<r>.<pid>-<32 hex>.stagesave-tmp``.
+#: Folders: the same names beside their target, or ``<name>.<pid>-<8 hex>.stagesave-tmp`` (no dot)
+#: inside a ``staging_dir``. Anything else that merely contains the marker is a user's file.
 _TMP_RE = re.compile(
-    r"^\.?(?P<data>.+?)\.(?:(?P<pid>\d+)-)?(?P<token>[0-9a-f]{8}|[0-9a-f]{32})" + re.escape(TMP_MARKER) + r"$"
+    r"^\.(?P<data>.+)\.(?:(?P<pid>\d+)-)?(?P<token>[0-9a-f]{8}|[0-9a-f]{32})" + re.escape(TMP_MARKER) + r"$"
 )
-_ASIDE_RE = re.compile(r"^\.(?P<data>.+)\.(?P<pid>\d+)-(?P<token>[0-9a-f]+)" + re.escape(ASIDE_MARKER) + r"$")
+_STAGING_RE = re.compile(r"^(?P<data>[^.].*)\.(?P<pid>\d+)-(?P<token>[0-9a-f]{8})" + re.escape(TMP_MARKER) + r"$")
+#: ``.<folder name>.<pid>-<8 hex>.stagesave-aside`` (``_names.aside_name``).
+_ASIDE_RE = re.compile(r"^\.(?P<data>.+)\.(?P<pid>\d+)-(?P<token>[0-9a-f]{8})" + re.escape(ASIDE_MARKER) + r"$")
 #: How deep gc descends into sub-folders of the root (checkpoint folders nest one or two levels).
 MAX_DEPTH = 8
 
@@ -80,6 +87,8 @@ class GcReport:
     done: list[Debris] = field(default_factory=list)
     kept: list[tuple[str, str]] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    #: Names that only resemble stagesave's (users' files), left alone, with why.
+    ignored: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def reclaimed_bytes(self) -> int:
@@ -104,6 +113,15 @@ def pid_alive(pid: int) -> bool:
             return f.read().rpartition(b")")[2].split()[0] != b"Z"
     except (OSError, IndexError):
         return True
+
+
+def match_temporary(leaf: str, *, is_dir: bool) -> re.Match[str] | None:
+    """The parts (``data``, ``pid``, ``token``) of a name stagesave gives its temporaries, or
+    ``None`` for any other name (however similar)."""
+    m = _TMP_RE.match(leaf)
+    if m is None and is_dir:
+        m = _STAGING_RE.match(leaf)
+    return m
 
 
 def _join(prefix: str, leaf: str) -> str:
@@ -139,6 +157,8 @@ class _Finder:
         self.local = store.local_path("") is not None
         self.found: list[Debris] = []
         self.kept: list[tuple[str, str]] = []
+        #: Names that contain a stagesave marker but are not stagesave's (users' files): never touched.
+        self.ignored: list[tuple[str, str]] = []
 
     def _owner_state(self, pid: str | None, age: float) -> tuple[bool, str]:
         """``(is_debris, reason)`` for something written by ``pid`` last modified ``age`` s ago."""
@@ -157,33 +177,33 @@ class _Finder:
             leaf = info.name.rpartition("/")[2]
             if TMP_MARKER not in leaf:
                 continue
-            m = _TMP_RE.match(leaf)
+            m = match_temporary(leaf, is_dir=False)
             if m is None:
-                self.kept.append((info.name, "not named as stagesave names its temporaries"))
+                self.ignored.append((info.name, "not named as stagesave names its temporaries (a user's file)"))
                 continue
             age = max(0.0, self.now - info.mtime)
-            debris, reason = self._owner_state(m.group("pid") if m else None, age)
+            debris, reason = self._owner_state(m.group("pid"), age)
             if debris:
                 self.found.append(Debris(info.name, "temporary", "remove", reason, info.size, age))
             else:
                 self.kept.append((info.name, reason))
-                live_owners.add(m.group("data") if m else "")
+                live_owners.add(m.group("data"))
         for leaf in self.store.list_dirs(prefix):
             sub = _join(prefix, leaf)
             if TMP_MARKER in leaf:
-                m = _TMP_RE.match(leaf)
+                m = match_temporary(leaf, is_dir=True)
                 if m is None:
-                    self.kept.append((sub, "not named as stagesave names its temporaries"))
+                    self.ignored.append((sub, "not named as stagesave names its temporaries (a user's folder)"))
                     continue
                 mtime, size = _tree_newest_mtime(self.store, sub)
                 age = max(0.0, self.now - mtime)
-                debris, reason = self._owner_state(m.group("pid") if m else None, age)
+                debris, reason = self._owner_state(m.group("pid"), age)
                 if debris:
                     self.found.append(Debris(sub, "temporary-dir", "remove", reason, size, age))
                 else:
                     self.kept.append((sub, reason))
-                    live_owners.add(m.group("data") if m else "")
-            elif leaf.endswith(ASIDE_MARKER):
+                    live_owners.add(m.group("data"))
+            elif ASIDE_MARKER in leaf:
                 self._aside(prefix, leaf)
             elif not leaf.startswith(".") and depth < self.max_depth:
                 self.walk(sub, depth + 1)
@@ -193,7 +213,7 @@ class _Finder:
         sub = _join(prefix, leaf)
         m = _ASIDE_RE.match(leaf)
         if m is None:
-            self.kept.append((sub, "an aside folder with an unexpected name"))
+            self.ignored.append((sub, "not named as stagesave names folders it moves aside (a user's folder)"))
             return
         if self.local and pid_alive(int(m.group("pid"))):
             self.kept.append((sub, f"its mover (pid {m.group('pid')}) is running"))
@@ -217,6 +237,9 @@ class _Finder:
             if parsed is None:
                 continue
             data_leaf = parsed[0]
+            if not _is_manifest_of(self.store, info.name, data_leaf):
+                self.ignored.append((info.name, f"named like a manifest, but not a stagesave manifest of {data_leaf}"))
+                continue
             if data_leaf in live_owners or leaf in live_owners:
                 self.kept.append((info.name, f"a save of {_join(prefix, data_leaf)} is in progress"))
                 continue
@@ -230,29 +253,35 @@ class _Finder:
             self.found.append(Debris(info.name, "orphan-manifest", "remove", reason, info.size, age))
 
 
+def _is_manifest_of(store: Store, manifest: str, data_leaf: str) -> bool:
+    """Whether ``manifest`` parses as a format-1 stagesave manifest that describes ``data_leaf``."""
+    try:
+        info = store.info(manifest)
+        if info.size > MAX_MANIFEST_BYTES:
+            return False
+        parsed = parse_manifest(store.read_range(manifest, 0, info.size), store.describe(manifest))
+    except (OSError, ManifestError):
+        return False
+    return data_leaf in {f.name for f in parsed.files}
+
+
 def orphan_reason(store: Store, prefix: str, data_leaf: str, manifest: str, present: bool) -> str | None:
     """Why ``manifest`` is debris, or ``None`` when it is the live manifest, evidence to keep, or
     not a stagesave manifest at all (a user's file that is only named like one)."""
     data = _join(prefix, data_leaf)
-    try:
-        info = store.info(manifest)
-        if info.size > MAX_MANIFEST_BYTES:
-            return None
-        parsed = parse_manifest(store.read_range(manifest, 0, info.size), store.describe(manifest))
-    except (OSError, ManifestError):
+    if not _is_manifest_of(store, manifest, data_leaf):
         return None
-    if data_leaf not in {f.name for f in parsed.files}:
-        return None
+    missing = f"its data file {data} does not exist (a save that never published it, or a file removed since)"
     if not present:
         try:
             store.info(data)
         except (FileNotFoundError, IsADirectoryError):
-            return f"its data file {data} does not exist (the save crashed before publishing it)"
+            return missing
         return None
     try:
         ci = resolve(store, data)
     except (FileNotFoundError, IsADirectoryError):
-        return f"its data file {data} does not exist (the save crashed before publishing it)"
+        return missing
     if ci.status == "committed" and ci.format == 2:
         return f"{data} carries its own proof now (format 2): this format-1 manifest is stale"
     if ci.status == "committed" and ci.manifest_name is not None and ci.manifest_name != manifest:
@@ -269,9 +298,16 @@ def find_debris(
 
     Multipart uploads are not included (see :func:`collect_garbage`).
     """
-    finder = _Finder(store, older_than_s, check_pids, time.time() if now is None else now, max_depth)
+    found, kept, _ = _find(store, older_than_s, check_pids, time.time() if now is None else now, max_depth)
+    return found, kept
+
+
+def _find(
+    store: Store, older_than_s: float, check_pids: bool, now: float, max_depth: int,
+) -> tuple[list[Debris], list[tuple[str, str]], list[tuple[str, str]]]:
+    finder = _Finder(store, older_than_s, check_pids, now, max_depth)
     finder.walk("", 0)
-    return finder.found, finder.kept
+    return finder.found, finder.kept, finder.ignored
 
 
 def _remove(store: Store, d: Debris) -> None:
@@ -376,7 +412,7 @@ def collect_garbage(
     """
     now = time.time()
     report = GcReport(store.url, dry_run)
-    report.found, report.kept = find_debris(store, older_than_s=older_than_s, check_pids=check_pids, now=now)
+    report.found, report.kept, report.ignored = _find(store, older_than_s, check_pids, now, MAX_DEPTH)
     for d in report.found:
         if dry_run:
             continue

@@ -344,6 +344,21 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
     return Manifest(files, created, tensors, metadata, telemetry, schema)
 
 
+def _as_proof_error(fn: Any) -> Any:
+    """Say "proof" rather than "manifest" in the errors of the format-2 parsers."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except ManifestError as exc:
+            raise ManifestError(str(exc).replace("invalid manifest ", "invalid proof ", 1)) from None
+
+    return wrapper
+
+
+@_as_proof_error
 def parse_summary(data: bytes, where: str) -> Summary:
     """Parse the summary at the end of a format-2 file.
 
@@ -403,6 +418,7 @@ def _folder(doc: Any, where: str) -> FolderProof | None:
     return proof
 
 
+@_as_proof_error
 def parse_proof(data: bytes, where: str, name: str, size: int) -> Manifest:
     """Parse and validate a format-2 proof of the file ``name`` of ``size`` bytes.
 
@@ -461,6 +477,7 @@ def parse_proof(data: bytes, where: str, name: str, size: int) -> Manifest:
     return manifest
 
 
+@_as_proof_error
 def parse_index(data: bytes, where: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The tensor index and telemetry of a format-2 torch file.
 

@@ -157,6 +157,64 @@ def _consistent(summary: Summary, manifest: Manifest, where: str) -> list[str]:
 _LH_FIXED = 30
 
 
+@dataclass(frozen=True)
+class ZipTail:
+    """The parts of a format-2 torch file's tail that its proof pins (the rest is rebuilt)."""
+
+    prefix: str
+    index: bytes
+    cd_prefix: bytes
+    zip64: bool
+    n_records: int
+    covered: int
+
+    def rebuild(self, proof: bytes, summary: bytes) -> bytes:
+        """The tail these parts, this proof and this summary make."""
+        zip_ = TorchZip(self.prefix, (), self.covered, self.cd_prefix, self.zip64)
+        tail, _ = build_tail(zip_, self.cd_prefix, [(INDEX_RECORD, self.index), (PROOF_RECORD, proof)], summary,
+                             crc32=crc32, n_records=self.n_records)
+        return tail
+
+
+def zip_tail_parts(tail: bytes, covered: int, proof_offset: int, proof_len: int, summary_len: int) -> ZipTail | None:
+    """Split ``tail`` (the bytes from ``covered`` to the end) into index, torch's CD and the rest;
+    ``None`` when it does not have the shape format 2 writes."""
+    try:
+        sig, = struct.unpack_from("<I", tail, 0)
+        nlen, = struct.unpack_from("<H", tail, 26)
+        name = tail[_LH_FIXED : _LH_FIXED + nlen].decode()
+    except (struct.error, UnicodeDecodeError):
+        return None
+    prefix, _, rel = name.partition("/")
+    proof_name_len = len(f"{prefix}/{PROOF_RECORD}")
+    index_at = covered + _LH_FIXED + nlen
+    index_len = proof_offset - _LH_FIXED - proof_name_len - index_at
+    if sig != 0x04034B50 or rel != INDEX_RECORD or index_len < 0:
+        return None
+    index = tail[index_at - covered : index_at - covered + index_len]
+    ours = sum(46 + len(f"{prefix}/{r}") + (12 if off >= 0xFFFFFFFF else 0)
+               for r, off in ((INDEX_RECORD, covered), (PROOF_RECORD, index_at + index_len)))
+    end_len = 22 + summary_len + FOOTER_LEN
+    eocd = tail[-end_len:]
+    try:
+        n_total = struct.unpack_from("<H", eocd, 10)[0]
+        cd_size = struct.unpack_from("<I", eocd, 12)[0]
+    except struct.error:
+        return None
+    zip64 = tail[-(end_len + 20) : -end_len][:4] == b"PK\x06\x07"
+    if zip64:
+        rec_at = len(tail) - (end_len + 20 + 56)
+        if rec_at < 0:
+            return None
+        _, n_total, cd_size = struct.unpack_from("<QQQ", tail, rec_at + 24)
+    cd_start = proof_offset + proof_len
+    cd_prefix_len = cd_size - ours
+    if cd_prefix_len < 0 or n_total < 2 or cd_start - covered + cd_prefix_len > len(tail):
+        return None
+    cd_prefix = tail[cd_start - covered : cd_start - covered + cd_prefix_len]
+    return ZipTail(prefix, index, cd_prefix, zip64, n_total - 2, covered)
+
+
 def _check_zip_tail(reader: Reader, manifest: Manifest, summary: Summary, proof: bytes, raw: bytes) -> list[str]:
     """Rebuild the tail of a torch file from its proven parts and compare it with the file's."""
     entry = manifest.files[0]
@@ -165,49 +223,17 @@ def _check_zip_tail(reader: Reader, manifest: Manifest, summary: Summary, proof:
     tail = reader.read(covered, reader.size - covered)
     if len(tail) != reader.size - covered:
         return [f"{where}: truncated in its tail"]
-    # the index record: local header at `covered`, name = <prefix>/<INDEX_RECORD>
-    try:
-        sig, = struct.unpack_from("<I", tail, 0)
-        nlen, = struct.unpack_from("<H", tail, 26)
-        name = tail[_LH_FIXED : _LH_FIXED + nlen].decode()
-    except (struct.error, UnicodeDecodeError):
+    parts = zip_tail_parts(tail, covered, summary.proof_offset, len(proof), len(raw))
+    if parts is None:
         return [f"{where}: its zip tail is damaged"]
-    prefix, _, rel = name.partition("/")
-    proof_name_len = len(f"{prefix}/{PROOF_RECORD}")
-    index_at = covered + _LH_FIXED + nlen
-    index_len = summary.proof_offset - _LH_FIXED - proof_name_len - index_at
-    if sig != 0x04034B50 or rel != INDEX_RECORD or index_len < 0:
-        return [f"{where}: its zip tail is damaged"]
-    index = tail[index_at - covered : index_at - covered + index_len]
     zip_digests = manifest.zip_digests or {}
-    if digest(entry.algorithm, index) != zip_digests.get("index"):
+    if digest(entry.algorithm, parts.index) != zip_digests.get("index"):
         return [f"{where}: its tensor index does not match its proof"]
-    cd_start = summary.proof_offset + len(proof)
-    ours = sum(46 + len(f"{prefix}/{r}") + (12 if off >= 0xFFFFFFFF else 0)
-               for r, off in ((INDEX_RECORD, covered), (PROOF_RECORD, index_at + index_len)))
-    eocd = tail[-(22 + len(raw) + FOOTER_LEN) :]
-    try:
-        n_total = struct.unpack_from("<H", eocd, 10)[0]
-        cd_size = struct.unpack_from("<I", eocd, 12)[0]
-    except struct.error:
-        return [f"{where}: its zip tail is damaged"]
-    zip64 = tail[-(22 + len(raw) + FOOTER_LEN + 20) : -(22 + len(raw) + FOOTER_LEN)][:4] == b"PK\x06\x07"
-    if zip64:
-        rec_at = len(tail) - (22 + len(raw) + FOOTER_LEN + 20 + 56)
-        if rec_at < 0:
-            return [f"{where}: its zip tail is damaged"]
-        _, n_total, cd_size = struct.unpack_from("<QQQ", tail, rec_at + 24)
-    cd_prefix_len = cd_size - ours
-    if cd_prefix_len < 0 or cd_start - covered + cd_prefix_len > len(tail):
-        return [f"{where}: its zip tail is damaged"]
-    cd_prefix = tail[cd_start - covered : cd_start - covered + cd_prefix_len]
-    if digest(entry.algorithm, cd_prefix) != zip_digests.get("cd"):
+    if digest(entry.algorithm, parts.cd_prefix) != zip_digests.get("cd"):
         return [f"{where}: its central directory does not match its proof"]
-    zip_ = TorchZip(prefix, tuple([None] * (n_total - 2)), covered, cd_prefix, zip64)  # type: ignore[list-item]
-    expected, _ = build_tail(zip_, cd_prefix, [(INDEX_RECORD, index), (PROOF_RECORD, proof)], raw, crc32=crc32)
-    if expected != tail:
+    if parts.rebuild(proof, raw) != tail:
         return [f"{where}: its zip tail differs from the one its proof implies"]
-    tensors, telemetry = parse_index(index, where)
+    tensors, telemetry = parse_index(parts.index, where)
     manifest.tensors, manifest.telemetry = tensors, telemetry
     return []
 

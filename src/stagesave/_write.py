@@ -159,6 +159,8 @@ class Written:
         self._head = head
         self.proof: bytes = b""
         self.length = entry.size
+        #: Set by :meth:`seal`: the file's manifest as committed.
+        self.manifest: Manifest | None = None
 
     @property
     def proof_crc(self) -> int:
@@ -184,7 +186,8 @@ class Written:
         entry = self.entry
         crash_point("before_proof")
         if kind == "raw":
-            return Manifest(files=[entry], created_ns=created_ns, metadata=metadata, schema=2, seq=seq)
+            self.manifest = Manifest(files=[entry], created_ns=created_ns, metadata=metadata, schema=2, seq=seq)
+            return self.manifest
         zip_digests = None
         index = b""
         if kind == "torch":
@@ -222,6 +225,7 @@ class Written:
         crash_point("after_proof")
         manifest = Manifest(files=[entry], created_ns=created_ns, tensors=list(tensors), metadata=metadata,
                             telemetry=telemetry or {}, schema=2, seq=seq)
+        self.manifest = manifest
         return manifest
 
     def _tail(self, tail: bytes) -> None:

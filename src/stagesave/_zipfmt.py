@@ -194,7 +194,7 @@ def _cd_entry(name: bytes, crc: int, size: int, offset: int) -> bytes:
 
 def build_tail(
     zip_: TorchZip, cd: bytes, records: Sequence[tuple[str, bytes]], summary: bytes, *,
-    crc32: Callable[[bytes], int],
+    crc32: Callable[[bytes], int], n_records: int | None = None,
 ) -> tuple[bytes, list[int]]:
     """The bytes that follow the proven prefix ``[0, zip_.cd_start)``.
 
@@ -204,6 +204,7 @@ def build_tail(
         records: ``(name relative to the archive prefix, bytes)`` appended as stored records.
         summary: the summary; the archive comment is the summary and its footer.
         crc32: CRC-32 function.
+        n_records: How many records ``cd`` lists (default: ``len(zip_.records)``).
 
     Returns:
         The tail, and the offset (in the file) of each appended record's data.
@@ -224,7 +225,7 @@ def build_tail(
         out += data
         pos += len(lh) + len(data)
     cd_off, cd_size = pos, len(entries)
-    n = len(zip_.records) + len(records)
+    n = (len(zip_.records) if n_records is None else n_records) + len(records)
     out += entries
     zip64 = zip_.zip64 or n >= _U16 or cd_off >= _U32 or cd_size >= _U32
     if zip64:

@@ -348,9 +348,10 @@ class Checkpointer:
                                 buf.tensor if device is not None else None)
                 written = self._write_device(store, f, stats, tel) if device is not None else None
                 c0 = time.perf_counter()
-                commit_file(store, f, algorithm=self.checksum, chunk_bytes=self.chunk_bytes,
-                            pool=self._io_pool(), stats=stats, metadata=meta,
-                            telemetry=lambda: self._record(tel, stats), written=written)
+                done = commit_file(store, f, algorithm=self.checksum, chunk_bytes=self.chunk_bytes,
+                                   pool=self._io_pool(), stats=stats, metadata=meta,
+                                   telemetry=lambda: self._record(tel, stats), written=written)
+                tel.bytes = done.length
                 tel.commit_s = time.perf_counter() - c0 - (stats.write_s if written is None else 0.0)
                 tel.time_to_commit_s = time.perf_counter() - t_submit
                 tel.committed_at = time.time()
@@ -585,12 +586,13 @@ class Checkpointer:
                     def write(s: Store, f: FileToWrite) -> Written:
                         return self._write_device(s, f, stats, tel)
                 c0 = time.perf_counter()
-                commit_folder(store, dname, to_write, algorithm=self.checksum, chunk_bytes=self.chunk_bytes,
-                              pool=self._io_pool(), stats=stats, metadata=meta,
-                              telemetry=lambda: self._record(tel, stats),
-                              staging_dir=os.fspath(staging_dir) if staging_dir is not None else None,
-                              write=write)
+                done = commit_folder(store, dname, to_write, algorithm=self.checksum,
+                                     chunk_bytes=self.chunk_bytes, pool=self._io_pool(), stats=stats,
+                                     metadata=meta, telemetry=lambda: self._record(tel, stats),
+                                     staging_dir=os.fspath(staging_dir) if staging_dir is not None else None,
+                                     write=write)
                 self._record(tel, stats)
+                tel.bytes = sum(w.length for w in done)
                 tel.commit_s = time.perf_counter() - c0 - stats.write_s
                 tel.time_to_commit_s = time.perf_counter() - t_start
                 tel.committed_at = time.time()

@@ -53,15 +53,14 @@ def test_many_saves_in_flight_each_keeps_its_own_values(ckpt_dir):
             assert out["i"] == i and bool((out["w"] == i).all())
 
 
-def test_same_path_saved_repeatedly_keeps_last_and_one_manifest(ckpt_dir):
+def test_same_path_saved_repeatedly_leaves_exactly_that_file(ckpt_dir):
     with stagesave.Checkpointer(ckpt_dir) as ck:
         for i in range(6):
             ck.save({"i": i, "t": torch.full((10,), i)}, "last.ckpt")
         ck.wait()
         assert ck.load("last.ckpt")["i"] == 5
-    manifests = [p.name for p in ckpt_dir.iterdir() if p.name.endswith(".stagesave.json")]
-    assert len(manifests) == 1 and manifests[0].startswith("last.ckpt.")
-    assert sorted(p.name for p in ckpt_dir.iterdir() if not p.name.endswith(".json")) == ["last.ckpt"]
+        assert ck.latest().seq == 6  # one more than the highest committed, at every save
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["last.ckpt"]  # no sidecar, no temporary
 
 
 def test_load_while_saving_waits_for_the_pending_save(ckpt_dir):
@@ -94,12 +93,13 @@ def test_max_pending_back_pressure_bounds_buffers(ckpt_dir):
         assert ck._pool._count == 1  # one buffer, reused by all four saves
 
 
-def test_keep_last_keeps_newest_and_deletes_manifest_with_data(ckpt_dir):
+def test_keep_last_keeps_the_newest_by_sequence(ckpt_dir):
     with stagesave.Checkpointer(ckpt_dir, keep_last=2) as ck:
         for i in range(5):
             ck.save({"i": i}, f"step{i}.ckpt").result()
         assert [c.name for c in ck.list()] == ["step4.ckpt", "step3.ckpt"]
-    assert len([p for p in ckpt_dir.iterdir() if p.name.endswith(".stagesave.json")]) == 2
+        assert [c.seq for c in ck.list()] == [5, 4]
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["step3.ckpt", "step4.ckpt"]
 
 
 def test_handle_and_telemetry(ckpt_dir):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import sys
@@ -13,12 +14,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rich.console import Console
+from rich.text import Text
 
 from .._store import Store
 from .._targets import StoreResolver, is_url
 from ..errors import CheckpointNotFoundError
 
-__all__ = ["CliError", "Env", "Target", "parse_storage_options"]
+__all__ = ["CliError", "Env", "Target", "jsonable", "literal", "parse_storage_options", "shown"]
 
 
 class CliError(Exception):
@@ -204,13 +206,52 @@ class Env:
             yield advance
 
     def print_json(self, doc: Any) -> None:
-        """Machine-readable output: plain JSON on stdout, no styling."""
-        sys.stdout.write(json.dumps(doc, indent=2, default=str, allow_nan=False) + "\n")
+        """Machine-readable output: plain JSON on stdout, no styling (always valid JSON: a
+        non-finite number read from a proof is written as ``null``)."""
+        sys.stdout.write(json.dumps(jsonable(doc), indent=2, default=str, allow_nan=False) + "\n")
         sys.stdout.flush()
+
+    def say(self, message: str, *, err: bool = False) -> None:
+        """Print one line of plain text (names in it are shown literally, never as markup)."""
+        (self.err if err else self.out).print(literal(message))
 
 
 def _console(stream: Any) -> Console:
     # Off a terminal rich would wrap (and cut) at 80 columns: tables take the width of their
     # content instead, so pipes and logs get whole names, ids and messages.
     width = None if stream.isatty() or os.environ.get("COLUMNS") else 1000
-    return Console(file=stream, width=width, soft_wrap=True, highlight=False)
+    return Console(file=stream, width=width, soft_wrap=True, highlight=False, emoji=False)
+
+
+def shown(text: str) -> str:
+    """``text`` with control and format characters escaped (``\\x1b``, ``\\n``, ``\\u202e``): a
+    file name or a string from a checkpoint can neither forge lines nor drive the terminal."""
+    if text.isprintable():
+        return text
+    out = []
+    for ch in text:
+        if ch.isprintable():
+            out.append(ch)
+        else:
+            code = ord(ch)
+            out.append(f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}")
+    return "".join(out)
+
+
+def literal(text: str, style: str = "") -> Text:
+    """A rich ``Text`` that prints ``text`` exactly (no markup, controls escaped)."""
+    return Text(shown(text), style=style)
+
+
+def jsonable(doc: Any, depth: int = 0) -> Any:
+    """``doc`` with every non-finite float replaced by ``None`` (JSON has no NaN or infinity;
+    Python's parser reads ``1e999`` as infinity, so a proof may hold one)."""
+    if isinstance(doc, float):
+        return doc if math.isfinite(doc) else None
+    if depth > 200:
+        return str(doc)
+    if isinstance(doc, dict):
+        return {str(k): jsonable(v, depth + 1) for k, v in doc.items()}
+    if isinstance(doc, (list, tuple)):
+        return [jsonable(v, depth + 1) for v in doc]
+    return doc

@@ -1,9 +1,11 @@
 """What is in a root, as the commands show it: checkpoints, torn saves, and tensor indexes.
 
-The core's discovery (``_discovery.py``) decides what is committed, unverified or corrupt; this
-module adds what an operator also wants to see: plain checkpoint folders without a manifest
-(Accelerate's own ``save_state``), saves that crashed before publishing ("torn": a manifest whose
-data never appeared), the step of each checkpoint, and which tier it lives on.
+The core's discovery (``_discovery.py``) decides what is committed, unverified or corrupt, and
+in which order checkpoints are newest (format 2: the sequence number each save records; older
+formats below, by time); this module adds what an operator also wants to see: plain checkpoint
+folders without a proof (Accelerate's own ``save_state``), saves that crashed before publishing
+("torn": a format-2 temporary whose writer is gone and whose checkpoint does not exist, or a
+format-1 manifest whose data never appeared), the step of each checkpoint, and its tier.
 """
 
 from __future__ import annotations
@@ -12,30 +14,26 @@ import io
 import json
 import re
 import struct
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from .._commit import sibling_manifests
-from .._discovery import (
-    CHECKPOINT_SUFFIXES,
-    CheckpointInfo,
-    _read_manifest,
-    resolve,
-    resolve_dir,
-    scan,
-)
-from .._gc import Debris, find_debris
-from .._manifest import Manifest
-from .._names import ASIDE_MARKER, DIR_MANIFEST, TMP_MARKER, split_manifest_name
+from .._discovery import CHECKPOINT_SUFFIXES, CheckpointInfo, resolve, resolve_dir, scan
+from .._gc import Debris, find_debris, match_temporary
+from .._manifest import Manifest, parse_manifest
+from .._names import ASIDE_MARKER, MAX_MANIFEST_BYTES, TMP_MARKER, split_manifest_name
 from .._store import ObjectInfo, Store
 from ..errors import ManifestError, UnsafeCheckpointError
 from ..safety import safe_torch_load
 
-__all__ = ["Row", "find_rows", "resolve_target", "store_tier", "tensor_index"]
+__all__ = [
+    "Row", "find_rows", "folder_files", "is_folder_checkpoint", "manifest_tensors", "resolve_target", "sidecars_of",
+    "step_of", "store_tier", "tensor_index",
+]
 
-#: Files that make a folder without a manifest look like a checkpoint (Accelerate's names too).
+#: Files that make a folder without a proof look like a checkpoint (Accelerate's names too).
 FOLDER_FILE_SUFFIXES = (*CHECKPOINT_SUFFIXES, ".safetensors", ".pkl")
 _STEP_RE = re.compile(r"(?:global_step|step|checkpoint|ckpt)[=_-]?(\d+)", re.IGNORECASE)
 #: Largest safetensors header we agree to parse (the library's own cap is 100 MB).
@@ -56,12 +54,23 @@ class Row:
     is_dir: bool = False
     problems: list[str] = field(default_factory=list)
     info: CheckpointInfo | None = None
+    #: Format 2: the save's sequence number in its directory.
+    seq: int | None = None
+    #: 2: proof inside the file(s); 1: sidecar manifest; 0: none.
+    format: int = 0
+
+    def order(self) -> tuple[int, float, float, str]:
+        """Newest first, as ``latest()`` considers them: format 2 by sequence number, above
+        everything else; the rest by time."""
+        if self.seq is not None:
+            return (1, float(self.seq), self.created, self.name)
+        return (0, self.created, 0.0, self.name)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "name": self.name, "path": self.path, "status": self.status, "size": self.size,
-            "created": self.created, "step": self.step, "tier": self.tier, "folder": self.is_dir,
-            "problems": self.problems,
+            "created": self.created, "step": self.step, "seq": self.seq, "format": self.format, "tier": self.tier,
+            "folder": self.is_dir, "problems": self.problems,
         }
 
 
@@ -73,14 +82,14 @@ def store_tier(store: Store) -> str:
 
 
 def step_of(name: str, manifest: Manifest | None) -> int | None:
-    """The training step: the manifest's metadata when it says, else a number in the name."""
-    if manifest is not None:
+    """The training step: the proof's metadata when it says, else a number in the name."""
+    if manifest is not None and isinstance(manifest.metadata, dict):
         for key in ("step", "global_step"):
             v = manifest.metadata.get(key)
-            if isinstance(v, int) and not isinstance(v, bool):
+            if isinstance(v, int) and not isinstance(v, bool) and -(1 << 63) <= v < (1 << 63):
                 return v
     matches = _STEP_RE.findall(name.rpartition("/")[2])
-    return int(matches[-1]) if matches else None
+    return int(matches[-1][:18]) if matches else None
 
 
 def folder_files(store: Store, name: str) -> list[ObjectInfo]:
@@ -91,96 +100,130 @@ def folder_files(store: Store, name: str) -> list[ObjectInfo]:
     ]
 
 
-def _plain_folder(store: Store, name: str) -> CheckpointInfo | None:
-    files = folder_files(store, name)
-    if not files:
-        return None
-    return CheckpointInfo(
-        store.describe(name), name, "unverified", max(f.mtime for f in files), sum(f.size for f in files),
-        problems=["no stagesave manifest: completeness cannot be proven"], is_dir=True,
-    )
+def sidecars_of(store: Store, name: str) -> list[str]:
+    """Names of the files beside ``name`` that are named like its format-1 manifests."""
+    directory, _, base = name.rpartition("/")
+    out = []
+    for info in store.list(directory):
+        parsed = split_manifest_name(info.name.rpartition("/")[2])
+        if parsed is not None and parsed[0] == base:
+            out.append(info.name)
+    return out
 
 
-def has_dir_manifest(store: Store, name: str) -> bool:
-    try:
-        store.info(f"{name}/{DIR_MANIFEST}" if name else DIR_MANIFEST)
-        return True
-    except (FileNotFoundError, IsADirectoryError):
-        return False
+def is_folder_checkpoint(store: Store, name: str) -> bool:
+    """Whether folder ``name`` is one checkpoint (a proof covers it: format 2 or 1, intact or
+    not), rather than a root holding checkpoints."""
+    return resolve_dir(store, name).format in (1, 2)
 
 
 def resolve_target(store: Store, name: str, is_dir: bool) -> CheckpointInfo:
-    """Status of a file or folder checkpoint (a folder without manifest is ``unverified``).
+    """Status of a file or folder checkpoint (a folder without proof is ``unverified``).
 
     Raises:
         FileNotFoundError: a file that does not exist, or a folder with no checkpoint files.
     """
     if not is_dir:
         return resolve(store, name)
-    if has_dir_manifest(store, name):
-        return resolve_dir(store, name)
-    info = _plain_folder(store, name)
-    if info is None:
+    ci = resolve_dir(store, name)
+    if ci.format == 0 and not folder_files(store, name):
         raise FileNotFoundError(f"{store.describe(name)} holds no checkpoint files")
-    return info
+    return ci
 
 
-def _row(store: Store, ci: CheckpointInfo, tier: str) -> Row:
+def _row(ci: CheckpointInfo, tier: str) -> Row:
     return Row(
         ci.name, ci.path, ci.status, ci.size, ci.created, step_of(ci.name, ci.manifest),
-        ci.tier or tier, ci.is_dir, list(ci.problems), ci,
+        ci.tier or tier, ci.is_dir, list(ci.problems), ci, ci.seq, ci.format,
     )
 
 
-def _torn_row(store: Store, d: Debris, tier: str) -> Row | None:
-    """A top-level manifest whose data file does not exist: a save that never published."""
-    parsed = split_manifest_name(d.name)
-    if "/" in d.name or parsed is None:
+def _plain_folder(store: Store, name: str) -> CheckpointInfo | None:
+    files = folder_files(store, name)
+    if not files:
         return None
-    data = parsed[0]
-    try:
-        store.info(data)
-        return None  # the file exists (committed under another manifest): only debris
-    except (FileNotFoundError, IsADirectoryError):
-        pass
-    try:
-        manifest: Manifest | None = _read_manifest(store, d.name)
-        assert manifest is not None
-        size, created = sum(f.size for f in manifest.files), manifest.created_ns / 1e9
-    except (ManifestError, OSError):
-        manifest, size, created = None, 0, 0.0
-    return Row(
-        data, store.describe(data), "torn", size, created, step_of(data, manifest), tier,
-        problems=[f"the save of {data} crashed before publishing it (leftover {d.name}; `stagesave gc` removes it)"],
+    return CheckpointInfo(
+        store.describe(name), name, "unverified", max(f.mtime for f in files), sum(f.size for f in files),
+        problems=["no stagesave proof: completeness cannot be proven"], is_dir=True,
     )
 
 
-def _is_checkpoint(store: Store, ci: CheckpointInfo) -> bool:
-    """Discovery calls any short file without a manifest corrupt; show only checkpoint-like ones."""
-    if ci.is_dir or ci.manifest is not None or ci.name.endswith(FOLDER_FILE_SUFFIXES):
+def _read_sidecar(store: Store, name: str) -> Manifest:
+    info = store.info(name)
+    if info.size > MAX_MANIFEST_BYTES:
+        raise ManifestError(f"invalid manifest {store.describe(name)}: too large")
+    return parse_manifest(store.read_range(name, 0, info.size), store.describe(name))
+
+
+def _exists(store: Store, name: str) -> bool:
+    try:
+        store.info(name)
         return True
-    return bool(sibling_manifests(store, ci.name))
+    except IsADirectoryError:
+        return True
+    except (FileNotFoundError, NotADirectoryError):
+        return name in store.list_dirs("")
+
+
+def _torn_row(store: Store, d: Debris, tier: str, listed: set[str]) -> Row | None:
+    """A save that never published: the debris it left names a checkpoint that does not exist."""
+    if "/" in d.name:
+        return None
+    if d.kind == "orphan-manifest":  # format 1: a manifest whose data file never appeared
+        parsed = split_manifest_name(d.name)
+        if parsed is None or parsed[0] in listed or _exists(store, parsed[0]):
+            return None
+        data = parsed[0]
+        try:
+            manifest: Manifest | None = _read_sidecar(store, d.name)
+            assert manifest is not None
+            size, created = sum(f.size for f in manifest.files), manifest.created_ns / 1e9
+        except (ManifestError, OSError):
+            manifest, size, created = None, 0, 0.0
+        return Row(
+            data, store.describe(data), "torn", size, created, step_of(data, manifest), tier, format=1,
+            problems=[f"the save of {data} crashed before publishing it (leftover {d.name}; `stagesave gc` removes it)"],
+        )
+    if d.kind in ("temporary", "temporary-dir"):  # format 2: an unfinished write, its writer gone
+        m = match_temporary(d.name, is_dir=d.kind == "temporary-dir")
+        if m is None or len(m.group("token")) != 8:  # 32 hex digits: a sharded save's marker
+            return None
+        data = m.group("data")
+        if data in listed or _exists(store, data):
+            return None  # the checkpoint exists (a replacement was interrupted): only debris
+        return Row(
+            data, store.describe(data), "torn", d.size, time.time() - d.age_s, step_of(data, None), tier,
+            is_dir=d.kind == "temporary-dir", format=2,
+            problems=[f"no {data} exists: a save (or removal) of it was interrupted ({d.reason}); it left "
+                      f"{d.name}, which `stagesave gc` removes"],
+        )
+    return None
 
 
 def find_rows(store: Store) -> tuple[list[Row], list[Debris], list[tuple[str, str]]]:
     """Checkpoints, plain checkpoint folders and torn saves directly in ``store``'s root, newest
-    first; plus the debris found (for ``gc``) and stagesave temporaries still in use."""
+    first; plus the debris found (for ``gc``) and stagesave temporaries still in use.
+
+    Every format-2 file's whole proof is read (its step, metadata and problems), not only its
+    summary.
+    """
     tier = store_tier(store)
-    rows = [_row(store, ci, tier) for ci in scan(store) if _is_checkpoint(store, ci)]
+    rows = [_row(ci, tier) for ci in scan(store, full=True)]
     listed = {r.name for r in rows}
     for leaf in store.list_dirs(""):
-        if leaf in listed or leaf.startswith(".") or TMP_MARKER in leaf or leaf.endswith(ASIDE_MARKER):
+        if leaf in listed or leaf.startswith(".") or TMP_MARKER in leaf or ASIDE_MARKER in leaf:
             continue
         ci = _plain_folder(store, leaf)
         if ci is not None:
-            rows.append(_row(store, ci, tier))
+            rows.append(_row(ci, tier))
     debris, kept = find_debris(store, max_depth=0)  # this root's own leftovers: one listing
+    listed = {r.name for r in rows}
     for d in debris:
-        if d.kind == "orphan-manifest":
-            torn = _torn_row(store, d, tier)
-            if torn is not None:
-                rows.append(torn)
-    rows.sort(key=lambda r: r.created, reverse=True)
+        torn = _torn_row(store, d, tier, listed)
+        if torn is not None:
+            rows.append(torn)
+            listed.add(torn.name)
+    rows.sort(key=Row.order, reverse=True)
     return rows, debris, kept
 
 
@@ -200,15 +243,19 @@ def _safetensors_index(store: Store, name: str) -> list[dict[str, Any]]:
     if n > _MAX_ST_HEADER:
         raise ValueError(f"{store.describe(name)}: safetensors header of {n} bytes is over the limit")
     header = json.loads(store.read_range(name, 8, n))
+    if not isinstance(header, dict):
+        raise ValueError(f"{store.describe(name)}: the safetensors header is not a JSON object")
     out = []
     for key, spec in header.items():
         if key == "__metadata__" or not isinstance(spec, dict):
             continue
-        lo, hi = spec.get("data_offsets", (0, 0))
-        out.append({
-            "name": key, "dtype": _ST_DTYPES.get(spec.get("dtype", ""), spec.get("dtype")),
-            "shape": list(spec.get("shape", [])), "bytes": int(hi) - int(lo),
-        })
+        offsets, shape, dtype = spec.get("data_offsets"), spec.get("shape"), spec.get("dtype")
+        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets)
+                or not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(isinstance(d, int) for d in shape)
+                or not isinstance(dtype, str)):
+            raise ValueError(f"{store.describe(name)}: malformed safetensors entry {key[:80]!r}")
+        out.append({"name": key, "dtype": _ST_DTYPES.get(dtype, dtype), "shape": shape,
+                    "bytes": offsets[1] - offsets[0]})
     return out
 
 
@@ -285,18 +332,39 @@ def tensor_index(
     return torch_index(store, name, size, trusted=trusted)
 
 
-def manifest_tensors(manifest: Manifest) -> list[dict[str, Any]]:
-    """The manifest's tensor index, with bytes computed from dtype and shape."""
+#: Most dimensions of a shape shown (torch allows few dozen; a proof could claim anything).
+MAX_DIMS = 64
+_MAX_NUMEL = 1 << 62
+_ITEMSIZE: dict[str, int] = {}
+
+
+def _itemsize(dtype: str) -> int | None:
+    if dtype not in _ITEMSIZE:
+        dt = getattr(torch, dtype, None) if dtype.isidentifier() else None
+        _ITEMSIZE[dtype] = dt.itemsize if isinstance(dt, torch.dtype) else 0
+    return _ITEMSIZE[dtype] or None
+
+
+def manifest_tensors(manifest: Manifest) -> tuple[list[dict[str, Any]], int]:
+    """The proof's tensor index as ``{name, dtype, shape, bytes}`` rows, every field checked
+    (a proof is read from a file that may come from anywhere); and how many entries were not
+    well-formed (left out). ``bytes`` is ``None`` when the dtype is unknown to this torch."""
     out = []
-    for t in manifest.tensors:
-        shape = [int(s) for s in t.get("shape", [])]
-        dtype = str(t.get("dtype", "?"))
-        try:
-            itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
-        except (AttributeError, TypeError):
-            itemsize = 0
+    bad = 0
+    tensors = manifest.tensors if isinstance(manifest.tensors, list) else []
+    for t in tensors:
+        name, dtype, shape = (t.get("name"), t.get("dtype"), t.get("shape")) if isinstance(t, dict) else (None,) * 3
+        if (not isinstance(name, str) or not isinstance(dtype, str) or len(dtype) > 64 or not isinstance(shape, list)
+                or len(shape) > MAX_DIMS
+                or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= _MAX_NUMEL for d in shape)):
+            bad += 1
+            continue
         numel = 1
-        for s in shape:
-            numel *= s
-        out.append({"name": t.get("name", "?"), "dtype": dtype, "shape": shape, "bytes": numel * itemsize})
-    return out
+        for d in shape:
+            numel = min(numel * d, _MAX_NUMEL + 1)
+        if numel > _MAX_NUMEL:
+            bad += 1
+            continue
+        size = _itemsize(dtype)
+        out.append({"name": name, "dtype": dtype, "shape": list(shape), "bytes": None if size is None else numel * size})
+    return out, bad

@@ -1,17 +1,28 @@
-"""``stagesave inspect PATH``: what a checkpoint holds and how it was written, from its manifest."""
+"""``stagesave inspect PATH``: what a checkpoint holds and how it was written, from its proof.
+
+A format-2 checkpoint carries its proof inside its file(s): the sequence number, the checksum
+algorithm and chunks, the torch serialization id, the tensor index, the metadata and the save's
+telemetry are all read from there (and checked: the proof's own CRC, its zip records). A
+format-1 checkpoint's proof is its sidecar manifest; a plain file has none, and only its
+structure is read (no tensor data, with the safe unpickler unless ``--trusted``).
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 from typing import Any
 
 from rich.table import Table
 
-from .._discovery import CheckpointInfo
+from .._discovery import CheckpointInfo, folder_entries
+from .._manifest import FileEntry, Manifest
+from .._names import DIR_MANIFEST, INDEX_RECORD, PROOF_KEY, PROOF_RECORD
 from .._store import Store
+from .._write import TRAILER_KINDS
 from ..errors import CheckpointError, CheckpointNotFoundError
-from ._common import Env
+from ._common import Env, literal
 from ._found import (
     folder_files,
     manifest_tensors,
@@ -26,79 +37,146 @@ from ._verify import first_line
 
 __all__ = ["add_parser", "describe", "run"]
 
+_FORMAT = {2: "2 (the proof is inside the file)", 1: "1 (a sidecar manifest beside the data)", 0: "none (no proof)"}
+
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "inspect",
-        help="show a checkpoint's files, tensors, checksums, metadata and save telemetry",
-        description="Summarize one checkpoint (file or folder): status, files with their checksums, "
-        "tensors (name, dtype, shape, bytes), framework metadata and the telemetry of the save. "
-        "Reads the manifest, and only the structure of files without one (no tensor data).",
+        help="show a checkpoint's proof: sequence number, files, checksums, tensors, metadata, telemetry",
+        description="Summarize one checkpoint (file or folder) from its proof, read from inside the "
+        "file(s) (format 2) or from its sidecar manifest (format 1): status, sequence number, files "
+        "with their checksums, tensors (name, dtype, shape, bytes), metadata and the telemetry of "
+        "the save. Files without a proof are summarized from their structure (no tensor data).",
     )
     p.add_argument("path", metavar="PATH")
     p.add_argument("--tensors", type=int, default=30, metavar="N", help="show at most N tensors (default 30; 0: all)")
     p.add_argument("--trusted", action="store_true",
-                   help="parse files without manifest with the full unpickler (only for files you trust)")
+                   help="parse files without a proof with the full unpickler (only for files you trust)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=run)
 
 
-def _files(store: Store, ci: CheckpointInfo) -> list[dict[str, Any]]:
-    if ci.manifest is not None:
+def _where_proof(e: FileEntry) -> str:
+    if e.kind == "torch":
+        return f"zip records {PROOF_RECORD} and {INDEX_RECORD}"
+    if e.kind == "safetensors":
+        return f"header __metadata__[{PROOF_KEY!r}]"
+    if e.kind in TRAILER_KINDS:
+        return "a trailer after the data"
+    return "?"
+
+
+def _file_doc(name: str, store_name: str, e: FileEntry, role: str, proof: str) -> dict[str, Any]:
+    return {
+        "name": name, "store_name": store_name, "kind": e.kind, "role": role, "size": e.size, "covered": e.end,
+        "algorithm": e.algorithm, "chunk_bytes": e.chunk_bytes, "chunks": len(e.chunks),
+        "first_digest": e.chunks[0] if e.chunks else None, "serialization_id": e.serialization_id,
+        "storages": len(e.storages), "proof": proof,
+    }
+
+
+def _files(store: Store, ci: CheckpointInfo) -> tuple[list[dict[str, Any]], dict[str, Manifest], list[str]]:
+    """Every file of the checkpoint as shown, each one's own proof (format 2), and problems found."""
+    m = ci.manifest
+    if m is not None and m.folder is not None:  # a format-2 folder: the carrier names every file
+        entries, problems = folder_entries(store, ci)
+        docs, own_of = [], {}
+        for fname, own, listed in entries:
+            full = f"{ci.name}/{fname}"
+            if own is not None:
+                e = own.files[0]
+                role = "carrier" if fname == m.folder.carrier else "member"
+                docs.append(_file_doc(fname, full, e, role, f"in the file: {_where_proof(e)}"))
+                own_of[fname] = own
+            elif listed is not None:
+                docs.append(_file_doc(fname, full, listed, "listed", f"checksums in the proof of {m.folder.carrier}"))
+        return docs, own_of, problems
+    if m is not None:
+        if ci.format == 2:
+            e = m.files[0]
+            return [_file_doc(e.name, ci.name, e, "file", f"in the file: {_where_proof(e)}")], {e.name: m}, []
+        proof = f"sidecar {ci.manifest_name}" if not ci.is_dir else f"{DIR_MANIFEST} in the folder"
         return [
-            {"name": e.name, "store_name": f"{ci.name}/{e.name}" if ci.is_dir else ci.name, "kind": e.kind,
-             "size": e.size, "algorithm": e.algorithm, "chunk_bytes": e.chunk_bytes, "chunks": len(e.chunks),
-             "serialization_id": e.serialization_id, "first_digest": e.chunks[0] if e.chunks else None}
-            for e in ci.manifest.files
-        ]
+            _file_doc(e.name, f"{ci.name}/{e.name}" if ci.is_dir else ci.name, e, "file", proof) for e in m.files
+        ], {}, []
     infos = folder_files(store, ci.name) if ci.is_dir else [store.info(ci.name)]
     return [
         {"name": f.name.rpartition("/")[2], "store_name": f.name,
-         "kind": "safetensors" if f.name.endswith(".safetensors") else "torch", "size": f.size,
-         "algorithm": None, "chunk_bytes": None, "chunks": 0, "serialization_id": None, "first_digest": None}
+         "kind": "safetensors" if f.name.endswith(".safetensors") else "torch", "role": "file", "size": f.size,
+         "covered": None, "algorithm": None, "chunk_bytes": None, "chunks": 0, "first_digest": None,
+         "serialization_id": None, "storages": 0, "proof": None}
         for f in infos
-    ]
+    ], {}, []
+
+
+def _parsed_tensors(store: Store, f: dict[str, Any], trusted: bool, notes: list[str]) -> list[dict[str, Any]]:
+    """Tensors of a file without an index in its proof: its structure, parsed."""
+    try:
+        return tensor_index(store, f["store_name"], f["kind"], f["size"], trusted=trusted)
+    except Exception as exc:  # noqa: BLE001 - a damaged file must not stop the summary
+        if needs_unsafe_global(exc):
+            notes.append(f"{f['name']}: tensors not listed: it needs classes off the safe "
+                         "allow-list (--trusted parses it with the full unpickler)")
+        else:
+            cause = exc.__cause__ if isinstance(exc, CheckpointError) and exc.__cause__ else exc
+            notes.append(f"{f['name']}: cannot be parsed: {first_line(cause)}")
+        return []
 
 
 def describe(store: Store, ci: CheckpointInfo, *, trusted: bool = False) -> dict[str, Any]:
     """Everything ``inspect`` shows, as plain data."""
-    files = _files(store, ci)
+    files, own_of, problems = _files(store, ci)
+    problems = list(ci.problems) + [p for p in problems if p not in ci.problems]
+    status = "corrupt" if problems and ci.status == "committed" else ci.status
     tensors: list[dict[str, Any]] = []
     notes: list[str] = []
-    if ci.manifest is not None and ci.manifest.tensors:
-        tensors = manifest_tensors(ci.manifest)
-    elif ci.status != "corrupt":
+    bad = 0
+    m = ci.manifest
+    if m is not None and not ci.is_dir:
+        tensors, bad = manifest_tensors(m)
+    elif ci.is_dir or status != "corrupt":
         for f in files:
-            try:
-                found = tensor_index(store, f["store_name"], f["kind"], f["size"], trusted=trusted)
-            except Exception as exc:  # noqa: BLE001 - a damaged file must not stop the summary
-                if needs_unsafe_global(exc):
-                    notes.append(f"{f['name']}: tensors not listed: it needs classes off the safe "
-                                 "allow-list (--trusted parses it with the full unpickler)")
-                else:
-                    cause = exc.__cause__ if isinstance(exc, CheckpointError) and exc.__cause__ else exc
-                    notes.append(f"{f['name']}: cannot be parsed: {first_line(cause)}")
+            if f["kind"] == "raw":
                 continue
+            own = own_of.get(f["name"])
+            found: list[dict[str, Any]] = []
+            if own is not None and own.tensors:
+                found, n_bad = manifest_tensors(own)
+                bad += n_bad
+            elif status != "corrupt":
+                found = _parsed_tensors(store, f, trusted, notes)
             if len(files) > 1:
-                for t in found:
-                    t["name"] = f"{f['name']}:{t['name']}"
+                found = [{**t, "name": f"{f['name']}:{t['name']}"} for t in found]
             tensors += found
+    if bad:
+        notes.append(f"{bad} entries of the tensor index are malformed and not shown")
     return {
         "path": ci.path,
-        "status": ci.status,
+        "status": status,
+        "format": ci.format,
+        "seq": ci.seq,
         "folder": ci.is_dir,
         "size": ci.size,
         "created": ci.created,
-        "step": step_of(ci.name, ci.manifest),
+        "step": step_of(ci.name, m),
         "manifest": ci.manifest_name,
-        "problems": ci.problems,
+        "carrier": m.folder.carrier if m is not None and m.folder is not None else None,
+        "problems": problems,
         "files": files,
         "tensors": tensors,
-        "tensor_bytes": sum(t["bytes"] for t in tensors),
-        "metadata": ci.manifest.metadata if ci.manifest else {},
-        "telemetry": ci.manifest.telemetry if ci.manifest else {},
+        "tensor_bytes": sum(t["bytes"] for t in tensors if isinstance(t.get("bytes"), int)),
+        "metadata": m.metadata if m is not None and isinstance(m.metadata, dict) else {},
+        "telemetry": m.telemetry if m is not None and isinstance(m.telemetry, dict) else {},
         "notes": notes,
     }
+
+
+def _number(v: Any) -> float | None:
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        f = float(v)
+        return f if math.isfinite(f) and f > 0 else None
+    return None
 
 
 def _telemetry_rows(tel: dict[str, Any]) -> list[tuple[str, str]]:
@@ -108,16 +186,25 @@ def _telemetry_rows(tel: dict[str, Any]) -> list[tuple[str, str]]:
         ("stage_s", "  staging copy"), ("write_s", "background write"), ("checksum_s", "  hashing"),
         ("fsync_s", "  fsync"), ("commit_s", "commit"), ("time_to_commit_s", "time to commit"),
     ):
-        v = tel.get(key)
-        # Zero means "not known when the manifest was written" (commit times come after it).
-        if isinstance(v, (int, float)) and v > 0:
-            rows.append((label, fmt_duration(float(v))))
-    rate = tel.get("throughput_bytes_per_s")
-    if isinstance(rate, (int, float)) and rate > 0:
-        rows.append(("write throughput", fmt_rate(float(rate))))
-    if tel.get("direct_io") is not None:
+        v = _number(tel.get(key))
+        # Missing or zero means "not known when the proof was written" (commit times come after it).
+        if v is not None:
+            rows.append((label, fmt_duration(v)))
+    rate = _number(tel.get("throughput_bytes_per_s"))
+    if rate is not None:
+        rows.append(("write throughput", fmt_rate(rate)))
+    if isinstance(tel.get("direct_io"), bool):
         rows.append(("O_DIRECT", "yes" if tel["direct_io"] else "no"))
+    if isinstance(tel.get("staged_on"), str):
+        rows.append(("staged on", tel["staged_on"]))
+    migrated = tel.get("migrated")
+    if isinstance(migrated, dict) and isinstance(migrated.get("from_format"), int):
+        rows.append(("migrated", f"from format {migrated['from_format']} by `stagesave migrate`"))
     return rows
+
+
+def _shape(shape: list[int]) -> str:
+    return "x".join(str(s) for s in shape) or "scalar"
 
 
 def run(env: Env, args: argparse.Namespace) -> int:
@@ -131,25 +218,30 @@ def run(env: Env, args: argparse.Namespace) -> int:
         env.print_json(doc)
         return 0
     o = env.out
-    o.print(f"[bold]{doc['path']}[/]" + ("/" if doc["folder"] else ""))
-    head = [
-        ("status", doc["status"]), ("size", fmt_bytes(doc["size"])), ("created", fmt_time(doc["created"])),
-    ]
+    o.print(literal(doc["path"] + ("/" if doc["folder"] else ""), "bold"))
+    head = [("status", doc["status"]), ("format", _FORMAT.get(doc["format"], str(doc["format"])))]
+    if doc["seq"] is not None:
+        head.append(("seq", str(doc["seq"])))
+    head += [("size", fmt_bytes(doc["size"])), ("created", fmt_time(doc["created"]))]
     if doc["step"] is not None:
         head.append(("step", str(doc["step"])))
     if doc["manifest"]:
         head.append(("manifest", doc["manifest"]))
+    if doc["carrier"]:
+        head.append(("carrier", f"{doc['carrier']} (its proof names every file of the folder)"))
     for k, v in head:
-        o.print(f"  {k:<9} {v}", markup=False)
+        env.say(f"  {k:<9} {v}")
     for p in doc["problems"]:
-        o.print(f"  problem   {p}", markup=False)
+        env.say(f"  problem   {p}")
 
     ft = Table(title="files", title_justify="left", header_style="bold", box=None, pad_edge=False)
-    for col in ("file", "kind", "size", "checksum", "chunks", "serialization id"):
+    for col in ("file", "kind", "size", "checksum", "chunks", "serialization id", "proof"):
         ft.add_column(col, justify="right" if col in ("size", "chunks") else "left", overflow="fold")
     for f in doc["files"]:
-        checksum = f"{f['algorithm']} {f['first_digest'][:12]}..." if f["algorithm"] else "none (no manifest)"
-        ft.add_row(f["name"], f["kind"], fmt_bytes(f["size"]), checksum, str(f["chunks"]), f["serialization_id"] or "-")
+        checksum = (f"{f['algorithm']} {f['first_digest'][:12]}..." if f["algorithm"] and f["first_digest"]
+                    else f["algorithm"] or "none (no proof)")
+        ft.add_row(literal(f["name"]), literal(f["kind"]), fmt_bytes(f["size"]), literal(checksum), str(f["chunks"]),
+                   literal(f["serialization_id"] or "-"), literal(f["proof"] or "-"))
     o.print(ft)
 
     tensors = doc["tensors"]
@@ -160,18 +252,20 @@ def run(env: Env, args: argparse.Namespace) -> int:
         for col in ("name", "dtype", "shape", "bytes"):
             tt.add_column(col, justify="right" if col == "bytes" else "left", overflow="fold")
         for t in tensors[:limit]:
-            tt.add_row(t["name"], t["dtype"], "x".join(str(s) for s in t["shape"]) or "scalar", fmt_bytes(t["bytes"]))
+            nbytes = t["bytes"]
+            tt.add_row(literal(str(t["name"])), literal(str(t["dtype"])), _shape(t["shape"]),
+                       fmt_bytes(nbytes) if isinstance(nbytes, int) else "?")
         o.print(tt)
         if len(tensors) > limit:
-            o.print(f"  ... and {len(tensors) - limit} more (--tensors 0 shows all)")
+            env.say(f"  ... and {len(tensors) - limit} more (--tensors 0 shows all)")
     if doc["metadata"]:
-        o.print("[bold]metadata[/]")
-        o.print(json.dumps(doc["metadata"], indent=2, default=str), markup=False)
+        o.print(literal("metadata", "bold"))
+        o.print(json.dumps(doc["metadata"], indent=2, default=str), markup=False, highlight=False)
     tel_rows = _telemetry_rows(doc["telemetry"])
     if tel_rows:
-        o.print("[bold]save telemetry[/]")
+        o.print(literal("save telemetry", "bold"))
         for k, v in tel_rows:
-            o.print(f"  {k:<22} {v}", markup=False)
+            env.say(f"  {k:<22} {v}")
     for n in doc["notes"]:
-        o.print(f"note: {n}", markup=False)
+        env.say(f"note: {n}")
     return 0

@@ -1,4 +1,10 @@
-"""``stagesave verify PATH|ROOT``: recompute every checksum; a non-zero exit names each problem."""
+"""``stagesave verify PATH|ROOT``: recompute every checksum; a non-zero exit names each problem.
+
+Works on files and folders of both formats: a format-2 file is checked against the proof inside
+it (read through the same open file as its bytes), a format-2 folder file by file against the
+proofs its carrier pins (and the set of files against the carrier's list), a format-1
+checkpoint against its sidecar manifest. A file without any proof can only be parsed.
+"""
 
 from __future__ import annotations
 
@@ -8,22 +14,22 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._checksum import digest
-from .._discovery import CheckpointInfo
-from .._manifest import FileEntry
-from .._store import Store
+from .._discovery import CheckpointInfo, folder_entries, resolve_dir, resolve_reader
+from .._manifest import Manifest
+from .._proofread import chunk_problems
+from .._store import Reader, Store
 from ..errors import CheckpointNotFoundError, UnsafeCheckpointError
 from ._common import CliError, Env
 from ._found import (
     find_rows,
     folder_files,
-    has_dir_manifest,
+    is_folder_checkpoint,
     needs_unsafe_global,
     resolve_target,
     torch_index,
 )
 
-__all__ = ["Outcome", "add_parser", "check_entries", "entries_of", "run", "verify_checkpoint"]
+__all__ = ["THREADS", "Outcome", "add_parser", "run", "verify_checkpoint"]
 
 #: Chunks read and hashed at once.
 THREADS = 4
@@ -38,56 +44,77 @@ class Outcome:
     size: int = 0
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    seq: int | None = None
+    format: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"path": self.path, "status": self.status, "size": self.size, "problems": self.problems,
-                "notes": self.notes}
+        return {"path": self.path, "status": self.status, "size": self.size, "seq": self.seq, "format": self.format,
+                "problems": self.problems, "notes": self.notes}
 
 
-def entries_of(ci: CheckpointInfo) -> list[tuple[str, FileEntry]]:
-    """``(name in store, manifest entry)`` for every file of a committed checkpoint."""
-    assert ci.manifest is not None
-    if ci.is_dir:
-        return [(f"{ci.name}/{e.name}", e) for e in ci.manifest.files]
-    return [(ci.name, ci.manifest.file(ci.name.rpartition("/")[2]))]
+def _check(reader: Reader, manifest: Manifest, pool: cf.Executor, advance: Callable[[float], None]) -> list[str]:
+    """Every chunk of one file against its proof, through ``reader``."""
 
-
-def check_entries(
-    store: Store, items: list[tuple[str, FileEntry]], advance: Callable[[float], None]
-) -> list[str]:
-    """Read every chunk of every file and compare digests; the problems, in file order."""
-    tasks = [(name, e, i) for name, e in items for i in range(len(e.chunks))]
-
-    def check(task: tuple[str, FileEntry, int]) -> str | None:
-        name, e, i = task
-        lo, hi = e.chunk_range(i)
-        data = store.read_range(name, lo, hi - lo)
+    def read(lo: int, n: int) -> bytes:
+        data = reader.read(lo, n)
         advance(len(data))
-        where = store.describe(name)
-        if len(data) != hi - lo:
-            return f"{where}: truncated at byte {lo + len(data)} (the manifest says {e.size} bytes)"
-        if digest(e.algorithm, data) != e.chunks[i]:
-            return f"{where}: checksum mismatch in bytes [{lo}, {hi}) (chunk {i} of {len(e.chunks)})"
-        return None
+        return data
 
-    with cf.ThreadPoolExecutor(THREADS, thread_name_prefix="stagesave-verify") as pool:
-        return [p for p in pool.map(check, tasks) if p]
+    return chunk_problems(reader, manifest, pool, read=read)
+
+
+def _verify_file(env: Env, store: Store, ci: CheckpointInfo, pool: cf.Executor) -> tuple[str, list[str]]:
+    """``(status, problems)`` of a file: its proof and its bytes read through one open file."""
+    judged = ci.judged or ci.name
+    try:
+        reader = store.open(judged)
+    except OSError as exc:
+        return "corrupt", [f"{store.describe(judged)}: {exc.strerror or exc}"]
+    with reader:
+        info = resolve_reader(store, judged, reader)
+        if info.status != "committed" or info.manifest is None:
+            return info.status, list(info.problems)
+        with env.progress(f"verifying {ci.name}", info.manifest.files[0].end) as advance:
+            problems = _check(reader, info.manifest, pool, advance)
+    return ("corrupt" if problems else "verified"), problems
+
+
+def _verify_folder(env: Env, store: Store, ci: CheckpointInfo, pool: cf.Executor) -> tuple[str, list[str]]:
+    """``(status, problems)`` of a folder: the set of files, then every file against its proof."""
+    info = resolve_dir(store, ci.name)
+    if info.status != "committed" or info.manifest is None:
+        return info.status, list(info.problems)
+    entries, problems = folder_entries(store, info)
+    with env.progress(f"verifying {ci.name}", info.size) as advance:
+        for fname, own, listed in entries:
+            full = f"{ci.name}/{fname}"
+            try:
+                with store.open(full) as reader:
+                    if own is not None:
+                        problems += _check(reader, own, pool, advance)
+                    elif listed is not None:
+                        if reader.size != listed.size:
+                            problems.append(f"{reader.where} is {reader.size} bytes, its folder's proof says {listed.size}")
+                        else:
+                            problems += _check(reader, Manifest([listed], 0), pool, advance)
+            except OSError as exc:
+                problems.append(f"{store.describe(full)}: {exc.strerror or exc}")
+    return ("corrupt" if problems else "verified"), problems
 
 
 def verify_checkpoint(env: Env, store: Store, ci: CheckpointInfo) -> Outcome:
     """Verify one checkpoint found by discovery."""
-    out = Outcome(ci.path, ci.status, ci.size, list(ci.problems))
+    out = Outcome(ci.path, ci.status, ci.size, list(ci.problems), seq=ci.seq, format=ci.format)
     if ci.status == "corrupt":
         return out
     if ci.status == "committed":
-        items = entries_of(ci)
-        with env.progress(f"verifying {ci.name}", sum(e.size for _, e in items)) as advance:
-            out.problems = check_entries(store, items, advance)
-        out.status = "corrupt" if out.problems else "verified"
+        with cf.ThreadPoolExecutor(THREADS, thread_name_prefix="stagesave-verify") as pool:
+            verify = _verify_folder if ci.is_dir else _verify_file
+            out.status, out.problems = verify(env, store, ci, pool)
         return out
-    # No manifest: bytes cannot be proven, but the structure can be read (it must parse).
+    # No proof: bytes cannot be proven, but the structure can be read (it must parse).
     out.problems = []
-    out.notes.append("no manifest: bytes cannot be verified (`stagesave adopt` writes one)")
+    out.notes.append("no proof: bytes cannot be verified (`stagesave adopt` writes a manifest for a file)")
     files = [(f.name, f.size) for f in folder_files(store, ci.name)] if ci.is_dir else [(ci.name, ci.size)]
     for name, size in files:
         if name.endswith(".safetensors"):
@@ -119,12 +146,12 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "verify",
         help="recompute checksums of a checkpoint or of every checkpoint under a root",
-        description="Read every byte of a checkpoint (file or folder) or of every checkpoint under "
-        "ROOT and compare it with the manifest. Exits 1 and names each problem if anything is "
-        "corrupt (with --strict, also if a checkpoint has no manifest or a save was torn).",
+        description="Read every byte of a checkpoint (file or folder, format 2 or 1) or of every "
+        "checkpoint under ROOT and compare it with its proof. Exits 1 and names each problem if "
+        "anything is corrupt (with --strict, also if a checkpoint has no proof or a save was torn).",
     )
     p.add_argument("path", metavar="PATH|ROOT")
-    p.add_argument("--strict", action="store_true", help="fail on checkpoints without manifest and torn saves too")
+    p.add_argument("--strict", action="store_true", help="fail on checkpoints without proof and torn saves too")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=run)
 
@@ -133,12 +160,12 @@ def _collect(env: Env, path: str) -> tuple[Store, list[CheckpointInfo], list[Out
     target = env.target(path)
     if not target.is_dir:
         return target.store, [resolve_target(target.store, target.name, False)], []
-    if has_dir_manifest(target.store, target.name):  # a folder checkpoint, intact or not
+    if is_folder_checkpoint(target.store, target.name):  # a folder checkpoint, intact or not
         return target.store, [resolve_target(target.store, target.name, True)], []
     store = env.root(path)
     rows, _, _ = find_rows(store)
     infos = [r.info for r in rows if r.info is not None]
-    torn = [Outcome(r.path, "torn", r.size, list(r.problems)) for r in rows if r.status == "torn"]
+    torn = [Outcome(r.path, "torn", r.size, list(r.problems), format=r.format) for r in rows if r.status == "torn"]
     if not infos and not torn:
         raise CheckpointNotFoundError(f"no checkpoints under {store.url}")
     return store, infos, torn
@@ -152,12 +179,13 @@ def run(env: Env, args: argparse.Namespace) -> int:
         env.print_json({"ok": not bad, "checkpoints": [o.to_dict() for o in outcomes]})
     else:
         for o in outcomes:
-            label = {"verified": "OK", "corrupt": "CORRUPT", "unverified": "UNVERIFIED", "torn": "TORN"}[o.status]
-            env.out.print(f"{label:<10} {o.path}", markup=False)
+            label = {"verified": "OK", "corrupt": "CORRUPT", "unverified": "UNVERIFIED", "torn": "TORN"}.get(
+                o.status, o.status.upper())
+            env.say(f"{label:<10} {o.path}")
             for p in o.problems:
-                env.out.print(f"           {p}", markup=False)
+                env.say(f"           {p}")
             for n in o.notes:
-                env.out.print(f"           note: {n}", markup=False)
+                env.say(f"           note: {n}")
     if bad:
         first = bad[0]
         reason = first.problems[0] if first.problems else f"{first.path} is {first.status}"

@@ -13,8 +13,10 @@ import concurrent.futures as cf
 from collections.abc import Callable
 from typing import Any
 
+from .._commit import retain
 from .._image import FileImage
 from .._pool import HostBuffer
+from .._stage import ImageCrcs
 from .._store import Store
 from ..checkpointer import Checkpointer, _as_checkpoint_error
 from ..handle import SaveHandle
@@ -50,10 +52,10 @@ class Engine:
 
     def stage(
         self, image: FileImage, buf: HostBuffer, tel: SaveTelemetry,
-    ) -> tuple[Callable[[], None] | None, list[str] | None]:
-        """Copy a rank's image on the caller's time (hashing it too per ``checksum_in``).
+    ) -> tuple[Callable[[], None] | None, ImageCrcs | None]:
+        """Copy a rank's image on the caller's time (CRC-ing it too per ``checksum_in``).
 
-        Returns the wait for pending device copies and the chunk digests (either may be None).
+        Returns the wait for pending device copies and the chunk CRCs (either may be None).
         """
         return self.ckpt._stage(image, buf, 0, tel)
 
@@ -72,9 +74,8 @@ class Engine:
 
     # ------------------------------------------------------------ background thread
     def io_pool(self) -> cf.Executor:
-        queue = self.ckpt._queue
-        assert queue is not None, "io_pool() is only called from a submitted job"
-        return queue.io_pool
+        """The checkpointer's I/O threads (only called from a submitted job)."""
+        return self.ckpt._io_pool()
 
     def finish(self, handle: SaveHandle, error: BaseException | None) -> None:
         """Complete ``handle``: record a failure for later delivery, emit telemetry."""
@@ -83,7 +84,7 @@ class Engine:
     def retain(self, store: Store, directory: str) -> None:
         """Apply ``keep_last`` to ``directory`` after a commit."""
         if self.ckpt.keep_last is not None:
-            self.ckpt._retain(store, directory)
+            retain(store, directory, self.ckpt.keep_last)
 
     @staticmethod
     def as_error(exc: BaseException, what: str) -> BaseException:

@@ -1,22 +1,25 @@
 """Names and layout of a sharded (DCP) checkpoint folder, defined once.
 
-A committed folder is a genuine ``torch.distributed.checkpoint`` folder that torch's own
-``FileSystemReader`` (and ``dcp_to_torch_save``) reads without stagesave:
+A committed folder holds exactly what torch's ``FileSystemWriter`` writes, and torch's own
+``FileSystemReader`` (and ``dcp_to_torch_save``) reads it without stagesave:
 
-- ``__<rank>_0.distcp``: one file per rank. A 64-byte header carrying the save id, then every
-  item the rank wrote, each at a 64-byte aligned offset: a tensor as a complete ``torch.save``
-  zip of that tensor (exactly what ``FileSystemWriter`` writes), a non-tensor object as the
-  bytes DCP's planner serialized.
+- ``__<rank>_0.distcp``: one file per rank. Every item the rank wrote, each at a 64-byte aligned
+  offset: a tensor as a complete ``torch.save`` zip of that tensor (exactly what
+  ``FileSystemWriter`` writes), a non-tensor object as the bytes DCP's planner serialized. After
+  the last item, the file's own proof as a trailer (kind ``"dcp"``): its chunk checksums and the
+  save's token, then a summary and a footer. DCP reads items by ``(offset, length)``, so the
+  trailer is invisible to it.
 - ``.metadata``: DCP's pickled ``Metadata``, whose ``storage_data`` maps every item to
-  ``(file, offset, length)``.
-- ``checkpoint.stagesave.json``: the core's directory manifest, written last (the commit): every
-  rank file and ``.metadata`` with size and chunk digests; each rank file's entry names the save
-  id and where the header carries it, so a stale file of equal size left by an older save is
-  never taken for part of this one.
+  ``(file, offset, length)``, followed by its proof as a trailer (kind ``"dcp-metadata"``;
+  unpickling stops at the pickle's end). It is the folder's *carrier*, written last by the
+  coordinator: its proof names every rank file (size and the CRC of its proof), the save's
+  sequence number and the user's metadata. The folder is committed iff it is in place.
 
-While a save is in flight each rank also leaves a small marker (its file's manifest entry) that
-the coordinator collects before it commits; markers carry the temporary marker in their names,
-so an interrupted save's markers are debris that ``stagesave gc`` recognises.
+While a save is in flight each rank also leaves a small marker (its file's size and proof CRC)
+that the coordinator collects before it commits. Markers are temporaries (their names carry the
+temporary marker, so an interrupted save's markers are debris that ``stagesave gc`` recognises)
+and never sit inside a committed folder: on POSIX they are in the staging folder and removed
+before it is renamed into place; on object stores they are in a hidden prefix beside the target.
 """
 
 from __future__ import annotations
@@ -24,33 +27,31 @@ from __future__ import annotations
 from .._names import TMP_MARKER
 
 __all__ = [
-    "HEADER_BYTES",
     "ITEM_ALIGNMENT",
     "METADATA_FILE",
+    "METADATA_KIND",
     "RANK_FILE_KIND",
     "abort_marker",
     "failure_marker",
-    "header",
     "rank_file",
     "rank_marker",
 ]
 
 #: DCP's own name for the pickled metadata (``FileSystemWriter`` writes the same).
 METADATA_FILE = ".metadata"
-#: ``FileEntry.kind`` of a rank file in the manifest.
+#: Kind of a rank file's proof (a trailer after the data).
 RANK_FILE_KIND = "dcp"
+#: Kind of ``.metadata``'s proof (a trailer after the pickle); the folder's carrier.
+METADATA_KIND = "dcp-metadata"
 #: Items start at multiples of this (torch's own record alignment inside a zip).
 ITEM_ALIGNMENT = 64
-#: Bytes before the first item: magic and the save id.
-HEADER_BYTES = 64
-_MAGIC = b"stagesave-dcp\n"
-#: Where the save id sits in every rank file (recorded as the manifest's ``id_offset``).
-ID_OFFSET = len(_MAGIC)
-#: Keys stagesave puts in the global manifest's ``metadata``.
+#: Keys stagesave puts in the proof's ``metadata`` (beside the user's).
 SAVE_ID_KEY = "dcp_save_id"
 WORLD_SIZE_KEY = "dcp_world_size"
 FORMAT_KEY = "format"
 FORMAT_VALUE = "torch.distributed.checkpoint"
+#: Largest marker the coordinator reads.
+MAX_MARKER_BYTES = 4096
 
 
 def rank_file(rank: int) -> str:
@@ -58,16 +59,8 @@ def rank_file(rank: int) -> str:
     return f"__{rank}_0.distcp"
 
 
-def header(save_id: str) -> bytes:
-    """The first :data:`HEADER_BYTES` of every rank file of save ``save_id``."""
-    data = _MAGIC + save_id.encode() + b"\n"
-    if len(data) > HEADER_BYTES:
-        raise ValueError(f"save id {save_id!r} is too long for the rank file header")
-    return data.ljust(HEADER_BYTES, b"\x00")
-
-
 def rank_marker(rank: int, pid: int, save_id: str) -> str:
-    """The marker a rank writes once its file is durable (its manifest entry, as JSON)."""
+    """The marker a rank writes once its file is durable (its size and proof CRC, as JSON)."""
     return f".dcp-rank-{rank}.{pid}-{save_id}{TMP_MARKER}"
 
 

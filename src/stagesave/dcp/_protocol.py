@@ -5,48 +5,57 @@ store: no collective and no torch op ever runs here (either one was reported to 
 worker threads to passive waiting and slow training while the thread lives; not reproduced by
 ``benchmarks/bench_omp.py`` on a 2-vCPU VM, kept as a precaution). The order:
 
-1. every rank writes its data file (chunks in parallel, hashed after the copy or as written),
-   publishes it inside the save's staging folder, and then writes its marker: its manifest entry;
+1. every rank writes its data file (chunks in parallel, hashed while staging or as written),
+   seals it with its own proof (a trailer naming the save's token and the carrier,
+   ``.metadata``), publishes it in the save's staging folder, and then writes its marker: the
+   file's size and the CRC of its proof;
 2. the coordinator polls the store until every rank's marker is there and DCP handed it the
    global metadata (``finish()``): a rank that failed, in the background or while staging,
    leaves a failure marker instead, so the coordinator gives up at once; a rank that died leaves
    nothing, so it gives up at the deadline; a ``dcp.save`` that raised after the writes never
    calls ``finish()``, so it gives up shortly after the last marker. It then writes
-   ``.metadata``, and the directory manifest naming every file last;
-3. POSIX: the staging folder is a hidden temporary beside the target and the commit renames it
-   into place (``_dircommit``: an existing folder is moved aside first and removed after), so a
-   crash at any step leaves the previous checkpoint or none. Object stores cannot rename: the
-   ranks write into the target, whose previous manifest stays until the new one replaces it; a
-   torn overwrite is still never valid, because every rank file carries the save id the
-   manifest names (``resolve_dir`` checks it) and a new save's files never carry the old id;
-4. the other ranks learn the outcome from the store as well: the target's manifest names their
-   save id (committed), or the staging folder vanished without it / the abort marker appeared
-   (failed), or the deadline passed.
+   ``.metadata`` last, the folder's carrier: its proof pins every rank file (size and proof
+   CRC) and holds the save's sequence number, taken under the directory's commit lock;
+3. POSIX: the staging folder is a hidden temporary beside the target, the markers are removed
+   from it, and the commit renames it into place (``_commit``: swapped with an existing folder
+   where the filesystem can, else the old one moved aside first), so a crash at any step leaves
+   the previous checkpoint or the new one, never a mix. Object stores cannot rename: the
+   coordinator removes the old carrier before any rank writes (from then on the old folder is
+   invalid, never half-valid), the ranks write into the target, the coordinator removes files
+   the new save did not write, and the new ``.metadata`` written last is the commit. The
+   markers sit in a hidden prefix beside the target there;
+4. the other ranks learn the outcome from the store as well: the target's ``.metadata`` carries
+   their save's token (committed), or the staging folder vanished without it / the abort marker
+   appeared (failed), or the deadline passed.
 """
 
 from __future__ import annotations
 
+import json
+import mmap
 import os
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import _fsops as fsops
 from .._checksum import digest
-from .._commit import FileToWrite, WriteStats, write_file
+from .._commit import _remove_tree, _rename_into_place, restore_aside
 from .._crash import crash_point
-from .._dircommit import _move_into_place, _remove_tree
-from .._discovery import _read_manifest
-from .._manifest import FileEntry, Manifest, parse_manifest
-from .._names import DIR_MANIFEST
+from .._discovery import next_seq
+from .._image import FileImage
+from .._manifest import FileEntry, FolderProof, Manifest, Member, dumps
+from .._names import DIR_MANIFEST, is_temporary
+from .._proofread import peek
+from .._stage import ImageCrcs
 from .._store import Store
+from .._write import FileToWrite, WriteStats, write_data
 from ..errors import CheckpointError, ManifestError
 from ._format import (
-    ID_OFFSET,
+    MAX_MARKER_BYTES,
     METADATA_FILE,
-    RANK_FILE_KIND,
-    SAVE_ID_KEY,
+    METADATA_KIND,
     abort_marker,
     failure_marker,
     marker_rank,
@@ -74,11 +83,17 @@ class SavePlanData:
 
     rank: int
     world_size: int
+    #: The save's token: every file's proof names it, so a file of another save is never taken
+    #: for part of this one.
     save_id: str
     #: Folder the ranks write into: a hidden temporary beside ``target`` on POSIX, else ``target``.
     staging: str
     target: str
     coordinator_pid: int
+    #: Where the markers go: ``staging`` on POSIX, a hidden prefix beside ``target`` elsewhere.
+    markers: str = ""
+    #: Wall-clock time of the save (for display), the same in every file's proof.
+    created_ns: int = 0
 
     @property
     def file_name(self) -> str:
@@ -88,17 +103,21 @@ class SavePlanData:
     def renames(self) -> bool:
         return self.staging != self.target
 
+    @property
+    def parent(self) -> str:
+        return self.target.rpartition("/")[0]
+
 
 @dataclass
 class MetadataSlot:
-    """Hands DCP's global metadata from ``finish()`` (caller thread) to the commit job."""
+    """Hands DCP's pickled global metadata from ``finish()`` (caller thread) to the commit job."""
 
     _event: threading.Event = field(default_factory=threading.Event)
-    _value: tuple[bytes, list[dict[str, Any]]] | None = None
+    _value: bytes | None = None
     _abandoned: str | None = None
 
-    def fill(self, data: bytes, tensors: list[dict[str, Any]]) -> None:
-        self._value = (data, tensors)
+    def fill(self, data: bytes) -> None:
+        self._value = data
         self._event.set()
 
     def abandon(self, reason: str) -> None:
@@ -110,7 +129,7 @@ class MetadataSlot:
     def pending(self) -> bool:
         return not self._event.is_set()
 
-    def wait(self, deadline: float, what: str) -> tuple[bytes, list[dict[str, Any]]]:
+    def wait(self, deadline: float, what: str) -> bytes:
         if not self._event.wait(max(0.0, deadline - time.monotonic())):
             raise CommitTimeoutError(
                 f"{what}: dcp.save never handed over the global metadata (finish() was not "
@@ -130,60 +149,72 @@ def _sleep(delay: float) -> float:
     return min(_POLL_MAX, delay * 1.5)
 
 
+def _member_proof(spec: SavePlanData) -> dict[str, Any]:
+    return FolderProof(spec.save_id, METADATA_FILE).to_doc(False)
+
+
 # ----------------------------------------------------------------------------- every rank
 def write_rank(
     store: Store,
     spec: SavePlanData,
+    image: FileImage,
     view: memoryview,
-    size: int,
-    digests: list[str] | None,
+    crcs: ImageCrcs | None,
     *,
     algorithm: str,
     chunk_bytes: int,
     pool: Any,
     stats: WriteStats,
-) -> FileEntry:
-    """Write this rank's file into the staging folder, publish it there, then its marker."""
-    entry, publish, abort = write_file(
-        store,
-        FileToWrite(_join(spec.staging, spec.file_name), view, size, RANK_FILE_KIND, spec.save_id,
-                    ID_OFFSET, (), entry_name=spec.file_name, digests=digests),
-        algorithm=algorithm, chunk_bytes=chunk_bytes, pool=pool, stats=stats,
-    )
+) -> Member:
+    """Write this rank's file into the staging folder with its proof, publish it, then its marker."""
+    f = FileToWrite(_join(spec.staging, spec.file_name), image, view, crcs, entry_name=spec.file_name)
+    written = write_data(store, f, algorithm=algorithm, chunk_bytes=chunk_bytes, pool=pool, stats=stats)
     try:
-        publish()
+        written.seal(seq=None, created_ns=spec.created_ns, metadata={}, folder=_member_proof(spec),
+                     summary_folder=(spec.save_id, METADATA_FILE))
+        written.finish(stats)
+        written.publish()
     except BaseException:
-        abort()
+        written.abort()
         raise
+    member = Member(spec.file_name, written.length, written.proof_crc)
     crash_point("dcp_before_marker")
-    marker = Manifest(files=[entry], created_ns=time.time_ns(),
-                      metadata={SAVE_ID_KEY: spec.save_id, "rank": spec.rank})
-    store.put_atomic(_join(spec.staging, rank_marker(spec.rank, os.getpid(), spec.save_id)), marker.to_json())
+    marker = {"save": spec.save_id, "rank": spec.rank, "name": member.name, "size": member.size,
+              "proof_crc": member.proof_crc}
+    store.put_atomic(_join(spec.markers, rank_marker(spec.rank, os.getpid(), spec.save_id)), dumps(marker))
     crash_point("dcp_after_marker")
-    return entry
+    return member
 
 
 def report_failure(store: Store, spec: SavePlanData, error: BaseException) -> None:
     """Tell the coordinator this rank's part failed, so it gives up now (best effort)."""
     try:
-        store.put_atomic(_join(spec.staging, failure_marker(spec.rank, os.getpid(), spec.save_id)),
-                         str(error).encode()[:4096])
+        store.put_atomic(_join(spec.markers, failure_marker(spec.rank, os.getpid(), spec.save_id)),
+                         str(error).encode()[:MAX_MARKER_BYTES])
     except Exception:  # noqa: BLE001, S110 - the coordinator still gives up at its deadline
         pass
 
 
 # ----------------------------------------------------------------------------- coordinator
+def clear_old_carrier(store: Store, target: str) -> None:
+    """Object stores, before any rank writes into ``target``: remove the old folder's carrier
+    (format 2 ``.metadata`` and a format-1 manifest), so that the old folder, about to be
+    overwritten file by file, is never taken for valid."""
+    store.delete(_join(target, METADATA_FILE))
+    store.delete(_join(target, DIR_MANIFEST))
+
+
 def _scan_markers(store: Store, spec: SavePlanData, what: str) -> dict[int, str]:
     """The markers present now, by rank; raise at once if a rank reported a failure."""
     found: dict[int, str] = {}
-    for info in store.list(spec.staging):
+    for info in store.list(spec.markers):
         leaf = info.name.rpartition("/")[2]
         parsed = marker_rank(leaf, spec.save_id)
         if parsed is None:
             continue
         rank, failed = parsed
         if failed:
-            reason = store.read_range(info.name, 0, 4096).decode(errors="replace")
+            reason = store.read_range(info.name, 0, MAX_MARKER_BYTES).decode(errors="replace")
             raise CheckpointError(f"{what}: rank {rank} failed to write its part ({reason}); "
                                   "the save was not committed")
         found[rank] = info.name
@@ -192,7 +223,7 @@ def _scan_markers(store: Store, spec: SavePlanData, what: str) -> dict[int, str]
 
 def _wait_for_ranks(
     store: Store, spec: SavePlanData, slot: MetadataSlot, deadline: float, what: str
-) -> tuple[dict[int, str], tuple[bytes, list[dict[str, Any]]]]:
+) -> tuple[dict[int, str], bytes]:
     """Poll until every rank's marker is there and DCP handed over the metadata.
 
     Gives up at once when a rank reports a failure or the save is abandoned; at ``deadline``
@@ -229,46 +260,142 @@ def _wait_for_ranks(
         delay = _sleep(delay)
 
 
-def _read_markers(store: Store, spec: SavePlanData, found: dict[int, str], what: str) -> list[FileEntry]:
-    entries = []
-    for rank in range(spec.world_size):
-        name = found[rank]
-        marker = parse_manifest(store.read_range(name, 0, store.info(name).size), store.describe(name))
-        entry = marker.files[0]
-        if marker.metadata.get(SAVE_ID_KEY) != spec.save_id or entry.name != rank_file(rank) \
-                or entry.serialization_id != spec.save_id:
-            raise ManifestError(f"{what}: the marker of rank {rank} ({store.describe(name)}) does not "
-                                "describe this save's file")
-        entries.append(entry)
-    return entries
+def _parse_marker(data: bytes, where: str, spec: SavePlanData, rank: int) -> Member:
+    """A rank's marker, checked: it must describe this save's file of that rank.
+
+    Raises:
+        ManifestError: it does not.
+    """
+    try:
+        doc = json.loads(data) if len(data) <= MAX_MARKER_BYTES else None
+    except (ValueError, RecursionError):
+        doc = None
+    name = rank_file(rank)
+    ok = (
+        isinstance(doc, dict) and doc.get("save") == spec.save_id and doc.get("rank") == rank
+        and doc.get("name") == name
+        and all(isinstance(doc.get(k), int) and not isinstance(doc.get(k), bool) for k in ("size", "proof_crc"))
+        and 0 <= doc["size"] and 0 <= doc["proof_crc"] <= 0xFFFFFFFF
+    )
+    if not ok:
+        raise ManifestError(f"the marker of rank {rank} ({where}) does not describe this save's file {name}")
+    assert isinstance(doc, dict)
+    return Member(name, doc["size"], doc["proof_crc"])
+
+
+def _read_markers(store: Store, spec: SavePlanData, found: dict[int, str]) -> list[Member]:
+    return [_parse_marker(store.read_range(found[r], 0, MAX_MARKER_BYTES + 1), store.describe(found[r]), spec, r)
+            for r in range(spec.world_size)]
+
+
+def _list_extras(
+    store: Store, spec: SavePlanData, members: list[Member], *, algorithm: str, chunk_bytes: int,
+) -> list[FileEntry]:
+    """POSIX: files something else put into the staging folder before the commit (Lightning's
+    ``meta.pt``) become part of the checkpoint, listed in its proof with their checksums; stray
+    temporaries are removed (the staging folder is this save's alone)."""
+    ours = {m.name for m in members} | {METADATA_FILE}
+    listed = []
+    for info in store.list(spec.staging):
+        leaf = info.name.rpartition("/")[2]
+        if leaf in ours:
+            continue
+        if is_temporary(leaf):
+            store.delete(info.name)
+            continue
+        with store.open(info.name) as reader:
+            size = reader.size
+            chunks = []
+            for lo in range(0, size, chunk_bytes):
+                data = reader.read(lo, min(chunk_bytes, size - lo))
+                if len(data) != min(chunk_bytes, size - lo):
+                    raise CheckpointError(f"{reader.where} changed while it was being added to the checkpoint")
+                chunks.append(digest(algorithm, data))
+        listed.append(FileEntry(leaf, size, algorithm, chunk_bytes, tuple(chunks), kind="raw"))
+    return listed
+
+
+def _clear_stale(store: Store, spec: SavePlanData, members: list[Member]) -> None:
+    """Object stores: remove files of older saves in the target that this save did not write."""
+    keep = {m.name for m in members}
+    for info in store.list(spec.target):
+        if info.name.rpartition("/")[2] not in keep:
+            store.delete(info.name)
+
+
+def _metadata_file(spec: SavePlanData, data: bytes) -> FileToWrite:
+    """``.metadata`` as a file to write: the pickle in page-aligned memory (O_DIRECT can take
+    it; the anonymous map is freed with the last view of it)."""
+    mem = mmap.mmap(-1, -(-max(len(data), 1) // mmap.PAGESIZE) * mmap.PAGESIZE)
+    mem[: len(data)] = data
+    image = FileImage(size=len(data), pieces=[(0, data)], slots=[], serialization_id="", id_offset=0,
+                      kind=METADATA_KIND)
+    return FileToWrite(_join(spec.staging, METADATA_FILE), image, memoryview(mem), entry_name=METADATA_FILE)
 
 
 def commit(
     store: Store,
     spec: SavePlanData,
     slot: MetadataSlot,
-    make_manifest: Callable[[list[FileEntry], list[dict[str, Any]]], Manifest],
+    metadata: dict[str, Any],
     *,
     algorithm: str,
     chunk_bytes: int,
+    pool: Any,
+    stats: WriteStats,
     deadline: float,
     what: str,
-) -> None:
-    """Wait for every rank, then write ``.metadata`` and the manifest and publish the folder."""
-    found, (data, tensors) = _wait_for_ranks(store, spec, slot, deadline, what)
-    entries = _read_markers(store, spec, found, what)
+) -> Manifest:
+    """Wait for every rank, then write ``.metadata`` (the carrier) last and publish the folder.
+
+    Returns the carrier's manifest (the folder's proof).
+    """
+    found, data = _wait_for_ranks(store, spec, slot, deadline, what)
+    members = _read_markers(store, spec, found)
     crash_point("dcp_before_metadata")
-    store.put_atomic(_join(spec.staging, METADATA_FILE), data)
-    chunks = tuple(digest(algorithm, data[i : i + chunk_bytes]) for i in range(0, len(data), chunk_bytes))
-    entries.append(FileEntry(METADATA_FILE, len(data), algorithm, chunk_bytes, chunks, "dcp-metadata"))
-    crash_point("dcp_before_manifest")
-    store.put_atomic(_join(spec.staging, DIR_MANIFEST), make_manifest(entries, tensors).to_json())
-    crash_point("dcp_after_manifest")
+    listed: list[FileEntry] = []
     if spec.renames:
-        _move_into_place(store, spec.staging, spec.target)
-    for info in store.list(spec.target):
-        if marker_rank(info.name.rpartition("/")[2], spec.save_id) is not None:
-            store.delete(info.name)
+        for name in found.values():  # temporaries never enter a committed folder
+            store.delete(name)
+        listed = _list_extras(store, spec, members, algorithm=algorithm, chunk_bytes=chunk_bytes)
+    else:
+        _clear_stale(store, spec, members)
+    f = _metadata_file(spec, data)
+    written = write_data(store, f, algorithm=algorithm, chunk_bytes=chunk_bytes, pool=pool, stats=stats)
+    try:
+        with store.commit_lock(spec.target):
+            if spec.renames:
+                restore_aside(store, spec.parent)
+            seq = next_seq(store, spec.parent)
+            folder = FolderProof(spec.save_id, METADATA_FILE, members, listed).to_doc(True)
+            manifest = written.seal(seq=seq, created_ns=spec.created_ns, metadata=metadata, folder=folder,
+                                    summary_folder=(spec.save_id, METADATA_FILE))
+            written.finish(stats)
+            written.publish()
+            crash_point("dcp_after_metadata")
+            if spec.renames:
+                src, dst = store.local_path(spec.staging), store.local_path(spec.target)
+                assert src is not None and dst is not None
+                fsops.fsync_dir(src)  # the markers' removal, durable before the folder appears
+                _rename_into_place(store, src, dst, spec.target)
+            else:
+                crash_point("after_rename")
+                crash_point("after_commit")
+    except BaseException:
+        written.abort()
+        raise
+    store.folder_committed(spec.target)
+    if not spec.renames:
+        for name in found.values():
+            _quietly_delete(store, name)
+    return manifest
+
+
+def _quietly_delete(store: Store, name: str) -> None:
+    try:
+        store.delete(name)
+    except Exception:  # noqa: BLE001, S110 - debris only; gc removes it
+        pass
 
 
 def abandon(store: Store, spec: SavePlanData) -> None:
@@ -277,18 +404,20 @@ def abandon(store: Store, spec: SavePlanData) -> None:
         if spec.renames:
             _remove_tree(store, spec.staging)
         else:
-            store.put_atomic(_join(spec.staging, abort_marker(os.getpid(), spec.save_id)), b"aborted")
+            store.put_atomic(_join(spec.markers, abort_marker(os.getpid(), spec.save_id)), b"aborted")
     except Exception:  # noqa: BLE001, S110 - debris only; gc removes it
         pass
 
 
 # ----------------------------------------------------------------------------- other ranks
-def _committed(store: Store, spec: SavePlanData) -> bool:
+def committed(store: Store, spec: SavePlanData) -> bool:
+    """Whether the target's carrier is this save's (its summary names the save's token)."""
     try:
-        manifest = _read_manifest(store, _join(spec.target, DIR_MANIFEST))
-    except (FileNotFoundError, ManifestError, OSError):
+        with store.open(_join(spec.target, METADATA_FILE)) as reader:
+            p = peek(reader)
+    except OSError:
         return False
-    return manifest.metadata.get(SAVE_ID_KEY) == spec.save_id
+    return p.summary is not None and p.summary.folder == spec.save_id
 
 
 def _staging_exists(store: Store, spec: SavePlanData) -> bool:
@@ -299,24 +428,24 @@ def _staging_exists(store: Store, spec: SavePlanData) -> bool:
 def wait_for_commit(store: Store, spec: SavePlanData, deadline: float, what: str) -> None:
     """Block until the coordinator committed this save; raise when it failed or timed out."""
     delay = _POLL_MIN
-    abort_name = _join(spec.staging, abort_marker(spec.coordinator_pid, spec.save_id))
+    abort_name = _join(spec.markers, abort_marker(spec.coordinator_pid, spec.save_id))
+    gave_up = CheckpointError(f"{what}: the coordinator gave up on this save (see its error); it was not committed")
     while True:
+        if committed(store, spec):
+            return
         if spec.renames:
             # The rename is atomic: once the staging folder is gone, the target tells the outcome.
             if not _staging_exists(store, spec):
-                if _committed(store, spec):
+                if committed(store, spec):
                     return
-                raise CheckpointError(f"{what}: the coordinator gave up on this save (see its error); "
-                                      "it was not committed")
+                raise gave_up
         else:
-            if _committed(store, spec):
-                return
             try:
                 store.info(abort_name)
-                raise CheckpointError(f"{what}: the coordinator gave up on this save (see its error); "
-                                      "it was not committed")
             except FileNotFoundError:
                 pass
+            else:
+                raise gave_up
         if time.monotonic() >= deadline:
             raise CommitTimeoutError(
                 f"{what}: the coordinator did not commit before the deadline (it may have died); "

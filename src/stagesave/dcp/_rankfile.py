@@ -28,7 +28,7 @@ from torch.utils.serialization import config as _torch_save_config
 
 from .._image import FileImage, StorageSlot, _SparseReader, _SparseSink
 from ..errors import UnsupportedObjectError
-from ._format import HEADER_BYTES, ID_OFFSET, ITEM_ALIGNMENT, header
+from ._format import ITEM_ALIGNMENT, RANK_FILE_KIND
 
 __all__ = ["RankImage", "SkeletonCache", "layout_rank_file"]
 
@@ -132,21 +132,21 @@ def layout_rank_file(
     items: Sequence[WriteItem],
     resolve: Callable[[WriteItem], Any],
     file_name: str,
-    save_id: str,
     cache: SkeletonCache,
 ) -> RankImage:
     """Place every item of a rank's plan in its data file; nothing is copied yet.
 
     ``resolve`` is the planner's ``resolve_data``; it runs here, on the caller's thread, so
-    non-tensor items are serialized now (capturing their value at this instant).
+    non-tensor items are serialized now (capturing their value at this instant). The first item
+    starts at offset 0, as in ``FileSystemWriter``'s files; the proof follows the last one.
 
     Raises:
         UnsupportedObjectError: an item is a tensor on the meta device (it has no data).
     """
-    pieces: list[tuple[int, bytes]] = [(0, header(save_id))]
+    pieces: list[tuple[int, bytes]] = []
     slots: list[StorageSlot] = []
     results: list[WriteResult] = []
-    pos = HEADER_BYTES
+    pos = 0
     tensor_bytes = 0
     for n, item in enumerate(items):
         base = _align(pos)
@@ -180,5 +180,5 @@ def layout_rank_file(
                         storage_data=_StorageInfo(file_name, base, length))
         )
         pos = base + length
-    image = FileImage(size=pos, pieces=pieces, slots=slots, serialization_id=save_id, id_offset=ID_OFFSET)
+    image = FileImage(size=pos, pieces=pieces, slots=slots, serialization_id="", id_offset=0, kind=RANK_FILE_KIND)
     return RankImage(image, results, tensor_bytes)

@@ -1,11 +1,14 @@
 """``StagedStorageReader``: DCP loads that prove every byte before DCP sees it.
 
-The folder's manifest (``checkpoint.stagesave.json``) must say the save committed; ``.metadata``
-is checked against its digests and unpickled with an allow-list (``_metadata``); then each rank
-file is read in windows of whole checksum chunks, in parallel, every chunk checked against the
-manifest before any item in it is handed to DCP's planner. Resharding (a checkpoint written by
-N ranks loaded on M) is DCP's planner's work: this reader only serves the byte ranges it asks
-for. The I/O threads only read and hash; unpickling and tensor copies stay on the caller's thread.
+The folder's proof must say the save committed: ``.metadata`` carries it (format 2: a trailer
+naming every rank file by size and the CRC of its proof; ``resolve_dir``/``folder_entries`` find
+and check it), or ``checkpoint.stagesave.json`` does (format 1, still read). ``.metadata`` is
+checked against its chunk digests and unpickled with an allow-list (``_metadata``); then each
+rank file is opened once (one version of it, whose proof must be the one the folder pins) and
+read in windows of whole checksum chunks, in parallel, every chunk checked before any item in it
+is handed to DCP's planner. Resharding (a checkpoint written by N ranks loaded on M) is DCP's
+planner's work: this reader only serves the byte ranges it asks for. The I/O threads only read
+and hash; unpickling and tensor copies stay on the caller's thread.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import io
 import os
 import uuid
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
@@ -27,10 +30,11 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from .._checksum import digest
-from .._discovery import CheckpointInfo, raise_if_corrupt, resolve_dir
+from .._discovery import CheckpointInfo, folder_entries, raise_if_corrupt, resolve_dir
 from .._manifest import FileEntry
 from .._names import DEFAULT_CHUNK_BYTES
-from .._store import Store, check_name
+from .._proofread import peek
+from .._store import Reader, Store, check_name
 from .._targets import StoreResolver
 from ..errors import CheckpointNotFoundError, IntegrityError, ManifestError
 from ..safety import safe_torch_load
@@ -43,6 +47,16 @@ __all__ = ["StagedStorageReader"]
 DEFAULT_WINDOW_BYTES = 256 * 1024 * 1024
 #: Unverified reads merge items separated by at most this many bytes (alignment padding).
 _MERGE_GAP = 64 * 1024
+#: Times the folder is resolved again when its files changed while it was being opened.
+_OPEN_ATTEMPTS = 3
+
+
+@dataclass(frozen=True)
+class _Pin:
+    """What a format-2 file's summary must say: the save's token and (members) its proof's CRC."""
+
+    token: str
+    proof_crc: int | None
 
 
 @dataclass
@@ -51,8 +65,15 @@ class _Opened:
     name: str
     where: str
     info: CheckpointInfo | None
+    #: What proves each file (its chunk digests of the bytes before its proof); empty unverified.
     entries: dict[str, FileEntry]
     metadata: Metadata
+    #: Format 2: the version of each file the folder's proof names.
+    pins: dict[str, _Pin] = field(default_factory=dict)
+
+
+class _Replaced(Exception):
+    """A file is not the version the folder's proof names (the folder was replaced meanwhile)."""
 
 
 @dataclass
@@ -126,35 +147,92 @@ class StagedStorageReader(StorageReader):
         if self.path is None:
             raise ValueError("no checkpoint folder: pass checkpoint_id= to dcp.load or path= to the reader")
         store, name = self._targets.split(self.path)
+        for attempt in range(_OPEN_ATTEMPTS):
+            try:
+                return self._open_once(store, name)
+            except _Replaced as exc:
+                if attempt == _OPEN_ATTEMPTS - 1:
+                    raise IntegrityError(
+                        f"checkpoint {store.describe(name)} kept changing while it was being opened ({exc}); "
+                        "another process is replacing it: load it again once that save committed"
+                    ) from exc
+        raise AssertionError("unreachable")
+
+    def _open_once(self, store: Store, name: str) -> _Opened:
         where = store.describe(name)
         info: CheckpointInfo | None = None
         entries: dict[str, FileEntry] = {}
+        pins: dict[str, _Pin] = {}
         if self.verify:
             info = resolve_dir(store, name)
             if info.status == "unverified":
                 if not store.list(name) and not store.list_dirs(name):
                     raise CheckpointNotFoundError(f"no checkpoint at {where}")
                 raise IntegrityError(
-                    f"checkpoint {where} has no stagesave manifest, so it cannot be proven complete "
+                    f"checkpoint {where} has no stagesave proof, so it cannot be proven complete "
                     "(a save that never committed, or a folder written by another DCP writer). "
                     "Use stagesave.latest() to find the newest committed one, or pass verify=False "
                     "to read it as a plain DCP folder."
                 )
             if info.status != "committed" or info.manifest is None:
-                raise IntegrityError(f"checkpoint {where} is corrupt: {'; '.join(info.problems)}")
-            entries = {e.name: e for e in info.manifest.files}
+                raise _Replaced if self._changed(store, name, info) else IntegrityError(
+                    f"checkpoint {where} is corrupt: {'; '.join(info.problems)}")
+            entries, pins = self._proven_files(store, name, info)
             if METADATA_FILE not in entries:
-                raise ManifestError(f"checkpoint {where} is not a DCP checkpoint: its manifest lists no {METADATA_FILE}")
+                raise ManifestError(f"checkpoint {where} is not a DCP checkpoint: its proof names no {METADATA_FILE}")
         mname = f"{name}/{METADATA_FILE}"
         try:
-            size = store.info(mname).size
-        except (FileNotFoundError, IsADirectoryError) as exc:
+            reader = store.open(mname)
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:
             raise CheckpointNotFoundError(f"no DCP checkpoint at {where}: {METADATA_FILE} is missing") from exc
-        entry = entries.get(METADATA_FILE)
-        data = self._read_verified(store, mname, 0, size, entry, None)
-        metadata = load_metadata(bytes(data), store.describe(mname), trusted=self.trusted)
+        with reader:
+            self._check_pin(reader, pins.get(METADATA_FILE))
+            entry = entries.get(METADATA_FILE)
+            data = self._read_verified(reader, 0, entry.end if entry is not None else reader.size, entry, None)
+        metadata = load_metadata(bytes(data), reader.where, trusted=self.trusted)
         self._check_storage_data(metadata, entries, where)
-        return _Opened(store, name, where, info, entries, metadata)
+        return _Opened(store, name, where, info, entries, metadata, pins)
+
+    @staticmethod
+    def _changed(store: Store, name: str, info: CheckpointInfo) -> bool:
+        """Whether a folder found corrupt is now another save (replaced while it was resolved)."""
+        again = resolve_dir(store, name)
+        token = info.manifest.folder.token if info.manifest is not None and info.manifest.folder else None
+        new = again.manifest.folder.token if again.manifest is not None and again.manifest.folder else None
+        return again.status == "committed" or (new is not None and new != token)
+
+    @staticmethod
+    def _proven_files(store: Store, name: str, info: CheckpointInfo) -> tuple[dict[str, FileEntry], dict[str, _Pin]]:
+        """Every file of a committed folder with the entry that proves it (and, format 2, the
+        version its summary must show)."""
+        manifest = info.manifest
+        assert manifest is not None
+        folder = manifest.folder
+        if folder is None:  # format 1: checkpoint.stagesave.json lists every file with its digests
+            return {e.name: e for e in manifest.files}, {}
+        found, problems = folder_entries(store, info)
+        if problems:
+            raise _Replaced(problems[0]) if resolve_dir(store, name).manifest != manifest else IntegrityError(
+                f"checkpoint {store.describe(name)} is corrupt: {'; '.join(problems)}")
+        entries: dict[str, FileEntry] = {}
+        for fname, own, listed in found:
+            if own is not None:
+                entries[fname] = own.files[0]
+            elif listed is not None:
+                entries[fname] = listed
+        pins = {m.name: _Pin(folder.token, m.proof_crc) for m in folder.members}
+        pins[folder.carrier] = _Pin(folder.token, None)
+        return entries, pins
+
+    @staticmethod
+    def _check_pin(reader: Reader, pin: _Pin | None) -> None:
+        """Raise ``_Replaced`` unless ``reader``'s file is the version the folder's proof names."""
+        if pin is None:
+            return
+        summary = peek(reader).summary
+        if summary is None or summary.folder != pin.token or (
+                pin.proof_crc is not None and summary.proof_crc != pin.proof_crc):
+            raise _Replaced(f"{reader.where} is not the version its folder's proof names")
 
     def _check_storage_data(self, metadata: Metadata, entries: dict[str, FileEntry], where: str) -> None:
         """Untrusted offsets: every item must lie inside a file this checkpoint committed."""
@@ -171,12 +249,12 @@ class StagedStorageReader(StorageReader):
                 raise ManifestError(f"checkpoint {where}: {index.fqn} has an invalid byte range")
             if self.verify:
                 entry = entries.get(sinfo.relative_path)
-                if entry is None:
+                if entry is None or sinfo.relative_path == METADATA_FILE:
                     raise IntegrityError(f"checkpoint {where} is corrupt: {index.fqn} is stored in "
-                                         f"{sinfo.relative_path}, which its manifest does not list")
-                if sinfo.offset + sinfo.length > entry.size:
-                    raise IntegrityError(f"checkpoint {where} is corrupt: {index.fqn} lies outside "
-                                         f"{sinfo.relative_path} ({sinfo.offset}+{sinfo.length} > {entry.size})")
+                                         f"{sinfo.relative_path}, which its proof does not list as a data file")
+                if sinfo.offset + sinfo.length > entry.end:
+                    raise IntegrityError(f"checkpoint {where} is corrupt: {index.fqn} lies outside the proven "
+                                         f"bytes of {sinfo.relative_path} ({sinfo.offset}+{sinfo.length} > {entry.end})")
 
     # ------------------------------------------------------------------ StorageReader
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -222,17 +300,38 @@ class StagedStorageReader(StorageReader):
             per_file.setdefault(sinfo.relative_path, []).append((sinfo, req))
         with cf.ThreadPoolExecutor(self.io_threads, thread_name_prefix="stagesave-dcp-read") as pool:
             for rel, items in sorted(per_file.items()):
-                fname = f"{opened.name}/{rel}"
                 entry = opened.entries.get(rel)
                 items.sort(key=lambda pair: pair[0].offset)
-                for window in self._windows(items, entry):
-                    data = self._read_verified(opened.store, fname, window.lo, window.hi - window.lo, entry, pool)
-                    for sinfo, req in window.items:
-                        start = sinfo.offset - window.lo
-                        self._deliver(req, data[start : start + sinfo.length], planner, f"{opened.where}/{rel}")
+                with self._open_file(opened, rel) as reader:
+                    for window in self._windows(items, entry):
+                        data = self._read_verified(reader, window.lo, window.hi - window.lo, entry, pool)
+                        for sinfo, req in window.items:
+                            start = sinfo.offset - window.lo
+                            self._deliver(req, data[start : start + sinfo.length], planner, f"{opened.where}/{rel}")
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
+
+    def _open_file(self, opened: _Opened, rel: str) -> Reader:
+        """One version of a data file: the one the folder's proof names (format 2).
+
+        Raises:
+            IntegrityError: it is missing, or was replaced since the folder was opened.
+        """
+        name = f"{opened.name}/{rel}"
+        try:
+            reader = opened.store.open(name)
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:
+            raise IntegrityError(f"checkpoint {opened.where} is corrupt: {rel} is missing") from exc
+        try:
+            self._check_pin(reader, opened.pins.get(rel))
+        except _Replaced as exc:
+            reader.close()
+            raise IntegrityError(
+                f"checkpoint {opened.where} was replaced while it was being loaded ({exc}); "
+                "load it again"
+            ) from exc
+        return reader
 
     # ------------------------------------------------------------------ reading
     def _windows(self, items: list[tuple[_StorageInfo, ReadItem]], entry: FileEntry | None) -> Iterator[_Window]:
@@ -245,7 +344,7 @@ class StagedStorageReader(StorageReader):
             lo = sinfo.offset // step * step
             hi = -(-end // step) * step
             if entry is not None:
-                hi = min(hi, entry.size)
+                hi = min(hi, entry.end)
             if current is not None and lo <= current.hi + gap and max(hi, current.hi) - current.lo <= self.window_bytes:
                 current.hi = max(current.hi, hi)
                 current.items.append((sinfo, req))
@@ -257,20 +356,20 @@ class StagedStorageReader(StorageReader):
             yield current
 
     def _read_verified(
-        self, store: Store, name: str, lo: int, length: int, entry: FileEntry | None, pool: cf.Executor | None
+        self, reader: Reader, lo: int, length: int, entry: FileEntry | None, pool: cf.Executor | None
     ) -> memoryview:
-        """Bytes ``[lo, lo + length)`` of ``name``; with ``entry``, every chunk checked first.
+        """Bytes ``[lo, lo + length)`` of ``reader``'s file; with ``entry``, every chunk checked first.
 
         Raises:
             IntegrityError: a chunk's digest differs, or the file is shorter than it should be.
         """
         out = memoryview(bytearray(length))
         step = entry.chunk_bytes if entry is not None else DEFAULT_CHUNK_BYTES
-        path = store.describe(name)
+        path = reader.where
 
         def one(off: int) -> str | None:
             n = min(step, length - off)
-            got = store.read_into(name, lo + off, out[off : off + n])
+            got = reader.readinto(lo + off, out[off : off + n])
             if got != n:
                 return f"{path}: truncated at byte {lo + off + got}"
             if entry is not None:
@@ -282,7 +381,7 @@ class StagedStorageReader(StorageReader):
 
         offsets = range(0, length, step)
         results = pool.map(one, offsets) if pool is not None and len(offsets) > 1 else map(one, offsets)
-        raise_if_corrupt([p for p in results if p], store.describe(name.rpartition("/")[0]))
+        raise_if_corrupt([p for p in results if p], path.rpartition("/")[0])
         return out
 
     def _deliver(self, req: ReadItem, blob: memoryview, planner: LoadPlanner, where: str) -> None:

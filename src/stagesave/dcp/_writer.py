@@ -4,8 +4,9 @@ DCP calls a storage writer from inside ``dcp.save``: planning and the exchange o
 results are collectives on the caller's thread, as they must be. This writer keeps them there and
 changes only what ``write_data`` does: it lays out the rank's file (offsets known now), copies
 every item into the rank's reused staging buffer, and returns DCP an already completed future
-with the write results. The write itself, the markers and the coordinator's commit then run on
-the checkpointer's background thread (``_protocol``), which makes only syscalls and hashes.
+with the write results. The write itself (each rank file with its own proof), the markers and
+the coordinator's commit (``.metadata`` with the folder's proof, written last) then run on the
+checkpointer's background thread (``_protocol``), which makes only syscalls and hashes.
 
 Why not ``dcp.async_save``: it runs the whole ``dcp.save`` (planning collectives included) on a
 background thread, and a gloo collective off the training thread switches libgomp to passive
@@ -27,18 +28,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 from typing_extensions import Self
 
-from .._commit import WriteStats
-from .._image import MAX_INDEXED_TENSORS
-from .._manifest import FileEntry, Manifest
-from .._names import TMP_MARKER
+from .._image import FileImage
+from .._names import TMP_MARKER, check_target_name
 from .._pool import HostBuffer
+from .._stage import ImageCrcs
 from .._store import Store
+from .._write import WriteStats
 from ..checkpointer import Checkpointer
 from ..handle import SaveHandle
 from ..telemetry import SaveTelemetry
@@ -48,6 +49,7 @@ from ._protocol import (
     MetadataSlot,
     SavePlanData,
     abandon,
+    clear_old_carrier,
     commit,
     report_failure,
     wait_for_commit,
@@ -63,18 +65,6 @@ DEFAULT_COMMIT_TIMEOUT = 1800.0
 
 def _join(parent: str, leaf: str) -> str:
     return f"{parent}/{leaf}" if parent else leaf
-
-
-def _tensor_index(metadata: Metadata) -> list[dict[str, Any]]:
-    """The manifest's tensor index: every tensor's global dtype and shape."""
-    out: list[dict[str, Any]] = []
-    for fqn, md in metadata.state_dict_metadata.items():
-        if len(out) >= MAX_INDEXED_TENSORS:
-            break
-        if isinstance(md, TensorStorageMetadata):
-            out.append({"name": fqn, "dtype": str(md.properties.dtype).removeprefix("torch."),
-                        "shape": list(md.size), "chunks": len(md.chunks)})
-    return out
 
 
 @dataclass
@@ -98,8 +88,8 @@ class _RankJob:
     store: Store
     spec: SavePlanData
     buf: HostBuffer
-    size: int
-    digests: list[str] | None
+    image: FileImage
+    crcs: ImageCrcs | None
     wait_device: Callable[[], None] | None
     slot: MetadataSlot | None
     handle: SaveHandle
@@ -111,27 +101,30 @@ class _RankJob:
     def what(self) -> str:
         return f"sharded checkpoint {self.handle.path}"
 
-    def manifest(self, entries: list[FileEntry], tensors: list[dict[str, Any]]) -> Manifest:
-        meta = {**self.user_metadata, FORMAT_KEY: FORMAT_VALUE, SAVE_ID_KEY: self.spec.save_id,
+    def metadata(self) -> dict[str, Any]:
+        """What the folder's proof records besides the files: the user's metadata and the save's."""
+        return {**self.user_metadata, FORMAT_KEY: FORMAT_VALUE, SAVE_ID_KEY: self.spec.save_id,
                 WORLD_SIZE_KEY: self.spec.world_size}
-        tel = self.handle.telemetry
-        return Manifest(files=entries, created_ns=time.time_ns(), tensors=tensors, metadata=meta,
-                        telemetry={k: v for k, v in tel.to_dict().items() if k not in ("path", "error")})
 
     def _write(self) -> None:
-        engine, tel = self.engine, self.handle.telemetry
+        engine = self.engine
         stats = WriteStats()
         try:
             if self.wait_device is not None:
                 self.wait_device()
-            write_rank(self.store, self.spec, self.buf.view, self.size, self.digests,
+            write_rank(self.store, self.spec, self.image, self.buf.view, self.crcs,
                        algorithm=engine.checksum, chunk_bytes=engine.chunk_bytes,
                        pool=engine.io_pool(), stats=stats)
         finally:
             engine.release(self.buf)
+        self._record(stats)
+
+    def _record(self, stats: WriteStats) -> None:
+        tel = self.handle.telemetry
         tel.write_s, tel.fsync_s, tel.direct_io = stats.write_s, stats.fsync_s, stats.direct_io
         tel.checksum_s += stats.checksum_s
-        tel.throughput_bytes_per_s = self.size / stats.write_s if stats.write_s > 0 else 0.0
+        stats.checksum_s = 0.0
+        tel.throughput_bytes_per_s = self.image.size / stats.write_s if stats.write_s > 0 else 0.0
 
     def run(self) -> None:
         engine, spec, tel = self.engine, self.spec, self.handle.telemetry
@@ -143,8 +136,9 @@ class _RankJob:
             c0 = time.perf_counter()
             deadline = time.monotonic() + self.timeout
             if self.slot is not None:
-                commit(self.store, spec, self.slot, self.manifest, algorithm=engine.checksum,
-                       chunk_bytes=engine.chunk_bytes, deadline=deadline, what=self.what)
+                commit(self.store, spec, self.slot, self.metadata(), algorithm=engine.checksum,
+                       chunk_bytes=engine.chunk_bytes, pool=engine.io_pool(), stats=WriteStats(),
+                       deadline=deadline, what=self.what)
                 committed = True
             else:
                 wait_for_commit(self.store, spec, deadline, self.what)
@@ -152,7 +146,7 @@ class _RankJob:
             tel.time_to_commit_s = time.perf_counter() - self.started
             tel.committed_at = time.time()
             if committed:
-                engine.retain(self.store, spec.target.rpartition("/")[0])
+                engine.retain(self.store, spec.parent)
         except BaseException as exc:  # noqa: BLE001 - delivered through the handle
             if not wrote:
                 report_failure(self.store, spec, exc)
@@ -173,7 +167,8 @@ class StagedStorageWriter(StorageWriter):
         writer.last_handle.result()                              # optional: wait for the commit
 
     The folder is committed (and ``stagesave.latest`` sees it) once every rank's file is durable
-    and the coordinator wrote the manifest; until then the previous checkpoint stays the latest.
+    and the coordinator wrote ``.metadata`` (which carries the folder's proof) and published the
+    folder; until then the previous checkpoint stays the latest.
 
     Args:
         path: The checkpoint folder (local path, URL, or relative to the checkpointer's root);
@@ -183,7 +178,7 @@ class StagedStorageWriter(StorageWriter):
             ``options`` and closed by :meth:`close`.
         commit_timeout: Seconds the coordinator waits for every rank's part after writing its
             own (and the other ranks wait for the commit) before the save fails.
-        metadata: Stored in the global manifest of every save (e.g. ``{"step": 100}``).
+        metadata: Stored in the folder's proof of every save (e.g. ``{"step": 100}``).
         **options: :class:`~stagesave.Checkpointer` arguments for the private checkpointer.
 
     Raises:
@@ -252,6 +247,7 @@ class StagedStorageWriter(StorageWriter):
         self.abandon("a new dcp.save started before the previous one reached finish() (it raised)")
         self._engine.check_usable()
         store, name = self._engine.split(self.path)
+        check_target_name(name)
         tel = SaveTelemetry(path=store.describe(name), started_at=time.time())
         self._save = _Save(time.perf_counter(), is_coordinator, store, name, tel)
 
@@ -264,10 +260,16 @@ class StagedStorageWriter(StorageWriter):
         save_id = secrets.token_hex(16)
         parent, _, leaf = s.name.rpartition("/")
         pid = os.getpid()
+        hidden = _join(parent, f".{leaf}.{pid}-{save_id[:8]}{TMP_MARKER}")
         local = s.store.local_path(s.name) is not None
-        staging = _join(parent, f".{leaf}.{pid}-{save_id[:8]}{TMP_MARKER}") if local else s.name
+        if not local:
+            # No rank writes before the plans go out: the old folder loses its carrier first.
+            clear_old_carrier(s.store, s.name)
+        staging = hidden if local else s.name
+        created_ns = time.time_ns()
         return [
-            dataclasses.replace(plan, storage_data=SavePlanData(i, len(plans), save_id, staging, s.name, pid))
+            dataclasses.replace(plan, storage_data=SavePlanData(i, len(plans), save_id, staging, s.name, pid,
+                                                                hidden, created_ns))
             for i, plan in enumerate(plans)
         ]
 
@@ -290,14 +292,13 @@ class StagedStorageWriter(StorageWriter):
         engine = self._engine
         try:
             t0 = time.perf_counter()
-            rank_image = layout_rank_file(plan.items, planner.resolve_data, spec.file_name, spec.save_id,
-                                          self._skeletons)
+            rank_image = layout_rank_file(plan.items, planner.resolve_data, spec.file_name, self._skeletons)
             image = rank_image.image
             tel.plan_s = time.perf_counter() - t0
             s.store.check_writable(_join(spec.staging, spec.file_name), image.size)
             buf, tel.buffer_wait_s = engine.acquire(image.size)
             try:
-                wait_device, digests = engine.stage(image, buf, tel)
+                wait_device, crcs = engine.stage(image, buf, tel)
             except BaseException:
                 engine.release(buf)
                 raise
@@ -314,7 +315,7 @@ class StagedStorageWriter(StorageWriter):
             self._open_slots.append(s.slot)
         handle = SaveHandle(tel.path, tel)
         self.last_handle = handle
-        job = _RankJob(engine, s.store, spec, buf, image.size, digests, wait_device, s.slot, handle,
+        job = _RankJob(engine, s.store, spec, buf, image, crcs, wait_device, s.slot, handle,
                        s.started, self.commit_timeout, dict(self.metadata))
         engine.submit(job.run, handle)
         fut: Future[list[WriteResult]] = Future()
@@ -330,7 +331,7 @@ class StagedStorageWriter(StorageWriter):
             metadata.storage_data = {wr.index: wr.storage_data for rank in results for wr in rank}
             metadata.storage_meta = StorageMeta(
                 checkpoint_id=os.fspath(self.path) if self.path is not None else None, save_id=s.spec.save_id)
-            s.slot.fill(pickle.dumps(metadata), _tensor_index(metadata))
+            s.slot.fill(pickle.dumps(metadata))
         except BaseException as exc:
             s.slot.abandon(f"finish() failed: {type(exc).__name__}: {exc}")
             raise
