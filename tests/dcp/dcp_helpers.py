@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
 import torch
 from torch import nn
+
+from stagesave import LocalStore
+from stagesave._manifest import Manifest
+from stagesave._proofread import FileProof, read_proof
 
 #: A small MLP whose first dimensions (48, 40, 10) shard unevenly over 4 ranks and over 2.
 SIZES = (32, 48, 40, 10)
@@ -63,15 +66,24 @@ def assert_same(a: Any, b: Any, path: str = "state") -> None:
         assert a == b, f"{path}: {a!r} != {b!r}"
 
 
-def manifest(folder: str) -> dict[str, Any]:
-    with open(os.path.join(folder, "checkpoint.stagesave.json"), "rb") as f:
-        return json.load(f)
+def proof(path: str | os.PathLike[str]) -> FileProof:
+    """The proof embedded in one file of a folder (read and checked by stagesave's reader)."""
+    folder, leaf = os.path.split(os.fspath(path))
+    with LocalStore(folder).open(leaf) as reader:
+        return read_proof(reader, leaf)
+
+
+def folder_proof(folder: str | os.PathLike[str]) -> Manifest:
+    """The carrier's manifest of a committed sharded folder: ``.metadata``'s proof."""
+    got = proof(os.path.join(os.fspath(folder), ".metadata"))
+    assert got.manifest is not None and got.manifest.folder is not None, got.problems
+    return got.manifest
 
 
 def rank_file_sizes(folder: str) -> dict[int, int]:
-    """Size of each rank's data file, by rank, from the folder's manifest."""
+    """Size of each rank's data bytes (before its proof), by rank, from the files' own proofs."""
     out = {}
-    for f in manifest(folder)["files"]:
-        if f["name"].endswith(".distcp"):
-            out[int(f["name"][2:].split("_")[0])] = f["size"]
+    for member in folder_proof(folder).folder.members:  # type: ignore[union-attr]
+        if member.name.endswith(".distcp"):
+            out[int(member.name[2:].split("_")[0])] = proof(os.path.join(folder, member.name)).manifest.files[0].end  # type: ignore[union-attr]
     return out

@@ -13,6 +13,7 @@ any) and its output to ``OUT/<scenario>-rank<R>.log``.
 
 from __future__ import annotations
 
+import errno
 import json
 import multiprocessing
 import os
@@ -178,6 +179,34 @@ def object_store_save(rank: int, world: int, out: str) -> dict[str, Any]:
     return {"loaded_equal": same}
 
 
+def crash_replace(rank: int, world: int, out: str) -> dict[str, Any]:
+    """Save ``step-0`` and A into ``last`` (committed), then B over ``last`` with ``keep_last=1``
+    (its retention removes ``step-0``), SIGKILLed at the crash point ``KILL_AT`` of save B."""
+    ckpt = Checkpointer(os.path.join(out, "ckpt"), chunk_bytes=64 * 1024)
+    writer = sdcp.StagedStorageWriter(checkpointer=ckpt, commit_timeout=60)
+    g = torch.Generator().manual_seed(21)
+    a = {"w": torch.randn(512, 256, generator=g), "step": 1}  # 512 KiB: several chunks per file
+    b = {"w": torch.randn(512, 256, generator=g), "step": 2}
+    if rank == 0:
+        torch.save({"A": a, "B": b}, os.path.join(out, "states.pt"))
+    sdcp.save({"w": torch.zeros(4), "step": 0}, "step-0", writer=writer).result(60)
+    sdcp.save(a, "last", writer=writer).result(60)
+    ckpt.keep_last = 1
+    if os.environ.get("NO_EXCHANGE") == "1":  # a filesystem without RENAME_EXCHANGE: old folder aside first
+        from stagesave import _fsops
+
+        def no_exchange(a: str, b: str) -> None:
+            raise OSError(errno.ENOSYS, "renameat2(RENAME_EXCHANGE) is not supported here")
+
+        _fsops.exchange = no_exchange  # type: ignore[assignment]
+    os.environ["STAGESAVE_CRASH_AT"] = os.environ["KILL_AT"]
+    sdcp.save(b, "last", writer=writer).result(60)
+    os.environ.pop("STAGESAVE_CRASH_AT")
+    writer.close()
+    ckpt.close()
+    return {"outcome": "committed"}
+
+
 def _outcome(handle: Any) -> dict[str, Any]:
     try:
         handle.result(120)
@@ -213,7 +242,8 @@ def failed_write(rank: int, world: int, out: str) -> dict[str, Any]:
     return result
 
 
-SCENARIOS = {f.__name__: f for f in (fsdp_save, fsdp_load, killed_save, object_store_save, failed_write)}
+SCENARIOS = {f.__name__: f for f in (fsdp_save, fsdp_load, killed_save, object_store_save, failed_write,
+                                     crash_replace)}
 
 
 def _child(scenario: str, rank: int, world: int, out: str, env: dict[str, str]) -> None:

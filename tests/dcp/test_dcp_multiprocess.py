@@ -9,13 +9,24 @@ import warnings
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from dcp_helpers import (
+    assert_same,
+    build_model,
+    folder_proof,
+    proof,
+    rank_file_sizes,
+    replicated_state,
+    train,
+)
 from dcp_run import Run
-from dcp_helpers import assert_same, build_model, manifest, rank_file_sizes, replicated_state, train
 
 import stagesave
 import stagesave.dcp as sdcp
 from stagesave import LocalStore
+from stagesave._crash import CRASH_POINTS
 from stagesave._gc import find_debris
+from stagesave.dcp._metadata import load_metadata
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -29,18 +40,23 @@ def test_fsdp2_save_on_four_ranks_commits_one_folder(fsdp_saved):
     folder = root / "step-2"
     reports = fsdp_saved.ranks
     assert all(r["dtensor"] == "DTensor" and r["local_rows"] == 12 for r in reports)  # 48 rows / 4
-    doc = manifest(str(folder))
-    names = sorted(f["name"] for f in doc["files"])
+    carrier = folder_proof(folder)  # .metadata, written last by the coordinator, proves the folder
+    assert carrier.folder is not None and carrier.seq == 1
+    names = sorted([carrier.folder.carrier, *(m.name for m in carrier.folder.members)])
     assert names == [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp"]
-    assert sorted(os.listdir(folder)) == sorted([*names, "checkpoint.stagesave.json"])  # no markers left
-    save_id = doc["metadata"]["dcp_save_id"]
-    assert doc["metadata"]["dcp_world_size"] == 4 and doc["metadata"]["format"] == "torch.distributed.checkpoint"
-    for f in doc["files"]:
-        if f["name"].endswith(".distcp"):
-            assert f["serialization_id"] == save_id
-            head = (folder / f["name"]).read_bytes()[: 64]
-            assert head[f["id_offset"] : f["id_offset"] + len(save_id)] == save_id.encode()
-    assert {t["name"] for t in doc["tensors"]} >= {"model.0.weight", "optim.state.4.bias.exp_avg_sq"}
+    # Exactly what FileSystemWriter writes: no rank marker, no manifest beside the files.
+    assert sorted(os.listdir(folder)) == names
+    save_id = carrier.metadata["dcp_save_id"]
+    assert carrier.folder.token == save_id
+    assert carrier.metadata["dcp_world_size"] == 4 and carrier.metadata["format"] == "torch.distributed.checkpoint"
+    for member in carrier.folder.members:  # every rank file proves itself, pinned by the carrier
+        own = proof(folder / member.name)
+        assert own.manifest is not None and own.summary is not None, own.problems
+        assert own.summary.folder == save_id and own.summary.carrier == ".metadata" and own.summary.seq is None
+        assert own.proof_crc == member.proof_crc and (folder / member.name).stat().st_size == member.size
+    md = load_metadata((folder / ".metadata").read_bytes(), "test")
+    assert set(md.state_dict_metadata) >= {"model.0.weight", "optim.state.4.bias.exp_avg_sq"}
+    assert md.storage_meta is not None and md.storage_meta.save_id == save_id
     latest = stagesave.latest(root)
     assert latest is not None and latest.name == "step-2" and latest.is_dir and latest.status == "committed"
     assert stagesave.verify(folder).status == "verified"
@@ -116,7 +132,7 @@ def test_replicated_state_is_written_once_and_split_across_ranks(fsdp_saved):
 
 @pytest.mark.parametrize(
     ("victim", "point", "gated"),
-    [(1, "mid_data", "1"), (0, "dcp_before_manifest", "1"), (1, "mid_data", "0")],
+    [(1, "mid_data", "1"), (0, "dcp_after_metadata", "1"), (1, "mid_data", "0")],
     ids=["rank1-mid-write", "coordinator-before-commit", "rank1-inside-dcp-save"],
 )
 def test_rank_killed_during_save_leaves_no_commit(launcher, tmp_path, victim, point, gated):
@@ -175,5 +191,56 @@ def test_object_store_protocol_on_two_ranks(launcher, tmp_path):
     run.ok()
     assert all(r["loaded_equal"] for r in run.ranks)
     folder = tmp_path / "objects" / "last"
-    assert sorted(os.listdir(folder)) == [".metadata", "__0_0.distcp", "__1_0.distcp", "checkpoint.stagesave.json"]
-    assert stagesave.latest(tmp_path / "objects").name == "last"
+    assert sorted(os.listdir(folder)) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    # The markers were in a hidden prefix beside the folder, and are gone with the commit.
+    leftovers = [os.path.join(d, f) for d, _, files in os.walk(tmp_path / "objects") for f in files]
+    assert sorted(os.path.relpath(p, folder) for p in leftovers) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    latest = stagesave.latest(tmp_path / "objects", verify=True)
+    assert latest is not None and latest.name == "last" and latest.status == "verified"
+
+
+#: Crash points of save B in order, with the checkpoint ``last`` must hold after a SIGKILL there.
+#: ``:2`` is the second time the point is reached: the coordinator writing ``.metadata`` after its
+#: own rank file. ``no-exchange``: on a filesystem that cannot swap two folders (the old one is
+#: moved aside first; ``after_aside`` exists only there, and the next ``latest()`` puts it back).
+_REPLACE_POINTS = [
+    ("before_data", "A"), ("mid_data", "A"), ("after_data", "A"), ("after_data_fsync", "A"),
+    ("before_proof", "A"), ("after_proof", "A"), ("dcp_before_marker", "A"), ("dcp_after_marker", "A"),
+    ("dcp_before_metadata", "A"), ("before_data:2", "A"), ("after_data_fsync:2", "A"), ("before_proof:2", "A"),
+    ("after_proof:2", "A"), ("dcp_after_metadata", "A"), ("no-exchange/after_aside", "A"), ("after_rename", "B"),
+    ("no-exchange/after_rename", "B"), ("after_commit", "B"), ("during_retention", "B"),
+]
+
+
+def test_every_crash_point_of_the_protocol_is_covered():
+    covered = {p.rpartition("/")[2].partition(":")[0] for p, _ in _REPLACE_POINTS}
+    obsolete = {"dcp_before_manifest", "dcp_after_manifest"}  # format 1 only; no longer reached
+    assert set(CRASH_POINTS) - covered - obsolete == {"during_upload"}  # uploads: the tiered stores' tests
+
+
+@pytest.mark.parametrize(("point", "expect"), _REPLACE_POINTS, ids=[p for p, _ in _REPLACE_POINTS])
+def test_sigkill_while_replacing_a_folder_leaves_the_old_or_the_new_never_a_mix(launcher, tmp_path, point, expect):
+    variant, _, kill_at = point.rpartition("/")
+    run = launcher("crash_replace", 1, tmp_path, KILL_AT=kill_at, NO_EXCHANGE=str(int(variant == "no-exchange")))
+    assert run.exit_codes == [-9], f"{point} was not reached: {run.ranks}\n{run.log()}"
+    states = torch.load(tmp_path / "states.pt", weights_only=True)
+    root = tmp_path / "ckpt"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing corrupt is even listed
+        latest = stagesave.latest(root, verify=True)  # also puts back a folder left aside
+        listed = stagesave.list_checkpoints(root)
+    assert latest is not None and latest.name == "last" and latest.status == "verified", latest
+    assert sorted(os.listdir(root / "last")) == [".metadata", "__0_0.distcp"]  # DCP's files, nothing else
+    assert_same(sdcp.to_state_dict(root / "last"), states[expect], f"last after a crash at {point}")
+    got = {"w": torch.zeros(512, 256), "step": 0}
+    dcp.load(got, checkpoint_id=str(root / "last"))  # torch's own reader agrees
+    assert_same(got, states[expect], "torch's FileSystemReader")
+    # step-0 is removed by B's retention only: it is whole or gone, never half removed.
+    retained = point == "during_retention"
+    assert [c.name for c in listed] == (["last"] if retained else ["last", "step-0"])
+    if not retained:
+        assert stagesave.verify(root / "step-0").status == "verified"
+    debris, kept = find_debris(LocalStore(str(root)))
+    assert kept == []
+    for d in debris:  # what a crash leaves is a temporary of a dead writer, which gc removes
+        assert d.action == "remove" and d.kind in ("temporary", "temporary-dir"), d

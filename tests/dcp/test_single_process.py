@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from dcp_helpers import assert_same
+from dcp_helpers import assert_same, folder_proof, proof
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -140,7 +140,10 @@ def test_save_returns_after_staging_and_later_changes_do_not_leak(writer, root, 
     gate.set()
     tel = handle.result(30)
     assert tel.error is None and tel.blocking_s > 0 and tel.committed_at is not None
-    assert tel.bytes == (root / "step-1" / "__0_0.distcp").stat().st_size
+    # The staged bytes are the file's data; its proof follows them.
+    rank = proof(root / "step-1" / "__0_0.distcp")
+    assert rank.summary is not None and rank.summary.proof_offset == tel.bytes
+    assert (root / "step-1" / "__0_0.distcp").stat().st_size > tel.bytes
     loaded = {"w": torch.zeros(1000), "step": 0}
     sdcp.load(loaded, root / "step-1")
     assert torch.equal(loaded["w"], torch.arange(1000, dtype=torch.float32)) and loaded["step"] == 1
@@ -162,19 +165,44 @@ def test_cuda_state_is_staged_on_a_side_stream_into_pinned_memory(writer, root):
     assert torch.equal(got["v"], ref_v) and got["step"] == 3
 
 
-def test_items_are_aligned_zips_and_the_header_names_the_save(writer):
-    folder = saved(writer, {"a": torch.randn(3, 3), "b": torch.randn(5), "n": 1}, "s")
-    md = load_metadata((folder / ".metadata").read_bytes(), "test")
-    doc = stagesave.latest(folder.parent).manifest
-    assert doc is not None
-    save_id = doc.metadata["dcp_save_id"]
+def test_folder_holds_what_filesystemwriter_writes_and_each_file_carries_its_proof(writer, root, tmp_path):
+    state = {"a": torch.randn(3, 3), "b": torch.randn(5), "n": 1}
+    folder = saved(writer, state, "s")
+    dcp.save(state, checkpoint_id=str(tmp_path / "plain"))  # torch's own FileSystemWriter
+    assert sorted(os.listdir(folder)) == sorted(os.listdir(tmp_path / "plain")) == [".metadata", "__0_0.distcp"]
+    assert sorted(os.listdir(root)) == ["s"]  # no staging folder, no marker beside it
+
+    raw_md = (folder / ".metadata").read_bytes()
+    md = pickle.loads(raw_md)  # what FileSystemReader does: the proof after the pickle is ignored
+    assert isinstance(md, Metadata) and load_metadata(raw_md, "test").storage_data == md.storage_data
+
+    carrier = folder_proof(folder)  # .metadata carries the folder's proof
+    assert carrier.files[0].kind == "dcp-metadata" and carrier.seq == 1
+    assert carrier.folder is not None and carrier.folder.carrier == ".metadata" and carrier.folder.listed == []
+    save_id = carrier.metadata["dcp_save_id"]
+    assert carrier.folder.token == save_id and md.storage_meta is not None and md.storage_meta.save_id == save_id
+    assert carrier.metadata["dcp_world_size"] == 1 and carrier.metadata["format"] == "torch.distributed.checkpoint"
+    assert carrier.files[0].end < len(raw_md)  # the proof follows the pickle
+
+    rank = proof(folder / "__0_0.distcp")  # the rank file carries its own, pinned by the carrier
+    assert rank.manifest is not None and rank.summary is not None
+    assert rank.manifest.files[0].kind == "dcp" and rank.manifest.seq is None and rank.summary.seq is None
+    assert rank.summary.folder == save_id and rank.summary.carrier == ".metadata"
+    assert [(m.name, m.size, m.proof_crc) for m in carrier.folder.members] == [
+        ("__0_0.distcp", (folder / "__0_0.distcp").stat().st_size, rank.proof_crc)]
+
     data = (folder / "__0_0.distcp").read_bytes()
-    assert data.startswith(b"stagesave-dcp\n" + save_id.encode() + b"\n")
-    assert md.storage_meta is not None and md.storage_meta.save_id == save_id
+    ends = []
     for index, info in md.storage_data.items():
         assert info.relative_path == "__0_0.distcp" and info.offset % 64 == 0
+        ends.append(info.offset + info.length)
         if index.fqn != "n":
             assert data[info.offset : info.offset + 4] == b"PK\x03\x04"  # a torch.save zip per tensor
+    assert min(i.offset for i in md.storage_data.values()) == 0  # no header before the first item
+    assert rank.manifest.files[0].end == max(ends) == rank.summary.proof_offset  # the proof follows the last item
+
+    second = folder_proof(saved(writer, state, "t"))
+    assert second.seq == 2 and second.folder is not None and second.folder.token != save_id
 
 
 def test_replacing_a_folder_keeps_one_committed_copy(writer, root):
@@ -232,7 +260,7 @@ def test_tiered_store_uploads_the_committed_folder(tmp_path):
         sdcp.save({"w": torch.full((100, 10), float(step)), "step": step}, f"step-{step}", writer=w).result(30)
     uploads = tier.wait_uploads(60)
     assert [u.error for u in uploads] == [None, None]
-    assert sorted(os.listdir(tmp_path / "remote" / "step-2")) == [".metadata", "__0_0.distcp", "checkpoint.stagesave.json"]
+    assert sorted(os.listdir(tmp_path / "remote" / "step-2")) == [".metadata", "__0_0.distcp"]
     remote = stagesave.latest(tmp_path / "remote", verify=True)
     assert remote is not None and remote.name == "step-2" and remote.status == "verified"
     got = {"w": torch.zeros(100, 10), "step": 0}
@@ -271,23 +299,54 @@ def test_tampered_metadata_is_caught_before_unpickling(two_saves):
         sdcp.load({"w": torch.zeros(256, 64), "step": 0}, b)
 
 
-def test_truncated_and_stale_rank_files_are_refused(two_saves):
+def test_truncated_and_stale_rank_files_are_refused(two_saves, root):
     a, b = two_saves
-    # The same shapes make the files the same size: only the save id tells them apart.
+    # The same shapes make the files the same size: only their proofs tell them apart.
     assert (a / "__0_0.distcp").stat().st_size == (b / "__0_0.distcp").stat().st_size
     shutil.copy(a / "__0_0.distcp", b / "__0_0.distcp")
-    with pytest.raises(IntegrityError, match="does not carry the id its manifest names"):
+    with pytest.raises(IntegrityError, match=r"__0_0\.distcp belongs to another save than its folder"):
         sdcp.load({"w": torch.zeros(256, 64), "step": 0}, b)
+    assert stagesave.verify(b).status == "corrupt"
     with open(a / "__0_0.distcp", "r+b") as f:
         f.truncate(1000)
-    with pytest.raises(IntegrityError, match=r"is 1000 bytes, manifest says \d+"):
+    with pytest.raises(IntegrityError, match=r"__0_0\.distcp is 1000 bytes, its folder's proof says \d+"):
         sdcp.load({"w": torch.zeros(256, 64), "step": 0}, a)
+    with pytest.warns(UserWarning, match="skipping checkpoint .*step-1"):
+        assert stagesave.latest(root) is not None  # step-1 is listed as corrupt, never chosen
+    assert [c.status for c in stagesave.list_checkpoints(root) if c.name == "step-1"] == ["corrupt"]
+
+
+def test_a_file_the_proof_does_not_list_makes_the_folder_invalid(two_saves):
+    _, b = two_saves
+    (b / "notes.txt").write_text("added after the commit")
+    with pytest.raises(IntegrityError, match=r"notes\.txt is not part of the checkpoint its proof describes"):
+        sdcp.load({"w": torch.zeros(256, 64), "step": 0}, b)
+    assert stagesave.verify(b).status == "corrupt"
+    (b / "notes.txt").unlink()
+    (b / "__1_0.distcp").write_bytes((b / "__0_0.distcp").read_bytes())  # a rank file of no rank
+    with pytest.raises(IntegrityError, match=r"__1_0\.distcp is not part of the checkpoint"):
+        sdcp.load({"w": torch.zeros(256, 64), "step": 0}, b)
+    (b / "__1_0.distcp").unlink()
+    got = {"w": torch.zeros(256, 64), "step": 0}
+    sdcp.load(got, b)
+    assert got["step"] == 2
+
+
+def test_the_newest_is_the_highest_sequence_number_not_the_newest_clock(writer, root):
+    saved(writer, {"w": torch.zeros(4)}, "b")
+    saved(writer, {"w": torch.ones(4)}, "a")
+    old = 1_000_000_000
+    os.utime(root / "a", (old, old))
+    for f in (root / "a").iterdir():
+        os.utime(f, (old, old))
+    assert [(c.name, c.seq) for c in stagesave.list_checkpoints(root)] == [("a", 2), ("b", 1)]
+    assert stagesave.latest(root).name == "a"
 
 
 def test_folder_without_manifest_needs_verify_false(tmp_path):
     state = {"w": torch.randn(5, 5), "step": 4}
     dcp.save(state, checkpoint_id=str(tmp_path / "plain"))  # torch's FileSystemWriter
-    with pytest.raises(IntegrityError, match="has no stagesave manifest, so it cannot be proven complete"):
+    with pytest.raises(IntegrityError, match="has no stagesave proof, so it cannot be proven complete"):
         sdcp.load({"w": torch.zeros(5, 5), "step": 0}, tmp_path / "plain")
     got = {"w": torch.zeros(5, 5), "step": 0}
     sdcp.load(got, tmp_path / "plain", reader=sdcp.StagedStorageReader(verify=False))
@@ -373,3 +432,106 @@ def test_misuse_is_refused_with_the_reason(writer, root):
     with pytest.raises(ValueError, match="got a checkpointer and checkpointer options"):
         sdcp.StagedStorageWriter(checkpointer=writer.checkpointer, keep_last=2)
     assert issubclass(sdcp.CommitTimeoutError, CheckpointError) and issubclass(sdcp.CommitTimeoutError, TimeoutError)
+
+
+# ------------------------------------------------------------------ format 1 and other layouts
+def _format1_folder(folder: Path, state: dict[str, Any], chunk_bytes: int = 4096) -> None:
+    """A sharded folder as stagesave 1.x committed it: DCP's files plus ``checkpoint.stagesave.json``
+    (every file with its size and the xxh3-128 digests of its chunks), written last."""
+    from stagesave._checksum import digest
+    from stagesave._manifest import FileEntry, Manifest
+
+    dcp.save(state, checkpoint_id=str(folder))
+    entries = []
+    for name in sorted(os.listdir(folder)):
+        data = (folder / name).read_bytes()
+        chunks = tuple(digest("xxh3_128", data[i : i + chunk_bytes]) for i in range(0, len(data), chunk_bytes))
+        entries.append(FileEntry(name, len(data), "xxh3_128", chunk_bytes, chunks,
+                                 "dcp-metadata" if name == ".metadata" else "dcp"))
+    manifest = Manifest(entries, 1_700_000_000_000_000_000, metadata={"format": "torch.distributed.checkpoint"})
+    (folder / "checkpoint.stagesave.json").write_bytes(manifest.to_json())
+
+
+def test_format1_folders_still_list_verify_and_load(writer, root):
+    state = {"w": torch.randn(128, 64), "step": 7}
+    _format1_folder(root / "old", state)
+    info = stagesave.latest(root)
+    assert info is not None and info.name == "old" and info.format == 1 and info.is_dir and info.status == "committed"
+    assert stagesave.verify(root / "old").status == "verified"
+    got = {"w": torch.zeros(128, 64), "step": 0}
+    sdcp.load(got, root / "old")
+    assert torch.equal(got["w"], state["w"]) and got["step"] == 7
+    # A format-2 save in the same root is newer than any format-1 checkpoint, whatever the clocks say.
+    saved(writer, {"w": torch.ones(2)}, "new")
+    assert [(c.name, c.format) for c in stagesave.list_checkpoints(root)] == [("new", 2), ("old", 1)]
+    # Chunks are still checked against the format-1 manifest before DCP sees a byte.
+    md = load_metadata((root / "old" / ".metadata").read_bytes(), "test")
+    info_w = md.storage_data[MetadataIndex("w", torch.Size([0, 0]))]
+    flip(root / "old" / info_w.relative_path, info_w.offset + info_w.length - 10)
+    with pytest.raises(IntegrityError, match=r"\.distcp: checksum mismatch in bytes \[\d+, \d+\) \(chunk \d+\)"):
+        sdcp.load({"w": torch.zeros(128, 64), "step": 0}, root / "old")
+    assert stagesave.verify(root / "old").status == "corrupt"
+
+
+def test_replacing_a_format1_folder_leaves_a_format2_one(writer, root):
+    _format1_folder(root / "last", {"w": torch.zeros(8), "step": 1})
+    saved(writer, {"w": torch.ones(8), "step": 2}, "last")
+    assert sorted(os.listdir(root / "last")) == [".metadata", "__0_0.distcp"]
+    info = stagesave.latest(root)
+    assert info is not None and info.format == 2 and info.seq == 1
+
+
+def test_object_store_commit_rewrites_in_place_and_leaves_nothing_else(tmp_path):
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    url = "memory://dcp-objects"
+    with sdcp.StagedStorageWriter(root=url, commit_timeout=30) as w:
+        sdcp.save({"w": torch.zeros(64, 8), "step": 1}, "last", writer=w).result(30)
+        # A file the next save will not write (e.g. the part of a rank that the new world lacks).
+        fs.pipe_file("/dcp-objects/last/__3_0.distcp", b"left by an older save of four ranks")
+        sdcp.save({"w": torch.ones(64, 8), "step": 2}, "last", writer=w).result(30)
+    assert sorted(p.rpartition("/")[2] for p in fs.find("/dcp-objects")) == [".metadata", "__0_0.distcp"]
+    info = stagesave.latest(url)
+    # The old carrier was gone before the new one took its number: the only checkpoint, seq 1.
+    assert info is not None and info.name == "last" and info.status == "committed" and info.seq == 1
+    assert [c.name for c in stagesave.list_checkpoints(url)] == ["last"]
+    assert stagesave.verify(f"{url}/last").status == "verified"
+    got = {"w": torch.zeros(64, 8), "step": 0}
+    sdcp.load(got, f"{url}/last")
+    assert torch.equal(got["w"], torch.ones(64, 8)) and got["step"] == 2
+    # The old carrier goes before any rank writes: a half-rewritten folder is never valid.
+    data = bytearray(fs.cat_file("/dcp-objects/last/__0_0.distcp"))
+    data[10] ^= 0xFF
+    fs.pipe_file("/dcp-objects/last/__0_0.distcp", bytes(data))
+    with pytest.raises(IntegrityError, match="checksum mismatch"):
+        sdcp.load({"w": torch.zeros(64, 8), "step": 0}, f"{url}/last")
+    fs.rm("/dcp-objects", recursive=True)
+
+
+class _WriterWithHookFile(sdcp.StagedStorageWriter):
+    """Like Lightning's sharded writer: the coordinator puts a file into the folder being staged."""
+
+    def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
+        plans = super().prepare_global_plan(plans)
+        staging = plans[0].storage_data.staging
+        local = self.checkpointer._targets.root.local_path(staging)
+        os.makedirs(local, exist_ok=True)
+        with open(os.path.join(local, "meta.pt"), "wb") as f:
+            torch.save({"epoch": 4}, f)
+        return plans
+
+
+def test_files_put_into_the_staging_folder_are_proven_with_it(root):
+    with _WriterWithHookFile(root=root, commit_timeout=30) as w:
+        sdcp.save({"w": torch.ones(16)}, "sharded", writer=w).result(30)
+    folder = root / "sharded"
+    assert sorted(os.listdir(folder)) == [".metadata", "__0_0.distcp", "meta.pt"]
+    carrier = folder_proof(folder)
+    assert carrier.folder is not None
+    assert [(e.name, e.size) for e in carrier.folder.listed] == [("meta.pt", (folder / "meta.pt").stat().st_size)]
+    assert torch.load(folder / "meta.pt", weights_only=True) == {"epoch": 4}
+    assert stagesave.verify(folder).status == "verified"
+    flip(folder / "meta.pt", 40)
+    checked = stagesave.verify(folder)
+    assert checked.status == "corrupt" and any("meta.pt: checksum mismatch" in p for p in checked.problems)
