@@ -7,9 +7,10 @@ memory, and ``accelerator.load_state()`` resume from the newest valid checkpoint
         project_dir="runs/x", automatic_checkpoint_naming=True, total_limit=3))
     stagesave.accelerate.enable(accelerator)
 
-Folders keep Accelerate 1.x's layout and names (a plain ``load_state`` reads them), plus the
-manifest ``checkpoint.stagesave.json`` that commits and checksums them; FSDP runs with a sharded
-state dict save their DCP folders through ``stagesave.dcp``. ``local_tier=`` puts a local
+Folders hold exactly Accelerate 1.x's files, names and layout (a plain ``load_state`` reads
+them); each torch and safetensors file carries its own stagesave proof inside it, and one of them
+also proves the set of files (see docs/format.md); FSDP runs with a sharded state dict save their
+DCP folders through ``stagesave.dcp``. ``local_tier=`` puts a local
 directory in front of a URL ``destination=``. Without touching methods::
 
     ckpt = stagesave.accelerate.AcceleratorCheckpointer(accelerator)

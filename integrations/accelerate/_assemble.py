@@ -6,34 +6,42 @@ main process writes (scheduler, RNG states, custom objects), committed by
 ``Checkpointer.save_dir``. Each part commits on its own inside one private work folder that is
 never listed (``<staging>/.<leaf>.<pid>-<hex>.stagesave-tmp``, same filesystem as the target)::
 
-    work/parts/pytorch_model_fsdp_0     committed by stagesave.dcp (its own manifest)
+    work/parts/pytorch_model_fsdp_0     committed by stagesave.dcp (its files carry their proofs)
     work/parts/optimizer_0              committed by stagesave.dcp
-    work/folder/<leaf>                  committed by save_dir: the top-level files and manifest
+    work/folder/<leaf>                  committed by save_dir: the top-level files, one of which
+                                        carries the folder's proof (and the DCP parts' names)
     work/acks/<rank>.ok                 rank <rank> saw its parts committed (or .failed)
 
 The other ranks learn that a DCP part committed by finding it at its target, so the parts stay
 where they are until every rank has said it saw them (its acknowledgement file, written by its
 own writer thread once its part handles are done). Then rank 0 moves the DCP folders into
-``work/folder/<leaf>`` and renames that folder to the target: the single step that makes the
-checkpoint visible. A crash before it leaves the previous checkpoint the newest (and the work
-folder as debris that ``stagesave gc`` removes once its writer is dead); a failed part, a failed
-rank or a missing acknowledgement (a rank died) publishes nothing.
+``work/folder/<leaf>`` and renames that folder to the target with the core's folder rename
+(``stagesave._commit._rename_into_place``: an atomic swap with an invalid folder being replaced,
+directory fsync, undone if that fails): the single step that makes the checkpoint visible. A
+crash before it leaves the previous checkpoint the newest (and the work folder as debris that
+``stagesave gc`` removes once its writer is dead); a failed part, a failed rank or a missing
+acknowledgement (a rank died) publishes nothing. Every mutating filesystem call goes through
+``stagesave._fsops``, so the power-loss recorder sees each step.
 
 These steps run as ``Checkpointer.run_after`` actions, queued on each process's writer thread
 behind the parts they follow: they poll a folder and rename (syscalls only: no torch op, no
 collective), and their errors are delivered like a failed save's. The core has no way yet to
-commit a folder that adopts folders committed by other saves; when it has, this module goes away.
+commit a folder that adopts folders committed by other saves; when it has, this module goes away
+(the carrier's proof is sealed inside the work folder, so its sequence number is not the next
+one of the checkpoints root).
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from stagesave import SaveHandle
+from stagesave import _fsops as fsops
+from stagesave._commit import _rename_into_place, restore_aside
+from stagesave._local import LocalStore
 from stagesave.errors import CheckpointError, StorageError
 
 __all__ = ["Assembly", "discard", "first_error", "publish", "write_ack"]
@@ -65,10 +73,16 @@ def write_ack(work: str, rank: int, error: BaseException | None) -> None:
     rank 0 already gave up on it)."""
     name = f"{rank}.ok" if error is None else f"{rank}.failed"
     path = os.path.join(_acks(work), name)
+    data = b"" if error is None else f"{type(error).__name__}: {error}"[:4096].encode("utf-8", "replace")
     try:
-        with open(path + ".tmp", "w", encoding="utf-8") as f:
-            f.write("" if error is None else f"{type(error).__name__}: {error}"[:4096])
-        os.replace(path + ".tmp", path)
+        fd = fsops.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[fsops.write(fd, view) :]
+        finally:
+            fsops.close(fd)
+        fsops.replace(path + ".tmp", path)
     except FileNotFoundError:
         pass
 
@@ -100,14 +114,6 @@ def _wait_acks(work: str, world: int, timeout_s: float) -> None:
         delay = min(_POLL_MAX, delay * 1.5)
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _publish(a: Assembly) -> None:
     """Move the parts in and rename the folder into place (the commit of the whole checkpoint).
 
@@ -115,16 +121,17 @@ def _publish(a: Assembly) -> None:
         StorageError: the target appeared meanwhile, or a rename failed.
     """
     for src, name in a.parts:
-        os.rename(src, os.path.join(a.folder, name))
-    _fsync_dir(a.folder)
-    if os.path.lexists(a.target):
-        if not a.replace_invalid:
+        fsops.rename(src, os.path.join(a.folder, name))
+    fsops.fsync_dir(a.folder)
+    parent, leaf = os.path.dirname(a.target), os.path.basename(a.target)
+    store = LocalStore(parent)
+    with store.commit_lock(leaf):
+        restore_aside(store, "")  # a folder a crash left aside mid-replacement goes back first
+        if os.path.lexists(a.target) and not a.replace_invalid:
             raise StorageError(f"{a.target} appeared while its FSDP checkpoint was being written")
-        # Proven invalid before the save (torn or corrupt): nothing of value is lost if a crash
-        # strikes between removing it and the rename below.
-        shutil.rmtree(a.target)
-    os.rename(a.folder, a.target)
-    _fsync_dir(os.path.dirname(a.target))
+        # An invalid folder there (proven before the save) is swapped out and removed, or moved
+        # aside first where the filesystem cannot swap (put back by the next writer after a crash).
+        _rename_into_place(store, a.folder, a.target, leaf)
 
 
 def first_error(handles: Sequence[SaveHandle]) -> BaseException | None:
@@ -150,7 +157,7 @@ def publish(a: Assembly, after: Callable[[], None]) -> None:
     except OSError as exc:
         raise StorageError(f"the FSDP checkpoint {a.target} was not published: {exc}") from exc
     finally:
-        shutil.rmtree(a.work, ignore_errors=True)
+        fsops.rmtree(a.work)
     if error is not None:
         raise CheckpointError(f"the FSDP checkpoint {a.target} was not published: {error}") from error
     after()
@@ -163,4 +170,4 @@ def discard(work: str, world: int, timeout_s: float) -> None:
         _wait_acks(work, world, timeout_s)
     except (CheckpointError, OSError):
         pass  # the save failed anyway; its folder goes regardless
-    shutil.rmtree(work, ignore_errors=True)
+    fsops.rmtree(work)

@@ -2,10 +2,12 @@
 
 ``save_state`` gathers exactly what Accelerate would write (``_layout.py``), hands it to
 ``Checkpointer.save_dir`` and returns once it is staged in host memory; the folder appears only
-when every file and the manifest are durable. Under FSDP (``SHARDED_STATE_DICT``) every rank
+when every file, each with its proof inside, is durable (it holds exactly Accelerate's files:
+one of them, the carrier, also proves the set of files and records the save's
+``{"accelerate": {...}}`` metadata). Under FSDP (``SHARDED_STATE_DICT``) every rank
 stages its shards through ``stagesave.dcp`` (``_fsdp.py``) and the folder is published once
 every part committed (``_assemble.py``). ``load_state`` picks the checkpoint (the newest *valid*
-one under automatic naming), proves it against its manifest(s), and then lets Accelerate's own
+one under automatic naming), proves it against the proofs its files carry, and then lets Accelerate's own
 ``load_state`` read it, so restoring stays Accelerate's code, hooks and ``map_location`` rules
 included (FSDP's DCP folders are read through ``stagesave.dcp``'s reader).
 
@@ -27,18 +29,19 @@ from typing import TYPE_CHECKING, Any
 
 import stagesave
 from stagesave import Checkpointer, CheckpointInfo, SaveHandle, SaveTelemetry, TieredStore
-from stagesave.dcp import StagedStorageWriter
-
+from stagesave import _fsops as fsops
 from . import _dist, _fsdp, _remote
 from ._assemble import Assembly, discard, first_error, publish, write_ack
 from ._config import Options, is_switched_off, resolve_options
 from ._hooks import run_save_hooks
-from ._layout import MANIFEST_KEY, collect_rng_state, state_files
+from ._layout import METADATA_KEY, collect_rng_state, state_files
 from ._restore import LoadPlan, discard_copy, parts_problems, plan_explicit, plan_newest
 from ._roots import AutoRoot, staging_dir_for
 
 if TYPE_CHECKING:
     from typing_extensions import Self
+
+    from stagesave.dcp import StagedStorageWriter
 
 __all__ = ["AcceleratorCheckpointer", "SynchronousFallbackWarning"]
 
@@ -274,7 +277,7 @@ class AcceleratorCheckpointer:
     def _metadata(self, iteration: int, automatic: bool, safe_serialization: bool, **extra: Any) -> dict[str, Any]:
         acc = self.accelerator
         return {
-            MANIFEST_KEY: {
+            METADATA_KEY: {
                 "iteration": iteration,
                 "step": int(acc.step),
                 "num_processes": int(acc.num_processes),
@@ -307,7 +310,7 @@ class AcceleratorCheckpointer:
                 if local_root is not None:  # also with local_tier: outside what Accelerate lists
                     staging = self._staging_dir(local_root)
             elif not _remote.is_url(target):
-                os.makedirs(os.path.dirname(target), exist_ok=True)
+                fsops.makedirs(os.path.dirname(target), exist_ok=True)
             files = {**hook_files, **state_files(acc, weights, safe, rng_states)}
             handle = ckpt.save_dir(files, target, metadata=self._metadata(iteration, automatic, safe),
                                    staging_dir=staging)
@@ -337,6 +340,8 @@ class AcceleratorCheckpointer:
         work, replace_invalid = plan
         ckpt = self._checkpointer("fsdp")
         if self._writer is None:
+            from stagesave.dcp import StagedStorageWriter  # only FSDP runs need torch's DCP
+
             self._writer = StagedStorageWriter(checkpointer=ckpt)
         parts = _fsdp.part_names(acc)
         folder = f"{work}/folder/{leaf}"
@@ -393,7 +398,7 @@ class AcceleratorCheckpointer:
             base = os.path.dirname(target)
         work = os.path.join(base, f".{_remote.leaf(target)}.{os.getpid()}-{secrets.token_hex(4)}{_TMP}")
         for sub in ("parts", "folder", "acks"):
-            os.makedirs(os.path.join(work, sub))
+            fsops.makedirs(os.path.join(work, sub))
         return work, replace_invalid
 
     def _fsdp_retention(self) -> None:
@@ -409,8 +414,9 @@ class AcceleratorCheckpointer:
     def _refuse_existing(self, ckpt: Checkpointer, target: str, iteration: int) -> bool:
         """Accelerate's rule for automatic names, with torn folders replaced instead of fatal.
 
-        Returns whether an invalid checkpoint is there (to be replaced). A folder without
-        manifest may be Accelerate's own (local); at a URL only a crashed stagesave save leaves one.
+        Returns whether an invalid checkpoint is there (to be replaced). A folder whose files
+        carry no stagesave proof may be Accelerate's own (local); at a URL only a crashed
+        stagesave save leaves one (its carrier, the object written last, never came).
 
         Raises:
             ValueError: a valid checkpoint, or a plain local folder stagesave cannot prove, is
@@ -434,7 +440,7 @@ class AcceleratorCheckpointer:
         if info.valid and info.manifest is not None:
             raise ValueError(refuse)
         if info.status == "unverified" and local is not None:
-            raise ValueError(f"{refuse} (It has no stagesave manifest, so stagesave does not replace it.)")
+            raise ValueError(f"{refuse} (It has no stagesave proof, so stagesave does not replace it.)")
         problem = "; ".join(info.problems) or "incomplete"
         warnings.warn(f"stagesave: replacing the invalid checkpoint {local or target} ({problem})", stacklevel=6)
         return True
@@ -446,8 +452,8 @@ class AcceleratorCheckpointer:
     ) -> str | None:
         """Restore from ``input_dir``, or under automatic naming from the newest valid checkpoint.
 
-        Waits for this process's pending saves first. The checkpoint is proven against its
-        manifest (every byte when ``verify_on_load``) and then read by Accelerate's own
+        Waits for this process's pending saves first. The checkpoint is proven against the
+        proofs its files carry (every byte when ``verify_on_load``) and then read by Accelerate's own
         ``load_state``. Under automatic naming ``ProjectConfiguration.iteration`` continues after
         the loaded checkpoint. Returns the folder loaded (``None`` on the synchronous path).
 
@@ -491,7 +497,7 @@ class AcceleratorCheckpointer:
             if own_copy is not None:
                 discard_copy(own_copy)
         config = acc.project_configuration
-        if plan.iteration is not None and (config.automatic_checkpoint_naming or plan.from_manifest):
+        if plan.iteration is not None and (config.automatic_checkpoint_naming or plan.from_proof):
             config.iteration = plan.iteration + 1
         return plan.folder
 
@@ -525,11 +531,15 @@ class AcceleratorCheckpointer:
     def _tier_of(self, info: CheckpointInfo) -> str | None:
         """The tier the tiered store reads a listed folder from (``None`` without a local tier).
 
-        Asked with the folder's manifest name: ``CheckpointInfo.tier`` reads ``"local"`` for
-        every folder directly in a tiered root (the store keys folders by their manifest).
+        Asked with the name of the file that proves the folder (format 2: its carrier; format 1:
+        its ``checkpoint.stagesave.json``): ``CheckpointInfo.tier`` reads ``"local"`` for every
+        folder directly in a tiered root (the store routes folders by a file inside them).
         """
         if self._tiered is None:
             return None
+        m = info.manifest
+        if m is not None and m.folder is not None:
+            return self._tiered.tier_of(f"{info.name}/{m.folder.carrier}")
         return self._tiered.tier_of(info.manifest_name or info.name)
 
     # ------------------------------------------------------------------ finding, waiting

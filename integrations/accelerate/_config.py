@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from stagesave._checksum import DEFAULT_ALGORITHM
+
 __all__ = ["ENV_CONFIG", "ENV_PREFIX", "ENV_SWITCH", "Options", "is_switched_off", "resolve_options"]
 
 #: ``0``/``false``/``off`` disables the adapter (``enable()`` leaves Accelerate untouched).
@@ -40,8 +42,10 @@ class Options:
             (``s3://bucket/run``). ``None`` keeps Accelerate's folder.
         max_pending: Saves in flight at once (each holds one host staging buffer); a further
             ``save_state`` waits for the oldest to finish instead of allocating more memory.
-        checksum: Chunk checksum algorithm recorded in the manifest (``"xxh3_128"``, ...).
-        verify_on_load: Read every byte of a checkpoint against its manifest before loading it;
+        checksum: Chunk checksum algorithm recorded in each file's proof: ``"crc32"`` (the
+            core's default; its chunk CRCs also give the zip records' CRC-32s), or ``"xxh3_128"``,
+            ``"xxh3_64"``, ``"blake3"``, ``"sha256"``.
+        verify_on_load: Read every byte of a checkpoint against its proof before loading it;
             under automatic naming a corrupt one is skipped for the previous valid one.
         io_threads: Threads writing one save's chunks in parallel.
         direct_io: Write local files with ``O_DIRECT`` where the filesystem allows it.
@@ -59,7 +63,7 @@ class Options:
 
     destination: str | None = None
     max_pending: int = 2
-    checksum: str = "xxh3_128"
+    checksum: str = DEFAULT_ALGORITHM
     verify_on_load: bool = True
     io_threads: int = 4
     direct_io: bool = True

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import stagesave.dcp as sdcp
 from stagesave import SaveHandle
+
+if TYPE_CHECKING:
+    import stagesave.dcp as sdcp
 
 __all__ = ["load_parts", "part_names", "save_parts", "unsupported_reason"]
 
@@ -109,6 +111,8 @@ def save_parts(accelerator: Any, writer: sdcp.StagedStorageWriter, base: str) ->
     """
     from accelerate.utils.fsdp_utils import _get_model_state_dict
 
+    import stagesave.dcp as sdcp
+
     plugin = accelerator.state.fsdp_plugin
     handles = []
     for i, model in enumerate(accelerator._models):
@@ -126,7 +130,7 @@ def save_parts(accelerator: Any, writer: sdcp.StagedStorageWriter, base: str) ->
 def load_parts(accelerator: Any, folder: str) -> None:
     """On every rank: load each model's and optimizer's DCP folder in ``folder`` in place.
 
-    The caller has already proven the folders against their manifests (every byte, with
+    The caller has already proven the folders against their proofs (every byte, with
     ``verify_on_load``) before anything is loaded, so a corrupt checkpoint never half-loads;
     the reader therefore does not hash a second time. It still unpickles DCP's ``.metadata``
     and non-tensor items under stagesave's allow-list, which plain Accelerate folders get too.
@@ -139,6 +143,8 @@ def load_parts(accelerator: Any, folder: str) -> None:
         _set_model_state_dict,
         _unwrap_optimizer,
     )
+
+    import stagesave.dcp as sdcp
 
     plugin = accelerator.state.fsdp_plugin
 

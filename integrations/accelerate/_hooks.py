@@ -5,18 +5,19 @@ already created, and hooks may remove entries from ``weights`` or write extra fi
 folder (``save_pretrained`` of a sub-model, a ``config.json``, tokenizer files). The checkpoint
 folder must not exist before it is committed, so hooks get a private scratch folder with the
 same leaf name instead; every file they write there is carried into the checkpoint verbatim
-(:class:`stagesave.formats.Raw`, sub-folders included), and the scratch folder is removed.
+(:class:`stagesave.formats.Raw`, sub-folders included: the folder's proof lists each with its
+size and chunk checksums), and the scratch folder is removed.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from stagesave import _fsops as fsops
 from stagesave.formats import Raw
 
 __all__ = ["run_save_hooks"]
@@ -36,7 +37,7 @@ def run_save_hooks(accelerator: Any, weights: list[Any], leaf: str) -> Iterator[
     scratch = tempfile.mkdtemp(prefix="stagesave-hooks-")
     try:
         output_dir = os.path.join(scratch, leaf)
-        os.makedirs(output_dir)
+        fsops.makedirs(output_dir)
         for hook in hooks:
             hook(accelerator._models, weights, output_dir)
         carried: dict[str, Raw] = {}
@@ -48,4 +49,4 @@ def run_save_hooks(accelerator: Any, weights: list[Any], leaf: str) -> Iterator[
                     carried[rel] = Raw(f.read())
         yield carried
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        fsops.rmtree(scratch)

@@ -21,10 +21,10 @@ import torch
 
 from stagesave.formats import Safetensors
 
-__all__ = ["MANIFEST_KEY", "collect_rng_state", "model_file_name", "state_files"]
+__all__ = ["METADATA_KEY", "collect_rng_state", "model_file_name", "state_files"]
 
-#: Key of the adapter's entry in the manifest's ``metadata``.
-MANIFEST_KEY = "accelerate"
+#: Key of the adapter's entry in the ``metadata`` of the folder's proof (``save_dir(metadata=...)``).
+METADATA_KEY = "accelerate"
 
 _MODEL = "pytorch_model"
 _SAFE_MODEL = "model"

@@ -2,17 +2,18 @@
 
 Accelerate's ``load_state`` reads a local folder. A checkpoint at an fsspec URL is therefore
 copied into a private temporary folder first (one read of the remote bytes), verified there
-against the manifest that travels with it, and handed to Accelerate.
+against the proofs its files carry, and handed to Accelerate.
 """
 
 from __future__ import annotations
 
 import os
 import posixpath
-import shutil
 import tempfile
 from collections.abc import Mapping
 from typing import Any
+
+from stagesave import _fsops as fsops
 
 __all__ = ["download_folder", "is_url", "join", "leaf", "normalize", "parent"]
 
@@ -61,15 +62,15 @@ def download_folder(url: str, storage_options: Mapping[str, Any]) -> str:
     local = tempfile.mkdtemp(prefix="stagesave-restore-")
     try:
         target = os.path.join(local, posixpath.basename(root))
-        os.makedirs(target)
+        fsops.makedirs(target)
         for name in names:
             rel = name[len(root) + 1 :]
             if any(part.startswith(".") for part in rel.split("/")):
                 continue
             dest = os.path.join(target, *rel.split("/"))
-            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            fsops.makedirs(os.path.dirname(dest), exist_ok=True)
             fs.get_file(name, dest)
     except BaseException:
-        shutil.rmtree(local, ignore_errors=True)
+        fsops.rmtree(local)
         raise
     return target

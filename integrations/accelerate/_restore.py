@@ -1,8 +1,9 @@
 """Choosing and proving the checkpoint ``load_state`` hands to Accelerate.
 
 Accelerate's own ``load_state()`` takes the highest-numbered entry of ``checkpoints/``, complete
-or not. Here a candidate must carry a manifest that matches its files (and, with
-``verify_on_load``, every checksum); corrupt ones are skipped with a warning naming the damage.
+or not. Here a candidate must carry a stagesave proof that matches its files (each torch and
+safetensors file carries its own; one of them, the carrier, also names every file of the folder
+and records the save's metadata) and, with ``verify_on_load``, every checksum; corrupt ones are skipped with a warning naming the damage.
 Only when no stagesave checkpoint exists at all does Accelerate's choice among plain folders
 apply (a run that started without stagesave keeps resuming). This runs on rank 0 only; the
 result travels to the other processes as a :class:`LoadPlan`.
@@ -12,16 +13,16 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from stagesave import Checkpointer, CheckpointInfo
+from stagesave import _fsops as fsops
 from stagesave.errors import CheckpointNotFoundError, IntegrityError
 
 from . import _remote
-from ._layout import MANIFEST_KEY
+from ._layout import METADATA_KEY
 
 __all__ = ["FOLDER_RE", "LoadPlan", "discard_copy", "fsdp_parts", "parts_problems", "plan_explicit", "plan_newest"]
 
@@ -34,31 +35,38 @@ class LoadPlan:
     """What to load: ``folder`` as named (path or URL), ``local`` the folder Accelerate reads.
 
     ``iteration`` is the ``ProjectConfiguration.iteration`` that saved it (``None`` when unknown);
-    ``from_manifest`` says whether it came from stagesave's manifest.
+    ``from_proof`` says whether it came from the metadata of the checkpoint's stagesave proof
+    (else from the folder's name).
     """
 
     folder: str
     local: str
     remote: bool
     iteration: int | None
-    from_manifest: bool
+    from_proof: bool
 
 
 def discard_copy(local: str) -> None:
     """Remove a temporary local copy made by :func:`_remote.download_folder`."""
-    shutil.rmtree(os.path.dirname(local), ignore_errors=True)
+    fsops.rmtree(os.path.dirname(local))
+
+
+def _metadata(info: CheckpointInfo | None) -> dict[str, object]:
+    """The adapter's entry in the metadata of a checkpoint's proof (format 2: recorded by the
+    folder's carrier; format 1: by its ``checkpoint.stagesave.json``); empty when there is none."""
+    meta = info.manifest.metadata.get(METADATA_KEY, {}) if info is not None and info.manifest is not None else {}
+    return meta if isinstance(meta, dict) else {}
 
 
 def fsdp_parts(info: CheckpointInfo | None) -> list[str]:
-    """The DCP folders an FSDP checkpoint's manifest names (empty for other checkpoints)."""
-    meta = info.manifest.metadata.get(MANIFEST_KEY, {}) if info is not None and info.manifest else {}
-    fsdp = meta.get("fsdp") if isinstance(meta, dict) else None
+    """The DCP folders an FSDP checkpoint's proof names (empty for other checkpoints)."""
+    fsdp = _metadata(info).get("fsdp")
     parts = fsdp.get("parts") if isinstance(fsdp, dict) else None
     return [p for p in parts if isinstance(p, str)] if isinstance(parts, list) else []
 
 
 def parts_problems(ckpt: Checkpointer, folder: str, info: CheckpointInfo, verify: bool) -> list[str]:
-    """What is wrong with the DCP folders of an FSDP checkpoint (each has its own manifest)."""
+    """What is wrong with the DCP folders of an FSDP checkpoint (each proves itself)."""
     parts = fsdp_parts(info)
     if not parts:
         return []
@@ -74,15 +82,15 @@ def parts_problems(ckpt: Checkpointer, folder: str, info: CheckpointInfo, verify
         else:
             found = listed.get(part)
         if found is None or found.manifest is None:
-            problems.append(f"{path} is missing or has no stagesave manifest")
+            problems.append(f"{path} is missing or carries no stagesave proof")
         elif found.status == "corrupt":
             problems.extend(found.problems)
     return problems
 
 
 def _iteration_of(info: CheckpointInfo | None, folder: str) -> int | None:
-    meta = info.manifest.metadata.get(MANIFEST_KEY, {}) if info is not None and info.manifest else {}
-    if isinstance(meta, dict) and isinstance(meta.get("iteration"), int):
+    meta = _metadata(info)
+    if isinstance(meta.get("iteration"), int):
         return int(meta["iteration"])
     m = FOLDER_RE.match(_remote.leaf(folder))
     return int(m.group(1)) if m else None
@@ -135,7 +143,7 @@ def plan_explicit(
 
     Raises:
         ValueError: it does not exist (Accelerate's message).
-        IntegrityError: its files do not match its manifest.
+        IntegrityError: its files do not match their proof.
     """
     folder = _remote.normalize(input_dir)
     if not _remote.is_url(folder) and not os.path.isdir(folder):

@@ -19,6 +19,7 @@ import warnings
 from dataclasses import dataclass
 
 from stagesave import CheckpointInfo
+from stagesave import _fsops as fsops
 
 from . import _remote
 
@@ -83,8 +84,8 @@ def staging_dir_for(root: str) -> str | None:
     """
     staging = os.path.join(os.path.dirname(root), STAGING_DIR)
     try:
-        os.makedirs(root, exist_ok=True)
-        os.makedirs(staging, exist_ok=True)
+        fsops.makedirs(root, exist_ok=True)
+        fsops.makedirs(staging, exist_ok=True)
         same = os.stat(staging).st_dev == os.stat(root).st_dev
     except OSError as exc:
         warnings.warn(f"stagesave: cannot use {staging} to assemble checkpoints ({exc}); unfinished "

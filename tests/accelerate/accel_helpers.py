@@ -11,7 +11,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-MANIFEST = "checkpoint.stagesave.json"
+#: The key of ``__metadata__`` where a safetensors file written by stagesave carries its proof.
+PROOF_KEY = "stagesave.proof"
 
 
 class TinyNet(torch.nn.Module):
@@ -132,17 +133,84 @@ def assert_same(a: Any, b: Any, where: str = "state") -> None:
 
 
 def load_file_content(path: str) -> Any:
-    """What a file of an Accelerate folder holds (safetensors: tensors + metadata)."""
+    """What a file of an Accelerate folder holds (safetensors: tensors + metadata, without the
+    stagesave proof, the one key stagesave adds; every other key must be Accelerate's)."""
     if path.endswith(".safetensors"):
-        from safetensors import safe_open
         from safetensors.torch import load_file
 
-        with safe_open(path, framework="pt") as f:
-            meta = f.metadata()
+        meta = safetensors_metadata(path)
+        meta.pop(PROOF_KEY, None)
         return {"tensors": load_file(path), "metadata": meta}
     return torch.load(path, weights_only=False)
+
+
+def safetensors_metadata(path: str) -> dict[str, str]:
+    """A safetensors file's ``__metadata__``, as the safetensors library reads it."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        return dict(f.metadata() or {})
+
+
+def tree(folder: str) -> list[str]:
+    """Every file and folder under ``folder`` (hidden ones included), relative, folders with a
+    trailing ``/``."""
+    out = []
+    for top, dirs, names in os.walk(folder):
+        rel = os.path.relpath(top, folder)
+        prefix = "" if rel == "." else rel.replace(os.sep, "/") + "/"
+        out += [f"{prefix}{d}/" for d in dirs] + [f"{prefix}{n}" for n in names]
+    return sorted(out)
+
+
+def assert_real_zips(folder: str) -> list[str]:
+    """Every torch file under ``folder`` is a zip whose records all carry their real CRC-32
+    (``zipfile.ZipFile.testzip() is None``); returns the torch files checked (relative).
+
+    Torch files are the non-safetensors files of an Accelerate folder: ``*.bin``, ``*.pkl``,
+    ``*.pt`` (and DCP's are not zips at all: ``*.distcp`` and ``.metadata`` are skipped)."""
+    import zipfile
+
+    checked = []
+    for rel in tree(folder):
+        if rel.endswith("/") or not rel.endswith((".bin", ".pkl", ".pt")):
+            continue
+        path = os.path.join(folder, rel)
+        assert zipfile.is_zipfile(path), f"{rel} is not a zip file"
+        with zipfile.ZipFile(path) as z:
+            assert z.testzip() is None, f"{rel}: a record fails its CRC-32"
+        checked.append(rel)
+    return checked
 
 
 def visible(folder: str) -> list[str]:
     """Entries of a folder as Accelerate's own listing sees them, minus stagesave's hidden temporaries."""
     return sorted(n for n in os.listdir(folder) if not n.startswith("."))
+
+
+class ListingWatcher:
+    """Lists a folder over and over from a thread (as Accelerate's ``total_limit`` pass and its
+    automatic ``load_state`` would), recording every name it ever saw there."""
+
+    def __init__(self, folder: Any) -> None:
+        import threading
+
+        self.folder = folder
+        self.seen: set[str] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.seen.update(os.listdir(self.folder))
+            except FileNotFoundError:
+                pass
+
+    def __enter__(self) -> ListingWatcher:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()

@@ -47,8 +47,7 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from accel_helpers import Counter, assert_same, clone, load_file_content, train
 
-MANIFEST = "checkpoint.stagesave.json"
-CRASH_POINT = "dcp_after_manifest"  # the first part of the save committed in staging, not yet renamed
+CRASH_POINT = "dcp_after_metadata"  # the first part of the save committed in staging, not yet renamed
 
 
 # ----------------------------------------------------------------------------- set-up
@@ -130,6 +129,24 @@ def tree(folder: str) -> list[str]:
     return sorted(os.path.relpath(os.path.join(top, n), folder) for top, _, names in os.walk(folder) for n in names)
 
 
+def real_zips(folder: str) -> list[str]:
+    """Torch files under ``folder`` (``*.bin``/``*.pkl``/``*.pt``) that are not zips whose every
+    record carries its real CRC-32 (empty: all are)."""
+    import zipfile
+
+    bad = []
+    for rel in tree(folder):
+        if rel.endswith((".bin", ".pkl", ".pt")):
+            path = os.path.join(folder, rel)
+            if not zipfile.is_zipfile(path):
+                bad.append(rel)
+                continue
+            with zipfile.ZipFile(path) as z:
+                if z.testzip() is not None:
+                    bad.append(rel)
+    return bad
+
+
 # ----------------------------------------------------------------------------- ddp
 def ddp(rank: int, out: str, result: dict[str, Any], save: Any) -> None:
     """DDP-style state: the main process writes the folder, every rank's RNG state included."""
@@ -168,6 +185,7 @@ def ddp(rank: int, out: str, result: dict[str, Any], save: Any) -> None:
     folder = os.path.join(root, "checkpoints", "checkpoint_2")
     result["folders"] = sorted(os.listdir(os.path.join(root, "checkpoints")))
     result["files"] = sorted(os.listdir(folder))
+    result["bad_zips"] = real_zips(folder)
     train(acc, run, 2)
     Accelerator.load_state(acc, folder)  # Accelerate's own load_state, in every process
     check(result, "plain_restore", lambda: assert_same(before, snapshot_ddp(acc, run)))
@@ -219,8 +237,8 @@ def explicit_folders(rank: int, out: str, result: dict[str, Any]) -> None:
         result["verify"] = stagesave.verify(staged).status
         result["parts_verify"] = [stagesave.verify(os.path.join(staged, p)).status
                                   for p in ("pytorch_model_fsdp_0", "optimizer_0")]
-        with open(os.path.join(staged, MANIFEST)) as f:
-            result["metadata"] = json.load(f)["metadata"]["accelerate"]
+        result["metadata"] = stagesave.verify(staged).manifest.metadata["accelerate"]  # the carrier's proof
+        result["bad_zips"] = real_zips(staged)
 
         def same_contents() -> None:
             for name in ("scheduler.bin", "custom_checkpoint_0.pkl", "random_states_0.pkl", "random_states_1.pkl"):
@@ -271,9 +289,9 @@ def automatic_naming(rank: int, out: str, result: dict[str, Any]) -> None:
     result["auto_iteration"] = acc.project_configuration.iteration
     check(result, "auto_restore", lambda: assert_same(states[2], snapshot(acc, run)))
 
-    if rank == 0:  # one flipped byte in rank 1's shard of the newest model
+    if rank == 0:  # one flipped byte in the data of rank 1's shard of the newest model
         with open(os.path.join(root, "checkpoint_2", "pytorch_model_fsdp_0", "__1_0.distcp"), "r+b") as f:
-            f.seek(-100, os.SEEK_END)
+            f.seek(16)  # the shard's bytes come first; its proof is a trailer at the end
             b = f.read(1)
             f.seek(-1, os.SEEK_CUR)
             f.write(bytes([b[0] ^ 0xFF]))
@@ -396,8 +414,9 @@ def fsdp_save(rank: int, out: str, result: dict[str, Any], save: Any) -> None:
 
 # ----------------------------------------------------------------------------- one process
 #: Crash points of the single-process crash test: the third file of the third save (6 files per
-#: save: model, optimizer, scheduler, RNG, two custom objects), and just before the final rename.
-SINGLE_CRASHES = {"third-file-of-third-save": "after_data:15", "after-manifest-before-rename": "after_manifest:3"}
+#: save: model, optimizer, scheduler, RNG, two custom objects), and just before the final rename:
+#: the folder's carrier (optimizer.bin, sealed last) has its proof, 6 proofs per save.
+SINGLE_CRASHES = {"third-file-of-third-save": "after_data:15", "carrier-proof-before-rename": "after_proof:18"}
 
 
 def crash_single(out: str) -> None:

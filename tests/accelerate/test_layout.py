@@ -1,4 +1,6 @@
-"""The folder stagesave writes is the folder Accelerate's own save_state writes, file for file."""
+"""The folder stagesave writes is the folder Accelerate's own save_state writes, file for file:
+the same names (nothing beside them: every file carries its own proof), the same contents, and
+only the ``stagesave.proof`` key added to ``model.safetensors``'s metadata."""
 
 from __future__ import annotations
 
@@ -8,7 +10,16 @@ import os
 import pytest
 import stagesave.accelerate as sa
 import torch
-from accel_helpers import MANIFEST, assert_same, build, load_file_content, train
+from accel_helpers import (
+    PROOF_KEY,
+    assert_real_zips,
+    assert_same,
+    build,
+    load_file_content,
+    safetensors_metadata,
+    train,
+    tree,
+)
 from accelerate import Accelerator
 
 import stagesave
@@ -34,9 +45,8 @@ def test_same_files_and_contents_as_accelerate(tmp_path, safe):
     train(acc, run, 3)
     plain, staged = _accelerate_and_stagesave(tmp_path, acc, safe)
 
-    theirs = sorted(os.listdir(plain))
-    ours = sorted(os.listdir(staged))
-    assert ours == sorted([*theirs, MANIFEST])
+    theirs = tree(plain)
+    assert tree(staged) == theirs  # exactly Accelerate's files: no manifest beside them
     model_files = ["model.safetensors", "model_1.safetensors"] if safe else ["pytorch_model.bin", "pytorch_model_1.bin"]
     assert theirs == sorted([
         *model_files, "optimizer.bin", "optimizer_1.bin", "scheduler.bin", "scheduler_1.bin",
@@ -44,9 +54,18 @@ def test_same_files_and_contents_as_accelerate(tmp_path, safe):
     ])
     for name in theirs:
         assert_same(load_file_content(os.path.join(plain, name)), load_file_content(os.path.join(staged, name)), name)
+    if safe:  # Accelerate's metadata kept; the proof is the one key added
+        for name in model_files:
+            assert safetensors_metadata(os.path.join(plain, name)) == {"format": "pt"}
+            ours = safetensors_metadata(os.path.join(staged, name))
+            assert sorted(ours) == ["format", PROOF_KEY] and ours["format"] == "pt"
+    # every torch file is a real zip (each record's CRC-32 right), proof records included
+    assert assert_real_zips(staged) == sorted(n for n in theirs if not n.endswith(".safetensors"))
     info = stagesave.verify(staged)
-    assert info.status == "verified" and info.is_dir
-    assert sorted(f.name for f in info.manifest.files) == theirs
+    assert info.status == "verified" and info.is_dir and info.format == 2
+    folder = info.manifest.folder
+    assert sorted(folder.names()) == theirs  # the carrier's proof names every file of the folder
+    assert folder.carrier.endswith((".bin", ".pt", ".pkl"))  # a torch file carries it
 
 
 def test_same_folder_through_device_staging(tmp_path, monkeypatch):
@@ -70,11 +89,12 @@ def _device_staged_like_accelerate(tmp_path, acc):
     ckpt = sa.AcceleratorCheckpointer(acc, device_staging=True)
     tel = ckpt.save_state(str(tmp_path / "staged")).result()
     ckpt.close()
-    theirs = sorted(os.listdir(plain))
-    assert sorted(os.listdir(tmp_path / "staged")) == sorted([*theirs, MANIFEST])
+    theirs = tree(plain)
+    assert tree(str(tmp_path / "staged")) == theirs
     for name in theirs:
         assert_same(load_file_content(os.path.join(plain, name)),
                     load_file_content(str(tmp_path / "staged" / name)), name)
+    assert assert_real_zips(str(tmp_path / "staged")) == sorted(n for n in theirs if not n.endswith(".safetensors"))
     assert stagesave.verify(tmp_path / "staged").status == "verified"
     return tel
 
@@ -88,18 +108,41 @@ def test_tied_weights_are_saved_once_as_accelerate_does(tmp_path):
     theirs = load_file_content(os.path.join(plain, "model.safetensors"))
     assert sorted(ours["tensors"]) == sorted(theirs["tensors"])
     assert "out.weight" not in ours["tensors"] and "inp.weight" in ours["tensors"]
-    assert ours["metadata"] == {"format": "pt"}
+    assert ours["metadata"] == theirs["metadata"] == {"format": "pt"}
+    raw = safetensors_metadata(os.path.join(staged, "model.safetensors"))
+    assert sorted(raw) == ["format", PROOF_KEY]
 
 
-def test_manifest_records_iteration_and_step(tmp_path):
+def test_accelerate_and_safetensors_read_stagesave_files_unchanged(tmp_path):
+    """safetensors' own loader and Accelerate's own load_state read what stagesave wrote."""
+    from safetensors.torch import load_file
+
+    acc = Accelerator(cpu=True)
+    run = build(acc)
+    train(acc, run, 2)
+    plain, staged = _accelerate_and_stagesave(tmp_path, acc, True)
+    ours, theirs = load_file(os.path.join(staged, "model.safetensors")), load_file(os.path.join(plain, "model.safetensors"))
+    assert_same(dict(sorted(theirs.items())), dict(sorted(ours.items())), "model.safetensors")
+    for name in ("optimizer.bin", "scheduler.bin", "custom_checkpoint_0.pkl"):
+        assert_same(torch.load(os.path.join(plain, name), weights_only=True),
+                    torch.load(os.path.join(staged, name), weights_only=True), name)
+    expected = {k: v.clone() for k, v in run["models"][0].state_dict().items()}
+    train(acc, run, 2)
+    Accelerator.load_state(acc, staged)  # Accelerate's own method, stagesave not involved
+    assert_same(expected, dict(run["models"][0].state_dict()), "model")
+
+
+def test_proof_records_iteration_and_step(tmp_path):
     acc = Accelerator(cpu=True)
     build(acc)
     ckpt = sa.AcceleratorCheckpointer(acc)
     ckpt.save_state(str(tmp_path / "a")).result()
     ckpt.save_state(str(tmp_path / "b")).result()
     ckpt.close()
-    with open(tmp_path / "b" / MANIFEST) as f:
-        meta = json.load(f)["metadata"]["accelerate"]
+    info = stagesave.verify(tmp_path / "b")
+    assert info.status == "verified"
+    assert info.manifest.folder.carrier in os.listdir(tmp_path / "b")  # recorded by the carrier's proof
+    meta = info.manifest.metadata["accelerate"]
     assert meta == {"iteration": 1, "step": 0, "num_processes": 1, "safe_serialization": True,
                     "automatic_checkpoint_naming": False}
     assert acc.project_configuration.iteration == 2
@@ -133,11 +176,80 @@ def test_save_pre_hook_files_are_carried_verbatim_and_weights_it_took_are_not_sa
         with open(os.path.join(plain, rel), "rb") as a, open(os.path.join(staged, rel), "rb") as b:
             assert a.read() == b.read(), rel
     assert "model.safetensors" not in os.listdir(staged)
+    assert tree(staged) == tree(plain)
     info = stagesave.verify(staged)
     assert info.status == "verified"
-    assert sorted(f.name for f in info.manifest.files if "/" in f.name or f.name == "config.json") == hook_files
+    # listed by the folder's proof as raw files, with their sizes and chunk checksums
+    listed = {e.name: e for e in info.manifest.folder.listed}
+    assert sorted(listed) == hook_files
+    for rel in hook_files:
+        assert listed[rel].kind == "raw" and listed[rel].size == os.path.getsize(os.path.join(staged, rel))
+    # a hook file that changes afterwards is caught
+    with open(os.path.join(staged, "extra", "tokenizer", "vocab.txt"), "r+b") as f:
+        f.seek(10)
+        f.write(b"\xff")
+    bad = stagesave.verify(staged)
+    assert bad.status == "corrupt" and any("vocab.txt" in p for p in bad.problems), bad.problems
 
 
 @pytest.mark.gpu
 def test_same_folder_through_device_staging_on_a_gpu(tmp_path):
     assert _device_staged_like_accelerate(tmp_path, Accelerator()).staged_on.startswith("cuda")
+
+
+def _automatic_run(project, *, stagesave_on: bool, hook: bool, saves: int = 5) -> None:
+    """A run with automatic naming and ``total_limit=2`` saving ``saves`` times (seeded: the
+    same states with and without stagesave)."""
+    import random
+
+    import numpy as np
+    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.utils import ProjectConfiguration
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    random.seed(0)
+    np.random.seed(0)
+    acc = Accelerator(cpu=True, project_config=ProjectConfiguration(
+        project_dir=str(project), automatic_checkpoint_naming=True, total_limit=2))
+    run = build(acc, n_models=2, seed=0)
+    if hook:
+        def save_pretrained_like(models, weights, output_dir):
+            # a hook writing into a sub-folder, as save_pretrained of a sub-model does
+            os.makedirs(os.path.join(output_dir, "tokenizer"), exist_ok=True)
+            with open(os.path.join(output_dir, "tokenizer", "vocab.json"), "w") as f:
+                json.dump({"a": 0, "b": 1}, f)
+            with open(os.path.join(output_dir, "config.json"), "w") as f:
+                json.dump({"hidden": 16}, f)
+
+        acc.register_save_state_pre_hook(save_pretrained_like)
+    ckpt = sa.enable(acc) if stagesave_on else None
+    for _ in range(saves):
+        train(acc, run, 1)
+        acc.save_state()
+    if ckpt is not None:
+        sa.disable(acc)  # waits for every commit
+
+
+@pytest.mark.parametrize("hook", [False, True], ids=["accelerate-files", "with-a-save-hook-writing-a-sub-folder"])
+def test_automatic_naming_with_total_limit_lists_exactly_what_plain_accelerate_lists(tmp_path, hook):
+    """Issue 16, must show: the checkpoints directory of a run with automatic naming and
+    ``total_limit`` holds exactly what plain Accelerate's holds (every file and folder,
+    recursively), and every torch file there is a zip that ``testzip()`` passes."""
+    _automatic_run(tmp_path / "plain", stagesave_on=False, hook=hook)
+    _automatic_run(tmp_path / "staged", stagesave_on=True, hook=hook)
+    theirs, ours = tmp_path / "plain" / "checkpoints", tmp_path / "staged" / "checkpoints"
+    assert tree(str(ours)) == tree(str(theirs))
+    assert sorted(os.listdir(theirs)) == ["checkpoint_3", "checkpoint_4"]
+    assert os.listdir(tmp_path / "staged" / sa.STAGING_DIR) == []  # nothing left where folders were assembled
+    per_folder = ["custom_checkpoint_0.pkl", "custom_checkpoint_1.pkl", "optimizer.bin", "optimizer_1.bin",
+                  "random_states_0.pkl", "scheduler.bin", "scheduler_1.bin"]
+    assert assert_real_zips(str(ours)) == [f"{c}/{n}" for c in ("checkpoint_3", "checkpoint_4") for n in per_folder]
+    for rel in tree(str(theirs)):  # the same states, file by file
+        if not rel.endswith("/"):
+            if rel.endswith(".json"):
+                assert (theirs / rel).read_bytes() == (ours / rel).read_bytes(), rel
+            else:
+                assert_same(load_file_content(str(theirs / rel)), load_file_content(str(ours / rel)), rel)
+    for name in ("checkpoint_3", "checkpoint_4"):
+        assert stagesave.verify(ours / name).status == "verified"

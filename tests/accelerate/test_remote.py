@@ -7,9 +7,28 @@ import shutil
 import fsspec
 import pytest
 import stagesave.accelerate as sa
-from accel_helpers import MANIFEST, assert_same, build, snapshot, train, visible
+from accel_helpers import ListingWatcher, assert_same, build, snapshot, train, visible
 from accelerate import Accelerator
 from accelerate.utils import ProjectConfiguration
+
+import stagesave
+
+#: What Accelerate writes for build()'s run (one model, optimizer, scheduler, 2 custom objects).
+FILES = sorted(["model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl",
+                "custom_checkpoint_0.pkl", "custom_checkpoint_1.pkl"])
+
+
+def _files(fs, url: str) -> list[str]:
+    """Every object under a checkpoint folder URL, relative."""
+    root = url.split("://", 1)[1].rstrip("/")
+    return sorted(p.split("://", 1)[-1].lstrip("/")[len(root.lstrip("/")) + 1 :] for p in fs.find(url))
+
+
+def _carrier(url: str, **options) -> str:
+    """The file of a committed folder that carries the folder's proof."""
+    info = stagesave.verify(url, **options)
+    assert info.status == "verified", info.problems
+    return info.manifest.folder.carrier
 
 
 @pytest.fixture
@@ -47,10 +66,12 @@ def test_destination_url_with_automatic_naming_and_total_limit(memory_root, tmp_
     acc._stagesave.wait()
     fs = fsspec.filesystem("memory")
     assert sorted(p.rpartition("/")[2] for p in fs.ls(memory_root, detail=False)) == ["checkpoint_1", "checkpoint_2"]
-    assert fs.exists(f"{memory_root}/checkpoint_2/{MANIFEST}")
+    assert _files(fs, f"{memory_root}/checkpoint_2") == FILES  # exactly Accelerate's files
+    carrier = _carrier(f"{memory_root}/checkpoint_2")
     assert not (tmp_path / "checkpoints").exists()
-    # A torn remote save (files without manifest: the object-store commit never happened) is skipped.
-    fs.rm_file(f"{memory_root}/checkpoint_2/{MANIFEST}")
+    # A torn remote save (the object written last, the carrier of the folder's proof, never came)
+    # is skipped.
+    fs.rm_file(f"{memory_root}/checkpoint_2/{carrier}")
     train(acc, run, 3)
     acc.load_state()
     assert_same(states[1], snapshot(acc, run))
@@ -99,7 +120,9 @@ def test_local_tier_in_front_of_a_url_destination(memory_root, tmp_path):
     fs = fsspec.filesystem("memory")
     # total_limit on both tiers (the durable history on the remote), keep_local on the local one
     assert sorted(p.rpartition("/")[2] for p in fs.ls(memory_root, detail=False)) == ["checkpoint_1", "checkpoint_2"]
-    assert fs.exists(f"{memory_root}/checkpoint_1/{MANIFEST}") and fs.exists(f"{memory_root}/checkpoint_2/{MANIFEST}")
+    for name in ("checkpoint_1", "checkpoint_2"):  # complete, proven copies
+        assert _files(fs, f"{memory_root}/{name}") == FILES
+        _carrier(f"{memory_root}/{name}")
     assert visible(local) == ["checkpoint_2"]
     latest = ckpt.latest()
     assert (latest.name, latest.tier) == ("checkpoint_2", "local")
@@ -160,36 +183,6 @@ def test_local_tier_in_front_of_s3(s3_url, s3_options, tmp_path):
     assert _folders_with_objects(fs, s3_url) == ["checkpoint_2", "checkpoint_3"]
 
 
-class _ListingWatcher:
-    """Lists a folder over and over from a thread (as Accelerate's ``total_limit`` pass would),
-    recording every name it ever saw there."""
-
-    def __init__(self, folder) -> None:
-        import threading
-
-        self.folder = folder
-        self.seen: set[str] = set()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        import os
-
-        while not self._stop.is_set():
-            try:
-                self.seen.update(os.listdir(self.folder))
-            except FileNotFoundError:
-                pass
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
 @pytest.mark.s3
 def test_local_tier_saves_are_assembled_outside_the_checkpoint_folder(s3_url, s3_options, tmp_path):
     import os
@@ -201,7 +194,7 @@ def test_local_tier_saves_are_assembled_outside_the_checkpoint_folder(s3_url, s3
     local = tmp_path / "nvme"
     staging = tmp_path / sa.STAGING_DIR  # beside local_tier, on the same filesystem
     ckpt = sa.enable(acc, destination=s3_url, local_tier=str(local), storage_options=s3_options, io_threads=1)
-    with _ListingWatcher(local) as watcher:
+    with ListingWatcher(local) as watcher:
         for i in range(3):
             train(acc, run, 1)
             if i == 2:  # hold the third save mid-write: its only I/O thread waits behind a gate
@@ -227,9 +220,11 @@ def test_local_tier_saves_are_assembled_outside_the_checkpoint_folder(s3_url, s3
     assert visible(local) == ["checkpoint_1", "checkpoint_2"]
     fs = fsspec.filesystem("s3", **s3_options)
     assert _folders_with_objects(fs, s3_url) == ["checkpoint_1", "checkpoint_2"]
-    for name in sorted(os.listdir(local / "checkpoint_2")):  # the remote copy, byte for byte
+    assert sorted(os.listdir(local / "checkpoint_2")) == FILES
+    assert _files(fs, f"{s3_url}/checkpoint_2") == FILES
+    for name in FILES:  # the remote copy, byte for byte
         assert fs.cat_file(f"{s3_url}/checkpoint_2/{name}") == (local / "checkpoint_2" / name).read_bytes(), name
-    assert os.path.exists(local / "checkpoint_2" / MANIFEST)
+    _carrier(f"{s3_url}/checkpoint_2", storage_options=s3_options)
     sa.disable(acc)
     shutil.rmtree(local)  # resume from the remote tier
     acc2 = _fresh_auto(tmp_path, total_limit=2)

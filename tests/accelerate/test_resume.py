@@ -8,10 +8,11 @@ import os
 import pytest
 import stagesave.accelerate as sa
 import torch
-from accel_helpers import MANIFEST, assert_same, build, snapshot, train, visible
+from accel_helpers import ListingWatcher, assert_same, build, snapshot, train, visible
 from accelerate import Accelerator
 from accelerate.utils import ProjectConfiguration
 
+import stagesave
 from stagesave.errors import CheckpointNotFoundError, IntegrityError
 
 
@@ -65,9 +66,10 @@ def test_explicit_missing_or_corrupt_folder_raises(tmp_path):
     sa.enable(acc)
     with pytest.raises(ValueError, match="Tried to find .*nope but folder does not exist"):
         acc.load_state(str(tmp_path / "nope"))
+    train(acc, run, 1)  # the optimizer holds tensors (moments) from now on
     acc.save_state(str(tmp_path / "ck"))
     acc._stagesave.wait()
-    _flip_byte(tmp_path / "ck" / "optimizer.bin")
+    _flip_data_byte(tmp_path / "ck" / "optimizer.bin")
     train(acc, run, 1)
     after = snapshot(acc, run)
     with pytest.raises(IntegrityError, match=r"ck is corrupt: .*optimizer.bin: checksum mismatch"):
@@ -75,9 +77,34 @@ def test_explicit_missing_or_corrupt_folder_raises(tmp_path):
     assert_same(after, snapshot(acc, run))  # nothing was half-loaded
 
 
-def _flip_byte(path, offset=-100):
+def test_a_damaged_proof_makes_the_folder_corrupt(tmp_path):
+    acc = Accelerator(cpu=True)
+    build(acc)
+    sa.enable(acc)
+    acc.save_state(str(tmp_path / "ck"))
+    acc._stagesave.wait()
+    carrier = stagesave.verify(tmp_path / "ck").manifest.folder.carrier
+    _flip_byte(tmp_path / "ck" / carrier)  # near the end of a torch file: its proof and footer
+    with pytest.raises(IntegrityError, match=rf"ck is corrupt: .*{carrier}"):
+        acc.load_state(str(tmp_path / "ck"))
+    sa.disable(acc)
+
+
+def _flip_data_byte(path):
+    """Flip one byte of the first tensor record of a torch file (its data, not its proof)."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        record = next(i for i in z.infolist() if "/data/" in i.filename and i.file_size > 0)
+    with open(path, "rb") as f:  # the data follows the record's local header
+        f.seek(record.header_offset + 26)
+        name_len, extra_len = int.from_bytes(f.read(2), "little"), int.from_bytes(f.read(2), "little")
+    _flip_byte(path, record.header_offset + 30 + name_len + extra_len, os.SEEK_SET)
+
+
+def _flip_byte(path, offset=-100, whence=os.SEEK_END):
     with open(path, "r+b") as f:
-        f.seek(offset, os.SEEK_END)
+        f.seek(offset, whence)
         b = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([b[0] ^ 0xFF]))
@@ -143,7 +170,7 @@ def test_existing_valid_or_plain_folder_is_refused_like_accelerate(tmp_path):
         acc.save_state()
     os.makedirs(tmp_path / "checkpoints" / "checkpoint_1")
     acc.project_configuration.iteration = 1
-    with pytest.raises(ValueError, match="no stagesave manifest, so stagesave does not replace it"):
+    with pytest.raises(ValueError, match="no stagesave proof, so stagesave does not replace it"):
         acc.save_state()
 
 
@@ -160,17 +187,19 @@ def test_total_limit_with_saves_in_flight(tmp_path):
     run = build(acc, width=1024)  # ~2 M parameters: each save writes ~25 MB in the background
     ckpt = sa.enable(acc, max_pending=2)
     root = tmp_path / "checkpoints"
+    os.makedirs(root)
     overlapped = 0
-    for i in range(6):
-        train(acc, run, 1)
-        acc.save_state()
-        overlapped += ckpt.pending() > 0
-        for name in visible(root):
-            # Accelerate's listing never shows an uncommitted folder
-            assert os.path.exists(root / name / MANIFEST), f"{name} visible before its commit"
-        assert len(visible(root)) <= 3
+    with ListingWatcher(root) as watcher:
+        for _ in range(6):
+            train(acc, run, 1)
+            acc.save_state()
+            overlapped += ckpt.pending() > 0
+            _only_committed_folders(root)
+        ckpt.wait()
+    # Accelerate lists hidden entries too: nothing but checkpoint folders ever appeared there
+    # (folders are assembled in .stagesave-staging, and retired ones must not linger as temporaries)
+    assert watcher.seen <= {f"checkpoint_{i}" for i in range(6)}, sorted(watcher.seen)
     before = snapshot(acc, run)
-    ckpt.wait()
     assert overlapped > 0, "no save was still in flight when the next began"
     assert visible(root) == ["checkpoint_4", "checkpoint_5"]
     train(acc, run, 1)
@@ -178,7 +207,19 @@ def test_total_limit_with_saves_in_flight(tmp_path):
     assert_same(before, snapshot(acc, run))
 
 
-@pytest.mark.parametrize("point", ["third-file-of-third-save", "after-manifest-before-rename"])
+def _only_committed_folders(root) -> None:
+    """Accelerate's listing never shows an uncommitted folder: each one it sees proves itself."""
+    for name in visible(root):
+        try:
+            info = stagesave.verify(root / name)
+        except CheckpointNotFoundError:
+            info = None
+        if os.path.exists(root / name):  # (else retention removed it meanwhile)
+            assert info is not None and info.status == "verified", f"{name} visible before its commit: {info}"
+    assert len(visible(root)) <= 3
+
+
+@pytest.mark.parametrize("point", ["third-file-of-third-save", "carrier-proof-before-rename"])
 def test_sigkill_mid_save_resumes_from_previous_and_retention_kept_it(worker_runs, point):
     # dist_worker.py trained with total_limit=1 and was SIGKILLed during its third save.
     assert worker_runs.exit[f"crash-{point}"] == -9
