@@ -65,6 +65,16 @@ def _import_global(name: str) -> Any:
         ) from exc
 
 
+def lightning_metadata(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """What every Lightning checkpoint's proof records: the framework, the epoch and the step."""
+    metadata: dict[str, Any] = {"framework": "lightning"}
+    for field in ("epoch", "global_step"):
+        value = checkpoint.get(field)
+        if isinstance(value, int) and not isinstance(value, bool):
+            metadata[field] = value
+    return metadata
+
+
 def _key(path: str) -> str:
     return path.rstrip("/") if "://" in path else os.path.abspath(os.path.expanduser(path))
 
@@ -222,10 +232,7 @@ class StagedCheckpointIO(CheckpointIO):
             stagesave.CheckpointError: an earlier background save failed (raised once), the
                 target cannot be written, or the state holds an object that cannot be saved.
         """
-        metadata = {"framework": "lightning"}
-        for field in ("epoch", "global_step"):
-            if isinstance(checkpoint.get(field), int):
-                metadata[field] = checkpoint[field]
+        metadata = lightning_metadata(checkpoint)
         if storage_options is not None:
             unknown = set(storage_options) - set(_STORAGE_OPTION_KEYS) if isinstance(storage_options, dict) else {0}
             if unknown:

@@ -10,38 +10,48 @@ and the folder is committed in the background once every rank's file is durable.
 plugin's checkpointer orders ``ModelCheckpoint``'s removals and links after these saves, shares
 the staging buffers, and sends the saves' telemetry to the same callback.
 
-``meta.pt`` is written by the coordinator into the folder while it is still being assembled
-(DCP's global planning step, before any rank writes), with a manifest of its own, so the commit
-that makes the folder visible also publishes ``meta.pt``: a committed folder always has it, and
-a failure to write it fails the save on every rank before anything is staged. It is small and
-written synchronously; the shards are the large part.
+The folder holds exactly Lightning's files: ``.metadata`` (the carrier of the folder's proof,
+stagesave's format 2, ``docs/format.md``), one ``__<rank>_0.distcp`` per rank (each with its own
+proof) and ``meta.pt``. ``meta.pt`` is the plain ``torch.save`` file Lightning writes; the
+coordinator writes it durably into the folder while the folder is still being assembled (DCP's
+global planning step, before any rank writes), and the commit lists it, with its checksums, in
+the folder's proof: the rename that makes the folder visible publishes it too, a committed
+folder always has it, and a failure to write it fails the save on every rank before anything is
+staged. It is small and written synchronously; the shards are the large part. The folder's proof
+also records ``framework``, ``epoch`` and ``global_step``, like every Lightning checkpoint's.
 
-The folder keeps Lightning's layout (DCP files plus ``meta.pt``), so Lightning's own strategies
-load it without stagesave; loading here checks every byte against the manifests and unpickles
-with stagesave's allow-list. Plain Lightning folders (no manifests) load too, unverified.
+Lightning's own strategies load these folders without stagesave; loading here checks every
+byte against the folder's proof and unpickles with stagesave's allow-list. Plain Lightning
+folders (no proof) load too, unverified.
 """
 
 from __future__ import annotations
 
+import io
 import os
-import shutil
+import pickle
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import SavePlan
 
 import stagesave.dcp as sdcp
 from stagesave import (
-    Checkpointer,
     CheckpointError,
+    CheckpointInfo,
     CheckpointNotFoundError,
     IntegrityError,
+    LocalStore,
     SaveHandle,
 )
+from stagesave import _fsops as fsops
+from stagesave._discovery import folder_entries, resolve_dir, verify_entry
+from stagesave._image import plan_torch_file
 from stagesave.dcp import StagedStorageReader, StagedStorageWriter
 
-from ._plugin import LIGHTNING_SAFE_GLOBALS, StagedCheckpointIO
+from ._plugin import LIGHTNING_SAFE_GLOBALS, StagedCheckpointIO, lightning_metadata
 
 __all__ = ["META_FILE", "ShardedCheckpoints"]
 
@@ -72,12 +82,33 @@ def _stagesave_cause(exc: CheckpointException) -> BaseException:
     return exc
 
 
+def _meta_bytes(meta: dict[str, Any]) -> bytes:
+    """``meta`` as Lightning writes it (``torch.save``), on the caller's thread.
+
+    Raises:
+        stagesave.UnsupportedObjectError: a value cannot be pickled (the message names it).
+    """
+    out = io.BytesIO()
+    try:
+        torch.save(meta, out)
+    except (pickle.PicklingError, TypeError, AttributeError, RuntimeError):
+        plan_torch_file(meta)  # stagesave's planner names the value that cannot be saved
+        raise
+    return out.getvalue()
+
+
+def _write_meta(meta: dict[str, Any], folder: str) -> None:
+    """Write ``meta.pt`` into the folder being assembled: complete and durable when this returns
+    (a temporary, fsync, rename, directory fsync, through stagesave's filesystem seam)."""
+    data = _meta_bytes(meta)
+    LocalStore(os.path.dirname(folder)).put_atomic(f"{os.path.basename(folder)}/{META_FILE}", data)
+
+
 class _ShardWriter(StagedStorageWriter):  # type: ignore[misc]
     """A ``StagedStorageWriter`` whose coordinator also puts ``meta.pt`` into the folder."""
 
-    def __init__(self, checkpointer: Checkpointer, meta_checkpointer: Any) -> None:
+    def __init__(self, checkpointer: Any) -> None:
         super().__init__(checkpointer=checkpointer)
-        self._meta_checkpointer = meta_checkpointer
         self.meta: dict[str, Any] | None = None
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -86,13 +117,26 @@ class _ShardWriter(StagedStorageWriter):  # type: ignore[misc]
             raise RuntimeError("stagesave.lightning: a sharded save without Lightning's metadata")
         folder = _staging_folder(os.path.abspath(os.fspath(self.path or "")), plans)
         try:
-            self._meta_checkpointer().save(self.meta, os.path.join(folder, META_FILE),
-                                           metadata={"framework": "lightning"}).result()
+            _write_meta(self.meta, folder)
         except BaseException:
             # No rank has written yet (that comes after this plan): the folder is ours alone.
-            shutil.rmtree(folder, ignore_errors=True)
+            fsops.rmtree(folder)
             raise
         return plans
+
+
+def _meta_problems(store: LocalStore, info: CheckpointInfo) -> list[str]:
+    """Check ``meta.pt`` of a committed format-2 folder against the folder's proof.
+
+    Returns the problems (empty: intact). ``meta.pt`` with a proof of its own (a member) is
+    checked when it is loaded; one listed in the folder's proof (Lightning's plain file) here.
+    """
+    entries, found = folder_entries(store, info)
+    problems: list[str] = list(found)
+    for name, _own, listed in entries:
+        if name == META_FILE and listed is not None:
+            problems += verify_entry(store, f"{info.name}/{META_FILE}", listed)
+    return problems
 
 
 class ShardedCheckpoints:
@@ -100,20 +144,11 @@ class ShardedCheckpoints:
 
     def __init__(self) -> None:
         self._writer: _ShardWriter | None = None
-        self._meta_ckpt: Checkpointer | None = None
-
-    def _meta(self, plugin: StagedCheckpointIO) -> Checkpointer:
-        if self._meta_ckpt is None:
-            self._meta_ckpt = Checkpointer(
-                max_pending=1, io_threads=1, pinned=False, checksum=plugin.checksum,
-                direct_io=plugin.direct_io,
-            )
-        return self._meta_ckpt
 
     def _writer_for(self, plugin: StagedCheckpointIO) -> _ShardWriter:
         ckpt = plugin.checkpointer
         if self._writer is None or self._writer.checkpointer is not ckpt:
-            self._writer = _ShardWriter(ckpt, lambda: self._meta(plugin))
+            self._writer = _ShardWriter(ckpt)
         return self._writer
 
     def save(self, plugin: StagedCheckpointIO, state: dict[str, Any], meta: dict[str, Any], path: str) -> SaveHandle:
@@ -128,6 +163,7 @@ class ShardedCheckpoints:
         """
         writer = self._writer_for(plugin)
         writer.meta = meta
+        writer.metadata = lightning_metadata(meta)  # recorded in the folder's proof
         try:
             handle = sdcp.save(state, path, writer=writer)
         finally:
@@ -144,29 +180,32 @@ class ShardedCheckpoints:
     ) -> dict[str, Any]:
         """On every rank: let ``fill`` load the sharded state from the folder; return ``meta.pt``.
 
-        ``fill`` runs DCP loads with the reader it is given. A folder stagesave committed is
-        checked byte for byte (with ``verify_on_load``); a plain Lightning folder (no
-        manifests) is read as it is, still with the safe unpickler.
+        ``fill`` runs DCP loads with the reader it is given. A folder that carries a stagesave
+        proof is checked byte for byte against it (with ``verify_on_load``): its file set and
+        ``meta.pt`` here, the shards as the reader reads them; a plain Lightning folder (no
+        proof) is read as it is, still with the safe unpickler.
 
         Raises:
             stagesave.CheckpointNotFoundError: no ``meta.pt`` in the folder.
-            stagesave.IntegrityError: a file does not match its manifest.
+            stagesave.IntegrityError: the folder does not match its proof.
             stagesave.UnsafeCheckpointError: an item needs a class that is not allow-listed.
         """
         plugin.wait()  # a pending save of this folder commits first, on every rank
+        path = os.path.abspath(path)
         meta_path = os.path.join(path, META_FILE)
+        if not os.path.isfile(meta_path):
+            raise CheckpointNotFoundError(f"{path} is not a Lightning sharded checkpoint: it has no {META_FILE}")
         verify = False
-        try:
-            if plugin.verify_on_load:
-                info = plugin.checkpointer.verify(meta_path)
-                if info.status == "corrupt":
-                    raise IntegrityError(f"checkpoint {path} is corrupt: {'; '.join(info.problems)}")
-                verify = info.status == "verified"  # stagesave wrote it: the folder has a manifest
-            meta = plugin.load_checkpoint(meta_path, weights_only=weights_only)
-        except CheckpointNotFoundError as exc:
-            raise CheckpointNotFoundError(
-                f"{path} is not a Lightning sharded checkpoint: it has no {META_FILE}"
-            ) from exc
+        if plugin.verify_on_load:
+            store = LocalStore(os.path.dirname(path))
+            info = resolve_dir(store, os.path.basename(path))  # the folder's own proof, if any
+            problems = list(info.problems) if info.status == "corrupt" else []
+            if info.status == "committed" and info.format == 2:
+                problems += _meta_problems(store, info)
+            if problems:
+                raise IntegrityError(f"checkpoint {path} is corrupt: {'; '.join(problems)}")
+            verify = info.status == "committed"
+        meta = plugin.load_checkpoint(meta_path, weights_only=weights_only)
         reader = StagedStorageReader(path, verify=verify, trusted=weights_only is False,
                                      safe_globals=[*LIGHTNING_SAFE_GLOBALS, *plugin.safe_globals])
         try:
@@ -176,10 +215,7 @@ class ShardedCheckpoints:
         return meta
 
     def close(self) -> None:
-        """Give up saves that never reached DCP's ``finish()``; close the ``meta.pt`` writer."""
+        """Give up saves that never reached DCP's ``finish()``."""
         writer, self._writer = self._writer, None
-        meta, self._meta_ckpt = self._meta_ckpt, None
         if writer is not None:
             writer.abandon("the strategy was torn down before dcp.save reached finish()")
-        if meta is not None:
-            meta.close()

@@ -10,6 +10,8 @@ parallel 1). Lightning's automatic FSDP wrapping and tensor parallelism need GPU
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,7 @@ from stagesave.lightning import (
     StagedModelParallelStrategy,
     find_plugin,
 )
+from stagesave.lightning._sharded import ShardedCheckpoints
 
 import stagesave
 import stagesave.dcp
@@ -101,11 +104,20 @@ def test_sharded_saves_are_committed_folders_in_lightnings_layout(
     ckpt = root / "ckpt"
     folder = ckpt / "epoch=0-step=4.ckpt"
     info = stagesave.verify(str(folder))
-    assert info.status == "verified" and info.is_dir and info.manifest is not None
-    assert sorted(e.name for e in info.manifest.files) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
-    # meta.pt (loops, callbacks) was committed with the folder, with a manifest of its own.
+    assert (info.status, info.format) == ("verified", 2) and info.is_dir and info.manifest is not None
+    # Exactly Lightning's files (as in the folder Lightning's own strategy wrote in phase 3),
+    # nothing beside them: the proof is inside the files.
+    assert sorted(os.listdir(folder)) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+    assert sorted(os.listdir(folder)) == sorted(os.listdir(root / "plain" / "epoch=0-step=6.ckpt"))
+    # .metadata carries the folder's proof: each rank file (with a proof of its own) and meta.pt
+    # (loops, callbacks: Lightning's plain torch.save file) with its checksums.
+    proof = info.manifest.folder
+    assert proof is not None and proof.carrier == ".metadata"
+    assert sorted(m.name for m in proof.members) == ["__0_0.distcp", "__1_0.distcp"]
+    assert [e.name for e in proof.listed] == ["meta.pt"]
+    assert {k: info.manifest.metadata[k] for k in ("framework", "epoch", "global_step")} == {
+        "framework": "lightning", "epoch": 0, "global_step": 4}
     meta = folder / "meta.pt"
-    assert stagesave.verify(str(meta)).status == "verified"
     assert torch.load(meta, weights_only=True)["global_step"] == 4
     # The whole checkpoint, gathered from both ranks' files, is the model and optimizer state.
     state = stagesave.dcp.to_state_dict(folder)
@@ -152,9 +164,48 @@ def test_ckpt_path_last_resumes_bitwise_and_folders_interoperate_with_lightning(
         assert r["run3_start"] == step4
         # ...and both resumed runs reach the same state at step 6.
         assert r["run2_end"] == step6
-        # The staged strategy reads a plain Lightning folder (no manifests) too.
+        # The staged strategy reads a plain Lightning folder (no proof) too.
         assert r["run4_start"] == step6
     assert ranks[0]["run1_end"] != ranks[1]["run1_end"]  # the ranks really hold different shards
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_changed_meta_pt_or_an_extra_file_makes_the_folder_corrupt(
+    runs: dict[str, tuple[Path, list[dict[str, Any]]]], kind: str, tmp_path: Path
+) -> None:
+    root, _ = runs[kind]
+    readers: list[Any] = []
+    io = StagedCheckpointIO()
+
+    def load(folder: Path) -> dict[str, Any]:  # the strategy's load up to DCP (no process group here)
+        return ShardedCheckpoints().load(io, str(folder), None, readers.append)
+
+    # Intact: meta.pt loads, and the shards are read verified (the folder carries a proof)...
+    assert load(root / "ckpt" / "epoch=0-step=4.ckpt")["global_step"] == 4
+    assert readers[-1].verify is True
+    # ...a plain Lightning folder loads unverified (no proof to check against).
+    assert load(root / "plain" / "epoch=0-step=6.ckpt")["global_step"] == 6
+    assert readers[-1].verify is False
+
+    changed = tmp_path / "changed"
+    shutil.copytree(root / "ckpt" / "epoch=0-step=4.ckpt", changed)
+    data = bytearray((changed / "meta.pt").read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size: only the checksums the folder's proof lists tell
+    (changed / "meta.pt").write_bytes(bytes(data))
+    info = stagesave.verify(str(changed))
+    assert info.status == "corrupt" and any("meta.pt" in p for p in info.problems), info.problems
+    with pytest.raises(stagesave.IntegrityError, match=r"meta\.pt.*checksum mismatch"):
+        load(changed)
+
+    extra = tmp_path / "extra"
+    shutil.copytree(root / "ckpt" / "epoch=0-step=4.ckpt", extra)
+    (extra / "notes.txt").write_text("not part of the checkpoint")
+    info = stagesave.verify(str(extra))
+    assert info.status == "corrupt" and any("notes.txt" in p for p in info.problems), info.problems
+    with pytest.raises(stagesave.IntegrityError, match="notes.txt"):
+        load(extra)
+    assert len(readers) == 2  # neither corrupt folder reached DCP
+    io.teardown()
 
 
 def test_model_parallel_full_checkpoints_are_single_files_through_the_plugin(
