@@ -1,5 +1,6 @@
 """Sharded checkpoints on a real S3 server on loopback (tests/s3server.py): the object-store
-commit (no rename: the manifest written last is the commit), verified loads, corruption."""
+commit (no rename: ``.metadata`` written last, carrying the folder's proof, is the commit),
+verified loads, corruption."""
 
 from __future__ import annotations
 
@@ -21,22 +22,30 @@ def test_save_replace_load_and_corruption_on_s3(s3_url, s3_options, s3_server):
     sdcp.save(states[1], "last", writer=writer).result(60)
     sdcp.save(states[2], "last", writer=writer).result(60)  # replaced in place
     latest = stagesave.latest(s3_url, storage_options=s3_options)
-    assert latest is not None and latest.name == "last" and latest.is_dir
-    names = sorted(f.name for f in latest.manifest.files)
-    assert names == [".metadata", "__0_0.distcp"]
+    assert latest is not None and latest.name == "last" and latest.is_dir and latest.format == 2
+    assert latest.manifest is not None and latest.manifest.folder is not None
+    assert latest.manifest.files[0].name == ".metadata" and latest.manifest.files[0].kind == "dcp-metadata"
+    assert [m.name for m in latest.manifest.folder.members] == ["__0_0.distcp"]
+    assert [c.name for c in stagesave.list_checkpoints(s3_url, storage_options=s3_options)] == ["last", "step-1"]
+    assert stagesave.verify(f"{s3_url}/last", storage_options=s3_options).status == "verified"
     got = {"w": torch.zeros(300, 100), "step": 0}
     sdcp.load(got, f"{s3_url}/last", reader=sdcp.StagedStorageReader(storage_options=s3_options))
     assert torch.equal(got["w"], states[2]["w"]) and got["step"] == 3
-    keys = [o["Key"] for o in s3_server.client().list_objects_v2(
-        Bucket=s3_url.split("/")[2], Prefix="/".join(s3_url.split("/")[3:]) + "/last/")["Contents"]]
-    assert not [k for k in keys if "stagesave-tmp" in k]  # markers removed after the commit
-    # A flipped byte in the rank object is caught before DCP sees it.
+    prefix = "/".join(s3_url.split("/")[3:]) + "/"
+    keys = [o["Key"][len(prefix):] for o in s3_server.client().list_objects_v2(
+        Bucket=s3_url.split("/")[2], Prefix=prefix)["Contents"]]
+    # Exactly DCP's files: the markers (in a hidden prefix beside the folder) went with the commit.
+    assert sorted(keys) == ["last/.metadata", "last/__0_0.distcp", "step-1/.metadata", "step-1/__0_0.distcp"]
+    # A flipped byte in the rank object is caught before DCP sees it: in the data (a chunk's
+    # checksum) as in the proof after it (the proof's own CRC).
     client = s3_server.client()
     bucket, key = s3_url.split("/")[2], "/".join(s3_url.split("/")[3:]) + "/last/__0_0.distcp"
-    data = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
-    data[-500] ^= 0xFF
-    client.put_object(Bucket=bucket, Key=key, Body=bytes(data))
-    with pytest.raises(IntegrityError, match="checksum mismatch"):
-        sdcp.load({"w": torch.zeros(300, 100), "step": 0}, f"{s3_url}/last",
-                  reader=sdcp.StagedStorageReader(storage_options=s3_options))
+    good = client.get_object(Bucket=bucket, Key=key)["Body"].read()
+    for at, problem in ((len(good) // 2, "checksum mismatch"), (len(good) - 500, r"proof record is damaged")):
+        data = bytearray(good)
+        data[at] ^= 0xFF
+        client.put_object(Bucket=bucket, Key=key, Body=bytes(data))
+        with pytest.raises(IntegrityError, match=problem):
+            sdcp.load({"w": torch.zeros(300, 100), "step": 0}, f"{s3_url}/last",
+                      reader=sdcp.StagedStorageReader(storage_options=s3_options))
     writer.close()
