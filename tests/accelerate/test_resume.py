@@ -251,3 +251,67 @@ def test_sigkill_mid_save_resumes_from_previous_and_retention_kept_it(worker_run
     acc.save_state()
     acc._stagesave.wait()
     assert sorted(os.listdir(root)) == ["checkpoint_2"]
+
+
+def _format1_folder(folder, metadata) -> None:
+    """Turn a plain Accelerate folder into one as stagesave 0.1 wrote it: the same files plus a
+    ``checkpoint.stagesave.json`` manifest listing each with its size and chunk digests."""
+    import time
+
+    from stagesave._checksum import digest
+    from stagesave._manifest import FileEntry, Manifest
+
+    entries = []
+    for name in sorted(os.listdir(folder)):
+        data = (folder / name).read_bytes()
+        chunks = tuple(digest("xxh3_128", data[lo : lo + 4096]) for lo in range(0, len(data), 4096))
+        kind = "safetensors" if name.endswith(".safetensors") else "torch"
+        entries.append(FileEntry(name, len(data), "xxh3_128", 4096, chunks, kind, None, None))
+    (folder / "checkpoint.stagesave.json").write_bytes(Manifest(entries, time.time_ns(), metadata=metadata).to_json())
+
+
+def test_a_folder_of_the_previous_format_still_verifies_and_loads(tmp_path):
+    """Folders with a checkpoint.stagesave.json manifest (format 1): proven by it, the adapter's
+    metadata read from it (here the iteration, which the folder's name does not give)."""
+    acc = Accelerator(cpu=True)
+    run = build(acc)
+    train(acc, run, 2)
+    before = snapshot(acc, run)
+    old = tmp_path / "old"
+    acc.save_state(str(old))  # Accelerate's own
+    _format1_folder(old, {"accelerate": {"iteration": 7, "step": 0, "num_processes": 1}})
+    info = stagesave.verify(old)
+    assert (info.status, info.format, info.manifest.metadata["accelerate"]["iteration"]) == ("verified", 1, 7)
+    sa.enable(acc)
+    train(acc, run, 2)
+    acc.load_state(str(old))
+    assert_same(before, snapshot(acc, run))
+    assert acc.project_configuration.iteration == 8  # continues after the manifest's iteration
+    _flip_byte(old / "optimizer.bin", 200, os.SEEK_SET)
+    with pytest.raises(IntegrityError, match=r"old is corrupt: .*optimizer.bin"):
+        acc.load_state(str(old))
+    sa.disable(acc)
+
+
+def test_a_file_added_to_a_committed_folder_makes_it_invalid(tmp_path):
+    acc = _auto(tmp_path)
+    run = build(acc)
+    sa.enable(acc)
+    states = []
+    for _ in range(2):
+        train(acc, run, 1)
+        states.append(snapshot(acc, run))
+        acc.save_state()
+    acc._stagesave.wait()
+    (tmp_path / "checkpoints" / "checkpoint_1" / "notes.txt").write_text("added by hand")
+    train(acc, run, 1)
+    with pytest.warns(UserWarning, match=r"skipping checkpoint .*checkpoint_1: .*notes.txt is not part of the checkpoint"):
+        acc.load_state()
+    assert_same(states[0], snapshot(acc, run))
+    assert acc.project_configuration.iteration == 1
+    with pytest.warns(UserWarning, match="replacing the invalid checkpoint .*checkpoint_1"):
+        acc.save_state()  # checkpoint_1 again: replaced by a complete folder
+    acc._stagesave.wait()
+    assert "notes.txt" not in os.listdir(tmp_path / "checkpoints" / "checkpoint_1")
+    assert stagesave.verify(tmp_path / "checkpoints" / "checkpoint_1").status == "verified"
+    sa.disable(acc)
