@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import stagesave
 from stagesave import Checkpointer, CheckpointInfo, SaveHandle, SaveTelemetry, TieredStore
 from stagesave import _fsops as fsops
+
 from . import _dist, _fsdp, _remote
 from ._assemble import Assembly, discard, first_error, publish, write_ack
 from ._config import Options, is_switched_off, resolve_options
@@ -538,9 +539,8 @@ class AcceleratorCheckpointer:
         if self._tiered is None:
             return None
         m = info.manifest
-        if m is not None and m.folder is not None:
-            return self._tiered.tier_of(f"{info.name}/{m.folder.carrier}")
-        return self._tiered.tier_of(info.manifest_name or info.name)
+        name = f"{info.name}/{m.folder.carrier}" if m is not None and m.folder is not None else info.manifest_name
+        return str(self._tiered.tier_of(name or info.name))
 
     # ------------------------------------------------------------------ finding, waiting
     def latest(self) -> CheckpointInfo | None:

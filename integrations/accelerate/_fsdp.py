@@ -109,9 +109,8 @@ def save_parts(accelerator: Any, writer: sdcp.StagedStorageWriter, base: str) ->
     Raises:
         CheckpointError: staging failed on this rank (the other ranks' ``dcp.save`` raise too).
     """
-    from accelerate.utils.fsdp_utils import _get_model_state_dict
-
     import stagesave.dcp as sdcp
+    from accelerate.utils.fsdp_utils import _get_model_state_dict
 
     plugin = accelerator.state.fsdp_plugin
     handles = []
@@ -138,13 +137,12 @@ def load_parts(accelerator: Any, folder: str) -> None:
     Raises:
         CheckpointError: a folder is missing, or an item is not allow-listed.
     """
+    import stagesave.dcp as sdcp
     from accelerate.utils.fsdp_utils import (
         _get_model_state_dict,
         _set_model_state_dict,
         _unwrap_optimizer,
     )
-
-    import stagesave.dcp as sdcp
 
     plugin = accelerator.state.fsdp_plugin
 

@@ -16,6 +16,7 @@ import re
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from stagesave import Checkpointer, CheckpointInfo
 from stagesave import _fsops as fsops
@@ -51,7 +52,7 @@ def discard_copy(local: str) -> None:
     fsops.rmtree(os.path.dirname(local))
 
 
-def _metadata(info: CheckpointInfo | None) -> dict[str, object]:
+def _metadata(info: CheckpointInfo | None) -> dict[str, Any]:
     """The adapter's entry in the metadata of a checkpoint's proof (format 2: recorded by the
     folder's carrier; format 1: by its ``checkpoint.stagesave.json``); empty when there is none."""
     meta = info.manifest.metadata.get(METADATA_KEY, {}) if info is not None and info.manifest is not None else {}

@@ -207,7 +207,7 @@ class ListingWatcher:
             except FileNotFoundError:
                 pass
 
-    def __enter__(self) -> ListingWatcher:
+    def __enter__(self) -> ListingWatcher:  # noqa: PYI034 - Self needs typing_extensions
         self._thread.start()
         return self
 
