@@ -459,8 +459,9 @@ def copy_file(
                     b[a - lo : z - lo] = b" " * (z - a)
                     chunk = memoryview(bytes(b))
                 if digest(entry.algorithm, chunk) != entry.chunks[i]:
-                    raise IntegrityError(f"{dst.describe(name)}: the source's bytes [{lo}, {min(hi, entry.end)}) "
-                                         "no longer match their proof; not copied")
+                    raise IntegrityError(f"the local copy of {name} no longer matches its proof (bytes [{lo}, "
+                                         f"{min(hi, entry.end)}) differ): it was not copied to {dst.describe(name)}. "
+                                         "The local disk may be failing.")
             if hi > lo:
                 pending.write_range(lo, hi)
             crash_point("during_upload")

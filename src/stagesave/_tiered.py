@@ -38,6 +38,7 @@ from ._discovery import CheckpointInfo, resolve, resolve_dir, scan
 from ._names import DIR_MANIFEST, TMP_MARKER, split_manifest_name
 from ._store import ObjectInfo, PendingWrite, Reader, Store
 from ._write import WriteStats
+from .errors import IntegrityError
 from .telemetry import SaveTelemetry, TelemetryCallback
 
 __all__ = ["TieredStore"]
@@ -338,30 +339,36 @@ class TieredStore(Store):
 
     # ------------------------------------------------------------------ Store: reading (routed)
     def info(self, name: str) -> ObjectInfo:
-        store = self._route_for_read(name)
+        store, fallback = self._route_for_read(name)
         try:
             return store.info(name)
         except FileNotFoundError:
-            other = self.remote if store is self.local else self.local
-            if other is self.remote and not self._remote_usable():
+            if fallback is None:
                 raise
-            return other.info(name)
+            return fallback.info(name)
 
     def open(self, name: str) -> Reader:
-        store = self._route_for_read(name)
+        store, fallback = self._route_for_read(name)
         try:
             return store.open(name)
         except FileNotFoundError:
-            other = self.remote if store is self.local else self.local
-            if other is self.remote and not self._remote_usable():
+            if fallback is None:
                 raise
-            return other.open(name)
+            return fallback.open(name)
 
-    def _route_for_read(self, name: str) -> Store:
+    def _route_for_read(self, name: str) -> tuple[Store, Store | None]:
+        """The tier to read ``name`` from, and the one to try when it is not there (if any)."""
         with self._lock:
             deleting = name in self._deleting
         if deleting:  # deleted; only a new local commit of the same name can exist
-            return self.local
+            return self.local, None
+        store = self._route_tier(name)
+        other = self.remote if store is self.local else self.local
+        if other is self.remote and not self._remote_usable():
+            return store, None
+        return store, other
+
+    def _route_tier(self, name: str) -> Store:
         key = self._key(name)
         if key == name:
             self._decide(key)  # the first read of a checkpoint: choose the tier afresh
@@ -486,14 +493,18 @@ class TieredStore(Store):
         """Upload the pending checkpoints of ``directory`` (newest first), then apply retention."""
         with self._lock:
             names = {n: t for n, t in self._pending.items() if _parent(n) == directory}
-        committed = {c.name: c for c in scan(self.local, directory) if c.status == "committed"}
+        found = {c.name: c for c in scan(self.local, directory)}
         for name in sorted(names, key=lambda n: names[n], reverse=True):
-            info = committed.get(name)
-            if info is None:  # removed or replaced meanwhile: nothing of it to upload
+            info = found.get(name)
+            if info is None or info.status != "committed":
                 with self._lock:
                     if self._pending.get(name) == names[name]:
                         self._pending.pop(name)
-                continue
+                if info is not None:  # the local copy rotted since its commit: say so, never upload it
+                    self._report_failure(name, f"the local copy of {info.path} no longer matches its proof "
+                                         f"({'; '.join(info.problems)}): it was not uploaded. The local disk "
+                                         "may be failing.", None)
+                continue  # removed or replaced meanwhile: nothing of it to upload
             if not self._upload(info, names[name]):
                 return  # the remote tier is failing; the next local commit retries
             with self._lock:
@@ -509,7 +520,9 @@ class TieredStore(Store):
             if info.manifest is None:
                 info = resolve(self.local, info.name)
             if info.status != "committed" or info.manifest is None:
-                raise OSError(f"{info.path} is not intact: {'; '.join(info.problems)}")
+                raise IntegrityError(f"the local copy of {info.path} no longer matches its proof "
+                                     f"({'; '.join(info.problems)}): it was not uploaded. The local disk may "
+                                     "be failing.")
             tel.bytes = info.size
             copy_checkpoint(self.local, info, self.remote, pool=self._queue.io_pool, stats=stats, read=self._mapped)
             tel.write_s, tel.checksum_s = stats.write_s, stats.checksum_s

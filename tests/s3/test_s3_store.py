@@ -60,17 +60,17 @@ def test_url_with_credentials_is_refused_without_echoing_them():
 
 
 # ---------------------------------------------------------------------- upload shape and order
-def test_large_file_is_a_concurrent_multipart_upload_committed_after_its_manifest(proxy, make_store, s3_url):
+def test_large_file_is_a_concurrent_multipart_upload_committed_by_completing_it(proxy, make_store, s3_url):
     store = make_store(s3_url, proxy.endpoint, max_connections=2)
     state = big_state(1)
     with stagesave.Checkpointer(store) as ckpt:
         ckpt.save(state, "big.ckpt").result()
         assert torch.equal(ckpt.load("big.ckpt")["w"], state["w"])
+        assert ckpt.verify("big.ckpt").status == "verified"
     writes = [op for op, _ in proxy.log if op in
               ("CreateMultipartUpload", "UploadPart", "PutObject", "CompleteMultipartUpload")]
-    # data parts up, then the manifest object, then the atomic publish
-    assert writes == ["CreateMultipartUpload", "UploadPart", "UploadPart", "UploadPart", "PutObject",
-                      "CompleteMultipartUpload"]
+    # data parts up (the last one carries the proof), then the atomic publish: no other object
+    assert writes == ["CreateMultipartUpload", "UploadPart", "UploadPart", "UploadPart", "CompleteMultipartUpload"]
     assert proxy.max_in_flight["UploadPart"] == 2  # concurrent, and bounded by max_connections
     assert proxy.requests["GetObject"] >= 3  # the load used concurrent ranged reads
 
@@ -80,36 +80,38 @@ def test_small_file_is_a_single_put(proxy, make_store, s3_url):
     with stagesave.Checkpointer(store) as ckpt:
         ckpt.save(small_state(), "small.ckpt").result()
     assert proxy.requests["CreateMultipartUpload"] == 0
-    assert [op for op, _ in proxy.log if op == "PutObject"] == ["PutObject", "PutObject"]  # manifest, data
+    assert [op for op, _ in proxy.log if op == "PutObject"] == ["PutObject"]  # the file, proof inside
 
 
-def test_objects_written_are_the_torch_file_and_its_manifest(s3_server, make_store, s3_url):
+def test_the_one_object_written_is_a_self_proving_torch_file(s3_server, make_store, s3_url):
     state = big_state(2)
     with stagesave.Checkpointer(make_store(s3_url)) as ckpt:
         tel = ckpt.save(state, "run/last.ckpt").result()
     names = object_names(s3_server, s3_url)
-    assert names[0] == "run/last.ckpt" and names[1].startswith("run/last.ckpt.") and len(names) == 2
+    assert names == ["run/last.ckpt"]
     bucket, prefix = split_url(s3_url)
     raw = s3_server.client().get_object(Bucket=bucket, Key=f"{prefix}/run/last.ckpt")["Body"].read()
     assert len(raw) == tel.bytes
     import io
 
     assert torch.equal(torch.load(io.BytesIO(raw), weights_only=True)["w"], state["w"])  # plain torch file
+    import zipfile
+
+    assert zipfile.ZipFile(io.BytesIO(raw)).testzip() is None  # real CRCs
     assert open_uploads(s3_server, s3_url) == []
 
 
-def test_credentials_never_reach_manifests_errors_or_telemetry(s3_server, make_store, s3_url, s3_options):
+def test_credentials_never_reach_proofs_errors_or_telemetry(s3_server, make_store, s3_url, s3_options):
     seen = []
     with stagesave.Checkpointer(make_store(s3_url), telemetry_callback=seen.append) as ckpt:
         ckpt.save(small_state(), "a.ckpt", metadata={"note": "x"}).result()
-        manifest_name = ckpt.latest().manifest_name
     bucket, prefix = split_url(s3_url)
-    manifest = s3_server.client().get_object(Bucket=bucket, Key=f"{prefix}/{manifest_name}")["Body"].read()
+    manifest = s3_server.client().get_object(Bucket=bucket, Key=f"{prefix}/a.ckpt")["Body"].read()  # proof inside
     wrong = dict(s3_options, secret="not-the-secret-" + s3_options["secret"][:6])
     with stagesave.Checkpointer(make_store(s3_url, options=wrong)) as ckpt:
         with pytest.raises(stagesave.CheckpointPermissionError) as err:
             ckpt.save(small_state(), "b.ckpt").result()
-    texts = [manifest.decode(), str(err.value), repr(err.value), json.dumps([t.to_dict() for t in seen])]
+    texts = [manifest.decode("latin-1"), str(err.value), repr(err.value), json.dumps([t.to_dict() for t in seen])]
     for text in texts:
         assert s3_options["secret"] not in text
         assert wrong["secret"] not in text

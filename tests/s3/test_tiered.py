@@ -171,15 +171,16 @@ def test_folder_checkpoints_are_uploaded_whole(tiered, s3_url, s3_options):
         assert torch.equal(remote.load(f"{s3_url}/checkpoint_1/model.bin")["w"], torch.arange(50.0))
 
 
-def test_a_locally_rotted_copy_is_not_uploaded(tiered, proxy, s3_server, s3_url):
+@pytest.mark.parametrize("where", ["data", "proof"])
+def test_a_locally_rotted_copy_is_not_uploaded(tiered, proxy, s3_server, s3_url, where):
     store = tiered()
     with stagesave.Checkpointer(store) as ckpt:
         proxy.down = True
         ckpt.save(small_state(1), "a.ckpt").result()
         store.wait_uploads()  # failed: a.ckpt waits for the remote tier
         path = os.path.join(store.local.url, "a.ckpt")
-        with open(path, "r+b") as f:  # one byte of the local copy rots meanwhile
-            f.seek(os.path.getsize(path) - 30)
+        with open(path, "r+b") as f:  # one byte of the local copy rots meanwhile (a tensor's, or its proof's)
+            f.seek(os.path.getsize(path) - 30 if where == "proof" else 4096 * 5 + 10)
             b = f.read(1)
             f.seek(-1, 1)
             f.write(bytes([b[0] ^ 0xFF]))
@@ -188,7 +189,7 @@ def test_a_locally_rotted_copy_is_not_uploaded(tiered, proxy, s3_server, s3_url)
         records = store.wait_uploads()
     errors = {u.path.rpartition("/")[2]: u.error for u in records}
     assert errors["b.ckpt"] is None
-    assert "local copy" in errors["a.ckpt"] and "no longer matches its manifest" in errors["a.ckpt"]
+    assert "local copy" in errors["a.ckpt"] and "no longer matches its proof" in errors["a.ckpt"]
     assert _remote_names(s3_server, s3_url) == ["b.ckpt"]
     assert open_uploads(s3_server, s3_url) == []
 

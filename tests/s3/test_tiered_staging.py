@@ -27,9 +27,6 @@ from stagesave._tiered import TieredStore
 
 pytestmark = pytest.mark.s3
 
-MANIFEST = "checkpoint.stagesave.json"
-
-
 @pytest.fixture
 def store(tmp_path, proxy, make_store, s3_url) -> Iterator[TieredStore]:
     """A TieredStore over ``tmp_path/local`` and ``s3_url`` through the fault proxy."""
@@ -45,9 +42,11 @@ def _remote_bytes(s3_server, url: str, name: str) -> bytes:
 
 
 def _assert_uploaded(s3_server, s3_url: str, local: Path, folder: str) -> None:
-    """Every file of the local committed folder is on the remote tier, byte for byte."""
+    """Every file of the local committed folder is on the remote tier, byte for byte, and nothing else."""
     names = sorted(os.listdir(local / folder))
-    assert MANIFEST in names
+    bucket, prefix = split_url(s3_url)
+    listed = s3_server.client().list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/{folder}/")
+    assert sorted(o["Key"].rpartition("/")[2] for o in listed.get("Contents", [])) == names
     for name in names:
         assert _remote_bytes(s3_server, s3_url, f"{folder}/{name}") == (local / folder / name).read_bytes(), name
 
