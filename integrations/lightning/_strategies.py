@@ -112,7 +112,7 @@ class _StagedSharding(_Base):
 
         Raises:
             stagesave.CheckpointNotFoundError: the folder has no ``meta.pt``.
-            stagesave.IntegrityError: a file does not match its manifest.
+            stagesave.IntegrityError: the folder does not match its proof.
             stagesave.UnsafeCheckpointError: an item needs a class that is not allow-listed.
         """
         path = os.fspath(self.broadcast(checkpoint_path))

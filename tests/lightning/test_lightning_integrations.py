@@ -30,13 +30,8 @@ def test_telemetry_reaches_the_trainers_loggers(tmp_path: Path) -> None:
     with open(tmp_path / "run" / "version_0" / "metrics.csv") as f:
         rows = [r for r in csv.DictReader(f) if r.get("checkpoint/blocking_s")]
     assert len(rows) == 3  # one per save: steps 2, 4, 6 (the last logged after the final flush)
-    path = tmp_path / "ckpt" / "epoch=0-step=2.ckpt"
-    proof = stagesave.verify(path).manifest
-    assert proof is not None
-    # bytes: the checkpoint's data, all of the file but the proof appended after it
-    data = proof.files[0].covered
-    assert float(rows[0]["checkpoint/bytes"]) == data == proof.telemetry["bytes"]
-    assert 0 < path.stat().st_size - data < 64 * 1024
+    size = (tmp_path / "ckpt" / "epoch=0-step=2.ckpt").stat().st_size  # the proof inside included
+    assert float(rows[0]["checkpoint/bytes"]) == size
     for r in rows:
         assert float(r["checkpoint/failed"]) == 0.0
         assert 0 < float(r["checkpoint/blocking_s"]) <= float(r["checkpoint/time_to_commit_s"])

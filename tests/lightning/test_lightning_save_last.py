@@ -31,7 +31,7 @@ import stagesave
 
 class LastProbe(Callback):
     """Before every batch, records what ``last.ckpt`` is: absent, dangling, or a checkpoint
-    with a status (``verified`` when its bytes match its manifest)."""
+    with a status (``verified`` when its bytes match the proof inside it)."""
 
     def __init__(self, d: Path, release: Any, first_held: Any = None) -> None:
         self.last = d / "last.ckpt"
