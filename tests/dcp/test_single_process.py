@@ -535,3 +535,78 @@ def test_files_put_into_the_staging_folder_are_proven_with_it(root):
     flip(folder / "meta.pt", 40)
     checked = stagesave.verify(folder)
     assert checked.status == "corrupt" and any("meta.pt: checksum mismatch" in p for p in checked.problems)
+
+
+_REPLACER = """
+import sys, time, warnings
+warnings.simplefilter("ignore")
+import torch
+import stagesave.dcp as sdcp
+root, seconds = sys.argv[1], float(sys.argv[2])
+with sdcp.StagedStorageWriter(root=root, commit_timeout=60, chunk_bytes=256 * 1024) as w:
+    step, end = 0, None
+    while end is None or time.monotonic() < end:
+        step += 1
+        sdcp.save({"w": torch.full((1024, 1024), float(step)), "step": step}, "last", writer=w).result(60)
+        if end is None:
+            open(root + "/ready", "w").close()
+            end = time.monotonic() + seconds
+print(step)
+"""
+
+
+def test_loads_while_another_process_replaces_the_folder_never_fail(root):
+    import subprocess
+    import sys
+    import time
+
+    root.mkdir(parents=True)
+    proc = subprocess.Popen([sys.executable, "-c", _REPLACER, str(root), "6"], stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (root / "ready").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "the replacing process did not start"
+            time.sleep(0.05)
+        loads, errors = 0, []
+        while proc.poll() is None:
+            got = {"w": torch.zeros(1024, 1024), "step": 0}
+            try:
+                if loads % 2:
+                    latest = stagesave.latest(root)
+                    assert latest is not None and latest.name == "last"
+                    sdcp.load(got, latest.path)
+                else:
+                    sdcp.load(got, root / "last")
+            except Exception as exc:  # noqa: BLE001 - counted: there must be none
+                errors.append(f"{type(exc).__name__}: {exc}")
+            else:  # one save's tensor and step, never a mix
+                assert got["step"] >= 1 and torch.equal(got["w"], torch.full((1024, 1024), float(got["step"])))
+            loads += 1
+        saves = int(proc.communicate(timeout=60)[0])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0 and saves >= 3
+    assert errors == [] and loads >= 10, (loads, errors[:3])
+
+
+@pytest.mark.parametrize(("checksum", "checksum_in"), [("crc32", "background"), ("sha256", "staging"),
+                                                      ("xxh3_128", "background")])
+def test_every_checksum_and_where_it_is_computed(root, checksum, checksum_in):
+    state = {"w": torch.randn(300, 200), "step": 5}
+    with sdcp.StagedStorageWriter(root=root, commit_timeout=30, checksum=checksum, checksum_in=checksum_in,
+                                  chunk_bytes=64 * 1024) as w:
+        sdcp.save(state, "s", writer=w).result(30)
+    carrier = folder_proof(root / "s")
+    rank = proof(root / "s" / "__0_0.distcp")
+    assert carrier.files[0].algorithm == checksum and rank.manifest is not None
+    assert rank.manifest.files[0].algorithm == checksum and len(rank.manifest.files[0].chunks) > 1
+    assert stagesave.verify(root / "s").status == "verified"
+    got = {"w": torch.zeros(300, 200), "step": 0}
+    sdcp.load(got, root / "s")
+    assert torch.equal(got["w"], state["w"]) and got["step"] == 5
+    md = load_metadata((root / "s" / ".metadata").read_bytes(), "test")
+    info = md.storage_data[MetadataIndex("w", torch.Size([0, 0]))]
+    flip(root / "s" / "__0_0.distcp", info.offset + info.length - 1)
+    with pytest.raises(IntegrityError, match=r"__0_0\.distcp: checksum mismatch in bytes \[\d+, \d+\) \(chunk \d+\)"):
+        sdcp.load({"w": torch.zeros(300, 200), "step": 0}, root / "s")

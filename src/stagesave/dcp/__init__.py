@@ -2,8 +2,9 @@
 
 Every rank calls DCP's synchronous ``dcp.save`` with a :class:`StagedStorageWriter`; it returns
 once this rank's shards are copied into its reused host buffer. Each rank then writes its own
-file in the background, and a coordinator commits one global manifest after every rank's file is
-durable, coordinating through the store only (never a collective in a background thread)::
+file in the background, each file carrying its own proof, and a coordinator commits the folder
+after every rank's file is durable by writing ``.metadata`` last, with the proof of the whole
+folder, coordinating through the store only (never a collective in a background thread)::
 
     import torch.distributed.checkpoint as dcp
     from stagesave.dcp import StagedStorageReader, StagedStorageWriter
@@ -15,9 +16,10 @@ durable, coordinating through the store only (never a collective in a background
     latest = writer.checkpointer.latest()                  # a committed folder, or None
     dcp.load(state, checkpoint_id=latest.path, storage_reader=StagedStorageReader())
 
-The folder is a genuine DCP checkpoint (torch's ``FileSystemReader`` reads it without
-stagesave), loads on any number of ranks (DCP's planner reshards), and :func:`to_state_dict` /
-:func:`export` turn it into one plain ``torch.save`` file.
+The folder holds exactly the files torch's ``FileSystemWriter`` writes and is a genuine DCP
+checkpoint (torch's ``FileSystemReader`` reads it without stagesave); it loads on any number of
+ranks (DCP's planner reshards), and :func:`to_state_dict` / :func:`export` turn it into one plain
+``torch.save`` file.
 """
 
 from __future__ import annotations

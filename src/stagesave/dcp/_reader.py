@@ -17,6 +17,7 @@ import concurrent.futures as cf
 import io
 import os
 import uuid
+import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -49,6 +50,10 @@ DEFAULT_WINDOW_BYTES = 256 * 1024 * 1024
 _MERGE_GAP = 64 * 1024
 #: Times the folder is resolved again when its files changed while it was being opened.
 _OPEN_ATTEMPTS = 3
+#: Folders of at most this many rank files have every file opened (pinned) when the folder is
+#: opened, so that a save replacing the folder before DCP reads it cannot take the bytes away;
+#: larger ones open each file when it is read (a descriptor per file would be too many).
+PIN_AT_OPEN_MAX = 256
 
 
 @dataclass(frozen=True)
@@ -70,6 +75,19 @@ class _Opened:
     metadata: Metadata
     #: Format 2: the version of each file the folder's proof names.
     pins: dict[str, _Pin] = field(default_factory=dict)
+    #: Data files opened with the folder (their pinned version), until they are read.
+    readers: dict[str, Reader] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        weakref.finalize(self, _close_all, self.readers)
+
+    def close(self) -> None:
+        _close_all(self.readers)
+
+
+def _close_all(readers: dict[str, Reader]) -> None:
+    while readers:
+        readers.popitem()[1].close()
 
 
 class _Replaced(Exception):
@@ -92,8 +110,8 @@ class StagedStorageReader(StorageReader):
 
     Args:
         path: The checkpoint folder; ``checkpoint_id=`` of ``dcp.load`` replaces it.
-        verify: Refuse folders without a committed stagesave manifest and check every chunk read
-            against it (default). ``False`` reads any DCP folder as it is (e.g. one written by
+        verify: Refuse folders without a committed stagesave proof (format 2, or a format-1
+            manifest) and check every chunk read against it (default). ``False`` reads any DCP folder as it is (e.g. one written by
             ``FileSystemWriter``), still with the safe unpickler unless ``trusted``.
         trusted: Unpickle ``.metadata`` and non-tensor items with the full unpickler.
         safe_globals: Extra classes allowed in non-tensor items (see :mod:`stagesave.safety`).
@@ -129,7 +147,7 @@ class StagedStorageReader(StorageReader):
 
     # ------------------------------------------------------------------ opening
     def open(self) -> Metadata:
-        """Resolve the folder, check its manifest and read ``.metadata`` (done once per path).
+        """Resolve the folder, check its proof and read ``.metadata`` (done once per path).
 
         ``dcp.load`` calls this through :meth:`reset`, before any collective, so every rank
         raises the same stagesave error instead of DCP's wrapped one.
@@ -191,7 +209,16 @@ class StagedStorageReader(StorageReader):
             data = self._read_verified(reader, 0, entry.end if entry is not None else reader.size, entry, None)
         metadata = load_metadata(bytes(data), reader.where, trusted=self.trusted)
         self._check_storage_data(metadata, entries, where)
-        return _Opened(store, name, where, info, entries, metadata, pins)
+        opened = _Opened(store, name, where, info, entries, metadata, pins)
+        members = [f for f in pins if f != METADATA_FILE]
+        if len(members) <= PIN_AT_OPEN_MAX:
+            try:
+                for fname in members:
+                    opened.readers[fname] = self._open_file(opened, fname, replaced=_Replaced)
+            except BaseException:
+                opened.close()
+                raise
+        return opened
 
     @staticmethod
     def _changed(store: Store, name: str, info: CheckpointInfo) -> bool:
@@ -260,6 +287,8 @@ class StagedStorageReader(StorageReader):
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
             self.path = checkpoint_id
+            if self._opened is not None:
+                self._opened.close()
             self._opened = None
             self.open()
 
@@ -302,31 +331,38 @@ class StagedStorageReader(StorageReader):
             for rel, items in sorted(per_file.items()):
                 entry = opened.entries.get(rel)
                 items.sort(key=lambda pair: pair[0].offset)
-                with self._open_file(opened, rel) as reader:
+                reader = opened.readers.pop(rel, None) or self._open_file(opened, rel)
+                with reader:
                     for window in self._windows(items, entry):
                         data = self._read_verified(reader, window.lo, window.hi - window.lo, entry, pool)
                         for sinfo, req in window.items:
                             start = sinfo.offset - window.lo
                             self._deliver(req, data[start : start + sinfo.length], planner, f"{opened.where}/{rel}")
+        opened.close()  # files this rank did not need
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
 
-    def _open_file(self, opened: _Opened, rel: str) -> Reader:
+    def _open_file(self, opened: _Opened, rel: str, replaced: type[Exception] | None = None) -> Reader:
         """One version of a data file: the one the folder's proof names (format 2).
 
         Raises:
             IntegrityError: it is missing, or was replaced since the folder was opened.
+            replaced: instead, when it was replaced (while the folder is being opened: try again).
         """
         name = f"{opened.name}/{rel}"
         try:
             reader = opened.store.open(name)
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:
+            if replaced is not None:
+                raise replaced(f"{opened.where}/{rel} is missing") from exc
             raise IntegrityError(f"checkpoint {opened.where} is corrupt: {rel} is missing") from exc
         try:
             self._check_pin(reader, opened.pins.get(rel))
         except _Replaced as exc:
             reader.close()
+            if replaced is not None:
+                raise
             raise IntegrityError(
                 f"checkpoint {opened.where} was replaced while it was being loaded ({exc}); "
                 "load it again"
