@@ -197,8 +197,9 @@ class ShardedCheckpoints:
             raise CheckpointNotFoundError(f"{path} is not a Lightning sharded checkpoint: it has no {META_FILE}")
         verify = False
         if plugin.verify_on_load:
-            store = LocalStore(os.path.dirname(path))
-            info = resolve_dir(store, os.path.basename(path))  # the folder's own proof, if any
+            real = os.path.realpath(path)  # a save_last="link" link: the folder it names
+            store = LocalStore(os.path.dirname(real))
+            info = resolve_dir(store, os.path.basename(real))  # the folder's own proof, if any
             problems = list(info.problems) if info.status == "corrupt" else []
             if info.status == "committed" and info.format == 2:
                 problems += _meta_problems(store, info)

@@ -183,6 +183,10 @@ def test_a_changed_meta_pt_or_an_extra_file_makes_the_folder_corrupt(
     # Intact: meta.pt loads, and the shards are read verified (the folder carries a proof)...
     assert load(root / "ckpt" / "epoch=0-step=4.ckpt")["global_step"] == 4
     assert readers[-1].verify is True
+    # ...also through a link from another directory (the folder it names is checked)...
+    (tmp_path / "elsewhere.ckpt").symlink_to(root / "ckpt" / "epoch=0-step=4.ckpt")
+    assert load(tmp_path / "elsewhere.ckpt")["global_step"] == 4
+    assert readers[-1].verify is True
     # ...a plain Lightning folder loads unverified (no proof to check against).
     assert load(root / "plain" / "epoch=0-step=6.ckpt")["global_step"] == 6
     assert readers[-1].verify is False
@@ -204,7 +208,7 @@ def test_a_changed_meta_pt_or_an_extra_file_makes_the_folder_corrupt(
     assert info.status == "corrupt" and any("notes.txt" in p for p in info.problems), info.problems
     with pytest.raises(stagesave.IntegrityError, match="notes.txt"):
         load(extra)
-    assert len(readers) == 2  # neither corrupt folder reached DCP
+    assert len(readers) == 3  # neither corrupt folder reached DCP
     io.teardown()
 
 
