@@ -196,3 +196,33 @@ def test_links_with_changing_names_replace_each_other(tmp_path: Path) -> None:
     assert links == ["last-step=6.ckpt"]
     assert os.readlink(d / "last-step=6.ckpt") == "epoch=0-step=6.ckpt"
     assert sorted(p.name for p in d.glob("*.ckpt") if not p.is_symlink()) == ["epoch=0-step=6.ckpt"]
+
+
+# ---------------------------------------------------------------- SIGKILL inside a commit
+@pytest.mark.parametrize("n", range(1, 7))
+def test_sigkill_after_each_commit_rename_leaves_last_on_a_committed_checkpoint(tmp_path: Path, n: int) -> None:
+    # The writer publishes this run in six renames, in order: the step-2 file, the link to it,
+    # the step-4 file, the link, the step-6 file, the link (the link's commit is the core's
+    # commit_link). Killed right after the n-th: only Lightning's names are there (no temporary
+    # left: each rename consumed its own), last.ckpt names the newest checkpoint whose link
+    # update ran, that checkpoint verifies, and ckpt_path="last" resumes from it.
+    proc = run_python([str(HERE / "_child_crash_link.py"), str(tmp_path)],
+                      env={"STAGESAVE_CRASH_AT": f"after_rename:{n}"})
+    assert proc.returncode == -signal.SIGKILL, proc.stdout[-2000:] + proc.stderr[-4000:]
+    d = tmp_path / "ckpt"
+    linked = 2 * (n // 2)  # the step last.ckpt was moved to (0: not made yet)
+    newest = 2 * ((n + 1) // 2)  # the newest file committed
+    listing = sorted(os.listdir(d))
+    assert f"epoch=0-step={newest}.ckpt" in listing
+    assert all(p == "last.ckpt" or (p.startswith("epoch=0-step=") and p.endswith(".ckpt")) for p in listing), listing
+    last = d / "last.ckpt"
+    start = StartStep()
+    mc = ModelCheckpoint(dirpath=d, every_n_train_steps=2, save_top_k=1, save_last="link")
+    trainer = make_trainer(tmp_path, [StagedCheckpointIO()], [mc, start], max_steps=8)
+    if linked == 0:
+        assert not os.path.lexists(last)
+    else:
+        assert os.readlink(last) == f"epoch=0-step={linked}.ckpt"
+        assert stagesave.verify(last).status == "verified"
+    trainer.fit(TinyModel(), StepBatches(), ckpt_path="last")
+    assert start.step == linked and trainer.global_step == 8
