@@ -68,6 +68,86 @@ def write_dir_checkpoint(root: os.PathLike[str] | str, name: str = "checkpoint_3
     return os.path.join(str(root), name)
 
 
+def _format1_entry(path: str, name: str, kind: str, algorithm: str, chunk_bytes: int) -> Any:
+    """The format-1 manifest entry of one file as stagesave wrote it before format 2: chunk
+    digests, and for a torch zip its storage records and serialization id."""
+    import zipfile
+
+    from stagesave._checksum import digest
+    from stagesave._manifest import FileEntry, StorageRecord
+
+    data = open(path, "rb").read()
+    chunks = tuple(digest(algorithm, data[i : i + chunk_bytes]) for i in range(0, len(data), chunk_bytes))
+    sid = id_offset = None
+    storages: list[Any] = []
+    if kind == "torch" and data[:4] == b"PK\x03\x04":
+        reader = torch._C.PyTorchFileReader(path)
+        with zipfile.ZipFile(path) as z:
+            for info in z.infolist():
+                prefix, _, rel = info.filename.partition("/")
+                if rel.startswith("data/") and "/" not in rel[5:]:
+                    off = int(reader.get_record_offset(rel))
+                    storages.append(StorageRecord(rel[5:], off, info.file_size))
+        sid = str(reader.serialization_id())
+        id_offset = int(reader.get_record_offset(".data/serialization_id"))
+    return FileEntry(name, len(data), algorithm, chunk_bytes, chunks, kind, sid, id_offset, tuple(storages))
+
+
+def write_format1(
+    root: os.PathLike[str] | str, name: str, state: Any, *, metadata: dict[str, Any] | None = None,
+    algorithm: str = "xxh3_128", chunk_bytes: int = 64 * 1024, created_ns: int | None = None,
+) -> tuple[str, str]:
+    """A format-1 checkpoint as stagesave wrote it before format 2: ``torch.save`` file + its
+    sidecar ``<name>.<serialization id>.stagesave.json`` (with tensor index and telemetry).
+    Returns ``(file path, sidecar path)``."""
+    import time
+
+    from stagesave._image import plan_torch_file
+    from stagesave._manifest import Manifest
+    from stagesave._names import manifest_name
+
+    path = os.path.join(str(root), name)
+    torch.save(state, path)
+    entry = _format1_entry(path, name, "torch", algorithm, chunk_bytes)
+    tensors = [{"name": t.name, "storage": t.storage_key, "dtype": t.dtype, "shape": list(t.shape),
+                "stride": list(t.stride), "storage_offset": t.storage_offset} for t in plan_torch_file(state).tensors]
+    manifest = Manifest([entry], created_ns or time.time_ns(), tensors, metadata or {},
+                        {"blocking_s": 0.25, "bytes": entry.size})
+    sidecar = os.path.join(str(root), manifest_name(name, entry.serialization_id))
+    with open(sidecar, "wb") as f:
+        f.write(manifest.to_json())
+    return path, sidecar
+
+
+def write_format1_dir(
+    root: os.PathLike[str] | str, name: str = "checkpoint_1", step: int = 1, *, chunk_bytes: int = 64 * 1024,
+) -> str:
+    """A format-1 folder checkpoint (Accelerate layout) with its ``checkpoint.stagesave.json``."""
+    import json
+    import time
+
+    from safetensors.torch import save_file
+
+    from stagesave._manifest import Manifest
+    from stagesave._names import DIR_MANIFEST
+
+    d = os.path.join(str(root), name)
+    os.makedirs(d)
+    state = small_state(step)
+    save_file({k: v.contiguous() for k, v in state["model"].items()}, os.path.join(d, "model.safetensors"),
+              metadata={"format": "pt"})
+    torch.save(state["optimizer"], os.path.join(d, "optimizer.bin"))
+    torch.save({"step": step, "numpy_random_seed": state["rng"]}, os.path.join(d, "random_states_0.pkl"))
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump({"step": step}, f)
+    kinds = {"model.safetensors": "safetensors", "optimizer.bin": "torch", "random_states_0.pkl": "torch",
+             "config.json": "raw"}
+    entries = [_format1_entry(os.path.join(d, n), n, k, "xxh3_128", chunk_bytes) for n, k in sorted(kinds.items())]
+    with open(os.path.join(d, DIR_MANIFEST), "wb") as f:
+        f.write(Manifest(entries, time.time_ns(), [], {"step": step}, {"blocking_s": 0.5}).to_json())
+    return d
+
+
 def flip_byte(path: str, offset: int) -> None:
     """Corrupt one byte of a file in place (a real bit rot, not a mock)."""
     with open(path, "r+b") as f:

@@ -38,10 +38,12 @@ def cli_s3(s3_url, s3_options):
 
 
 #: Debris templates: (folder, checkpoint name, crash point, mode of the crashing child).
+#: "data": killed with its data written, no proof yet; "proof": killed with the file complete and
+#: sealed with its proof, just before the rename that publishes it.
 CRASHES = {
     "data": ("crashed.ckpt", "after_data", "file"),
-    "manifest": ("crashed.ckpt", "after_manifest", "file"),
-    "replace": ("last.ckpt", "after_manifest:2", "replace"),
+    "proof": ("crashed.ckpt", "after_proof", "file"),
+    "replace": ("last.ckpt", "after_proof:2", "replace"),
     "dir_data": ("checkpoint_5", "after_data:3", "dir"),
     "dir_aside": ("checkpoint_5", "after_aside", "dir_noexchange"),
 }

@@ -1,16 +1,17 @@
-"""`export` and `adopt` on real checkpoints: stagesave files and folders, plain torch files,
-a real Accelerate `save_state` folder, a real torch.distributed.checkpoint folder."""
+"""`export` and `adopt` on real checkpoints: stagesave files and folders (format 2 and 1), plain
+torch files, a real Accelerate `save_state` folder, a real torch.distributed.checkpoint folder."""
 
 from __future__ import annotations
 
 import collections
 import os
+import zipfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from clitools import flip_byte, small_state, write_checkpoints, write_dir_checkpoint
+from clitools import flip_byte, small_state, write_checkpoints, write_dir_checkpoint, write_format1
 from safetensors.torch import load_file, save_file
 
 import stagesave
@@ -39,6 +40,24 @@ def test_export_stagesave_file_is_a_verified_byte_copy(cli, tmp_path):
     loaded = torch.load(out, weights_only=False)
     assert _same(loaded, small_state(4))
     assert sorted(os.listdir(tmp_path)) == ["ck", "out.ckpt"]  # no manifest, no temporary
+    copy = stagesave.verify(out)  # the copy proves itself
+    assert copy.status == "verified" and copy.format == 2 and copy.manifest.metadata == {"step": 4}
+    assert zipfile.ZipFile(out).testzip() is None
+
+
+def test_export_format1_and_plain_files_are_byte_copies(cli, tmp_path):
+    src, sidecar = write_format1(tmp_path, "old.ckpt", small_state(2))
+    r = cli("export", src, tmp_path / "old-out.ckpt")
+    assert r.code == 0, r.err
+    assert (tmp_path / "old-out.ckpt").read_bytes() == Path(src).read_bytes()
+    torch.save(small_state(3), tmp_path / "plain.pt")
+    assert cli("export", tmp_path / "plain.pt", tmp_path / "plain-out.pt").code == 0
+    assert (tmp_path / "plain-out.pt").read_bytes() == (tmp_path / "plain.pt").read_bytes()
+    assert not any(".stagesave-tmp" in n for n in os.listdir(tmp_path))
+    flip_byte(src, 500)  # checked against its sidecar on the way
+    r = cli("export", src, tmp_path / "bad.ckpt")
+    assert r.code == 1 and "checksum mismatch" in r.err and "nothing was exported" in r.err
+    assert not (tmp_path / "bad.ckpt").exists()
 
 
 def test_export_refuses_a_corrupt_file_and_writes_nothing(cli, tmp_path):
@@ -47,7 +66,8 @@ def test_export_refuses_a_corrupt_file_and_writes_nothing(cli, tmp_path):
     flip_byte(src, 100_000)
     r = cli("export", src, tmp_path / "out.ckpt")
     assert r.code == 1
-    assert "checksum mismatch in chunk 1; nothing was exported" in r.err
+    assert r.err == (f"stagesave: error: {src} is corrupt: checksum mismatch in bytes [65536, 131072) (chunk 1); "
+                     "nothing was exported\n")
     assert sorted(os.listdir(tmp_path)) == ["ck"]
 
 
@@ -76,6 +96,9 @@ def test_export_stagesave_folder(cli, tmp_path):
     assert all(torch.equal(merged["model"][k], v) for k, v in state["model"].items())
     assert _same(merged["optimizer"], state["optimizer"])
     assert merged["random_states_0"]["step"] == 3
+    info = stagesave.verify(out)  # a fresh file that carries its own proof, with the folder's metadata
+    assert info.status == "verified" and info.format == 2 and info.manifest.metadata == {"step": 3}
+    assert zipfile.ZipFile(out).testzip() is None
     flip_byte(os.path.join(d, "optimizer.bin"), 50)
     r = cli("export", d, tmp_path / "again.ckpt")
     assert r.code == 1 and "checksum mismatch" in r.err and not (tmp_path / "again.ckpt").exists()
@@ -182,7 +205,7 @@ def test_adopt_refuses_what_it_cannot_certify(cli, tmp_path):
 
 
 def test_adopt_over_a_mismatching_manifest_needs_force(cli, tmp_path):
-    path = write_checkpoints(tmp_path, steps=(1,))[0]
+    path, _ = write_format1(tmp_path, "old.ckpt", small_state(1))
     torch.save(small_state(2), path)  # replaced behind stagesave's back: the manifest no longer matches
     r = cli("adopt", path)
     assert r.code == 1 and "pass --force" in r.err
@@ -190,6 +213,27 @@ def test_adopt_over_a_mismatching_manifest_needs_force(cli, tmp_path):
     manifests = [n for n in os.listdir(tmp_path) if n.endswith(".stagesave.json")]
     assert len(manifests) == 1
     assert stagesave.verify(path).status == "verified"
+
+
+def test_adopt_refuses_a_file_that_carries_its_own_proof(cli, tmp_path):
+    path = write_checkpoints(tmp_path, steps=(1,))[0]
+    before = sorted(os.listdir(tmp_path))
+    r = cli("adopt", path)
+    assert r.code == 1
+    assert r.err == (f"stagesave: error: {path} already carries its own stagesave proof (format 2, seq 1): adopt is "
+                     "for files stagesave did not write; `stagesave verify` checks this one\n")
+    flip_byte(path, stagesave.verify(path).manifest.files[0].end + 200)  # damage its proof records
+    r = cli("adopt", path, "--force")
+    assert r.code == 1 and "carries a stagesave proof of its own (format 2) that does not check out" in r.err
+    assert sorted(os.listdir(tmp_path)) == before  # no sidecar written
+
+
+def test_adopt_refuses_a_file_inside_a_proven_folder(cli, tmp_path):
+    d = write_dir_checkpoint(tmp_path)
+    torch.save({"w": torch.ones(2)}, os.path.join(d, "extra.pt"))  # makes the folder invalid already
+    r = cli("adopt", os.path.join(d, "extra.pt"))
+    assert r.code == 1 and "is a file of a folder checkpoint proven by" in r.err
+    assert not any(n.endswith(".stagesave.json") for n in os.listdir(d))
 
 
 class Hyper(collections.namedtuple("Hyper", "lr")):

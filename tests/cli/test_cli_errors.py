@@ -9,7 +9,8 @@ import subprocess
 import sys
 
 import pytest
-from clitools import write_checkpoints
+import torch
+from clitools import write_checkpoints, write_format1
 
 from stagesave.errors import IntegrityError
 
@@ -22,7 +23,7 @@ def _run(*args, **kw):
 def test_python_m_stagesave_and_console_script(tmp_path):
     r = _run("--help")
     assert r.returncode == 0
-    for cmd in ("plan", "ls", "inspect", "verify", "export", "adopt", "gc", "bench", "report"):
+    for cmd in ("plan", "ls", "inspect", "verify", "export", "adopt", "migrate", "gc", "bench", "report"):
         assert cmd in r.stdout
     script = os.path.join(os.path.dirname(sys.executable), "stagesave")
     r = subprocess.run([script, "verify", tmp_path / "nope.ckpt"], capture_output=True, text=True,
@@ -67,13 +68,33 @@ def test_unreachable_endpoint(cli):
 
 
 def test_corrupt_manifest_is_named(cli, tmp_path):
-    path = write_checkpoints(tmp_path, steps=(1,))[0]
-    (manifest,) = [n for n in os.listdir(tmp_path) if n.endswith(".stagesave.json")]
-    (tmp_path / manifest).write_text('{"format": "stagesave", "schema": 1, "files": "nope"')
+    path, sidecar = write_format1(tmp_path, "old.ckpt", {"w": torch.ones(3)})
+    with open(sidecar, "w") as f:
+        f.write('{"format": "stagesave", "schema": 1, "files": "nope"')
     rows = cli("ls", tmp_path, "--json").json()
     assert rows[0]["status"] == "corrupt" and "not valid JSON" in rows[0]["problems"][0]
     r = cli("verify", path)
-    assert r.code == 1 and f"invalid manifest {tmp_path / manifest}: not valid JSON" in r.err
+    assert r.code == 1 and f"invalid manifest {sidecar}: not valid JSON" in r.err
+
+
+def test_corrupt_proof_is_named(cli, tmp_path):
+    path = write_checkpoints(tmp_path, steps=(1,))[0]
+    with open(path, "r+b") as f:  # the summary at the very end: its footer's CRC no longer matches
+        f.seek(-40, os.SEEK_END)
+        b = f.read(1)
+        f.seek(-40, os.SEEK_END)
+        f.write(bytes([b[0] ^ 0xFF]))
+    rows = cli("ls", tmp_path, "--json").json()
+    assert rows[0]["status"] == "corrupt" and "footer is damaged" in rows[0]["problems"][0]
+    r = cli("verify", path)
+    assert r.code == 1 and r.err.startswith(f"stagesave: error: {path}: its stagesave footer is damaged")
+    r = cli("inspect", path, "--json")
+    assert r.code == 0 and r.json()["status"] == "corrupt" and r.json()["tensors"] == []
+
+
+def test_error_line_prints_names_literally(cli, tmp_path):
+    r = cli("verify", tmp_path / "no\x1b[2Jsuch.ckpt")
+    assert r.code == 1 and "\x1b" not in r.err and "no\\x1b[2Jsuch.ckpt" in r.err
 
 
 def test_a_file_that_is_not_a_checkpoint(cli, tmp_path):

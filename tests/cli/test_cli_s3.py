@@ -44,6 +44,8 @@ def test_ls_inspect_verify_on_s3(cli, s3_ckpts):
     r = cli(*opts, "verify", url)
     assert r.code == 0, r.err
     assert r.out.count("OK ") == 3
+    assert [(r["name"], r["seq"], r["format"]) for r in rows] == [
+        ("checkpoint_3", 3, 2), ("step=2.ckpt", 2, 2), ("step=1.ckpt", 1, 2)]
 
 
 def test_verify_finds_corruption_on_s3(cli, s3_ckpts, s3_server):
@@ -72,29 +74,38 @@ def test_export_and_adopt_on_s3(cli, s3_ckpts, s3_server, tmp_path):
     assert r.code == 0, r.err
     merged = stagesave.load(f"{url}/exported/merged.ckpt", storage_options=storage, trusted=True)
     assert torch.equal(merged["model"]["w"], torch.ones(64, 64)) and merged["optimizer"] == {"step": 3}
+    assert stagesave.verify(f"{url}/exported/merged.ckpt", storage_options=storage).format == 2
+    # a file on S3 into a file on S3: byte for byte, and it proves itself
+    assert cli(*opts, "export", f"{url}/step=1.ckpt", f"{url}/exported/one.ckpt").code == 0
+    copied = client.get_object(Bucket=bucket, Key=f"{prefix}/exported/one.ckpt")["Body"].read()
+    assert copied == client.get_object(Bucket=bucket, Key=f"{prefix}/step=1.ckpt")["Body"].read()
     # adopt a plain torch file uploaded by someone else
     plain = tmp_path / "plain.ckpt"
     torch.save(small_state(5), plain)
     client.put_object(Bucket=bucket, Key=f"{prefix}/plain.ckpt", Body=plain.read_bytes())
     assert cli(*opts, "adopt", f"{url}/plain.ckpt").code == 0
     info = stagesave.verify(f"{url}/plain.ckpt", storage_options=storage)
-    assert info.status == "verified"
+    assert info.status == "verified" and info.format == 1
+    r = cli(*opts, "adopt", f"{url}/step=2.ckpt")
+    assert r.code == 1 and "already carries its own stagesave proof" in r.err
 
 
-def test_gc_on_s3_removes_orphans_and_aborts_uploads(cli, cli_s3, s3_server):
+def test_gc_on_s3_aborts_uploads_of_crashed_saves(cli, cli_s3, s3_server):
     url, opts, storage = cli_s3
-    assert crash_saves([(url, "big", "crashed.ckpt", "after_manifest", storage)]) == [9]
+    # killed with the whole file uploaded and sealed, before completing the upload (its publish)
+    assert crash_saves([(url, "big", "crashed.ckpt", "after_proof", storage)]) == [9]
     bucket, prefix = _bucket_key(url)
     client = s3_server.client()
     uploads = client.list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads", [])
     assert [u["Key"] for u in uploads] == [f"{prefix}/crashed.ckpt"]
     rows = cli(*opts, "gc", url, "--dry-run", "--json").json()
     assert rows["found"] == []  # too recent to prove abandoned on an object store
+    assert client.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", []) == []  # nothing published
     doc = cli(*opts, "gc", url, "--dry-run", "--older-than", "1ms", "--json").json()
-    assert sorted(d["kind"] for d in doc["found"]) == ["multipart-upload", "orphan-manifest"]
+    assert [d["kind"] for d in doc["found"]] == ["multipart-upload"]
     assert client.list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads", []) != []
     doc = cli(*opts, "gc", url, "--older-than", "1ms", "--json").json()
-    assert sorted(d["kind"] for d in doc["done"]) == ["multipart-upload", "orphan-manifest"]
+    assert [d["kind"] for d in doc["done"]] == ["multipart-upload"]
     assert client.list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads", []) == []
     left = client.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])
     assert left == []

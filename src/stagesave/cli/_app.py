@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from .. import __version__
 from ..errors import CheckpointError
-from ._common import CliError, Env, parse_storage_options
+from ._common import CliError, Env, parse_storage_options, shown
 
 __all__ = ["build_parser", "main"]
 
@@ -19,11 +19,11 @@ EXIT_USAGE = 2
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import _bench, _clean, _convert, _inspect, _ls, _plan, _report, _verify
+    from . import _bench, _clean, _convert, _inspect, _ls, _migrate, _plan, _report, _verify
 
     parser = argparse.ArgumentParser(
         prog="stagesave",
-        description="Plan, inspect, verify, convert and clean up stagesave (and plain torch) checkpoints.",
+        description="Plan, inspect, verify, convert, migrate and clean up stagesave (and plain torch) checkpoints.",
     )
     parser.add_argument("--version", action="version", version=f"stagesave {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="attempts per S3 request before giving up (default: the store's, 8); 1 fails fast",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for module in (_plan, _ls, _inspect, _verify, _convert, _clean, _bench, _report):
+    for module in (_plan, _ls, _inspect, _verify, _convert, _migrate, _clean, _bench, _report):
         module.add_parser(sub)
     return parser
 
@@ -67,7 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:
         if args.debug:
             raise
-        print(f"stagesave: error: {_one_line(exc)}", file=sys.stderr)
+        print(f"stagesave: error: {shown(_one_line(exc))}", file=sys.stderr)
         return exc.code if isinstance(exc, CliError) else EXIT_FAILURE
     finally:
         if env is not None:

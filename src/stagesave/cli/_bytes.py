@@ -49,6 +49,12 @@ class Loaded:
     def __init__(self, view: memoryview, buffer: HostBuffer | None, close: Callable[[], None]) -> None:
         self.view, self.buffer, self._close = view, buffer, close
 
+    def detach(self) -> HostBuffer:
+        """Keep the buffer past the ``with`` block: the caller releases it (``release_memory``)."""
+        assert self.buffer is not None, "a memory-mapped file has no buffer to keep"
+        self._close = lambda: None
+        return self.buffer
+
     def close(self) -> None:
         try:
             self.view.release()

@@ -8,7 +8,7 @@ from typing import Any
 from rich.table import Table
 
 from .._gc import collect_garbage
-from ._common import CliError, Env
+from ._common import CliError, Env, literal
 from ._units import fmt_bytes, fmt_duration, parse_duration
 
 __all__ = ["add_parser", "run"]
@@ -17,12 +17,14 @@ __all__ = ["add_parser", "run"]
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "gc",
-        help="remove debris of crashed saves (temporaries, orphan manifests, stale multipart uploads)",
+        help="remove debris of crashed saves (temporaries, stale format-1 manifests, stale multipart uploads)",
         description="Find what crashed saves left under ROOT and its sub-folders: stagesave "
-        "temporaries whose writer is dead (or untouched for --older-than), manifests of saves that "
-        "never published, folders left aside by an interrupted replacement, and on s3:// stale "
-        "multipart uploads; then remove them. Nothing else is ever touched and symlinks are never "
-        "followed. --dry-run only lists.",
+        "temporaries (recognised by the exact names stagesave gives them) whose writer is dead or "
+        "that were untouched for --older-than, format-1 sidecar manifests that are stale (they parse "
+        "as stagesave's, and their file is missing or now carries its own proof), folders left aside "
+        "by an interrupted replacement, and on s3:// stale multipart uploads; then remove them. "
+        "Nothing else is ever touched (a user's file that only looks similar is left alone) and "
+        "symlinks are never followed. --dry-run only lists.",
     )
     p.add_argument("root", metavar="ROOT")
     p.add_argument("--dry-run", "-n", action="store_true", help="list what would be done, change nothing")
@@ -30,7 +32,8 @@ def add_parser(sub: Any) -> None:
                    help="age after which a temporary or upload counts as abandoned even without pid proof (default 1h)")
     p.add_argument("--no-pid-check", action="store_true",
                    help="do not trust pids (a filesystem shared by several hosts): rely on age only")
-    p.add_argument("--verbose", "-v", action="store_true", help="also list stagesave files kept, and why")
+    p.add_argument("--verbose", "-v", action="store_true",
+                   help="also list stagesave files kept and look-alike files ignored, and why")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=run)
 
@@ -49,7 +52,8 @@ def run(env: Env, args: argparse.Namespace) -> int:
         env.print_json({
             "root": report.root, "dry_run": report.dry_run,
             "found": [vars(d) for d in report.found], "done": [vars(d) for d in report.done],
-            "kept": [{"name": n, "why": w} for n, w in report.kept], "errors": report.errors,
+            "kept": [{"name": n, "why": w} for n, w in report.kept],
+            "ignored": [{"name": n, "why": w} for n, w in report.ignored], "errors": report.errors,
         })
     else:
         if report.found:
@@ -60,19 +64,24 @@ def run(env: Env, args: argparse.Namespace) -> int:
             for d in report.found:
                 action = d.action if (args.dry_run or id(d) in done) else f"{d.action} FAILED"
                 t.add_row(
-                    ("would " if args.dry_run else "") + action + " " + d.kind, d.name,
-                    fmt_bytes(d.size) if d.size else "-", fmt_duration(d.age_s) if d.age_s else "-", d.reason,
+                    ("would " if args.dry_run else "") + action + " " + d.kind, literal(d.name),
+                    fmt_bytes(d.size) if d.size else "-", fmt_duration(d.age_s) if d.age_s else "-", literal(d.reason),
                 )
             env.out.print(t)
         verb = "would reclaim" if args.dry_run else "reclaimed"
         n = len(report.found) if args.dry_run else len(report.done)
         size = sum(d.size for d in report.found) if args.dry_run else report.reclaimed_bytes
-        env.out.print(f"{n} leftovers of crashed saves under {report.root}; {verb} {fmt_bytes(size)}", markup=False)
+        env.say(f"{n} leftovers of crashed saves under {report.root}; {verb} {fmt_bytes(size)}")
         if report.kept:
-            env.out.print(f"{len(report.kept)} stagesave files kept (saves in progress or too recent)", markup=False)
+            env.say(f"{len(report.kept)} stagesave files kept (saves in progress or too recent)")
             if args.verbose:
                 for name, why in report.kept:
-                    env.out.print(f"  kept {name}: {why}", markup=False)
+                    env.say(f"  kept {name}: {why}")
+        if report.ignored:
+            env.say(f"{len(report.ignored)} files only named like stagesave's left alone")
+            if args.verbose:
+                for name, why in report.ignored:
+                    env.say(f"  ignored {name}: {why}")
     if report.errors:
         raise CliError(f"{len(report.errors)} items could not be cleaned: {report.errors[0]}")
     return 0
