@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -76,7 +77,7 @@ def _format1_entry(path: str, name: str, kind: str, algorithm: str, chunk_bytes:
     from stagesave._checksum import digest
     from stagesave._manifest import FileEntry, StorageRecord
 
-    data = open(path, "rb").read()
+    data = Path(path).read_bytes()
     chunks = tuple(digest(algorithm, data[i : i + chunk_bytes]) for i in range(0, len(data), chunk_bytes))
     sid = id_offset = None
     storages: list[Any] = []
@@ -84,7 +85,7 @@ def _format1_entry(path: str, name: str, kind: str, algorithm: str, chunk_bytes:
         reader = torch._C.PyTorchFileReader(path)
         with zipfile.ZipFile(path) as z:
             for info in z.infolist():
-                prefix, _, rel = info.filename.partition("/")
+                rel = info.filename.partition("/")[2]
                 if rel.startswith("data/") and "/" not in rel[5:]:
                     off = int(reader.get_record_offset(rel))
                     storages.append(StorageRecord(rel[5:], off, info.file_size))

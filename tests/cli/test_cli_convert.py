@@ -46,7 +46,7 @@ def test_export_stagesave_file_is_a_verified_byte_copy(cli, tmp_path):
 
 
 def test_export_format1_and_plain_files_are_byte_copies(cli, tmp_path):
-    src, sidecar = write_format1(tmp_path, "old.ckpt", small_state(2))
+    src, _ = write_format1(tmp_path, "old.ckpt", small_state(2))
     r = cli("export", src, tmp_path / "old-out.ckpt")
     assert r.code == 0, r.err
     assert (tmp_path / "old-out.ckpt").read_bytes() == Path(src).read_bytes()

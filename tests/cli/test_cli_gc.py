@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -184,7 +185,7 @@ def test_stale_format1_manifests_are_debris_but_a_mismatch_is_not(tmp_path):
     flip_byte(path, 10)  # corrupt bytes, same size and id: still its own manifest (evidence)
     assert find_debris(store)[0] == []
     # the name now holds a file that carries its own proof: the old sidecar is stale
-    stale = open(sidecar, "rb").read()
+    stale = Path(sidecar).read_bytes()
     write_checkpoints(tmp_path, steps=(1,))
     os.replace(tmp_path / "step=1.ckpt", path)
     with open(sidecar, "wb") as f:

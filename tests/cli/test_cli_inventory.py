@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import torch
 from clitools import (
@@ -140,7 +141,7 @@ def test_inspect_format1_file_reads_its_sidecar(cli, tmp_path):
 def test_inspect_hostile_but_valid_manifest(cli, tmp_path):
     """A sidecar that parses (JSON allows 1e999, odd tensor entries) must not break the output."""
     path, sidecar = write_format1(tmp_path, "odd.ckpt", {"w": torch.ones(3)})
-    doc = json.loads(open(sidecar).read())
+    doc = json.loads(Path(sidecar).read_text())
     doc["telemetry"] = {"blocking_s": 1e999, "write_s": "fast", "direct_io": 3}
     doc["metadata"] = {"lr": -1e999, "name": "[red]x[/red]"}
     doc["tensors"] = [7, {"name": "a", "dtype": "float32", "shape": [10**6] * 40}, {"name": "b"},

@@ -7,6 +7,7 @@ import json
 import os
 import time
 import zipfile
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -32,7 +33,7 @@ def _same(a, b):
 def test_migrate_a_format1_file(cli, tmp_path):
     state = small_state(3)
     path, sidecar = write_format1(tmp_path, "old.ckpt", state, metadata={"step": 3})
-    old_manifest = json.loads(open(sidecar).read())
+    old_manifest = json.loads(Path(sidecar).read_text())
     # a format-1 file written by torch.save: zip tools accept it; after migration they still must
     r = cli("migrate", tmp_path)
     assert r.code == 0, r.err
@@ -63,7 +64,7 @@ def test_migrate_a_format1_file(cli, tmp_path):
 
 def test_migrate_a_format1_folder(cli, tmp_path):
     d = write_format1_dir(tmp_path, "checkpoint_1", step=1)
-    before = {n: open(os.path.join(d, n), "rb").read() for n in os.listdir(d)}
+    before = {n: Path(os.path.join(d, n)).read_bytes() for n in os.listdir(d)}
     r = cli("migrate", tmp_path, "--json")
     assert r.code == 0, r.err
     (res,) = r.json()["checkpoints"]
@@ -81,7 +82,7 @@ def test_migrate_a_format1_folder(cli, tmp_path):
     assert set(model) == set(state["model"]) and all(torch.equal(model[k], v) for k, v in state["model"].items())
     with safe_open(os.path.join(d, "model.safetensors"), "pt") as f:
         assert f.metadata()["format"] == "pt"  # the file's own metadata is kept
-    assert open(os.path.join(d, "config.json"), "rb").read() == before["config.json"]  # raw: byte for byte
+    assert Path(os.path.join(d, "config.json")).read_bytes() == before["config.json"]  # raw: byte for byte
     r = cli("verify", d)
     assert r.code == 0 and r.out.startswith("OK ")
     info = stagesave.verify(d)
@@ -95,11 +96,11 @@ def test_migrate_a_format1_folder(cli, tmp_path):
 def test_dry_run_verifies_and_changes_nothing(cli, tmp_path):
     write_format1(tmp_path, "a.ckpt", small_state(1))
     write_format1_dir(tmp_path)
-    before = {p: open(os.path.join(dp, p), "rb").read() for dp, _, fs in os.walk(tmp_path) for p in fs}
+    before = {p: Path(os.path.join(dp, p)).read_bytes() for dp, _, fs in os.walk(tmp_path) for p in fs}
     r = cli("migrate", tmp_path, "--dry-run")
     assert r.code == 0, r.err
     assert r.out.count("would migrate") == 2 and "2 of 2 format-1 checkpoints would be migrated" in r.out
-    after = {p: open(os.path.join(dp, p), "rb").read() for dp, _, fs in os.walk(tmp_path) for p in fs}
+    after = {p: Path(os.path.join(dp, p)).read_bytes() for dp, _, fs in os.walk(tmp_path) for p in fs}
     assert after == before
 
 
@@ -108,7 +109,7 @@ def test_a_corrupt_checkpoint_is_not_migrated(cli, tmp_path):
     time.sleep(0.01)
     bad, bad_sidecar = write_format1(tmp_path, "bad.ckpt", small_state(2))
     flip_byte(bad, 1000)
-    bad_bytes = open(bad, "rb").read()
+    bad_bytes = Path(bad).read_bytes()
     r = cli("migrate", tmp_path, "--json")
     assert r.code == 1
     results = {os.path.basename(c["path"]): c for c in r.json()["checkpoints"]}
@@ -116,7 +117,7 @@ def test_a_corrupt_checkpoint_is_not_migrated(cli, tmp_path):
     assert results["bad.ckpt"]["action"] == "failed" and "does not verify" in results["bad.ckpt"]["detail"]
     assert "checksum mismatch" in results["bad.ckpt"]["detail"]
     assert "bad.ckpt was not migrated" in r.err
-    assert open(bad, "rb").read() == bad_bytes and os.path.exists(bad_sidecar)  # left as it was
+    assert Path(bad).read_bytes() == bad_bytes and os.path.exists(bad_sidecar)  # left as it was
     assert stagesave.verify(good).format == 2
 
 
@@ -142,7 +143,7 @@ def test_order_is_kept_and_newer_format2_checkpoints_are_never_overtaken(cli, tm
     # a directory that already holds format-2 checkpoints saved since: refused, nothing changes
     mixed = tmp_path / "mixed"
     mixed.mkdir()
-    old, sidecar = write_format1(mixed, "old.ckpt", small_state(1))
+    _, sidecar = write_format1(mixed, "old.ckpt", small_state(1))
     write_checkpoints(mixed, steps=(9,))
     r = cli("migrate", mixed)
     assert r.code == 1 and "already holds format-2 checkpoints saved since (step=9.ckpt, seq 1)" in r.err
@@ -182,7 +183,7 @@ def test_folders_migrate_only_what_they_prove(cli, tmp_path):
     s.mkdir()
     (s / ".metadata").write_bytes(b"metadata")
     (s / "__0_0.distcp").write_bytes(b"rank 0")
-    m = parse_manifest(open(os.path.join(d, DIR_MANIFEST), "rb").read(), "x")
+    m = parse_manifest(Path(os.path.join(d, DIR_MANIFEST)).read_bytes(), "x")
     from clitools import _format1_entry
 
     entries = [_format1_entry(str(s / n), n, k, "xxh3_128", 65536) for n, k in ((".metadata", "dcp-metadata"),

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from .. import _fsops as fsops
 from .._targets import is_url
 from ..checkpointer import Checkpointer
 
@@ -106,10 +107,11 @@ class TorchSave(Session):
             with fsspec.open(path, "wb", **self.storage_options) as f:
                 torch.save(state, f)
         else:
-            with open(path, "wb") as f:
+            fd = fsops.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            with os.fdopen(fd, "wb") as f:
                 torch.save(state, f)
                 f.flush()
-                os.fsync(f.fileno())
+                fsops.fsync(f.fileno())
         self.done_at = time.perf_counter()
         return self.done_at - self.called_at, lambda: True
 

@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
-import tempfile
 import time
 import uuid
 import warnings
@@ -36,6 +34,7 @@ from typing import Any
 import torch
 from rich.table import Table
 
+from .. import _fsops as fsops
 from .._targets import is_url
 from ._alternatives import Alternative, Session, available_alternatives, mem_available_bytes
 from ._common import CliError, Env
@@ -233,7 +232,9 @@ class _Target:
         slug = "".join(c if c.isalnum() else "-" for c in alt.name).strip("-")
         if self.url:
             return f"{self.root}/stagesave-bench-{slug}-{uuid.uuid4().hex[:12]}"
-        return tempfile.mkdtemp(prefix=f"stagesave-bench-{slug}-", dir=self.root)
+        path = os.path.join(self.root, f"stagesave-bench-{slug}-{uuid.uuid4().hex[:12]}")
+        fsops.mkdir(path)
+        return path
 
     def remove(self, path: str) -> None:
         if self.url:
@@ -243,7 +244,7 @@ class _Target:
             if fs.exists(p):
                 fs.rm(p, recursive=True)
         else:
-            shutil.rmtree(path, ignore_errors=True)
+            fsops.rmtree(path, ignore_errors=True)
 
 
 def _wait(done: Callable[[], bool], what: str) -> None:

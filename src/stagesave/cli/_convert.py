@@ -37,7 +37,13 @@ from .._checksum import DEFAULT_ALGORITHM, check_algorithm, digest
 from .._commit import copy_file
 from .._discovery import CheckpointInfo, folder_entries, resolve, resolve_reader
 from .._manifest import FileEntry, Manifest
-from .._names import ALIGNMENT, DEFAULT_CHUNK_BYTES, MAX_FILE_BYTES, check_target_name, manifest_name
+from .._names import (
+    ALIGNMENT,
+    DEFAULT_CHUNK_BYTES,
+    MAX_FILE_BYTES,
+    check_target_name,
+    manifest_name,
+)
 from .._proofread import chunk_problems, peek, read_proof
 from .._store import Store
 from .._targets import is_url
@@ -340,13 +346,13 @@ class DcpFolder(Layout):
                 f"refusing to read {target.where}: torch.distributed.checkpoint metadata is a plain "
                 "pickle and unpickling it could run code; pass --trusted if you trust its source"
             )
-        from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+        from torch.distributed.checkpoint.filesystem import FileSystemReader
         from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
         state: dict[str, Any] = {}  # what torch's dcp_to_torch_save does, kept in memory
-        _load_state_dict(state, storage_reader=FileSystemReader(local), planner=_EmptyStateDictLoadPlanner(),
-                         no_dist=True)
+        _load_state_dict(state, storage_reader=FileSystemReader(local),
+                         planner=_EmptyStateDictLoadPlanner(), no_dist=True)  # type: ignore[no-untyped-call]
         out.save(state)
 
 

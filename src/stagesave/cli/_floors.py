@@ -13,11 +13,13 @@ import errno
 import mmap
 import os
 import statistics
-import tempfile
 import time
 from collections.abc import Iterable
 
 import torch
+
+from .. import _fsops as fsops
+from .._local import temp_name_for
 
 __all__ = ["copy_floor_s", "disk_floor_s"]
 
@@ -51,8 +53,9 @@ def disk_floor_s(folder: str, nbytes: int) -> tuple[float, bool]:
     buf = mmap.mmap(-1, _BLOCK)  # page-aligned, as O_DIRECT needs
     buf.write(os.urandom(4096) * (_BLOCK // 4096))
     count = max(1, -(-nbytes // _BLOCK))
-    fd, path = tempfile.mkstemp(prefix=".stagesave-disk-floor-", dir=folder)
-    os.close(fd)
+    # named as stagesave names its temporaries: `stagesave gc` removes it if this process dies
+    path = temp_name_for(os.path.join(folder, "disk-floor"))
+    fsops.close(fsops.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
     direct = getattr(os, "O_DIRECT", 0)
     try:
         try:
@@ -63,18 +66,25 @@ def disk_floor_s(folder: str, nbytes: int) -> tuple[float, bool]:
             direct = 0
             dt = _timed_write(path, buf, count, 0)
     finally:
-        os.unlink(path)
+        fsops.unlink(path)
         buf.close()
     return dt * nbytes / (count * _BLOCK), bool(direct)
 
 
 def _timed_write(path: str, buf: mmap.mmap, count: int, flags: int) -> float:
-    fd = os.open(path, os.O_WRONLY | flags)
+    fd = fsops.open(path, os.O_WRONLY | flags)
+    view = memoryview(buf)
     try:
         t0 = time.perf_counter()
         for i in range(count):
-            os.pwritev(fd, [buf], i * _BLOCK)
-        os.fsync(fd)
+            done = 0
+            while done < _BLOCK:
+                n = fsops.pwrite(fd, view[done:], i * _BLOCK + done)
+                if n <= 0:
+                    raise OSError(errno.EIO, f"short write at offset {i * _BLOCK + done}")
+                done += n
+        fsops.fsync(fd)
         return time.perf_counter() - t0
     finally:
-        os.close(fd)
+        view.release()
+        fsops.close(fd)

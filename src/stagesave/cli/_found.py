@@ -194,8 +194,8 @@ def _torn_row(store: Store, d: Debris, tier: str, listed: set[str]) -> Row | Non
         return Row(
             data, store.describe(data), "torn", d.size, time.time() - d.age_s, step_of(data, None), tier,
             is_dir=d.kind == "temporary-dir", format=2,
-            problems=[f"no {data} exists: a save (or removal) of it was interrupted ({d.reason}); it left "
-                      f"{d.name}, which `stagesave gc` removes"],
+            problems=[(f"no {data} exists: a save (or removal) of it was interrupted ({d.reason}); it left "
+                       f"{d.name}, which `stagesave gc` removes")],
         )
     return None
 
@@ -244,7 +244,7 @@ def _safetensors_index(store: Store, name: str) -> list[dict[str, Any]]:
         raise ValueError(f"{store.describe(name)}: safetensors header of {n} bytes is over the limit")
     header = json.loads(store.read_range(name, 8, n))
     if not isinstance(header, dict):
-        raise ValueError(f"{store.describe(name)}: the safetensors header is not a JSON object")
+        raise ValueError(f"{store.describe(name)}: the safetensors header is not a JSON object")  # noqa: TRY004
     out = []
     for key, spec in header.items():
         if key == "__metadata__" or not isinstance(spec, dict):

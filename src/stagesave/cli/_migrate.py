@@ -35,11 +35,10 @@ import contextlib
 import json
 import struct
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from rich.table import Table
 
 from .._checksum import DIGEST_HEX_LEN, crc32
@@ -248,7 +247,7 @@ def _migrate_file(env: Env, store: Store, ci: CheckpointInfo, *, dry_run: bool, 
     return out
 
 
-def _room(files: list[tuple[str, FileImage | None, Any]], algorithm: str, chunk_bytes: int,
+def _room(files: Sequence[tuple[str, FileImage | None, Any]], algorithm: str, chunk_bytes: int,
           metadata: dict[str, Any]) -> dict[str, Any]:
     """The proof room of each safetensors file of a folder (mirrors ``Checkpointer._plan_folder``):
     the carrier's must hold the folder's list of files, the others only their own proof."""
@@ -288,7 +287,7 @@ def _safetensors_content(buf: HostBuffer, size: int, where: str) -> Safetensors:
         header = json.loads(data[8 : 8 + n])
         meta = header.get("__metadata__") if isinstance(header, dict) else None
         tensors = load(data)
-    except Exception as exc:  # noqa: BLE001 - the library's own errors
+    except Exception as exc:
         raise NotMigratable(f"{where} cannot be read as a safetensors file: {exc}") from exc
     meta = {k: v for k, v in meta.items() if k != PROOF_KEY} if isinstance(meta, dict) else None
     return Safetensors({k: tensors[k] for k in sorted(tensors)}, meta or None)
