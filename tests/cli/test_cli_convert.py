@@ -104,6 +104,20 @@ def test_export_stagesave_folder(cli, tmp_path):
     assert r.code == 1 and "checksum mismatch" in r.err and not (tmp_path / "again.ckpt").exists()
 
 
+def test_export_one_file_of_a_folder_checkpoint(cli, tmp_path):
+    """A file of a folder names its folder in its proof: exported, it becomes a checkpoint of its own."""
+    d = write_dir_checkpoint(tmp_path)
+    (tmp_path / "out").mkdir()
+    out = tmp_path / "out" / "optimizer.ckpt"
+    r = cli("export", os.path.join(d, "optimizer.bin"), out)
+    assert r.code == 0, r.err
+    assert _same(torch.load(out, weights_only=False), small_state(3)["optimizer"])
+    info = stagesave.verify(out)
+    assert info.status == "verified" and info.format == 2 and info.manifest.folder is None
+    assert [(r["name"], r["status"]) for r in cli("ls", tmp_path / "out", "--json").json()] == [
+        ("optimizer.ckpt", "committed")]
+
+
 def test_export_real_accelerate_save_state(cli, tmp_path):
     from accelerate import Accelerator
 

@@ -206,7 +206,13 @@ class TorchFile(Layout):
     def export(self, env: Env, target: Target, ci: CheckpointInfo | None, out: Output, trusted: bool) -> None:
         with cf.ThreadPoolExecutor(THREADS, thread_name_prefix="stagesave-export") as pool, \
                 read_checked(env, target.store, target.name, pool) as (data, proof):
-            out.copy(data, proof, pool)
+            if proof is None or proof.folder is None:
+                out.copy(data, proof, pool)
+                return
+            # one file of a folder checkpoint: its proof names its folder, so a byte copy would be
+            # a loose member wherever it goes; it becomes a checkpoint of its own instead
+            state = _load_torch_bytes(data, target.where, trusted)
+        out.save(state, _metadata(ci))
 
 
 class SafetensorsFile(Layout):
