@@ -37,7 +37,7 @@ from rich.table import Table
 from .. import _fsops as fsops
 from .._targets import is_url
 from ._alternatives import Alternative, Session, available_alternatives, mem_available_bytes
-from ._common import CliError, Env
+from ._common import CliError, Env, literal
 from ._floors import copy_floor_s, disk_floor_s
 from ._units import fmt_bytes, fmt_duration, fmt_rate, parse_size
 
@@ -216,7 +216,8 @@ def _list(env: Env, args: argparse.Namespace) -> int:
     for col in ("name", "runs here", "what it does"):
         t.add_column(col)
     for r in rows:
-        t.add_row(r["name"], "yes" if r["unavailable"] is None else f"no: {r['unavailable']}", r["note"])
+        t.add_row(literal(r["name"]), literal("yes" if r["unavailable"] is None else f"no: {r['unavailable']}"),
+                  literal(r["note"]))
     env.out.print(t)
     return 0
 
@@ -309,7 +310,7 @@ def _measure_round(env: Env, target: _Target, alt: Alternative, state: Any, args
                         error = CliError(f"{alt.name}: tearing it down failed: {type(exc).__name__}: {exc}")
                         error.__cause__ = exc
                     else:
-                        env.err.print(f"note: tearing down {alt.name} also failed: {exc}", markup=False)
+                        env.say(f"note: tearing down {alt.name} also failed: {exc}", err=True)
         finally:
             target.remove(folder)
     if error is not None:
@@ -399,7 +400,7 @@ def run(env: Env, args: argparse.Namespace) -> int:
 def _print_table(env: Env, root: str, nbytes: int, args: argparse.Namespace, floors: dict[str, Any],
                  results: list[dict[str, Any]], skipped: list[dict[str, str]], with_loop: bool) -> None:
     ref = next((r for r in results if r["method"].startswith("torch.save")), results[0] if results else None)
-    t = Table(title=f"{fmt_bytes(nbytes)} training state -> {root} (median of {args.repeat})",
+    t = Table(title=literal(f"{fmt_bytes(nbytes)} training state -> {root} (median of {args.repeat})"),
               title_justify="left", header_style="bold")
     cols = ["method", "training blocked", "blocked x copy floor", "complete after", "x disk floor", "throughput",
             f"stall vs {ref['method'] if ref else '-'}"]
@@ -413,7 +414,7 @@ def _print_table(env: Env, root: str, nbytes: int, args: argparse.Namespace, flo
 
     for r in results:
         complete = fmt_duration(r["durable_s"]) + ("" if r["durable"] else " (not durable)")
-        row = [r["method"], fmt_duration(r["blocking_s"]), ratio(r, "blocking_x_copy_floor"), complete,
+        row = [literal(r["method"]), fmt_duration(r["blocking_s"]), ratio(r, "blocking_x_copy_floor"), complete,
                ratio(r, "durable_x_disk_floor"), fmt_rate(r["throughput_bytes_per_s"]),
                f"{r['blocking_s'] / ref['blocking_s']:.2f}x" if ref and ref["blocking_s"] > 0 else "-"]
         if with_loop:
@@ -433,4 +434,4 @@ def _print_table(env: Env, root: str, nbytes: int, args: argparse.Namespace, flo
         env.out.print(f"training loop: {results[0]['loop_ms_per_step']:.1f} ms per step at baseline, torch on "
                       f"{torch.get_num_threads()} threads; lost = blocked + what the loop lost while the write ran")
     for s in skipped:
-        env.out.print(f"skipped {s['method']}: {s['reason']}", markup=False)
+        env.say(f"skipped {s['method']}: {s['reason']}")

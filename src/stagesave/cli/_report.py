@@ -20,7 +20,7 @@ from rich.table import Table
 from .._names import TELEMETRY_FILE
 from .._targets import is_url
 from ..errors import CheckpointNotFoundError
-from ._common import CliError, Env
+from ._common import CliError, Env, literal
 from ._units import fmt_bytes, fmt_duration, fmt_rate
 
 __all__ = ["Summary", "add_parser", "draw_timeline", "read_telemetry", "run", "summarize"]
@@ -199,7 +199,7 @@ def run(env: Env, args: argparse.Namespace) -> int:
         env.print_json({"source": where, "unreadable_lines": bad, "png": None if args.no_png else args.png,
                         "remote_uploads": len(uploads), **vars(summary)})
         return 0
-    t = Table(title=f"{summary.saves} saves in {where}", title_justify="left", show_header=False, box=None)
+    t = Table(title=literal(f"{summary.saves} saves in {where}"), title_justify="left", show_header=False, box=None)
     t.add_column("what")
     t.add_column("value", justify="right")
     rows = [
@@ -218,7 +218,7 @@ def run(env: Env, args: argparse.Namespace) -> int:
         t.add_row(k, v)
     env.out.print(t)
     if bad:
-        env.out.print(f"{bad} unreadable lines skipped (torn by a crash while appending?)", markup=False)
+        env.say(f"{bad} unreadable lines skipped (torn by a crash while appending?)")
     if not args.no_png:
-        env.out.print(f"timeline: {args.png}", markup=False)
+        env.say(f"timeline: {args.png}")
     return 0
