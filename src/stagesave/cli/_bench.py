@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 from rich.table import Table
+from rich.text import Text
 
 from .. import _fsops as fsops
 from .._targets import is_url
@@ -414,7 +415,8 @@ def _print_table(env: Env, root: str, nbytes: int, args: argparse.Namespace, flo
 
     for r in results:
         complete = fmt_duration(r["durable_s"]) + ("" if r["durable"] else " (not durable)")
-        row = [literal(r["method"]), fmt_duration(r["blocking_s"]), ratio(r, "blocking_x_copy_floor"), complete,
+        row: list[str | Text] = [
+               literal(r["method"]), fmt_duration(r["blocking_s"]), ratio(r, "blocking_x_copy_floor"), complete,
                ratio(r, "durable_x_disk_floor"), fmt_rate(r["throughput_bytes_per_s"]),
                f"{r['blocking_s'] / ref['blocking_s']:.2f}x" if ref and ref["blocking_s"] > 0 else "-"]
         if with_loop:
