@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 from clitools import crash_saves, small_state
@@ -133,3 +136,29 @@ def test_missing_object_and_bucket_on_s3(cli, cli_s3):
     r = cli(*opts, "ls", "s3://no-such-bucket-for-stagesave/x")
     assert r.code == 1 and r.err.startswith("stagesave: error:") and "no-such-bucket-for-stagesave" in r.err
     assert "Traceback" not in r.err
+
+
+def test_migrate_on_s3(cli, cli_s3, s3_server, tmp_path):
+    """A format-1 file and its sidecar on S3 become one object that carries its own proof (the
+    upload is completed in one step: the publish); a format-1 folder there is refused."""
+    from clitools import write_format1, write_format1_dir
+
+    url, opts, storage = cli_s3
+    bucket, prefix = _bucket_key(url)
+    client = s3_server.client()
+    path, sidecar = write_format1(tmp_path, "old.ckpt", small_state(2), metadata={"step": 2})
+    d = write_format1_dir(tmp_path, "checkpoint_3", step=3)
+    for p in (path, sidecar):
+        client.put_object(Bucket=bucket, Key=f"{prefix}/{os.path.basename(p)}", Body=Path(p).read_bytes())
+    for n in os.listdir(d):
+        client.put_object(Bucket=bucket, Key=f"{prefix}/checkpoint_3/{n}", Body=Path(d, n).read_bytes())
+    r = cli(*opts, "migrate", url, "--json")
+    assert r.code == 1  # the folder is refused
+    by = {os.path.basename(c["path"]): c for c in r.json()["checkpoints"]}
+    assert by["old.ckpt"]["action"] == "migrated" and by["old.ckpt"]["seq"] == 1
+    assert by["checkpoint_3"]["action"] == "refused" and "local disk only" in by["checkpoint_3"]["detail"]
+    keys = sorted(o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/").get("Contents", []))
+    assert [k for k in keys if "/checkpoint_3/" not in k] == [f"{prefix}/old.ckpt"]  # the sidecar is gone
+    info = stagesave.verify(f"{url}/old.ckpt", storage_options=storage)
+    assert info.status == "verified" and info.format == 2 and info.manifest.metadata == {"step": 2}
+    assert cli(*opts, "verify", f"{url}/checkpoint_3").code == 0  # still format 1, still verifies
