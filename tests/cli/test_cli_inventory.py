@@ -177,6 +177,13 @@ def test_inspect_folder_lists_every_file(cli, tmp_path):
     tensors = {t["name"]: t for t in doc["tensors"]}
     assert tensors["model.safetensors:0.weight"]["shape"] == [64, 64]
     assert tensors["model.safetensors:0.weight"]["bytes"] == 64 * 64 * 4
+    assert "optimizer.bin:state.0.exp_avg" in tensors  # from the index record inside optimizer.bin
+    # the carrier's proof names every file; each member carries its own
+    assert doc["format"] == 2 and doc["seq"] == 1 and doc["carrier"] == "optimizer.bin"
+    roles = {f["name"]: (f["role"], f["proof"]) for f in doc["files"]}
+    assert roles["optimizer.bin"][0] == "carrier" and roles["model.safetensors"][0] == "member"
+    assert "__metadata__['stagesave.proof']" in roles["model.safetensors"][1]
+    assert doc["metadata"] == {"step": 3} and doc["telemetry"]["blocking_s"] > 0
 
 
 def test_verify_file_ok_and_corrupt(cli, tmp_path):
