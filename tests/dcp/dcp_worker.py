@@ -179,6 +179,41 @@ def object_store_save(rank: int, world: int, out: str) -> dict[str, Any]:
     return {"loaded_equal": same}
 
 
+def coordinator_fails(rank: int, world: int, out: str) -> dict[str, Any]:
+    """The coordinator's background write fails (disk full): the other ranks, waiting for the
+    commit, learn it from the store (staging folder gone, or the abort marker on object stores)."""
+    mesh = init_device_mesh("cpu", (world,))
+    objects = os.environ.get("OBJECT_STORE") == "1"
+    root: Any = FsspecStore(f"file://{os.path.join(out, 'ckpt')}", {"auto_mkdir": True}) if objects \
+        else os.path.join(out, "ckpt")
+    writer = sdcp.StagedStorageWriter(root=root, commit_timeout=120)
+    result: dict[str, Any] = {}
+    # 1. Staging fails on the coordinator (a meta tensor has no bytes): its commit job never
+    #    exists, dcp.save raises everywhere, and rank 1's background part must not wait.
+    state: dict[str, Any] = {"w": distribute_tensor(torch.ones(64, 8), mesh, [Shard(0)])}
+    if rank == 0:
+        state["bad"] = torch.empty(4, device="meta")
+    t0 = time.monotonic()
+    try:
+        dcp.save(state, checkpoint_id="step-0", storage_writer=writer)
+    except BaseException:  # noqa: BLE001, S110 - DCP re-raises rank 0's error on every rank
+        pass
+    result["staging"] = _outcome(writer.last_handle) if rank == 1 and writer.last_handle is not None else None
+    result["staging_seconds"] = time.monotonic() - t0
+    # 2. The coordinator's background write fails (disk full).
+    if rank == 0:
+        def disk_full(*args: Any, **kwargs: Any) -> Any:
+            raise OSError(28, "No space left on device")
+
+        _writer.write_rank = disk_full  # type: ignore[assignment]
+    t0 = time.monotonic()
+    state = {"w": distribute_tensor(torch.ones(64, 8), mesh, [Shard(0)])}
+    result.update(_outcome(sdcp.save(state, "step-1", writer=writer)))
+    result["seconds"] = time.monotonic() - t0
+    writer.close()
+    return result
+
+
 def crash_replace(rank: int, world: int, out: str) -> dict[str, Any]:
     """Save ``step-0`` and A into ``last`` (committed), then B over ``last`` with ``keep_last=1``
     (its retention removes ``step-0``), SIGKILLed at the crash point ``KILL_AT`` of save B."""
@@ -212,7 +247,8 @@ def _outcome(handle: Any) -> dict[str, Any]:
         handle.result(120)
         return {"error_type": None}
     except Exception as exc:  # noqa: BLE001 - reported to the test
-        return {"error_type": type(exc).__name__, "message": str(exc)}
+        return {"error_type": type(exc).__name__, "message": str(exc),
+                "traceback": "".join(traceback.format_exception(exc))}
 
 
 def failed_write(rank: int, world: int, out: str) -> dict[str, Any]:
@@ -243,7 +279,7 @@ def failed_write(rank: int, world: int, out: str) -> dict[str, Any]:
 
 
 SCENARIOS = {f.__name__: f for f in (fsdp_save, fsdp_load, killed_save, object_store_save, failed_write,
-                                     crash_replace)}
+                                     coordinator_fails, crash_replace)}
 
 
 def _child(scenario: str, rank: int, world: int, out: str, env: dict[str, str]) -> None:

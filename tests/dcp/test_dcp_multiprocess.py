@@ -163,8 +163,8 @@ def test_rank_killed_during_save_leaves_no_commit(launcher, tmp_path, victim, po
     assert kept == []
     if victim == 1 and gated == "1":
         assert debris == []  # the coordinator removed the staging folder when it gave up
-    for d in debris:  # anything left is a temporary of a dead writer, which gc removes
-        assert d.kind == "temporary-dir" and d.action == "remove" and d.name.startswith(".step-2.")
+    for d in debris:  # anything left is a temporary of a dead writer (staging folder, lease), which gc removes
+        assert d.kind in ("temporary-dir", "temporary") and d.action == "remove" and d.name.startswith(".step-2.")
 
 
 def test_a_rank_that_fails_makes_everyone_give_up_without_waiting(launcher, tmp_path):
@@ -244,3 +244,24 @@ def test_sigkill_while_replacing_a_folder_leaves_the_old_or_the_new_never_a_mix(
     assert kept == []
     for d in debris:  # what a crash leaves is a temporary of a dead writer, which gc removes
         assert d.action == "remove" and d.kind in ("temporary", "temporary-dir"), d
+
+
+@pytest.mark.parametrize("objects", [False, True], ids=["posix", "object-store"])
+def test_the_other_ranks_learn_at_once_that_the_coordinator_gave_up(launcher, tmp_path, objects):
+    run = launcher("coordinator_fails", 2, tmp_path, OBJECT_STORE=str(int(objects)))
+    run.ok()
+    coordinator, other = run.ranks
+    assert coordinator["error_type"] == "StorageError" and "no space left on the device" in coordinator["message"]
+    # Not at its 120 s deadline (CommitTimeoutError): the store told it.
+    assert other["error_type"] == "CheckpointError", other
+    assert "the coordinator gave up on this save (see its error); it was not committed" in other["message"]
+    assert other["seconds"] < 60
+    # Staging failed on the coordinator: its lease went with dcp.save's failure, and rank 1's
+    # part (written, or refused by then) does not wait for a commit that cannot come.
+    staging = other["staging"]
+    assert staging is not None and staging["error_type"] == "CheckpointError", staging
+    assert "the coordinator gave up on this save" in staging["message"] and other["staging_seconds"] < 60
+    root = tmp_path / "ckpt"
+    assert stagesave.latest(root) is None and not (root / "step-1" / ".metadata").exists()
+    if not objects:
+        assert os.listdir(root) == []  # the staging folders and the leases went with the failures

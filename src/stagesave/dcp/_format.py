@@ -16,10 +16,13 @@ A committed folder holds exactly what torch's ``FileSystemWriter`` writes, and t
   sequence number and the user's metadata. The folder is committed iff it is in place.
 
 While a save is in flight each rank also leaves a small marker (its file's size and proof CRC)
-that the coordinator collects before it commits. Markers are temporaries (their names carry the
-temporary marker, so an interrupted save's markers are debris that ``stagesave gc`` recognises)
-and never sit inside a committed folder: on POSIX they are in the staging folder and removed
-before it is renamed into place; on object stores they are in a hidden prefix beside the target.
+that the coordinator collects before it commits, and the coordinator holds a *lease* beside the
+target (created before any rank writes, removed once the save committed or failed) that tells
+the other ranks whether it still works on the save. Markers and lease are temporaries (their
+names carry the temporary marker, so an interrupted save's are debris that ``stagesave gc``
+recognises) and never sit inside a committed folder: on POSIX the markers are in the staging
+folder and removed before it is renamed into place; on object stores they are in a hidden
+prefix beside the target.
 """
 
 from __future__ import annotations
@@ -31,8 +34,8 @@ __all__ = [
     "METADATA_FILE",
     "METADATA_KIND",
     "RANK_FILE_KIND",
-    "abort_marker",
     "failure_marker",
+    "lease",
     "rank_file",
     "rank_marker",
 ]
@@ -69,9 +72,10 @@ def failure_marker(rank: int, pid: int, save_id: str) -> str:
     return f".dcp-rank-{rank}-failed.{pid}-{save_id}{TMP_MARKER}"
 
 
-def abort_marker(pid: int, save_id: str) -> str:
-    """Written by the coordinator on object stores when it gives up on a save."""
-    return f".dcp-abort.{pid}-{save_id}{TMP_MARKER}"
+def lease(leaf: str, pid: int, save_id: str) -> str:
+    """Held by the coordinator of save ``save_id`` of the folder ``leaf``, beside it (the name
+    adds at most 42 bytes to ``leaf``, within what ``check_target_name`` leaves)."""
+    return f".{leaf}.dcp-lease.{pid}-{save_id[:8]}{TMP_MARKER}"
 
 
 def marker_rank(leaf: str, save_id: str) -> tuple[int, bool] | None:

@@ -16,6 +16,7 @@ worker threads to passive waiting and slow training while the thread lives; not 
    calls ``finish()``, so it gives up shortly after the last marker. It then writes
    ``.metadata`` last, the folder's carrier: its proof pins every rank file (size and proof
    CRC) and holds the save's sequence number, taken under the directory's commit lock;
+   whatever the outcome, it then gives up its lease (created before any rank wrote);
 3. POSIX: the staging folder is a hidden temporary beside the target, the markers are removed
    from it, and the commit renames it into place (``_commit``: swapped with an existing folder
    where the filesystem can, else the old one moved aside first), so a crash at any step leaves
@@ -25,8 +26,10 @@ worker threads to passive waiting and slow training while the thread lives; not 
    the new save did not write, and the new ``.metadata`` written last is the commit. The
    markers sit in a hidden prefix beside the target there;
 4. the other ranks learn the outcome from the store as well: the target's ``.metadata`` carries
-   their save's token (committed), or the staging folder vanished without it / the abort marker
-   appeared (failed), or the deadline passed.
+   their save's token (committed), or the coordinator's lease is gone without it (failed: it
+   goes only after the commit is visible), or the deadline passed (the coordinator died).
+   Watching the staging folder instead would not do: a rank still writing may create it again
+   after the coordinator removed it.
 """
 
 from __future__ import annotations
@@ -56,14 +59,16 @@ from ._format import (
     MAX_MARKER_BYTES,
     METADATA_FILE,
     METADATA_KIND,
-    abort_marker,
     failure_marker,
     marker_rank,
     rank_file,
     rank_marker,
 )
 
-__all__ = ["CommitTimeoutError", "MetadataSlot", "SavePlanData", "commit", "wait_for_commit", "write_rank"]
+__all__ = [
+    "CommitTimeoutError", "MetadataSlot", "SavePlanData", "abandon", "abandoned", "commit", "discard_if_abandoned",
+    "gave_up_error", "take_lease", "wait_for_commit", "write_rank",
+]
 
 #: Polling the store starts this fast and slows down to ``_POLL_MAX`` (seconds).
 _POLL_MIN = 0.005
@@ -92,6 +97,8 @@ class SavePlanData:
     coordinator_pid: int
     #: Where the markers go: ``staging`` on POSIX, a hidden prefix beside ``target`` elsewhere.
     markers: str = ""
+    #: The coordinator's lease, beside ``target``: exists while it works on the save.
+    lease: str = ""
     #: Wall-clock time of the save (for display), the same in every file's proof.
     created_ns: int = 0
 
@@ -388,6 +395,7 @@ def commit(
     if not spec.renames:
         for name in found.values():
             _quietly_delete(store, name)
+    _quietly_delete(store, spec.lease)  # only now: the commit is visible
     return manifest
 
 
@@ -398,15 +406,24 @@ def _quietly_delete(store: Store, name: str) -> None:
         pass
 
 
+def take_lease(store: Store, spec: SavePlanData) -> None:
+    """The coordinator, before the plans (and so any write) go out: hold the save's lease."""
+    store.put_atomic(spec.lease, spec.save_id.encode())
+
+
 def abandon(store: Store, spec: SavePlanData) -> None:
-    """After a failed save: remove the staging folder (POSIX) or leave the abort marker."""
+    """After a failed save: remove what it wrote where that is its own (the staging folder on
+    POSIX, the markers elsewhere), then give up the lease (the other ranks stop waiting)."""
     try:
         if spec.renames:
             _remove_tree(store, spec.staging)
         else:
-            store.put_atomic(_join(spec.markers, abort_marker(os.getpid(), spec.save_id)), b"aborted")
+            for info in store.list(spec.markers):
+                if marker_rank(info.name.rpartition("/")[2], spec.save_id) is not None:
+                    _quietly_delete(store, info.name)
     except Exception:  # noqa: BLE001, S110 - debris only; gc removes it
         pass
+    _quietly_delete(store, spec.lease)
 
 
 # ----------------------------------------------------------------------------- other ranks
@@ -420,32 +437,54 @@ def committed(store: Store, spec: SavePlanData) -> bool:
     return p.summary is not None and p.summary.folder == spec.save_id
 
 
-def _staging_exists(store: Store, spec: SavePlanData) -> bool:
-    path = store.local_path(spec.staging)
-    return path is not None and os.path.isdir(path)
+def abandoned(store: Store, spec: SavePlanData) -> bool:
+    """Whether the coordinator is done with the save without committing it (best effort)."""
+    try:
+        return not _holds_lease(store, spec) and not committed(store, spec)
+    except OSError:
+        return False
+
+
+def discard_if_abandoned(store: Store, spec: SavePlanData) -> bool:
+    """A rank whose part of a save failed, or that learnt the coordinator gave up: once the
+    coordinator is done without committing, the staging folder is garbage (this rank may have
+    created it again after the coordinator removed it): remove it (best effort).
+
+    Returns whether the coordinator gave up.
+    """
+    if not abandoned(store, spec):
+        return False
+    if spec.renames:
+        try:
+            _remove_tree(store, spec.staging)
+        except Exception:  # noqa: BLE001, S110 - debris only; gc removes it
+            pass
+    return True
+
+
+def gave_up_error(what: str) -> CheckpointError:
+    return CheckpointError(f"{what}: the coordinator gave up on this save (see its error); it was not committed")
+
+
+def _holds_lease(store: Store, spec: SavePlanData) -> bool:
+    try:
+        store.info(spec.lease)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def wait_for_commit(store: Store, spec: SavePlanData, deadline: float, what: str) -> None:
     """Block until the coordinator committed this save; raise when it failed or timed out."""
     delay = _POLL_MIN
-    abort_name = _join(spec.markers, abort_marker(spec.coordinator_pid, spec.save_id))
-    gave_up = CheckpointError(f"{what}: the coordinator gave up on this save (see its error); it was not committed")
     while True:
         if committed(store, spec):
             return
-        if spec.renames:
-            # The rename is atomic: once the staging folder is gone, the target tells the outcome.
-            if not _staging_exists(store, spec):
-                if committed(store, spec):
-                    return
-                raise gave_up
-        else:
-            try:
-                store.info(abort_name)
-            except FileNotFoundError:
-                pass
-            else:
-                raise gave_up
+        # The lease goes only once the commit is visible: without it, the target tells the outcome.
+        if not _holds_lease(store, spec):
+            if committed(store, spec):
+                return
+            raise gave_up_error(what)
         if time.monotonic() >= deadline:
             raise CommitTimeoutError(
                 f"{what}: the coordinator did not commit before the deadline (it may have died); "

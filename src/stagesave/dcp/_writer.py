@@ -44,14 +44,18 @@ from ..checkpointer import Checkpointer
 from ..handle import SaveHandle
 from ..telemetry import SaveTelemetry
 from ._engine import Engine
-from ._format import FORMAT_KEY, FORMAT_VALUE, SAVE_ID_KEY, WORLD_SIZE_KEY
+from ._format import FORMAT_KEY, FORMAT_VALUE, SAVE_ID_KEY, WORLD_SIZE_KEY, lease
 from ._protocol import (
     MetadataSlot,
     SavePlanData,
     abandon,
+    abandoned,
     clear_old_carrier,
     commit,
+    discard_if_abandoned,
+    gave_up_error,
     report_failure,
+    take_lease,
     wait_for_commit,
     write_rank,
 )
@@ -148,11 +152,18 @@ class _RankJob:
             if committed:
                 engine.retain(self.store, spec.parent)
         except BaseException as exc:  # noqa: BLE001 - delivered through the handle
+            error = engine.as_error(exc, f"saving {self.what} failed")
+            if self.slot is None and not wrote and isinstance(exc, FileNotFoundError) and abandoned(self.store, spec):
+                # The coordinator had given up and removed the staging folder under this rank's
+                # write: that is the failure to report.
+                error = gave_up_error(self.what)
+                error.__cause__ = exc
             if not wrote:
                 report_failure(self.store, spec, exc)
             if self.slot is not None and not committed:
                 abandon(self.store, spec)
-            error = engine.as_error(exc, f"saving {self.what} failed")
+            elif self.slot is None:
+                discard_if_abandoned(self.store, spec)
             tel.error = str(error)
         engine.finish(self.handle, error)
 
@@ -211,6 +222,8 @@ class StagedStorageWriter(StorageWriter):
         self._skeletons = SkeletonCache()
         self._save: _Save | None = None
         self._open_slots: list[MetadataSlot] = []
+        #: The lease this coordinator took for a save whose commit job does not exist yet.
+        self._unowned: tuple[Store, SavePlanData] | None = None
         self._recent_ids: deque[str] = deque(maxlen=64)
 
     @property
@@ -262,16 +275,16 @@ class StagedStorageWriter(StorageWriter):
         pid = os.getpid()
         hidden = _join(parent, f".{leaf}.{pid}-{save_id[:8]}{TMP_MARKER}")
         local = s.store.local_path(s.name) is not None
-        if not local:
-            # No rank writes before the plans go out: the old folder loses its carrier first.
-            clear_old_carrier(s.store, s.name)
         staging = hidden if local else s.name
-        created_ns = time.time_ns()
-        return [
-            dataclasses.replace(plan, storage_data=SavePlanData(i, len(plans), save_id, staging, s.name, pid,
-                                                                hidden, created_ns))
-            for i, plan in enumerate(plans)
-        ]
+        specs = [SavePlanData(i, len(plans), save_id, staging, s.name, pid, hidden,
+                              _join(parent, lease(leaf, pid, save_id)), time.time_ns()) for i in range(len(plans))]
+        # No rank writes before the plans go out: the lease exists before anyone could wait on
+        # it, and on object stores the old folder loses its carrier before it is overwritten.
+        take_lease(s.store, specs[0])
+        self._unowned = (s.store, specs[0])
+        if not local:
+            clear_old_carrier(s.store, s.name)
+        return [dataclasses.replace(plan, storage_data=spec) for plan, spec in zip(plans, specs)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         s = self._current()
@@ -304,8 +317,11 @@ class StagedStorageWriter(StorageWriter):
                 raise
         except BaseException as exc:
             # DCP reports this to every rank through its gathers; the marker makes the
-            # coordinator's background side give up now instead of at its deadline.
+            # coordinator's background side give up now instead of at its deadline (and the
+            # lease the other ranks' background side, when this is the coordinator).
             report_failure(s.store, spec, exc)
+            if s.is_coordinator:
+                self._drop_unowned()
             raise
         tel.bytes = image.size
         tel.tensor_bytes = rank_image.tensor_bytes
@@ -313,6 +329,7 @@ class StagedStorageWriter(StorageWriter):
         if s.is_coordinator:
             s.slot = MetadataSlot()
             self._open_slots.append(s.slot)
+            self._unowned = None  # the commit job gives the lease up
         handle = SaveHandle(tel.path, tel)
         self.last_handle = handle
         job = _RankJob(engine, s.store, spec, buf, image, crcs, wait_device, s.slot, handle,
@@ -348,6 +365,13 @@ class StagedStorageWriter(StorageWriter):
         for slot in self._open_slots:
             slot.abandon(reason)
         self._open_slots = [s for s in self._open_slots if s.pending]
+        self._drop_unowned()
+
+    def _drop_unowned(self) -> None:
+        """Give up the lease of a save that failed before its commit job existed."""
+        unowned, self._unowned = self._unowned, None
+        if unowned is not None:
+            abandon(*unowned)
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait until every save of the checkpointer committed or failed.
