@@ -280,7 +280,10 @@ class StagedStorageWriter(StorageWriter):
                               _join(parent, lease(leaf, pid, save_id)), time.time_ns()) for i in range(len(plans))]
         # No rank writes before the plans go out: the lease exists before anyone could wait on
         # it, and on object stores the old folder loses its carrier before it is overwritten.
-        take_lease(s.store, specs[0])
+        try:
+            take_lease(s.store, specs[0])
+        except OSError as exc:
+            raise self._engine.as_error(exc, f"cannot save sharded checkpoint {s.telemetry.path}") from exc
         self._unowned = (s.store, specs[0])
         if not local:
             clear_old_carrier(s.store, s.name)
@@ -360,7 +363,8 @@ class StagedStorageWriter(StorageWriter):
         """Fail coordinator saves that will never get their metadata (``dcp.save`` raised).
 
         Called by :func:`stagesave.dcp.save` when ``dcp.save`` raises, by the next save and by
-        :meth:`close`; without it the commit job would wait until ``commit_timeout``.
+        :meth:`close`; without it the commit job would wait until ``commit_timeout`` (and so
+        would the other ranks, for a save whose commit job never started).
         """
         for slot in self._open_slots:
             slot.abandon(reason)
