@@ -415,6 +415,7 @@ def commit_link(link: str, target: str) -> None:
     A relative link is created under a temporary name beside ``link`` and renamed over it; a
     real folder of the link's name is removed first in one step.
     """
+    link, target = os.path.abspath(link), os.path.abspath(target)
     directory = os.path.dirname(link)
     tmp = temp_name_for(link)
     fsops.symlink(os.path.relpath(target, directory), tmp)

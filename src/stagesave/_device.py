@@ -321,7 +321,7 @@ def write_device_data(
                 hash_time[i] = time.perf_counter() - h0
                 if future is None:
                     start = max(lo, late) - lo
-                    if start < end - lo:
+                    if lo + start < hi:  # the late pages (a safetensors header) are written with the proof
                         _pwrite_all(pending, host[start : end - lo], lo + start)
                 if i == 0 and n_chunks > 1:
                     crash_point("mid_data")
@@ -383,13 +383,6 @@ def _pwrite_all(pending: Any, data: memoryview, offset: int) -> None:
 def _pwrite_aligned(pending: Any, data: bytes, offset: int) -> None:
     """Write ``data`` at the page-aligned ``offset`` from a page-aligned copy (O_DIRECT)."""
     n = (len(data) + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
-    bounce = mmap.mmap(-1, max(n, ALIGNMENT))
-    try:
-        bounce[: len(data)] = data
-        view = memoryview(bounce)
-        try:
-            _pwrite_all(pending, view[: n if pending.direct else len(data)], offset)
-        finally:
-            view.release()
-    finally:
-        bounce.close()
+    bounce = mmap.mmap(-1, max(n, ALIGNMENT))  # freed with its last view (a traceback may hold one)
+    bounce[: len(data)] = data
+    _pwrite_all(pending, memoryview(bounce)[: n if pending.direct else len(data)], offset)

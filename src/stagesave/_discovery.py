@@ -76,6 +76,10 @@ class CheckpointInfo:
         return (0, self.created, 0.0, self.name)
 
 
+def _join(directory: str, leaf: str) -> str:
+    return f"{directory}/{leaf}" if directory else leaf
+
+
 # ---------------------------------------------------------------------------- single files
 def _read_sidecar(store: Store, name: str) -> Manifest:
     info = store.info(name)
@@ -139,7 +143,32 @@ def _from_proof(store: Store, name: str, path: str, reader: Reader, got: FilePro
         return CheckpointInfo(path, name, "corrupt", reader.mtime, reader.size, problems=got.problems,
                               problems_from_manifest=True, format=2)
     m = got.manifest
+    if m.folder is not None:  # a file of a folder checkpoint: that folder must be whole
+        problems = _member_problems(store, name, got)
+        if problems:
+            return CheckpointInfo(path, name, "corrupt", reader.mtime, reader.size, problems=problems,
+                                  problems_from_manifest=True, format=2)
     return CheckpointInfo(path, name, "committed", m.created_ns / 1e9, reader.size, m, None, seq=m.seq, format=2)
+
+
+def _member_problems(store: Store, name: str, got: FileProof) -> list[str]:
+    """Why the file ``name`` of a folder checkpoint may not be used: its folder is not intact,
+    or the folder's proof does not name this version of it."""
+    m = got.manifest
+    assert m is not None and m.folder is not None
+    directory, _, leaf = name.rpartition("/")
+    folder = resolve_dir(store, directory)
+    if folder.status != "committed" or folder.manifest is None or folder.manifest.folder is None:
+        return [f"the folder checkpoint {folder.path} it belongs to is not intact: "
+                + "; ".join(folder.problems or ["no proof of the folder"])]
+    proof = folder.manifest.folder
+    if proof.token != m.folder.token:
+        return [f"{store.describe(name)} belongs to another save than its folder {folder.path}"]
+    if leaf != proof.carrier:
+        pinned = {mem.name: mem.proof_crc for mem in proof.members}.get(leaf)
+        if pinned != got.proof_crc:
+            return [f"{store.describe(name)} is not the version its folder's proof names"]
+    return []
 
 
 def _format1(store: Store, name: str, path: str, reader: Reader, candidates: list[str]) -> CheckpointInfo:
@@ -200,38 +229,38 @@ def resolve_dir(store: Store, directory: str, listing: list[ObjectInfo] | None =
 
 
 def _find_carrier(store: Store, directory: str, files: dict[str, ObjectInfo]) -> tuple[str, FileProof] | None:
-    """The carrier of a format-2 folder: named by any of its files' summaries (or its header)."""
-    tried: set[str] = set()
+    """The carrier of a format-2 folder: the file whose summary (or header) says it carries the
+    folder. A member's claim about who the carrier is counts only if no file claims it itself."""
+    named: list[str] = []
+    safetensors: list[str] = []
     for leaf in sorted(files):
-        if leaf in tried:
-            continue
-        tried.add(leaf)
         try:
-            with store.open(f"{directory}/{leaf}") as reader:
+            with store.open(_join(directory, leaf)) as reader:
                 p = peek(reader)
                 if p.format == 2 and p.summary is not None and p.summary.folder is not None:
-                    carrier = p.summary.carrier or leaf
-                    if carrier == leaf:
+                    if p.summary.carrier == leaf:
                         return leaf, read_proof(reader, leaf)
-                else:
-                    got = read_proof(reader, leaf) if leaf.endswith(".safetensors") else None
-                    if got is not None and got.manifest is not None and got.manifest.folder is not None:
-                        carrier = got.manifest.folder.carrier
-                        if carrier == leaf:
-                            return leaf, got
-                    else:
-                        continue
+                    named.append(p.summary.carrier or "")
+                elif p.format == 0 and leaf.endswith(".safetensors"):
+                    safetensors.append(leaf)
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             continue
         except OSError as exc:
-            return leaf, FileProof(None, None, [f"{store.describe(f'{directory}/{leaf}')}: {exc.strerror or exc}"], 2)
-        if carrier not in files:
-            return carrier, FileProof(None, None, [f"{store.describe(directory)}: its carrier {carrier} is missing"], 2)
+            return leaf, FileProof(None, None, [f"{store.describe(_join(directory, leaf))}: {exc.strerror or exc}"], 2)
+    for leaf in safetensors:  # no footer: the proof is in the header
         try:
-            with store.open(f"{directory}/{carrier}") as reader:
-                return carrier, read_proof(reader, carrier)
-        except OSError as exc:
-            return carrier, FileProof(None, None, [f"{store.describe(directory)}/{carrier}: {exc.strerror or exc}"], 2)
+            with store.open(_join(directory, leaf)) as reader:
+                got = read_proof(reader, leaf)
+        except OSError:
+            continue
+        if got.manifest is not None and got.manifest.folder is not None:
+            if got.manifest.folder.carrier == leaf:
+                return leaf, got
+            named.append(got.manifest.folder.carrier)
+    if named:
+        carrier = max(set(named), key=named.count)
+        return carrier, FileProof(None, None, [f"{store.describe(directory)}: its carrier {carrier} is missing "
+                                               "or damaged"], 2)
     return None
 
 
@@ -269,7 +298,7 @@ def folder_entries(store: Store, info: CheckpointInfo) -> tuple[list[tuple[str, 
     out: list[tuple[str, Manifest | None, FileEntry | None]] = [(folder.carrier, m, None)]
     problems: list[str] = []
     for member in folder.members:
-        name = f"{info.name}/{member.name}"
+        name = _join(info.name, member.name)
         try:
             with store.open(name) as reader:
                 got = read_proof(reader, member.name)
@@ -292,7 +321,7 @@ def folder_entries(store: Store, info: CheckpointInfo) -> tuple[list[tuple[str, 
 
 
 def _dir_format1(store: Store, directory: str, path: str, files: dict[str, ObjectInfo]) -> CheckpointInfo:
-    mname = f"{directory}/{DIR_MANIFEST}"
+    mname = _join(directory, DIR_MANIFEST)
     try:
         manifest = _read_sidecar(store, mname)
     except FileNotFoundError:
@@ -303,7 +332,7 @@ def _dir_format1(store: Store, directory: str, path: str, files: dict[str, Objec
     problems = []
     total = 0
     for entry in manifest.files:
-        fname = f"{directory}/{entry.name}"
+        fname = _join(directory, entry.name)
         try:
             with store.open(fname) as reader:
                 total += reader.size
@@ -389,7 +418,7 @@ def scan(store: Store, directory: str = "", *, warn: bool = False, full: bool = 
     for leaf in store.list_dirs(directory):
         if leaf.startswith(".") or is_temporary(leaf) or leaf.endswith(ASIDE_MARKER):
             continue
-        sub = f"{directory}/{leaf}" if directory else leaf
+        sub = _join(directory, leaf) if directory else leaf
         listing = store.list(sub)
         sig = _folder_signature(store, sub, listing)
         old = seen.get(leaf + "/")

@@ -111,21 +111,18 @@ class _LocalPendingWrite(PendingWrite):
         if self.direct:
             lo = self.size // ALIGNMENT * ALIGNMENT
             n = self.size - lo + len(data)
-            bounce = mmap.mmap(-1, (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT)  # page-aligned
-            try:
-                bounce[: self.size - lo] = (self.image[lo : self.size] if self.last_block is None
-                                            else self.last_block[: self.size - lo])
-                bounce[self.size - lo : n] = data
-                view = memoryview(bounce)
-                pos = 0
-                while pos < len(bounce):
-                    written = fsops.pwrite(self.fd, view[pos:], lo + pos)
-                    if written <= 0 or (written % ALIGNMENT and pos + written < len(bounce)):
-                        raise OSError(errno.EIO, f"short write at offset {lo + pos}")
-                    pos += written
-                view.release()
-            finally:
-                bounce.close()
+            # page-aligned; freed when the last view of it goes (an error's traceback may hold one)
+            bounce = mmap.mmap(-1, (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT)
+            bounce[: self.size - lo] = (self.image[lo : self.size] if self.last_block is None
+                                        else self.last_block[: self.size - lo])
+            bounce[self.size - lo : n] = data
+            view = memoryview(bounce)
+            pos = 0
+            while pos < len(bounce):
+                written = fsops.pwrite(self.fd, view[pos:], lo + pos)
+                if written <= 0 or (written % ALIGNMENT and pos + written < len(bounce)):
+                    raise OSError(errno.EIO, f"short write at offset {lo + pos}")
+                pos += written
         else:
             view = memoryview(data)
             pos = 0

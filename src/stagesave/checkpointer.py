@@ -198,9 +198,12 @@ class Checkpointer:
             ``save``/``load`` work without it.
         max_pending: Saves that may be in flight (one staging buffer each); a further save waits
             for a buffer instead of allocating more memory.
-        checksum: ``"xxh3_128"`` (default, fast), ``"xxh3_64"``, ``"blake3"`` or ``"sha256"``.
+        checksum: ``"crc32"`` (default: at memory speed, and the same CRCs make every zip record
+            valid), ``"xxh3_128"``, ``"xxh3_64"``, or the cryptographic ``"blake3"`` and
+            ``"sha256"`` (an extra pass over the bytes in the background).
         keep_last: After each commit keep only this many committed checkpoints in that
-            directory (oldest removed first, manifest before data). ``None`` keeps all.
+            directory (the lowest sequence numbers removed first, each in one step). ``None``
+            keeps all.
         io_threads: Threads writing chunks of one file in parallel.
         chunk_bytes: Size of a checksum chunk and of one write.
         direct_io: Write local files with O_DIRECT where the filesystem allows it.

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import pickle
 import re
+import struct
 import threading
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from .errors import IntegrityError, UnsafeCheckpointError
+from .errors import CheckpointError, IntegrityError, UnsafeCheckpointError
 
 __all__ = ["allow_globals", "allowed_globals", "safe_torch_load"]
 
@@ -97,12 +98,17 @@ def safe_torch_load(
     """
     try:
         return _load(source, map_location, mmap, trusted, [*allowed_globals(), *safe_globals], where)
+    except CheckpointError:
+        raise
     except (EOFError, UnicodeDecodeError) as exc:
         raise _damaged(where, str(exc)) from exc
     except RuntimeError as exc:
         if "PytorchStreamReader" in str(exc) or "zip archive" in str(exc):
             raise _damaged(where, str(exc)) from exc
         raise
+    except (KeyError, IndexError, ValueError, TypeError, AttributeError, OverflowError, struct.error) as exc:
+        # what the unpickler raises on bytes that are not a pickle (another format, garbage)
+        raise _damaged(where, f"not a torch checkpoint: {type(exc).__name__}: {exc}") from exc
 
 
 def _damaged(where: str, text: str) -> IntegrityError:

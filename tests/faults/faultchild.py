@@ -26,19 +26,21 @@ def file_state(step: int, n: int = 4000) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------- two writers
 #: Where a writer stops for the parent, in protocol order.
-WRITER_POINTS = ("data", "manifest", "publish", "cleanup")
+WRITER_POINTS = ("data", "flushed", "sealed", "publish")
 
 
-def _writer_point(root: str, name: str, call: Call) -> str | None:
+def _writer_point(root: str, name: str, call: Call, job: dict[str, Any]) -> str | None:
     leaf = os.path.basename(call.path)
-    if call.name == "open" and leaf.startswith(f".{name}.") and ".stagesave.json" not in leaf:
-        return "data"  # the temporary data file is about to be created
-    if call.name == "open" and ".stagesave.json" in leaf:
-        return "manifest"  # the sibling manifests were listed, the new manifest not yet written
+    if call.name == "open" and leaf.startswith(f".{name}.") and leaf.endswith(".stagesave-tmp"):
+        job["tmp"] = call.path
+        return "data"  # the temporary is about to be created
+    if call.name == "fsync" and call.path == job.get("tmp"):
+        job["fsyncs"] = job.get("fsyncs", 0) + 1
+        # the 1st makes the data durable (before the commit lock); the 2nd the proof, written under
+        # the lock after the sequence number was taken
+        return "flushed" if job["fsyncs"] == 1 else "sealed"
     if call.name == "replace" and os.path.abspath(call.args[1]) == os.path.join(root, name):
         return "publish"
-    if call.name == "unlink" and leaf.endswith(".stagesave.json"):
-        return "cleanup"  # removal of the manifests of the file that was replaced
     return None
 
 
@@ -50,7 +52,7 @@ def writer_server(conn: Any) -> None:
     job: dict[str, Any] = {}
 
     def hook(call: Call) -> None:
-        point = _writer_point(job["root"], job["name"], call)
+        point = _writer_point(job["root"], job["name"], call, job)
         if point is not None and point not in job["seen"]:
             job["seen"].add(point)
             conn.send(("at", point))
@@ -63,6 +65,7 @@ def writer_server(conn: Any) -> None:
             if msg is None:
                 return
             root, name, step = msg
+            job.clear()
             job.update(root=root, name=name, seen=set())
             outcome: str | None = None
             try:

@@ -36,8 +36,10 @@ from stagesave import _fsops
 
 __all__ = ["FSOPS", "MODES", "Call", "Op", "PowerLossModel", "Recorder"]
 
-#: Every function of ``stagesave._fsops`` (all of them are wrapped).
-FSOPS = tuple(_fsops.__all__)
+#: Functions of ``stagesave._fsops`` made of others of it (their parts are recorded, not them).
+COMPOSITE = ("fsync_dir",)
+#: Every other function of ``stagesave._fsops`` (all of them are wrapped).
+FSOPS = tuple(n for n in _fsops.__all__ if n not in COMPOSITE)
 #: Views of a power loss, see the module docstring.
 MODES = ("durable", "eager", "random")
 
@@ -47,8 +49,9 @@ class Op:
     """One logged operation that changed the tree (or made part of it durable).
 
     ``kind`` is one of open, pwrite, ftruncate, fallocate, fadvise, fsync, close, rename,
-    exchange, link, unlink, mkdir, rmdir. ``write`` calls are logged as ``pwrite`` at the file
-    position; ``dst`` is the second path of rename, exchange and link.
+    exchange, link, symlink, unlink, mkdir, rmdir. ``write`` calls are logged as ``pwrite`` at the
+    file position; ``dst`` is the second path of rename, exchange and link; a symlink's target
+    is its ``data``.
     """
 
     kind: str
@@ -144,7 +147,7 @@ class Recorder:
                         "posix_fadvise"):
                 path, is_dir = self._fds.get(args[0], ("", False))
             else:
-                path = os.path.abspath(args[0])
+                path = os.path.abspath(args[1] if name == "symlink" else args[0])
                 is_dir = os.path.isdir(path)
         return Call(name, args, path, is_dir, index)
 
@@ -227,6 +230,8 @@ class Recorder:
                 self._log(Op("mkdir", call.path, t_ns=t))
             elif name == "unlink":
                 self._log(Op("unlink", call.path, t_ns=t))
+            elif name == "symlink":  # symlink(target, path): the path is the second argument
+                self._log(Op("symlink", os.path.abspath(args[1]), data=os.fsencode(args[0]), t_ns=t))
             elif name == "makedirs":
                 for p in pre:
                     self._log(Op("mkdir", p, t_ns=t))
@@ -277,6 +282,13 @@ class _File:
 
 
 @dataclass
+class _Link:
+    """A symbolic link (its target never changes: a new link is a new node)."""
+
+    target: bytes
+
+
+@dataclass
 class _Dir:
     durable: dict[str, int]
     current: dict[str, int]
@@ -309,12 +321,12 @@ class PowerLossModel:
 
     def __init__(self, base: str | os.PathLike[str]) -> None:
         self.base = os.path.abspath(os.fspath(base))
-        self.nodes: dict[int, _File | _Dir] = {}
+        self.nodes: dict[int, _File | _Dir | _Link] = {}
         self.fds: dict[int, int] = {}
         self.applied = 0
         self.root = self._snapshot(self.base)
 
-    def _new(self, node: _File | _Dir) -> int:
+    def _new(self, node: _File | _Dir | _Link) -> int:
         ino = len(self.nodes)
         self.nodes[ino] = node
         return ino
@@ -324,7 +336,7 @@ class PowerLossModel:
             entries = {name: self._snapshot(os.path.join(path, name)) for name in sorted(os.listdir(path))}
             return self._new(_Dir(dict(entries), dict(entries)))
         if os.path.islink(path):
-            raise AssertionError(f"the model does not cover symlinks ({path})")
+            return self._new(_Link(os.fsencode(os.readlink(path))))
         with open(path, "rb") as f:
             data = f.read()
         return self._new(_File(data, os.stat(path).st_mtime_ns))
@@ -405,6 +417,9 @@ class PowerLossModel:
         elif k == "mkdir":
             d, name = self._parent(op.path)
             self._change(d, ("link", name, self._new(_Dir({}, {}))))
+        elif k == "symlink":
+            d, name = self._parent(op.path)
+            self._change(d, ("link", name, self._new(_Link(op.data))))
         elif k != "fadvise":
             raise AssertionError(f"unknown op {k}")
         self.applied += 1
@@ -436,6 +451,9 @@ class PowerLossModel:
                 os.makedirs(path, exist_ok=True)
                 for name, child in sorted(entries(node).items()):
                     build(child, os.path.join(path, name), depth + 1)
+                return
+            if isinstance(node, _Link):
+                os.symlink(os.fsdecode(node.target), path)
                 return
             if mode == "random":
                 data, mtime = node.content(keep)

@@ -71,14 +71,14 @@ def _fault_then_recover(root, *, is_dir: bool, name: str, op: str, err: int, nth
     return fired[0]
 
 
-def _fsyncs_of_a_clean_save(root, is_dir: bool, name: str) -> list[str]:
-    """Every fsync the same save makes without a fault, described (file or folder, and which)."""
+def _fsyncs_of_a_clean_save(root, is_dir: bool, name: str, op: str = "fsync") -> list[str]:
+    """Every ``op`` call the same save makes without a fault, described (file or folder, and which)."""
     root.mkdir()
     calls: list[str] = []
     with stagesave.Checkpointer(root, chunk_bytes=8192) as ck:
         _save(ck, is_dir, 1, _first(is_dir)).result()
         with Recorder(root) as rec:
-            rec.add_hook(lambda c: calls.append(_describe(root, c)) if c.name == "fsync" else None)
+            rec.add_hook(lambda c: calls.append(_describe(root, c)) if c.name == op else None)
             _save(ck, is_dir, 2, name).result()
     return calls
 
@@ -91,10 +91,12 @@ def _describe(root, call: Call) -> str:
 
 @pytest.mark.parametrize(("is_dir", "name"), SAVES, ids=[f"{'dir' if d else 'file'}-{n}" for d, n in SAVES])
 def test_eio_from_every_fsync_of_a_save(tmp_path, is_dir, name):
-    """EIO at each fsync the protocol makes (data, manifest, every directory; whichever thread):
+    """EIO at each fsync the protocol makes (data, proof, every directory; whichever thread):
     fatal, reported, never retried, the previous checkpoint kept, the next save fine."""
     fsyncs = _fsyncs_of_a_clean_save(tmp_path / "clean", is_dir, name)
-    assert len(fsyncs) >= (6 if is_dir else 4), fsyncs
+    # a file: its data, its proof, its directory; a folder: that for each of its files, then its
+    # staging folder and its parent
+    assert len(fsyncs) >= (8 if is_dir else 3), fsyncs
     violations = []
     for nth, what in enumerate(fsyncs, 1):
         root = tmp_path / f"eio-{nth}"
@@ -128,9 +130,12 @@ def test_enospc_from_fallocate(tmp_path, is_dir, nth):
 
 
 @pytest.mark.fault_class(ENOSPC_CLASS)
-def test_enospc_from_the_manifest_write(tmp_path):
-    """The small manifest write is the last thing to fill the disk."""
-    _fault_then_recover(tmp_path, is_dir=False, name="next.ckpt", op="write", err=errno.ENOSPC, nth=1)
+def test_enospc_from_the_proof_write(tmp_path):
+    """The proof, the file's last write after every chunk, is the last thing to fill the disk."""
+    pwrites = _fsyncs_of_a_clean_save(tmp_path / "clean", False, "next.ckpt", op="pwrite")
+    root = tmp_path / "fault"
+    root.mkdir()
+    _fault_then_recover(root, is_dir=False, name="next.ckpt", op="pwrite", err=errno.ENOSPC, nth=len(pwrites))
 
 
 def test_fallocate_unsupported_is_not_an_error(tmp_path):
@@ -156,7 +161,7 @@ def test_eio_from_close_is_reported_and_the_fd_is_not_closed_twice(tmp_path):
                 if call.name != "close":
                     return
                 closes.append(call.args[0])
-                if state["armed"] and not call.is_dir and ".stagesave.json" not in call.path and call.path:
+                if state["armed"] and not call.is_dir and call.path:
                     state["armed"] = False
                     os.close(call.args[0])  # Linux releases the fd even when close reports EIO
                     raise OSError(errno.EIO, "Input/output error (injected, after the close)")

@@ -28,6 +28,10 @@ from faulthelp import dir_state, file_state, tree
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pathlib import Path
+
+from proofkit import carrier_of, format1_checkpoint, rewrite_proof
+
 import stagesave
 from stagesave.errors import CheckpointError
 
@@ -115,12 +119,22 @@ def _rename_entry(manifest_path, old: str, new: str) -> None:
     manifest_path.write_text(json.dumps(doc))
 
 
+def _rename_member(folder, old: str, new: str) -> None:
+    """Rename a file of the folder in its carrier's proof, every CRC made consistent again."""
+    def mutate(doc):
+        for m in doc["folder"]["members"]:
+            if m[0] == old:
+                m[0] = new
+
+    rewrite_proof(carrier_of(folder), mutate)
+
+
 @pytest.mark.fault_class("path traversal in a manifest (audited)")
 @pytest.mark.parametrize("hostile", HOSTILE_NAMES)
-def test_traversal_in_a_folder_manifest_is_refused_before_any_io(world, hostile):
+def test_traversal_in_a_folder_proof_is_refused_before_any_io(world, hostile):
     base, root, outside = world
     name = hostile.format(abs=str(outside / "secret.bin"))
-    _rename_entry(root / "checkpoint" / "checkpoint.stagesave.json", "optimizer.bin", name)
+    _rename_member(root / "checkpoint", "model.safetensors", name)
     with audited() as opened, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with stagesave.Checkpointer(root) as ck:
@@ -128,7 +142,7 @@ def test_traversal_in_a_folder_manifest_is_refused_before_any_io(world, hostile)
             listed = {c.name: c.status for c in ck.list()}
             best = ck.latest(verify=True)
             with pytest.raises(CheckpointError):
-                ck.load("checkpoint/optimizer.bin")
+                ck.load("checkpoint/model.safetensors")
     assert info.status == "corrupt" and "escapes the checkpoint" in info.problems[0], info.problems
     assert listed["checkpoint"] == "corrupt"
     assert best is not None and best.name == "model.ckpt"  # the good one is still found
@@ -138,11 +152,12 @@ def test_traversal_in_a_folder_manifest_is_refused_before_any_io(world, hostile)
 
 @pytest.mark.fault_class("path traversal in a manifest (audited)")
 @pytest.mark.parametrize("hostile", HOSTILE_NAMES)
-def test_traversal_in_a_file_manifest_is_refused_before_any_io(world, hostile):
+def test_traversal_in_a_format1_file_manifest_is_refused_before_any_io(world, hostile):
     base, root, outside = world
     name = hostile.format(abs=str(outside / "secret.bin"))
-    [manifest] = [p for p in root.iterdir() if p.name.startswith("model.ckpt.")]
-    _rename_entry(manifest, "model.ckpt", name)
+    (root / "model.ckpt").unlink()
+    manifest = format1_checkpoint(root / "model.ckpt", file_state(1))
+    _rename_entry(Path(manifest), "model.ckpt", name)
     with audited() as opened, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with stagesave.Checkpointer(root) as ck:
@@ -163,9 +178,7 @@ def linked(world):
     with stagesave.Checkpointer(outside, chunk_bytes=8192) as ck:
         ck.save(file_state(9), "real.ckpt").result()
         ck.save_dir(dir_state(9), "folder").result()
-    [m] = [p.name for p in outside.iterdir() if p.name.startswith("real.ckpt.")]
     os.symlink(outside / "real.ckpt", root / "linked.ckpt")
-    os.symlink(outside / m, root / m.replace("real.ckpt", "linked.ckpt"))
     os.symlink(outside / "folder", root / "linked_folder")
     os.symlink(outside / "secret.bin", root / "secret.ckpt")
     return base, root, outside
@@ -203,7 +216,7 @@ def test_retention_and_removing_a_linked_file_never_delete_through_links(linked)
 
 @pytest.mark.fault_class("symlinks out of the root")
 def test_removing_a_linked_folder_never_deletes_inside_its_target(linked):
-    """remove() of a link to a folder outside must not delete the manifest inside that folder."""
+    """remove() of a link to a folder outside must not delete anything inside that folder."""
     _base, root, outside = linked
     before = _files(outside)
     with stagesave.Checkpointer(root) as ck:
@@ -212,10 +225,10 @@ def test_removing_a_linked_folder_never_deletes_inside_its_target(linked):
 
 
 @pytest.mark.fault_class("symlinks out of the root")
-@pytest.mark.parametrize("linked_file", ["checkpoint.stagesave.json", "optimizer.bin"])
+@pytest.mark.parametrize("linked_file", ["optimizer.bin", "model.safetensors"])
 def test_links_inside_a_checkpoint_folder_are_not_followed(world, linked_file):
-    """A real checkpoint folder whose manifest or data file links out of the root: refused
-    as corrupt, and nothing outside is opened."""
+    """A real checkpoint folder whose carrier (optimizer.bin) or another file links out of the
+    root: refused as corrupt, and nothing outside is opened."""
     base, root, outside = world
     target = outside / "stolen"
     shutil.copy(root / "checkpoint" / linked_file, target)  # the attacker's copy, outside
@@ -240,18 +253,21 @@ def committed_folder(tmp_path_factory):
 
 
 def _resign(folder, data: bytes) -> None:
-    """Rewrite the folder manifest so that it matches ``data`` (an attacker controls both)."""
+    """Rewrite the folder's proof so that it vouches for ``data`` as its model.safetensors (an
+    attacker controls both): the file becomes a listed file with its checksums in the carrier."""
     from stagesave._checksum import digest
 
-    mpath = folder / "checkpoint.stagesave.json"
-    doc = json.loads(mpath.read_bytes())
-    for f in doc["files"]:
-        if f["name"] == "model.safetensors":
-            step = f["chunk_bytes"]
-            f["size"] = len(data)
-            f["chunks"] = [digest(f["algorithm"], data[i : i + step]) for i in range(0, len(data), step)]
-            f["storages"] = []
-    mpath.write_text(json.dumps(doc))
+    def mutate(doc):
+        step, algorithm = doc["chunk_bytes"], doc["algorithm"]
+        f = doc["folder"]
+        f["members"] = [m for m in f["members"] if m[0] != "model.safetensors"]
+        f["listed"] = [e for e in f["listed"] if e["name"] != "model.safetensors"] + [{
+            "name": "model.safetensors", "size": len(data), "algorithm": algorithm, "chunk_bytes": step,
+            "chunks": [digest(algorithm, data[i : i + step]) for i in range(0, len(data), step)],
+            "kind": "raw", "serialization_id": None, "id_offset": None, "storages": [],
+        }]
+
+    rewrite_proof(carrier_of(folder), mutate)
 
 
 _INT = st.integers(-(1 << 64), 1 << 65) | st.integers(0, 20000)

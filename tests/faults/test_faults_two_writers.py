@@ -1,18 +1,17 @@
 """Two processes save the same checkpoint path at once, in every order of their commit steps.
 
 Each writer is a real process (forked from a server with torch preloaded) that stops before each
-step of its commit (creating the data temporary; writing the manifest, which follows listing the
-manifests it will replace; the publishing rename; removing the replaced manifests) until the
-parent lets it go on. The parent drives both through every interleaving of those steps
+step of its commit (creating the temporary; making its data durable; making its proof durable,
+which follows taking the directory's commit lock and its sequence number; the publishing rename)
+until the parent lets it go on. The parent drives both through every interleaving of those steps
 (C(8, 4) = 70 schedules) and checks afterwards: ``last.ckpt`` is the old checkpoint or one of the
-two new ones, whole and verified (never one writer's bytes under the other's manifest); if both
-writers reported success it is one of theirs; a writer that reported failure is not the one
-that won; every failure is a CheckpointError naming the path.
+two new ones, whole and verified (a file carries its own proof: there is no pair to mismatch);
+if both writers reported success it is one of theirs; a writer that reported failure is not the
+one that won; every failure is a CheckpointError naming the path; the winner's sequence number
+is above the old checkpoint's.
 
 A writer that waits for the other's commit lock (seen in /proc/locks) is left waiting and the
-schedule goes on with the other. Without that lock, the 6 schedules in which the loser listed
-the winner's manifest among those it replaced (its first step after the winner's second) ended
-with both writers reporting success and ``last.ckpt`` refused as corrupt.
+schedule goes on with the other.
 """
 
 from __future__ import annotations
@@ -118,6 +117,8 @@ def _judge(root: str, outcomes: dict[str, str | None]) -> list[str]:
             state = ck.load("last.ckpt")
             best = ck.latest(verify=True)
     step = state["step"]
+    if info.seq is None or info.seq <= 1:
+        problems.append(f"last.ckpt has sequence number {info.seq}, not above the old checkpoint's 1")
     if not torch.equal(state["w"], file_state(step)["w"]):
         problems.append(f"last.ckpt of step {step} holds other values")
     winner = {2: "A", 3: "B"}.get(step)

@@ -1,0 +1,73 @@
+"""Checkpoints as older versions and attackers make them: format-1 files with sidecars, and
+format-2 files whose proof was rewritten with every CRC made consistent again."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def format1_checkpoint(path: Any, state: Any, *, chunk_bytes: int = 4096, algorithm: str = "xxh3_128") -> Any:
+    """A checkpoint in format 1, as stagesave 0.1 wrote it: a torch file and a sidecar manifest
+    ``<name>.<serialization_id>.stagesave.json`` naming its size, id and chunk digests."""
+    import os
+    import time
+    import zipfile
+
+    from stagesave._checksum import digest
+    from stagesave._manifest import FileEntry, Manifest
+    from stagesave._names import manifest_name
+
+    torch.save(state, path)
+    data = open(path, "rb").read()
+    with zipfile.ZipFile(path) as z:
+        [rec] = [i for i in z.infolist() if i.filename.endswith(".data/serialization_id")]
+        sid = z.read(rec).decode()
+    id_offset = data.index(sid.encode())
+    chunks = tuple(digest(algorithm, data[lo : lo + chunk_bytes]) for lo in range(0, len(data), chunk_bytes))
+    entry = FileEntry(os.path.basename(path), len(data), algorithm, chunk_bytes, chunks, "torch", sid, id_offset)
+    sidecar = os.path.join(os.path.dirname(path), manifest_name(os.path.basename(path), sid))
+    with open(sidecar, "wb") as f:
+        f.write(Manifest([entry], time.time_ns(), metadata={"format": 1}).to_json())
+    return sidecar
+
+
+def rewrite_proof(path: Any, mutate: Any) -> None:
+    """Rewrite a format-2 torch file's proof with ``mutate(doc)`` and rebuild its tail, summary and
+    CRCs so that everything but the proof's content is consistent: what an attacker with write
+    access (and no key) can produce. ``mutate`` may return bytes to use as the proof verbatim."""
+    import json
+
+    from stagesave._checksum import crc32
+    from stagesave._manifest import Summary, parse_summary
+    from stagesave._proofread import zip_tail_parts
+    from stagesave._zipfmt import read_footer
+
+    data = open(path, "rb").read()
+    raw = read_footer(data[-65536:], crc32)
+    assert raw is not None, "not a format-2 file"
+    s = parse_summary(raw, str(path))
+    proof = data[s.proof_offset : s.proof_offset + s.proof_len]
+    doc = json.loads(proof)
+    covered = doc["covered"]
+    parts = zip_tail_parts(data[covered:], covered, s.proof_offset, s.proof_len, len(raw))
+    assert parts is not None
+    out = mutate(doc)
+    new = out if isinstance(out, bytes) else json.dumps(doc, separators=(",", ":")).encode()
+    summary = Summary(s.kind, s.seq, s.created_ns, s.proof_offset, len(new), crc32(new), s.folder, s.carrier).to_bytes()
+    tail = parts.rebuild(new, summary)
+
+    with open(path, "wb") as f:
+        f.write(data[:covered] + tail)
+
+
+def carrier_of(folder: Any) -> Any:
+    """The file of a format-2 folder checkpoint that carries the folder's proof."""
+    import os
+
+    import stagesave
+
+    info = stagesave.verify(folder)
+    assert info.manifest is not None and info.manifest.folder is not None, info.problems
+    return os.path.join(os.fspath(folder), info.manifest.folder.carrier)
