@@ -412,8 +412,13 @@ def take_lease(store: Store, spec: SavePlanData) -> None:
 
 
 def abandon(store: Store, spec: SavePlanData) -> None:
-    """After a failed save: remove what it wrote where that is its own (the staging folder on
-    POSIX, the markers elsewhere), then give up the lease (the other ranks stop waiting)."""
+    """After a failed save: give up the lease (the other ranks stop waiting), then remove what
+    the save wrote. POSIX: the staging folder. Object stores: the markers, and every file in the
+    target (the old folder lost its carrier before this save wrote: what is left is garbage
+    that would be listed as a corrupt checkpoint). A rank still writing removes what it writes
+    after this once it sees the lease gone (:func:`discard_if_abandoned`); the lease goes first
+    so that a rank whose write fails because its folder vanished knows why."""
+    _quietly_delete(store, spec.lease)
     try:
         if spec.renames:
             _remove_tree(store, spec.staging)
@@ -421,20 +426,16 @@ def abandon(store: Store, spec: SavePlanData) -> None:
             for info in store.list(spec.markers):
                 if marker_rank(info.name.rpartition("/")[2], spec.save_id) is not None:
                     _quietly_delete(store, info.name)
+            for info in store.list(spec.target):
+                _quietly_delete(store, info.name)
     except Exception:  # noqa: BLE001, S110 - debris only; gc removes it
         pass
-    _quietly_delete(store, spec.lease)
 
 
 # ----------------------------------------------------------------------------- other ranks
 def committed(store: Store, spec: SavePlanData) -> bool:
     """Whether the target's carrier is this save's (its summary names the save's token)."""
-    try:
-        with store.open(_join(spec.target, METADATA_FILE)) as reader:
-            p = peek(reader)
-    except OSError:
-        return False
-    return p.summary is not None and p.summary.folder == spec.save_id
+    return _is_ours(store, _join(spec.target, METADATA_FILE), spec)
 
 
 def abandoned(store: Store, spec: SavePlanData) -> bool:
@@ -454,12 +455,27 @@ def discard_if_abandoned(store: Store, spec: SavePlanData) -> bool:
     """
     if not abandoned(store, spec):
         return False
-    if spec.renames:
-        try:
+    try:
+        if spec.renames:
             _remove_tree(store, spec.staging)
-        except Exception:  # noqa: BLE001, S110 - debris only; gc removes it
-            pass
+        else:  # what this rank wrote after the coordinator cleared up
+            if _is_ours(store, _join(spec.staging, spec.file_name), spec):
+                store.delete(_join(spec.staging, spec.file_name))
+            for marker in (rank_marker, failure_marker):
+                store.delete(_join(spec.markers, marker(spec.rank, os.getpid(), spec.save_id)))
+    except Exception:  # noqa: BLE001, S110 - debris only; gc removes it
+        pass
     return True
+
+
+def _is_ours(store: Store, name: str, spec: SavePlanData) -> bool:
+    """Whether the file ``name`` was written by this save (its summary names the save's token)."""
+    try:
+        with store.open(name) as reader:
+            summary = peek(reader).summary
+    except OSError:
+        return False
+    return summary is not None and summary.folder == spec.save_id
 
 
 def gave_up_error(what: str) -> CheckpointError:
