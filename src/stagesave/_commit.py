@@ -40,10 +40,10 @@ from typing import Any
 from . import _fsops as fsops
 from ._checksum import digest
 from ._crash import crash_point
-from ._discovery import CheckpointInfo, next_seq, resolve_dir, scan
+from ._discovery import CheckpointInfo, is_sidecar_of, next_seq, resolve_dir, scan
 from ._local import LocalStore, makedirs_durable, temp_name_for
 from ._manifest import FileEntry, FolderProof, Manifest, Member
-from ._names import ASIDE_MARKER, DIR_MANIFEST, TMP_MARKER, aside_name, split_manifest_name
+from ._names import DIR_MANIFEST, TMP_MARKER, aside_name, parse_aside_name, split_manifest_name
 from ._store import Store
 from ._write import FileToWrite, WriteStats, Written, run_all, write_data
 from .errors import IntegrityError
@@ -58,6 +58,8 @@ __all__ = [
 CARRIER_PREFERENCE = ("dcp-metadata", "torch", "dcp", "safetensors")
 
 Telemetry = Callable[[], dict[str, Any]]
+#: Bytes per write when copying a committed file (page-aligned, whatever its proof's chunk size).
+_COPY_SPAN = 32 << 20
 
 
 def _parent(name: str) -> str:
@@ -72,10 +74,13 @@ def _join(parent: str, leaf: str) -> str:
 def commit_file(
     store: Store, f: FileToWrite, *, algorithm: str, chunk_bytes: int, pool: cf.Executor, stats: WriteStats,
     metadata: dict[str, Any], telemetry: Telemetry, written: Written | None = None,
+    seq: int | None = None, created_ns: int | None = None,
 ) -> Written:
     """Write, seal and publish one file. Returns it as written (``.manifest``, ``.length``).
 
-    ``written``: the data already written (device staging writes it its own way).
+    ``written``: the data already written (device staging writes it its own way). ``seq`` and
+    ``created_ns`` (migration of older checkpoints): recorded instead of the next sequence number
+    of the directory and the time now.
 
     Raises:
         Whatever failed; nothing is published and the temporary is gone.
@@ -85,9 +90,9 @@ def commit_file(
     directory = _parent(f.name)
     try:
         with store.commit_lock(f.name):
-            seq = next_seq(store, directory)
-            w.seal(seq=seq, created_ns=time.time_ns(), metadata=metadata, tensors=_tensor_index(f),
-                   telemetry=telemetry())
+            w.seal(seq=next_seq(store, directory) if seq is None else seq,
+                   created_ns=time.time_ns() if created_ns is None else created_ns, metadata=metadata,
+                   tensors=_tensor_index(f), telemetry=telemetry())
             w.finish(stats)
             w.publish()
             crash_point("after_rename")
@@ -107,18 +112,24 @@ def _tensor_index(f: FileToWrite) -> list[dict[str, Any]]:
     ]
 
 
-def _drop_sidecars(store: Store, name: str) -> None:
-    """Format-1 manifests of a name that now holds a format-2 file are debris: remove them."""
+def _sidecars_of(store: Store, name: str) -> list[str]:
+    """The format-1 manifests of ``name`` (files named like one that do not parse as one, or that
+    describe another file, are a user's and never returned)."""
     directory, _, base = name.rpartition("/")
     try:
         listing = store.list(directory)
     except OSError:
-        return
-    for info in listing:
-        parsed = split_manifest_name(info.name.rpartition("/")[2])
-        if parsed is not None and parsed[0] == base:
-            with contextlib.suppress(OSError):
-                store.delete(info.name)
+        return []
+    return [info.name for info in listing
+            if (parsed := split_manifest_name(info.name.rpartition("/")[2])) is not None and parsed[0] == base
+            and is_sidecar_of(store, info.name, base)]
+
+
+def _drop_sidecars(store: Store, name: str) -> None:
+    """Format-1 manifests of a name that now holds a format-2 file (or none) are debris."""
+    for m in _sidecars_of(store, name):
+        with contextlib.suppress(OSError):
+            store.delete(m)
 
 
 # ---------------------------------------------------------------------------- folders
@@ -142,10 +153,11 @@ def commit_folder(
     store: Store, directory: str, files: Sequence[FileToWrite], *, algorithm: str, chunk_bytes: int,
     pool: cf.Executor, stats: WriteStats, metadata: dict[str, Any], telemetry: Telemetry,
     staging_dir: str | None = None, write: Callable[[Store, FileToWrite], Written] | None = None,
+    seq: int | None = None, created_ns: int | None = None,
 ) -> list[Written]:
     """Write ``files`` (names relative to ``directory``) and commit them as one folder checkpoint.
 
-    Returns the files as written, the carrier last.
+    Returns the files as written, the carrier last. ``seq``/``created_ns`` as in :func:`commit_file`.
 
     ``write`` writes one file's data (default :func:`write_data`; device staging passes its own).
     ``staging_dir`` (a local target's parent): assemble the folder there instead of beside the
@@ -182,7 +194,7 @@ def commit_folder(
         members: list[Member] = []
         listed: list[FileEntry] = []
         carrier_name = carrier.entry_name or carrier.name
-        created = time.time_ns()
+        created = time.time_ns() if created_ns is None else created_ns
         for f in ordered[:-1]:
             w = write_one(f)
             pending.append(w)
@@ -200,8 +212,8 @@ def commit_folder(
         with store.commit_lock(directory):
             if local_parent:
                 restore_aside(store, parent)
-            seq = next_seq(store, parent)
-            w.seal(seq=seq, created_ns=created, metadata=metadata, folder=folder_doc,
+            w.seal(seq=next_seq(store, parent) if seq is None else seq, created_ns=created, metadata=metadata,
+                   folder=folder_doc,
                    summary_folder=(token, carrier_name), tensors=_tensor_index(carrier), telemetry=telemetry())
             w.finish(stats)
             w.publish()
@@ -236,8 +248,11 @@ def _clear_for_rewrite(store: Store, directory: str, keep: set[str]) -> None:
             store.delete(f"{directory}/{old.manifest.folder.carrier}")
         elif old.manifest_name is not None:
             store.delete(old.manifest_name)
-    for info in store.list(directory):
-        if info.name.rpartition("/")[2] not in keep:
+    from ._discovery import list_tree
+
+    prefix = len(directory) + 1
+    for info in list_tree(store, directory):
+        if info.name[prefix:] not in keep:
             store.delete(info.name)
 
 
@@ -307,10 +322,11 @@ def restore_aside(store: Store, parent: str) -> None:
     if not base:
         return
     for leaf in store.list_dirs(parent):
-        if not leaf.endswith(ASIDE_MARKER) or not leaf.startswith("."):
-            continue
-        original, _, token = leaf[1 : -len(ASIDE_MARKER)].rpartition(".")
-        if pid_alive(token.split("-", 1)[0]):
+        parsed = parse_aside_name(leaf)
+        if parsed is None:
+            continue  # not one of ours, whatever it resembles
+        original, pid = parsed
+        if pid_alive(str(pid)):
             continue  # a live process is in the middle of its two renames
         src = os.path.join(base, leaf)
         dst = os.path.join(base, original)
@@ -383,9 +399,7 @@ def remove_checkpoint(store: Store, name: str, *, is_dir: bool | None = None) ->
         _clear_for_rewrite(store, name, set())
         crash_point("during_retention")
         return
-    sidecars = [i.name for i in store.list(_parent(name))
-                if (p := split_manifest_name(i.name.rpartition("/")[2])) is not None and p[0] == name.rpartition("/")[2]]
-    for m in sidecars:  # format 1: the manifest first, so a half-removed file is never valid
+    for m in _sidecars_of(store, name):  # format 1: the manifest first, so a half-removed file is never valid
         store.delete(m)
     crash_point("during_retention")
     store.delete(name)
@@ -445,29 +459,30 @@ def copy_file(
     """
     t0 = time.perf_counter()
     size = len(data)
+    cb = entry.chunk_bytes
+
+    def check(i: int) -> None:
+        lo, hi = i * cb, min(entry.end, (i + 1) * cb)
+        chunk = data[lo:hi]
+        if entry.blank is not None and lo < entry.blank[0] + entry.blank[1] and entry.blank[0] < hi:
+            b = bytearray(chunk)
+            a, z = max(lo, entry.blank[0]), min(hi, entry.blank[0] + entry.blank[1])
+            b[a - lo : z - lo] = b" " * (z - a)
+            chunk = memoryview(bytes(b))
+        if digest(entry.algorithm, chunk) != entry.chunks[i]:
+            raise IntegrityError(f"the local copy of {name} no longer matches its proof (bytes [{lo}, {hi}) "
+                                 f"differ): it was not copied to {dst.describe(name)}. The local disk may be "
+                                 "failing.")
+
+    run_all(pool, check, len(entry.chunks))  # before any byte goes out: a copy that rotted never does
+    step = _COPY_SPAN
     pending = dst.begin_write(name, data, size)
     try:
-        cb = entry.chunk_bytes
-        n = max(1, (size + cb - 1) // cb)
-
         def one(i: int) -> None:
-            lo, hi = i * cb, min(size, (i + 1) * cb)
-            if i < len(entry.chunks):
-                chunk = data[lo : min(hi, entry.end)]
-                if entry.blank is not None and lo < entry.blank[0] + entry.blank[1]:
-                    b = bytearray(chunk)
-                    a, z = max(lo, entry.blank[0]), min(lo + len(chunk), entry.blank[0] + entry.blank[1])
-                    b[a - lo : z - lo] = b" " * (z - a)
-                    chunk = memoryview(bytes(b))
-                if digest(entry.algorithm, chunk) != entry.chunks[i]:
-                    raise IntegrityError(f"the local copy of {name} no longer matches its proof (bytes [{lo}, "
-                                         f"{min(hi, entry.end)}) differ): it was not copied to {dst.describe(name)}. "
-                                         "The local disk may be failing.")
-            if hi > lo:
-                pending.write_range(lo, hi)
+            pending.write_range(i * step, min(size, (i + 1) * step))
             crash_point("during_upload")
 
-        run_all(pool, one, n)
+        run_all(pool, one, max(1, (size + step - 1) // step))
         pending.finish()
         pending.publish()
     except BaseException:

@@ -88,6 +88,15 @@ def _read_sidecar(store: Store, name: str) -> Manifest:
     return parse_manifest(store.read_range(name, 0, info.size), store.describe(name))
 
 
+def is_sidecar_of(store: Store, manifest: str, data_leaf: str) -> bool:
+    """Whether ``manifest`` parses as a format-1 stagesave manifest that describes ``data_leaf``
+    (only then may stagesave remove it: a user's file merely named like one is left alone)."""
+    try:
+        return data_leaf in {f.name for f in _read_sidecar(store, manifest).files}
+    except (OSError, ManifestError):
+        return False
+
+
 def _sidecars(store: Store, name: str, listing: Iterable[ObjectInfo] | None = None) -> list[str]:
     """Format-1 manifests in ``name``'s directory that belong to a file called ``name``."""
     directory, _, base = name.rpartition("/")
@@ -203,10 +212,27 @@ def _format1(store: Store, name: str, path: str, reader: Reader, candidates: lis
 
 
 # ---------------------------------------------------------------------------- folders
+#: How deep a folder checkpoint's files may nest (hooks write e.g. ``tokenizer/vocab.txt``).
+MAX_FOLDER_DEPTH = 8
+
+
+def list_tree(store: Store, directory: str, depth: int = 0) -> list[ObjectInfo]:
+    """Every file under ``directory`` (sub-folders included, symbolic links never followed)."""
+    out = list(store.list(directory))
+    if depth < MAX_FOLDER_DEPTH:
+        for leaf in store.list_dirs(directory):
+            out += list_tree(store, _join(directory, leaf), depth + 1)
+    return out
+
+
 def resolve_dir(store: Store, directory: str, listing: list[ObjectInfo] | None = None) -> CheckpointInfo:
-    """Status of a folder checkpoint (committed when its proof names exactly its files)."""
+    """Status of a folder checkpoint (committed when its proof names exactly its files).
+
+    ``listing``: every file under the folder (:func:`list_tree`), when the caller has it.
+    """
     path = store.describe(directory)
-    files = {f.name.rpartition("/")[2]: f for f in (listing if listing is not None else store.list(directory))}
+    prefix = len(directory) + 1 if directory else 0
+    files = {f.name[prefix:]: f for f in (listing if listing is not None else list_tree(store, directory))}
     if DIR_MANIFEST in files:
         return _dir_format1(store, directory, path, files)
     carrier = _find_carrier(store, directory, files)
@@ -240,7 +266,8 @@ def _find_carrier(store: Store, directory: str, files: dict[str, ObjectInfo]) ->
                 if p.format == 2 and p.summary is not None and p.summary.folder is not None:
                     if p.summary.carrier == leaf:
                         return leaf, read_proof(reader, leaf)
-                    named.append(p.summary.carrier or "")
+                    if "/" not in leaf:  # deeper files may belong to a folder checkpoint inside this one
+                        named.append(p.summary.carrier or "")
                 elif p.format == 0 and leaf.endswith(".safetensors"):
                     safetensors.append(leaf)
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
@@ -256,7 +283,8 @@ def _find_carrier(store: Store, directory: str, files: dict[str, ObjectInfo]) ->
         if got.manifest is not None and got.manifest.folder is not None:
             if got.manifest.folder.carrier == leaf:
                 return leaf, got
-            named.append(got.manifest.folder.carrier)
+            if "/" not in leaf:
+                named.append(got.manifest.folder.carrier)
     if named:
         carrier = max(set(named), key=named.count)
         return carrier, FileProof(None, None, [f"{store.describe(directory)}: its carrier {carrier} is missing "
@@ -383,6 +411,8 @@ def _peek_file(store: Store, name: str, f: ObjectInfo, sidecars: list[str]) -> C
                 return resolve_reader(store, name, reader, sidecars)
             if leaf.endswith(".safetensors"):
                 got = read_proof(reader, leaf)
+                if got.manifest is not None and got.manifest.folder is not None:
+                    return None  # a loose file of a folder save: not a checkpoint by itself
                 if got.format == 2:
                     return _from_proof(store, name, path, reader, got)
             if p.problem:
@@ -419,7 +449,7 @@ def scan(store: Store, directory: str = "", *, warn: bool = False, full: bool = 
         if leaf.startswith(".") or is_temporary(leaf) or leaf.endswith(ASIDE_MARKER):
             continue
         sub = _join(directory, leaf) if directory else leaf
-        listing = store.list(sub)
+        listing = list_tree(store, sub)
         sig = _folder_signature(store, sub, listing)
         old = seen.get(leaf + "/")
         if old is not None and old.signature == sig:
@@ -432,7 +462,7 @@ def scan(store: Store, directory: str = "", *, warn: bool = False, full: bool = 
         out.append(ci)
     for f in files:
         leaf = f.name.rpartition("/")[2]
-        if leaf.endswith(MANIFEST_SUFFIX) or is_temporary(leaf) or leaf.startswith("."):
+        if leaf.endswith(MANIFEST_SUFFIX) or is_temporary(leaf):
             continue
         sidecars = sidecar_of.get(leaf, [])
         sig = (f.size, f.version or f.mtime, tuple(sorted(sidecars)))

@@ -37,11 +37,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import _fsops as fsops
-from ._discovery import resolve
-from ._manifest import parse_manifest
-from ._names import ASIDE_MARKER, MAX_MANIFEST_BYTES, TMP_MARKER, split_manifest_name
+from ._discovery import is_sidecar_of, resolve
+from ._names import ASIDE_MARKER, TMP_MARKER, parse_aside_name, split_manifest_name
 from ._store import Store
-from .errors import ManifestError
 
 __all__ = ["Debris", "GcReport", "collect_garbage", "find_debris", "match_temporary"]
 
@@ -55,7 +53,6 @@ _TMP_RE = re.compile(
 )
 _STAGING_RE = re.compile(r"^(?P<data>[^.].*)\.(?P<pid>\d+)-(?P<token>[0-9a-f]{8})" + re.escape(TMP_MARKER) + r"$")
 #: ``.<folder name>.<pid>-<8 hex>.stagesave-aside`` (``_names.aside_name``).
-_ASIDE_RE = re.compile(r"^\.(?P<data>.+)\.(?P<pid>\d+)-(?P<token>[0-9a-f]{8})" + re.escape(ASIDE_MARKER) + r"$")
 #: How deep gc descends into sub-folders of the root (checkpoint folders nest one or two levels).
 MAX_DEPTH = 8
 
@@ -211,15 +208,15 @@ class _Finder:
 
     def _aside(self, prefix: str, leaf: str) -> None:
         sub = _join(prefix, leaf)
-        m = _ASIDE_RE.match(leaf)
-        if m is None:
+        parsed = parse_aside_name(leaf)
+        if parsed is None:
             self.ignored.append((sub, "not named as stagesave names folders it moves aside (a user's folder)"))
             return
-        if self.local and pid_alive(int(m.group("pid"))):
-            self.kept.append((sub, f"its mover (pid {m.group('pid')}) is running"))
+        original, pid = parsed
+        if self.local and pid_alive(pid):
+            self.kept.append((sub, f"its mover (pid {pid}) is running"))
             return
         mtime, size = _tree_newest_mtime(self.store, sub)
-        original = m.group("data")
         if original in self.store.list_dirs(prefix):
             reason = f"left aside when {_join(prefix, original)} was replaced, which is in place"
             self.found.append(Debris(sub, "aside-dir", "remove", reason, size, self.now - mtime))
@@ -253,16 +250,7 @@ class _Finder:
             self.found.append(Debris(info.name, "orphan-manifest", "remove", reason, info.size, age))
 
 
-def _is_manifest_of(store: Store, manifest: str, data_leaf: str) -> bool:
-    """Whether ``manifest`` parses as a format-1 stagesave manifest that describes ``data_leaf``."""
-    try:
-        info = store.info(manifest)
-        if info.size > MAX_MANIFEST_BYTES:
-            return False
-        parsed = parse_manifest(store.read_range(manifest, 0, info.size), store.describe(manifest))
-    except (OSError, ManifestError):
-        return False
-    return data_leaf in {f.name for f in parsed.files}
+_is_manifest_of = is_sidecar_of
 
 
 def orphan_reason(store: Store, prefix: str, data_leaf: str, manifest: str, present: bool) -> str | None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 #: Manifests sit beside the data file: ``<name>.<serialization_id>`` + this suffix.
 MANIFEST_SUFFIX = ".stagesave.json"
 #: Marker inside the names of files being written; only such files are ever cleaned up.
@@ -49,8 +51,21 @@ def split_manifest_name(name: str) -> tuple[str, str] | None:
 
 
 def aside_name(leaf: str, token: str) -> str:
-    """Where an existing directory checkpoint waits while its replacement is moved in."""
+    """Where an existing directory checkpoint waits while its replacement is moved in.
+
+    ``token`` is ``<pid>-<8 hex digits>``.
+    """
     return f".{leaf}.{token}{ASIDE_MARKER}"
+
+
+_ASIDE_RE = re.compile(r"^\.(?P<data>.+)\.(?P<pid>\d+)-(?P<token>[0-9a-f]{8})" + re.escape(ASIDE_MARKER) + r"$")
+
+
+def parse_aside_name(leaf: str) -> tuple[str, int] | None:
+    """``(original name, pid of the mover)`` of a folder named by :func:`aside_name`, else ``None``
+    (a user's folder that only resembles one is never touched)."""
+    m = _ASIDE_RE.match(leaf)
+    return (m.group("data"), int(m.group("pid"))) if m else None
 
 
 def is_temporary(name: str) -> bool:

@@ -235,7 +235,9 @@ class TieredStore(Store):
         else:
             tier = LOCAL if local_exists or not remote_exists else REMOTE
         if key.startswith("dir:") and not (local_exists or remote_exists):
-            return tier  # not a folder checkpoint: its files keep their own routes
+            with self._lock:
+                self._route.pop(key, None)  # not (or no longer) a folder checkpoint
+            return tier  # its files keep their own routes
         with self._lock:
             self._route[key] = tier
         return tier
@@ -252,7 +254,12 @@ class TieredStore(Store):
         parsed = split_manifest_name(leaf)
         if parsed is not None:
             return f"{parent}/{parsed[0]}" if parent else parsed[0]
-        return f"dir:{parent}" if parent and f"dir:{parent}" in self._route else name
+        parts = name.split("/")
+        for i in range(len(parts) - 1, 0, -1):  # the innermost folder checkpoint holding it
+            key = "dir:" + "/".join(parts[:i])
+            if key in self._route:
+                return key
+        return name
 
     def _set_local(self, name: str) -> None:
         key = self._key(name)
@@ -397,6 +404,9 @@ class TieredStore(Store):
         A name deleted from both tiers is not listed from the remote tier while its queued
         remote removal has not run yet (the removal follows the uploads queued before it).
         """
+        only = self._folder_tier(prefix)
+        if only is not None:  # a folder checkpoint is read from one tier, all of it
+            return only.list(prefix)
         local = {i.name: i for i in self.local.list(prefix)}
         remote_files = self._remote_list(lambda: self.remote.list(prefix))
         with self._lock:
@@ -415,7 +425,26 @@ class TieredStore(Store):
             out.append(info)
         return out
 
+    def _folder_tier(self, prefix: str) -> Store | None:
+        """The one tier to read a folder checkpoint (or a folder inside one) from, else ``None``.
+
+        Listing a folder is where reading a folder checkpoint starts: its tier is chosen afresh
+        there, as a file's is when it is first read.
+        """
+        if not prefix:
+            return None
+        with self._lock:
+            outer = self._key_unlocked(prefix)
+        if not outer.startswith("dir:"):
+            self._decide(f"dir:{prefix}")
+        with self._lock:
+            tier = self._route.get(self._key_unlocked(f"{prefix}/x"))
+        return None if tier is None else (self.remote if tier == REMOTE else self.local)
+
     def list_dirs(self, prefix: str = "") -> builtins.list[str]:
+        only = self._folder_tier(prefix)
+        if only is not None:
+            return only.list_dirs(prefix)
         dirs = set(self.local.list_dirs(prefix))
         dirs.update(self._remote_list(lambda: self.remote.list_dirs(prefix)))
         return sorted(dirs)

@@ -622,7 +622,8 @@ class Checkpointer:
         for n, content in files.items():
             if n in planned:
                 continue
-            carrier = st_carrier and n == min(k for k, c in files.items() if isinstance(c, Safetensors))
+            # the carrier is the first safetensors file in the folder's order (_commit.choose_carrier)
+            carrier = st_carrier and n == next(k for k, c in files.items() if isinstance(c, Safetensors))
             folder = self._folder_bound(files, planned) if carrier else {"token": "f" * 32, "carrier": "x" * 255}
 
             def room(size: int, storages: list[list[object]], folder: dict[str, Any] = folder,

@@ -6,6 +6,8 @@ import threading
 import time
 
 import numpy as np
+import os
+
 import pytest
 import torch
 
@@ -297,3 +299,64 @@ def test_folder_saves_hash_after_the_copy_by_default_and_verify_either_way(tmp_p
     assert all(len(f.chunks) > 1 for f in info.manifest.files)
     loaded = stagesave.load(tmp_path / "checkpoint_0" / "optimizer.bin")
     assert torch.equal(loaded["state"][0]["exp_avg"], files["optimizer.bin"]["state"][0]["exp_avg"])
+
+
+def test_a_folder_with_files_in_sub_folders_is_one_checkpoint(ckpt_dir):
+    """A hook's files in sub-folders (``tokenizer/vocab.txt``) are part of the folder's proof:
+    listed exactly, verified, and an extra file in a sub-folder makes the folder invalid."""
+    from stagesave.formats import Raw
+
+    files = {"model.bin": {"w": torch.arange(100.0)}, "tokenizer/vocab.txt": Raw(b"a\nb\n"),
+             "tokenizer/deep/merges.txt": Raw(b"x y\n")}
+    with stagesave.Checkpointer(ckpt_dir) as ck:
+        ck.save_dir(files, "checkpoint_1").result()
+        assert ck.verify("checkpoint_1").status == "verified"
+        assert ck.latest().name == "checkpoint_1"
+    listed = sorted(os.path.relpath(os.path.join(d, f), ckpt_dir / "checkpoint_1")
+                    for d, _, fs in os.walk(ckpt_dir / "checkpoint_1") for f in fs)
+    assert listed == ["model.bin", "tokenizer/deep/merges.txt", "tokenizer/vocab.txt"]
+    assert (ckpt_dir / "checkpoint_1" / "tokenizer" / "vocab.txt").read_bytes() == b"a\nb\n"
+    (ckpt_dir / "checkpoint_1" / "tokenizer" / "extra.txt").write_bytes(b"?")
+    info = stagesave.verify(ckpt_dir / "checkpoint_1")
+    assert info.status == "corrupt" and "tokenizer/extra.txt is not part of" in info.problems[0]
+
+
+def test_user_files_that_look_like_stagesave_debris_are_never_touched(ckpt_dir):
+    """A file named like a format-1 manifest of a checkpoint, and a folder named like an aside
+    folder, both of the user's: saving, removing and latest() leave them alone."""
+    notes = ckpt_dir / "x.ckpt.0123456789.stagesave.json"
+    notes.write_text("my notes, not a manifest")
+    aside = ckpt_dir / ".mine.x.stagesave-aside"
+    aside.mkdir()
+    (aside / "keep.txt").write_text("mine")
+    with stagesave.Checkpointer(ckpt_dir) as ck:
+        ck.save({"i": 1}, "x.ckpt").result()
+        ck.save({"i": 2}, "x.ckpt").result()
+        assert ck.latest().name == "x.ckpt"
+        ck.remove("x.ckpt").result()
+    assert notes.read_text() == "my notes, not a manifest"
+    assert (aside / "keep.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("name, message", [
+    ("a.ckpt.stagesave-tmp", "reserved for stagesave"),
+    ("x/.b.stagesave-aside/c.ckpt", "reserved for stagesave"),
+    ("n.ckpt.0123456789.stagesave.json", "named like a stagesave manifest"),
+    ("checkpoint.stagesave.json", "named like a stagesave manifest"),
+    ("é" * 101 + ".ckpt", "more than the 200"),
+])
+def test_names_stagesave_cannot_hold_are_refused_at_save(ckpt_dir, name, message):
+    with stagesave.Checkpointer(ckpt_dir) as ck:
+        with pytest.raises(ValueError, match=message):
+            ck.save({"i": 1}, name)
+        with pytest.raises(ValueError, match=message):
+            ck.save_dir({"m.bin": {"i": 1}}, name)
+    assert os.listdir(ckpt_dir) == []
+
+
+def test_dot_names_are_saved_listed_and_latest(ckpt_dir):
+    with stagesave.Checkpointer(ckpt_dir) as ck:
+        ck.save({"i": 1}, "a.ckpt").result()
+        ck.save({"i": 2}, ".hidden.ckpt").result()
+        assert ck.latest().name == ".hidden.ckpt"
+        assert [c.name for c in ck.list()] == [".hidden.ckpt", "a.ckpt"]
