@@ -69,4 +69,4 @@ EOF
 fi
 
 say "done"
-echo "checkpoints: $DIR  (plain Lightning .ckpt files, each with a *.stagesave.json manifest)"
+echo "checkpoints: $DIR  (plain Lightning .ckpt files, each carrying its proof inside)"
