@@ -116,11 +116,12 @@ class _RankJob:
         try:
             if self.wait_device is not None:
                 self.wait_device()
-            write_rank(self.store, self.spec, self.image, self.buf.view, self.crcs,
-                       algorithm=engine.checksum, chunk_bytes=engine.chunk_bytes,
-                       pool=engine.io_pool(), stats=stats)
+            member = write_rank(self.store, self.spec, self.image, self.buf.view, self.crcs,
+                                algorithm=engine.checksum, chunk_bytes=engine.chunk_bytes,
+                                pool=engine.io_pool(), stats=stats)
         finally:
             engine.release(self.buf)
+        self.handle.telemetry.bytes = member.size  # the file as written: its data and its proof
         self._record(stats)
 
     def _record(self, stats: WriteStats) -> None:
