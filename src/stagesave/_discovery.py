@@ -22,9 +22,9 @@ from __future__ import annotations
 import concurrent.futures as cf
 import threading
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from ._manifest import FileEntry, Manifest, parse_manifest
 from ._names import ASIDE_MARKER, DIR_MANIFEST, MANIFEST_SUFFIX, MAX_MANIFEST_BYTES, is_temporary, split_manifest_name
@@ -80,6 +80,21 @@ def _join(directory: str, leaf: str) -> str:
     return f"{directory}/{leaf}" if directory else leaf
 
 
+T = TypeVar("T")
+
+
+def reread(fn: Callable[[], T], attempts: int = 4) -> T:
+    """``fn()``, started again when the object it reads was replaced meanwhile (S3: a ranged read
+    of one version found another), so that a replacement is never reported as damage."""
+    for attempt in range(attempts):
+        try:
+            return fn()
+        except OSError as exc:
+            if getattr(exc, "s3_code", None) != "PreconditionFailed" or attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
 # ---------------------------------------------------------------------------- single files
 def _read_sidecar(store: Store, name: str) -> Manifest:
     info = store.info(name)
@@ -114,6 +129,10 @@ def resolve(store: Store, name: str) -> CheckpointInfo:
     Raises:
         FileNotFoundError: the file does not exist. IsADirectoryError: it is a folder.
     """
+    return reread(lambda: _resolve(store, name))
+
+
+def _resolve(store: Store, name: str) -> CheckpointInfo:
     target = store.canonical(name)
     with store.open(target) as reader:
         ci = resolve_reader(store, target, reader)
@@ -152,32 +171,10 @@ def _from_proof(store: Store, name: str, path: str, reader: Reader, got: FilePro
         return CheckpointInfo(path, name, "corrupt", reader.mtime, reader.size, problems=got.problems,
                               problems_from_manifest=True, format=2)
     m = got.manifest
-    if m.folder is not None:  # a file of a folder checkpoint: that folder must be whole
-        problems = _member_problems(store, name, got)
-        if problems:
-            return CheckpointInfo(path, name, "corrupt", reader.mtime, reader.size, problems=problems,
-                                  problems_from_manifest=True, format=2)
+    # A file of a folder proves itself: loading it alone needs no more (its folder may be being
+    # replaced meanwhile, which never mixes this file's bytes with another's). What makes the
+    # folder one checkpoint is checked where the folder is used as one (resolve_dir, verify).
     return CheckpointInfo(path, name, "committed", m.created_ns / 1e9, reader.size, m, None, seq=m.seq, format=2)
-
-
-def _member_problems(store: Store, name: str, got: FileProof) -> list[str]:
-    """Why the file ``name`` of a folder checkpoint may not be used: its folder is not intact,
-    or the folder's proof does not name this version of it."""
-    m = got.manifest
-    assert m is not None and m.folder is not None
-    directory, _, leaf = name.rpartition("/")
-    folder = resolve_dir(store, directory)
-    if folder.status != "committed" or folder.manifest is None or folder.manifest.folder is None:
-        return [f"the folder checkpoint {folder.path} it belongs to is not intact: "
-                + "; ".join(folder.problems or ["no proof of the folder"])]
-    proof = folder.manifest.folder
-    if proof.token != m.folder.token:
-        return [f"{store.describe(name)} belongs to another save than its folder {folder.path}"]
-    if leaf != proof.carrier:
-        pinned = {mem.name: mem.proof_crc for mem in proof.members}.get(leaf)
-        if pinned != got.proof_crc:
-            return [f"{store.describe(name)} is not the version its folder's proof names"]
-    return []
 
 
 def _format1(store: Store, name: str, path: str, reader: Reader, candidates: list[str]) -> CheckpointInfo:
@@ -230,6 +227,15 @@ def resolve_dir(store: Store, directory: str, listing: list[ObjectInfo] | None =
 
     ``listing``: every file under the folder (:func:`list_tree`), when the caller has it.
     """
+    try:
+        return _resolve_dir(store, directory, listing)
+    except OSError as exc:
+        if getattr(exc, "s3_code", None) != "PreconditionFailed":
+            raise
+        return reread(lambda: _resolve_dir(store, directory, None))  # replaced meanwhile: list again
+
+
+def _resolve_dir(store: Store, directory: str, listing: list[ObjectInfo] | None) -> CheckpointInfo:
     path = store.describe(directory)
     prefix = len(directory) + 1 if directory else 0
     files = {f.name[prefix:]: f for f in (listing if listing is not None else list_tree(store, directory))}
@@ -273,6 +279,8 @@ def _find_carrier(store: Store, directory: str, files: dict[str, ObjectInfo]) ->
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             continue
         except OSError as exc:
+            if getattr(exc, "s3_code", None) == "PreconditionFailed":
+                raise  # replaced while read: the caller reads the folder again
             return leaf, FileProof(None, None, [f"{store.describe(_join(directory, leaf))}: {exc.strerror or exc}"], 2)
     for leaf in safetensors:  # no footer: the proof is in the header
         try:
@@ -394,6 +402,14 @@ def _cache_key(store: Store, directory: str) -> tuple[str, str]:
 
 
 def _peek_file(store: Store, name: str, f: ObjectInfo, sidecars: list[str]) -> CheckpointInfo | None:
+    try:
+        return reread(lambda: _peek_file_once(store, name, f, sidecars))
+    except OSError as exc:  # e.g. a symbolic link out of the root: listed, never followed
+        path = store.describe(name)
+        return CheckpointInfo(path, name, "corrupt", f.mtime, f.size, problems=[f"{path}: {exc.strerror or exc}"])
+
+
+def _peek_file_once(store: Store, name: str, f: ObjectInfo, sidecars: list[str]) -> CheckpointInfo | None:
     path = store.describe(name)
     leaf = name.rpartition("/")[2]
     try:
@@ -420,8 +436,6 @@ def _peek_file(store: Store, name: str, f: ObjectInfo, sidecars: list[str]) -> C
             return CheckpointInfo(path, name, "unverified", reader.mtime, reader.size)
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
         return None  # removed while we listed
-    except OSError as exc:  # e.g. a symbolic link out of the root: listed, never followed
-        return CheckpointInfo(path, name, "corrupt", f.mtime, f.size, problems=[f"{path}: {exc.strerror or exc}"])
 
 
 def _folder_signature(store: Store, sub: str, listing: list[ObjectInfo]) -> Any:

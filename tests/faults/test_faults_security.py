@@ -142,7 +142,7 @@ def test_traversal_in_a_folder_proof_is_refused_before_any_io(world, hostile):
             listed = {c.name: c.status for c in ck.list()}
             best = ck.latest(verify=True)
             with pytest.raises(CheckpointError):
-                ck.load("checkpoint/model.safetensors")
+                ck.load("checkpoint/optimizer.bin")  # the carrier: its proof is the hostile one
     assert info.status == "corrupt" and "escapes the checkpoint" in info.problems[0], info.problems
     assert listed["checkpoint"] == "corrupt"
     assert best is not None and best.name == "model.ckpt"  # the good one is still found
