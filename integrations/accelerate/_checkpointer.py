@@ -357,7 +357,7 @@ class AcceleratorCheckpointer:
                     meta = self._metadata(iteration, automatic, safe, fsdp={
                         "parts": parts, "state_dict_type": "SHARDED_STATE_DICT",
                         "fsdp_version": int(acc.state.fsdp_plugin.fsdp_version)})
-                    handles.append(ckpt.save_dir(files, folder, metadata=meta))
+                    handles.append(ckpt.save_dir(files, folder, metadata=meta, nested=parts))
         except BaseException as failure:
             # Nothing will be published; the work folder goes once every rank is done with it.
             if rank == 0:

@@ -153,11 +153,13 @@ def commit_folder(
     store: Store, directory: str, files: Sequence[FileToWrite], *, algorithm: str, chunk_bytes: int,
     pool: cf.Executor, stats: WriteStats, metadata: dict[str, Any], telemetry: Telemetry,
     staging_dir: str | None = None, write: Callable[[Store, FileToWrite], Written] | None = None,
-    seq: int | None = None, created_ns: int | None = None,
+    seq: int | None = None, created_ns: int | None = None, nested: Sequence[str] = (),
 ) -> list[Written]:
     """Write ``files`` (names relative to ``directory``) and commit them as one folder checkpoint.
 
     Returns the files as written, the carrier last. ``seq``/``created_ns`` as in :func:`commit_file`.
+    ``nested``: sub-folders that are folder checkpoints of their own and will be in the folder
+    (moved in by the caller, e.g. an FSDP checkpoint's DCP parts): named in its proof.
 
     ``write`` writes one file's data (default :func:`write_data`; device staging passes its own).
     ``staging_dir`` (a local target's parent): assemble the folder there instead of beside the
@@ -208,7 +210,7 @@ def commit_folder(
                 members.append(Member(w.entry.name, w.length, w.proof_crc))
         w = write_one(carrier)
         pending.append(w)
-        folder_doc = FolderProof(token, carrier_name, members, listed).to_doc(True)
+        folder_doc = FolderProof(token, carrier_name, members, listed, list(nested)).to_doc(True)
         with store.commit_lock(directory):
             if local_parent:
                 restore_aside(store, parent)
@@ -357,15 +359,17 @@ def pid_alive(text: str) -> bool:
 
 
 # ---------------------------------------------------------------------------- removal
-def remove_checkpoint(store: Store, name: str, *, is_dir: bool | None = None) -> None:
+def remove_checkpoint(store: Store, name: str, *, is_dir: bool | None = None, debris_dir: str | None = None) -> None:
     """Make the checkpoint ``name`` (file or folder) vanish in one step, then delete its bytes.
 
     A symbolic link is removed itself, never what it points to. A tiered store removes it from
-    both tiers (``TieredStore.retire``).
+    both tiers (``TieredStore.retire``). ``debris_dir`` (local, same filesystem): where the bytes
+    wait for their deletion instead of a temporary name beside them (a staging folder outside a
+    directory that another program lists).
     """
     retire = getattr(store, "retire", None)
     if retire is not None:
-        retire(name, is_dir)
+        retire(name, is_dir, debris_dir)
         return
     local = store.local_path(name)
     if local is not None:
@@ -376,6 +380,8 @@ def remove_checkpoint(store: Store, name: str, *, is_dir: bool | None = None) ->
         if is_dir is None:
             is_dir = os.path.isdir(local)
         debris = temp_name_for(local)
+        if debris_dir is not None:
+            debris = os.path.join(debris_dir, os.path.basename(debris).lstrip("."))
         try:
             fsops.rename(local, debris)
         except FileNotFoundError:
@@ -405,11 +411,15 @@ def remove_checkpoint(store: Store, name: str, *, is_dir: bool | None = None) ->
     store.delete(name)
 
 
-def retain(store: Store, directory: str, keep: int, *, skip: Callable[[CheckpointInfo], bool] | None = None) -> list[str]:
+def retain(
+    store: Store, directory: str, keep: int, *, skip: Callable[[CheckpointInfo], bool] | None = None,
+    debris_dir: str | None = None,
+) -> list[str]:
     """Keep the ``keep`` newest committed checkpoints of ``directory``; remove older ones.
 
     Runs under the directory's commit lock. ``skip``: checkpoints never to remove (a tiered
-    store's not-yet-uploaded ones). Returns the names removed.
+    store's not-yet-uploaded ones). ``debris_dir`` as in :func:`remove_checkpoint`. Returns the
+    names removed.
     """
     removed = []
     with store.commit_lock(_join(directory, DIR_MANIFEST)):
@@ -417,7 +427,7 @@ def retain(store: Store, directory: str, keep: int, *, skip: Callable[[Checkpoin
         for old in committed[keep:]:
             if skip is not None and skip(old):
                 continue
-            remove_checkpoint(store, old.name, is_dir=old.is_dir)
+            remove_checkpoint(store, old.name, is_dir=old.is_dir, debris_dir=debris_dir)
             removed.append(old.name)
     return removed
 

@@ -33,8 +33,6 @@ CRASH_POINTS = (
     "dcp_after_marker",
     "dcp_before_metadata",
     "dcp_after_metadata",
-    "dcp_before_manifest",
-    "dcp_after_manifest",
 )
 
 _counts: dict[str, int] = {}

@@ -305,17 +305,29 @@ def _folder_problems(store: Store, directory: str, files: dict[str, ObjectInfo],
     assert folder is not None
     path = store.describe(directory)
     problems = []
+    inside = {n: [f for f in files if f.startswith(n + "/")] for n in folder.nested}
+    own = {n: f for n, f in files.items() if not any(n.startswith(p + "/") for p in folder.nested)}
     expected = folder.names()
-    for extra in sorted(set(files) - expected):
+    for extra in sorted(set(own) - expected):
         problems.append(f"{path}/{extra} is not part of the checkpoint its proof describes")
-    for missing in sorted(expected - set(files)):
+    for missing in sorted(expected - set(own)):
         problems.append(f"{path}/{missing} is missing")
+    for name, found in inside.items():
+        if not found:
+            problems.append(f"{path}/{name} (a folder checkpoint of its own) is missing")
     for member in folder.members:
-        got = files.get(member.name)
-        if got is not None and got.size != member.size:
+        got = own.get(member.name)
+        if got is None:
+            continue
+        if got.size != member.size:
             problems.append(f"{path}/{member.name} is {got.size} bytes, its folder's proof says {member.size}")
+            continue
+        with store.open(_join(directory, member.name)) as reader:  # the version: one small read
+            s = peek(reader).summary
+        if s is not None and (s.folder != folder.token or s.proof_crc != member.proof_crc):
+            problems.append(f"{path}/{member.name} belongs to another save than its folder")
     for entry in folder.listed:
-        got = files.get(entry.name)
+        got = own.get(entry.name)
         if got is not None and got.size != entry.size:
             problems.append(f"{path}/{entry.name} is {got.size} bytes, its folder's proof says {entry.size}")
     return problems

@@ -92,13 +92,16 @@ class FolderProof:
 
     ``members`` carry their own proofs (the carrier pins each by size and the CRC of its proof);
     ``listed`` are files stagesave did not lay out (hook files, raw files): the carrier holds
-    their checksums. A file in the folder that neither names makes the folder invalid.
+    their checksums; ``nested`` are sub-folders that are folder checkpoints of their own (an
+    FSDP checkpoint's DCP parts), each proven by its own carrier. A file in the folder that none
+    of them names makes the folder invalid.
     """
 
     token: str
     carrier: str
     members: list[Member] = field(default_factory=list)
     listed: list[FileEntry] = field(default_factory=list)
+    nested: list[str] = field(default_factory=list)
 
     def names(self) -> set[str]:
         return {self.carrier, *(m.name for m in self.members), *(f.name for f in self.listed)}
@@ -108,6 +111,8 @@ class FolderProof:
         if with_files:
             doc["members"] = [[m.name, m.size, m.proof_crc] for m in self.members]
             doc["listed"] = [_entry_doc(f) for f in self.listed]
+            if self.nested:
+                doc["nested"] = list(self.nested)
         return doc
 
 
@@ -411,8 +416,12 @@ def _folder(doc: Any, where: str) -> FolderProof | None:
     if not isinstance(raw_listed, list) or len(raw_listed) > 1_000_000:
         raise _fail(where, "folder listed files must be a list")
     listed = [_parse_file(f, where) for f in raw_listed]
-    proof = FolderProof(token, carrier, members, listed)
-    names = [carrier, *(m.name for m in members), *(f.name for f in listed)]
+    raw_nested = doc.get("nested", [])
+    if not isinstance(raw_nested, list) or len(raw_nested) > 100_000:
+        raise _fail(where, "nested folders must be a list")
+    nested = [_name(n, where) for n in raw_nested]
+    proof = FolderProof(token, carrier, members, listed, nested)
+    names = [carrier, *(m.name for m in members), *(f.name for f in listed), *nested]
     if len(set(names)) != len(names):
         raise _fail(where, "a folder file is named twice")
     return proof

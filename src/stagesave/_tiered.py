@@ -316,13 +316,13 @@ class TieredStore(Store):
             self._pending.pop(name, None)
         self._delete_remote(name, lambda: self.remote.delete(name))
 
-    def retire(self, name: str, is_dir: bool | None) -> None:
+    def retire(self, name: str, is_dir: bool | None, debris_dir: str | None = None) -> None:
         """Remove the checkpoint ``name`` from both tiers (``_commit.remove_checkpoint``): at once
         from the local tier, from the remote tier after the uploads queued before this call."""
         local = self.local.local_path(name)
         if is_dir is None:
             is_dir = local is not None and os.path.isdir(local)
-        remove_checkpoint(self.local, name, is_dir=is_dir)
+        remove_checkpoint(self.local, name, is_dir=is_dir, debris_dir=debris_dir)
         with self._lock:
             self._pending.pop(name, None)
         self._delete_remote(name, lambda: remove_checkpoint(self.remote, name, is_dir=is_dir))

@@ -15,7 +15,7 @@ import time
 import types
 import warnings
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -423,16 +423,19 @@ class Checkpointer:
         """
         s0 = time.perf_counter()
         crcs = None
+        # CRCs serve the zip records of torch files and the crc32 chunk checksums; other digests
+        # are computed after the CRC fields are filled in (in the background)
+        wanted = self.checksum == "crc32" or image.kind == "torch"
         if on_host(image):
             wait_device = None
-            if self._hash_while_staging(device_copy_pending=False):
+            if wanted and self._hash_while_staging(device_copy_pending=False):
                 crcs = stage_and_crc(image, buf, base, chunk_bytes=self.chunk_bytes, pool=self._staging_pool())
                 tel.checksum_s += crcs.seconds
             else:
                 stage_image(image, buf, base)
         else:
             wait_device = stage_image(image, buf, base)
-            if self._hash_while_staging(device_copy_pending=wait_device is not None):
+            if wanted and self._hash_while_staging(device_copy_pending=wait_device is not None):
                 if wait_device is not None:
                     wait_device()
                     wait_device = None
@@ -489,6 +492,7 @@ class Checkpointer:
         *,
         metadata: dict[str, Any] | None = None,
         staging_dir: str | os.PathLike[str] | None = None,
+        nested: Sequence[str] = (),
     ) -> SaveHandle:
         """Stage several files and commit them together as one folder checkpoint.
 
@@ -500,7 +504,9 @@ class Checkpointer:
         folder is replaced atomically. ``staging_dir`` (local targets, and tiered roots: their
         local tier): where the folder is assembled before it is renamed into place, instead of
         a hidden sibling of the target; it must be on the same filesystem. A tiered root
-        uploads the folder once it is in place.
+        uploads the folder once it is in place. ``nested``: names of sub-folders, folder
+        checkpoints of their own, that the caller moves into the folder after this commit (an
+        FSDP checkpoint's DCP parts): the folder's proof names them.
 
         Raises:
             ValueError: no files, an invalid file name, or only raw files (nothing can carry
@@ -593,14 +599,16 @@ class Checkpointer:
                                      chunk_bytes=self.chunk_bytes, pool=self._io_pool(), stats=stats,
                                      metadata=meta, telemetry=lambda: self._record(tel, stats),
                                      staging_dir=os.fspath(staging_dir) if staging_dir is not None else None,
-                                     write=write)
+                                     write=write, nested=list(nested))
                 self._record(tel, stats)
                 tel.bytes = sum(w.length for w in done)
                 tel.commit_s = time.perf_counter() - c0 - stats.write_s
                 tel.time_to_commit_s = time.perf_counter() - t_start
                 tel.committed_at = time.time()
                 if self.keep_last is not None:
-                    retain(store, dname.rpartition("/")[0], self.keep_last)
+                    # removed folders wait for their deletion in staging_dir too, out of the listing
+                    debris = os.fspath(staging_dir) if staging_dir is not None and store.local_path("") else None
+                    retain(store, dname.rpartition("/")[0], self.keep_last, debris_dir=debris)
             except BaseException as exc:  # noqa: BLE001 - delivered through the handle
                 error = _as_checkpoint_error(exc, f"saving checkpoint {tel.path} failed")
                 tel.error = str(error)
@@ -933,6 +941,11 @@ class Checkpointer:
                                 problems += self._chunk_problems(reader, Manifest([listed], 0))
                 except OSError as exc:
                     problems.append(f"{store.describe(full)}: {exc.strerror or exc}")
+            folder = info.manifest.folder
+            for sub in folder.nested if folder is not None else ():
+                inner = self._verify_in(store, f"{name}/{sub}")
+                if inner.status != "verified":
+                    problems += inner.problems or [f"{inner.path} is {inner.status}"]
             info.problems = problems
             info.status = "corrupt" if problems else "verified"
             return info
