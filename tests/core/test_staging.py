@@ -360,3 +360,20 @@ def test_dot_names_are_saved_listed_and_latest(ckpt_dir):
         ck.save({"i": 2}, ".hidden.ckpt").result()
         assert ck.latest().name == ".hidden.ckpt"
         assert [c.name for c in ck.list()] == [".hidden.ckpt", "a.ckpt"]
+
+
+def test_the_clock_stepping_back_changes_no_order(ckpt_dir, monkeypatch):
+    """Newest is the sequence number, never the wall clock: with the clock stepped back an hour
+    after the first save, latest() is still the last save and keep_last removes the oldest."""
+    import stagesave._commit as commit_mod
+
+    real = commit_mod.time.time_ns
+    with stagesave.Checkpointer(ckpt_dir, keep_last=2) as ck:
+        ck.save({"i": 1}, "a.ckpt").result()
+        monkeypatch.setattr(commit_mod.time, "time_ns", lambda: real() - 3600 * 10**9)
+        ck.save({"i": 2}, "b.ckpt").result()
+        ck.save({"i": 3}, "c.ckpt").result()
+        assert ck.latest().name == "c.ckpt"
+        assert [(c.name, c.seq) for c in ck.list()] == [("c.ckpt", 3), ("b.ckpt", 2)]
+        assert ck.list()[0].created < time.time() - 3000  # its recorded time is an hour back
+    assert sorted(os.listdir(ckpt_dir)) == ["b.ckpt", "c.ckpt"]
