@@ -70,8 +70,12 @@ class CheckpointInfo:
         return self.status in ("committed", "verified", "unverified")
 
     def order(self) -> tuple[int, float, float, str]:
-        """Sort key, larger is newer: format 2 by sequence number, above everything else."""
-        if self.seq is not None:
+        """Sort key, larger is newer: format 2 by sequence number, above everything else.
+
+        Sequence number 0 marks a checkpoint migrated from format 1: it orders with those, by
+        its original time (they all predate the first format-2 save of their directory).
+        """
+        if self.seq:
             return (1, float(self.seq), self.created, self.name)
         return (0, self.created, 0.0, self.name)
 

@@ -45,7 +45,7 @@ def test_migrate_a_format1_file(cli, tmp_path):
     r = cli("verify", path)
     assert r.code == 0 and r.out.startswith("OK ")
     info = stagesave.verify(path)
-    assert info.status == "verified" and info.format == 2 and info.seq == 1
+    assert info.status == "verified" and info.format == 2 and info.seq == 0  # migrated: older than any format-2 save
     m = info.manifest
     assert m.metadata == {"step": 3}  # carried over
     assert m.files[0].algorithm == "xxh3_128" and m.files[0].chunk_bytes == 64 * 1024
@@ -56,7 +56,7 @@ def test_migrate_a_format1_file(cli, tmp_path):
     assert m.telemetry["migrated"]["from"] == os.path.basename(sidecar)
     assert _same(stagesave.load(path), state)
     doc = cli("inspect", path, "--json").json()
-    assert doc["format"] == 2 and doc["seq"] == 1 and doc["step"] == 3
+    assert doc["format"] == 2 and doc["seq"] == 0 and doc["step"] == 3
     # nothing left to do
     r = cli("migrate", tmp_path)
     assert r.code == 0 and "no format-1 checkpoints" in r.out
@@ -68,7 +68,7 @@ def test_migrate_a_format1_folder(cli, tmp_path):
     r = cli("migrate", tmp_path, "--json")
     assert r.code == 0, r.err
     (res,) = r.json()["checkpoints"]
-    assert res["action"] == "migrated" and res["folder"] and res["seq"] == 1
+    assert res["action"] == "migrated" and res["folder"] and res["seq"] == 0
     # exactly the checkpoint's files: no checkpoint.stagesave.json any more
     assert sorted(os.listdir(d)) == ["config.json", "model.safetensors", "optimizer.bin", "random_states_0.pkl"]
     assert sorted(os.listdir(tmp_path)) == ["checkpoint_1"]
@@ -122,32 +122,29 @@ def test_a_corrupt_checkpoint_is_not_migrated(cli, tmp_path):
 
 
 def test_order_is_kept_and_newer_format2_checkpoints_are_never_overtaken(cli, tmp_path):
+    """Migrated checkpoints keep their creation time and take sequence number 0: older than any
+    format-2 save, in their original order among themselves, whatever order they migrate in."""
     t0 = time.time_ns()
     write_format1(tmp_path, "step=2.ckpt", small_state(2), created_ns=t0 + 2_000_000_000)
     write_format1(tmp_path, "step=1.ckpt", small_state(1), created_ns=t0 + 1_000_000_000)
     write_format1(tmp_path, "step=3.ckpt", small_state(3), created_ns=t0 + 3_000_000_000)
-    # migrating the newest alone first is fine; the older ones would then overtake it: refused
-    assert cli("migrate", tmp_path / "step=3.ckpt").code == 0
-    r = cli("migrate", tmp_path)
-    assert r.code == 1 and "predate checkpoints" in r.err
+    assert cli("migrate", tmp_path / "step=2.ckpt").code == 0  # the middle one alone first
+    assert stagesave.latest(tmp_path).name == "step=3.ckpt"  # format 1 still, and the newest
+    assert cli("migrate", tmp_path).code == 0
+    listed = [(r["name"], r["seq"], r["format"]) for r in cli("ls", tmp_path, "--json").json()]
+    assert listed == [("step=3.ckpt", 0, 2), ("step=2.ckpt", 0, 2), ("step=1.ckpt", 0, 2)]
     assert stagesave.latest(tmp_path).name == "step=3.ckpt"
-    # oldest first: the sequence numbers follow the original order
-    other = tmp_path / "other"
-    other.mkdir()
-    for step, dt in ((2, 2), (1, 1), (3, 3)):
-        write_format1(other, f"step={step}.ckpt", small_state(step), created_ns=t0 + dt * 1_000_000_000)
-    assert cli("migrate", other).code == 0
-    assert [(r["name"], r["seq"]) for r in cli("ls", other, "--json").json()] == [
-        ("step=3.ckpt", 3), ("step=2.ckpt", 2), ("step=1.ckpt", 1)]
-    assert stagesave.latest(other).name == "step=3.ckpt"
-    # a directory that already holds format-2 checkpoints saved since: refused, nothing changes
+    assert [round(c.created * 1e9) // 10**9 for c in stagesave.list_checkpoints(tmp_path)] == [
+        (t0 + 3_000_000_000) // 10**9, (t0 + 2_000_000_000) // 10**9, (t0 + 1_000_000_000) // 10**9]
+    # a directory that already holds format-2 checkpoints saved since: they stay the newest
     mixed = tmp_path / "mixed"
     mixed.mkdir()
     _, sidecar = write_format1(mixed, "old.ckpt", small_state(1))
     write_checkpoints(mixed, steps=(9,))
-    r = cli("migrate", mixed)
-    assert r.code == 1 and "already holds format-2 checkpoints saved since (step=9.ckpt, seq 1)" in r.err
-    assert os.path.exists(sidecar) and stagesave.latest(mixed).name == "step=9.ckpt"
+    assert cli("migrate", mixed).code == 0
+    assert not os.path.exists(sidecar)
+    assert stagesave.latest(mixed).name == "step=9.ckpt"
+    assert [(c.name, c.seq) for c in stagesave.list_checkpoints(mixed)] == [("step=9.ckpt", 1), ("old.ckpt", 0)]
 
 
 def test_adopted_files_are_left_unless_asked(cli, tmp_path):

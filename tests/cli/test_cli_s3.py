@@ -155,7 +155,7 @@ def test_migrate_on_s3(cli, cli_s3, s3_server, tmp_path):
     r = cli(*opts, "migrate", url, "--json")
     assert r.code == 1  # the folder is refused
     by = {os.path.basename(c["path"]): c for c in r.json()["checkpoints"]}
-    assert by["old.ckpt"]["action"] == "migrated" and by["old.ckpt"]["seq"] == 1
+    assert by["old.ckpt"]["action"] == "migrated" and by["old.ckpt"]["seq"] == 0
     assert by["checkpoint_3"]["action"] == "refused" and "local disk only" in by["checkpoint_3"]["detail"]
     keys = sorted(o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/").get("Contents", []))
     assert [k for k in keys if "/checkpoint_3/" not in k] == [f"{prefix}/old.ckpt"]  # the sidecar is gone

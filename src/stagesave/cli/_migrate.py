@@ -17,14 +17,13 @@ folder plus its ``checkpoint.stagesave.json``). Migrating one:
    the old checkpoint or the new one, never neither.
 
 The metadata, the tensor index and the telemetry of the original save are carried over (the
-telemetry gains ``migrated``: the original creation time and sidecar). Sequence numbers: each
-migrated checkpoint takes the next number of its directory, oldest first, so migration keeps
-the order of a directory that holds only format-1 checkpoints (or ones this command migrated).
-A directory that already holds format-2 checkpoints saved since is refused: its format-1
-checkpoints would be numbered after them and ``latest()`` would return an older checkpoint
-(they keep loading and verifying as they are). Sharded (DCP) folders are reported ("re-save
-to migrate") and left alone; so are files ``stagesave adopt`` certified (stagesave must not
-modify them) unless ``--include-adopted``.
+telemetry gains ``migrated``: the original creation time and sidecar). Order: a migrated
+checkpoint keeps its original creation time and takes sequence number 0, below every checkpoint
+format 2 ever saved (those start at 1), so format-1 checkpoints, which predate them, stay older
+than any of them, in their original order among themselves, and migrating in any order or
+with format-2 checkpoints already there never makes ``latest()`` return an older one. Sharded
+(DCP) folders are reported ("re-save to migrate") and left alone; so are files
+``stagesave adopt`` certified (stagesave must not modify them) unless ``--include-adopted``.
 """
 
 from __future__ import annotations
@@ -241,6 +240,7 @@ def _migrate_file(env: Env, store: Store, ci: CheckpointInfo, *, dry_run: bool, 
         written = commit_file(
             store, FileToWrite(ci.name, image, buf.view), algorithm=algorithm, chunk_bytes=chunk_bytes, pool=pool,
             stats=stats, metadata=dict(m.metadata) if isinstance(m.metadata, dict) else {}, telemetry=lambda: tel,
+            seq=0, created_ns=m.created_ns,
         )
         out.seq = written.manifest.seq if written.manifest is not None else None
     _check_after(env, store, ci, out)
@@ -361,7 +361,7 @@ def _migrate_folder(env: Env, store: Store, ci: CheckpointInfo, *, dry_run: bool
                 return out
             written = commit_folder(
                 store, ci.name, files, algorithm=algorithm, chunk_bytes=chunk_bytes, pool=pool, stats=WriteStats(),
-                metadata=metadata, telemetry=lambda: _telemetry(m, DIR_MANIFEST),
+                metadata=metadata, telemetry=lambda: _telemetry(m, DIR_MANIFEST), seq=0, created_ns=m.created_ns,
             )
             carrier_manifest = written[-1].manifest  # the carrier is written last
             out.seq = carrier_manifest.seq if carrier_manifest is not None else None
@@ -396,27 +396,6 @@ def _migrated_created(c: CheckpointInfo) -> int | None:
     return None
 
 
-def _order_problem(store: Store, todo: list[CheckpointInfo]) -> str | None:
-    """Why migrating ``todo`` (format-1 checkpoints of ``store``'s root) would reorder the
-    directory, or ``None``."""
-    found = scan(store, "", full=True)
-    done_before = 0
-    for c in found:
-        if c.format != 2 or c.status != "committed":
-            continue
-        created = _migrated_created(c)
-        if created is None:
-            return (f"{store.url} already holds format-2 checkpoints saved since ({c.name}, seq {c.seq}): migrated "
-                    "checkpoints would be numbered after them and become the newest, so latest() would return "
-                    "an older checkpoint. Format-1 checkpoints still list, verify and load as they are")
-        done_before = max(done_before, created)
-    older = [c.name for c in todo if c.manifest is not None and c.manifest.created_ns < done_before]
-    if older:
-        return (f"{', '.join(older[:3])} predate checkpoints of {store.url} already migrated: migrating them now "
-                "would make them the newest")
-    return None
-
-
 def _format1(store: Store, name: str, is_dir: bool) -> list[CheckpointInfo]:
     """The format-1 checkpoints a path names: the checkpoint itself, or those directly in a root."""
     if name:
@@ -434,13 +413,9 @@ def migrate(
     if not todo:
         return []
     results: list[Result] = []
-    order = _order_problem(store, [c for c in todo if c.status == "committed"])
     for ci in todo:
         if ci.status != "committed":
             results.append(Result(ci.path, ci.is_dir, "failed", "does not verify", problems=list(ci.problems)))
-            continue
-        if order is not None:
-            results.append(Result(ci.path, ci.is_dir, "refused", order))
             continue
         try:
             if ci.is_dir:
