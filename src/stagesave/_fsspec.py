@@ -68,7 +68,10 @@ class FsspecStore(Store):
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         self.fs, self.root = _filesystem(url, dict(storage_options or {}))
         protocol = url.split("://", 1)[0]
-        self.url = f"{protocol}://{self.root.lstrip('/')}" if protocol != "memory" else f"memory://{self.root}"
+        if "://" in self.root:  # filesystems whose paths are URLs themselves (http)
+            self.url = self.root
+        else:
+            self.url = f"{protocol}://{self.root.lstrip('/')}" if protocol != "memory" else f"memory://{self.root}"
 
     def _path(self, name: str) -> str:
         return posixpath.join(self.root, check_name(name))
@@ -86,6 +89,8 @@ class FsspecStore(Store):
         if length <= 0:
             return b""
         data: bytes = self.fs.cat_file(self._path(name), start=offset, end=offset + length)
+        if len(data) > length:  # the server ignored the range (a plain HTTP server sends it all)
+            data = data[offset : offset + length]
         return data
 
     def read_into(self, name: str, offset: int, out: memoryview) -> int:
@@ -117,7 +122,11 @@ class FsspecStore(Store):
             mtime = e.get("mtime") or e.get("LastModified") or e.get("created") or 0.0
             if hasattr(mtime, "timestamp"):
                 mtime = mtime.timestamp()
-            out.append(ObjectInfo(name, int(e["size"]), float(mtime)))
+            size = e.get("size")
+            if size is None:  # listings that do not say (an HTTP index page): ask the file
+                with contextlib.suppress(Exception):
+                    size = self.fs.info(e["name"]).get("size")
+            out.append(ObjectInfo(name, int(size or 0), float(mtime)))
         return out
 
     def list_dirs(self, prefix: str = "") -> builtins.list[str]:
