@@ -22,6 +22,8 @@ from typing import Protocol
 import blake3
 import xxhash
 
+_crc32: Callable[..., int]
+_crc32_combine: Callable[[int, int, int], int] | None
 try:  # ISA-L: CRC-32 at memory speed, GIL released
     from isal.isal_zlib import crc32 as _crc32
     from isal.isal_zlib import crc32_combine as _crc32_combine

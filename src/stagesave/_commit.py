@@ -42,7 +42,7 @@ from ._checksum import digest
 from ._crash import crash_point
 from ._discovery import CheckpointInfo, is_sidecar_of, next_seq, resolve_dir, scan
 from ._local import LocalStore, makedirs_durable, temp_name_for
-from ._manifest import FileEntry, FolderProof, Manifest, Member
+from ._manifest import FileEntry, FolderProof, Member
 from ._names import DIR_MANIFEST, TMP_MARKER, aside_name, parse_aside_name, split_manifest_name
 from ._store import Store
 from ._write import FileToWrite, WriteStats, Written, run_all, write_data

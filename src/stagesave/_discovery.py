@@ -27,7 +27,14 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from ._manifest import FileEntry, Manifest, parse_manifest
-from ._names import ASIDE_MARKER, DIR_MANIFEST, MANIFEST_SUFFIX, MAX_MANIFEST_BYTES, is_temporary, split_manifest_name
+from ._names import (
+    ASIDE_MARKER,
+    DIR_MANIFEST,
+    MANIFEST_SUFFIX,
+    MAX_MANIFEST_BYTES,
+    is_temporary,
+    split_manifest_name,
+)
 from ._proofread import FileProof, chunk_problems, peek, read_proof
 from ._store import ObjectInfo, Reader, Store
 from .errors import IntegrityError, ManifestError
@@ -200,10 +207,10 @@ def _format1(store: Store, name: str, path: str, reader: Reader, candidates: lis
         if entry.size != reader.size:
             problems.append(f"{path} is {reader.size} bytes but its manifest says {entry.size} (truncated or replaced)")
             continue
-        if entry.serialization_id is not None and entry.id_offset is not None:
-            if reader.read(entry.id_offset, len(entry.serialization_id)) != entry.serialization_id.encode():
-                problems.append(f"{path} does not carry the serialization id its manifest names")
-                continue
+        sid = entry.serialization_id
+        if sid is not None and entry.id_offset is not None and reader.read(entry.id_offset, len(sid)) != sid.encode():
+            problems.append(f"{path} does not carry the serialization id its manifest names")
+            continue
         one = Manifest([entry], manifest.created_ns, manifest.tensors, manifest.metadata, manifest.telemetry, 1)
         return CheckpointInfo(path, name, "committed", manifest.created_ns / 1e9, reader.size, one, mname, format=1)
     if not problems:
@@ -299,8 +306,8 @@ def _find_carrier(store: Store, directory: str, files: dict[str, ObjectInfo]) ->
                 named.append(got.manifest.folder.carrier)
     if named:
         carrier = max(set(named), key=named.count)
-        return carrier, FileProof(None, None, [f"{store.describe(directory)}: its carrier {carrier} is missing "
-                                               "or damaged"], 2)
+        problem = f"{store.describe(directory)}: its carrier {carrier} is missing or damaged"
+        return carrier, FileProof(None, None, [problem], 2)
     return None
 
 
@@ -390,9 +397,9 @@ def _dir_format1(store: Store, directory: str, path: str, files: dict[str, Objec
                 total += reader.size
                 if reader.size != entry.size:
                     problems.append(f"{store.describe(fname)} is {reader.size} bytes, manifest says {entry.size}")
-                elif entry.serialization_id and entry.id_offset is not None:
-                    if reader.read(entry.id_offset, len(entry.serialization_id)) != entry.serialization_id.encode():
-                        problems.append(f"{store.describe(fname)} does not carry the id its manifest names")
+                elif (entry.serialization_id and entry.id_offset is not None
+                      and reader.read(entry.id_offset, len(entry.serialization_id)) != entry.serialization_id.encode()):
+                    problems.append(f"{store.describe(fname)} does not carry the id its manifest names")
         except (FileNotFoundError, IsADirectoryError):
             problems.append(f"{store.describe(fname)} is missing")
         except OSError as exc:

@@ -39,8 +39,8 @@ class _PipePendingWrite(PendingWrite):
     def __init__(self, store: FsspecStore, name: str, image: memoryview, size: int, tail: bool) -> None:
         self.store = store
         self.final = store._path(name)
-        head, _, tail = self.final.rpartition("/")
-        self.tmp = f"{head}/.{tail}.{secrets.token_hex(4)}{TMP_MARKER}"
+        head, _, leaf = self.final.rpartition("/")
+        self.tmp = f"{head}/.{leaf}.{secrets.token_hex(4)}{TMP_MARKER}"
         self.image = image
         self.size = size
         self.tail = b""

@@ -321,10 +321,7 @@ class LocalStore(Store):
 
     def open(self, name: str) -> Reader:
         path = self._readable(name)
-        try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except IsADirectoryError:
-            raise
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):

@@ -286,7 +286,7 @@ def chunk_problems(
 
     def check(i: int) -> str | None:
         lo, hi = entry.chunk_range(i)
-        data = get(lo, hi - lo)
+        data: memoryview | bytes | bytearray = get(lo, hi - lo)
         if len(data) != hi - lo:
             return f"{where}: truncated at byte {lo + len(data)} (expected {entry.end} bytes)"
         if blank is not None and lo < blank[0] + blank[1] and blank[0] < hi:

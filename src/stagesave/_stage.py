@@ -257,16 +257,16 @@ def _crc_pass(
     n = (size + chunk_bytes - 1) // chunk_bytes
     done = list(pool.map(one_chunk, range(n)))
     slot_parts: dict[int, list[tuple[int, int, int]]] = {}
-    for _, parts, _, _ in done:
-        for idx, start, crc, length in parts:
+    for _, chunk_parts, _, _ in done:
+        for idx, start, crc, length in chunk_parts:
             slot_parts.setdefault(idx, []).append((start, crc, length))
     slots = [0] * len(image.slots)
-    for idx, parts in slot_parts.items():
-        if len(parts) == 1:
-            slots[idx] = parts[0][1]
+    for idx, pieces in slot_parts.items():
+        if len(pieces) == 1:
+            slots[idx] = pieces[0][1]
             continue
         crc = 0
-        for _, c, length in sorted(parts):
+        for _, c, length in sorted(pieces):
             crc = crc32_combine(crc, c, length)
         slots[idx] = crc
     threads = len({ident for _, _, _, ident in done}) or 1

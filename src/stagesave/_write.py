@@ -29,7 +29,7 @@ from ._checksum import crc32, crc32_patch, digest
 from ._crash import crash_point
 from ._image import FileImage
 from ._manifest import FileEntry, Manifest, StorageRecord, Summary, dumps, proof_doc
-from ._names import ALIGNMENT, INDEX_RECORD, PROOF_KEY, PROOF_RECORD
+from ._names import ALIGNMENT, INDEX_RECORD, PROOF_RECORD
 from ._stage import ImageCrcs, crc_image
 from ._store import PendingWrite, Store
 from ._zipfmt import build_tail, footer
