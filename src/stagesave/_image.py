@@ -26,7 +26,11 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from typing import IO, Any, cast
 
 import torch
-from torch.utils.serialization import config as _torch_save_config
+
+try:  # torch >= 2.7: records can be aligned to pages
+    from torch.utils.serialization import config as _torch_save_config
+except ImportError:  # torch 2.6: records are 64-byte aligned (the whole image is still written in pages)
+    _torch_save_config = None
 
 from ._checksum import crc32
 from ._names import ALIGNMENT
@@ -354,7 +358,9 @@ def plan_torch_file(state: Any) -> FileImage:
 def _plan_torch_file(state: Any) -> FileImage:
     found: dict[str, torch.UntypedStorage] = {}
     sink = _SparseSink()
-    with _torch_save_config.patch({"save.storage_alignment": ALIGNMENT}):  # type: ignore[attr-defined]
+    aligned = (_torch_save_config.patch({"save.storage_alignment": ALIGNMENT})  # type: ignore[attr-defined]
+               if _torch_save_config is not None else contextlib.nullcontext())
+    with aligned:
         try:
             with torch.serialization.skip_data():
                 torch.save(state, cast(IO[bytes], sink), pickle_module=_recording_pickle_module(found))
