@@ -42,12 +42,11 @@ from ._checksum import digest
 from ._crash import crash_point
 from ._image import FileImage
 from ._local import LocalStore
-from ._manifest import FileEntry, StorageRecord
 from ._names import ALIGNMENT
 from ._pool import HostBuffer
 from ._stage import crc_image
 from ._store import Store
-from ._write import FileToWrite, WriteStats, Written, late_end, run_all
+from ._write import FileToWrite, WriteStats, Written, entry_of, flush_data, late_end, run_all
 
 __all__ = ["device_of", "gpudirect_kvikio", "stage_on_device", "write_device_data"]
 
@@ -341,11 +340,7 @@ def write_device_data(
         for page, content in sorted(patched_pages.items()):  # kvikio wrote the fields as zeros
             if page >= late:
                 _pwrite_aligned(pending, content, page)
-        crash_point("after_data")
-        f0 = time.perf_counter()
-        pending.flush()
-        stats.fsync_s += time.perf_counter() - f0
-        crash_point("after_data_fsync")
+        flush_data(pending, stats)
     except BaseException:
         pending.abort()
         raise
@@ -359,14 +354,8 @@ def write_device_data(
     def write_late(head: bytes) -> None:
         _pwrite_aligned(pending, head, 0)
 
-    entry = FileEntry(
-        name=f.entry_name or f.name.rsplit("/", 1)[-1], size=covered, algorithm=algorithm, chunk_bytes=chunk_bytes,
-        chunks=tuple(digests), kind=image.kind, serialization_id=image.serialization_id or None,
-        id_offset=image.id_offset if image.serialization_id else None,
-        storages=tuple(StorageRecord(s.key, s.offset, s.nbytes) for s in image.slots), covered=covered,
-        blank=image.blank,
-    )
-    return Written(store, f, pending, entry, cd, write_late, lambda: kept.get("head", b""))
+    return Written(store, f, pending, entry_of(f, algorithm, chunk_bytes, digests), cd, write_late,
+                   lambda: kept.get("head", b""))
 
 
 def _pwrite_all(pending: Any, data: memoryview, offset: int) -> None:

@@ -30,7 +30,7 @@ import torch
 try:  # torch >= 2.7: records can be aligned to pages
     from torch.utils.serialization import config as _torch_save_config
 except ImportError:  # torch 2.6: records are 64-byte aligned (the whole image is still written in pages)
-    _torch_save_config = None
+    _torch_save_config = None  # type: ignore[assignment]
 
 from ._checksum import crc32
 from ._names import ALIGNMENT

@@ -295,6 +295,20 @@ def _name(v: Any, where: str) -> str:
     return name
 
 
+def _serialization_id(doc: dict[str, Any], size: int, where: str) -> tuple[str | None, int | None]:
+    """A torch file's ``serialization_id`` and where it sits (inside ``size`` bytes)."""
+    sid = doc.get("serialization_id")
+    id_offset = doc.get("id_offset")
+    if sid is None:
+        if id_offset is not None:
+            raise _fail(where, "id_offset without serialization_id")
+        return None, None
+    sid = _str(sid, "serialization_id", where, 64)
+    if not sid.isalnum():
+        raise _fail(where, "serialization_id must be alphanumeric")
+    return sid, _int(id_offset, "id_offset", where, 0, max(0, size - len(sid)))
+
+
 def _parse_file(doc: Any, where: str) -> FileEntry:
     if not isinstance(doc, dict):
         raise _fail(where, "a file entry is not an object")
@@ -304,15 +318,7 @@ def _parse_file(doc: Any, where: str) -> FileEntry:
     chunk_bytes = _int(doc.get("chunk_bytes"), "chunk_bytes", where, 1, _MAX_CHUNK)
     chunks = _chunks(doc.get("chunks"), algorithm, size, chunk_bytes, name, where)
     kind = _str(doc.get("kind", "torch"), "kind", where, 32)
-    sid = doc.get("serialization_id")
-    id_offset = doc.get("id_offset")
-    if sid is not None:
-        sid = _str(sid, "serialization_id", where, 64)
-        if not sid.isalnum():
-            raise _fail(where, "serialization_id must be alphanumeric")
-        id_offset = _int(id_offset, "id_offset", where, 0, max(0, size - len(sid)))
-    elif id_offset is not None:
-        raise _fail(where, "id_offset without serialization_id")
+    sid, id_offset = _serialization_id(doc, size, where)
     storages = _storages(doc.get("storages", []), size, where, compact=False)
     return FileEntry(name=name, size=size, algorithm=algorithm, chunk_bytes=chunk_bytes, chunks=chunks,
                      kind=kind, serialization_id=sid, id_offset=id_offset, storages=storages)
@@ -444,15 +450,7 @@ def parse_proof(data: bytes, where: str, name: str, size: int) -> Manifest:
     algorithm = _algorithm(doc, where)
     chunk_bytes = _int(doc.get("chunk_bytes"), "chunk_bytes", where, 1, _MAX_CHUNK)
     chunks = _chunks(doc.get("chunks"), algorithm, covered, chunk_bytes, name, where)
-    sid = doc.get("serialization_id")
-    id_offset = doc.get("id_offset")
-    if sid is not None:
-        sid = _str(sid, "serialization_id", where, 64)
-        if not sid.isalnum():
-            raise _fail(where, "serialization_id must be alphanumeric")
-        id_offset = _int(id_offset, "id_offset", where, 0, max(0, covered - len(sid)))
-    elif id_offset is not None:
-        raise _fail(where, "id_offset without serialization_id")
+    sid, id_offset = _serialization_id(doc, covered, where)
     blank = doc.get("blank")
     if blank is not None:
         if not isinstance(blank, list) or len(blank) != 2:

@@ -245,7 +245,16 @@ class Written:
         self.pending.abort()
 
 
-def _entry(f: FileToWrite, algorithm: str, chunk_bytes: int, digests: Sequence[str]) -> FileEntry:
+def flush_data(pending: PendingWrite, stats: WriteStats) -> None:
+    """Make every chunk written so far durable (the end of step 1), timed into ``stats``."""
+    crash_point("after_data")
+    f0 = time.perf_counter()
+    pending.flush()
+    stats.fsync_s += time.perf_counter() - f0
+    crash_point("after_data_fsync")
+
+
+def entry_of(f: FileToWrite, algorithm: str, chunk_bytes: int, digests: Sequence[str]) -> FileEntry:
     image = f.image
     return FileEntry(
         name=f.entry_name or f.name.rsplit("/", 1)[-1],
@@ -308,11 +317,7 @@ def write_data(
             return d
 
         digests = run_all(pool, one, n_chunks)
-        crash_point("after_data")
-        f0 = time.perf_counter()
-        pending.flush()
-        stats.fsync_s += time.perf_counter() - f0
-        crash_point("after_data_fsync")
+        flush_data(pending, stats)
     except BaseException:
         pending.abort()
         raise
@@ -327,7 +332,7 @@ def write_data(
     def head() -> bytes:
         return bytes(view[:late])
 
-    return Written(store, f, pending, _entry(f, algorithm, chunk_bytes, digests), cd, write_late, head)
+    return Written(store, f, pending, entry_of(f, algorithm, chunk_bytes, digests), cd, write_late, head)
 
 
 def proof_room(
