@@ -333,8 +333,12 @@ def _folder_problems(store: Store, directory: str, files: dict[str, ObjectInfo],
         if got.size != member.size:
             problems.append(f"{path}/{member.name} is {got.size} bytes, its folder's proof says {member.size}")
             continue
-        with store.open(_join(directory, member.name)) as reader:  # the version: one small read
-            s = peek(reader).summary
+        try:
+            with store.open(_join(directory, member.name)) as reader:  # the version: one small read
+                s = peek(reader).summary
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            problems.append(f"{path}/{member.name} is missing")  # removed since the listing
+            continue
         if s is not None and (s.folder != folder.token or s.proof_crc != member.proof_crc):
             problems.append(f"{path}/{member.name} belongs to another save than its folder")
     for entry in folder.listed:
