@@ -246,3 +246,55 @@ def test_power_loss_during_a_link_update(tmp_path):
                 violations.append(f"after op {k} ({rec.ops[k].kind if k >= 0 else '-'}) {mode}{seed}: {problem}")
     faultstats.record("power loss at every op (recording fs)", trials, len(violations))
     assert not violations, "\n".join(violations[:10])
+
+
+@pytest.mark.parametrize("replace", [False, True], ids=["new", "over-an-old-export"])
+def test_power_loss_during_an_export(tmp_path, replace):
+    """``stagesave export`` of a committed checkpoint (a byte copy through the commit module).
+    After a power loss at any operation, the exported file is absent (or the previous export),
+    or a whole copy that verifies on its own; once its directory fsync happened, the new one."""
+    from faulthelp import file_state as state_of
+
+    from stagesave.cli._common import Env
+    from stagesave.cli._convert import export
+
+    base = tmp_path / "world"
+    (base / "out").mkdir(parents=True)
+    stagesave.save(state_of(1), base / "src.ckpt")
+    out = base / "out" / "model.ckpt"
+    if replace:
+        stagesave.save(state_of(0), out)
+    source = (base / "src.ckpt").read_bytes()
+    old = out.read_bytes() if replace else None
+    model = PowerLossModel(base)
+    with Recorder(base) as rec:
+        export(Env(quiet=True), str(base / "src.ckpt"), str(out), force=replace)
+    publish = rename_to(rec.ops, 0, len(rec.ops), str(out))
+    commit = fsync_dir_after(rec.ops, publish, str(base / "out"))
+    assert 0 <= publish < commit
+    rng = random.Random("export")
+    scratch = tmp_path / "after-power-loss"
+    trials, violations = 0, []
+    for k in range(-1, len(rec.ops)):
+        if k >= 0:
+            model.apply(rec.ops[k])
+        for mode, seed in [("durable", None), ("eager", None), ("random", 0), ("random", 1)]:
+            shutil.rmtree(scratch, ignore_errors=True)
+            model.materialize(scratch, mode, rng if seed is not None else None)
+            trials += 1
+            got = scratch / "out" / "model.ckpt"
+            data = got.read_bytes() if got.exists() else None
+            want_new = {"durable": k >= commit, "eager": k >= publish}.get(mode)
+            problem = None
+            if data not in (source, old):
+                problem = "the export holds bytes of no version"
+            elif data is not None and stagesave.verify(got).status != "verified":
+                problem = "the export does not verify on its own"
+            elif want_new is True and data != source:
+                problem = "the committed export is not there"
+            elif want_new is False and data == source:
+                problem = "the export appeared before it was published"
+            if problem:
+                violations.append(f"after op {k} {mode}{seed}: {problem}")
+    faultstats.record("power loss at every op (recording fs)", trials, len(violations))
+    assert not violations, "\n".join(violations[:10])
