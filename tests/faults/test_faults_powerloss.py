@@ -193,6 +193,26 @@ def test_model_drops_what_was_not_fsynced(tmp_path):
     assert (base / "g").read_bytes() == b"aXY"  # while the live file has them all
 
 
+def _replay_four_views(tmp_path, model: PowerLossModel, ops, seed: str, check) -> tuple[int, list[str]]:
+    """For every op index k and the views durable, eager and two random ones: materialize the
+    tree a power loss after op k leaves and ``check(tree, k, mode)`` it (a problem or None)."""
+    rng = random.Random(seed)
+    scratch = tmp_path / "after-power-loss"
+    trials, violations = 0, []
+    for k in range(-1, len(ops)):
+        if k >= 0:
+            model.apply(ops[k])
+        for mode, view in [("durable", None), ("eager", None), ("random", 0), ("random", 1)]:
+            shutil.rmtree(scratch, ignore_errors=True)
+            model.materialize(scratch, mode, rng if view is not None else None)
+            trials += 1
+            problem = check(scratch, k, mode)
+            if problem:
+                violations.append(f"after op {k} ({ops[k].kind if k >= 0 else '-'}) {mode}{view}: {problem}")
+    shutil.rmtree(scratch, ignore_errors=True)
+    return trials, violations
+
+
 def test_power_loss_during_a_link_update(tmp_path):
     """Lightning's ``save_last="link"``: a new checkpoint is saved, then ``last.ckpt`` (a relative
     symbolic link) is pointed at it. After a power loss at any operation, ``last.ckpt`` points at
@@ -216,34 +236,25 @@ def test_power_loss_during_a_link_update(tmp_path):
     publish = rename_to(rec.ops, start, len(rec.ops), str(base / "last.ckpt"))
     commit = fsync_dir_after(rec.ops, publish, str(base))
     assert 0 <= saved < start <= publish < commit
-    rng = random.Random("link")
-    scratch = tmp_path / "after-power-loss"
-    trials, violations = 0, []
-    for k in range(-1, len(rec.ops)):
-        if k >= 0:
-            model.apply(rec.ops[k])
-        for mode, seed in [("durable", None), ("eager", None), ("random", 0), ("random", 1)]:
-            shutil.rmtree(scratch, ignore_errors=True)
-            model.materialize(scratch, mode, rng if seed is not None else None)
-            trials += 1
-            link = scratch / "last.ckpt"
-            problem = None
-            try:
-                target = os.readlink(link)
-                info = stagesave.verify(link)
-                step = stagesave.load(link)["step"]
-            except Exception as exc:  # noqa: BLE001 - any failure is a violation
-                problem = f"last.ckpt unusable: {type(exc).__name__}: {exc}"
-            else:
-                want = {"durable": 2 if k >= commit else 1, "eager": 2 if k >= publish else 1}.get(mode)
-                if info.status != "verified" or target not in ("s1.ckpt", "s2.ckpt"):
-                    problem = f"last.ckpt -> {target} is {info.status}"
-                elif step != int(target[1]):
-                    problem = f"last.ckpt -> {target} loads step {step}"
-                elif want is not None and step != want:
-                    problem = f"last.ckpt is step {step}, expected {want} ({mode})"
-            if problem:
-                violations.append(f"after op {k} ({rec.ops[k].kind if k >= 0 else '-'}) {mode}{seed}: {problem}")
+
+    def check(scratch, k: int, mode: str) -> str | None:
+        link = scratch / "last.ckpt"
+        try:
+            target = os.readlink(link)
+            info = stagesave.verify(link)
+            step = stagesave.load(link)["step"]
+        except Exception as exc:  # noqa: BLE001 - any failure is a violation
+            return f"last.ckpt unusable: {type(exc).__name__}: {exc}"
+        want = {"durable": 2 if k >= commit else 1, "eager": 2 if k >= publish else 1}.get(mode)
+        if info.status != "verified" or target not in ("s1.ckpt", "s2.ckpt"):
+            return f"last.ckpt -> {target} is {info.status}"
+        if step != int(target[1]):
+            return f"last.ckpt -> {target} loads step {step}"
+        if want is not None and step != want:
+            return f"last.ckpt is step {step}, expected {want} ({mode})"
+        return None
+
+    trials, violations = _replay_four_views(tmp_path, model, rec.ops, "link", check)
     faultstats.record("power loss at every op (recording fs)", trials, len(violations))
     assert not violations, "\n".join(violations[:10])
 
@@ -272,29 +283,21 @@ def test_power_loss_during_an_export(tmp_path, replace):
     publish = rename_to(rec.ops, 0, len(rec.ops), str(out))
     commit = fsync_dir_after(rec.ops, publish, str(base / "out"))
     assert 0 <= publish < commit
-    rng = random.Random("export")
-    scratch = tmp_path / "after-power-loss"
-    trials, violations = 0, []
-    for k in range(-1, len(rec.ops)):
-        if k >= 0:
-            model.apply(rec.ops[k])
-        for mode, seed in [("durable", None), ("eager", None), ("random", 0), ("random", 1)]:
-            shutil.rmtree(scratch, ignore_errors=True)
-            model.materialize(scratch, mode, rng if seed is not None else None)
-            trials += 1
-            got = scratch / "out" / "model.ckpt"
-            data = got.read_bytes() if got.exists() else None
-            want_new = {"durable": k >= commit, "eager": k >= publish}.get(mode)
-            problem = None
-            if data not in (source, old):
-                problem = "the export holds bytes of no version"
-            elif data is not None and stagesave.verify(got).status != "verified":
-                problem = "the export does not verify on its own"
-            elif want_new is True and data != source:
-                problem = "the committed export is not there"
-            elif want_new is False and data == source:
-                problem = "the export appeared before it was published"
-            if problem:
-                violations.append(f"after op {k} {mode}{seed}: {problem}")
+
+    def check(scratch, k: int, mode: str) -> str | None:
+        got = scratch / "out" / "model.ckpt"
+        data = got.read_bytes() if got.exists() else None
+        want_new = {"durable": k >= commit, "eager": k >= publish}.get(mode)
+        if data not in (source, old):
+            return "the export holds bytes of no version"
+        if data is not None and stagesave.verify(got).status != "verified":
+            return "the export does not verify on its own"
+        if want_new is True and data != source:
+            return "the committed export is not there"
+        if want_new is False and data == source:
+            return "the export appeared before it was published"
+        return None
+
+    trials, violations = _replay_four_views(tmp_path, model, rec.ops, "export", check)
     faultstats.record("power loss at every op (recording fs)", trials, len(violations))
     assert not violations, "\n".join(violations[:10])
