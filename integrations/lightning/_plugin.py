@@ -18,16 +18,25 @@ import pathlib
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from typing_extensions import override
 
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.utilities import rank_zero_info
-from stagesave import Checkpointer, ClosedError, SaveHandle, SaveTelemetry
+from stagesave import (
+    Checkpointer,
+    CheckpointNotFoundError,
+    ClosedError,
+    SaveHandle,
+    SaveTelemetry,
+    _inflight,
+)
 
 from ._links import LinkKeeper, install_link_hook
+from ._trainer_hooks import install_trainer_hooks
 
 __all__ = ["LIGHTNING_SAFE_GLOBALS", "StagedCheckpointIO", "find_plugin"]
 
@@ -153,6 +162,7 @@ class StagedCheckpointIO(CheckpointIO):
         # query before a fork-based launcher starts its workers).
         self._new_checkpointer(pinned=False).close()
         install_link_hook(find_plugin)
+        install_trainer_hooks(find_plugin)
 
     def _init_runtime(self) -> None:
         self._lock = threading.RLock()
@@ -161,6 +171,8 @@ class StagedCheckpointIO(CheckpointIO):
         self._handles: dict[str, SaveHandle] = {}
         self._last_save_failed = False  # written and read on the writer thread only
         self._telemetry: collections.deque[SaveTelemetry] = collections.deque(maxlen=TELEMETRY_BACKLOG)
+        self._mode = threading.local()  # per thread: is the save being made inside the fit loop?
+        self._async_active = False  # an asynchronous save was made since the last teardown
 
     # ------------------------------------------------------------------ the core, on demand
     @property
@@ -242,12 +254,21 @@ class StagedCheckpointIO(CheckpointIO):
                 )
             metadata.update(storage_options.get("metadata") or {})
         target = os.fspath(path)
+        asynchronous = self._asynchronous()
         handle = self.checkpointer.save(checkpoint, target, metadata=metadata)
         self.track(target, handle)
-        if os.path.basename(target).startswith(HPC_CHECKPOINT_PREFIX):
-            # Lightning's SLURM auto-requeue saves this and requeues the job at once: the
-            # checkpoint must be durable before the job can be killed.
+        if asynchronous:
+            with self._lock:
+                self._async_active = True
+            if os.path.basename(target).startswith(HPC_CHECKPOINT_PREFIX):
+                # Lightning's SLURM auto-requeue saves this and requeues the job at once: the
+                # checkpoint must be durable before the job can be killed.
+                handle.result()
+            return
+        try:
             handle.result()
+        finally:
+            self._release_if_idle()
 
     @override
     def load_checkpoint(
@@ -273,12 +294,17 @@ class StagedCheckpointIO(CheckpointIO):
             update = self._links.update_of(target)
             if update is not None:
                 update.exception()  # the link moves only once its target is committed
-        return self.checkpointer.load(  # type: ignore[no-any-return]
-            target,
-            "cpu" if map_location is None else map_location,
-            verify=self.verify_on_load,
-            trusted=weights_only is False,
-        )
+        try:
+            return self.checkpointer.load(  # type: ignore[no-any-return]
+                target,
+                "cpu" if map_location is None else map_location,
+                verify=self.verify_on_load,
+                trusted=weights_only is False,
+            )
+        except CheckpointNotFoundError as exc:
+            raise CheckpointNotFoundError(f"Checkpoint file not found: {target}") from exc  # Lightning's words
+        finally:
+            self._release_if_idle()
 
     @override
     def remove_checkpoint(self, path: Any) -> None:
@@ -292,6 +318,12 @@ class StagedCheckpointIO(CheckpointIO):
         """
         target = os.fspath(path)
         ckpt = self.checkpointer
+        if getattr(self._mode, "asynchronous", None) is False:  # outside the fit loop: now
+            try:
+                ckpt.remove(target).result()
+            finally:
+                self._release_if_idle()
+            return
         if "://" not in target and self._links.remove(ckpt, target):
             return
         ckpt.run_after(lambda: self._remove_unless_a_save_failed(ckpt, target),
@@ -307,6 +339,51 @@ class StagedCheckpointIO(CheckpointIO):
             ckpt.remove(target)  # queued now; runs after what was submitted meanwhile
         except (ClosedError, RuntimeError):
             log.info("stagesave: kept %s: the plugin was closed before its removal", target)
+
+    # ------------------------------------------------------------------ when a save is asynchronous
+    @contextmanager
+    def saving(self, *, asynchronous: bool) -> Iterator[None]:
+        """Saves made on this thread inside the block are asynchronous (``True``: the fit loop
+        runs and hides the write) or return once committed (``False``: nothing to overlap).
+
+        The plugin's ``Trainer.save_checkpoint`` hook sets this for every trainer save; a save
+        made without it (Fabric, a direct call) is asynchronous.
+        """
+        previous = getattr(self._mode, "asynchronous", None)
+        self._mode.asynchronous = asynchronous
+        try:
+            yield
+        finally:
+            self._mode.asynchronous = previous
+
+    def _asynchronous(self) -> bool:
+        return getattr(self._mode, "asynchronous", None) is not False
+
+    def will_exist(self, path: Any) -> bool | None:
+        """Whether ``path`` will exist once the operations pending on it in this process ran
+        (``True``: its last pending operation is a save; ``False``: a removal); ``None`` when
+        nothing is pending on it (ask the filesystem)."""
+        ops = [h for h in _inflight.pending(_key(os.fspath(path))) if h.kind in ("save", "remove")]
+        return None if not ops else ops[-1].kind == "save"
+
+    def _release_if_idle(self) -> None:
+        """Outside a run (no asynchronous save since the last teardown): end the threads and
+        free the staging buffers now, as ``teardown`` does, so that saves and loads between or
+        after runs leave nothing behind. Errors are raised unless one is already propagating."""
+        with self._lock:
+            if self._async_active or self._ckpt is None:
+                return
+            ckpt, self._ckpt = self._ckpt, None
+            links, self._links = self._links, LinkKeeper()
+        errors = _flush_and_close(ckpt, links, None)
+        links.kept()
+        if not errors:
+            return
+        if sys.exc_info()[1] is not None:
+            for exc in errors:
+                log.error("stagesave: while another error was propagating: %s", exc)
+            return
+        raise errors[0]
 
     def track(self, path: Any, handle: SaveHandle) -> None:
         """Record ``handle`` as the pending save of ``path`` (a link to ``path`` made later
@@ -353,6 +430,7 @@ class StagedCheckpointIO(CheckpointIO):
         with self._lock:
             ckpt, self._ckpt = self._ckpt, None
             links, self._links = self._links, LinkKeeper()
+            self._async_active = False
         errors = _flush_and_close(ckpt, links, deadline)
         links.kept()
         if in_flight is None and not errors:
@@ -401,14 +479,17 @@ class StagedCheckpointIO(CheckpointIO):
         """Path of the newest valid checkpoint in ``dirpath`` (after this plugin's pending
         saves), or ``None``; use it as ``trainer.fit(ckpt_path=...)``."""
         self.wait()
-        info = self.checkpointer.latest(os.fspath(dirpath), verify=verify)
+        try:
+            info = self.checkpointer.latest(os.fspath(dirpath), verify=verify)
+        finally:
+            self._release_if_idle()
         return None if info is None else info.path
 
     # ------------------------------------------------------------------ pickling
     def __getstate__(self) -> dict[str, Any]:
         # Configuration only: threads, buffers and pending saves stay with the original.
         state = self.__dict__.copy()
-        for runtime in ("_lock", "_ckpt", "_links", "_handles", "_telemetry"):
+        for runtime in ("_lock", "_ckpt", "_links", "_handles", "_telemetry", "_mode", "_async_active"):
             state.pop(runtime, None)
         return state
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from . import _inflight
 from ._background import JobQueue
 from ._checksum import DEFAULT_ALGORITHM, check_algorithm
 from ._commit import commit_file, commit_folder, remove_checkpoint, restore_aside, retain
@@ -283,7 +284,6 @@ class Checkpointer:
         self._pool = BufferPool(max_pending, pinned)
         self._queue: JobQueue | None = None
         self._lock = threading.Lock()
-        self._pending: dict[str, list[SaveHandle]] = {}
         self._failed: list[SaveHandle] = []
         self._closed = False
         _live.add(self)
@@ -330,8 +330,7 @@ class Checkpointer:
         tel.blocking_s = time.perf_counter() - t_start
         handle = SaveHandle(tel.path, tel)
         key = tel.path
-        with self._lock:
-            self._pending.setdefault(key, []).append(handle)
+        self._track(key, handle)
         t_submit = t_start
 
         def give_back() -> None:
@@ -565,8 +564,7 @@ class Checkpointer:
         tel.blocking_s = time.perf_counter() - t_start
         handle = SaveHandle(tel.path, tel)
         key = tel.path
-        with self._lock:
-            self._pending.setdefault(key, []).append(handle)
+        self._track(key, handle)
         to_write = []
         for base, (fname, image), crcs in zip(bases, planned, all_crcs):
             cap = (image.size + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
@@ -655,7 +653,8 @@ class Checkpointer:
         return {"token": "f" * 32, "carrier": "x" * 255, "members": members, "listed": listed}
 
     def remove(self, path: str | os.PathLike[str]) -> SaveHandle:
-        """Delete a checkpoint after every save submitted before this call.
+        """Delete a checkpoint after every save submitted before this call (by any Checkpointer
+        of this process, for that path).
 
         Returns a handle; ``result()`` waits for the removal.
         """
@@ -664,17 +663,19 @@ class Checkpointer:
         tel = SaveTelemetry(path=store.describe(name), started_at=time.time())
         handle = SaveHandle(tel.path, tel, kind="remove")
         key = tel.path
+        before = _inflight.pending(key)  # other instances' saves of this path come first
 
         def job() -> None:
             error: BaseException | None = None
             try:
+                for earlier in before:
+                    earlier.exception()
                 remove_checkpoint(store, name)
             except BaseException as exc:  # noqa: BLE001
                 error = _as_checkpoint_error(exc, f"removing checkpoint {tel.path} failed")
             self._finish(key, handle, error)
 
-        with self._lock:
-            self._pending.setdefault(key, []).append(handle)
+        self._track(key, handle)
         self._submit(job, handle, key)
         return handle
 
@@ -729,13 +730,15 @@ class Checkpointer:
     def _new_queue(self) -> JobQueue:
         return JobQueue(io_threads=self.io_threads)
 
-    def _forget(self, key: str, handle: SaveHandle) -> None:
-        """Drop ``handle`` from the pending operations of ``key`` (hold ``self._lock``)."""
-        lst = self._pending.get(key, [])
-        if handle in lst:
-            lst.remove(handle)
-        if not lst:
-            self._pending.pop(key, None)
+    @staticmethod
+    def _track(key: str, handle: SaveHandle) -> None:
+        """Show ``handle`` as pending on ``key`` to the whole process until it finishes."""
+        _inflight.register(key, handle)
+
+    @staticmethod
+    def _forget(key: str, handle: SaveHandle) -> None:
+        """Drop ``handle`` from the pending operations of ``key``."""
+        _inflight.forget(key, handle)
 
     def _finish(self, key: str, handle: SaveHandle, error: BaseException | None) -> None:
         with self._lock:
@@ -783,11 +786,11 @@ class Checkpointer:
         q = self._queue
         return q.pending() if q is not None else 0
 
-    def _wait_path(self, key: str, timeout: float | None = None) -> None:
-        with self._lock:
-            handles = list(self._pending.get(key, []))
-        for h in handles:
-            h.exception(timeout)
+    @staticmethod
+    def _wait_path(key: str, timeout: float | None = None) -> None:
+        """Wait for the saves and removals of ``key`` (or of a folder holding it) pending in
+        this process, whichever Checkpointer submitted them."""
+        _inflight.wait_path(key, timeout)
 
     def _raise_failures(self) -> None:
         with self._lock:
@@ -971,7 +974,7 @@ class Checkpointer:
         :meth:`verify` or :meth:`latest` reads the whole proof).
         """
         store = self._targets.dir_store(root)
-        self.wait_quietly()
+        self._wait_listing(store)
         return scan(store)
 
     def latest(self, root: str | os.PathLike[str] | None = None, *, verify: bool = False) -> CheckpointInfo | None:
@@ -982,7 +985,7 @@ class Checkpointer:
         one passes.
         """
         store = self._targets.dir_store(root)
-        self.wait_quietly()
+        self._wait_listing(store)
         try:
             with store.commit_lock(""):
                 restore_aside(store, "")
@@ -1009,6 +1012,12 @@ class Checkpointer:
                 return checked
             return info
         return None
+
+    def _wait_listing(self, store: Store) -> None:
+        """Before listing ``store``'s directory: wait for this instance's queue (link updates
+        and actions included) and for every save and removal pending inside it in the process."""
+        self.wait_quietly()
+        _inflight.wait_under(store.describe(""))
 
     def wait_quietly(self) -> None:
         """Wait for pending work without raising (errors stay queued for the next call)."""

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning_helpers import StepBatches, TinyModel, WriterGate, make_trainer
@@ -87,19 +88,37 @@ def test_save_checkpoint_positional_and_keyword_with_metadata(tmp_path: Path) ->
     io.teardown()
 
 
-def test_wait_is_the_barrier_before_reading_files_directly(tmp_path: Path, gate: WriterGate) -> None:
+def test_wait_is_the_barrier_inside_the_fit_loop(tmp_path: Path, gate: WriterGate) -> None:
+    # Inside fit a save is asynchronous: code that reads the file behind the plugin's back
+    # first calls wait(trainer) (== trainer.strategy.checkpoint_io.wait()).
+    seen: dict[str, Any] = {}
+
+    class ReadsTheFile(Callback):
+        def on_train_end(self, trainer: Trainer, pl_module: Any) -> None:
+            trainer.save_checkpoint(tmp_path / "first.ckpt")
+            assert gate.entered.wait(30)  # the writer is held after committing first.ckpt
+            trainer.save_checkpoint(tmp_path / "manual.ckpt")
+            seen["pending"] = not (tmp_path / "manual.ckpt").exists()
+            threading.Timer(0.2, gate.open).start()
+            wait(trainer)
+            seen["step"] = torch.load(tmp_path / "manual.ckpt", weights_only=True)["global_step"]
+
     io = StagedCheckpointIO(telemetry_callback=gate, max_pending=8)
+    trainer = make_trainer(tmp_path, [io], [ReadsTheFile()], max_steps=2, enable_checkpointing=False)
+    trainer.fit(TinyModel(), StepBatches())
+    assert seen == {"pending": True, "step": 2}
+
+
+def test_saves_outside_fit_return_committed_and_leave_no_threads(tmp_path: Path) -> None:
+    io = StagedCheckpointIO()
     trainer = make_trainer(tmp_path, [io], max_steps=2, enable_checkpointing=False)
     model = TinyModel()
-    trainer.fit(model, StepBatches())  # teardown flushed; the plugin is reusable afterwards
-    io.save_checkpoint({"x": torch.ones(1)}, tmp_path / "first.ckpt")
-    assert gate.entered.wait(30)
-    trainer.save_checkpoint(tmp_path / "manual.ckpt")
-    assert not (tmp_path / "manual.ckpt").exists()  # still being written
-    threading.Timer(0.2, gate.open).start()
-    wait(trainer)  # == trainer.strategy.checkpoint_io.wait()
-    assert torch.load(tmp_path / "manual.ckpt", weights_only=True)["global_step"] == 2
-    io.teardown()
+    trainer.fit(model, StepBatches())
+    assert _stagesave_threads() == []  # teardown ended them
+    trainer.save_checkpoint(tmp_path / "final.ckpt")  # after fit: nothing to overlap
+    assert torch.load(tmp_path / "final.ckpt", weights_only=True)["global_step"] == 2
+    assert stagesave.verify(str(tmp_path / "final.ckpt")).status == "verified"
+    assert _stagesave_threads() == []  # and nothing kept for it
 
 
 def test_teardown_joins_threads_and_the_plugin_is_reusable(tmp_path: Path) -> None:
@@ -109,7 +128,7 @@ def test_teardown_joins_threads_and_the_plugin_is_reusable(tmp_path: Path) -> No
     trainer.fit(TinyModel(), StepBatches())
     assert _stagesave_threads() == []
     trainer.validate(TinyModel(), StepBatches(n=2), verbose=False)
-    io.save_checkpoint({"x": torch.ones(1)}, tmp_path / "again.ckpt")
+    io.save_checkpoint({"x": torch.ones(1)}, tmp_path / "again.ckpt")  # no trainer: asynchronous
     assert _stagesave_threads() != []
     io.teardown()
     assert _stagesave_threads() == []
@@ -200,7 +219,8 @@ def test_paths_and_namespaces_in_hyperparameters_load_safely(tmp_path: Path) -> 
 
 
 def test_loading_a_missing_checkpoint_is_file_not_found(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match="no checkpoint at"):
+    # Lightning's TorchCheckpointIO words, which Lightning's own callers and tests match
+    with pytest.raises(FileNotFoundError, match=f"^Checkpoint file not found: {tmp_path / 'nope.ckpt'}$"):
         StagedCheckpointIO().load_checkpoint(tmp_path / "nope.ckpt")
 
 

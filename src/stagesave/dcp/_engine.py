@@ -68,8 +68,7 @@ class Engine:
 
     def submit(self, job: Callable[[], None], handle: SaveHandle) -> None:
         """Queue ``job`` behind every earlier save and removal of the checkpointer."""
-        with self.ckpt._lock:
-            self.ckpt._pending.setdefault(handle.path, []).append(handle)
+        self.ckpt._track(handle.path, handle)
         self.ckpt._submit(job, handle, handle.path)
 
     # ------------------------------------------------------------ background thread

@@ -1,0 +1,76 @@
+"""What the plugin learns from the ``Trainer``: whether a save sits inside the fit loop, and
+what ``ModelCheckpoint`` should believe exists.
+
+``CheckpointIO.save_checkpoint`` is not told who calls it. A save made while ``fit`` runs has
+training to hide behind; any other save (after ``fit`` returned, from ``validate``/``test``/
+``predict``, from user code between runs) has nothing to overlap, and the caller usually reads,
+copies or uploads the file next. So ``Trainer.save_checkpoint`` is wrapped, for trainers whose IO
+is the plugin only, to tell the plugin which of the two it is (``StagedCheckpointIO.saving``).
+
+``ModelCheckpoint.file_exists`` decides version suffixes (``name-v1.ckpt``) by asking the
+filesystem; a checkpoint whose save is still pending is not there yet, so the callback would
+overwrite it instead of versioning. The wrapped method also counts a pending save as existing
+(and a pending removal as gone). Trainers without the plugin get Lightning's methods unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["in_fit_loop", "install_trainer_hooks"]
+
+_MARK = "__stagesave_hook__"
+
+
+def in_fit_loop(trainer: Any) -> bool:
+    """Whether ``trainer`` is inside ``fit`` (training, validating or in its end hooks)."""
+    from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+
+    state = trainer.state
+    return bool(state.fn == TrainerFn.FITTING and state.status == TrainerStatus.RUNNING)
+
+
+def _wrap(owner: type, name: str, make: Callable[[Any], Any]) -> None:
+    original = owner.__dict__.get(name)
+    if original is None or getattr(original, _MARK, False):
+        return
+    wrapper = functools.wraps(original)(make(original))
+    setattr(wrapper, _MARK, True)
+    setattr(owner, name, wrapper)
+
+
+def install_trainer_hooks(find_plugin: Callable[[Any], Any]) -> None:
+    """Wrap ``Trainer.save_checkpoint`` and ``ModelCheckpoint.file_exists`` (once per process).
+
+    ``find_plugin(trainer)`` returns the trainer's ``StagedCheckpointIO`` or ``None``.
+    """
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks.model_checkpoint import ModelCheckpoint
+
+    def make_save(original: Any) -> Any:
+        def save_checkpoint(self: Any, filepath: Any, weights_only: Any = None, storage_options: Any = None) -> None:
+            plugin = find_plugin(self)
+            if plugin is None:
+                return original(self, filepath, weights_only, storage_options)  # type: ignore[no-any-return]
+            with plugin.saving(asynchronous=in_fit_loop(self)):
+                return original(self, filepath, weights_only, storage_options)  # type: ignore[no-any-return]
+
+        return save_checkpoint
+
+    def make_exists(original: Any) -> Any:
+        def file_exists(self: Any, filepath: Any, trainer: Any) -> bool:
+            plugin = find_plugin(trainer)
+            if plugin is None:
+                return original(self, filepath, trainer)  # type: ignore[no-any-return]
+            local = False
+            if trainer.is_global_zero:
+                expected = plugin.will_exist(filepath)
+                local = self._fs.exists(filepath) if expected is None else expected
+            return bool(trainer.strategy.reduce_boolean_decision(local, all=False))
+
+        return file_exists
+
+    _wrap(Trainer, "save_checkpoint", make_save)
+    _wrap(ModelCheckpoint, "file_exists", make_exists)
