@@ -211,8 +211,10 @@ def describe_directory(dirpath: str) -> None:
     if not found:
         print(f"  {dirpath}: no checkpoints")
     for c in found:
-        step = (c.manifest.metadata.get("global_step") if c.manifest else None)
-        print(f"  {c.status:11s} {os.path.basename(c.path):28s} step {step}")
+        # A listing reads each file's summary only; its proof (with the step) is read to verify it.
+        checked = stagesave.verify(c.path) if c.valid else c
+        step = checked.manifest.metadata.get("global_step") if checked.manifest else None
+        print(f"  {checked.status:11s} {os.path.basename(c.path):28s} step {step}")
     if "://" not in dirpath and os.path.isdir(dirpath):
         for leftover in sorted(n for n in os.listdir(dirpath) if stagesave.is_temporary(n)):
             print(f"  {'torn':11s} {leftover}  (interrupted write: never committed, ignored)")
@@ -235,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--data", type=Path, default=DATA)
     p.add_argument("--sample", type=int, default=160, help="characters to generate at the end (0: none)")
+    p.add_argument("--no-telemetry", action="store_true",
+                   help="do not append save telemetry to stagesave-telemetry.jsonl in a local --dir")
     args = p.parse_args(argv)
 
     seed_everything(args.seed, workers=True, verbose=False)
@@ -245,7 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     model = CharLM(vocab, args.seq_len, args.d_model, args.layers, lr=args.lr, max_steps=args.max_steps)
 
     saves: list[SaveTelemetry] = []
-    plugin = StagedCheckpointIO(telemetry_callback=saves.append)
+    # telemetry_jsonl=True: one JSON line per save in stagesave-telemetry.jsonl beside the
+    # checkpoints (local directories only), which `stagesave report DIR` summarizes and draws.
+    plugin = StagedCheckpointIO(telemetry_callback=saves.append, telemetry_jsonl=not args.no_telemetry)
     callbacks: list[Callback] = [
         ModelCheckpoint(dirpath=args.dir, filename="{step:05d}", every_n_train_steps=args.every,
                         save_top_k=args.save_top_k, monitor="step", mode="max", save_last=True),
@@ -276,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(saves)} checkpoints of {saves[-1].bytes / 2**20:.1f} MiB: training waited "
               f"{1000 * blocking[len(blocking) // 2]:.1f} ms per save (median), the background "
               f"committed each in {1000 * commit[len(commit) // 2]:.0f} ms")
+    if saves and not args.no_telemetry and "://" not in args.dir:
+        print(f"telemetry of every save: stagesave report {args.dir}")
     if args.sample:
         print("sample:", repr(model.sample("The keeper ", args.sample, seed=args.seed)))
     result = {"start": resume, "final_step": trainer.global_step, "wall_s": round(wall, 2),
