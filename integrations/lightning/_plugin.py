@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 from typing_extensions import override
 
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
@@ -173,6 +174,7 @@ class StagedCheckpointIO(CheckpointIO):
         self._telemetry: collections.deque[SaveTelemetry] = collections.deque(maxlen=TELEMETRY_BACKLOG)
         self._mode = threading.local()  # per thread: is the save being made inside the fit loop?
         self._async_active = False  # an asynchronous save was made since the last teardown
+        self._warned_replaced_save = False
 
     # ------------------------------------------------------------------ the core, on demand
     @property
@@ -254,6 +256,9 @@ class StagedCheckpointIO(CheckpointIO):
                 )
             metadata.update(storage_options.get("metadata") or {})
         target = os.fspath(path)
+        if torch.save is not torch.serialization.save:
+            self._save_through_replaced_torch_save(checkpoint, path)
+            return
         asynchronous = self._asynchronous()
         handle = self.checkpointer.save(checkpoint, target, metadata=metadata)
         self.track(target, handle)
@@ -269,6 +274,21 @@ class StagedCheckpointIO(CheckpointIO):
             handle.result()
         finally:
             self._release_if_idle()
+
+    def _save_through_replaced_torch_save(self, checkpoint: dict[str, Any], path: Any) -> None:
+        """``torch.save`` was replaced in this process (a monkeypatch, a test's mock): honour it
+        as Lightning's own IO would. The save is made by Lightning's ``TorchCheckpointIO``
+        through the replacement, synchronously and without stagesave's proof, after this
+        plugin's pending work; a warning says so once per plugin."""
+        from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+        if not self._warned_replaced_save:
+            self._warned_replaced_save = True
+            log.warning("stagesave: torch.save is replaced by %r in this process; checkpoints are written "
+                        "through it by Lightning's TorchCheckpointIO (synchronously, without stagesave's "
+                        "proof) while it stays replaced", torch.save)
+        self.wait()
+        TorchCheckpointIO().save_checkpoint(checkpoint, path)
 
     @override
     def load_checkpoint(
@@ -318,7 +338,10 @@ class StagedCheckpointIO(CheckpointIO):
         """
         target = os.fspath(path)
         ckpt = self.checkpointer
-        if getattr(self._mode, "asynchronous", None) is False:  # outside the fit loop: now
+        with self._lock:
+            queued = self._async_active
+        if not queued or getattr(self._mode, "asynchronous", None) is False:
+            # no asynchronous save to stay behind (outside a run): remove it now
             try:
                 ckpt.remove(target).result()
             finally:

@@ -363,7 +363,8 @@ def _plan_torch_file(state: Any) -> FileImage:
     with aligned:
         try:
             with torch.serialization.skip_data():
-                torch.save(state, cast(IO[bytes], sink), pickle_module=_recording_pickle_module(found))
+                # torch's own function even when ``torch.save`` is monkeypatched (a mock writes nothing)
+                torch.serialization.save(state, cast(IO[bytes], sink), pickle_module=_recording_pickle_module(found))
         except (pickle.PicklingError, TypeError, AttributeError, RuntimeError) as exc:
             where = _describe_unpicklable(state, exc)
             raise UnsupportedObjectError(
