@@ -2,7 +2,9 @@
 
 Everything is local: the model is built here (a character-level decoder-only transformer with
 tied embeddings), the corpus is generated here, nothing is downloaded. The loop is a plain
-Accelerate loop; the only stagesave line is ``stagesave.accelerate.enable(accelerator)``.
+Accelerate loop; the only stagesave line is ``stagesave.accelerate.enable(accelerator, ...)``.
+Each save's telemetry goes to ``<output>/stagesave-telemetry.jsonl`` (``--no-telemetry`` turns it
+off): ``stagesave report <output>`` draws the run's timeline.
 
 Run it, crash it, run it again::
 
@@ -18,6 +20,11 @@ At the kill, the checkpoint of that step was staged but maybe not committed yet:
 appears, and the next run resumes from the one before (every folder under
 ``<output>/checkpoints`` is complete and verified), replays the lost steps and ends with exactly
 the weights of a run that never crashed: the last line prints their SHA-256 so you can compare.
+
+The ``save_state()`` calls inside the loop return once the state is staged; the run ends with
+``accelerator.end_training()``, which commits what is still pending and gives stagesave's threads
+and buffers back before Accelerate destroys the process group. The script then leaves through
+normal interpreter shutdown, with one or several processes.
 """
 
 from __future__ import annotations
@@ -29,7 +36,6 @@ import math
 import os
 import random
 import signal
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -158,6 +164,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-telemetry", action="store_true",
+                   help="do not record <output>/stagesave-telemetry.jsonl (read by `stagesave report <output>`)")
     return p.parse_args(argv)
 
 
@@ -170,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
         ),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
     )
-    ckpt = stagesave.accelerate.enable(accelerator)  # the one stagesave line
+    stagesave.accelerate.enable(accelerator, telemetry_jsonl=not args.no_telemetry)  # the one stagesave line
     set_seed(args.seed)
 
     text = make_corpus(3000, seed=1234)
@@ -226,7 +234,9 @@ def main(argv: list[str] | None = None) -> None:
             if progress.step >= args.steps:
                 break
 
-    ckpt.wait()  # every checkpoint committed (errors of background saves would raise here)
+    # Every checkpoint committed (a failed background save raises here), stagesave's threads and
+    # buffers given back, then Accelerate's own end: trackers finished, process group destroyed.
+    accelerator.end_training()
     digest = weights_sha256(accelerator.unwrap_model(model))
     if accelerator.is_main_process:
         result = {"step": progress.step, "loss": loss_value, "weights_sha256": digest,
@@ -234,16 +244,8 @@ def main(argv: list[str] | None = None) -> None:
         with open(os.path.join(args.output, "result.json"), "w", encoding="utf-8") as f:
             json.dump(result, f)
         print(f"done: step {progress.step} loss {loss_value:.4f} weights sha256 {digest}")
-    accelerator.end_training()
-    if accelerator.num_processes > 1 and torch.distributed.is_available() and not torch.cuda.is_available():
-        # Work around a teardown deadlock of torch's gloo backend (seen with torch 2.13, CPU
-        # processes): when the DDP model is freed on return, ProcessGroupGloo's destructor joins
-        # its worker threads while holding the GIL, and a worker still releasing the tensors of a
-        # finished collective waits for the GIL. Everything is committed (ckpt.wait() above) and
-        # written: leave without tearing down.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        if not args.no_telemetry:
+            print(f"timeline of the saves: stagesave report {args.output}")
 
 
 if __name__ == "__main__":

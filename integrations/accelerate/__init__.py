@@ -1,7 +1,10 @@
 """stagesave for Hugging Face Accelerate (``pip install 'stagesave[accelerate]'``).
 
-One line makes the user's unchanged ``accelerator.save_state()`` return after one copy into host
-memory, and ``accelerator.load_state()`` resume from the newest valid checkpoint::
+One line makes the user's unchanged ``accelerator.save_state()`` inside the training loop return
+after one copy into host memory (outside training, with no optimizer step since the previous save
+or load, it returns committed), ``accelerator.load_state()`` resume from the newest valid
+checkpoint, and ``accelerator.end_training()`` commit what is pending and give stagesave's threads
+and buffers back::
 
     accelerator = Accelerator(project_config=ProjectConfiguration(
         project_dir="runs/x", automatic_checkpoint_naming=True, total_limit=3))

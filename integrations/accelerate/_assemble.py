@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 from stagesave import SaveHandle
 from stagesave import _fsops as fsops
-from stagesave._commit import _rename_into_place, restore_aside
+from stagesave._commit import _rename_into_place, restore_aside, retain
 from stagesave._local import LocalStore
 from stagesave.errors import CheckpointError, StorageError
 
@@ -161,6 +161,18 @@ def publish(a: Assembly, after: Callable[[], None]) -> None:
     if error is not None:
         raise CheckpointError(f"the FSDP checkpoint {a.target} was not published: {error}") from error
     after()
+
+
+def keep_newest(root: str, keep: int | None) -> None:
+    """After a publish (rank 0's writer thread): keep the ``keep`` newest committed checkpoints in
+    ``root`` (``None``: all), with the core's own retention pass, under the root's commit lock.
+
+    Not through ``stagesave.list_checkpoints``: a listing waits for every save pending in the
+    root, and the next save's DCP parts (whose work folder sits in the root, beside its target)
+    are queued behind this very job.
+    """
+    if keep is not None:
+        retain(LocalStore(root), "", keep)
 
 
 def discard(work: str, world: int, timeout_s: float) -> None:

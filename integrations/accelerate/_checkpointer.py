@@ -1,7 +1,8 @@
 """``AcceleratorCheckpointer``: Accelerate's ``save_state``/``load_state`` through stagesave.
 
 ``save_state`` gathers exactly what Accelerate would write (``_layout.py``), hands it to
-``Checkpointer.save_dir`` and returns once it is staged in host memory; the folder appears only
+``Checkpointer.save_dir`` and returns once it is staged in host memory when it sits inside a
+training loop (``_training.py``), once committed otherwise; the folder appears only
 when every file, each with its proof inside, is durable (it holds exactly Accelerate's files:
 one of them, the carrier, also proves the set of files and records the save's
 ``{"accelerate": {...}}`` metadata). Under FSDP (``SHARDED_STATE_DICT``) every rank
@@ -24,25 +25,25 @@ import os
 import secrets
 import time
 import warnings
+import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import stagesave
 from stagesave import Checkpointer, CheckpointInfo, SaveHandle, SaveTelemetry, TieredStore
 from stagesave import _fsops as fsops
 
 from . import _dist, _fsdp, _remote
-from ._assemble import Assembly, discard, first_error, publish, write_ack
+from ._assemble import Assembly, discard, first_error, keep_newest, publish, write_ack
 from ._config import Options, is_switched_off, resolve_options
 from ._hooks import run_save_hooks
 from ._layout import METADATA_KEY, collect_rng_state, state_files
+from ._resources import Resources
 from ._restore import LoadPlan, discard_copy, parts_problems, plan_explicit, plan_newest
-from ._roots import AutoRoot, staging_dir_for
+from ._roots import AutoRoot
+from ._training import TrainingSignal
 
 if TYPE_CHECKING:
     from typing_extensions import Self
-
-    from stagesave.dcp import StagedStorageWriter
 
 __all__ = ["AcceleratorCheckpointer", "SynchronousFallbackWarning"]
 
@@ -53,6 +54,8 @@ CHECKPOINTS_DIR = "checkpoints"
 FOLDER_PREFIX = "checkpoint_"
 #: Marker in the names of work folders (as the core's temporaries, so ``stagesave gc`` knows them).
 _TMP = ".stagesave-tmp"
+#: The file ``telemetry_jsonl=True`` appends to, in ``project_dir`` (what ``stagesave report`` reads).
+TELEMETRY_FILE = "stagesave-telemetry.jsonl"
 
 #: What Accelerate needs from an ``Accelerator`` for the asynchronous path.
 _REQUIRED_ATTRS = (
@@ -93,8 +96,24 @@ def _fallback_reason(accelerator: Any, options: Options) -> str | None:
     return None
 
 
-def _nothing() -> None:
-    return None
+def _telemetry_target(accelerator: Any, options: Options) -> bool | str:
+    """Where the telemetry JSON lines go: a file path, or ``False``.
+
+    Raises:
+        ValueError: ``telemetry_jsonl=True`` for an Accelerator without ``project_dir``.
+    """
+    wanted = options.telemetry_jsonl
+    if wanted is False or wanted == "":
+        return False
+    if wanted is True:
+        project_dir = getattr(accelerator, "project_dir", None)
+        if project_dir is None:
+            raise ValueError(
+                f"telemetry_jsonl=True writes <project_dir>/{TELEMETRY_FILE}, and this Accelerator has no "
+                "project_dir: pass ProjectConfiguration(project_dir=...) or a file path as telemetry_jsonl"
+            )
+        return os.path.join(os.fspath(project_dir), TELEMETRY_FILE)
+    return os.fspath(wanted)
 
 
 def _check_options(options: Options) -> None:
@@ -130,18 +149,17 @@ class AcceleratorCheckpointer:
     """
 
     def __init__(self, accelerator: Any, *, options: Options | None = None, **overrides: Any) -> None:
-        self.accelerator = accelerator
+        # Held weakly: the Accelerator holds this object (``enable()``), never the reverse, so
+        # dropping the Accelerator frees it and the finalizers below give the threads back.
+        self._accelerator_ref = weakref.ref(accelerator)
         self.options = options if options is not None else resolve_options(overrides)
         _check_options(self.options)
-        cls = type(accelerator)
-        # The class's methods, bound: the real ones even when the instance is patched.
-        self._accelerate_save = cls.save_state.__get__(accelerator, cls)
-        self._accelerate_load = cls.load_state.__get__(accelerator, cls)
-        self._checkpointers: dict[str, Checkpointer] = {}
-        self._tiered: TieredStore | None = None
-        self._staging: dict[str, str | None] = {}
-        self._writer: StagedStorageWriter | None = None
+        # The class's methods: the real ones even when the instance is patched.
+        self._cls = type(accelerator)
+        self._res = Resources()
+        self._telemetry = _telemetry_target(accelerator, self.options)
         self.last_handle: SaveHandle | None = None
+        self._used = False
         self.synchronous_reason: str | None = None
         if is_switched_off():
             self.synchronous_reason = "switched off by STAGESAVE_ACCELERATE"
@@ -159,8 +177,34 @@ class AcceleratorCheckpointer:
         from accelerate.utils import DistributedType
 
         self._fsdp = self.asynchronous and accelerator.distributed_type == DistributedType.FSDP
+        self._training = TrainingSignal(accelerator)
+        for owner in (accelerator, self):  # whichever goes first gives the threads and buffers back
+            weakref.finalize(owner, self._res.close_quietly).atexit = False  # exit: the core's hook
 
     # ------------------------------------------------------------------ properties
+    @property
+    def accelerator(self) -> Any:
+        """The Accelerator this checkpointer serves.
+
+        Raises:
+            ReferenceError: it was garbage collected (this checkpointer has nothing left to save).
+        """
+        acc = self._accelerator_ref()
+        if acc is None:
+            raise ReferenceError("the Accelerator of this AcceleratorCheckpointer was garbage collected")
+        return acc
+
+    def _accelerate_save(self, *args: Any, **kwargs: Any) -> Any:
+        return self._cls.save_state(self.accelerator, *args, **kwargs)
+
+    def _accelerate_load(self, *args: Any, **kwargs: Any) -> Any:
+        return self._cls.load_state(self.accelerator, *args, **kwargs)
+
+    @property
+    def used(self) -> bool:
+        """Whether a save or load went through this checkpointer."""
+        return self._used
+
     @property
     def asynchronous(self) -> bool:
         """Whether saves go through stagesave (False: Accelerate's synchronous methods)."""
@@ -193,7 +237,7 @@ class AcceleratorCheckpointer:
     def tiered_store(self) -> TieredStore | None:
         """The :class:`stagesave.TieredStore` behind automatic naming with ``local_tier``
         (``None`` before the first use or without a local tier)."""
-        return self._tiered
+        return self._res.tiered
 
     def _writes(self) -> bool:
         acc = self.accelerator
@@ -204,7 +248,7 @@ class AcceleratorCheckpointer:
     def _checkpointer(self, kind: str = "plain") -> Checkpointer:
         """The Checkpointer for ``"auto"`` (automatic naming, with retention and the tiered
         root), ``"plain"`` (explicit folders) or ``"fsdp"`` (parts of FSDP checkpoints)."""
-        ckpt = self._checkpointers.get(kind)
+        ckpt = self._res.checkpointers.get(kind)
         if ckpt is None:
             o = self.options
             root: TieredStore | None = None
@@ -212,23 +256,19 @@ class AcceleratorCheckpointer:
             if kind == "auto":
                 keep = self.accelerator.project_configuration.total_limit
                 if o.local_tier is not None:
-                    root = self._tiered = TieredStore(
+                    root = self._res.tiered = TieredStore(
                         o.local_tier, self.checkpoints_root, storage_options=dict(o.storage_options),
                         keep_local=o.keep_local,
                     )
             ckpt = Checkpointer(
                 root, max_pending=o.max_pending, checksum=o.checksum, keep_last=keep, io_threads=o.io_threads,
                 direct_io=o.direct_io, storage_options=dict(o.storage_options),
-                device_staging=o.device_staging,
+                device_staging=o.device_staging, telemetry_jsonl=self._telemetry,
             )
-            self._checkpointers[kind] = ckpt
+            if isinstance(self._telemetry, str):
+                fsops.makedirs(os.path.dirname(os.path.abspath(self._telemetry)), exist_ok=True)
+            self._res.checkpointers[kind] = ckpt
         return ckpt
-
-    def _staging_dir(self, root: str) -> str | None:
-        """Where folders for the local automatic-naming ``root`` (or local tier) are assembled (cached)."""
-        if root not in self._staging:
-            self._staging[root] = staging_dir_for(root)
-        return self._staging[root]
 
     # ------------------------------------------------------------------ saving
     def save_state(
@@ -238,15 +278,19 @@ class AcceleratorCheckpointer:
         """Stage everything ``Accelerator.save_state`` saves and write it in the background.
 
         Same arguments as ``Accelerator.save_state``; ``output_dir`` may be an fsspec URL.
-        Returns the save's handle (its ``path`` is the folder; ``result()`` waits for its
-        commit), or ``None`` on processes that write no folder and when Accelerate's
+        Inside a training loop (an optimizer of this Accelerator stepped since the previous
+        ``save_state``/``load_state``) it returns once the state is staged; otherwise (and
+        unless ``sync_outside_training=False``) it returns only once this process's part is
+        committed, and raises a failure of the save there. Returns the save's handle (its ``path`` is the folder; ``result()`` waits for
+        its commit), or ``None`` on processes that write no folder and when Accelerate's
         synchronous method ran instead.
 
         Raises:
             ValueError: no ``output_dir`` without automatic naming; the automatic folder already
                 holds a valid checkpoint (as Accelerate refuses too); an FSDP save to a URL or
                 over an existing folder.
-            CheckpointError: an earlier background save failed; the target cannot be written.
+            CheckpointError: an earlier background save failed; the target cannot be written;
+                a save outside training failed to commit.
             UnsupportedObjectError: a state holds something stagesave cannot save.
         """
         if not self.asynchronous:
@@ -256,6 +300,9 @@ class AcceleratorCheckpointer:
         return handle
 
     def _save(self, output_dir: Any, safe_serialization: bool) -> tuple[str, SaveHandle | None]:
+        """Stage the save; wait for its commit unless it sits inside a training loop."""
+        in_training = self._training.consume()
+        self._used = True
         acc = self.accelerator
         config = acc.project_configuration
         automatic = bool(config.automatic_checkpoint_naming)
@@ -273,6 +320,8 @@ class AcceleratorCheckpointer:
         else:
             handle = self._save_replicated(target, automatic, iteration, safe_serialization)
         config.iteration = iteration + 1
+        if not in_training and self.options.sync_outside_training:
+            self.wait()  # nothing to overlap it with: return committed (and raise its failure here)
         return target, handle
 
     def _metadata(self, iteration: int, automatic: bool, safe_serialization: bool, **extra: Any) -> dict[str, Any]:
@@ -304,17 +353,13 @@ class AcceleratorCheckpointer:
             if not self._writes():
                 return None
             ckpt = self._checkpointer("auto" if automatic else "plain")
-            staging = None
             if automatic:
                 self._refuse_existing(ckpt, target, iteration)
-                local_root = self._auto.local_root
-                if local_root is not None:  # also with local_tier: outside what Accelerate lists
-                    staging = self._staging_dir(local_root)
             elif not _remote.is_url(target):
                 fsops.makedirs(os.path.dirname(target), exist_ok=True)
             files = {**hook_files, **state_files(acc, weights, safe, rng_states)}
-            handle = ckpt.save_dir(files, target, metadata=self._metadata(iteration, automatic, safe),
-                                   staging_dir=staging)
+            # assembled under a dot-name beside the target, renamed into place by the commit
+            handle = ckpt.save_dir(files, target, metadata=self._metadata(iteration, automatic, safe))
         self.last_handle = handle
         return handle
 
@@ -340,16 +385,17 @@ class AcceleratorCheckpointer:
         assert plan is not None
         work, replace_invalid = plan
         ckpt = self._checkpointer("fsdp")
-        if self._writer is None:
+        writer = self._res.writer
+        if writer is None:
             from stagesave.dcp import StagedStorageWriter  # only FSDP runs need torch's DCP
 
-            self._writer = StagedStorageWriter(checkpointer=ckpt)
+            writer = self._res.writer = StagedStorageWriter(checkpointer=ckpt)
         parts = _fsdp.part_names(acc)
         folder = f"{work}/folder/{leaf}"
-        timeout = self._writer.commit_timeout
+        timeout = writer.commit_timeout
         handles: list[SaveHandle] = []
         try:
-            handles = _fsdp.save_parts(acc, self._writer, f"{work}/parts")
+            handles = _fsdp.save_parts(acc, writer, f"{work}/parts")
             with run_save_hooks(acc, [], leaf) as hook_files:
                 rng_states = self._rng_states()
                 if rank == 0:
@@ -370,8 +416,9 @@ class AcceleratorCheckpointer:
             return None
         assembly = Assembly(work, folder, [(f"{work}/parts/{p}", p) for p in parts], handles, target,
                             replace_invalid, world, timeout)
-        after = self._fsdp_retention if automatic else _nothing
-        handle = ckpt.run_after(lambda: publish(assembly, after), description=target)
+        # retention's numbers are read here: the writer thread never touches the Accelerator
+        keep, root = (acc.project_configuration.total_limit, self._auto.root) if automatic else (None, "")
+        handle = ckpt.run_after(lambda: publish(assembly, lambda: keep_newest(root, keep)), description=target)
         handle.telemetry.blocking_s = time.perf_counter() - t0
         handle.telemetry.bytes = sum(h.telemetry.bytes for h in handles)
         self.last_handle = handle
@@ -389,28 +436,18 @@ class AcceleratorCheckpointer:
         replace_invalid = False
         if automatic:
             replace_invalid = self._refuse_existing(self._checkpointer("fsdp"), target, iteration)
-            base = self._staging_dir(self._auto.root) or os.path.dirname(target)
-        else:
-            if os.path.lexists(target):
-                raise ValueError(
-                    f"{target} already exists: stagesave publishes an FSDP checkpoint by renaming it into "
-                    "place and does not replace existing folders; remove it or save to a new folder"
-                )
-            base = os.path.dirname(target)
+        elif os.path.lexists(target):
+            raise ValueError(
+                f"{target} already exists: stagesave publishes an FSDP checkpoint by renaming it into "
+                "place and does not replace existing folders; remove it or save to a new folder"
+            )
+        # beside the target (the core's temporary name for it), so publishing is one rename
+        base = os.path.dirname(target)
+        fsops.makedirs(base, exist_ok=True)
         work = os.path.join(base, f".{_remote.leaf(target)}.{os.getpid()}-{secrets.token_hex(4)}{_TMP}")
         for sub in ("parts", "folder", "acks"):
             fsops.makedirs(os.path.join(work, sub))
         return work, replace_invalid
-
-    def _fsdp_retention(self) -> None:
-        """After an FSDP checkpoint was published: keep the ``total_limit`` newest (writer thread)."""
-        keep = self.accelerator.project_configuration.total_limit
-        if keep is None:
-            return
-        committed = [c for c in stagesave.list_checkpoints(self._auto.root) if c.is_dir and c.status == "committed"]
-        ckpt = self._checkpointer("fsdp")
-        for old in committed[keep:]:
-            ckpt.remove(old.path)
 
     def _refuse_existing(self, ckpt: Checkpointer, target: str, iteration: int) -> bool:
         """Accelerate's rule for automatic names, with torn folders replaced instead of fatal.
@@ -467,6 +504,8 @@ class AcceleratorCheckpointer:
         if not self.asynchronous:
             self._accelerate_load(input_dir, load_kwargs, **load_model_func_kwargs)
             return None
+        self._training.consume()  # a save after a load (and no step) has nothing to overlap
+        self._used = True
         acc = self.accelerator
         world = int(acc.num_processes)
         self.wait()
@@ -536,11 +575,12 @@ class AcceleratorCheckpointer:
         its ``checkpoint.stagesave.json``): ``CheckpointInfo.tier`` reads ``"local"`` for every
         folder directly in a tiered root (the store routes folders by a file inside them).
         """
-        if self._tiered is None:
+        tiered = self._res.tiered
+        if tiered is None:
             return None
         m = info.manifest
         name = f"{info.name}/{m.folder.carrier}" if m is not None and m.folder is not None else info.manifest_name
-        return str(self._tiered.tier_of(name or info.name))
+        return str(tiered.tier_of(name or info.name))
 
     # ------------------------------------------------------------------ finding, waiting
     def latest(self) -> CheckpointInfo | None:
@@ -552,13 +592,13 @@ class AcceleratorCheckpointer:
         ckpt = self._checkpointer("auto")
         ckpt.latest(root)
         found = next((c for c in ckpt.list(root) if c.is_dir and c.valid), None)
-        if found is not None and self._tiered is not None:
+        if found is not None and self._res.tiered is not None:
             found.tier = self._tier_of(found)
         return found
 
     def pending(self) -> int:
         """Saves of this process not committed (or, under FSDP, not published) yet."""
-        return sum(c.pending() for c in self._checkpointers.values())
+        return self._res.pending()
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until this process's saves are committed (and FSDP checkpoints published).
@@ -569,7 +609,7 @@ class AcceleratorCheckpointer:
             TimeoutError: still running after ``timeout`` seconds.
             CheckpointError: a background save failed.
         """
-        for ckpt in list(self._checkpointers.values()):
+        for ckpt in list(self._res.checkpointers.values()):
             ckpt.wait(timeout)
 
     def wait_uploads(self, timeout: float | None = None) -> list[SaveTelemetry]:
@@ -582,33 +622,21 @@ class AcceleratorCheckpointer:
             TimeoutError: uploads still running after ``timeout`` seconds.
         """
         self.wait(timeout)
-        return self._tiered.wait_uploads(timeout) if self._tiered is not None else []
+        tiered = self._res.tiered
+        return tiered.wait_uploads(timeout) if tiered is not None else []
 
     def close(self, timeout: float | None = None) -> None:
-        """Finish pending saves (and uploads), release buffers and threads (safe to call twice).
+        """Finish pending saves (and uploads), end the threads and free the staging buffers.
+
+        Safe to call more than once; a later save or load creates them again. ``enable()`` calls
+        it from ``end_training()``, ``free_memory()``/``clear()`` and ``disable()``; a garbage
+        collected Accelerator (or checkpointer) is released the same way.
 
         Raises:
             TimeoutError: saves still running after ``timeout`` seconds (not committed).
             CheckpointError: a background save failed.
         """
-        errors: list[BaseException] = []
-        if self._writer is not None:
-            self._writer.close(timeout)
-            self._writer = None
-        checkpointers, self._checkpointers = list(self._checkpointers.values()), {}
-        for ckpt in checkpointers:
-            try:
-                ckpt.close(timeout)
-            except BaseException as exc:  # noqa: BLE001 - close every part, then raise the first
-                errors.append(exc)
-        if self._tiered is not None:
-            try:
-                self._tiered.close(timeout)
-            except BaseException as exc:  # noqa: BLE001
-                errors.append(exc)
-            self._tiered = None
-        if errors:
-            raise errors[0]
+        self._res.close(timeout)
 
     def __enter__(self) -> Self:
         return self
@@ -644,3 +672,18 @@ class AcceleratorCheckpointer:
     ) -> None:
         """``Accelerator.load_state`` replacement (returns ``None``, like Accelerate)."""
         self.load_state(input_dir, load_kwargs, **load_model_func_kwargs)
+
+    def _released_then(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        """``end_training``/``free_memory``/``clear`` replacement: pending saves are committed and
+        stagesave's threads and buffers given back first (``end_training`` then destroys the
+        process group, which a flush must not outlive), then Accelerate's own method runs. A
+        failed save is raised after Accelerate's method ran, so the run still ends normally."""
+        failure: BaseException | None = None
+        try:
+            self.close()
+        except BaseException as exc:  # noqa: BLE001 - raised below, once Accelerate's method ran
+            failure = exc
+        result = getattr(self._cls, name)(self.accelerator, *args, **kwargs)
+        if failure is not None:
+            raise failure
+        return result

@@ -59,6 +59,13 @@ class Options:
         device_staging: Stage a GPU model's checkpoint in GPU memory (device-to-device copies)
             and write it from there, with GPUDirect Storage when kvikio is installed; costs one
             GPU buffer of the checkpoint's size per save in flight. Local destinations only.
+        sync_outside_training: A ``save_state`` with no optimizer step of this Accelerator since
+            the previous ``save_state``/``load_state`` (nothing to overlap it with: before
+            training, after it, between evaluations) returns only once it is committed, and
+            raises its failure there. ``False``: every save returns after staging.
+        telemetry_jsonl: Append each save's telemetry as one JSON line (what ``stagesave
+            report`` reads): ``True`` for ``<project_dir>/stagesave-telemetry.jsonl``, or a file
+            path; ``False`` records nothing.
     """
 
     destination: str | None = None
@@ -71,6 +78,8 @@ class Options:
     local_tier: str | None = None
     keep_local: int | None = None
     device_staging: bool = False
+    sync_outside_training: bool = True
+    telemetry_jsonl: bool | str = False
 
 
 _NAMES = {f.name for f in fields(Options)}
@@ -106,7 +115,7 @@ def _coerce(key: str, value: Any, where: str) -> Any:
         if number < 1:
             raise ValueError(f"{where}: {key} must be >= 1, got {number}")
         return number
-    if key in ("verify_on_load", "direct_io", "device_staging"):
+    if key in ("verify_on_load", "direct_io", "device_staging", "sync_outside_training"):
         if isinstance(value, bool):
             return value
         word = str(value).strip().lower()
@@ -115,6 +124,13 @@ def _coerce(key: str, value: Any, where: str) -> Any:
         if word in _FALSE:
             return False
         raise ValueError(f"{where}: {key} must be true or false, got {value!r}")
+    if key == "telemetry_jsonl":
+        if isinstance(value, bool):
+            return value
+        text = "" if value is None else str(value).strip()
+        if text.lower() in _TRUE or text.lower() in _FALSE or text == "":
+            return text.lower() in _TRUE
+        return os.path.expanduser(text)  # a file path
     if key == "storage_options":
         if isinstance(value, str):
             try:

@@ -1,31 +1,32 @@
-"""Where automatic naming puts checkpoints, and where folders are assembled before they appear.
+"""Where automatic naming puts checkpoints.
 
 The root is a local folder (``<project_dir>/checkpoints`` by default), an fsspec URL, or a URL
 with a local directory as a fast tier in front of it (``stagesave.TieredStore``: the commit is
 local, the upload to the URL is background, restore prefers a valid local copy).
 
-Accelerate's own ``load_state()`` and ``total_limit`` list *every* entry of ``checkpoints/``,
-hidden ones included, and sort them by the first number in the name, so a temporary of an
-unfinished save must never sit there. Folders for a local root, or for the local tier of a
-tiered one, are therefore assembled in ``<parent of that folder>/.stagesave-staging`` (checked to
-be on the same filesystem, so the commit stays one rename) and renamed into place; a tiered root
-uploads each folder once it is in place.
+A folder is assembled under the core's temporary name, a dot-name beside its target
+(``.checkpoint_<N>.<pid>-<token>.stagesave-tmp``), and renamed into place by its commit: stagesave
+creates nothing in ``project_dir`` or above the folder the checkpoints go to. Accelerate's own
+``load_state()`` and ``total_limit`` (which list every entry of ``checkpoints/``, hidden ones
+included) are replaced by stagesave's while it is enabled, and those never take a temporary for a
+checkpoint. Earlier versions assembled folders in ``<parent>/.stagesave-staging``;
+:data:`STAGING_DIR` names that folder so that old debris can be found (``stagesave gc`` cleans it).
 """
 
 from __future__ import annotations
 
 import os
-import warnings
 from dataclasses import dataclass
 
 from stagesave import CheckpointInfo
-from stagesave import _fsops as fsops
 
 from . import _remote
 
-__all__ = ["STAGING_DIR", "AutoRoot", "staging_dir_for"]
+__all__ = ["STAGING_DIR", "AutoRoot"]
 
-#: Folder beside the checkpoints root where local folders are assembled.
+#: Legacy: the folder beside the checkpoints root where stagesave up to issue 17 assembled
+#: folders. Nothing creates it any more; a run killed mid-save by such a version may have left
+#: debris there, which ``stagesave gc <project_dir>/.stagesave-staging`` removes.
 STAGING_DIR = ".stagesave-staging"
 
 
@@ -74,25 +75,3 @@ class AutoRoot:
         if self.local_tier is not None and tier != "remote":
             return os.path.join(self.local_tier, leaf)
         return _remote.join(self.root, leaf)
-
-
-def staging_dir_for(root: str) -> str | None:
-    """``<parent of root>/.stagesave-staging`` (created), or ``None`` if it cannot serve.
-
-    ``None`` (with a warning) when the folder cannot be created or lies on another filesystem
-    than ``root``: the core then assembles folders in hidden siblings inside ``root``.
-    """
-    staging = os.path.join(os.path.dirname(root), STAGING_DIR)
-    try:
-        fsops.makedirs(root, exist_ok=True)
-        fsops.makedirs(staging, exist_ok=True)
-        same = os.stat(staging).st_dev == os.stat(root).st_dev
-    except OSError as exc:
-        warnings.warn(f"stagesave: cannot use {staging} to assemble checkpoints ({exc}); unfinished "
-                      f"saves leave hidden temporaries in {root} instead", stacklevel=4)
-        return None
-    if not same:
-        warnings.warn(f"stagesave: {staging} is on another filesystem than {root}; unfinished saves "
-                      f"leave hidden temporaries in {root} instead", stacklevel=4)
-        return None
-    return staging

@@ -33,6 +33,7 @@ import json
 import multiprocessing
 import os
 import random
+import subprocess
 import sys
 import time
 import traceback
@@ -283,7 +284,7 @@ def automatic_naming(rank: int, out: str, result: dict[str, Any]) -> None:
     ckpt.wait()
     acc.wait_for_everyone()
     result["auto_listing"] = sorted(os.listdir(root))  # hidden entries included
-    result["auto_staging_left"] = sorted(os.listdir(os.path.join(project, ".stagesave-staging")))
+    result["auto_project_listing"] = sorted(os.listdir(project))
     train(acc, run, 2)
     acc.load_state()
     result["auto_iteration"] = acc.project_configuration.iteration
@@ -347,8 +348,8 @@ def failed_save(rank: int, out: str, result: dict[str, Any]) -> None:
         result["failed_save"] = f"{type(exc).__name__}: {exc}"
     ckpt.wait()
     acc.wait_for_everyone()
-    result["failed_listing"] = sorted(os.listdir(os.path.join(project, "checkpoints")))
-    result["failed_staging_left"] = sorted(os.listdir(os.path.join(project, ".stagesave-staging")))
+    result["failed_listing"] = sorted(os.listdir(os.path.join(project, "checkpoints")))  # hidden ones too
+    result["failed_project_listing"] = sorted(os.listdir(project))
     acc._custom_objects.pop()
     sa.disable(acc)
 
@@ -383,16 +384,24 @@ def fsdp_resume(rank: int, out: str, result: dict[str, Any], save: Any) -> None:
     project = os.path.join(out, "crash")
     root = os.path.join(project, "checkpoints")
     expected = torch.load(os.path.join(out, f"expected-rank{rank}.pt"), weights_only=False)
-    result["listing"] = sorted(os.listdir(root))
-    result["staging"] = sorted(os.listdir(os.path.join(project, ".stagesave-staging")))
+    result["listing"] = sorted(os.listdir(root))  # hidden entries included: the killed save's work folder
+    result["project_listing"] = sorted(os.listdir(project))
     acc = accelerator(project)
     run = build(acc, seed=3)
+    sa.enable(acc)
+    acc.load_state()  # stagesave never takes the work folder for a checkpoint
+    check(result, "stagesave_resume", lambda: assert_same(expected, snapshot(acc, run)))
+    sa.disable(acc)
+    if rank == 0:  # plain Accelerate would sort the debris (".checkpoint_1...") as the newest: gc first
+        gc = subprocess.run([os.path.join(os.path.dirname(sys.executable), "stagesave"), "gc", project],
+                            capture_output=True, text=True, check=False)
+        result["gc"] = [gc.returncode, gc.stdout[-2000:], gc.stderr[-2000:]]
+    acc.wait_for_everyone()
+    result["listing_after_gc"] = sorted(os.listdir(root))
+    train(acc, run, 2)
     Accelerator.load_state(acc)  # plain Accelerate, no stagesave: picks the last good folder
     check(result, "plain_resume", lambda: assert_same(expected, snapshot(acc, run)))
     ckpt = sa.enable(acc)
-    train(acc, run, 2)
-    acc.load_state()
-    check(result, "stagesave_resume", lambda: assert_same(expected, snapshot(acc, run)))
     result["iteration"] = acc.project_configuration.iteration
     acc.save_state()
     ckpt.wait()

@@ -13,20 +13,30 @@ from accelerate.utils import DistributedType
 from stagesave.accelerate._config import resolve_options
 
 
-def test_enable_patches_exactly_two_instance_methods_and_disable_restores_them(tmp_path):
+def test_enable_patches_exactly_five_instance_methods_and_disable_restores_them(tmp_path):
     acc = Accelerator(cpu=True)
     other = Accelerator(cpu=True)
     before = set(vars(acc))
     ckpt = sa.enable(acc)
-    assert set(vars(acc)) - before == {"save_state", "load_state", "_stagesave"}
-    assert acc.save_state.__name__ == "save_state" and acc.save_state.__doc__ == Accelerator.save_state.__doc__
+    installed = {"save_state", "load_state", "end_training", "free_memory", "clear"}
+    assert set(vars(acc)) - before == {*installed, "_stagesave"}
+    for name in installed:  # each keeps the name and docstring of Accelerate's method it shadows
+        assert getattr(acc, name).__name__ == name and getattr(acc, name).__doc__ == getattr(Accelerator, name).__doc__
     assert sa.enabled(acc) is ckpt and sa.enable(acc) is ckpt  # idempotent
     assert "save_state" not in vars(other)  # the class and other instances are untouched
-    with pytest.raises(ValueError, match="already called on this Accelerator with other options"):
-        sa.enable(acc, max_pending=1)
+    assert sa.enable(acc, max_pending=2) is ckpt  # the options it already has
+    # other options before anything went through it (e.g. enabled by the runner, then by the
+    # script): the options given last win
+    replaced = sa.enable(acc, max_pending=1)
+    assert replaced is not ckpt and sa.enabled(acc) is replaced and replaced.options.max_pending == 1
+    acc.save_state(str(tmp_path / "ck"))
+    with pytest.raises(ValueError, match="already called on this Accelerator with other options, and it has "
+                                         "saved or loaded since"):
+        sa.enable(acc, max_pending=2)
     sa.disable(acc)
     assert set(vars(acc)) == before
-    assert acc.save_state.__func__ is Accelerator.save_state
+    for name in installed:
+        assert getattr(acc, name).__func__ is getattr(Accelerator, name)
     assert sa.enabled(acc) is None
     sa.disable(acc)  # a second disable is a no-op
 
@@ -72,6 +82,25 @@ def test_device_staging_from_the_environment_reaches_the_checkpointer(tmp_path):
     ckpt = sa.AcceleratorCheckpointer(acc, device_staging=True)
     assert ckpt._checkpointer().device_staging is True  # host state: staged in host memory anyway
     ckpt.close()
+
+
+def test_sync_outside_training_and_telemetry_from_the_environment_and_side_file(tmp_path):
+    assert resolve_options({}, {}).sync_outside_training is True
+    assert resolve_options({}, {}).telemetry_jsonl is False
+    env = {"STAGESAVE_ACCELERATE_SYNC_OUTSIDE_TRAINING": "off", "STAGESAVE_ACCELERATE_TELEMETRY_JSONL": "yes"}
+    o = resolve_options({}, env)
+    assert (o.sync_outside_training, o.telemetry_jsonl) == (False, True)
+    side = tmp_path / "stagesave.yaml"
+    side.write_text("sync_outside_training: false\ntelemetry_jsonl: ~/runs/t.jsonl\n")
+    o = resolve_options({}, {"STAGESAVE_ACCELERATE_CONFIG": str(side)})
+    assert (o.sync_outside_training, o.telemetry_jsonl) == (False, os.path.expanduser("~/runs/t.jsonl"))
+    with pytest.raises(ValueError, match="STAGESAVE_ACCELERATE_SYNC_OUTSIDE_TRAINING: sync_outside_training must be "
+                                         "true or false, got 'sometimes'"):
+        resolve_options({}, {"STAGESAVE_ACCELERATE_SYNC_OUTSIDE_TRAINING": "sometimes"})
+    # True names <project_dir>/stagesave-telemetry.jsonl: an Accelerator without one is told so
+    with pytest.raises(ValueError, match=r"telemetry_jsonl=True writes <project_dir>/stagesave-telemetry.jsonl, "
+                                         "and this Accelerator has no project_dir"):
+        sa.AcceleratorCheckpointer(Accelerator(cpu=True), telemetry_jsonl=True)
 
 
 def test_bad_configuration_is_named(tmp_path):

@@ -49,9 +49,10 @@ def test_automatic_naming_total_limit_and_corrupt_part(worker_runs):
     worker_runs.ok(SAVE, "auto_restore", "corrupt_skipped", "replaced_plain_restore")
     for r in (0, 1):
         rep = worker_runs.rank(SAVE, r)
-        # nothing but committed folders where Accelerate lists, nothing left in the work area
+        # nothing but committed folders where Accelerate lists (work folders, beside them, are
+        # gone once published), and nothing of stagesave's in the project folder
         assert rep["auto_listing"] == ["checkpoint_1", "checkpoint_2"]
-        assert rep["auto_staging_left"] == []
+        assert rep["auto_project_listing"] == ["checkpoints"]
         assert rep["auto_iteration"] == 3
         assert rep["corrupt_iteration"] == 2  # checkpoint_1 loaded
         assert rep["replaced_listing"] == ["checkpoint_1", "checkpoint_2"]
@@ -67,8 +68,8 @@ def test_save_failing_on_the_main_process_publishes_nothing_and_leaves_nothing(w
     assert "lambda" in r0["failed_save"] and r0["failed_save"] != "no error"  # raised where it failed
     assert r1["failed_save"] == "no error"  # the other rank's part of the save went through
     for rep in (r0, r1):
-        assert rep["failed_listing"] == ["checkpoint_0"]
-        assert rep["failed_staging_left"] == []  # the parts already written were removed
+        assert rep["failed_listing"] == ["checkpoint_0"]  # the work folder and its parts were removed
+        assert rep["failed_project_listing"] == ["checkpoints"]
 
 
 def test_rank_killed_mid_save_leaves_the_previous_checkpoint_for_plain_accelerate_and_stagesave(worker_runs):
@@ -76,10 +77,16 @@ def test_rank_killed_mid_save_leaves_the_previous_checkpoint_for_plain_accelerat
     assert worker_runs.rank(SAVE, 0).get("crash_armed") and not worker_runs.rank(SAVE, 1).get("crash_missed")
     assert worker_runs.exit[RESUME] == [0, 0], worker_runs.logs(RESUME)
     worker_runs.ok(RESUME, "plain_resume", "stagesave_resume")
+    gc = worker_runs.rank(RESUME, 0)["gc"]
+    assert gc[0] == 0, gc
     for r in (0, 1):
         rep = worker_runs.rank(RESUME, r)
-        assert rep["listing"] == ["checkpoint_0"]  # nothing of the killed save where Accelerate lists
-        assert len(rep["staging"]) == 1 and rep["staging"][0].startswith(".checkpoint_1.")  # debris for gc
+        # the killed save's work folder is beside its target, a dot-name stagesave never loads
+        # (debris for `stagesave gc`, which removed it before plain Accelerate resumed)
+        [debris] = [n for n in rep["listing"] if n != "checkpoint_0"]
+        assert debris.startswith(".checkpoint_1.") and debris.endswith(".stagesave-tmp"), rep["listing"]
+        assert rep["project_listing"] == ["checkpoints"]
+        assert rep["listing_after_gc"] == ["checkpoint_0"]
         assert rep["iteration"] == 1
         assert rep["listing_after"] == ["checkpoint_0", "checkpoint_1"]
 

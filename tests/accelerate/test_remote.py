@@ -184,7 +184,7 @@ def test_local_tier_in_front_of_s3(s3_url, s3_options, tmp_path):
 
 
 @pytest.mark.s3
-def test_local_tier_saves_are_assembled_outside_the_checkpoint_folder(s3_url, s3_options, tmp_path):
+def test_local_tier_saves_are_assembled_beside_their_folder(s3_url, s3_options, tmp_path):
     import os
     import threading
     import time
@@ -192,7 +192,6 @@ def test_local_tier_saves_are_assembled_outside_the_checkpoint_folder(s3_url, s3
     acc = _fresh_auto(tmp_path, total_limit=2)
     run = build(acc, width=256)
     local = tmp_path / "nvme"
-    staging = tmp_path / sa.STAGING_DIR  # beside local_tier, on the same filesystem
     ckpt = sa.enable(acc, destination=s3_url, local_tier=str(local), storage_options=s3_options, io_threads=1)
     with ListingWatcher(local) as watcher:
         for i in range(3):
@@ -203,19 +202,21 @@ def test_local_tier_saves_are_assembled_outside_the_checkpoint_folder(s3_url, s3
             assert acc.save_state() == local / f"checkpoint_{i}"
             if i == 2:
                 deadline = time.monotonic() + 30
-                while not os.listdir(staging):
-                    assert time.monotonic() < deadline, "the save was not assembled in .stagesave-staging"
+                while not [n for n in os.listdir(local) if stagesave.is_temporary(n)]:
+                    assert time.monotonic() < deadline, "the save was not assembled beside its folder"
                     time.sleep(0.005)
-                [assembling] = os.listdir(staging)
-                assert assembling.startswith("checkpoint_2.") and assembling.endswith(".stagesave-tmp")
-                assert sorted(os.listdir(local)) == ["checkpoint_0", "checkpoint_1"]
+                [assembling] = [n for n in os.listdir(local) if stagesave.is_temporary(n)]
+                assert assembling.startswith(".checkpoint_2.") and assembling.endswith(".stagesave-tmp")
+                assert visible(local) == ["checkpoint_0", "checkpoint_1"]
                 gate.set()
             ckpt.wait()
         before = snapshot(acc, run)
         uploads = ckpt.wait_uploads()
-    # Accelerate's listing of the local tier never showed a partial folder (nor any temporary)
-    assert watcher.seen == {"checkpoint_0", "checkpoint_1", "checkpoint_2"}
-    assert os.listdir(staging) == []
+    # The local tier's listing showed each folder only once committed, and otherwise only
+    # stagesave's dot-named temporaries (gone now); nothing of stagesave's beside the local tier.
+    assert {n for n in watcher.seen if not stagesave.is_temporary(n)} == {"checkpoint_0", "checkpoint_1", "checkpoint_2"}
+    assert sorted(os.listdir(local)) == ["checkpoint_1", "checkpoint_2"]
+    assert sorted(os.listdir(tmp_path)) == ["nvme"]
     assert uploads and all(u.error is None for u in uploads)
     assert visible(local) == ["checkpoint_1", "checkpoint_2"]
     fs = fsspec.filesystem("s3", **s3_options)

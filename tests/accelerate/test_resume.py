@@ -4,6 +4,8 @@ automatic naming with total_limit while saves are in flight, iteration restored.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import stagesave.accelerate as sa
@@ -196,9 +198,13 @@ def test_total_limit_with_saves_in_flight(tmp_path):
             overlapped += ckpt.pending() > 0
             _only_committed_folders(root)
         ckpt.wait()
-    # Accelerate lists hidden entries too: nothing but checkpoint folders ever appeared there
-    # (folders are assembled in .stagesave-staging, and retired ones must not linger as temporaries)
-    assert watcher.seen <= {f"checkpoint_{i}" for i in range(6)}, sorted(watcher.seen)
+    # Folders are assembled under stagesave's temporary names beside them (dot-names, which
+    # stagesave's listing and load_state never take for checkpoints); the only other names that
+    # ever appeared are the checkpoints, each visible only once committed (checked above).
+    others = {n for n in watcher.seen if not stagesave.is_temporary(n)}
+    assert others <= {f"checkpoint_{i}" for i in range(6)}, sorted(watcher.seen)
+    assert all(n.startswith(".checkpoint_") for n in watcher.seen - others), sorted(watcher.seen)
+    assert sorted(os.listdir(root)) == ["checkpoint_4", "checkpoint_5"]  # and none is left
     before = snapshot(acc, run)
     assert overlapped > 0, "no save was still in flight when the next began"
     assert visible(root) == ["checkpoint_4", "checkpoint_5"]
@@ -225,20 +231,36 @@ def test_sigkill_mid_save_resumes_from_previous_and_retention_kept_it(worker_run
     assert worker_runs.exit[f"crash-{point}"] == -9
     project = worker_runs.out / f"crash-{point}"
     root = project / "checkpoints"
-    # Only the last committed checkpoint, and nothing else at all (hidden or not): the killed save
-    # was assembled in .stagesave-staging, outside what Accelerate lists.
-    assert sorted(os.listdir(root)) == ["checkpoint_1"]
-    debris = os.listdir(project / sa.STAGING_DIR)
-    assert len(debris) == 1 and debris[0].startswith("checkpoint_2.") and debris[0].endswith(".stagesave-tmp")
+    # The last committed checkpoint and the killed save's temporary beside it; nothing else, and
+    # nothing of stagesave's in the project folder.
+    assert sorted(os.listdir(project)) == ["checkpoints", "expected.pt", "log"]
+    [debris] = [n for n in os.listdir(root) if n != "checkpoint_1"]
+    assert debris.startswith(".checkpoint_2.") and debris.endswith(".stagesave-tmp")
     want = torch.load(project / "expected.pt", weights_only=False)
 
-    # Plain Accelerate, without stagesave: its automatic load_state() picks the previous good folder.
+    # stagesave resumes from the previous good folder with the debris there (the choice below is
+    # stagesave's; plain Accelerate's is checked after gc).
+    from accelerate.state import AcceleratorState
+
+    staged = _auto(project, total_limit=1)
+    run = build(staged, seed=7)
+    sa.enable(staged)
+    staged.load_state()
+    assert_same(want, snapshot(staged, run))
+    sa.disable(staged)
+    AcceleratorState._reset_state(True)
+
+    # Plain Accelerate sorts every entry by its first number and would take the debris (2) for
+    # the newest; `stagesave gc` removes it (its writer is dead), then Accelerate's automatic
+    # load_state() picks the previous good folder.
+    gc = subprocess.run([os.path.join(os.path.dirname(sys.executable), "stagesave"), "gc", str(project)],
+                        capture_output=True, text=True, check=False)
+    assert gc.returncode == 0, gc.stdout + gc.stderr
+    assert sorted(os.listdir(root)) == ["checkpoint_1"]
     plain = _auto(project, total_limit=1)
     run = build(plain, seed=7)
     plain.load_state()
     assert_same(want, snapshot(plain, run))
-
-    from accelerate.state import AcceleratorState
 
     AcceleratorState._reset_state(True)
     acc = _auto(project, total_limit=1)

@@ -1,0 +1,75 @@
+"""What an ``AcceleratorCheckpointer`` holds while saves run, and how it is given back.
+
+Each Checkpointer owns a writer thread, its I/O threads and its staging buffers (host memory of
+the checkpoint's size, ``max_pending`` of them); the tiered store has upload threads; FSDP runs add
+a DCP writer. They are created on the first save or load that needs them and given back whole by
+:meth:`Resources.close`: at ``accelerator.end_training()``, ``free_memory()``/``clear()``,
+``disable()``, ``AcceleratorCheckpointer.close()``, and when the Accelerator (or the
+checkpointer) is garbage collected (a ``weakref.finalize`` that holds this object, never the
+Accelerator). A later save creates them again. Interpreter exit is the core's: every Checkpointer
+still open is flushed by ``stagesave``'s exit hook before torch and the thread pools shut down.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from stagesave import Checkpointer, TieredStore
+
+if TYPE_CHECKING:
+    from stagesave.dcp import StagedStorageWriter
+
+__all__ = ["Resources"]
+
+
+@dataclass
+class Resources:
+    """The Checkpointers (by kind), the tiered store and the DCP writer of one checkpointer."""
+
+    checkpointers: dict[str, Checkpointer] = field(default_factory=dict)
+    tiered: TieredStore | None = None
+    writer: StagedStorageWriter | None = None
+
+    def pending(self) -> int:
+        return sum(c.pending() for c in self.checkpointers.values())
+
+    def close(self, timeout: float | None = None) -> None:
+        """Finish pending saves (and uploads), end the threads, free the buffers.
+
+        Everything is closed even when one part fails; the first failure is raised after.
+
+        Raises:
+            TimeoutError: saves still running after ``timeout`` seconds (not committed).
+            CheckpointError: a background save failed.
+        """
+        errors: list[BaseException] = []
+        writer, self.writer = self.writer, None
+        if writer is not None:
+            try:
+                writer.close(timeout)
+            except BaseException as exc:  # noqa: BLE001 - close every part, then raise the first
+                errors.append(exc)
+        checkpointers, self.checkpointers = list(self.checkpointers.values()), {}
+        for ckpt in checkpointers:
+            try:
+                ckpt.close(timeout)
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+        tiered, self.tiered = self.tiered, None
+        if tiered is not None:
+            try:
+                tiered.close(timeout)
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    def close_quietly(self) -> None:
+        """:meth:`close` for a finalizer: a failure is printed, never raised."""
+        try:
+            self.close()
+        except BaseException as exc:  # noqa: BLE001 - nobody to raise to when an object is collected
+            print(f"stagesave.accelerate: a checkpoint save failed before its Accelerator was released: {exc}",
+                  file=sys.stderr)

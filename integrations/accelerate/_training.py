@@ -1,0 +1,78 @@
+"""Whether a ``save_state`` sits inside a training loop: the signal that makes it asynchronous.
+
+An asynchronous save pays off only when there is training to overlap it with; a save made with
+nothing to hide it behind (before the first step, after the loop, between two evaluations, in a
+test) is followed by code that reads, copies, lists or uploads the folder, so it returns
+committed. The signal: **an optimizer prepared by this Accelerator took a step since the previous
+``save_state`` or ``load_state``**. It is observed through torch's global optimizer post-step hook
+(``torch.optim.optimizer.register_optimizer_step_post_hook``), registered once per process, so
+nothing of the Accelerator or the optimizers is replaced and the non-patching
+``AcceleratorCheckpointer`` follows the same rule as ``enable()``. An optimizer step is what every
+training loop has, whether it calls ``accelerator.backward(loss)`` or ``loss.backward()``; under
+gradient accumulation Accelerate steps the real optimizer only on the synchronizing micro-step.
+The hook costs one Python call per optimizer step.
+
+Each :class:`TrainingSignal` holds its Accelerator weakly: observing never keeps one alive.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+__all__ = ["TrainingSignal"]
+
+_observers: weakref.WeakSet[TrainingSignal] = weakref.WeakSet()
+_lock = threading.Lock()
+_hook: Any = None
+
+
+def _on_any_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    for signal in list(_observers):
+        signal._on_step(optimizer)
+
+
+class TrainingSignal:
+    """Records optimizer steps of one Accelerator's prepared optimizers.
+
+    Args:
+        accelerator: The Accelerator whose ``_optimizers`` (``AcceleratedOptimizer`` wrappers)
+            count; the torch optimizer inside each is what the hook reports.
+    """
+
+    def __init__(self, accelerator: Any) -> None:
+        self._accelerator = weakref.ref(accelerator)
+        self._stepped = False
+        global _hook
+        with _lock:
+            if _hook is None:
+                from torch.optim.optimizer import register_optimizer_step_post_hook
+
+                _hook = register_optimizer_step_post_hook(_on_any_step)
+            _observers.add(self)
+
+    def _on_step(self, optimizer: Any) -> None:
+        if self._stepped:
+            return
+        acc = self._accelerator()
+        if acc is None:
+            return
+        for prepared in getattr(acc, "_optimizers", ()):
+            if prepared is optimizer or getattr(prepared, "optimizer", None) is optimizer:
+                self._stepped = True
+                return
+
+    def consume(self) -> bool:
+        """Whether a step happened since the last call (or since construction); resets it."""
+        stepped, self._stepped = self._stepped, False
+        return stepped
+
+    def stop(self) -> None:
+        """Stop observing; the process-wide hook goes when no signal observes any more."""
+        global _hook
+        with _lock:
+            _observers.discard(self)
+            if not _observers and _hook is not None:
+                _hook.remove()
+                _hook = None
