@@ -14,7 +14,11 @@ threads are 0 after each and RSS stays within about one state of the first itera
 
 Usage::
 
-    python benchmarks/bench_many_accelerators.py [--n 20] [--state-mib 64] [--steps 2] [--dir D] [--json OUT]
+    python benchmarks/bench_many_accelerators.py [--n 20] [--state-mib 64] [--steps 2] [--dir D] [--json OUT] [--trim]
+
+``--trim`` calls glibc's ``malloc_trim(0)`` before each RSS reading: what remains is memory still
+in use, without the freed heap pages glibc keeps for reuse (freed tensors of a few MiB come from
+the heap once glibc has raised its mmap threshold, and stay resident until trimmed).
 
 The state is built from a few large linear layers, so the figure depends on bytes, not on the
 number of tensors. The checkpoints go to ``--dir`` (default: a temporary directory, removed at
@@ -45,6 +49,12 @@ def rss_mib() -> float:
     """Resident set size from ``/proc/self/statm`` (second field, in pages)."""
     with open("/proc/self/statm", encoding="ascii") as f:
         return int(f.read().split()[1]) * PAGE / MIB
+
+
+def malloc_trim() -> None:
+    import ctypes
+
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def stagesave_threads() -> list[str]:
@@ -90,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--width", type=int, default=1024, help="width of the square linear layers")
     p.add_argument("--dir", default=None, help="where the project folders go (default: a temporary dir)")
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    p.add_argument("--trim", action="store_true", help="malloc_trim(0) before each RSS reading")
     args = p.parse_args(argv)
     import stagesave
 
@@ -104,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
             project = os.path.join(base, f"run{i}")
             run = one_run(project, args.state_mib, args.steps, args.width)
             gc.collect()
+            if args.trim:
+                malloc_trim()
             threads = stagesave_threads()
             rss = rss_mib()
             row = {"i": i, "threads": len(threads), "thread_names": threads, "rss_mib": round(rss, 1), **run}
