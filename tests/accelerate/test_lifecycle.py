@@ -301,3 +301,25 @@ def test_a_hundred_accelerators_in_a_row_keep_no_threads_and_flat_memory(tmp_pat
     assert max(after) <= bound, f"RSS after each (MiB): {[round(r) for r in after]}; bound {bound:.0f}"
     print(f"RSS after Accelerators 0, 9, 49, 99: {[round(after[i], 1) for i in (0, 9, 49, 99)]} MiB "
           f"(max {max(after):.1f}, bound {bound:.1f})")
+
+
+def test_stagesave_gc_cleans_a_legacy_staging_folder(tmp_path):
+    """Versions before issue 17 assembled folders in <project_dir>/.stagesave-staging (still
+    named by ``STAGING_DIR``); what a killed save left there goes with ``stagesave gc`` on it."""
+    import subprocess
+    import sys
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    legacy = tmp_path / sa.STAGING_DIR
+    assembled = legacy / f"checkpoint_2.{dead.pid}-0123abcd.stagesave-tmp"  # the core's folder in a staging_dir
+    work = legacy / f".checkpoint_3.{dead.pid}-4567cdef.stagesave-tmp"  # an FSDP work folder
+    for folder in (assembled, work / "parts"):
+        folder.mkdir(parents=True)
+        (folder / "optimizer.bin").write_bytes(b"x" * 4096)
+    user = legacy / "notes.txt"  # not stagesave's: left alone
+    user.write_text("mine")
+    cli = os.path.join(os.path.dirname(sys.executable), "stagesave")
+    done = subprocess.run([cli, "gc", str(legacy)], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert sorted(os.listdir(legacy)) == ["notes.txt"]
