@@ -37,7 +37,7 @@ class AccelerateSaveState(Session):
 
     def __init__(self) -> None:
         super().__init__()
-        from accelerate import Accelerator
+        from accelerate.accelerator import Accelerator
 
         self.accelerator = Accelerator(cpu=True)
         self.holder = _Holder()

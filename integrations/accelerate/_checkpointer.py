@@ -74,10 +74,10 @@ def _fallback_reason(accelerator: Any, options: Options) -> str | None:
     kind = accelerator.distributed_type
     missing = [a for a in _REQUIRED_ATTRS if not hasattr(accelerator, a)]
     if missing:
-        import accelerate
+        from importlib.metadata import version
 
         return (
-            f"this Accelerate version ({accelerate.__version__}) lacks {', '.join(missing)}, "
+            f"this Accelerate version ({version('accelerate')}) lacks {', '.join(missing)}, "
             "which stagesave reads to reproduce save_state's layout"
         )
     if kind == DistributedType.FSDP:

@@ -54,10 +54,10 @@ def unsupported_reason(accelerator: Any) -> str | None:
         return "FSDP runs with save_on_each_node=True write a DCP folder per node, which stagesave does not commit"
     missing = [h for h in _HELPERS if not hasattr(fsdp_utils, h)]
     if missing:
-        import accelerate
+        from importlib.metadata import version
 
         return (
-            f"this Accelerate version ({accelerate.__version__}) lacks accelerate.utils.fsdp_utils."
+            f"this Accelerate version ({version('accelerate')}) lacks accelerate.utils.fsdp_utils."
             f"{', '.join(missing)}, which stagesave uses to build FSDP state dicts as Accelerate does"
         )
     return None

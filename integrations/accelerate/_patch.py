@@ -122,7 +122,7 @@ def disable(accelerator: Any, timeout: float | None = None) -> None:
 
 def enable_globally(**options: Any) -> None:
     """Call :func:`enable` on every ``Accelerator`` constructed from now on in this process."""
-    from accelerate import Accelerator
+    from accelerate.accelerator import Accelerator
 
     if _ORIGINAL_INIT in vars(Accelerator):
         return
@@ -139,7 +139,7 @@ def enable_globally(**options: Any) -> None:
 
 def disable_globally() -> None:
     """Undo :func:`enable_globally` (Accelerators already enabled stay enabled)."""
-    from accelerate import Accelerator
+    from accelerate.accelerator import Accelerator
 
     original = vars(Accelerator).get(_ORIGINAL_INIT)
     if original is not None:
