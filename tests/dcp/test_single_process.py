@@ -135,9 +135,11 @@ def test_save_returns_after_staging_and_later_changes_do_not_leak(writer, root, 
     state = {"w": torch.arange(1000, dtype=torch.float32), "step": 1}
     handle = sdcp.save(state, "step-1", writer=writer)
     # dcp.save returned while nothing was written yet: the bytes are only in the staging buffer.
-    assert not handle.done() and stagesave.latest(root) is None and not (root / "step-1").exists()
+    assert not handle.done() and not (root / "step-1").exists()
     state["w"].add_(1)  # training goes on and updates the tensor in place
     gate.set()
+    found = stagesave.latest(root)  # in this process, latest() waits for the pending save
+    assert found is not None and found.name == "step-1" and handle.done()
     tel = handle.result(30)
     assert tel.error is None and tel.blocking_s > 0 and tel.committed_at is not None
     assert tel.bytes == (root / "step-1" / "__0_0.distcp").stat().st_size

@@ -12,6 +12,7 @@ import gc
 import multiprocessing
 import os
 import shutil
+import sys
 import threading
 import time
 import warnings
@@ -25,6 +26,7 @@ from faultfs import Call, Recorder
 from faulthelp import debris, dir_state, file_state, latest_name, lock_waiters
 
 import stagesave
+from stagesave import _inflight
 from stagesave.errors import CheckpointError, CheckpointNotFoundError, ClosedError
 
 _ctx = multiprocessing.get_context("forkserver")
@@ -201,14 +203,28 @@ def _in_thread(fn):  # type: ignore[no-untyped-def]
     return t, box
 
 
-def _settled(alive, pid: int, already_waiting: int = 0) -> bool:  # type: ignore[no-untyped-def]
-    """Wait until a reader finished (True) or waits for a file lock held by the writer (False).
+def _waits_for_pending_save(thread: threading.Thread) -> bool:
+    """Whether ``thread`` is waiting in the process-wide view for a save of this process."""
+    frame = sys._current_frames().get(thread.ident or -1)
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(os.path.join("stagesave", "_inflight.py")):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _settled(alive, pid: int, already_waiting: int = 0,  # type: ignore[no-untyped-def]
+             thread: threading.Thread | None = None) -> bool:
+    """Wait until a reader finished (True) or waits for a file lock held by the writer, or
+    (``thread``, a reader in this process) for this process's pending save (False).
 
     ``already_waiting``: lock waits of ``pid`` that were there before this reader started.
     """
     deadline = time.monotonic() + 30
     while alive():
         if lock_waiters(pid) > already_waiting:
+            return False
+        if thread is not None and _waits_for_pending_save(thread):
             return False
         assert time.monotonic() < deadline, "the reader hangs without waiting for a lock"
         time.sleep(0.005)
@@ -226,9 +242,10 @@ def _read_file(root: str) -> int:
 
 
 def test_reader_at_every_step_of_a_pending_overwrite_sees_old_or_new(tmp_path):
-    """A second Checkpointer (as another process would) loads last.ckpt while the save is held
-    before each of its calls: always the old or the new checkpoint, verified, never an error. A
-    reader that waits for the writer's lock is let through after the step."""
+    """A reader process loads last.ckpt (``latest(verify=True)``, then ``load``) while the save
+    is held before each of its calls: always the old or the new checkpoint, verified, never an
+    error. A reader that waits for the writer's lock is let through after the step. A second
+    Checkpointer of the writer's own process waits for the pending save and gets the new one."""
     root = str(tmp_path)
     readers = []
     with stagesave.Checkpointer(root, chunk_bytes=8192) as ck:
@@ -236,23 +253,29 @@ def test_reader_at_every_step_of_a_pending_overwrite_sees_old_or_new(tmp_path):
         with Recorder(root) as rec:
             stepper = Stepper(rec)
             h = ck.save(file_state(2), "last.ckpt")
+            same_process = None
             while (call := stepper.next_call(h)) is not None:
-                waiting = lock_waiters(os.getpid())  # earlier readers may still wait for the lock
-                t, box = _in_thread(lambda: _read_file(root))
-                readers.append((call, t, box, _settled(t.is_alive, os.getpid(), waiting)))
+                if same_process is None:  # as an evaluation callback or a fresh Trainer would
+                    t, box = _in_thread(lambda: _read_file(root))
+                    same_process = (t, box, _settled(t.is_alive, os.getpid(), lock_waiters(os.getpid()), t))
+                r = ReaderProcess(root)
+                readers.append((call, r, r.settled()))
                 stepper.release()
             h.result(timeout=60)
-    for _, t, _, _ in readers:
-        t.join(60)
-        assert not t.is_alive(), "a reader hangs"
-    problems = [f"before {c.name} {c.path}: {b['error']}" for c, _, b, _ in readers if "error" in b]
-    problems += [f"before {c.name}: step {b['result']}" for c, _, b, _ in readers if b.get("result") not in (1, 2, None)]
-    faultstats.record("readers at every step of a pending save", len(readers), len(problems))
+    seen = [(c, r.result(), settled) for c, r, settled in readers]
+    problems = [f"before {c.name} {c.path}: {out}" for c, out, _ in seen
+                if out not in (("last.ckpt", 1), ("last.ckpt", 2))]
+    faultstats.record("readers at every step of a pending save", len(seen), len(problems))
     assert not problems, problems
-    in_step = [b["result"] for _, _, b, settled in readers if settled]
+    in_step = [out[1] for _, out, settled in seen if settled]
     assert in_step == sorted(in_step)  # old until the rename, new from then on
-    assert in_step[0] == 1 and readers[-1][2]["result"] == 2
-    assert len(readers) > 15
+    assert in_step[0] == 1 and seen[-1][1] == ("last.ckpt", 2)
+    assert len(seen) > 15
+    assert same_process is not None
+    t, box, settled = same_process
+    t.join(60)
+    assert not settled, "a Checkpointer of the writer's process read without waiting for its pending save"
+    assert box == {"result": 2}, box
 
 
 @pytest.mark.fault_class("readers at every step of a pending save")
@@ -363,7 +386,8 @@ def test_reader_process_while_a_folder_replacement_is_held_at_its_publish(tmp_pa
 @pytest.mark.parametrize("how", ["exchange", "renames"])
 def test_latest_in_the_same_process_during_a_folder_replacement(tmp_path, how):
     """latest() from another Checkpointer of the same process (an evaluation callback) while a
-    folder save is held at its publish: it must not repair the live writer's aside folder."""
+    folder save is held at its publish: it waits for the pending save (the process-wide view)
+    rather than seeing, or repairing, the live writer's aside folder, and offers the new one."""
     root = str(tmp_path)
     with stagesave.Checkpointer(root, chunk_bytes=8192) as ck:
         ck.save_dir(dir_state(1), "checkpoint").result()
@@ -375,12 +399,13 @@ def test_latest_in_the_same_process_during_a_folder_replacement(tmp_path, how):
             gate.reached()  # the old folder is aside (or about to be exchanged), the new one not in place
             t, box = _in_thread(lambda: latest_name(root))  # e.g. an evaluation callback
             try:
-                _settled(t.is_alive, os.getpid())
+                settled = _settled(t.is_alive, os.getpid(), thread=t)
             finally:
                 gate.open()
             t.join(60)
             error = h.exception(timeout=60)
-        assert box.get("result") in (("checkpoint", 1), ("checkpoint", 2)), box
+        assert not settled, "latest() in the writer's process did not wait for its pending save"
+        assert box.get("result") == ("checkpoint", 2), box
         assert error is None, f"the pending save failed: {error}"
         assert debris(root) == []
         assert latest_name(root) == ("checkpoint", 2)
@@ -438,7 +463,8 @@ def test_close_racing_a_save_being_staged_refuses_it_cleanly(tmp_path, kind, che
             ck.save_dir({"optimizer.bin": state}, "c")
     assert os.listdir(tmp_path) == []
     assert ck._pool.in_use() == 0 and ck._pool.total_bytes() == 0  # the staging buffer was given back and freed
-    assert ck.pending() == 0 and ck._pending == {}
+    assert ck.pending() == 0  # and the process-wide view shows nothing pending on the path
+    assert _inflight.pending(str(tmp_path / ("a.ckpt" if kind == "file" else "c"))) == []
     ck.close()  # and it stays closed, quietly
 
 
