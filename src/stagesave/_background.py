@@ -17,10 +17,23 @@ import os
 import threading
 from collections.abc import Callable
 
-__all__ = ["JobQueue", "lower_priority"]
+__all__ = ["JobQueue", "current_queue", "lower_priority"]
 
 #: Nice value for background threads (Linux applies nice per thread).
 BACKGROUND_NICE = 10
+
+_this_thread = threading.local()
+
+
+def current_queue() -> JobQueue | None:
+    """The queue whose writer thread is calling, or ``None`` outside every queue's jobs.
+
+    A job (an action queued with ``Checkpointer.run_after``) that waits for pending work would
+    wait for itself and for every job queued behind it: callers use this to wait for nothing
+    there (the jobs queued before it have finished, in order).
+    """
+    queue: JobQueue | None = getattr(_this_thread, "queue", None)
+    return queue
 
 
 def lower_priority() -> None:
@@ -68,6 +81,9 @@ class JobQueue:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
+        if threading.current_thread() is self._thread:  # a finalizer run by a job's garbage collection
+            self.io_pool.shutdown(wait=False)
+            return False
         self._thread.join(timeout)
         finished = not self._thread.is_alive()
         self.io_pool.shutdown(wait=finished)
@@ -75,6 +91,7 @@ class JobQueue:
 
     def _run(self) -> None:
         lower_priority()
+        _this_thread.queue = self
         while True:
             with self._cond:
                 while not self._jobs and not self._stopping:
@@ -86,6 +103,7 @@ class JobQueue:
             try:
                 job()  # jobs record their own errors on their handles
             finally:
+                del job  # an idle thread holds no job (nor the Checkpointer its closure holds)
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()

@@ -7,7 +7,10 @@ listing, on anything inside the listed directory), whichever instance submitted 
 checkpoint saved through one plugin instance is there for a fresh ``Trainer``, for
 ``stagesave.load`` and for a second ``Checkpointer``.
 
-Waiting never raises the operation's error: that belongs to whoever submitted it.
+Waiting never raises the operation's error: that belongs to whoever submitted it. On a
+writer thread (an action queued with ``Checkpointer.run_after``) nothing is waited for: the
+job would wait for itself and for the jobs queued behind it, and jobs of two instances waiting
+for each other would never end. There, as in another process, a path shows its last commit.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import threading
 import time
 
+from ._background import current_queue
 from .handle import SaveHandle
 
 __all__ = ["forget", "pending", "register", "wait_path", "wait_under"]
@@ -54,6 +58,8 @@ def _within(key: str, outer: str) -> bool:
 
 
 def _wait(handles: list[SaveHandle], timeout: float | None) -> bool:
+    if current_queue() is not None:
+        return True  # a writer thread's job (see the module's docstring)
     deadline = None if timeout is None else time.monotonic() + timeout
     for h in handles:
         left = None if deadline is None else max(0.0, deadline - time.monotonic())

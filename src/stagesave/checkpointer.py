@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from . import _inflight
-from ._background import JobQueue
+from ._background import JobQueue, current_queue
 from ._checksum import DEFAULT_ALGORITHM, check_algorithm
 from ._commit import commit_file, commit_folder, remove_checkpoint, restore_aside, retain
 from ._device import device_of, gpudirect_kvikio, stage_on_device, write_device_data
@@ -178,6 +178,31 @@ def _checked_metadata(metadata: dict[str, Any] | None) -> dict[str, Any]:
     return dict(metadata)
 
 
+class _Resources:
+    """The threads and buffers of one Checkpointer, apart from it: when a Checkpointer is
+    garbage-collected without ``close()`` (dropped with its Trainer or Accelerator), a
+    finalizer releases them. It holds nothing that refers back to the Checkpointer, and a
+    Checkpointer with jobs still queued is referenced by them, so it is collected idle only.
+    """
+
+    def __init__(self, pool: BufferPool, device_pools: dict[torch.device, BufferPool]) -> None:
+        self.pool = pool
+        self.device_pools = device_pools
+        self.queue: JobQueue | None = None
+        self.hash_pool: cf.ThreadPoolExecutor | None = None
+
+    def release(self) -> None:
+        queue, self.queue = self.queue, None
+        if queue is not None:
+            queue.stop(None)
+        hash_pool, self.hash_pool = self.hash_pool, None
+        if hash_pool is not None:
+            hash_pool.shutdown(wait=False)
+        self.pool.close()
+        for pool in list(self.device_pools.values()):
+            pool.close()
+
+
 def _is_folder(store: Store, name: str) -> bool:
     """Whether ``name`` is a folder checkpoint rather than a file."""
     local = store.local_path(name)
@@ -269,7 +294,6 @@ class Checkpointer:
         self._device_pools: dict[torch.device, BufferPool] = {}
         self._warned_device_memory = False
         self._no_room: dict[torch.device, int] = {}  # smallest image size that found no room
-        self._hash_pool: cf.ThreadPoolExecutor | None = None
         self.keep_last = keep_last
         self.io_threads = io_threads
         self.chunk_bytes = chunk_bytes
@@ -282,11 +306,30 @@ class Checkpointer:
         if attach is not None:  # a tiered root: its remote commits reach the same callback/JSONL
             attach(self._emit)
         self._pool = BufferPool(max_pending, pinned)
-        self._queue: JobQueue | None = None
+        self._res = _Resources(self._pool, self._device_pools)
+        # Dropped without close(): its threads and buffers go with it. Not at exit, where
+        # the flush of every live Checkpointer commits what is pending first.
+        weakref.finalize(self, self._res.release).atexit = False
         self._lock = threading.Lock()
         self._failed: list[SaveHandle] = []
         self._closed = False
         _live.add(self)
+
+    @property
+    def _queue(self) -> JobQueue | None:
+        return self._res.queue
+
+    @_queue.setter
+    def _queue(self, queue: JobQueue | None) -> None:
+        self._res.queue = queue
+
+    @property
+    def _hash_pool(self) -> cf.ThreadPoolExecutor | None:
+        return self._res.hash_pool
+
+    @_hash_pool.setter
+    def _hash_pool(self, pool: cf.ThreadPoolExecutor | None) -> None:
+        self._res.hash_pool = pool
 
     # ------------------------------------------------------------------ saving
     def save(self, state: Any, path: str | os.PathLike[str], *, metadata: dict[str, Any] | None = None) -> SaveHandle:
@@ -772,12 +815,15 @@ class Checkpointer:
     def wait(self, timeout: float | None = None) -> None:
         """Block until every submitted save and removal has finished.
 
+        Called by an action of this Checkpointer (``run_after``), it does not wait: the jobs
+        queued before the action have finished, and those after it wait for it.
+
         Raises:
             TimeoutError: still running after ``timeout`` seconds.
             CheckpointError: a background save failed and its error was not delivered yet.
         """
         queue = self._queue
-        if queue is not None and not queue.drain(timeout):
+        if queue is not None and queue is not current_queue() and not queue.drain(timeout):
             raise TimeoutError(f"{queue.pending()} checkpoint operations still running after {timeout} s")
         self._raise_failures()
 
@@ -1022,7 +1068,7 @@ class Checkpointer:
     def wait_quietly(self) -> None:
         """Wait for pending work without raising (errors stay queued for the next call)."""
         q = self._queue
-        if q is not None:
+        if q is not None and q is not current_queue():  # a job of this queue would wait for itself
             q.drain()
 
     # ------------------------------------------------------------------ lifecycle

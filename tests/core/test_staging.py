@@ -243,6 +243,59 @@ def test_run_after_is_ordered_after_pending_saves(ckpt_dir):
             bad.result(timeout=60)
 
 
+def test_an_action_that_reads_lists_and_waits_does_not_wait_for_itself(ckpt_dir):
+    """An action on the writer thread may read what the saves before it committed: listing,
+    latest(), load() and wait() of its own and of other Checkpointers return at once while a
+    save queued behind the action is still pending: waiting for it would wait for the action
+    itself."""
+    held, release = threading.Event(), threading.Event()
+    seen: dict[str, object] = {}
+
+    def action() -> None:
+        held.wait(30)
+        seen["list"] = [c.name for c in ck.list()]
+        seen["latest"] = ck.latest(verify=True).name  # type: ignore[union-attr]
+        seen["load"] = int(ck.load("a.ckpt")["step"])
+        ck.wait()
+        seen["module latest"] = stagesave.latest(ckpt_dir).name  # type: ignore[union-attr]
+        with stagesave.Checkpointer(ckpt_dir) as other:
+            seen["other"] = [c.name for c in other.list()]
+        release.set()
+
+    with stagesave.Checkpointer(ckpt_dir) as ck:
+        ck.save({"step": 1, "w": torch.ones(10)}, "a.ckpt")
+        h = ck.run_after(action, description="reading action")
+        later = ck.save({"step": 2, "w": torch.ones(10)}, "b.ckpt")  # queued behind the action
+        held.set()
+        h.result(timeout=60)
+        later.result(timeout=60)
+    assert release.is_set()
+    assert seen == {"list": ["a.ckpt"], "latest": "a.ckpt", "load": 1,
+                    "module latest": "a.ckpt", "other": ["a.ckpt"]}, seen
+
+
+def test_a_checkpointer_dropped_without_close_gives_its_threads_and_buffers_back(ckpt_dir):
+    import gc
+    import weakref
+
+    before = {t.ident for t in threading.enumerate()}
+    ck = stagesave.Checkpointer(ckpt_dir)
+    ck.save({"w": torch.ones(1 << 16)}, "a.ckpt").result(timeout=60)
+    ours = [t for t in threading.enumerate() if t.ident not in before]
+    assert sorted(t.name.rstrip("_0123456789") for t in ours) == ["stagesave-hash", "stagesave-io", "stagesave-writer"]
+    pool = ck._pool
+    assert pool.total_bytes() > 0
+    gone = weakref.ref(ck)
+    del ck
+    gc.collect()
+    assert gone() is None, "an idle Checkpointer is still referenced"
+    for t in ours:
+        t.join(10)
+    assert [t.name for t in ours if t.is_alive()] == []
+    assert pool.total_bytes() == 0
+    assert stagesave.load(ckpt_dir / "a.ckpt")["w"].shape == (1 << 16,)
+
+
 def test_link_inside_the_root_loads_and_verifies_as_its_target(ckpt_dir):
     import os
 
