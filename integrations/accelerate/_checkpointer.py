@@ -41,6 +41,7 @@ from ._resources import Resources
 from ._restore import LoadPlan, discard_copy, parts_problems, plan_explicit, plan_newest
 from ._roots import AutoRoot
 from ._training import TrainingSignal
+from ._trust import guarded
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -491,18 +492,24 @@ class AcceleratorCheckpointer:
         """Restore from ``input_dir``, or under automatic naming from the newest valid checkpoint.
 
         Waits for this process's pending saves first. The checkpoint is proven against the
-        proofs its files carry (every byte when ``verify_on_load``) and then read by Accelerate's own
-        ``load_state``. Under automatic naming ``ProjectConfiguration.iteration`` continues after
+        proofs its files carry (every byte when ``verify_on_load``; a file they do not list
+        makes it corrupt) and then read by Accelerate's own ``load_state``, which may read only
+        the files the proof lists and unpickles them with stagesave's safe unpickler (the full
+        one with the ``trusted`` option). Under automatic naming ``ProjectConfiguration.iteration`` continues after
         the loaded checkpoint. Returns the folder loaded (``None`` on the synchronous path).
 
         Raises:
             ValueError: ``input_dir`` does not exist, or no ``input_dir`` without automatic naming.
             CheckpointNotFoundError: automatic naming found no checkpoint at all.
-            IntegrityError: the named checkpoint is corrupt (automatic naming skips such ones).
+            IntegrityError: the named checkpoint is corrupt (automatic naming skips such ones),
+                or holds a file its proof does not list.
+            UnsafeCheckpointError: a file needs a class that is not allow-listed (the state read
+                before it is already restored).
             CheckpointError: a pending background save failed.
         """
         if not self.asynchronous:
-            self._accelerate_load(input_dir, load_kwargs, **load_model_func_kwargs)
+            with guarded(os.fspath(input_dir or ""), None, self.options.trusted):
+                self._accelerate_load(input_dir, load_kwargs, **load_model_func_kwargs)
             return None
         self._training.consume()  # a save after a load (and no step) has nothing to overlap
         self._used = True
@@ -528,10 +535,11 @@ class AcceleratorCheckpointer:
             else:  # another host: fetch this host's own copy
                 local = own_copy = _remote.download_folder(plan.folder, self.options.storage_options)
         try:
-            if self._fsdp:
-                self._load_fsdp(local, load_kwargs, **load_model_func_kwargs)
-            else:
-                self._accelerate_load(local, load_kwargs, **load_model_func_kwargs)
+            with guarded(local, plan.names, self.options.trusted):
+                if self._fsdp:
+                    self._load_fsdp(local, load_kwargs, **load_model_func_kwargs)
+                else:
+                    self._accelerate_load(local, load_kwargs, **load_model_func_kwargs)
             _dist.barrier(world)  # nobody removes a copy another process still reads
         finally:
             if own_copy is not None:

@@ -66,6 +66,11 @@ class Options:
         telemetry_jsonl: Append each save's telemetry as one JSON line (what ``stagesave
             report`` reads): ``True`` for ``<project_dir>/stagesave-telemetry.jsonl``, or a file
             path; ``False`` records nothing.
+        trusted: Unpickle the checkpoint's files (``custom_checkpoint_<i>.pkl``, optimizer,
+            scheduler, RNG states, ...) with the full pickle machinery, which can run code
+            from the file. ``False`` (the default): stagesave's safe unpickler, with the
+            classes :func:`stagesave.allow_globals` added. Only the files the checkpoint's
+            proof lists are read either way.
     """
 
     destination: str | None = None
@@ -80,6 +85,7 @@ class Options:
     device_staging: bool = False
     sync_outside_training: bool = True
     telemetry_jsonl: bool | str = False
+    trusted: bool = False
 
 
 _NAMES = {f.name for f in fields(Options)}
@@ -115,7 +121,7 @@ def _coerce(key: str, value: Any, where: str) -> Any:
         if number < 1:
             raise ValueError(f"{where}: {key} must be >= 1, got {number}")
         return number
-    if key in ("verify_on_load", "direct_io", "device_staging", "sync_outside_training"):
+    if key in ("verify_on_load", "direct_io", "device_staging", "sync_outside_training", "trusted"):
         if isinstance(value, bool):
             return value
         word = str(value).strip().lower()

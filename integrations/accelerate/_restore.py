@@ -37,7 +37,8 @@ class LoadPlan:
 
     ``iteration`` is the ``ProjectConfiguration.iteration`` that saved it (``None`` when unknown);
     ``from_proof`` says whether it came from the metadata of the checkpoint's stagesave proof
-    (else from the folder's name).
+    (else from the folder's name). ``names`` are the files its proof lists, the only ones
+    Accelerate may read (``None``: a plain Accelerate folder, which has no proof).
     """
 
     folder: str
@@ -45,6 +46,7 @@ class LoadPlan:
     remote: bool
     iteration: int | None
     from_proof: bool
+    names: frozenset[str] | None = None
 
 
 def discard_copy(local: str) -> None:
@@ -89,6 +91,22 @@ def parts_problems(ckpt: Checkpointer, folder: str, info: CheckpointInfo, verify
     return problems
 
 
+def _proven_names(info: CheckpointInfo | None) -> frozenset[str] | None:
+    """The files a checkpoint's proof lists (relative to its folder), ``None`` without a proof."""
+    m = info.manifest if info is not None else None
+    if m is None:
+        return None
+    if m.folder is None:  # format 1: the folder's manifest names every file
+        return frozenset(f.name for f in m.files)
+    return frozenset(m.folder.names())
+
+
+def _listed(ckpt: Checkpointer, local: str) -> CheckpointInfo | None:
+    """What listing (proofs only, no checksums) says about the folder ``local``."""
+    parent, leaf = os.path.split(os.path.abspath(local))
+    return next((c for c in ckpt.list(parent) if c.is_dir and _remote.leaf(c.name) == leaf), None)
+
+
 def _iteration_of(info: CheckpointInfo | None, folder: str) -> int | None:
     meta = _metadata(info)
     if isinstance(meta.get("iteration"), int):
@@ -115,7 +133,9 @@ def _prove(
         except FileNotFoundError as exc:
             raise ValueError(f"Tried to find {folder} but folder does not exist") from exc
     try:
-        checked = ckpt.verify(local) if verify else info
+        # without verify_on_load, still the proof's list of files: a folder holding a file it
+        # does not name is refused (what listing checks, reading proofs only)
+        checked = ckpt.verify(local) if verify else info if info is not None else _listed(ckpt, local)
         if checked is not None and checked.status != "corrupt" and checked.manifest is not None:
             parts = parts_problems(ckpt, local, checked, verify)
             if parts:
@@ -134,7 +154,7 @@ def _prove(
         raise
     source = checked if checked is not None and checked.manifest is not None else info
     return LoadPlan(folder, local, remote, _iteration_of(source, folder),
-                    source is not None and source.manifest is not None)
+                    source is not None and source.manifest is not None, _proven_names(source))
 
 
 def plan_explicit(

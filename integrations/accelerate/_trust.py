@@ -1,0 +1,150 @@
+"""What Accelerate's ``load_state`` may read, and how it unpickles, while stagesave restores.
+
+Accelerate reads every file of a checkpoint folder through two functions of
+``accelerate.checkpointing``: ``load`` (``torch.load``: optimizer, scheduler, sampler,
+dataloader, scaler and RNG states, and custom objects, these with ``weights_only=False``, so a
+``custom_checkpoint_<i>.pkl`` can run code) and ``load_model`` (safetensors model weights).
+Rather than re-implement ``load_accelerator_state`` and ``load_custom_state``, stagesave
+replaces these two module attributes, once, with dispatchers. On a thread inside
+:func:`guarded` they read only files the checkpoint's proof lists (a file it does not list
+is refused with :class:`~stagesave.IntegrityError`), and they unpickle with
+:func:`stagesave.safety.safe_torch_load`: torch's ``weights_only`` unpickler with stagesave's
+allow-list (extended by :func:`stagesave.allow_globals`), or the full unpickler when the user
+said ``trusted=True``. On every other thread, and outside :func:`guarded`, they are
+Accelerate's own functions, unchanged (``disable()`` has nothing to undo).
+
+Accelerate catches every error while it restores RNG states (and only logs "Could not load
+random states"); a refusal is therefore also recorded, and :func:`guarded` raises it when
+Accelerate's method returns.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from stagesave.errors import CheckpointError, IntegrityError, UnsafeCheckpointError
+from stagesave.safety import safe_torch_load
+
+__all__ = ["Guard", "guarded"]
+
+#: Where the dispatchers look for the load in progress on this thread.
+_active = threading.local()
+_install_lock = threading.Lock()
+#: Accelerate's own functions, keyed by attribute name (filled when first installed).
+_originals: dict[str, Callable[..., Any]] = {}
+#: ``torch.load`` keywords the safe loader honours; ``weights_only`` is decided by ``trusted``.
+_KNOWN_KWARGS = {"mmap", "weights_only"}
+_TRUST_HINT = (
+    " With stagesave.accelerate, allow the class with stagesave.allow_globals(...) before "
+    "load_state(), or, if you trust the checkpoint's source completely, pass trusted=True to "
+    "stagesave.accelerate.enable() (or set STAGESAVE_ACCELERATE_TRUSTED=1)."
+)
+
+
+@dataclass
+class Guard:
+    """One ``load_state`` in progress: its folder, what its proof lists, how to unpickle.
+
+    ``names`` are the folder's files as its proof names them (relative, ``/``-separated);
+    ``None`` for a plain Accelerate folder, which has no proof to check files against.
+    """
+
+    folder: str
+    names: frozenset[str] | None
+    trusted: bool
+    refused: CheckpointError | None = None
+
+    def admit(self, file: Any) -> str:
+        """The path to name in messages, once ``file`` may be read.
+
+        Raises:
+            IntegrityError: an existing file the proof does not list.
+        """
+        if not isinstance(file, (str, os.PathLike)):
+            return "an in-memory file"
+        path = os.fspath(file)
+        if self.names is None or not os.path.lexists(path):
+            return path  # nothing to check against; a missing file fails as Accelerate's would
+        rel = os.path.relpath(os.path.abspath(path), os.path.abspath(self.folder)).replace(os.sep, "/")
+        if rel not in self.names:
+            raise IntegrityError(
+                f"refusing to load {path}: the proof of checkpoint {self.folder} does not list it, "
+                "so it is not part of what was saved (someone else put it there). Remove it, or "
+                "load another checkpoint."
+            )
+        return path
+
+    def note(self, exc: CheckpointError) -> CheckpointError:
+        if self.refused is None:
+            self.refused = exc
+        return exc
+
+
+@contextmanager
+def guarded(folder: str, names: frozenset[str] | None, trusted: bool) -> Iterator[Guard]:
+    """Within the block, Accelerate's loads on this thread go through ``Guard``'s rules.
+
+    Raises:
+        CheckpointError: a file was refused, even where Accelerate swallowed the error.
+    """
+    _install()
+    guard = Guard(folder, names, trusted)
+    outer = getattr(_active, "guard", None)
+    _active.guard = guard
+    try:
+        yield guard
+    finally:
+        _active.guard = outer
+    if guard.refused is not None:
+        raise guard.refused
+
+
+def _install() -> None:
+    # the module Accelerate's load_accelerator_state and load_custom_state look both names up in
+    checkpointing = importlib.import_module("accelerate.checkpointing")
+    with _install_lock:
+        if _originals:
+            return
+        for name, dispatcher in (("load", _load), ("load_model", _load_model)):
+            _originals[name] = getattr(checkpointing, name)
+            setattr(checkpointing, name, dispatcher)
+
+
+def _load(f: Any, map_location: Any = None, **kwargs: Any) -> Any:
+    """``accelerate.checkpointing.load``, through the safe loader inside :func:`guarded`."""
+    guard: Guard | None = getattr(_active, "guard", None)
+    if guard is None:
+        return _originals["load"](f, map_location=map_location, **kwargs)
+    unknown = sorted(set(kwargs) - _KNOWN_KWARGS)
+    if unknown:
+        raise TypeError(
+            f"stagesave.accelerate loads checkpoints with its safe loader, which does not take "
+            f"load_kwargs {unknown} (it takes mmap; weights_only follows the trusted option)"
+        )
+    try:
+        where = guard.admit(f)
+        return safe_torch_load(f, map_location=map_location, mmap=bool(kwargs.get("mmap", False)),
+                               trusted=guard.trusted, where=where)
+    except UnsafeCheckpointError as exc:
+        raise guard.note(UnsafeCheckpointError(f"{exc}{_TRUST_HINT}")) from exc
+    except CheckpointError as exc:
+        guard.note(exc)
+        raise
+
+
+def _load_model(model: Any, filename: Any, *args: Any, **kwargs: Any) -> Any:
+    """``accelerate.checkpointing.load_model`` (safetensors: no code runs), for listed files only."""
+    guard: Guard | None = getattr(_active, "guard", None)
+    if guard is not None:
+        try:
+            guard.admit(filename)
+        except CheckpointError as exc:
+            guard.note(exc)
+            raise
+    return _originals["load_model"](model, filename, *args, **kwargs)
