@@ -10,7 +10,11 @@ files) is still read.
 Both are untrusted input when read back (a checkpoint may come from anywhere), so the parsers
 check everything before anything else uses it: size caps, schema version, names that stay
 inside the checkpoint, integer fields in range, digests of the declared algorithm, storage
-records inside the file and not overlapping.
+records inside the file and not overlapping, every entry of the tensor index typed and bounded
+(a shape's rank and element count), metadata and telemetry free of NaN and infinities (JSON has
+none, but Python's parser reads ``1e999`` as infinity) and nested at most :data:`MAX_DEPTH`
+deep. A proof that fails any check is refused as corrupt, with the field named: whatever is
+called verified can be printed, listed and written out as JSON as it is.
 """
 
 from __future__ import annotations
@@ -18,13 +22,14 @@ from __future__ import annotations
 import itertools
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from ._checksum import ALGORITHMS, DIGEST_HEX_LEN
 from ._names import FORMAT_TAG, MAX_FILE_BYTES, MAX_MANIFEST_BYTES, SCHEMA_VERSION
 from ._store import check_name
 from .errors import ManifestError
+from .telemetry import SaveTelemetry
 
 __all__ = [
     "FileEntry", "FolderProof", "Manifest", "Member", "StorageRecord", "Summary", "parse_manifest",
@@ -34,6 +39,17 @@ __all__ = [
 _MAX_CHUNK = 1 << 40
 _MAX_ENTRIES = 10_000_000
 _MAX_SEQ = 1 << 62
+#: Deepest nesting of a proof's metadata and telemetry (a user's metadata is JSON; nobody nests
+#: it this deep, and every reader can print it without running out of stack).
+MAX_DEPTH = 100
+#: Most dimensions of a tensor in the index (torch itself sets no limit; no real tensor comes near).
+MAX_RANK = 1024
+#: Largest element count, dimension, stride and offset of a tensor in the index.
+MAX_NUMEL = 1 << 62
+#: Longest tensor name in the index.
+_MAX_TENSOR_NAME = 65_536
+#: Telemetry integers stay within what converts to a float.
+_MAX_TELEMETRY_INT = 1 << 63
 #: Schema of the embedded proof (format 2).
 SCHEMA_EMBEDDED = 2
 
@@ -244,6 +260,118 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+def _kind(v: Any, where: str) -> str:
+    kind = _str(v, "kind", where, 32)
+    if not kind or not all(ch.isascii() and (ch.isalnum() or ch == "-") for ch in kind):
+        raise _fail(where, f"kind {kind!r} is not a file kind (letters, digits and '-')")
+    return kind
+
+
+def _path(what: str, parts: tuple[str | int, ...]) -> str:
+    return what + "".join(f"[{p}]" if isinstance(p, int) else f"[{p[:40]!r}]" for p in parts)
+
+
+def _plain_json(v: Any, what: str, where: str) -> None:
+    """``v`` (read from JSON) holds finite numbers only and nests at most :data:`MAX_DEPTH` deep.
+
+    Raises:
+        ManifestError: naming the first offending field.
+    """
+    stack: list[tuple[Any, tuple[str | int, ...]]] = [(v, ())]
+    while stack:
+        x, parts = stack.pop()
+        if isinstance(x, float):
+            if not math.isfinite(x):
+                raise _fail(where, f"{_path(what, parts)} is {x!r}: JSON has no NaN or infinity "
+                                   "(a number such as 1e999 reads as one)")
+        elif isinstance(x, (dict, list)):
+            if len(parts) >= MAX_DEPTH:
+                raise _fail(where, f"{_path(what, parts)} nests deeper than {MAX_DEPTH} levels")
+            items = x.items() if isinstance(x, dict) else enumerate(x)
+            stack.extend((item, (*parts, key)) for key, item in items)
+
+
+def _object(v: Any, what: str, where: str) -> dict[str, Any]:
+    if not isinstance(v, dict):
+        raise _fail(where, f"{what} must be an object, got {type(v).__name__}")
+    _plain_json(v, what, where)
+    return v
+
+
+def _telemetry_types() -> dict[str, frozenset[str]]:
+    """The JSON types each field of :class:`SaveTelemetry` may hold (from its annotations)."""
+    out = {}
+    for f in fields(SaveTelemetry):
+        names = {n.strip() for n in str(f.type).split("|")}
+        out[f.name] = frozenset(names | ({"int"} if "float" in names else set()))
+    return out
+
+
+_TELEMETRY_TYPES = _telemetry_types()
+
+
+def _json_type(v: Any) -> str:
+    if v is None:
+        return "None"
+    if isinstance(v, bool):
+        return "bool"
+    return type(v).__name__
+
+
+def _telemetry(v: Any, where: str) -> dict[str, Any]:
+    """The save's telemetry: an object; its known fields of their type, numbers finite and in range."""
+    tel = _object(v, "telemetry", where)
+    for key, value in tel.items():
+        what = _path("telemetry", (key,))
+        allowed = _TELEMETRY_TYPES.get(key)
+        if allowed is not None and _json_type(value) not in allowed:
+            raise _fail(where, f"{what} must be {' or '.join(sorted(allowed))}, got {_json_type(value)}")
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= _MAX_TELEMETRY_INT:
+            raise _fail(where, f"{what} is out of range")
+        if isinstance(value, str) and len(value) > 65_536:
+            raise _fail(where, f"{what} is longer than 65536 characters")
+    return tel
+
+
+_TENSOR_FIELDS = frozenset({"name", "dtype", "shape", "stride", "storage_offset", "storage"})
+
+
+def _tensor(t: Any, i: int, where: str) -> dict[str, Any]:
+    """One entry of the tensor index: typed, its shape's rank and element count bounded."""
+    what = f"tensors[{i}]"
+    if not isinstance(t, dict):
+        raise _fail(where, f"{what} is not an object")
+    _str(t.get("name"), f"{what}.name", where, _MAX_TENSOR_NAME)
+    _str(t.get("dtype"), f"{what}.dtype", where, 64)
+    shape = t.get("shape")
+    if not isinstance(shape, list) or len(shape) > MAX_RANK:
+        raise _fail(where, f"{what}.shape must be a list of at most {MAX_RANK} dimensions")
+    numel = 1
+    for d in shape:
+        numel = min(numel * _int(d, f"{what}.shape dimension", where, 0, MAX_NUMEL), MAX_NUMEL + 1)
+    if numel > MAX_NUMEL:
+        raise _fail(where, f"{what}.shape has more than {MAX_NUMEL} elements")
+    stride = t.get("stride")
+    if stride is not None:
+        if not isinstance(stride, list) or len(stride) != len(shape):
+            raise _fail(where, f"{what}.stride must be a list as long as its shape")
+        for d in stride:
+            _int(d, f"{what}.stride", where, 0, MAX_NUMEL)
+    if t.get("storage_offset") is not None:
+        _int(t["storage_offset"], f"{what}.storage_offset", where, 0, MAX_NUMEL)
+    if t.get("storage") is not None:
+        _str(t["storage"], f"{what}.storage", where, 64)
+    if not _TENSOR_FIELDS.issuperset(t):
+        _plain_json({k: v for k, v in t.items() if k not in _TENSOR_FIELDS}, what, where)
+    return t
+
+
+def _tensors(v: Any, where: str) -> list[dict[str, Any]]:
+    if not isinstance(v, list) or len(v) > _MAX_ENTRIES:
+        raise _fail(where, "tensors must be a list")
+    return [_tensor(t, i, where) for i, t in enumerate(v)]
+
+
 def _chunks(chunks: Any, algorithm: str, n_bytes: int, chunk_bytes: int, what: str, where: str) -> tuple[str, ...]:
     expected = math.ceil(n_bytes / chunk_bytes) if n_bytes else 0
     if not isinstance(chunks, list) or len(chunks) != expected:
@@ -317,7 +445,7 @@ def _parse_file(doc: Any, where: str) -> FileEntry:
     algorithm = _algorithm(doc, where)
     chunk_bytes = _int(doc.get("chunk_bytes"), "chunk_bytes", where, 1, _MAX_CHUNK)
     chunks = _chunks(doc.get("chunks"), algorithm, size, chunk_bytes, name, where)
-    kind = _str(doc.get("kind", "torch"), "kind", where, 32)
+    kind = _kind(doc.get("kind", "torch"), where)
     sid, id_offset = _serialization_id(doc, size, where)
     storages = _storages(doc.get("storages", []), size, where, compact=False)
     return FileEntry(name=name, size=size, algorithm=algorithm, chunk_bytes=chunk_bytes, chunks=chunks,
@@ -347,11 +475,9 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
     files = [_parse_file(f, where) for f in files_doc]
     if len({f.name for f in files}) != len(files):
         raise _fail(where, "a file is listed twice")
-    tensors = doc.get("tensors", [])
-    metadata = doc.get("metadata", {})
-    telemetry = doc.get("telemetry", {})
-    if not isinstance(tensors, list) or not isinstance(metadata, dict) or not isinstance(telemetry, dict):
-        raise _fail(where, "tensors must be a list, metadata and telemetry objects")
+    tensors = _tensors(doc.get("tensors", []), where)
+    metadata = _object(doc.get("metadata", {}), "metadata", where)
+    telemetry = _telemetry(doc.get("telemetry", {}), where)
     return Manifest(files, created, tensors, metadata, telemetry, schema)
 
 
@@ -391,7 +517,7 @@ def parse_summary(data: bytes, where: str) -> Summary:
     if seq is not None or folder is None:
         seq = _int(seq, "seq", where, 0, _MAX_SEQ)
     return Summary(
-        kind=_str(doc.get("kind"), "kind", where, 32),
+        kind=_kind(doc.get("kind"), where),
         seq=seq,
         created_ns=_int(doc.get("created_ns"), "created_ns", where, 0, 1 << 64),
         proof_offset=_int(proof[0], "proof offset", where),
@@ -445,7 +571,7 @@ def parse_proof(data: bytes, where: str, name: str, size: int) -> Manifest:
         raise _fail(where, "not a stagesave proof")
     if doc.get("schema") != SCHEMA_EMBEDDED:
         raise _fail(where, f"schema {doc.get('schema')!r} is not supported by this stagesave; upgrade it")
-    kind = _str(doc.get("kind"), "kind", where, 32)
+    kind = _kind(doc.get("kind"), where)
     covered = _int(doc.get("covered"), "covered", where, 0, size)
     algorithm = _algorithm(doc, where)
     chunk_bytes = _int(doc.get("chunk_bytes"), "chunk_bytes", where, 1, _MAX_CHUNK)
@@ -464,9 +590,7 @@ def parse_proof(data: bytes, where: str, name: str, size: int) -> Manifest:
         or not all(isinstance(v, str) and len(v) == hex_len for v in zip_digests.values())
     ):
         raise _fail(where, "zip must hold the digests of the central directory and the index")
-    metadata = doc.get("metadata", {})
-    if not isinstance(metadata, dict):
-        raise _fail(where, "metadata must be an object")
+    metadata = _object(doc.get("metadata", {}), "metadata", where)
     entry = FileEntry(
         name=name, size=size, algorithm=algorithm, chunk_bytes=chunk_bytes, chunks=chunks, kind=kind,
         serialization_id=sid, id_offset=id_offset,
@@ -494,8 +618,4 @@ def parse_index(data: bytes, where: str) -> tuple[list[dict[str, Any]], dict[str
     doc = _json(data, where)
     if not isinstance(doc, dict):
         raise _fail(where, "the index is not an object")
-    tensors = doc.get("tensors", [])
-    telemetry = doc.get("telemetry", {})
-    if not isinstance(tensors, list) or not isinstance(telemetry, dict):
-        raise _fail(where, "tensors must be a list, telemetry an object")
-    return tensors, telemetry
+    return _tensors(doc.get("tensors", []), where), _telemetry(doc.get("telemetry", {}), where)

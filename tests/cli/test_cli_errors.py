@@ -88,8 +88,9 @@ def test_corrupt_proof_is_named(cli, tmp_path):
     assert rows[0]["status"] == "corrupt" and "footer is damaged" in rows[0]["problems"][0]
     r = cli("verify", path)
     assert r.code == 1 and r.err.startswith(f"stagesave: error: {path}: its stagesave footer is damaged")
-    r = cli("inspect", path, "--json")
-    assert r.code == 0 and r.json()["status"] == "corrupt" and r.json()["tensors"] == []
+    r = cli("inspect", path, "--json")  # the summary is printed, and the exit says corrupt
+    assert r.code == 1 and r.json()["status"] == "corrupt" and r.json()["tensors"] == []
+    assert r.err.startswith(f"stagesave: error: {path} is corrupt: ") and r.err.count("\n") == 1
 
 
 def test_error_line_prints_names_literally(cli, tmp_path):

@@ -22,7 +22,7 @@ import torch
 
 from .._discovery import CHECKPOINT_SUFFIXES, CheckpointInfo, resolve, resolve_dir, scan
 from .._gc import Debris, find_debris, match_temporary
-from .._manifest import Manifest, parse_manifest
+from .._manifest import MAX_NUMEL, MAX_RANK, Manifest, parse_manifest
 from .._names import ASIDE_MARKER, MAX_MANIFEST_BYTES, TMP_MARKER, split_manifest_name
 from .._store import ObjectInfo, Store
 from ..errors import ManifestError, UnsafeCheckpointError
@@ -332,9 +332,9 @@ def tensor_index(
     return torch_index(store, name, size, trusted=trusted)
 
 
-#: Most dimensions of a shape shown (torch allows few dozen; a proof could claim anything).
-MAX_DIMS = 64
-_MAX_NUMEL = 1 << 62
+#: Most dimensions of a shape shown (the core refuses a proof whose index claims more).
+MAX_DIMS = MAX_RANK
+_MAX_NUMEL = MAX_NUMEL
 _ITEMSIZE: dict[str, int] = {}
 
 

@@ -21,7 +21,7 @@ from .._manifest import FileEntry, Manifest
 from .._names import DIR_MANIFEST, INDEX_RECORD, PROOF_KEY, PROOF_RECORD
 from .._store import Store
 from .._write import TRAILER_KINDS
-from ..errors import CheckpointError, CheckpointNotFoundError
+from ..errors import CheckpointError, CheckpointNotFoundError, IntegrityError
 from ._common import Env, literal
 from ._found import (
     folder_files,
@@ -174,7 +174,10 @@ def describe(store: Store, ci: CheckpointInfo, *, trusted: bool = False) -> dict
 
 def _number(v: Any) -> float | None:
     if isinstance(v, (int, float)) and not isinstance(v, bool):
-        f = float(v)
+        try:
+            f = float(v)
+        except OverflowError:
+            return None
         return f if math.isfinite(f) and f > 0 else None
     return None
 
@@ -216,7 +219,15 @@ def run(env: Env, args: argparse.Namespace) -> int:
     doc = describe(target.store, ci, trusted=args.trusted)
     if args.json:
         env.print_json(doc)
-        return 0
+    else:
+        _print(env, doc, args.tensors)
+    if doc["status"] == "corrupt":
+        first = doc["problems"][0] if doc["problems"] else "its proof does not hold"
+        raise IntegrityError(f"{doc['path']} is corrupt: {first}")
+    return 0
+
+
+def _print(env: Env, doc: dict[str, Any], max_tensors: int) -> None:
     o = env.out
     o.print(literal(doc["path"] + ("/" if doc["folder"] else ""), "bold"))
     head = [("status", doc["status"]), ("format", _FORMAT.get(doc["format"], str(doc["format"])))]
@@ -246,7 +257,7 @@ def run(env: Env, args: argparse.Namespace) -> int:
 
     tensors = doc["tensors"]
     if tensors:
-        limit = args.tensors if args.tensors > 0 else len(tensors)
+        limit = max_tensors if max_tensors > 0 else len(tensors)
         tt = Table(title=f"tensors ({len(tensors)}, {fmt_bytes(doc['tensor_bytes'])})", title_justify="left",
                    header_style="bold", box=None, pad_edge=False)
         for col in ("name", "dtype", "shape", "bytes"):
@@ -268,4 +279,3 @@ def run(env: Env, args: argparse.Namespace) -> int:
             env.say(f"  {k:<22} {v}")
     for n in doc["notes"]:
         env.say(f"note: {n}")
-    return 0
