@@ -93,8 +93,9 @@ def load(path: str | os.PathLike[str], map_location: Any = None, **options: Any)
         return ckpt.load(path, map_location, **load_opts)
 
 
-def latest(root: str | os.PathLike[str], *, verify: bool = False, **options: Any) -> CheckpointInfo | None:
-    """The newest valid checkpoint directly in ``root``, or ``None``."""
+def latest(root: str | os.PathLike[str], *, verify: bool = True, **options: Any) -> CheckpointInfo | None:
+    """The newest checkpoint directly in ``root`` that a resume can load (verified unless
+    ``verify=False``), or ``None``: see :meth:`Checkpointer.latest`."""
     with Checkpointer(**options) as ckpt:
         return ckpt.latest(root, verify=verify)
 

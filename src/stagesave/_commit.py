@@ -34,6 +34,7 @@ import errno
 import os
 import secrets
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -90,6 +91,7 @@ def commit_file(
     directory = _parent(f.name)
     try:
         with store.commit_lock(f.name):
+            restore_aside(store, directory)  # a read never repairs: the next write does
             w.seal(seq=next_seq(store, directory) if seq is None else seq,
                    created_ns=time.time_ns() if created_ns is None else created_ns, metadata=metadata,
                    tensors=_tensor_index(f), telemetry=telemetry())
@@ -318,7 +320,10 @@ def _quietly(fn: Callable[[str, str], None], a: str, b: str) -> None:
 def restore_aside(store: Store, parent: str) -> None:
     """Move back folders left aside by a crash between the two renames of a replacement.
 
-    Runs on the write path (under the commit lock of ``parent``), never on a read.
+    Runs on the write path (under the commit lock of ``parent``: every file and folder commit,
+    and ``stagesave gc``), never on a read; until then readers offer an aside folder that is
+    the only copy where it lies. Where the directory cannot be changed (read-only, permission
+    denied) the repair is skipped with a warning: the save's own write reports the cause.
     """
     base = store.local_path(parent)
     if not base:
@@ -332,11 +337,17 @@ def restore_aside(store: Store, parent: str) -> None:
             continue  # a live process is in the middle of its two renames
         src = os.path.join(base, leaf)
         dst = os.path.join(base, original)
-        if original and not os.path.lexists(dst):
-            fsops.rename(src, dst)
-            fsops.fsync_dir(base)
-        else:
-            _remove_tree(store, _join(parent, leaf))
+        try:
+            if original and not os.path.lexists(dst):
+                fsops.rename(src, dst)
+                fsops.fsync_dir(base)
+            else:
+                _remove_tree(store, _join(parent, leaf))
+        except OSError as exc:
+            if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+                raise
+            warnings.warn(f"could not move {src} back to {dst} ({exc.strerror or exc}): readers keep "
+                          "offering it where it is", stacklevel=2)
 
 
 def pid_alive(text: str) -> bool:

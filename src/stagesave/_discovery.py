@@ -15,13 +15,33 @@ A listing costs one directory read plus, for each file not seen before, one read
 few KiB (:func:`stagesave._proofread.peek`): what was learnt is cached per directory and reused
 while a file's name, size and version stay the same, so ``latest()`` and the sequence number of
 a new save stay linear in the number of checkpoints, and cheap when few changed.
+
+Reading never writes. A folder left aside by a crash between the two renames of a replacement
+(``.<name>.<pid>-<hex>.stagesave-aside``, its final name missing) is the only copy of that
+checkpoint: a listing offers it where it lies, and the next write into the directory (or
+``stagesave gc``) moves it back. A listing that meets the aside folder of a live mover waits for
+the directory's commit lock (the mover holds it across both renames) and looks again.
+
+A file without a proof is offered for a resume only if it would load as a torch file
+(:func:`plain_problem`); verification then checks its zip records' CRC-32s, the only proof it has.
+A verification of a local file is remembered (:func:`remember_verified`) by the identity of the
+inode it read (device, inode, size, mtime and ctime in nanoseconds) and the proof it matched, so
+that the load that follows ``latest()`` does not read and hash the same bytes again; any change
+of the file, in place or by a rename over it, changes that identity.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import io
+import json
+import os
+import struct
 import threading
+import time
 import warnings
+import zipfile
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -33,6 +53,7 @@ from ._names import (
     MANIFEST_SUFFIX,
     MAX_MANIFEST_BYTES,
     is_temporary,
+    parse_aside_name,
     split_manifest_name,
 )
 from ._proofread import FileProof, chunk_problems, peek, read_proof
@@ -40,8 +61,8 @@ from ._store import ObjectInfo, Reader, Store
 from .errors import IntegrityError, ManifestError
 
 __all__ = [
-    "CheckpointInfo", "next_seq", "raise_if_corrupt", "resolve", "resolve_dir", "resolve_reader", "scan",
-    "verify_entry",
+    "CheckpointInfo", "next_seq", "plain_problem", "raise_if_corrupt", "remember_verified", "resolve", "resolve_dir",
+    "resolve_reader", "scan", "verified_before", "verify_entry",
 ]
 
 #: Plain files with these suffixes are listed as (unverified) checkpoints.
@@ -469,12 +490,32 @@ def _folder_signature(store: Store, sub: str, listing: list[ObjectInfo]) -> Any:
     return tuple(sorted((f.name, f.size, f.version or f.mtime) for f in listing))
 
 
-def scan(store: Store, directory: str = "", *, warn: bool = False, full: bool = False) -> list[CheckpointInfo]:
+def scan(
+    store: Store, directory: str = "", *, warn: bool = False, full: bool = False, settle: bool = False,
+) -> list[CheckpointInfo]:
     """Every checkpoint in ``directory`` of ``store`` (files and folders), newest first.
 
     Format-2 files are judged by their summaries (``full``: by their whole proof, with the
-    manifest filled in); folders by their carrier's proof.
+    manifest filled in); folders by their carrier's proof. A folder left aside by a dead mover
+    whose final name is missing is listed where it lies (its ``name`` is the aside name).
+    ``settle`` (readers; never under the commit lock, which it may wait for): when a live
+    process is between the two renames of a replacement, wait for its commit lock and look again.
     """
+    found, live_mover = _scan(store, directory, warn=warn, full=full, movers_done=False)
+    if live_mover is not None and settle:
+        with store.commit_lock(_join(directory, live_mover)):
+            pass  # the mover held it across its two renames: they are done (or it died)
+        found, _ = _scan(store, directory, warn=warn, full=full, movers_done=True)
+    return found
+
+
+def _scan(
+    store: Store, directory: str, *, warn: bool, full: bool, movers_done: bool,
+) -> tuple[list[CheckpointInfo], str | None]:
+    """:func:`scan`, and the aside folder of a live mover whose final name is missing, if any
+    (``movers_done``: the commit lock was free since, so such a folder is offered too)."""
+    from ._commit import pid_alive  # the commit protocol reads listings: imported when used
+
     files = store.list(directory)
     key = _cache_key(store, directory)
     with _cache_lock:
@@ -486,8 +527,17 @@ def scan(store: Store, directory: str = "", *, warn: bool = False, full: bool = 
         parsed = split_manifest_name(f.name.rpartition("/")[2])
         if parsed is not None:
             sidecar_of.setdefault(parsed[0], []).append(f.name)
+    live_mover: str | None = None
+    local = store.local_path(directory)
     for leaf in store.list_dirs(directory):
-        if leaf.startswith(".") or is_temporary(leaf) or leaf.endswith(ASIDE_MARKER):
+        if leaf.endswith(ASIDE_MARKER):
+            aside = parse_aside_name(leaf)
+            if aside is None or local is None or os.path.lexists(os.path.join(local, aside[0])):
+                continue  # not ours; or debris beside its checkpoint, back in place (gc removes it)
+            if pid_alive(str(aside[1])) and not movers_done:
+                live_mover = leaf  # between its two renames: the caller may wait for it
+                continue
+        elif leaf.startswith(".") or is_temporary(leaf):
             continue
         sub = _join(directory, leaf) if directory else leaf
         listing = list_tree(store, sub)
@@ -532,7 +582,7 @@ def scan(store: Store, directory: str = "", *, warn: bool = False, full: bool = 
         for ci in out:
             ci.tier = tier_of(ci.name)
     out.sort(key=CheckpointInfo.order, reverse=True)
-    return out
+    return out, live_mover
 
 
 def next_seq(store: Store, directory: str) -> int:
@@ -572,3 +622,134 @@ def raise_if_corrupt(problems: list[str], path: str) -> None:
             + ". It was not loaded; use the previous checkpoint (stagesave.latest skips corrupt ones)."
         )
 
+
+
+# ---------------------------------------------------------------------------- files without a proof
+#: What ``torch.save(..., _use_new_zipfile_serialization=False)`` pickles first: its magic number.
+_LEGACY_TORCH_MAGIC = b"\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"
+#: safetensors refuses headers over 100 MB; so do we.
+_MAX_SAFETENSORS_HEADER = 100_000_000
+
+
+class _ReaderFile(io.RawIOBase):
+    """A seekable, read-only file object over a :class:`Reader` (for :mod:`zipfile`)."""
+
+    def __init__(self, reader: Reader) -> None:
+        self._reader, self._pos = reader, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: self._reader.size}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def readinto(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        n = self._reader.readinto(self._pos, view[: max(0, min(len(view), self._reader.size - self._pos))])
+        self._pos += n
+        return n
+
+
+def plain_problem(reader: Reader, *, full: bool) -> str | None:
+    """Why a file without a stagesave proof cannot be offered for a resume (``None``: it can).
+
+    It can when it would load as what it is: a torch zip archive whose central directory reads
+    and names a ``data.pkl`` record, a legacy (pre-zip) torch file, or a safetensors file whose
+    header parses and whose tensors lie inside the file. ``full`` also reads every record of a
+    zip and checks its CRC-32 (``torch.save`` writes them): the only proof such a file carries.
+    """
+    where = reader.where
+    head = reader.read(0, 16)
+    if head.startswith(b"PK\x03\x04"):
+        try:
+            with zipfile.ZipFile(_ReaderFile(reader)) as zf:
+                names = zf.namelist()
+                if not any(n == "data.pkl" or n.endswith("/data.pkl") for n in names):
+                    return f"{where} is a zip archive without a data.pkl record: not a torch checkpoint"
+                if full:
+                    bad = zf.testzip()
+                    if bad is not None:
+                        return f"{where}: its record {bad} does not match its CRC-32 (damaged)"
+        except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, ValueError, OSError, RuntimeError) as exc:
+            return f"{where} is not a readable torch checkpoint (no stagesave proof): {exc}"
+        return None
+    if _LEGACY_TORCH_MAGIC in head:
+        return None
+    if reader.size >= 8:
+        (n,) = struct.unpack("<Q", reader.read(0, 8))
+        if 2 <= n <= min(_MAX_SAFETENSORS_HEADER, reader.size - 8) and reader.read(8, 1) == b"{":
+            return _safetensors_problem(reader, n)
+    return f"{where} is neither a torch file nor a safetensors file, and has no stagesave proof"
+
+
+def _safetensors_problem(reader: Reader, n: int) -> str | None:
+    where = reader.where
+    try:
+        header = json.loads(reader.read(8, n))
+    except (UnicodeDecodeError, ValueError) as exc:
+        return f"{where}: its safetensors header is not valid JSON ({exc})"
+    if not isinstance(header, dict):
+        return f"{where}: its safetensors header is not an object"
+    data = reader.size - 8 - n
+    for key, value in header.items():
+        if key == "__metadata__":
+            continue
+        offsets = value.get("data_offsets") if isinstance(value, dict) else None
+        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)
+                or not 0 <= offsets[0] <= offsets[1] <= data):
+            return f"{where}: tensor {key!r} of its safetensors header lies outside the file"
+    return None
+
+
+# ---------------------------------------------------------------------------- verifications remembered
+#: How long a verification is reused by the load that follows it.
+VERIFIED_TTL_S = 600.0
+_VERIFIED_MAX = 256
+_verified_lock = threading.Lock()
+_verified: OrderedDict[str, tuple[tuple[int, ...], FileEntry, float]] = OrderedDict()
+
+
+def _identity(reader: Reader) -> tuple[int, ...] | None:
+    fd = reader.fileno()
+    if fd is None:
+        return None  # not a local file: nothing stable to recognise it by
+    st = os.fstat(fd)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def remember_verified(reader: Reader, entry: FileEntry) -> None:
+    """Note that every chunk of ``reader``'s file matched ``entry`` (local files only)."""
+    ident = _identity(reader)
+    if ident is None:
+        return
+    with _verified_lock:
+        _verified[reader.where] = (ident, entry, time.monotonic())
+        _verified.move_to_end(reader.where)
+        while len(_verified) > _VERIFIED_MAX:
+            _verified.popitem(last=False)
+
+
+def verified_before(reader: Reader, entry: FileEntry) -> bool:
+    """Whether this very file (same inode, size, mtime and ctime) was verified against ``entry``
+    by this process in the last :data:`VERIFIED_TTL_S` seconds."""
+    ident = _identity(reader)
+    if ident is None:
+        return False
+    with _verified_lock:
+        got = _verified.get(reader.where)
+    return (got is not None and got[0] == ident and got[1] == entry
+            and time.monotonic() - got[2] < VERIFIED_TTL_S)
+
+
+def forget_verified() -> None:
+    """Forget every remembered verification (tests, benchmarks)."""
+    with _verified_lock:
+        _verified.clear()

@@ -23,19 +23,30 @@ import torch
 from . import _inflight
 from ._background import JobQueue, current_queue
 from ._checksum import DEFAULT_ALGORITHM, check_algorithm
-from ._commit import commit_file, commit_folder, remove_checkpoint, restore_aside, retain
+from ._commit import commit_file, commit_folder, remove_checkpoint, retain
 from ._device import device_of, gpudirect_kvikio, stage_on_device, write_device_data
 from ._discovery import (
     CheckpointInfo,
     folder_entries,
+    plain_problem,
     raise_if_corrupt,
+    remember_verified,
+    resolve,
     resolve_dir,
     resolve_reader,
     scan,
+    verified_before,
 )
 from ._image import FileImage, plan_torch_file
 from ._local import LocalStore
-from ._names import ALIGNMENT, DEFAULT_CHUNK_BYTES, TELEMETRY_FILE, TMP_MARKER, check_target_name
+from ._names import (
+    ALIGNMENT,
+    ASIDE_MARKER,
+    DEFAULT_CHUNK_BYTES,
+    TELEMETRY_FILE,
+    TMP_MARKER,
+    check_target_name,
+)
 from ._pool import BufferPool, HostBuffer
 from ._proofread import chunk_problems
 from ._stage import ImageCrcs, on_host, stage_and_crc, stage_image
@@ -45,6 +56,7 @@ from ._write import FileToWrite, WriteStats, Written, proof_room
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
+    CheckpointPermissionError,
     ClosedError,
     IntegrityError,
     StorageError,
@@ -203,6 +215,30 @@ class _Resources:
             pool.close()
 
 
+def _check_inside_root(store: Store, name: str) -> None:
+    """Refuse a target whose directory a symbolic link puts outside the store's root.
+
+    Readers never follow a link out of the root (``LocalStore`` refuses it), so such a save
+    could never be loaded, verified or found by ``latest()``: it is refused before anything is
+    written. Links that stay inside the root work end to end; a link as the target's own name
+    is replaced by the new file, never followed.
+
+    Raises:
+        CheckpointPermissionError: the target's directory resolves outside the root.
+    """
+    local, root = store.local_path(name), store.local_path("")
+    if local is None or root is None:
+        return
+    real_root = os.path.realpath(root)
+    parent = os.path.realpath(os.path.dirname(local))
+    if parent != real_root and not parent.startswith(real_root.rstrip(os.sep) + os.sep):
+        raise CheckpointPermissionError(
+            f"refusing to save {local}: its directory is a symbolic link to {parent}, outside the "
+            f"checkpoint root {root}, and stagesave never reads through links out of the root. Use "
+            f"the link's target as the root (or pass an absolute path), or a directory inside {root}."
+        )
+
+
 def _is_folder(store: Store, name: str) -> bool:
     """Whether ``name`` is a folder checkpoint rather than a file."""
     local = store.local_path(name)
@@ -348,6 +384,7 @@ class Checkpointer:
         t_start = time.perf_counter()
         store, name = self._targets.split(path)
         check_target_name(name)
+        _check_inside_root(store, name)
         tel = SaveTelemetry(path=store.describe(name), started_at=time.time())
         if hasattr(store, "attach_telemetry"):
             tel.tier = "local"
@@ -562,6 +599,7 @@ class Checkpointer:
         t_start = time.perf_counter()
         store, dname = self._targets.split(directory)
         check_target_name(dname)
+        _check_inside_root(store, dname)
         tel = SaveTelemetry(path=store.describe(dname), started_at=time.time())
         meta = _checked_metadata(metadata)
         for fname in files:
@@ -895,11 +933,8 @@ class Checkpointer:
         self, store: Store, name: str, where: str, map_location: Any, verify: bool, mmap: bool | None,
         trusted: bool, globs: list[Any],
     ) -> Any:
-        judged = store.canonical(name)
-        try:
-            reader = store.open(judged)
-        except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:
-            raise CheckpointNotFoundError(f"no checkpoint at {where}") from exc
+        reader = self._open(store, name, where)
+        judged = reader.name
         with reader:
             info = resolve_reader(store, judged, reader)
             if info.status == "corrupt":
@@ -907,7 +942,9 @@ class Checkpointer:
             manifest = info.manifest
             fd = reader.fileno()
             if fd is not None:
-                if verify and manifest is not None:
+                # Verified by this process a moment ago (latest()), the very inode unchanged: the
+                # load does not read and hash it again.
+                if verify and manifest is not None and not verified_before(reader, manifest.files[0]):
                     raise_if_corrupt(self._chunk_problems(reader, manifest), where)
                 use_mmap = reader.read(0, 4) == b"PK\x03\x04" if mmap is None else mmap
                 # Load the very inode we verified, even if the name was replaced meanwhile.
@@ -923,6 +960,24 @@ class Checkpointer:
                 raise_if_corrupt(self._chunk_problems(reader, manifest, view), where)
             return safe_torch_load(io.BytesIO(data), map_location=map_location, trusted=trusted,
                                    safe_globals=globs, where=where)
+
+    @staticmethod
+    def _open(store: Store, name: str, where: str) -> Reader:
+        """Open the file ``name`` stands for (a link inside the root: its target) for reading.
+
+        Raises:
+            CheckpointNotFoundError: no such file. CheckpointError: it cannot be read (e.g. a
+                symbolic link out of the root, which is never followed).
+        """
+        judged = store.canonical(name)
+        try:
+            return store.open(judged)
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:
+            raise CheckpointNotFoundError(f"no checkpoint at {where}") from exc
+        except OSError as exc:
+            if getattr(exc, "s3_code", None) == "PreconditionFailed":
+                raise  # replaced while read: the caller reads the new version
+            raise oserror_to_checkpoint_error(exc, f"cannot read checkpoint {where}") from exc
 
     def _chunk_problems(self, reader: Reader, manifest: Any, view: memoryview | None = None) -> list[str]:
         """Check every chunk of one file through ``reader`` (or in ``view``, already read)."""
@@ -968,7 +1023,8 @@ class Checkpointer:
         store, name = self._targets.split(path)
         return self._verify_in(store, name)
 
-    def _verify_in(self, store: Store, name: str) -> CheckpointInfo:
+    def _verify_in(self, store: Store, name: str, *, reuse: bool = False) -> CheckpointInfo:
+        """:meth:`verify`; ``reuse``: a file verified moments ago, unchanged, is not read again."""
         self._wait_path(store.describe(name))
         if _is_folder(store, name):
             info = resolve_dir(store, name)
@@ -980,7 +1036,7 @@ class Checkpointer:
                 try:
                     with store.open(full) as reader:
                         if own is not None:
-                            problems += self._chunk_problems(reader, own)
+                            problems += self._check_file(reader, own, reuse)
                         elif listed is not None:
                             if reader.size != listed.size:
                                 problems.append(f"{reader.where} is {reader.size} bytes, its proof says {listed.size}")
@@ -998,20 +1054,28 @@ class Checkpointer:
             info.problems = problems
             info.status = "corrupt" if problems else "verified"
             return info
-        judged = store.canonical(name)
-        try:
-            reader = store.open(judged)
-        except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:
-            raise CheckpointNotFoundError(f"no checkpoint at {store.describe(name)}") from exc
+        reader = self._open(store, name, store.describe(name))
+        judged = reader.name
         with reader:
             info = resolve_reader(store, judged, reader)
             if judged != name:
                 info.path, info.name, info.judged = store.describe(name), name, judged
             if info.status != "committed" or info.manifest is None:
                 return info
-            info.problems = self._chunk_problems(reader, info.manifest)
+            info.problems = self._check_file(reader, info.manifest, reuse)
         info.status = "corrupt" if info.problems else "verified"
         return info
+
+    def _check_file(self, reader: Reader, manifest: Any, reuse: bool) -> list[str]:
+        """Every chunk of one file checked (unless ``reuse`` and verified moments ago, unchanged);
+        a match is remembered for the load that follows."""
+        entry = manifest.files[0]
+        if reuse and verified_before(reader, entry):
+            return []
+        problems = self._chunk_problems(reader, manifest)
+        if not problems:
+            remember_verified(reader, entry)
+        return problems
 
     def list(self, root: str | os.PathLike[str] | None = None) -> list[CheckpointInfo]:
         """Checkpoints directly in ``root``, newest first (committed, unverified and corrupt).
@@ -1021,43 +1085,79 @@ class Checkpointer:
         """
         store = self._targets.dir_store(root)
         self._wait_listing(store)
-        return scan(store)
+        return scan(store, settle=True)
 
-    def latest(self, root: str | os.PathLike[str] | None = None, *, verify: bool = False) -> CheckpointInfo | None:
-        """The newest valid checkpoint in ``root`` (``None`` if there is none).
+    def latest(self, root: str | os.PathLike[str] | None = None, *, verify: bool = True) -> CheckpointInfo | None:
+        """The newest checkpoint in ``root`` that a resume can load (``None`` if there is none).
 
-        Its proof is read and checked; corrupt checkpoints are skipped with a warning naming the
-        problem; with ``verify`` every candidate's bytes are checked too, newest first, until
-        one passes.
+        Candidates are tried newest first; one that fails is skipped with a warning naming it
+        and what is wrong. With ``verify`` (default) the one returned was verified: every byte
+        of a checkpoint with a proof matched it (``status == "verified"``); a file without a
+        proof (a plain ``torch.save`` file, ``status == "unverified"``, older than any
+        checkpoint with a proof) is offered only if it is a torch zip whose records match their
+        CRC-32s, or a legacy torch or safetensors file that parses. The :meth:`load` that
+        follows in this process does not hash the same unchanged file again, so a verified
+        resume reads the checkpoint once, like a verified load alone.
+
+        ``verify=False`` is the cheap choice for listings: a proof is read and checked (a torn
+        or damaged proof is skipped) but not the bytes it proves, and a file without a proof is
+        offered if its structure would load. Such a choice can still fail at ``load()`` with an
+        :class:`IntegrityError`.
+
+        Reading never writes: a folder left aside by a crash during a replacement is offered
+        where it lies (its name ends in ``.stagesave-aside``) and put back by the next save
+        into the directory or by ``stagesave gc``; a read-only root works the same.
+
+        Raises:
+            CheckpointError: the directory cannot be listed.
         """
         store = self._targets.dir_store(root)
         self._wait_listing(store)
         try:
-            with store.commit_lock(""):
-                restore_aside(store, "")
-        except OSError as exc:  # a read-only root: reading must still work
-            warnings.warn(f"could not repair {store.url} (read-only?): {exc}", stacklevel=2)
-        for info in scan(store, warn=True):
+            found = scan(store, warn=True, settle=True)
+        except CheckpointError:
+            raise
+        except OSError as exc:
+            raise oserror_to_checkpoint_error(exc, f"cannot list checkpoints in {store.describe('')}") from exc
+        for info in found:
             if not info.valid:
                 continue
-            if info.format == 2 and info.manifest is None and not info.is_dir:
-                from ._discovery import resolve
-
-                try:
-                    info = resolve(store, info.name)
-                except FileNotFoundError:
-                    continue  # removed since the listing
-                if info.status == "corrupt":
-                    warnings.warn(f"skipping checkpoint {info.path}: {'; '.join(info.problems)}", stacklevel=2)
-                    continue
-            if verify and info.manifest is not None:
-                checked = self._verify_in(store, info.name)
-                if checked.status == "corrupt":
-                    warnings.warn(f"skipping checkpoint {info.path}: {'; '.join(checked.problems)}", stacklevel=2)
-                    continue
-                return checked
-            return info
+            try:
+                chosen = self._usable(store, info, verify)
+            except (FileNotFoundError, NotADirectoryError):
+                continue  # removed since the listing
+            if chosen is not None:
+                if ASIDE_MARKER in chosen.name:
+                    warnings.warn(f"offering {chosen.path}: the only copy of a checkpoint, left aside by a crash "
+                                  "while it was being replaced; the next save into this directory (or "
+                                  "`stagesave gc`) moves it back", stacklevel=2)
+                return chosen
         return None
+
+    def _usable(self, store: Store, info: CheckpointInfo, verify: bool) -> CheckpointInfo | None:
+        """``info`` as checked for a resume (``verify``: every byte), or ``None`` after a warning."""
+        problems: list[str] = []
+        if info.format == 0 and not info.is_dir:  # no proof: at least it must load as what it is
+            reader = self._open(store, info.name, info.path)
+            with reader:
+                problem = plain_problem(reader, full=verify)
+            problems = [problem] if problem else []
+        elif verify:
+            checked = self._verify_in(store, info.name, reuse=True)
+            checked.tier = info.tier
+            if checked.status == "verified":
+                return checked
+            problems = checked.problems or [f"{checked.path} is {checked.status}"]
+        elif info.format == 2 and info.manifest is None and not info.is_dir:
+            resolved = resolve(store, info.name)
+            resolved.tier = info.tier
+            if resolved.status != "corrupt":
+                return resolved
+            problems = resolved.problems
+        if problems:
+            warnings.warn(f"skipping checkpoint {info.path}: {'; '.join(problems)}", stacklevel=3)
+            return None
+        return info
 
     def _wait_listing(self, store: Store) -> None:
         """Before listing ``store``'s directory: wait for this instance's queue (link updates
