@@ -239,6 +239,11 @@ def _check_inside_root(store: Store, name: str) -> None:
         )
 
 
+def _save_token(manifest: Any) -> Any:
+    """What tells one save of a folder from another: its proof's random token (format 1: time)."""
+    return manifest.folder.token if manifest.folder is not None else manifest.created_ns
+
+
 def _is_folder(store: Store, name: str) -> bool:
     """Whether ``name`` is a folder checkpoint rather than a file."""
     local = store.local_path(name)
@@ -1027,32 +1032,15 @@ class Checkpointer:
         """:meth:`verify`; ``reuse``: a file verified moments ago, unchanged, is not read again."""
         self._wait_path(store.describe(name))
         if _is_folder(store, name):
-            info = resolve_dir(store, name)
-            if info.status != "committed" or info.manifest is None:
-                return info
-            entries, problems = folder_entries(store, info)
-            for fname, own, listed in entries:
-                full = f"{name}/{fname}"
-                try:
-                    with store.open(full) as reader:
-                        if own is not None:
-                            problems += self._check_file(reader, own, reuse)
-                        elif listed is not None:
-                            if reader.size != listed.size:
-                                problems.append(f"{reader.where} is {reader.size} bytes, its proof says {listed.size}")
-                            else:
-                                from ._manifest import Manifest
-
-                                problems += self._chunk_problems(reader, Manifest([listed], 0))
-                except OSError as exc:
-                    problems.append(f"{store.describe(full)}: {exc.strerror or exc}")
-            folder = info.manifest.folder
-            for sub in folder.nested if folder is not None else ():
-                inner = self._verify_in(store, f"{name}/{sub}")
-                if inner.status != "verified":
-                    problems += inner.problems or [f"{inner.path} is {inner.status}"]
-            info.problems = problems
-            info.status = "corrupt" if problems else "verified"
+            # Its files are opened one by one: a folder replaced meanwhile (another process
+            # saving over it) is verified again, never reported as damaged.
+            for _ in range(3):
+                info = self._verify_folder(store, name, reuse)
+                if info.status != "corrupt" or info.manifest is None:
+                    return info
+                again = resolve_dir(store, name)
+                if again.manifest is None or _save_token(again.manifest) == _save_token(info.manifest):
+                    return info
             return info
         reader = self._open(store, name, store.describe(name))
         judged = reader.name
@@ -1064,6 +1052,36 @@ class Checkpointer:
                 return info
             info.problems = self._check_file(reader, info.manifest, reuse)
         info.status = "corrupt" if info.problems else "verified"
+        return info
+
+    def _verify_folder(self, store: Store, name: str, reuse: bool) -> CheckpointInfo:
+        """One pass of :meth:`_verify_in` over a folder checkpoint: every file of it checked."""
+        info = resolve_dir(store, name)
+        if info.status != "committed" or info.manifest is None:
+            return info
+        entries, problems = folder_entries(store, info)
+        for fname, own, listed in entries:
+            full = f"{name}/{fname}"
+            try:
+                with store.open(full) as reader:
+                    if own is not None:
+                        problems += self._check_file(reader, own, reuse)
+                    elif listed is not None:
+                        if reader.size != listed.size:
+                            problems.append(f"{reader.where} is {reader.size} bytes, its proof says {listed.size}")
+                        else:
+                            from ._manifest import Manifest
+
+                            problems += self._chunk_problems(reader, Manifest([listed], 0))
+            except OSError as exc:
+                problems.append(f"{store.describe(full)}: {exc.strerror or exc}")
+        folder = info.manifest.folder
+        for sub in folder.nested if folder is not None else ():
+            inner = self._verify_in(store, f"{name}/{sub}")
+            if inner.status != "verified":
+                problems += inner.problems or [f"{inner.path} is {inner.status}"]
+        info.problems = problems
+        info.status = "corrupt" if problems else "verified"
         return info
 
     def _check_file(self, reader: Reader, manifest: Any, reuse: bool) -> list[str]:

@@ -271,3 +271,25 @@ def test_reading_through_a_link_out_of_the_root_raises_the_family_error(tmp_path
             with pytest.raises(CheckpointError, match="out of the checkpoint root"):
                 read()
         assert ck.latest() is None  # never followed, never offered
+
+
+def test_a_folder_replaced_while_latest_verifies_it_is_verified_again_not_skipped(ckpt_dir, monkeypatch):
+    with stagesave.Checkpointer(ckpt_dir) as ck:
+        ck.save_dir({"model.bin": {"step": 1, "w": torch.ones(1000)}, "extra.bin": {"n": 1}}, "checkpoint").result()
+    real = stagesave.Checkpointer._check_file
+    replaced = []
+
+    def replace_once(self, reader, manifest, reuse):
+        if not replaced:  # another writer replaces the folder between its proof and its bytes
+            with stagesave.Checkpointer(ckpt_dir) as other:
+                other.save_dir({"model.bin": {"step": 2, "w": torch.full((1000,), 2.0)}, "extra.bin": {"n": 2}},
+                               "checkpoint").result()
+            replaced.append(True)
+        return real(self, reader, manifest, reuse)
+
+    monkeypatch.setattr(stagesave.Checkpointer, "_check_file", replace_once)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a replacement is never reported as damage
+        info = stagesave.latest(ckpt_dir)
+    assert replaced and info is not None and info.name == "checkpoint" and info.status == "verified"
+    assert stagesave.load(ckpt_dir / "checkpoint" / "model.bin")["step"] == 2
