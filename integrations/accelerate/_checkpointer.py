@@ -598,7 +598,9 @@ class AcceleratorCheckpointer:
         """
         root = self._auto.list_arg
         ckpt = self._checkpointer("auto")
-        ckpt.latest(root)
+        # Warns about torn or invalid folders (proofs only, no byte read); repairs nothing: a
+        # folder left aside by a crash is listed where it lies.
+        ckpt.latest(root, verify=False)
         found = next((c for c in ckpt.list(root) if c.is_dir and c.valid), None)
         if found is not None and self._res.tiered is not None:
             found.tier = self._tier_of(found)

@@ -498,9 +498,11 @@ class StagedCheckpointIO(CheckpointIO):
         """Saves, removals and link updates not finished yet."""
         return self._ckpt.pending() if self._ckpt is not None else 0
 
-    def latest(self, dirpath: Any, *, verify: bool = False) -> str | None:
-        """Path of the newest valid checkpoint in ``dirpath`` (after this plugin's pending
-        saves), or ``None``; use it as ``trainer.fit(ckpt_path=...)``."""
+    def latest(self, dirpath: Any, *, verify: bool = True) -> str | None:
+        """Path of the newest checkpoint in ``dirpath`` that a resume can load (after this
+        plugin's pending saves), or ``None``; use it as ``trainer.fit(ckpt_path=...)``.
+
+        Verified unless ``verify=False``, as :func:`stagesave.lightning.latest`."""
         self.wait()
         try:
             info = self.checkpointer.latest(os.fspath(dirpath), verify=verify)

@@ -12,8 +12,8 @@ from ._plugin import find_plugin
 __all__ = ["latest", "wait"]
 
 
-def latest(dirpath: Any, *, verify: bool = False, storage_options: dict[str, Any] | None = None) -> str | None:
-    """Path of the newest valid checkpoint in ``dirpath``, or ``None`` if there is none.
+def latest(dirpath: Any, *, verify: bool = True, storage_options: dict[str, Any] | None = None) -> str | None:
+    """Path of the newest checkpoint in ``dirpath`` that a resume can load, or ``None``.
 
     One call to resume from any directory, local or remote, for which Lightning's own
     ``ckpt_path="last"`` lookup does not work (``s3://``)::
@@ -22,10 +22,13 @@ def latest(dirpath: Any, *, verify: bool = False, storage_options: dict[str, Any
 
     "Newest" is the sequence number recorded in each stagesave checkpoint's proof, never the
     clock (files without a proof rank below those, by modification time).
-    Torn checkpoints (a crash mid-save) and files that do not match their proof are skipped
-    with a warning; with ``verify=True`` every byte of the chosen checkpoint is checked too.
-    Plain ``.ckpt`` files without a proof (written by ``TorchCheckpointIO``) count as valid
-    (they cannot be checked).
+    It verifies by default (see :func:`stagesave.latest`): every byte of the checkpoint chosen
+    matched its proof, and a damaged or torn newest one is skipped with a warning naming it and
+    what is wrong, so the resume starts from the intact previous one; the load that follows in
+    this process does not hash the same unchanged file again. Plain ``.ckpt`` files without a
+    proof (written by ``TorchCheckpointIO``) rank below those and are offered only if they load
+    as torch files (zip records matching their CRC-32s). ``verify=False`` checks the proofs but
+    not the bytes they prove (a cheap listing; the load may then fail with ``IntegrityError``).
 
     Raises:
         stagesave.MissingExtraError: the URL needs an fsspec backend that is not installed.

@@ -547,6 +547,12 @@ def _scan(
             ci = old.info
         else:
             ci = resolve_dir(store, sub, listing)
+            if ci.status == "corrupt":
+                # Listed just before another process replaced it and its proof read just after,
+                # the folder's sizes disagree with a proof that is whole: list it again.
+                listing = list_tree(store, sub)
+                sig = _folder_signature(store, sub, listing)
+                ci = resolve_dir(store, sub, listing)
         fresh[leaf + "/"] = _Seen(sig, ci)
         if ci.status == "unverified":
             continue  # a plain folder: not listed as a checkpoint (it may be torn)

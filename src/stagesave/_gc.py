@@ -21,7 +21,8 @@ that no live save still owns it:
   visible temporaries (S3 multipart) it must also be older than ``older_than_s``. A manifest
   that no longer matches its file is *evidence of corruption* and is kept.
 - a folder moved aside (``.stagesave-aside``) whose mover is dead is moved back if the checkpoint
-  it replaced is missing, else removed (the same repair ``latest()`` performs).
+  it replaced is missing, else removed (the repair every save into that directory performs;
+  reads never do it: ``latest()`` offers such a folder where it lies).
 
 Symlinks are never followed, listed or removed (stores list regular files and real folders only).
 """

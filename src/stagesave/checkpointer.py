@@ -239,6 +239,16 @@ def _check_inside_root(store: Store, name: str) -> None:
         )
 
 
+#: How many times :meth:`Checkpointer.latest` lists the directory again when a candidate is
+#: replaced while it is being checked.
+_RELISTS = 3
+
+
+def _replaced(exc: BaseException) -> bool:
+    """Whether ``exc`` says the object was replaced by another writer while it was read (S3)."""
+    return getattr(exc, "s3_code", None) == "PreconditionFailed"
+
+
 def _save_token(manifest: Any) -> Any:
     """What tells one save of a folder from another: its proof's random token (format 1: time)."""
     return manifest.folder.token if manifest.folder is not None else manifest.created_ns
@@ -1032,16 +1042,36 @@ class Checkpointer:
         """:meth:`verify`; ``reuse``: a file verified moments ago, unchanged, is not read again."""
         self._wait_path(store.describe(name))
         if _is_folder(store, name):
-            # Its files are opened one by one: a folder replaced meanwhile (another process
-            # saving over it) is verified again, never reported as damaged.
+            # Its files are listed, then opened one by one: a folder replaced meanwhile (another
+            # process saving over it) is verified again, never reported as damaged. Replaced
+            # means: another save's proof is there now, or the listing and the proof it was
+            # judged against were of two saves (a listing taken just before the replacement,
+            # the proof read just after: the same proof, listed again, is whole).
             for _ in range(3):
-                info = self._verify_folder(store, name, reuse)
+                resolved = resolve_dir(store, name)
+                listed_whole = resolved.status == "committed"
+                info = self._verify_folder(store, name, reuse, resolved)
                 if info.status != "corrupt" or info.manifest is None:
                     return info
                 again = resolve_dir(store, name)
-                if again.manifest is None or _save_token(again.manifest) == _save_token(info.manifest):
+                if again.manifest is None:
                     return info
+                if _save_token(again.manifest) != _save_token(info.manifest):
+                    continue
+                if not listed_whole and again.status == "committed":
+                    continue
+                return info
             return info
+        for attempt in range(3):
+            try:
+                return self._verify_file(store, name, reuse)
+            except StorageError as exc:  # replaced while being read (S3): verify the new version
+                if not _replaced(exc) or attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _verify_file(self, store: Store, name: str, reuse: bool) -> CheckpointInfo:
+        """One pass of :meth:`_verify_in` over a file checkpoint, read through one reader."""
         reader = self._open(store, name, store.describe(name))
         judged = reader.name
         with reader:
@@ -1054,9 +1084,9 @@ class Checkpointer:
         info.status = "corrupt" if info.problems else "verified"
         return info
 
-    def _verify_folder(self, store: Store, name: str, reuse: bool) -> CheckpointInfo:
-        """One pass of :meth:`_verify_in` over a folder checkpoint: every file of it checked."""
-        info = resolve_dir(store, name)
+    def _verify_folder(self, store: Store, name: str, reuse: bool, info: CheckpointInfo) -> CheckpointInfo:
+        """One pass of :meth:`_verify_in` over a folder checkpoint (``info``: as resolved just
+        before): every file of it checked."""
         if info.status != "committed" or info.manifest is None:
             return info
         entries, problems = folder_entries(store, info)
@@ -1126,17 +1156,40 @@ class Checkpointer:
         where it lies (its name ends in ``.stagesave-aside``) and put back by the next save
         into the directory or by ``stagesave gc``; a read-only root works the same.
 
+        A checkpoint that another process replaces while it is being checked (on S3, the object
+        changes under the read) is checked again, and the directory listed again, as a load
+        reads the new version: never an error. One replaced again and again is skipped with a
+        warning.
+
         Raises:
             CheckpointError: the directory cannot be listed.
         """
         store = self._targets.dir_store(root)
         self._wait_listing(store)
-        try:
-            found = scan(store, warn=True, settle=True)
-        except CheckpointError:
-            raise
-        except OSError as exc:
-            raise oserror_to_checkpoint_error(exc, f"cannot list checkpoints in {store.describe('')}") from exc
+        for attempt in range(_RELISTS):
+            try:
+                found = scan(store, warn=True, settle=True)
+            except CheckpointError:
+                raise
+            except OSError as exc:
+                raise oserror_to_checkpoint_error(exc, f"cannot list checkpoints in {store.describe('')}") from exc
+            try:
+                return self._first_usable(store, found, verify, skip_replaced=attempt == _RELISTS - 1)
+            except StorageError as exc:
+                if not _replaced(exc):
+                    raise
+                # Replaced while it was checked: what is newest may have changed; list again.
+        raise AssertionError("unreachable")
+
+    def _first_usable(
+        self, store: Store, found: Iterable[CheckpointInfo], verify: bool, *, skip_replaced: bool,
+    ) -> CheckpointInfo | None:
+        """The first of ``found`` (newest first) that :meth:`_usable` accepts.
+
+        Raises:
+            StorageError: a candidate was replaced while it was being read (unless
+                ``skip_replaced``: then it is skipped with a warning).
+        """
         for info in found:
             if not info.valid:
                 continue
@@ -1144,11 +1197,17 @@ class Checkpointer:
                 chosen = self._usable(store, info, verify)
             except (FileNotFoundError, NotADirectoryError):
                 continue  # removed since the listing
+            except StorageError as exc:
+                if not (skip_replaced and _replaced(exc)):
+                    raise
+                warnings.warn(f"skipping checkpoint {info.path}: another process kept replacing it while it "
+                              "was being checked", stacklevel=3)
+                continue
             if chosen is not None:
                 if ASIDE_MARKER in chosen.name:
                     warnings.warn(f"offering {chosen.path}: the only copy of a checkpoint, left aside by a crash "
                                   "while it was being replaced; the next save into this directory (or "
-                                  "`stagesave gc`) moves it back", stacklevel=2)
+                                  "`stagesave gc`) moves it back", stacklevel=3)
                 return chosen
         return None
 
@@ -1173,7 +1232,7 @@ class Checkpointer:
                 return resolved
             problems = resolved.problems
         if problems:
-            warnings.warn(f"skipping checkpoint {info.path}: {'; '.join(problems)}", stacklevel=3)
+            warnings.warn(f"skipping checkpoint {info.path}: {'; '.join(problems)}", stacklevel=4)
             return None
         return info
 

@@ -13,7 +13,7 @@ folder, coordinating through the store only (never a collective in a background 
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id="/ckpt/step-100",
              storage_writer=writer)                        # returns after staging
     ...
-    latest = writer.checkpointer.latest()                  # a committed folder, or None
+    latest = writer.checkpointer.latest()                  # a verified folder, or None
     dcp.load(state, checkpoint_id=latest.path, storage_reader=StagedStorageReader())
 
 The folder holds exactly the files torch's ``FileSystemWriter`` writes and is a genuine DCP
