@@ -235,8 +235,10 @@ def test_checkpointer_save_load_latest_verify(store):
     with stagesave.Checkpointer(store, chunk_bytes=1 * MiB) as ckpt:
         ckpt.save(_state(1), "step-1.ckpt").result()
         ckpt.save(_state(2), "step-2.ckpt").result()
-        latest = ckpt.latest()
-        assert latest is not None and latest.name == "step-2.ckpt" and latest.status == "committed"
+        latest = ckpt.latest()  # verifies by default
+        assert latest is not None and latest.name == "step-2.ckpt" and latest.status == "verified"
+        cheap = ckpt.latest(verify=False)  # the proof read and checked, not the bytes
+        assert cheap is not None and cheap.name == "step-2.ckpt" and cheap.status == "committed"
         loaded = ckpt.load("step-2.ckpt")
         assert _same(loaded, _state(2))
         assert loaded["tied"].untyped_storage().data_ptr() == loaded["w"].untyped_storage().data_ptr()

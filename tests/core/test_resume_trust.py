@@ -293,3 +293,48 @@ def test_a_folder_replaced_while_latest_verifies_it_is_verified_again_not_skippe
         info = stagesave.latest(ckpt_dir)
     assert replaced and info is not None and info.name == "checkpoint" and info.status == "verified"
     assert stagesave.load(ckpt_dir / "checkpoint" / "model.bin")["step"] == 2
+
+
+_REPLACE_FOLDER = """
+import sys, warnings
+warnings.simplefilter("ignore")
+import torch, stagesave
+step = int(sys.argv[2])
+with stagesave.Checkpointer(sys.argv[1]) as ck:
+    ck.save_dir({"model.bin": {"step": step, "w": torch.full((3000,), float(step))}, "extra.bin": {"n": step}},
+                "checkpoint").result()
+"""
+
+
+def test_a_folder_listed_just_before_a_replacement_and_proved_just_after_is_verified_again(ckpt_dir, monkeypatch):
+    """The listing of a folder's files and the proof they are judged against come from two
+    saves when another process replaces the folder between the two reads (sizes then disagree
+    with the proof): the folder is judged again, never reported as damaged or skipped."""
+    def state(step: int) -> dict:
+        return {"model.bin": {"step": step, "w": torch.full((1000,), float(step))}, "extra.bin": {"n": step}}
+    # (the other process saves 3000 floats: every file of the folder changes size)
+
+    with stagesave.Checkpointer(ckpt_dir) as ck:
+        ck.save_dir(state(1), "checkpoint").result()
+    real_list_tree = _discovery.list_tree
+    armed: list[int] = []
+
+    def list_then_replace(store, directory, *args, **kwargs):
+        listing = real_list_tree(store, directory, *args, **kwargs)
+        if armed and armed[-1] > 0 and directory.endswith("checkpoint"):
+            armed[-1] -= 1  # another process replaces the folder right after this listing
+            step = 10 ** 12 + len(armed)  # other sizes than step 1
+            subprocess.run([sys.executable, "-c", _REPLACE_FOLDER, str(ckpt_dir), str(step)], check=True)
+        return listing
+
+    monkeypatch.setattr(_discovery, "list_tree", list_then_replace)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a replacement is never reported as damage
+        armed.append(1)
+        checked = stagesave.verify(ckpt_dir / "checkpoint")
+        assert armed == [0] and checked.status == "verified", checked.problems
+        assert checked.manifest.metadata == stagesave.verify(ckpt_dir / "checkpoint").manifest.metadata
+        armed.append(1)
+        info = stagesave.latest(ckpt_dir)
+    assert armed == [0, 0] and info is not None and info.name == "checkpoint" and info.status == "verified"
+    assert stagesave.load(ckpt_dir / "checkpoint" / "model.bin")["step"] == 10 ** 12 + 2

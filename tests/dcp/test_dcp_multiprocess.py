@@ -25,7 +25,7 @@ import stagesave
 import stagesave.dcp as sdcp
 from stagesave import LocalStore
 from stagesave._crash import CRASH_POINTS
-from stagesave._gc import find_debris
+from stagesave._gc import collect_garbage, find_debris
 from stagesave.dcp._metadata import load_metadata
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -57,8 +57,10 @@ def test_fsdp2_save_on_four_ranks_commits_one_folder(fsdp_saved):
     md = load_metadata((folder / ".metadata").read_bytes(), "test")
     assert set(md.state_dict_metadata) >= {"model.0.weight", "optim.state.4.bias.exp_avg_sq"}
     assert md.storage_meta is not None and md.storage_meta.save_id == save_id
-    latest = stagesave.latest(root)
-    assert latest is not None and latest.name == "step-2" and latest.is_dir and latest.status == "committed"
+    latest = stagesave.latest(root)  # verifies by default: every rank file matched its proof
+    assert latest is not None and latest.name == "step-2" and latest.is_dir and latest.status == "verified"
+    cheap = stagesave.latest(root, verify=False)
+    assert cheap is not None and cheap.name == "step-2" and cheap.status == "committed"
     assert stagesave.verify(folder).status == "verified"
     assert sorted(os.listdir(root)) == ["step-2"]  # no staging folder left behind
     for r in reports:  # every rank saw the global commit, after its own write
@@ -202,7 +204,8 @@ def test_object_store_protocol_on_two_ranks(launcher, tmp_path):
 #: Crash points of save B in order, with the checkpoint ``last`` must hold after a SIGKILL there.
 #: ``:2`` is the second time the point is reached: the coordinator writing ``.metadata`` after its
 #: own rank file. ``no-exchange``: on a filesystem that cannot swap two folders (the old one is
-#: moved aside first; ``after_aside`` exists only there, and the next ``latest()`` puts it back).
+#: moved aside first; ``after_aside`` exists only there: ``latest()`` offers the aside folder
+#: where it lies, and the next save or ``stagesave gc`` puts it back).
 _REPLACE_POINTS = [
     ("before_data", "A"), ("mid_data", "A"), ("after_data", "A"), ("after_data_fsync", "A"),
     ("before_proof", "A"), ("after_proof", "A"), ("dcp_before_marker", "A"), ("dcp_after_marker", "A"),
@@ -225,9 +228,45 @@ def test_sigkill_while_replacing_a_folder_leaves_the_old_or_the_new_never_a_mix(
     assert run.exit_codes == [-9], f"{point} was not reached: {run.ranks}\n{run.log()}"
     states = torch.load(tmp_path / "states.pt", weights_only=True)
     root = tmp_path / "ckpt"
+    before = sorted(os.listdir(root))
+    aside = [leaf for leaf in before if leaf.endswith(".stagesave-aside")]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        latest = stagesave.latest(root, verify=True)
+        listed = stagesave.list_checkpoints(root)
+    assert sorted(os.listdir(root)) == before  # reads never write (nor repair)
+    retained = point == "during_retention"
+    others = [] if retained else ["step-0"]
+    if point == "no-exchange/after_aside":
+        # Killed between the two renames: the old folder, aside, is the only copy of ``last``.
+        # It is offered where it lies (whole and verified), with the one warning that says so.
+        assert len(aside) == 1 and not (root / "last").exists(), before
+        assert [str(w.message) for w in caught if "stagesave-aside: the only copy" in str(w.message)] \
+            == [str(w.message) for w in caught] and len(caught) == 1, [str(w.message) for w in caught]
+        assert latest is not None and latest.name == aside[0] and latest.status == "verified", latest
+        assert_same(sdcp.to_state_dict(root / aside[0]), states[expect], f"the aside folder after a crash at {point}")
+        assert [c.name for c in listed] == [aside[0], *others]
+    else:
+        assert [str(w.message) for w in caught] == []  # nothing corrupt is even listed
+        assert latest is not None and latest.name == "last" and latest.status == "verified", latest
+        assert [c.name for c in listed] == ["last", *others]
+        # After the second rename, the old folder left aside is debris (never listed or offered).
+        assert len(aside) == (1 if point == "no-exchange/after_rename" else 0), before
+    # What a crash leaves is a temporary of a dead writer, or (without RENAME_EXCHANGE) the old
+    # folder aside: gc removes the one and removes or moves back the other (so would the next save).
+    debris, kept = find_debris(LocalStore(str(root)))
+    assert kept == []
+    expected_aside = {"no-exchange/after_aside": ["restore"], "no-exchange/after_rename": ["remove"]}.get(point, [])
+    assert [d.action for d in debris if d.kind == "aside-dir"] == expected_aside, debris
+    for d in debris:
+        assert (d.action == "remove" and d.kind in ("temporary", "temporary-dir")) or d.kind == "aside-dir", d
+    report = collect_garbage(LocalStore(str(root)))
+    assert report.errors == [] and len(report.done) == len(debris), report
+    assert find_debris(LocalStore(str(root))) == ([], [])
+    assert not [leaf for leaf in os.listdir(root) if leaf.endswith(".stagesave-aside")]
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # nothing corrupt is even listed
-        latest = stagesave.latest(root, verify=True)  # also puts back a folder left aside
+        warnings.simplefilter("error")
+        latest = stagesave.latest(root, verify=True)
         listed = stagesave.list_checkpoints(root)
     assert latest is not None and latest.name == "last" and latest.status == "verified", latest
     assert sorted(os.listdir(root / "last")) == [".metadata", "__0_0.distcp"]  # DCP's files, nothing else
@@ -236,14 +275,9 @@ def test_sigkill_while_replacing_a_folder_leaves_the_old_or_the_new_never_a_mix(
     dcp.load(got, checkpoint_id=str(root / "last"))  # torch's own reader agrees
     assert_same(got, states[expect], "torch's FileSystemReader")
     # step-0 is removed by B's retention only: it is whole or gone, never half removed.
-    retained = point == "during_retention"
-    assert [c.name for c in listed] == (["last"] if retained else ["last", "step-0"])
+    assert [c.name for c in listed] == ["last", *others]
     if not retained:
         assert stagesave.verify(root / "step-0").status == "verified"
-    debris, kept = find_debris(LocalStore(str(root)))
-    assert kept == []
-    for d in debris:  # what a crash leaves is a temporary of a dead writer, which gc removes
-        assert d.action == "remove" and d.kind in ("temporary", "temporary-dir"), d
 
 
 @pytest.mark.parametrize("objects", [False, True], ids=["posix", "object-store"])

@@ -465,8 +465,10 @@ def _format1_folder(folder: Path, state: dict[str, Any], chunk_bytes: int = 4096
 def test_format1_folders_still_list_verify_and_load(writer, root):
     state = {"w": torch.randn(128, 64), "step": 7}
     _format1_folder(root / "old", state)
-    info = stagesave.latest(root)
-    assert info is not None and info.name == "old" and info.format == 1 and info.is_dir and info.status == "committed"
+    info = stagesave.latest(root)  # verifies by default, format-1 folders too
+    assert info is not None and info.name == "old" and info.format == 1 and info.is_dir and info.status == "verified"
+    cheap = stagesave.latest(root, verify=False)
+    assert cheap is not None and cheap.name == "old" and cheap.format == 1 and cheap.status == "committed"
     assert stagesave.verify(root / "old").status == "verified"
     got = {"w": torch.zeros(128, 64), "step": 0}
     sdcp.load(got, root / "old")
@@ -504,7 +506,7 @@ def test_object_store_commit_rewrites_in_place_and_leaves_nothing_else(tmp_path)
     assert sorted(p.rpartition("/")[2] for p in fs.find("/dcp-objects")) == [".metadata", "__0_0.distcp"]
     info = stagesave.latest(url)
     # The old carrier was gone before the new one took its number: the only checkpoint, seq 1.
-    assert info is not None and info.name == "last" and info.status == "committed" and info.seq == 1
+    assert info is not None and info.name == "last" and info.status == "verified" and info.seq == 1
     assert [c.name for c in stagesave.list_checkpoints(url)] == ["last"]
     assert stagesave.verify(f"{url}/last").status == "verified"
     got = {"w": torch.zeros(64, 8), "step": 0}

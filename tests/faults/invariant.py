@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 import stagesave
+from stagesave._names import parse_aside_name
 from stagesave.formats import Safetensors
 
 __all__ = ["Version", "check_invariant", "read_version_files", "same_state"]
@@ -55,8 +56,9 @@ def read_version_files(root: str, name: str, is_dir: bool) -> dict[str, bytes]:
     return out
 
 
-def _on_disk(root: str, v: Version) -> bool:
-    path = os.path.join(root, v.name)
+def _on_disk(root: str, v: Version, name: str | None = None) -> bool:
+    """Whether ``name`` (default: ``v``'s own name) in ``root`` holds exactly ``v``'s bytes."""
+    path = os.path.join(root, v.name if name is None else name)
     try:
         if not v.is_dir:
             with open(path, "rb") as f:
@@ -87,9 +89,25 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
 
 
 def _identify(root: str, name: str, versions: list[Version]) -> Version | None:
+    """The newest of ``versions`` whose bytes ``name`` in ``root`` holds.
+
+    A folder a crash left aside during a replacement (``.<name>.<pid>-<hex>.stagesave-aside``)
+    is offered where it lies while its final name is missing: it is identified as a version of
+    that final name (see :func:`_aside_problem` for when offering it is itself a violation).
+    """
+    aside = parse_aside_name(name)
+    as_name = aside[0] if aside is not None else name
     for v in sorted(versions, key=lambda v: -v.order):
-        if v.name == name and _on_disk(root, v):
+        if v.name == as_name and _on_disk(root, v, name):
             return v
+    return None
+
+
+def _aside_problem(root: str, name: str) -> str | None:
+    """An aside folder may be offered only as the only copy: never beside its final name."""
+    aside = parse_aside_name(name)
+    if aside is not None and os.path.lexists(os.path.join(root, aside[0])):
+        return f"{name} is offered although {aside[0]} is in place"
     return None
 
 
@@ -132,6 +150,9 @@ def check_invariant(root: str, versions: list[Version], k: int, mode: str) -> li
         with stagesave.Checkpointer(root) as ck:
             info = ck.latest(verify=True)
             got = _identify(root, info.name, published) if info is not None else None
+            offered_aside = _aside_problem(root, info.name) if info is not None else None
+            if offered_aside:
+                problems.append(f"latest(): {offered_aside}")
             if info is not None and got is None:
                 unpublished = _identify(root, info.name, versions)
                 what = f"the uncommitted {unpublished}" if unpublished else "bytes of no saved version"
@@ -151,4 +172,6 @@ def check_invariant(root: str, versions: list[Version], k: int, mode: str) -> li
             for other in ck.list():
                 if other.valid and _identify(root, other.name, published) is None:
                     problems.append(f"list() offers {other.name} ({other.status}) holding no published version")
+                if other.valid and _aside_problem(root, other.name):
+                    problems.append(f"list(): {_aside_problem(root, other.name)}")
     return problems

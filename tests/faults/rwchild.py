@@ -87,12 +87,17 @@ def reader(root: str, seconds: float, options: dict[str, object]) -> dict[str, o
 
 
 def saver(root: str, seconds: float, options: dict[str, object], tag: str) -> dict[str, object]:
-    """Save last.ckpt again and again, each save a state only this process makes (its tag)."""
+    """Save last.ckpt again and again, each save a state only this process makes (its tag).
+
+    The time counts from when the Checkpointer is open (setting up the S3 client alone can take
+    seconds on a loaded machine), and there is always at least one save: a process that made
+    none proves nothing.
+    """
     saves, failures = 0, []
-    deadline = time.monotonic() + seconds
     with stagesave.Checkpointer(root, chunk_bytes=64 * 1024, storage_options=options) as ck:
+        deadline = time.monotonic() + seconds
         step = 0
-        while time.monotonic() < deadline:
+        while step == 0 or time.monotonic() < deadline:
             step += 1
             state = {"step": step, "w": torch.full((N,), float(step)), "tag": tag}
             try:

@@ -53,7 +53,7 @@ def test_latest_skips_a_truncated_checkpoint(tmp_path: Path) -> None:
         assert latest(d) == str(d / "step=2.ckpt")
 
 
-def test_latest_with_verify_skips_a_corrupted_checkpoint(tmp_path: Path) -> None:
+def test_latest_verifies_by_default_and_skips_a_corrupted_checkpoint(tmp_path: Path) -> None:
     d = _three_checkpoints(tmp_path)
     newest = d / "step=3.ckpt"
     data = bytearray(newest.read_bytes())
@@ -62,9 +62,13 @@ def test_latest_with_verify_skips_a_corrupted_checkpoint(tmp_path: Path) -> None
     newest.write_bytes(bytes(data))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert latest(d) == str(newest)  # without verify only sizes and ids are checked
-    with pytest.warns(UserWarning, match="checksum mismatch"):
-        assert latest(d, verify=True) == str(d / "step=2.ckpt")
+        assert latest(d, verify=False) == str(newest)  # without verify only sizes and ids are checked
+    with pytest.warns(UserWarning, match=r"step=3\.ckpt.*checksum mismatch"):
+        assert latest(d) == str(d / "step=2.ckpt")
+    io = StagedCheckpointIO()
+    with pytest.warns(UserWarning, match=r"step=3\.ckpt.*checksum mismatch"):
+        assert io.latest(d) == str(d / "step=2.ckpt")  # the plugin's own latest() verifies too
+    io.teardown()
     with pytest.raises(stagesave.IntegrityError, match="corrupt"):
         StagedCheckpointIO().load_checkpoint(newest)
 

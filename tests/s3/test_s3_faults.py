@@ -80,7 +80,7 @@ def test_failed_publish_keeps_the_previous_checkpoint(proxy, make_store, s3_url,
             ckpt.save(big_state(2), "last.ckpt").result()
         proxy.clear()
         info = ckpt.latest()
-        assert info is not None and info.name == "last.ckpt" and info.status == "committed"
+        assert info is not None and info.name == "last.ckpt" and info.status == "verified"  # every byte of the old one
         _roundtrip_ok(ckpt, "last.ckpt", old)
     assert object_names(s3_server, s3_url) == ["last.ckpt"]  # the old file, whole
     assert open_uploads(s3_server, s3_url) == []
@@ -146,3 +146,30 @@ def test_an_unreachable_server_fails_clearly_after_the_budget(proxy, make_store,
     with stagesave.Checkpointer(store) as ckpt:
         with pytest.raises(stagesave.StorageError, match="after 3 attempts"):
             ckpt.save(small_state(), "a.ckpt").result()
+
+
+@pytest.mark.parametrize("times", [1, 3], ids=["once", "on-every-read-of-one-listing"])
+def test_latest_verifies_again_a_file_replaced_while_it_reads_it(make_store, s3_url, monkeypatch, times):
+    """latest() verifies every byte: another writer replacing the object under that read makes
+    the pinned read fail (PreconditionFailed). latest() reads the new version (and lists
+    again), as a load does: never an error, never a skipped checkpoint."""
+    store = make_store(s3_url)
+    with stagesave.Checkpointer(store) as ckpt:
+        ckpt.save(small_state(1), "last.ckpt").result()
+        real = stagesave.Checkpointer._check_file
+        replaced: list[int] = []
+
+        def replace_first(self, reader, manifest, reuse):
+            if len(replaced) < times:  # another writer replaces last.ckpt between its proof and its bytes
+                with stagesave.Checkpointer(make_store(s3_url)) as other:
+                    other.save(small_state(len(replaced) + 2), "last.ckpt").result()
+                replaced.append(1)
+            return real(self, reader, manifest, reuse)
+
+        monkeypatch.setattr(stagesave.Checkpointer, "_check_file", replace_first)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a replacement is neither damage nor a reason to skip
+            info = ckpt.latest()
+        assert len(replaced) == times
+        assert info is not None and info.name == "last.ckpt" and info.status == "verified"
+        _roundtrip_ok(ckpt, "last.ckpt", small_state(times + 1))
