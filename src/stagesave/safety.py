@@ -504,7 +504,12 @@ class _Unpickler:
         """``BUILD``: numpy placeholders become checked objects; otherwise torch's rules."""
         if type(inst) is _Pending:
             _free([state] if type(state) is not tuple else state)
-            made = _build_dtype(self, inst, state) if inst.what == "dtype" else _build_array(self, state)
+            try:
+                made = _build_dtype(self, inst, state) if inst.what == "dtype" else _build_array(self, state)
+            except (CheckpointError, pickle.UnpicklingError):
+                raise
+            except Exception as exc:  # numpy's own refusal of a description
+                raise _BadPickle(f"numpy {inst.what} state refused: {type(exc).__name__}: {exc}") from exc
             for slot in inst.memo_slots:
                 if self.memo.get(slot) is inst:
                     self.memo[slot] = made
