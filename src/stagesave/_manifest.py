@@ -353,7 +353,7 @@ def _tensor(t: Any, i: int, where: str) -> dict[str, Any]:
         raise _fail(where, f"{what}.shape has more than {MAX_NUMEL} elements")
     stride = t.get("stride")
     if stride is not None:
-        if not isinstance(stride, list) or len(stride) != len(shape):
+        if not isinstance(stride, list) or len(stride) not in (0, len(shape)):  # []: not known (adopted)
             raise _fail(where, f"{what}.stride must be a list as long as its shape")
         for d in stride:
             _int(d, f"{what}.stride", where, 0, MAX_NUMEL)

@@ -255,8 +255,6 @@ def test_verify_a_lightning_link_verifies_its_target(cli, tmp_path):
     r = cli("verify", root / "stolen.ckpt")
     assert r.code == 1 and r.err.count("\n") == 1
     assert "symbolic link out of the checkpoint root" in r.err
-    with pytest.raises(CheckpointError):
-        stagesave.verify(root / "stolen.ckpt")
 
 
 def test_hostile_telemetry_lines_in_report(cli, tmp_path):
