@@ -25,8 +25,10 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from ._checksum import ALGORITHMS, DIGEST_HEX_LEN
+from ._checksum import ALGORITHMS, CRYPTOGRAPHIC, DIGEST_HEX_LEN
 from ._names import FORMAT_TAG, MAX_FILE_BYTES, MAX_MANIFEST_BYTES, SCHEMA_VERSION
+from ._signing import check_doc
+from ._signing import current as signing_keys
 from ._store import check_name
 from .errors import ManifestError
 from .telemetry import SaveTelemetry
@@ -461,6 +463,9 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
     doc = _json(data, where)
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_TAG:
         raise _fail(where, "not a stagesave manifest")
+    keys = signing_keys()
+    if keys is not None and keys.require:
+        raise _fail(where, "format 1 cannot be signed, and signatures are required (stagesave migrate rewrites it)")
     schema = doc.get("schema")
     if schema != SCHEMA_VERSION:
         raise _fail(
@@ -574,6 +579,7 @@ def parse_proof(data: bytes, where: str, name: str, size: int) -> Manifest:
     kind = _kind(doc.get("kind"), where)
     covered = _int(doc.get("covered"), "covered", where, 0, size)
     algorithm = _algorithm(doc, where)
+    check_doc(doc, where, signing_keys(), cryptographic=algorithm in CRYPTOGRAPHIC)
     chunk_bytes = _int(doc.get("chunk_bytes"), "chunk_bytes", where, 1, _MAX_CHUNK)
     chunks = _chunks(doc.get("chunks"), algorithm, covered, chunk_bytes, name, where)
     sid, id_offset = _serialization_id(doc, covered, where)
