@@ -493,3 +493,19 @@ def test_fuzz_pickles_over_the_allow_list(tmp_path):
 @pytest.mark.slow
 def test_fuzz_pickles_over_the_allow_list_exhaustive(tmp_path):
     _run_fuzz(tmp_path, examples=20000, timeout=3000)
+
+
+@pytest.mark.fault_class("hostile pickle: numpy object/pointer routes")
+def test_with_torch_forcing_weights_only_loads_work_and_hostile_files_are_refused(tmp_path, monkeypatch):
+    """TORCH_FORCE_WEIGHTS_ONLY_LOAD=1 makes torch refuse stagesave's own unpickler: loads then go
+    through torch's weights_only unpickler, which still refuses the pointer file."""
+    monkeypatch.setenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "1")
+    good = tmp_path / "good.ckpt"
+    stagesave.save({"w": torch.arange(6.0), "step": 3}, good)
+    loaded = stagesave.load(good)
+    assert torch.equal(loaded["w"], torch.arange(6.0)) and loaded["step"] == 3
+    path = tmp_path / "hostile.ckpt"
+    torch_zip(path, program(HOSTILE["dtype_O8_reduce_without_build"]))
+    for kind in ENTRIES:
+        outcome = run_in_child(kind, path)
+        assert outcome[0] == "raised" and "UnsafeCheckpointError" in outcome[1], (kind, outcome)
