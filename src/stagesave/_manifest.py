@@ -293,6 +293,11 @@ def _plain_json(v: Any, what: str, where: str) -> None:
             stack.extend((item, (*parts, key)) for key, item in items)
 
 
+#: ``plain_json(value, what, where)``: the check above, for values about to be written
+#: (``Checkpointer.save`` refuses metadata a reader would refuse).
+plain_json = _plain_json
+
+
 def _object(v: Any, what: str, where: str) -> dict[str, Any]:
     if not isinstance(v, dict):
         raise _fail(where, f"{what} must be an object, got {type(v).__name__}")

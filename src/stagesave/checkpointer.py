@@ -35,6 +35,7 @@ from ._discovery import (
 )
 from ._image import FileImage, plan_torch_file
 from ._local import LocalStore
+from ._manifest import MAX_DEPTH, plain_json
 from ._names import ALIGNMENT, DEFAULT_CHUNK_BYTES, TELEMETRY_FILE, TMP_MARKER, check_target_name
 from ._pool import BufferPool, HostBuffer
 from ._proofread import chunk_problems
@@ -171,10 +172,11 @@ def _checked_metadata(metadata: dict[str, Any] | None) -> dict[str, Any]:
     if not isinstance(metadata, dict):
         raise UnsupportedObjectError(f"metadata must be a dict, got {type(metadata).__name__}")
     try:
-        json.dumps(metadata, allow_nan=False)
-    except (TypeError, ValueError) as exc:
+        plain_json(json.loads(json.dumps(metadata, allow_nan=False)), "metadata", "metadata")
+    except (TypeError, ValueError, RecursionError) as exc:  # ManifestError is a ValueError too
         raise UnsupportedObjectError(
-            f"metadata must hold JSON values (str, numbers, bool, None, lists, dicts): {exc}"
+            f"metadata must hold JSON values (str, numbers, bool, None, lists, dicts) nested at most "
+            f"{MAX_DEPTH} deep: {exc}"
         ) from exc
     return dict(metadata)
 
