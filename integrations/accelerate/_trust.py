@@ -8,9 +8,9 @@ Rather than re-implement ``load_accelerator_state`` and ``load_custom_state``, s
 replaces these two module attributes, once, with dispatchers. On a thread inside
 :func:`guarded` they read only files the checkpoint's proof lists (a file it does not list
 is refused with :class:`~stagesave.IntegrityError`), and they unpickle with
-:func:`stagesave.safety.safe_torch_load`: torch's ``weights_only`` unpickler with stagesave's
-allow-list (extended by :func:`stagesave.allow_globals`), or the full unpickler when the user
-said ``trusted=True``. On every other thread, and outside :func:`guarded`, they are
+:func:`stagesave.safety.safe_torch_load`: stagesave's safe unpickler with its allow-list
+(extended by :func:`stagesave.allow_globals`), or the full unpickler when the user said
+``trusted=True``. On every other thread, and outside :func:`guarded`, they are
 Accelerate's own functions, unchanged (``disable()`` has nothing to undo).
 
 Accelerate catches every error while it restores RNG states (and only logs "Could not load

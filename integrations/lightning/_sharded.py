@@ -181,8 +181,8 @@ class ShardedCheckpoints:
         """On every rank: let ``fill`` load the sharded state from the folder; return ``meta.pt``.
 
         ``fill`` runs DCP loads with the reader it is given. A folder that carries a stagesave
-        proof is checked byte for byte against it (with ``verify_on_load``): its file set and
-        ``meta.pt`` here, the shards as the reader reads them; a plain Lightning folder (no
+        proof is checked against it: its file set here (always), and with ``verify_on_load``
+        byte for byte, ``meta.pt`` here and the shards as the reader reads them; a plain Lightning folder (no
         proof) is read as it is, still with the safe unpickler.
 
         Raises:
@@ -195,17 +195,17 @@ class ShardedCheckpoints:
         meta_path = os.path.join(path, META_FILE)
         if not os.path.isfile(meta_path):
             raise CheckpointNotFoundError(f"{path} is not a Lightning sharded checkpoint: it has no {META_FILE}")
-        verify = False
-        if plugin.verify_on_load:
-            real = os.path.realpath(path)  # a save_last="link" link: the folder it names
-            store = LocalStore(os.path.dirname(real))
-            info = resolve_dir(store, os.path.basename(real))  # the folder's own proof, if any
-            problems = list(info.problems) if info.status == "corrupt" else []
-            if info.status == "committed" and info.format == 2:
-                problems += _meta_problems(store, info)
-            if problems:
-                raise IntegrityError(f"checkpoint {path} is corrupt: {'; '.join(problems)}")
-            verify = info.status == "committed"
+        # The folder's own proof, if any (proofs only): a file it does not list, or a missing
+        # one, is refused even without verify_on_load, which adds the checksums.
+        real = os.path.realpath(path)  # a save_last="link" link: the folder it names
+        store = LocalStore(os.path.dirname(real))
+        info = resolve_dir(store, os.path.basename(real))
+        problems = list(info.problems) if info.status == "corrupt" else []
+        verify = plugin.verify_on_load and info.status == "committed"
+        if verify and info.format == 2:
+            problems += _meta_problems(store, info)
+        if problems:
+            raise IntegrityError(f"checkpoint {path} is corrupt: {'; '.join(problems)}")
         meta = plugin.load_checkpoint(meta_path, weights_only=weights_only)
         reader = StagedStorageReader(path, verify=verify, trusted=weights_only is False,
                                      safe_globals=[*LIGHTNING_SAFE_GLOBALS, *plugin.safe_globals])

@@ -25,8 +25,10 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from ._checksum import ALGORITHMS, DIGEST_HEX_LEN
+from ._checksum import ALGORITHMS, CRYPTOGRAPHIC, DIGEST_HEX_LEN
 from ._names import FORMAT_TAG, MAX_FILE_BYTES, MAX_MANIFEST_BYTES, SCHEMA_VERSION
+from ._signing import check_doc
+from ._signing import current as signing_keys
 from ._store import check_name
 from .errors import ManifestError
 from .telemetry import SaveTelemetry
@@ -291,6 +293,11 @@ def _plain_json(v: Any, what: str, where: str) -> None:
             stack.extend((item, (*parts, key)) for key, item in items)
 
 
+#: ``plain_json(value, what, where)``: the check above, for values about to be written
+#: (``Checkpointer.save`` refuses metadata a reader would refuse).
+plain_json = _plain_json
+
+
 def _object(v: Any, what: str, where: str) -> dict[str, Any]:
     if not isinstance(v, dict):
         raise _fail(where, f"{what} must be an object, got {type(v).__name__}")
@@ -353,7 +360,7 @@ def _tensor(t: Any, i: int, where: str) -> dict[str, Any]:
         raise _fail(where, f"{what}.shape has more than {MAX_NUMEL} elements")
     stride = t.get("stride")
     if stride is not None:
-        if not isinstance(stride, list) or len(stride) != len(shape):
+        if not isinstance(stride, list) or len(stride) not in (0, len(shape)):  # []: not known (adopted)
             raise _fail(where, f"{what}.stride must be a list as long as its shape")
         for d in stride:
             _int(d, f"{what}.stride", where, 0, MAX_NUMEL)
@@ -461,6 +468,9 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
     doc = _json(data, where)
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_TAG:
         raise _fail(where, "not a stagesave manifest")
+    keys = signing_keys()
+    if keys is not None and keys.require:
+        raise _fail(where, "format 1 cannot be signed, and signatures are required (stagesave migrate rewrites it)")
     schema = doc.get("schema")
     if schema != SCHEMA_VERSION:
         raise _fail(
@@ -574,6 +584,7 @@ def parse_proof(data: bytes, where: str, name: str, size: int) -> Manifest:
     kind = _kind(doc.get("kind"), where)
     covered = _int(doc.get("covered"), "covered", where, 0, size)
     algorithm = _algorithm(doc, where)
+    check_doc(doc, where, signing_keys(), cryptographic=algorithm in CRYPTOGRAPHIC)
     chunk_bytes = _int(doc.get("chunk_bytes"), "chunk_bytes", where, 1, _MAX_CHUNK)
     chunks = _chunks(doc.get("chunks"), algorithm, covered, chunk_bytes, name, where)
     sid, id_offset = _serialization_id(doc, covered, where)

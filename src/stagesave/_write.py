@@ -30,6 +30,8 @@ from ._crash import crash_point
 from ._image import FileImage
 from ._manifest import FileEntry, Manifest, StorageRecord, Summary, dumps, proof_doc
 from ._names import ALIGNMENT, INDEX_RECORD, PROOF_RECORD
+from ._signing import current as signing_keys
+from ._signing import sign_doc
 from ._stage import ImageCrcs, crc_image
 from ._store import PendingWrite, Store
 from ._zipfmt import build_tail, footer
@@ -194,8 +196,8 @@ class Written:
             assert self.image.zip is not None and self.cd is not None
             index = dumps({"tensors": list(tensors), "telemetry": telemetry or {}})
             zip_digests = {"cd": digest(entry.algorithm, self.cd), "index": digest(entry.algorithm, index)}
-        self.proof = dumps(proof_doc(entry, seq=seq, created_ns=created_ns, metadata=metadata, folder=folder,
-                                     zip_digests=zip_digests))
+        self.proof = dumps(sign_doc(proof_doc(entry, seq=seq, created_ns=created_ns, metadata=metadata,
+                                              folder=folder, zip_digests=zip_digests), signing_keys()))
         token, carrier = summary_folder if summary_folder is not None else (None, None)
 
         def summary(proof_at: int) -> bytes:
@@ -352,5 +354,6 @@ def proof_room(
         chunks=("f" * DIGEST_HEX_LEN[algorithm],) * n, kind="safetensors",
         storages=tuple(StorageRecord(str(s[0]), size, size) for s in storages), covered=size, blank=(size, size),
     )
-    doc = proof_doc(entry, seq=1 << 62, created_ns=1 << 64, metadata=metadata, folder=folder, zip_digests=None)
+    doc = sign_doc(proof_doc(entry, seq=1 << 62, created_ns=1 << 64, metadata=metadata, folder=folder,
+                             zip_digests=None), signing_keys())
     return len(json.dumps(dumps(doc).decode())) - 2 + 64

@@ -22,7 +22,7 @@ import torch
 
 from . import _inflight
 from ._background import JobQueue, current_queue
-from ._checksum import DEFAULT_ALGORITHM, check_algorithm
+from ._checksum import CRYPTOGRAPHIC, DEFAULT_ALGORITHM, check_algorithm
 from ._commit import commit_file, commit_folder, remove_checkpoint, retain
 from ._device import device_of, gpudirect_kvikio, stage_on_device, write_device_data
 from ._discovery import (
@@ -39,6 +39,7 @@ from ._discovery import (
 )
 from ._image import FileImage, plan_torch_file
 from ._local import LocalStore
+from ._manifest import MAX_DEPTH, plain_json
 from ._names import (
     ALIGNMENT,
     ASIDE_MARKER,
@@ -49,6 +50,7 @@ from ._names import (
 )
 from ._pool import BufferPool, HostBuffer
 from ._proofread import chunk_problems
+from ._signing import current as signing_keys
 from ._stage import ImageCrcs, on_host, stage_and_crc, stage_image
 from ._store import Reader, Store, check_name
 from ._targets import StoreResolver
@@ -182,10 +184,11 @@ def _checked_metadata(metadata: dict[str, Any] | None) -> dict[str, Any]:
     if not isinstance(metadata, dict):
         raise UnsupportedObjectError(f"metadata must be a dict, got {type(metadata).__name__}")
     try:
-        json.dumps(metadata, allow_nan=False)
-    except (TypeError, ValueError) as exc:
+        plain_json(json.loads(json.dumps(metadata, allow_nan=False)), "metadata", "metadata")
+    except (TypeError, ValueError, RecursionError) as exc:  # ManifestError is a ValueError too
         raise UnsupportedObjectError(
-            f"metadata must hold JSON values (str, numbers, bool, None, lists, dicts): {exc}"
+            f"metadata must hold JSON values (str, numbers, bool, None, lists, dicts) nested at most "
+            f"{MAX_DEPTH} deep: {exc}"
         ) from exc
     return dict(metadata)
 
@@ -277,7 +280,8 @@ class Checkpointer:
             for a buffer instead of allocating more memory.
         checksum: ``"crc32"`` (default: at memory speed, and the same CRCs make every zip record
             valid), ``"xxh3_128"``, ``"xxh3_64"``, or the cryptographic ``"blake3"`` and
-            ``"sha256"`` (an extra pass over the bytes in the background).
+            ``"sha256"`` (an extra pass over the bytes in the background). While a signing key
+            is in force (:mod:`stagesave.signing`) a non-cryptographic choice becomes ``"blake3"``.
         keep_last: After each commit keep only this many committed checkpoints in that
             directory (the lowest sequence numbers removed first, each in one step). ``None``
             keeps all.
@@ -335,7 +339,8 @@ class Checkpointer:
             raise ValueError(f"io_threads must be >= 1, got {io_threads}")
         if chunk_bytes < ALIGNMENT or chunk_bytes % ALIGNMENT:
             raise ValueError(f"chunk_bytes must be a positive multiple of {ALIGNMENT}, got {chunk_bytes}")
-        self.checksum = check_algorithm(checksum)
+        self._checksum = check_algorithm(checksum)
+        signing_keys()  # a bad key or key file in the environment is a clear error now, not at a load
         if checksum_in not in ("auto", "background", "staging"):
             raise ValueError(f"checksum_in must be 'auto', 'background' or 'staging', got {checksum_in!r}")
         self.checksum_in = checksum_in
@@ -381,6 +386,15 @@ class Checkpointer:
     @_hash_pool.setter
     def _hash_pool(self, pool: cf.ThreadPoolExecutor | None) -> None:
         self._res.hash_pool = pool
+
+    @property
+    def checksum(self) -> str:
+        """The chunk checksum of the next save: the one chosen, or ``"blake3"`` while a signing
+        key is in force and the one chosen is not cryptographic (a signature over CRCs would
+        prove nothing)."""
+        if self._checksum not in CRYPTOGRAPHIC and signing_keys() is not None:
+            return "blake3"
+        return self._checksum
 
     # ------------------------------------------------------------------ saving
     def save(self, state: Any, path: str | os.PathLike[str], *, metadata: dict[str, Any] | None = None) -> SaveHandle:
@@ -1190,8 +1204,13 @@ class Checkpointer:
             StorageError: a candidate was replaced while it was being read (unless
                 ``skip_replaced``: then it is skipped with a warning).
         """
+        keys = signing_keys()
         for info in found:
             if not info.valid:
+                continue
+            if keys is not None and keys.require and info.format != 2:  # format 1 or no proof at all
+                warnings.warn(f"skipping checkpoint {info.path}: not signed, and signatures are required",
+                              stacklevel=3)
                 continue
             try:
                 chosen = self._usable(store, info, verify)

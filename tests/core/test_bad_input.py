@@ -195,3 +195,29 @@ def test_close_raises_undelivered_failure_but_context_manager_never_masks(tmp_pa
             victim.write_text("not a directory")
             gate.set()
             raise KeyError("user error")
+
+
+@pytest.mark.parametrize(("metadata", "message"), [
+    ({"lr": float("nan")}, "JSON values"),
+    ({"x": object()}, "JSON values"),
+    ("not a dict", "must be a dict"),
+])
+def test_metadata_a_reader_would_refuse_is_refused_at_save(tmp_path, metadata, message):
+    with stagesave.Checkpointer(tmp_path) as ck:
+        with pytest.raises(UnsupportedObjectError, match=message):
+            ck.save({"w": torch.ones(2)}, "a.ckpt", metadata=metadata)
+    assert os.listdir(tmp_path) == []
+
+
+def test_metadata_nested_deeper_than_a_reader_accepts_is_refused_at_save(tmp_path):
+    deep: dict[str, object] = {}
+    inner = deep
+    for _ in range(150):
+        inner["d"] = {}
+        inner = inner["d"]  # type: ignore[assignment]
+    with stagesave.Checkpointer(tmp_path) as ck:
+        with pytest.raises(UnsupportedObjectError, match="nests deeper than 100 levels"):
+            ck.save({"w": torch.ones(2)}, "a.ckpt", metadata={"deep": deep})
+        ck.save({"w": torch.ones(2)}, "b.ckpt", metadata={"ok": {"a": [1, 2, {"b": None}]}}).result()
+    assert os.listdir(tmp_path) == ["b.ckpt"]
+    assert stagesave.verify(tmp_path / "b.ckpt").manifest.metadata == {"ok": {"a": [1, 2, {"b": None}]}}  # type: ignore[union-attr]
