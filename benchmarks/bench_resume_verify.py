@@ -11,6 +11,8 @@ pages are read only then):
 * ``latest(verify=False) + load``: the proof read, the bytes verified by ``load`` (its default);
 * ``latest() + load``: verified while choosing; the load reuses that verification (same inode,
   unchanged) and hashes nothing again;
+* ``resume_from(last) + load``: Lightning's ``ckpt_path="last"`` with the plugin: the path
+  Lightning chose, verified before the load (which reuses the verification);
 * ``latest() + load, not shared``: the same with the remembered verification forgotten in
   between: what reading and hashing twice would cost;
 * ``load(verify=True)``: the path known, verified by the load alone;
@@ -49,6 +51,8 @@ _CHILD = textwrap.dedent(
     with stagesave.Checkpointer(root) as ck:
         if variant == "latest_noverify+load":
             path = ck.latest(verify=False).path
+        elif variant == "resume_from+load":
+            path = ck.resume_from(newest)
         elif variant.startswith("latest+load"):
             path = ck.latest().path
             if variant == "latest+load_unshared":
@@ -72,10 +76,12 @@ _CHILD = textwrap.dedent(
     """
 )
 
-VARIANTS = ["latest_noverify+load", "latest+load", "latest+load_unshared", "load_verify", "load_noverify"]
+VARIANTS = ["latest_noverify+load", "latest+load", "resume_from+load", "latest+load_unshared", "load_verify",
+            "load_noverify"]
 LABELS = {
     "latest_noverify+load": "latest(verify=False) + load",
     "latest+load": "latest() + load (shared)",
+    "resume_from+load": "resume_from(last) + load",
     "latest+load_unshared": "latest() + load, not shared",
     "load_verify": "load(verify=True) alone",
     "load_noverify": "load(verify=False) (floor)",
@@ -97,6 +103,7 @@ def main() -> None:
     ap.add_argument("--gib", type=float, nargs="+", default=[0.5, 2.0])
     ap.add_argument("--rounds", type=int, default=3, help="runs per variant and cache state (median reported)")
     ap.add_argument("--json", default=None, help="also write the figures here")
+    ap.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS)
     args = ap.parse_args()
     base = tempfile.mkdtemp(prefix="bench-resume-", dir=args.dir)
     can_drop = common.drop_caches()
@@ -116,7 +123,7 @@ def main() -> None:
             results[key] = {}
             caches = (["cold"] if can_drop else []) + ["warm"]
             for cache in caches:
-                for variant in VARIANTS:
+                for variant in args.variants:
                     runs: dict[str, list[float]] = {}
                     for _ in range(args.rounds):
                         if cache == "cold":

@@ -326,6 +326,26 @@ class StagedCheckpointIO(CheckpointIO):
         finally:
             self._release_if_idle()
 
+    def resume_path(self, path: Any) -> Any:
+        """The checkpoint ``fit(ckpt_path="last")`` should resume from, given Lightning's choice.
+
+        Lightning picks the newest ``last*.ckpt`` by modification time. That file is checked as
+        :func:`stagesave.latest` checks a candidate (every byte with ``verify_on_load``; the load
+        that follows does not hash it again): if it cannot be loaded, a warning names it and what
+        is wrong, and the newest checkpoint in the same directory that can be loaded is used
+        instead. With none, Lightning's choice stands and its load raises the error.
+        """
+        target = os.fspath(path)
+        if "://" not in target:
+            update = self._links.update_of(target)
+            if update is not None:
+                update.exception()
+        try:
+            chosen = self.checkpointer.resume_from(target, verify=self.verify_on_load)
+        finally:
+            self._release_if_idle()
+        return path if chosen is None or chosen == target else chosen
+
     @override
     def remove_checkpoint(self, path: Any) -> None:
         """Remove a checkpoint after every save submitted before this call, unless the last of

@@ -10,7 +10,13 @@ is the plugin only, to tell the plugin which of the two it is (``StagedCheckpoin
 ``ModelCheckpoint.file_exists`` decides version suffixes (``name-v1.ckpt``) by asking the
 filesystem; a checkpoint whose save is still pending is not there yet, so the callback would
 overwrite it instead of versioning. The wrapped method also counts a pending save as existing
-(and a pending removal as gone). Trainers without the plugin get Lightning's methods unchanged.
+(and a pending removal as gone).
+
+``fit(ckpt_path="last")`` resolves to the newest ``last*.ckpt`` by modification time. The
+wrapped ``_CheckpointConnector._parse_ckpt_path`` hands that choice to the plugin, which keeps
+it if it can be loaded and otherwise names what is wrong and resumes from the newest checkpoint
+beside it that can (``StagedCheckpointIO.resume_path``). Trainers without the plugin get
+Lightning's methods unchanged.
 """
 
 from __future__ import annotations
@@ -42,12 +48,14 @@ def _wrap(owner: type, name: str, make: Callable[[Any], Any]) -> None:
 
 
 def install_trainer_hooks(find_plugin: Callable[[Any], Any]) -> None:
-    """Wrap ``Trainer.save_checkpoint`` and ``ModelCheckpoint.file_exists`` (once per process).
+    """Wrap ``Trainer.save_checkpoint``, ``ModelCheckpoint.file_exists`` and the connector's
+    ``"last"`` resolution (once per process).
 
     ``find_plugin(trainer)`` returns the trainer's ``StagedCheckpointIO`` or ``None``.
     """
     from lightning.pytorch import Trainer
     from lightning.pytorch.callbacks.model_checkpoint import ModelCheckpoint
+    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 
     def make_save(original: Any) -> Any:
         def save_checkpoint(self: Any, filepath: Any, weights_only: Any = None, storage_options: Any = None) -> None:
@@ -72,5 +80,17 @@ def install_trainer_hooks(find_plugin: Callable[[Any], Any]) -> None:
 
         return file_exists
 
+    def make_parse(original: Any) -> Any:
+        def _parse_ckpt_path(self: Any, state_fn: Any, ckpt_path: Any, model_provided: bool,
+                             model_connected: bool) -> Any:
+            chosen = original(self, state_fn, ckpt_path, model_provided, model_connected)
+            plugin = find_plugin(self.trainer)
+            if plugin is None or chosen is None or ckpt_path != "last":
+                return chosen
+            return plugin.resume_path(chosen)
+
+        return _parse_ckpt_path
+
     _wrap(Trainer, "save_checkpoint", make_save)
+    _wrap(_CheckpointConnector, "_parse_ckpt_path", make_parse)
     _wrap(ModelCheckpoint, "file_exists", make_exists)

@@ -1178,11 +1178,48 @@ class Checkpointer:
         Raises:
             CheckpointError: the directory cannot be listed.
         """
-        store = self._targets.dir_store(root)
+        return self._latest_in(self._targets.dir_store(root), verify)
+
+    def resume_from(self, path: str | os.PathLike[str], *, verify: bool = True) -> str | None:
+        """What a resume pointed at ``path`` as *the newest checkpoint* should load.
+
+        For callers that resolved "the newest" themselves (Lightning's ``ckpt_path="last"``):
+        ``path`` if a resume can load it (checked as :meth:`latest` checks a candidate);
+        otherwise, after a warning naming it and what is wrong, the newest checkpoint beside it
+        (in its directory) that a resume can load; ``None`` if there is none. The check reads
+        every byte with ``verify`` and the load that follows does not hash them again.
+
+        Raises:
+            CheckpointError: the directory cannot be listed.
+        """
+        store, name = self._targets.split(path)
+        self._wait_path(store.describe(name))
+        try:
+            info = resolve_dir(store, name) if _is_folder(store, name) else resolve(store, name)
+        except FileNotFoundError:
+            info = None
+            warnings.warn(f"skipping checkpoint {store.describe(name)}: it does not exist", stacklevel=2)
+        if info is not None:
+            if info.valid:
+                if self._first_usable(store, [info], verify, skip_replaced=True) is not None:
+                    return os.fspath(path)
+            else:
+                problems = "; ".join(info.problems) or f"it is {info.status}"
+                warnings.warn(f"skipping checkpoint {info.path}: {problems}", stacklevel=2)
+        parent, _, leaf = name.rpartition("/")
+        directory = store if not parent else self._targets.dir_store(store.describe(parent))
+        chosen = self._latest_in(directory, verify, exclude=leaf)
+        if chosen is not None:
+            warnings.warn(f"resuming from {chosen.path} instead of {store.describe(name)}, which cannot be "
+                          "loaded (see the warning above)", stacklevel=2)
+        return None if chosen is None else chosen.path
+
+    def _latest_in(self, store: Store, verify: bool, exclude: str = "") -> CheckpointInfo | None:
+        """:meth:`latest` in ``store``'s directory; ``exclude``: a leaf name not to offer."""
         self._wait_listing(store)
         for attempt in range(_RELISTS):
             try:
-                found = scan(store, warn=True, settle=True)
+                found = [i for i in scan(store, warn=True, settle=True) if not exclude or i.name != exclude]
             except CheckpointError:
                 raise
             except OSError as exc:

@@ -338,3 +338,38 @@ def test_a_folder_listed_just_before_a_replacement_and_proved_just_after_is_veri
         info = stagesave.latest(ckpt_dir)
     assert armed == [0, 0] and info is not None and info.name == "checkpoint" and info.status == "verified"
     assert stagesave.load(ckpt_dir / "checkpoint" / "model.bin")["step"] == 10 ** 12 + 2
+
+
+# ---------------------------------------------------------------------------- resume_from (a caller's "newest")
+def test_resume_from_keeps_an_intact_choice_and_replaces_a_damaged_one_by_the_newest_intact(ckpt_dir):
+    with stagesave.Checkpointer(ckpt_dir) as ck:
+        for step in range(3):
+            ck.save({"w": torch.full((64,), float(step))}, f"step={step}.ckpt")
+        ck.save({"w": torch.full((64,), 9.0)}, "last.ckpt")
+    last = os.path.join(ckpt_dir, "last.ckpt")
+    with stagesave.Checkpointer(ckpt_dir) as ck:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert ck.resume_from(last) == last
+        _flip_tensor_byte(last)
+        with pytest.warns(UserWarning) as record:
+            chosen = ck.resume_from(last)
+        assert chosen == os.path.join(ckpt_dir, "step=2.ckpt")
+        messages = [str(w.message) for w in record]
+        assert any(m.startswith(f"skipping checkpoint {last}: ") and "checksum mismatch" in m for m in messages)
+        assert any(m.startswith(f"resuming from {chosen} instead of {last}") for m in messages)
+        assert torch.equal(ck.load(chosen)["w"], torch.full((64,), 2.0))
+        # Without verification the flipped byte goes unseen (only the proof is read), as in latest().
+        assert ck.resume_from(last, verify=False) == last
+
+
+def test_resume_from_with_nothing_loadable_is_none_and_a_missing_choice_falls_back(ckpt_dir):
+    with stagesave.Checkpointer(ckpt_dir) as ck:
+        ck.save({"w": torch.ones(64)}, "last.ckpt")
+        last = os.path.join(ckpt_dir, "last.ckpt")
+        _flip_tensor_byte(last)
+        with pytest.warns(UserWarning, match="skipping checkpoint"):
+            assert ck.resume_from(last) is None
+        ck.save({"w": torch.zeros(64)}, "a.ckpt")
+        with pytest.warns(UserWarning, match=r"gone\.ckpt: it does not exist"):
+            assert ck.resume_from(os.path.join(ckpt_dir, "gone.ckpt")) == os.path.join(ckpt_dir, "a.ckpt")

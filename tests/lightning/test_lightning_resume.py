@@ -128,3 +128,77 @@ def test_ckpt_path_last_resumes_with_the_plugin(tmp_path: Path) -> None:
     trainer = make_trainer(tmp_path, [StagedCheckpointIO()], [ModelCheckpoint(dirpath=d, save_last=True)], max_steps=6)
     trainer.fit(TinyModel(), StepBatches(), ckpt_path="last")
     assert trainer.global_step == 6
+
+
+def _flip_tensor_byte(path: Path) -> None:
+    """Flip one byte inside the first tensor record (size, names and proof unchanged)."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        record = next(i for i in z.infolist() if "/data/" in i.filename and i.file_size > 0)
+    data = bytearray(path.read_bytes())
+    name_len, extra_len = int.from_bytes(data[record.header_offset + 26:record.header_offset + 28], "little"), \
+        int.from_bytes(data[record.header_offset + 28:record.header_offset + 30], "little")
+    data[record.header_offset + 30 + name_len + extra_len] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+class _StartStep(ModelCheckpoint.__mro__[1]):  # lightning Callback
+    def __init__(self) -> None:
+        self.start: int | None = None
+
+    def on_train_start(self, trainer: object, pl_module: object) -> None:
+        self.start = trainer.global_step  # type: ignore[attr-defined]
+
+
+def _last_run(tmp_path: Path) -> Path:
+    d = tmp_path / "ckpt"
+    mc = ModelCheckpoint(dirpath=d, every_n_train_steps=2, save_top_k=-1, save_last=True)
+    make_trainer(tmp_path, [StagedCheckpointIO()], [mc], max_steps=4).fit(TinyModel(), StepBatches())
+    assert sorted(p.name for p in d.iterdir()) == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "last.ckpt"]
+    return d
+
+
+def test_ckpt_path_last_that_is_damaged_resumes_from_the_newest_intact_checkpoint(tmp_path: Path) -> None:
+    d = _last_run(tmp_path)
+    _flip_tensor_byte(d / "last.ckpt")
+    start = _StartStep()
+    trainer = make_trainer(tmp_path, [StagedCheckpointIO()], [ModelCheckpoint(dirpath=d, save_last=True), start],
+                           max_steps=6)
+    with pytest.warns(UserWarning) as record:
+        trainer.fit(TinyModel(), StepBatches(), ckpt_path="last")
+    messages = [str(w.message) for w in record]
+    assert any("last.ckpt" in m and "checksum mismatch" in m for m in messages), messages
+    assert any(f"resuming from {d / 'epoch=0-step=4.ckpt'} instead of {d / 'last.ckpt'}" in m for m in messages)
+    assert start.start == 4 and trainer.global_step == 6
+
+
+def test_ckpt_path_last_that_is_intact_is_lightnings_choice_without_a_warning(tmp_path: Path) -> None:
+    d = _last_run(tmp_path)
+    start = _StartStep()
+    trainer = make_trainer(tmp_path, [StagedCheckpointIO()], [ModelCheckpoint(dirpath=d, save_last=True), start],
+                           max_steps=6)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*(skipping checkpoint|resuming from .* instead of)")
+        trainer.fit(TinyModel(), StepBatches(), ckpt_path="last")
+    assert start.start == 4 and trainer.global_step == 6
+
+
+def test_ckpt_path_last_with_nothing_intact_raises_the_integrity_error(tmp_path: Path) -> None:
+    d = _last_run(tmp_path)
+    for p in d.iterdir():
+        _flip_tensor_byte(p)
+    trainer = make_trainer(tmp_path, [StagedCheckpointIO()], [ModelCheckpoint(dirpath=d, save_last=True)], max_steps=6)
+    with pytest.warns(UserWarning, match="skipping checkpoint"), pytest.raises(stagesave.IntegrityError, match="last.ckpt"):
+        trainer.fit(TinyModel(), StepBatches(), ckpt_path="last")
+
+
+def test_ckpt_path_last_without_the_plugin_is_untouched(tmp_path: Path) -> None:
+    d = _last_run(tmp_path)
+    _flip_tensor_byte(d / "last.ckpt")
+    start = _StartStep()
+    trainer = make_trainer(tmp_path, [], [ModelCheckpoint(dirpath=d, save_last=True), start], max_steps=6)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*(skipping checkpoint|resuming from .* instead of)")
+        trainer.fit(TinyModel(), StepBatches(), ckpt_path="last")  # torch.load does not check CRC-32s
+    assert start.start == 4
