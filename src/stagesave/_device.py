@@ -90,10 +90,10 @@ def device_of(images: Sequence[FileImage], store: Store) -> torch.device | None:
     """
     if not isinstance(store, LocalStore):
         return None
-    kinds = {s.source.device.type for image in images for s in image.slots}
+    kinds = {s.device_type for image in images for s in image.slots}
     if kinds - {"cuda", "cpu", "meta"}:
         return None
-    devices = {s.source.device for image in images for s in image.slots if s.source.device.type == "cuda"}
+    devices = {s.source.device for image in images for s in image.slots if s.device_type == "cuda"}
     return devices.pop() if len(devices) == 1 else None
 
 
@@ -137,7 +137,7 @@ def _upload_from_host(image: FileImage, out: torch.Tensor) -> list[torch.Tensor]
         torch.add(torch.arange(packed.numel(), dtype=torch.int64), shift, out=positions)
         keep += [packed, positions]
         out.index_copy_(0, positions.to(out.device, non_blocking=True), packed.to(out.device, non_blocking=True))
-    host_slots = [s for s in image.slots if s.nbytes and s.source.device.type == "cpu"]
+    host_slots = [s for s in image.slots if s.nbytes and s.device_type == "cpu"]
     if host_slots:
         snapshot = _host_tensor(sum(s.nbytes for s in host_slots), torch.uint8, pinned)
         at = 0

@@ -43,14 +43,49 @@ __all__ = ["FileImage", "StorageSlot", "TensorEntry", "plan_torch_file"]
 MAX_INDEXED_TENSORS = 200_000
 
 
-@dataclass(frozen=True)
 class StorageSlot:
-    """Bytes of the state (a flat uint8 view of a storage or tensor) and where they go."""
+    """Bytes of the state (a flat uint8 view of a storage or tensor) and where they go.
 
-    key: str
-    offset: int
-    nbytes: int
-    source: torch.Tensor
+    Planners give either ``source`` (the bytes as a flat uint8 tensor) or ``storage`` (a whole
+    storage: its byte view is made only if someone asks for :attr:`source`; host staging copies
+    from :attr:`address` and never needs it).
+    """
+
+    __slots__ = ("_source", "_storage", "key", "nbytes", "offset")
+
+    def __init__(self, key: str, offset: int, nbytes: int, source: torch.Tensor | None = None, *,
+                 storage: torch.UntypedStorage | None = None) -> None:
+        if (source is None) == (storage is None):
+            raise TypeError("StorageSlot needs a source or a storage")
+        self.key, self.offset, self.nbytes = key, offset, nbytes
+        self._source, self._storage = source, storage
+
+    @property
+    def source(self) -> torch.Tensor:
+        if self._source is None:
+            assert self._storage is not None
+            self._source = byte_view(self._storage)
+        return self._source
+
+    @property
+    def device_type(self) -> str:
+        if self._source is not None:
+            return "cpu" if self._source.is_cpu else self._source.device.type
+        assert self._storage is not None
+        return self._storage.device.type
+
+    def host_address(self) -> int | None:
+        """Where the bytes start in host memory, when they are one contiguous run there."""
+        if self._source is None:
+            assert self._storage is not None
+            return int(self._storage.data_ptr()) if self._storage.device.type == "cpu" else None
+        src = self._source
+        if src.is_cpu and src.is_contiguous() and src.numel() * src.element_size() >= self.nbytes:
+            return int(src.data_ptr())
+        return None
+
+    def __repr__(self) -> str:
+        return f"StorageSlot(key={self.key!r}, offset={self.offset}, nbytes={self.nbytes}, device={self.device_type})"
 
 
 @dataclass(frozen=True)
@@ -99,7 +134,7 @@ class FileImage:
         return self.zip.cd_start if self.zip is not None else self.size
 
     def devices(self) -> set[str]:
-        return {s.source.device.type for s in self.slots}
+        return {s.device_type for s in self.slots}
 
 
 def byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -267,7 +302,8 @@ def _walk(obj: Any, prefix: str, depth: int) -> Iterator[tuple[str, Any]]:
         yield prefix, obj
 
 
-def _index_tensors(state: Any, keys: dict[int, str]) -> list[TensorEntry]:
+def index_tensors(state: Any, keys: dict[int, str]) -> list[TensorEntry]:
+    """The manifest's index: every tensor of ``state`` by dotted name (``keys``: storage ``_cdata`` -> key)."""
     entries: list[TensorEntry] = []
     for name, leaf in _walk(state, "", depth=0):
         if not isinstance(leaf, torch.Tensor) or len(entries) >= MAX_INDEXED_TENSORS:
@@ -291,7 +327,8 @@ def _index_tensors(state: Any, keys: dict[int, str]) -> list[TensorEntry]:
     return entries
 
 
-def _unique_id(length: int) -> str:
+def unique_id(length: int) -> str:
+    """A serialization id of ``length`` digits, unique per save and ordered by time."""
     digits = f"{time.time_ns():020d}{secrets.randbelow(10**20):020d}"
     return digits[-length:] if length <= len(digits) else digits.rjust(length, "0")
 
@@ -377,13 +414,13 @@ def _plan_torch_file(state: Any) -> FileImage:
     slots = []
     for key, storage in found.items():
         offset = int(reader.get_record_offset(f"data/{key}"))  # type: ignore[attr-defined]
-        slots.append(StorageSlot(key, offset, int(storage.nbytes()), byte_view(storage)))
+        slots.append(StorageSlot(key, offset, int(storage.nbytes()), storage=storage))
     slots.sort(key=lambda s: s.offset)
     # torch derives the id from record checksums, which skip_data leaves empty, so two states of
     # the same structure would share one; give each save its own (same length, time-ordered).
     id_offset = int(reader.get_record_offset(".data/serialization_id"))  # type: ignore[attr-defined]
     old = str(reader.serialization_id())
-    sid = _unique_id(len(old))
+    sid = unique_id(len(old))
     pieces = _replace_bytes(pieces, id_offset, sid.encode())
     zip_, crc_fields, pieces = _archive(pieces, sink.end, slots, sid)
     keys = {storage._cdata: key for key, storage in found.items()}
@@ -393,7 +430,7 @@ def _plan_torch_file(state: Any) -> FileImage:
         slots=slots,
         serialization_id=sid,
         id_offset=id_offset,
-        tensors=_index_tensors(state, keys),
+        tensors=index_tensors(state, keys),
         kind="torch",
         zip=zip_,
         crc_fields=crc_fields,

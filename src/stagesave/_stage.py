@@ -86,7 +86,7 @@ SUB_CHUNK = sub_chunk_bytes(_l2_cache_bytes())
 
 def on_host(image: FileImage) -> bool:
     """Whether every byte of ``image`` is in host memory (so :func:`stage_and_hash` applies)."""
-    return all(s.source.device.type in ("cpu", "meta") for s in image.slots)
+    return all(s.device_type in ("cpu", "meta") for s in image.slots)
 
 
 def _fill_skeleton(image: FileImage, buf: HostBuffer, base: int) -> None:
@@ -98,7 +98,7 @@ def _fill_skeleton(image: FileImage, buf: HostBuffer, base: int) -> None:
     dst_all = buf.tensor[base : base + image.size]
     spans = sorted([(off, off + len(data)) for off, data in image.pieces]
                    + [(s.offset, s.offset + s.nbytes) for s in image.slots
-                      if s.source.device.type != "meta"])
+                      if s.device_type != "meta"])
     covered = 0
     for lo, hi in spans:
         if lo > covered:
@@ -175,13 +175,13 @@ def _runs(image: FileImage, buf: HostBuffer, base: int) -> list[tuple[int, int, 
     dst_all = buf.tensor[base : base + image.size]
     runs = []
     for slot in image.slots:
-        src = slot.source
-        if slot.nbytes == 0 or src.device.type == "meta":
+        if slot.nbytes == 0 or slot.device_type == "meta":
             continue
-        if src.is_contiguous() and src.numel() * src.element_size() >= slot.nbytes:
-            runs.append((slot.offset, slot.offset + slot.nbytes, src.data_ptr()))
+        address = slot.host_address()
+        if address is not None:
+            runs.append((slot.offset, slot.offset + slot.nbytes, address))
         else:  # not expected from the planners; copied by torch here, hashed in the pass
-            dst_all[slot.offset : slot.offset + slot.nbytes].copy_(src.reshape(-1).view(torch.uint8))
+            dst_all[slot.offset : slot.offset + slot.nbytes].copy_(slot.source.reshape(-1).view(torch.uint8))
     runs.sort()
     return runs
 

@@ -37,7 +37,8 @@ from ._discovery import (
     scan,
     verified_before,
 )
-from ._image import FileImage, plan_torch_file
+from ._fastplan import plan as plan_torch_file
+from ._image import FileImage
 from ._local import LocalStore
 from ._manifest import MAX_DEPTH, plain_json
 from ._names import (

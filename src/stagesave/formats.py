@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 
-from ._image import FileImage, plan_torch_file
+from ._fastplan import plan as plan_torch_file
+from ._image import FileImage
 from ._safetensors import ProofRoom, plan_safetensors_file
 
 __all__ = ["Raw", "Safetensors", "plan_file"]

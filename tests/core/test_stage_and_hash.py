@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 import zlib
 
 import stagesave._stage as stage_mod
-from stagesave._image import plan_torch_file
+from stagesave._image import StorageSlot, plan_torch_file
 from stagesave._pool import HostBuffer
 from stagesave._safetensors import plan_safetensors_file
 from stagesave._stage import crc_image, on_host, stage_and_crc, stage_image
@@ -100,10 +100,11 @@ def test_fused_staging_of_a_safetensors_image_loads_back_equal():
 
 def test_fused_staging_refuses_device_state():
     image = plan_torch_file({"t": torch.ones(3)})
-    object.__setattr__(image.slots[0], "source", torch.empty(12, dtype=torch.uint8, device="meta"))
+    s = image.slots[0]
+    image.slots[0] = StorageSlot(s.key, s.offset, s.nbytes, torch.empty(12, dtype=torch.uint8, device="meta"))
     assert on_host(image)  # meta has no bytes: still host-only
-    fake = type("FakeDevice", (), {"device": torch.device("cuda", 0)})()
-    object.__setattr__(image.slots[0], "source", fake)
+    fake = type("FakeDevice", (), {"device": torch.device("cuda", 0), "is_cpu": False})()
+    image.slots[0] = StorageSlot(s.key, s.offset, s.nbytes, fake)
     assert not on_host(image)
     with pytest.raises(ValueError, match="host memory"):
         stage_and_crc(image, _garbage_buffer(image.size, 0), chunk_bytes=4096, pool=cf.ThreadPoolExecutor(1))

@@ -1,0 +1,172 @@
+"""Blocking time of ``save()`` against the copy floor, for the shapes real training states have.
+
+Usage:
+    python benchmarks/bench_shapes.py                        # the standard shapes
+    python benchmarks/bench_shapes.py --shapes s8000 s100k   # some of them
+    python benchmarks/bench_shapes.py --state my_checkpoint.pt   # your own state (torch.load-able)
+
+For each shape, in one process: the **copy floor** (every tensor copied once into a warm twin,
+median of 5), then ``save()``'s **blocking** time (median of ``--saves`` saves after 2 warm-ups,
+each on a fresh step counter as a training loop has, each save finished before the next) with
+the fast planner and with ``torch.save``'s layout (``--planners``), interleaved; the **first
+save** of a new ``Checkpointer`` with nothing planned before (layout cache emptied); and
+``torch.save`` into the page cache (median of 3). Ratios are to the floor measured in the same
+run. ``--json`` writes every sample.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import common
+
+import stagesave
+from stagesave import _fastplan
+
+
+def adam_state(total_bytes: int, n_tensors: int, *, weights: bool = True) -> dict[str, Any]:
+    """Weights and two Adam moments per weight (``weights=False``: only moment pairs), ``n_tensors``
+    tensors of equal size in all, plus the scalars a training loop keeps."""
+    groups = 3 if weights else 2
+    n = max(1, n_tensors // groups)
+    numel = max(1, total_bytes // (n * groups) // 4)
+    g = torch.Generator().manual_seed(0)
+    model = {f"layers.{i}.weight": torch.randn(numel, generator=g) for i in range(n)} if weights else {}
+    state = {i: {"exp_avg": torch.randn(numel, generator=g), "exp_avg_sq": torch.rand(numel, generator=g)}
+             for i in range(n)}
+    return {"state_dict": model, "optimizer": {"state": state, "param_groups": [{"lr": 1e-4, "params": list(range(n))}]},
+            "epoch": 0, "global_step": 0}
+
+
+SHAPES: dict[str, tuple[str, Callable[[], dict[str, Any]]]] = {
+    "tiny": ("4 KiB in 1 tensor (the fixed cost per save)", lambda: {"w": torch.randn(1024), "global_step": 0}),
+    "s200": ("50 MiB in 200 tensors (a small model)", lambda: adam_state(50 << 20, 200)),
+    "s252": ("0.38 GiB in 252 tensors", lambda: adam_state(int(0.38 * (1 << 30)), 252)),
+    "s8000": ("0.5 GiB in 8,000 tensors", lambda: adam_state(1 << 29, 8000)),
+    "s100k": ("0.25 GiB in 100,000 tensors (50,000 Adam moment pairs)",
+              lambda: adam_state(1 << 28, 100_000, weights=False)),
+    "t2g": ("2 GiB transformer, 672 tensors", lambda: common.transformer_state(2 << 30)),
+    "t8g": ("8 GiB transformer, 2,736 tensors", lambda: common.transformer_state(8 << 30)),
+}
+DEFAULT = ["tiny", "s200", "s252", "s8000", "s100k", "t2g"]
+
+
+def _bump(state: Any, step: int) -> None:
+    if isinstance(state, dict) and "global_step" in state:
+        state["global_step"] = step
+
+
+def _planner(name: str) -> None:
+    """Select the planner for the next saves (the benchmark's A/B switch)."""
+    _fastplan.fast_path_enabled()
+    _fastplan._checked = name == "fast"  # noqa: SLF001 - the benchmark compares both planners
+
+
+def measure(state: Any, directory: str, saves: int, planners: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {"bytes": common.state_bytes(state), "tensors": len(common.tensors_of(state))}
+    out["floor_s"] = [common.copy_floor_s(state, repeats=1) for _ in range(5)]
+    # The first save of a run: a new Checkpointer, nothing planned before.
+    for name in planners:
+        _planner(name)
+        _fastplan._layouts.clear()  # noqa: SLF001
+        root = os.path.join(directory, f"first-{name}")
+        with stagesave.Checkpointer(root, keep_last=1) as ck:
+            t0 = time.perf_counter()
+            handle = ck.save(state, "first.ckpt")
+            out[f"first_{name}_s"] = time.perf_counter() - t0
+            handle.result()
+        shutil.rmtree(root, ignore_errors=True)
+    cks = {name: stagesave.Checkpointer(os.path.join(directory, name), keep_last=2) for name in planners}
+    try:
+        step = 0
+        for name in planners:  # two warm-up saves each
+            _planner(name)
+            for _ in range(2):
+                step += 1
+                _bump(state, step)
+                cks[name].save(state, f"step-{step}.ckpt").result()
+        samples: dict[str, list[float]] = {name: [] for name in planners}
+        plan: dict[str, list[float]] = {name: [] for name in planners}
+        for _ in range(saves):
+            for name in planners:
+                _planner(name)
+                step += 1
+                _bump(state, step)
+                t0 = time.perf_counter()
+                handle = cks[name].save(state, f"step-{step}.ckpt")
+                samples[name].append(time.perf_counter() - t0)
+                handle.result()
+                plan[name].append(handle.telemetry.plan_s)
+        for name in planners:
+            out[f"blocking_{name}_s"] = samples[name]
+            out[f"plan_{name}_s"] = plan[name]
+    finally:
+        for ck in cks.values():
+            ck.close()
+        _planner("fast")
+    torch_path = os.path.join(directory, "torch.pt")
+    ts = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        torch.save(state, torch_path)
+        ts.append(time.perf_counter() - t0)
+        os.unlink(torch_path)
+    out["torch_save_s"] = ts
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", nargs="+", default=DEFAULT, choices=list(SHAPES))
+    ap.add_argument("--state", default=None, help="measure this torch.load-able state instead of the shapes")
+    ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
+    ap.add_argument("--saves", type=int, default=5)
+    ap.add_argument("--planners", nargs="+", default=["fast", "torch"], choices=["fast", "torch"])
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    base = tempfile.mkdtemp(prefix="bench-shapes-", dir=args.dir)
+    results: dict[str, Any] = {}
+    todo: list[tuple[str, str, Callable[[], Any]]]
+    if args.state:
+        todo = [("state", args.state, lambda: torch.load(args.state, map_location="cpu", weights_only=False))]
+    else:
+        todo = [(k, *SHAPES[k]) for k in args.shapes]
+    med = statistics.median
+    print(f"{'shape':<58} {'floor':>8} " + " ".join(f"{'blocking ' + p:>15} {'ratio':>6}" for p in args.planners)
+          + f" {'first':>8} {'first/steady':>12} {'torch.save':>10}")
+    try:
+        for key, label, make in todo:
+            state = make()
+            r = measure(state, os.path.join(base, key), args.saves, args.planners)
+            results[key] = {"label": label, **r}
+            floor = med(r["floor_s"])
+            cells = []
+            for p in args.planners:
+                b = med(r[f"blocking_{p}_s"])
+                cells.append(f"{b * 1e3:13.1f}ms {b / floor:6.2f}")
+            steady = med(r[f"blocking_{args.planners[0]}_s"])
+            first = r[f"first_{args.planners[0]}_s"]
+            print(f"{label:<58} {floor * 1e3:6.1f}ms " + " ".join(cells)
+                  + f" {first * 1e3:6.1f}ms {first / steady:12.2f} {med(r['torch_save_s']) * 1e3:8.1f}ms", flush=True)
+            del state
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

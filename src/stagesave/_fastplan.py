@@ -1,0 +1,519 @@
+"""The fast planner: the file image of a state of plain tensors, without running ``torch.save``.
+
+:func:`stagesave._image.plan_torch_file` lets ``torch.save`` lay the file out under
+``skip_data`` and reads the layout back. That costs ~50-100 µs per tensor (torch's reductions,
+its zip writer, reading the archive back), which dominates a save of thousands of small tensors.
+This module produces the same bytes itself:
+
+* **the pickle**: a C pickler whose ``reducer_override`` reduces plain tensors and parameters the
+  way torch does (``_rebuild_tensor_v2`` / ``_rebuild_parameter`` with the same arguments) and
+  whose ``persistent_id`` names storages the way ``torch.save`` does (same keys, types,
+  locations and counts, in the same order). Every non-tensor leaf is pickled by value, at every
+  save, by the same C pickler torch uses;
+* **the archive**: torch's records in torch's order, each local header padded so the data starts
+  on a 4096-byte boundary, data descriptors, zip64 fields where torch puts them, and the central
+  directory. The part that depends only on the storages' sizes (everything from the first
+  storage record on) is computed once per structure and reused (:class:`_Layout`), so a save of
+  an unchanged structure costs the pickle, a header and a copy of the central directory.
+
+Anything else (tensor subclasses, tensors with Python attributes or hooks, sparse, quantized,
+meta or non-CPU/CUDA tensors, storages in the state, the newer dtypes that torch saves as
+untyped storages, two dtypes over one storage) makes :func:`plan_fast` return ``None`` and the
+caller uses ``torch.save``'s layout. The first use in a process checks the whole thing against
+``torch.save`` on a probe state; if the installed torch writes anything differently the fast
+path stays off for the process. Tests compare both planners byte for byte on generated states.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import pickle
+import struct
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, is_dataclass
+from typing import Any
+
+import torch
+
+from ._checksum import crc32
+from ._image import (
+    MAX_INDEXED_TENSORS,
+    FileImage,
+    StorageSlot,
+    TensorEntry,
+    gc_paused,
+    plan_torch_file,
+    unique_id,
+)
+from ._names import ALIGNMENT
+from ._zipfmt import TorchZip, ZipRecord
+
+__all__ = ["fast_path_enabled", "plan", "plan_fast"]
+
+_LH_SIG = 0x04034B50
+_CD_SIG = 0x02014B50
+_DD_SIG = 0x08074B50
+_U32 = 0xFFFFFFFF
+_FLAGS = 0x0808  # data descriptor follows; names are UTF-8
+_PREFIX = "archive"
+
+#: dtype -> the legacy storage class ``torch.save`` names in its persistent ids.
+_STORAGE_CLASS: dict[torch.dtype, Any] = {
+    dtype: getattr(torch, name)
+    for dtype, name in torch.storage._dtype_to_storage_type_map().items()
+    if not name.startswith("Q")  # quantized tensors are reduced differently
+}
+_ELEMENT_SIZE = {dtype: torch.empty(0, dtype=dtype).element_size() for dtype in _STORAGE_CLASS}
+_rebuild_tensor_v2 = torch._utils._rebuild_tensor_v2
+_rebuild_parameter = torch._utils._rebuild_parameter
+_Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
+_strided = torch.strided
+_OrderedDict = collections.OrderedDict
+_metadata = torch._C._get_tensor_metadata  # type: ignore[attr-defined]
+
+
+class _Unsupported(Exception):
+    """The state holds something only ``torch.save`` lays out (the caller falls back)."""
+
+
+class _Ref:
+    """One storage as the pickle names it (``persistent_id`` turns it into torch's tuple)."""
+
+    __slots__ = ("cls", "key", "location", "numel")
+
+    def __init__(self, key: str, cls: Any, location: str, numel: int) -> None:
+        self.key, self.cls, self.location, self.numel = key, cls, location, numel
+
+
+class _NoHooks:
+    """The empty ``OrderedDict`` torch passes as a tensor's hooks: pickled as one (same bytes),
+    without building one and running its generic reduction for every tensor."""
+
+    __slots__ = ()
+
+
+_NO_HOOKS_REDUCED = (_OrderedDict, ())
+
+
+class _Pickler(pickle.Pickler):
+    """Pickles a state as ``torch.save`` does, recording its storages in key order."""
+
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file, protocol=2)
+        self.refs: dict[int, _Ref] = {}  # storage _cdata -> its reference
+        self.storages: list[torch.UntypedStorage] = []  # index = key
+        self.dtypes: dict[int, torch.dtype] = {}  # data_ptr -> dtype (torch refuses two)
+        #: id of every tensor pickled -> (storage key, dtype, shape, stride, storage offset); the
+        #: pickler's memo keeps the objects alive, so the ids stay valid while it lives.
+        self.info: dict[int, tuple[str, torch.dtype, tuple[int, ...], tuple[int, ...], int]] = {}
+        self.param_data: dict[int, torch.Tensor] = {}
+
+    def persistent_id(self, obj: Any) -> Any:
+        if type(obj) is _Ref:
+            # A new tuple each time, as torch's; its key string is shared, as torch's.
+            return ("storage", obj.cls, obj.key, obj.location, obj.numel)
+        return None
+
+    def reducer_override(self, obj: Any) -> Any:
+        kind = type(obj)
+        if kind is _Tensor:
+            return self._tensor(obj)
+        if kind is _NoHooks:
+            return _NO_HOOKS_REDUCED
+        if kind is _Parameter:
+            if obj.__dict__ or obj._backward_hooks:
+                raise _Unsupported("a parameter with attributes or hooks")
+            data = self.param_data[id(obj)] = obj.data
+            return (_rebuild_parameter, (data, obj.requires_grad, _NoHooks()))
+        if isinstance(obj, (_Tensor, torch.storage.TypedStorage, torch.UntypedStorage)):
+            raise _Unsupported(f"a {kind.__qualname__}")
+        return NotImplemented
+
+    def _tensor(self, t: torch.Tensor) -> Any:
+        dtype = t.dtype
+        cls = _STORAGE_CLASS.get(dtype)
+        if (cls is None or t.layout is not _strided or not (t.is_cpu or t.is_cuda) or t.__dict__
+                or t._backward_hooks or _metadata(t)):
+            raise _Unsupported("a tensor torch.save reduces differently")
+        storage = t.untyped_storage()
+        ref = self.refs.get(storage._cdata)
+        if ref is None:
+            ptr = storage.data_ptr()
+            if ptr and self.dtypes.setdefault(ptr, dtype) is not dtype:
+                raise _Unsupported("two dtypes over one storage")
+            location = "cpu" if t.is_cpu else torch.serialization.location_tag(storage)
+            ref = _Ref(str(len(self.refs)), cls, location, storage.nbytes() // _ELEMENT_SIZE[dtype])
+            self.refs[storage._cdata] = ref
+            self.storages.append(storage)
+        elif ref.cls is not cls:
+            raise _Unsupported("two dtypes over one storage")
+        elif not t.is_cpu:
+            ref = _Ref(ref.key, cls, torch.serialization.location_tag(storage), ref.numel)
+        offset, shape, stride = int(t.storage_offset()), tuple(t.size()), t.stride()
+        self.info[id(t)] = (ref.key, dtype, shape, stride, offset)
+        return (_rebuild_tensor_v2, (ref, offset, shape, stride, t.requires_grad, _NoHooks()))
+
+
+# ---------------------------------------------------------------------------- the archive
+def _padding(start: int) -> bytes:
+    """torch's alignment field: ``FB``, its length, then ``Z`` up to the next 4096 boundary."""
+    pad = -start % ALIGNMENT
+    return b"FB" + struct.pack("<H", pad) + b"Z" * pad
+
+
+def _local_header(name: bytes, offset: int, size: int) -> bytes:
+    """A streamed record's local header (sizes and CRC in its descriptor), padded to alignment."""
+    big_size, big_offset = size >= _U32, offset >= _U32
+    z64 = b""
+    if big_size or big_offset:
+        # torch's local zip64 field: the size and a zero compressed size (known later), the offset
+        values = ([size, 0] if big_size else []) + ([offset] if big_offset else [])
+        z64 = struct.pack(f"<HH{len(values)}Q", 0x0001, 8 * len(values), *values)
+    start = offset + 30 + len(name) + len(z64) + 4
+    extra = z64 + _padding(start)
+    return struct.pack("<IHHHHHIIIHH", _LH_SIG, 0, _flags(size), 0, 0, 0, 0, 0, 0, len(name), len(extra)) + name + extra
+
+
+def _flags(size: int) -> int:
+    """torch streams every record but an empty one (no data descriptor then)."""
+    return _FLAGS if size else _FLAGS & ~0x08
+
+
+def _descriptor(crc: int, offset: int, size: int) -> bytes:
+    if not size:
+        return b""
+    if size >= _U32 or offset >= _U32:
+        return struct.pack("<IIQQ", _DD_SIG, crc, size, size)
+    return struct.pack("<IIII", _DD_SIG, crc, size, size)
+
+
+def _cd_entry(name: bytes, crc: int, offset: int, size: int) -> bytes:
+    big_size, big_offset = size >= _U32, offset >= _U32
+    values = ([size, size] if big_size else []) + ([offset] if big_offset else [])
+    extra = struct.pack(f"<HH{len(values)}Q", 0x0001, 8 * len(values), *values) if values else b""
+    return struct.pack(
+        "<IHHHHHHIIIHHHHHII", _CD_SIG, 0, 0, _flags(size), 0, 0, 0, crc, min(size, _U32), min(size, _U32),
+        len(name), len(extra), 0, 0, 0, 0, min(offset, _U32),
+    ) + name + extra
+
+
+@dataclass(frozen=True)
+class _Constants:
+    """What torch writes into its small records (learned from torch itself, once)."""
+
+    small: tuple[tuple[str, bytes], ...]  # records between data.pkl and the storages
+    version: bytes
+    id_length: int
+
+
+@dataclass(frozen=True)
+class _Record:
+    name: str
+    header_offset: int
+    data_offset: int
+    size: int
+    crc_at: int  # the CRC field of its data descriptor
+
+
+class _Layout:
+    """The archive of one structure, from the first storage record to the central directory.
+
+    ``head`` bytes (data.pkl and the small records) precede it: their length, rounded up by the
+    padding, is ``start``; a pickle that still fits before ``start`` reuses the layout.
+    """
+
+    def __init__(self, constants: _Constants, start: int, sizes: tuple[int, ...]) -> None:
+        self.start = start
+        self.sizes = sizes
+        pieces: list[tuple[int, bytes]] = []
+        records: list[_Record] = []
+        pos = start
+        # The small records before the storages are not part of ``start``: the head holds them.
+        pending = b""
+        for key, size in enumerate(sizes):
+            name = f"{_PREFIX}/data/{key}".encode()
+            header = _local_header(name, pos, size)
+            records.append(_Record(name.decode(), pos, pos + len(header), size,
+                                   pos + len(header) + size + 4 if size else -1))
+            pieces.append((pos - len(pending), pending + header))
+            pos += len(header) + size
+            pending = _descriptor(0, records[-1].header_offset, size)
+            pos += len(pending)
+        self.storage_records = records
+        self.pieces = pieces  # the first one starts at ``start`` (no pending descriptor yet)
+        self.after = pos - len(pending)  # where the last storage's descriptor starts
+        self.pending = pending
+        self.constants = constants
+
+    def tail(self, sid: bytes) -> tuple[list[_Record], bytes, int]:
+        """The records after the storages (version, serialization id) as one piece at
+        :attr:`after`, with their records and where the piece ends (the central directory)."""
+        out = bytearray(self.pending)
+        pos = self.after + len(out)
+        recs = []
+        for rel, data in (("version", self.constants.version), (".data/serialization_id", sid)):
+            name = f"{_PREFIX}/{rel}".encode()
+            header = _local_header(name, pos, len(data))
+            recs.append(_Record(name.decode(), pos, pos + len(header), len(data), pos + len(header) + len(data) + 4))
+            descriptor = _descriptor(crc32(data), pos, len(data))
+            out += header + data + descriptor
+            pos += len(header) + len(data) + len(descriptor)
+        return recs, bytes(out), pos
+
+
+def _head(constants: _Constants, pkl: bytes) -> tuple[list[_Record], bytes]:
+    """data.pkl and the small records from offset 0, up to where the next record would start."""
+    out = bytearray()
+    recs = []
+    for rel, data in ((("data.pkl", pkl),) + constants.small):
+        pos = len(out)
+        name = f"{_PREFIX}/{rel}".encode()
+        header = _local_header(name, pos, len(data))
+        recs.append(_Record(name.decode(), pos, pos + len(header), len(data), pos + len(header) + len(data) + 4))
+        out += header + data + _descriptor(crc32(data), pos, len(data))
+    return recs, bytes(out)
+
+
+def _central_directory(records: list[_Record], crcs: dict[str, int]) -> tuple[bytes, list[int]]:
+    out = bytearray()
+    at = []
+    for r in records:
+        at.append(len(out))
+        out += _cd_entry(r.name.encode(), crcs.get(r.name, 0), r.header_offset, r.size)
+    return bytes(out), at
+
+
+# ---------------------------------------------------------------------------- the cache
+_lock = threading.Lock()  # the layout cache
+_probe_lock = threading.Lock()
+_layouts: collections.OrderedDict[tuple[int, tuple[int, ...]], tuple[_Layout, bytes, list[int]]] = (
+    collections.OrderedDict())
+_MAX_LAYOUTS = 8
+_constants: _Constants | None = None
+_checked: bool | None = None  # the probe's verdict: None = not run yet
+
+
+def _layout(constants: _Constants, start: int, sizes: tuple[int, ...]) -> tuple[_Layout, bytes, list[int]]:
+    """The layout for ``sizes`` after a head of ``start`` bytes, and the central directory of
+    its storage records (CRCs zero) with where each entry starts."""
+    key = (start, sizes)
+    with _lock:
+        hit = _layouts.get(key)
+        if hit is not None:
+            _layouts.move_to_end(key)
+            return hit
+    layout = _Layout(constants, start, sizes)
+    cd, at = _central_directory(layout.storage_records, {})
+    made = (layout, cd, at)
+    with _lock:
+        _layouts[key] = made
+        while len(_layouts) > _MAX_LAYOUTS:
+            _layouts.popitem(last=False)
+    return made
+
+
+def fast_path_enabled() -> bool:
+    """Whether this process lays torch files out itself (the probe against ``torch.save`` passed)."""
+    global _checked, _constants
+    if _checked is None:
+        with _probe_lock:
+            if _checked is None:
+                try:
+                    _constants = _learn_constants()
+                    _checked = _agrees_with_torch()
+                except Exception:  # noqa: BLE001 - any surprise means: let torch lay files out
+                    _checked = False
+    return bool(_checked)
+
+
+def _learn_constants() -> _Constants:
+    """The small records torch writes, read from a probe file laid out by torch."""
+    image = plan_torch_file({})
+    data = _image_bytes(image)
+    zip_ = image.zip
+    assert zip_ is not None
+    names = [r.name.removeprefix(f"{_PREFIX}/") for r in zip_.records]
+    content = {n: bytes(data[r.data_offset : r.data_offset + r.size]) for n, r in zip(names, zip_.records)}
+    if names[0] != "data.pkl" or names[-2:] != ["version", ".data/serialization_id"]:
+        raise ValueError(f"unexpected records {names}")
+    small = tuple((n, content[n]) for n in names[1:-2])
+    return _Constants(small, content["version"], len(image.serialization_id))
+
+
+def _image_bytes(image: FileImage) -> bytearray:
+    out = bytearray(image.size)
+    for off, piece in image.pieces:
+        out[off : off + len(piece)] = piece
+    return out
+
+
+def _probe_state() -> dict[str, Any]:
+    base = torch.arange(12, dtype=torch.float32)
+    return {
+        "w": torch.nn.Parameter(torch.ones(2, 3)), "view": base[2:8].view(2, 3), "base": base,
+        "t": base.t() if base.dim() == 2 else base.reshape(3, 4).t(), "i": torch.zeros(3, dtype=torch.int64),
+        "b": torch.tensor([True]), "h": torch.ones(1, dtype=torch.bfloat16), "e": torch.empty(0),
+        "step": 3, "lr": 0.1, "name": "probe", "nested": [{"x": (1, 2.5, None)}, b"bytes"],
+    }
+
+
+def _agrees_with_torch() -> bool:
+    """Whether both planners lay the probe state out identically (apart from the id)."""
+    state = _probe_state()
+    ours, theirs = plan_fast(state, probe=True), plan_torch_file(state)
+    return ours is not None and same_layout(ours, theirs)
+
+
+def same_layout(a: FileImage, b: FileImage) -> bool:
+    """Whether two images of one state hold the same bytes where it matters: the file up to its
+    central directory with both serialization ids blanked, the same slots and CD entries."""
+    if a.zip is None or b.zip is None or a.zip.cd_start != b.zip.cd_start or a.covered != b.covered:
+        return False
+    x, y = _image_bytes(a)[: a.covered], _image_bytes(b)[: b.covered]
+    for image, data in ((a, x), (b, y)):
+        n = len(image.serialization_id)
+        data[image.id_offset : image.id_offset + n] = bytes(n)
+        assert image.zip is not None
+        rec = image.zip.record(".data/serialization_id")
+        if rec.descriptor_crc_at >= 0:
+            data[rec.descriptor_crc_at : rec.descriptor_crc_at + 4] = bytes(4)
+    if x != y:
+        return False
+    if [(s.key, s.offset, s.nbytes) for s in a.slots] != [(s.key, s.offset, s.nbytes) for s in b.slots]:
+        return False
+    if a.crc_fields != b.crc_fields or a.tensors != b.tensors:
+        return False
+    cds = []
+    for image in (a, b):
+        assert image.zip is not None
+        cd = bytearray(image.zip.cd)
+        rec = image.zip.record(".data/serialization_id")
+        struct.pack_into("<I", cd, rec.cd_entry_at + 16, 0)
+        cds.append(bytes(cd))
+    return cds[0] == cds[1] and [(r.name, r.header_offset, r.data_offset, r.size) for r in a.zip.records] == [
+        (r.name, r.header_offset, r.data_offset, r.size) for r in b.zip.records]
+
+
+# ---------------------------------------------------------------------------- planning
+def plan(state: Any) -> FileImage:
+    """The file image of ``state``: laid out here when it can be, else by ``torch.save``.
+
+    Raises:
+        UnsupportedObjectError: something in the state cannot be pickled; the message names it.
+    """
+    if fast_path_enabled():
+        image = plan_fast(state)
+        if image is not None:
+            return image
+    return plan_torch_file(state)
+
+
+def plan_fast(state: Any, *, probe: bool = False) -> FileImage | None:
+    """Lay ``state`` out without ``torch.save`` (``None``: it holds something only torch lays out,
+    or pickling it fails: the caller's ``torch.save`` path then reports that)."""
+    constants = _constants
+    if constants is None or (not probe and not _checked):
+        return None
+    with gc_paused():
+        buf = io.BytesIO()
+        pickler = _Pickler(buf)
+        try:
+            pickler.dump(state)
+        except _Unsupported:
+            return None
+        except Exception:  # noqa: BLE001 - torch.save's path names the culprit
+            return None
+        pkl = buf.getvalue()
+        return _image(constants, pkl, pickler, state)
+
+
+def _image(constants: _Constants, pkl: bytes, pickler: _Pickler, state: Any) -> FileImage:
+    head_records, head = _head(constants, pkl)
+    sizes = tuple(int(s.nbytes()) for s in pickler.storages)
+    # The first storage's header starts where the head ends (no gap: torch writes records back to back).
+    layout, storage_cd, storage_cd_at = _layout(constants, len(head), sizes)
+    sid = unique_id(constants.id_length).encode()
+    tail_records, tail, cd_start = layout.tail(sid)
+    pieces: list[tuple[int, bytes]]
+    if layout.pieces:
+        first = layout.pieces[0][1]
+        pieces = [(0, head + first)] + layout.pieces[1:] + [(layout.after, tail)]
+    else:
+        pieces = [(0, head + tail)]
+    head_cd, _ = _central_directory(head_records, {r.name: crc32(pkl if i == 0 else constants.small[i - 1][1])
+                                                   for i, r in enumerate(head_records)})
+    tail_cd, _ = _central_directory(tail_records, {tail_records[0].name: crc32(constants.version),
+                                                   tail_records[1].name: crc32(sid)})
+    cd = head_cd + storage_cd + tail_cd
+    zip_records = []
+    at = 0
+    for r in head_records:
+        zip_records.append(ZipRecord(r.name, r.header_offset, r.data_offset, r.size, r.crc_at, at))
+        at += 46 + len(r.name.encode())
+    for r, entry_at in zip(layout.storage_records, storage_cd_at):
+        zip_records.append(ZipRecord(r.name, r.header_offset, r.data_offset, r.size, r.crc_at, len(head_cd) + entry_at))
+    at = len(head_cd) + len(storage_cd)
+    for r in tail_records:
+        zip_records.append(ZipRecord(r.name, r.header_offset, r.data_offset, r.size, r.crc_at, at))
+        at += len(_cd_entry(r.name.encode(), 0, r.header_offset, r.size))
+    zip_ = TorchZip(_PREFIX, tuple(zip_records), cd_start, cd, True)
+    slots = [StorageSlot(str(k), rec.data_offset, rec.size, storage=storage)
+             for k, (rec, storage) in enumerate(zip(layout.storage_records, pickler.storages))]
+    return FileImage(
+        size=cd_start,
+        pieces=pieces,
+        slots=slots,
+        serialization_id=sid.decode(),
+        id_offset=tail_records[1].data_offset,
+        tensors=_index(state, pickler),
+        kind="torch",
+        zip=zip_,
+        crc_fields=[r.crc_at for r in layout.storage_records],
+    )
+
+
+_DTYPE_NAMES = {dtype: str(dtype).removeprefix("torch.") for dtype in _STORAGE_CLASS}
+
+
+def _index(state: Any, pickler: _Pickler) -> list[TensorEntry]:
+    """The manifest's index, as :func:`stagesave._image.index_tensors` builds it (same names,
+    order, depth limit and cap), from what the pickler recorded about each tensor."""
+    out: list[TensorEntry] = []
+    info, param_data = pickler.info, pickler.param_data
+
+    def leaf(name: str, obj: Any) -> None:
+        kind = type(obj)
+        if kind is _Parameter:
+            data = param_data.get(id(obj))
+            got = info.get(id(data)) if data is not None else None
+        elif kind is _Tensor:
+            got = info.get(id(obj))
+        else:
+            return
+        if got is None or len(out) >= MAX_INDEXED_TENSORS:
+            return
+        key, dtype, shape, stride, offset = got
+        out.append(TensorEntry(name, key, _DTYPE_NAMES[dtype], shape, stride, offset))
+
+    def walk(obj: Any, prefix: str, depth: int) -> None:
+        if depth > 64:
+            leaf(prefix, obj)
+            return
+        kind = type(obj)
+        if kind is dict or kind is _OrderedDict or (kind is not _Tensor and isinstance(obj, Mapping)):
+            for k, v in obj.items():
+                walk(v, f"{prefix}.{k}" if prefix else str(k), depth + 1)
+        elif kind is list or kind is tuple or (kind is not _Tensor and isinstance(obj, (list, tuple))):
+            for i, v in enumerate(obj):
+                walk(v, f"{prefix}.{i}" if prefix else str(i), depth + 1)
+        elif kind is _Tensor or kind is _Parameter:
+            leaf(prefix, obj)
+        elif is_dataclass(obj) and not isinstance(obj, type):
+            for f in fields(obj):
+                walk(getattr(obj, f.name), f"{prefix}.{f.name}" if prefix else f.name, depth + 1)
+
+    walk(state, "", 0)
+    return out
