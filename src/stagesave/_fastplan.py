@@ -105,6 +105,8 @@ class _Pickler(pickle.Pickler):
         super().__init__(file, protocol=2)
         self.refs: dict[int, _Ref] = {}  # storage _cdata -> its reference
         self.storages: list[torch.UntypedStorage] = []  # index = key
+        self.devices: list[str] = []  # per storage: "cpu" or the device type
+        self.addresses: list[int | None] = []  # per storage: its host address (None: on a device)
         self.dtypes: dict[int, torch.dtype] = {}  # data_ptr -> dtype (torch refuses two)
         #: id of every tensor pickled -> (storage key, dtype, shape, stride, storage offset); the
         #: pickler's memo keeps the objects alive, so the ids stay valid while it lives.
@@ -148,6 +150,8 @@ class _Pickler(pickle.Pickler):
             ref = _Ref(str(len(self.refs)), cls, location, storage.nbytes() // _ELEMENT_SIZE[dtype])
             self.refs[storage._cdata] = ref
             self.storages.append(storage)
+            self.devices.append("cpu" if t.is_cpu else "cuda")
+            self.addresses.append(ptr if t.is_cpu else None)
         elif ref.cls is not cls:
             raise _Unsupported("two dtypes over one storage")
         elif not t.is_cpu:
@@ -460,8 +464,9 @@ def _image(constants: _Constants, pkl: bytes, pickler: _Pickler, state: Any) -> 
         zip_records.append(ZipRecord(r.name, r.header_offset, r.data_offset, r.size, r.crc_at, at))
         at += len(_cd_entry(r.name.encode(), 0, r.header_offset, r.size))
     zip_ = TorchZip(_PREFIX, tuple(zip_records), cd_start, cd, True)
-    slots = [StorageSlot(str(k), rec.data_offset, rec.size, storage=storage)
-             for k, (rec, storage) in enumerate(zip(layout.storage_records, pickler.storages))]
+    slots = [StorageSlot(str(k), rec.data_offset, rec.size, storage=storage, device_type=device, address=address)
+             for k, (rec, storage, device, address) in enumerate(zip(layout.storage_records, pickler.storages,
+                                                                     pickler.devices, pickler.addresses))]
     return FileImage(
         size=cd_start,
         pieces=pieces,
@@ -472,6 +477,7 @@ def _image(constants: _Constants, pkl: bytes, pickler: _Pickler, state: Any) -> 
         kind="torch",
         zip=zip_,
         crc_fields=[r.crc_at for r in layout.storage_records],
+        gapless=True,
     )
 
 

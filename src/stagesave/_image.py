@@ -51,14 +51,17 @@ class StorageSlot:
     from :attr:`address` and never needs it).
     """
 
-    __slots__ = ("_source", "_storage", "key", "nbytes", "offset")
+    __slots__ = ("_address", "_device_type", "_source", "_storage", "key", "nbytes", "offset")
 
     def __init__(self, key: str, offset: int, nbytes: int, source: torch.Tensor | None = None, *,
-                 storage: torch.UntypedStorage | None = None) -> None:
+                 storage: torch.UntypedStorage | None = None, device_type: str | None = None,
+                 address: int | None = None) -> None:
         if (source is None) == (storage is None):
             raise TypeError("StorageSlot needs a source or a storage")
         self.key, self.offset, self.nbytes = key, offset, nbytes
         self._source, self._storage = source, storage
+        self._device_type = device_type
+        self._address = address  # the storage's host address, when the planner knows it
 
     @property
     def source(self) -> torch.Tensor:
@@ -69,16 +72,23 @@ class StorageSlot:
 
     @property
     def device_type(self) -> str:
-        if self._source is not None:
-            return "cpu" if self._source.is_cpu else self._source.device.type
-        assert self._storage is not None
-        return self._storage.device.type
+        kind = self._device_type
+        if kind is None:
+            if self._source is not None:
+                kind = "cpu" if self._source.is_cpu else self._source.device.type
+            else:
+                assert self._storage is not None
+                kind = self._storage.device.type
+            self._device_type = kind
+        return kind
 
     def host_address(self) -> int | None:
         """Where the bytes start in host memory, when they are one contiguous run there."""
         if self._source is None:
+            if self._address is not None:
+                return self._address
             assert self._storage is not None
-            return int(self._storage.data_ptr()) if self._storage.device.type == "cpu" else None
+            return int(self._storage.data_ptr()) if self.device_type == "cpu" else None
         src = self._source
         if src.is_cpu and src.is_contiguous() and src.numel() * src.element_size() >= self.nbytes:
             return int(src.data_ptr())
@@ -123,6 +133,8 @@ class FileImage:
     crc_fields: list[int] = field(default_factory=list)
     #: safetensors files: the region of the header reserved for the proof (hashed as spaces).
     blank: tuple[int, int] | None = None
+    #: The pieces and slots cover ``[0, size)`` without a gap (nothing to zero when staging).
+    gapless: bool = False
 
     @property
     def tensor_bytes(self) -> int:

@@ -83,6 +83,17 @@ def sub_chunk_bytes(l2_bytes: int | None) -> int:
 #: Bytes one thread copies before hashing them (see :func:`sub_chunk_bytes`).
 SUB_CHUNK = sub_chunk_bytes(_l2_cache_bytes())
 
+#: Slots up to this size are hashed twice (alone, and with their neighbours for the chunk) while
+#: in cache, instead of once plus a CRC combine: fewer Python steps per slot for states of many
+#: small tensors; larger slots are hashed once.
+SMALL_SLOT = 64 << 10
+
+#: Images whose slots average fewer bytes than this are copied and hashed on the calling thread:
+#: their time goes into Python steps per slot, which more threads only serialize on the GIL
+#: (0.5 GiB in 8,000 tensors: 154 ms on one thread, 164 ms on two; 0.25 GiB in 100,000: 451 vs
+#: 622 ms; ``benchmarks/bench_shapes.py``).
+SERIAL_BELOW = 1 << 20
+
 
 def on_host(image: FileImage) -> bool:
     """Whether every byte of ``image`` is in host memory (so :func:`stage_and_hash` applies)."""
@@ -95,6 +106,10 @@ def _fill_skeleton(image: FileImage, buf: HostBuffer, base: int) -> None:
     Meta tensors have no bytes: their slots are zeroed too.
     """
     view = buf.view[base : base + image.size]
+    if image.gapless:
+        for off, data in image.pieces:
+            view[off : off + len(data)] = data
+        return
     dst_all = buf.tensor[base : base + image.size]
     spans = sorted([(off, off + len(data)) for off, data in image.pieces]
                    + [(s.offset, s.offset + s.nbytes) for s in image.slots
@@ -199,6 +214,7 @@ def _crc_pass(
     """
     size = image.covered
     bounds, starts = _bounds(image)
+    nb = len(bounds)
     runs = copy[0] if copy is not None else []
     run_starts = [r[0] for r in runs]
     dst = copy[1] if copy is not None else 0
@@ -228,9 +244,25 @@ def _crc_pass(
             t = time.perf_counter()
             x = p
             while x < q:
-                while k < len(bounds) and bounds[k][1] <= x:
+                while k < nb and bounds[k][1] <= x:
                     k += 1
-                if k < len(bounds) and bounds[k][0] <= x:
+                if cur < 0:
+                    # Small slots wholly inside this piece, with the bytes between them: one CRC of
+                    # the run for the chunk and one per slot (the bytes are in cache; one Python
+                    # step per slot instead of a CRC and a combine for each slot and each gap).
+                    j, end = k, x
+                    while j < nb:
+                        s, e, idx = bounds[j]
+                        if s < x or e > q or e - s > SMALL_SLOT:
+                            break
+                        parts.append((idx, s, crc32(view[s - lo : e - lo]), e - s))
+                        end = e
+                        j += 1
+                    if j > k:
+                        running = crc32(view[x - lo : end - lo], running)
+                        x, k = end, j
+                        continue
+                if k < nb and bounds[k][0] <= x:
                     y = min(q, bounds[k][1])
                     if cur != bounds[k][2]:
                         if cur >= 0:
@@ -244,7 +276,7 @@ def _crc_pass(
                         running = crc32_combine(running, cur_crc, cur_len)
                         parts.append((cur, cur_start, cur_crc, cur_len))
                         cur = -1
-                    y = min(q, bounds[k][0]) if k < len(bounds) else q
+                    y = min(q, bounds[k][0]) if k < nb else q
                     running = crc32(view[x - lo : y - lo], running)
                 x = y
             hashing += time.perf_counter() - t
@@ -255,7 +287,11 @@ def _crc_pass(
         return running, parts, hashing, threading.get_ident()
 
     n = (size + chunk_bytes - 1) // chunk_bytes
-    done = list(pool.map(one_chunk, range(n)))
+    if nb > 1 and size // nb < SERIAL_BELOW:
+        # Mostly Python steps per slot: more threads only contend for the GIL.
+        done = [one_chunk(i) for i in range(n)]
+    else:
+        done = list(pool.map(one_chunk, range(n)))
     slot_parts: dict[int, list[tuple[int, int, int]]] = {}
     for _, chunk_parts, _, _ in done:
         for idx, start, crc, length in chunk_parts:
