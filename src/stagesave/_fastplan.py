@@ -247,10 +247,22 @@ class _Layout:
             pending = _descriptor(0, records[-1].header_offset, size)
             pos += len(pending)
         self.storage_records = records
+        self.keys = [str(k) for k in range(len(sizes))]
+        self.crc_fields = [r.crc_at for r in records]
+        self._zip_records: dict[int, list[ZipRecord]] = {}
         self.pieces = pieces  # the first one starts at ``start`` (no pending descriptor yet)
         self.after = pos - len(pending)  # where the last storage's descriptor starts
         self.pending = pending
         self.constants = constants
+
+    def zip_records(self, cd_base: int, cd_at: list[int]) -> list[ZipRecord]:
+        """The storage records as :class:`ZipRecord` s, their CD entries ``cd_base`` into the CD."""
+        made = self._zip_records.get(cd_base)
+        if made is None:
+            made = [ZipRecord(r.name, r.header_offset, r.data_offset, r.size, r.crc_at, cd_base + at)
+                    for r, at in zip(self.storage_records, cd_at)]
+            self._zip_records[cd_base] = made
+        return made
 
     def tail(self, sid: bytes) -> tuple[list[_Record], bytes, int]:
         """The records after the storages (version, serialization id) as one piece at
@@ -457,16 +469,15 @@ def _image(constants: _Constants, pkl: bytes, pickler: _Pickler, state: Any) -> 
     for r in head_records:
         zip_records.append(ZipRecord(r.name, r.header_offset, r.data_offset, r.size, r.crc_at, at))
         at += 46 + len(r.name.encode())
-    for r, entry_at in zip(layout.storage_records, storage_cd_at):
-        zip_records.append(ZipRecord(r.name, r.header_offset, r.data_offset, r.size, r.crc_at, len(head_cd) + entry_at))
+    zip_records.extend(layout.zip_records(len(head_cd), storage_cd_at))
     at = len(head_cd) + len(storage_cd)
     for r in tail_records:
         zip_records.append(ZipRecord(r.name, r.header_offset, r.data_offset, r.size, r.crc_at, at))
         at += len(_cd_entry(r.name.encode(), 0, r.header_offset, r.size))
     zip_ = TorchZip(_PREFIX, tuple(zip_records), cd_start, cd, True)
-    slots = [StorageSlot(str(k), rec.data_offset, rec.size, storage=storage, device_type=device, address=address)
-             for k, (rec, storage, device, address) in enumerate(zip(layout.storage_records, pickler.storages,
-                                                                     pickler.devices, pickler.addresses))]
+    slots = [StorageSlot(key, rec.data_offset, rec.size, storage=storage, device_type=device, address=address)
+             for key, rec, storage, device, address in zip(layout.keys, layout.storage_records, pickler.storages,
+                                                           pickler.devices, pickler.addresses)]
     return FileImage(
         size=cd_start,
         pieces=pieces,
@@ -476,7 +487,7 @@ def _image(constants: _Constants, pkl: bytes, pickler: _Pickler, state: Any) -> 
         tensors=_index(state, pickler),
         kind="torch",
         zip=zip_,
-        crc_fields=[r.crc_at for r in layout.storage_records],
+        crc_fields=layout.crc_fields,
         gapless=True,
     )
 

@@ -95,6 +95,13 @@ SMALL_SLOT = 64 << 10
 SERIAL_BELOW = 1 << 20
 
 
+def many_small_slots(image: FileImage) -> bool:
+    """Whether ``image``'s slots average fewer than :data:`SERIAL_BELOW` bytes (its staging time
+    goes into Python steps per slot rather than into moving bytes)."""
+    n = sum(1 for s in image.slots if s.nbytes)
+    return n > 1 and image.covered // n < SERIAL_BELOW
+
+
 def on_host(image: FileImage) -> bool:
     """Whether every byte of ``image`` is in host memory (so :func:`stage_and_hash` applies)."""
     return all(s.device_type in ("cpu", "meta") for s in image.slots)
@@ -134,11 +141,16 @@ def stage_image(image: FileImage, buf: HostBuffer, base: int = 0) -> Callable[[]
     """
     _fill_skeleton(image, buf, base)
     dst_all = buf.tensor[base : base + image.size]
+    dst_address = buf.tensor.data_ptr() + base
     side: torch.cuda.Stream | None = None
     for slot in image.slots:
-        src = slot.source
-        if slot.nbytes == 0 or src.device.type == "meta":
+        if slot.nbytes == 0 or slot.device_type == "meta":
             continue
+        address = slot.host_address()
+        if address is not None:  # one memmove, no tensor made for it (GIL released meanwhile)
+            ctypes.memmove(dst_address + slot.offset, address, slot.nbytes)
+            continue
+        src = slot.source
         dst = dst_all[slot.offset : slot.offset + slot.nbytes]
         if src.device.type == "cuda":
             if side is None:
@@ -287,7 +299,7 @@ def _crc_pass(
         return running, parts, hashing, threading.get_ident()
 
     n = (size + chunk_bytes - 1) // chunk_bytes
-    if nb > 1 and size // nb < SERIAL_BELOW:
+    if many_small_slots(image):
         # Mostly Python steps per slot: more threads only contend for the GIL.
         done = [one_chunk(i) for i in range(n)]
     else:

@@ -52,7 +52,7 @@ from ._names import (
 from ._pool import BufferPool, HostBuffer
 from ._proofread import chunk_problems
 from ._signing import current as signing_keys
-from ._stage import ImageCrcs, on_host, stage_and_crc, stage_image
+from ._stage import ImageCrcs, many_small_slots, on_host, stage_and_crc, stage_image
 from ._store import Reader, Store, check_name
 from ._targets import StoreResolver
 from ._write import FileToWrite, WriteStats, Written, proof_room
@@ -302,7 +302,9 @@ class Checkpointer:
             ``"background"``: by the writer threads as they write each chunk;
             ``"auto"`` (default): ``"staging"`` when every byte was copied from host memory,
             ``"background"`` when a device-to-host copy is still in flight (hashing then would
-            make the caller wait for the device). Hashing in the background costs a training
+            make the caller wait for the device) or when the state is many small tensors
+            (tensors averaging under 1 MiB: hashing them costs Python steps per tensor rather
+            than memory bandwidth). Hashing in the background costs a training
             loop that keeps every core busy more than the ~50 ms per GiB it adds to the
             blocking copy (BENCHMARKS.md, "training time lost per save").
         device_staging: Stage the state of a CUDA device in a reused buffer on that device
@@ -537,14 +539,14 @@ class Checkpointer:
         wanted = self.checksum == "crc32" or image.kind == "torch"
         if on_host(image):
             wait_device = None
-            if wanted and self._hash_while_staging(device_copy_pending=False):
+            if wanted and self._hash_while_staging(device_copy_pending=False, image=image):
                 crcs = stage_and_crc(image, buf, base, chunk_bytes=self.chunk_bytes, pool=self._staging_pool())
                 tel.checksum_s += crcs.seconds
             else:
                 stage_image(image, buf, base)
         else:
             wait_device = stage_image(image, buf, base)
-            if wanted and self._hash_while_staging(device_copy_pending=wait_device is not None):
+            if wanted and self._hash_while_staging(device_copy_pending=wait_device is not None, image=image):
                 if wait_device is not None:
                     wait_device()
                     wait_device = None
@@ -557,10 +559,15 @@ class Checkpointer:
         tel.stage_s += time.perf_counter() - s0
         return wait_device, crcs
 
-    def _hash_while_staging(self, *, device_copy_pending: bool) -> bool:
-        """Whether this save hashes its chunks on the caller's time (see ``checksum_in``)."""
+    def _hash_while_staging(self, *, device_copy_pending: bool, image: FileImage) -> bool:
+        """Whether this save hashes its chunks on the caller's time (see ``checksum_in``).
+
+        ``"auto"`` hashes in the staging copy (free: the bytes are in cache) unless a device copy
+        is pending or the state is many small tensors: there hashing costs Python steps per
+        tensor on the caller's thread, which the background pays instead.
+        """
         if self.checksum_in == "auto":
-            return not device_copy_pending
+            return not device_copy_pending and not many_small_slots(image)
         return self.checksum_in == "staging"
 
     def _staging_pool(self) -> cf.ThreadPoolExecutor:
