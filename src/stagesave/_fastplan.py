@@ -495,42 +495,51 @@ def _image(constants: _Constants, pkl: bytes, pickler: _Pickler, state: Any) -> 
 _DTYPE_NAMES = {dtype: str(dtype).removeprefix("torch.") for dtype in _STORAGE_CLASS}
 
 
+_ATOMS = frozenset({int, float, str, bool, type(None), bytes, complex})
+
+
 def _index(state: Any, pickler: _Pickler) -> list[TensorEntry]:
     """The manifest's index, as :func:`stagesave._image.index_tensors` builds it (same names,
     order, depth limit and cap), from what the pickler recorded about each tensor."""
     out: list[TensorEntry] = []
     info, param_data = pickler.info, pickler.param_data
 
-    def leaf(name: str, obj: Any) -> None:
-        kind = type(obj)
+    def add(name: str, obj: Any, kind: type) -> None:
         if kind is _Parameter:
             data = param_data.get(id(obj))
             got = info.get(id(data)) if data is not None else None
-        elif kind is _Tensor:
-            got = info.get(id(obj))
         else:
-            return
-        if got is None or len(out) >= MAX_INDEXED_TENSORS:
-            return
-        key, dtype, shape, stride, offset = got
-        out.append(TensorEntry(name, key, _DTYPE_NAMES[dtype], shape, stride, offset))
+            got = info.get(id(obj))
+        if got is not None and len(out) < MAX_INDEXED_TENSORS:
+            key, dtype, shape, stride, offset = got
+            out.append(TensorEntry(name, key, _DTYPE_NAMES[dtype], shape, stride, offset))
 
     def walk(obj: Any, prefix: str, depth: int) -> None:
         if depth > 64:
-            leaf(prefix, obj)
-            return
+            return  # as deep as the index goes (a tensor there was added by its parent)
         kind = type(obj)
+        items: Any
         if kind is dict or kind is _OrderedDict or (kind is not _Tensor and isinstance(obj, Mapping)):
-            for k, v in obj.items():
-                walk(v, f"{prefix}.{k}" if prefix else str(k), depth + 1)
+            items = obj.items()
         elif kind is list or kind is tuple or (kind is not _Tensor and isinstance(obj, (list, tuple))):
-            for i, v in enumerate(obj):
-                walk(v, f"{prefix}.{i}" if prefix else str(i), depth + 1)
-        elif kind is _Tensor or kind is _Parameter:
-            leaf(prefix, obj)
+            items = enumerate(obj)
         elif is_dataclass(obj) and not isinstance(obj, type):
-            for f in fields(obj):
-                walk(getattr(obj, f.name), f"{prefix}.{f.name}" if prefix else f.name, depth + 1)
+            items = [(f.name, getattr(obj, f.name)) for f in fields(obj)]
+        else:
+            return
+        for k, v in items:
+            vk = type(v)
+            if vk in _ATOMS:
+                continue
+            name = f"{prefix}.{k}" if prefix else str(k)
+            if vk is _Tensor or vk is _Parameter:
+                add(name, v, vk)
+            else:
+                walk(v, name, depth + 1)
 
-    walk(state, "", 0)
+    kind = type(state)
+    if kind is _Tensor or kind is _Parameter:
+        add("", state, kind)
+    else:
+        walk(state, "", 0)
     return out

@@ -23,7 +23,7 @@ import time
 import types
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields, is_dataclass
-from typing import IO, Any, cast
+from typing import IO, Any, NamedTuple, cast
 
 import torch
 
@@ -98,9 +98,9 @@ class StorageSlot:
         return f"StorageSlot(key={self.key!r}, offset={self.offset}, nbytes={self.nbytes}, device={self.device_type})"
 
 
-@dataclass(frozen=True)
-class TensorEntry:
-    """A named tensor of the state, for the manifest's index."""
+class TensorEntry(NamedTuple):
+    """A named tensor of the state, for the manifest's index (a named tuple: made once per
+    tensor per save, so it is cheap to make)."""
 
     name: str
     storage_key: str

@@ -257,3 +257,14 @@ def test_files_of_the_fast_path_load_everywhere(ckpt_dir: str) -> None:
             assert got["view"].untyped_storage().data_ptr() == got["param"].untyped_storage().data_ptr()
             assert got["step"] == 11 and got["name"] == "run" and got["np"].tolist() == [0, 1, 2]
     assert pickle.loads(pickle.dumps(loaded["step"])) == 11
+
+
+def test_the_index_of_a_deep_state_stops_where_torch_saves_planner_stops() -> None:
+    _fastplan.fast_path_enabled()
+    state: Any = {"leaf": torch.ones(1)}
+    for depth in range(70):
+        state = {"t": torch.full((1,), float(depth)), "down": state, "n": depth}
+    ours = _fastplan.plan_fast(state)
+    assert ours is not None
+    assert ours.tensors == plan_torch_file(state).tensors
+    assert 60 < len(ours.tensors) < 71
