@@ -50,7 +50,7 @@ from ._image import (
 from ._names import ALIGNMENT
 from ._zipfmt import TorchZip, ZipRecord
 
-__all__ = ["fast_path_enabled", "plan", "plan_fast"]
+__all__ = ["fast_path_enabled", "forget_layouts", "plan", "plan_fast"]
 
 _LH_SIG = 0x04034B50
 _CD_SIG = 0x02014B50
@@ -162,14 +162,19 @@ class _Pickler(pickle.Pickler):
 
 
 # ---------------------------------------------------------------------------- the archive
-def _padding(start: int) -> bytes:
-    """torch's alignment field: ``FB``, its length, then ``Z`` up to the next 4096 boundary."""
-    pad = -start % ALIGNMENT
-    return b"FB" + struct.pack("<H", pad) + b"Z" * pad
+#: The padding every cached header shares (a view of it per header, not a copy: a layout of
+#: 100,000 storages would otherwise hold ~400 MB of ``Z``).
+_ZPAD = memoryview(b"Z" * ALIGNMENT)
 
 
 def _local_header(name: bytes, offset: int, size: int) -> bytes:
     """A streamed record's local header (sizes and CRC in its descriptor), padded to alignment."""
+    fixed, pad = _local_header_parts(name, offset, size)
+    return fixed + b"Z" * pad
+
+
+def _local_header_parts(name: bytes, offset: int, size: int) -> tuple[bytes, int]:
+    """:func:`_local_header` without its trailing ``Z`` padding, and how many ``Z`` follow."""
     big_size, big_offset = size >= _U32, offset >= _U32
     z64 = b""
     if big_size or big_offset:
@@ -177,8 +182,10 @@ def _local_header(name: bytes, offset: int, size: int) -> bytes:
         values = ([size, 0] if big_size else []) + ([offset] if big_offset else [])
         z64 = struct.pack(f"<HH{len(values)}Q", 0x0001, 8 * len(values), *values)
     start = offset + 30 + len(name) + len(z64) + 4
-    extra = z64 + _padding(start)
-    return struct.pack("<IHHHHHIIIHH", _LH_SIG, 0, _flags(size), 0, 0, 0, 0, 0, 0, len(name), len(extra)) + name + extra
+    pad = -start % ALIGNMENT
+    extra_len = len(z64) + 4 + pad
+    fixed = struct.pack("<IHHHHHIIIHH", _LH_SIG, 0, _flags(size), 0, 0, 0, 0, 0, 0, len(name), extra_len)
+    return fixed + name + z64 + b"FB" + struct.pack("<H", pad), pad
 
 
 def _flags(size: int) -> int:
@@ -232,18 +239,21 @@ class _Layout:
     def __init__(self, constants: _Constants, start: int, sizes: tuple[int, ...]) -> None:
         self.start = start
         self.sizes = sizes
-        pieces: list[tuple[int, bytes]] = []
+        pieces: list[tuple[int, bytes | memoryview]] = []
         records: list[_Record] = []
         pos = start
         # The small records before the storages are not part of ``start``: the head holds them.
         pending = b""
         for key, size in enumerate(sizes):
             name = f"{_PREFIX}/data/{key}".encode()
-            header = _local_header(name, pos, size)
-            records.append(_Record(name.decode(), pos, pos + len(header), size,
-                                   pos + len(header) + size + 4 if size else -1))
-            pieces.append((pos - len(pending), pending + header))
-            pos += len(header) + size
+            fixed, pad = _local_header_parts(name, pos, size)
+            header_len = len(fixed) + pad
+            records.append(_Record(name.decode(), pos, pos + header_len, size,
+                                   pos + header_len + size + 4 if size else -1))
+            pieces.append((pos - len(pending), pending + fixed))
+            if pad:
+                pieces.append((pos + len(fixed), _ZPAD[:pad]))
+            pos += header_len + size
             pending = _descriptor(0, records[-1].header_offset, size)
             pos += len(pending)
         self.storage_records = records
@@ -329,6 +339,12 @@ def _layout(constants: _Constants, start: int, sizes: tuple[int, ...]) -> tuple[
         while len(_layouts) > _MAX_LAYOUTS:
             _layouts.popitem(last=False)
     return made
+
+
+def forget_layouts() -> None:
+    """Drop every cached layout (the last ``Checkpointer`` of the process closed)."""
+    with _lock:
+        _layouts.clear()
 
 
 def fast_path_enabled() -> bool:
@@ -453,7 +469,7 @@ def _image(constants: _Constants, pkl: bytes, pickler: _Pickler, state: Any) -> 
     layout, storage_cd, storage_cd_at = _layout(constants, len(head), sizes)
     sid = unique_id(constants.id_length).encode()
     tail_records, tail, cd_start = layout.tail(sid)
-    pieces: list[tuple[int, bytes]]
+    pieces: list[tuple[int, bytes | memoryview]]
     if layout.pieces:
         first = layout.pieces[0][1]
         pieces = [(0, head + first)] + layout.pieces[1:] + [(layout.after, tail)]

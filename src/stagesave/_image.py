@@ -21,7 +21,7 @@ import secrets
 import threading
 import time
 import types
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import IO, Any, NamedTuple, cast
 
@@ -120,7 +120,8 @@ class FileImage:
     """
 
     size: int
-    pieces: list[tuple[int, bytes]]
+    #: The bytes that are not tensor data, at their offsets (memoryviews where a planner shares them).
+    pieces: Sequence[tuple[int, bytes | memoryview]]
     slots: list[StorageSlot]
     serialization_id: str
     id_offset: int

@@ -37,6 +37,7 @@ from ._discovery import (
     scan,
     verified_before,
 )
+from ._fastplan import forget_layouts
 from ._fastplan import plan as plan_torch_file
 from ._image import FileImage
 from ._local import LocalStore
@@ -1341,6 +1342,8 @@ class Checkpointer:
                 self._hash_pool.shutdown(wait=True)
                 self._hash_pool = None
             _live.discard(self)
+            if not _live:  # the last one: nothing planned stays behind
+                forget_layouts()
         self._raise_failures()
 
     def __enter__(self) -> Checkpointer:  # noqa: PYI034 - Self needs Python 3.11
