@@ -304,11 +304,16 @@ def test_tampered_metadata_is_caught_before_unpickling(two_saves):
 def test_truncated_and_stale_rank_files_are_refused(two_saves, writer, root):
     a, b = two_saves
     # The same shapes give the same data size; the proofs' numbers (CRCs, times) may differ in
-    # width by a byte: save A again until the sizes match, so only the proofs tell them apart.
-    for _ in range(50):
+    # width by a byte or two: save A and B again, in turn, until the sizes match, so only the
+    # proofs tell them apart (re-saving A alone failed once in 50 tries when B's proof was the
+    # rare short one).
+    for i in range(50):
         if (a / "__0_0.distcp").stat().st_size == (b / "__0_0.distcp").stat().st_size:
             break
-        saved(writer, {"w": torch.randn(256, 64), "step": 1}, "step-1")
+        if i % 2:
+            saved(writer, {"w": torch.randn(256, 64), "step": 2}, "step-2")
+        else:
+            saved(writer, {"w": torch.randn(256, 64), "step": 1}, "step-1")
     assert (a / "__0_0.distcp").stat().st_size == (b / "__0_0.distcp").stat().st_size
     shutil.copy(a / "__0_0.distcp", b / "__0_0.distcp")
     with pytest.raises(IntegrityError, match=r"__0_0\.distcp belongs to another save than its folder"):
