@@ -1,0 +1,167 @@
+"""Restore time against the read floor, cold (issue 22's baseline).
+
+Usage: python benchmarks/bench_restore.py --gib 0.5 2 --rounds 3 [--dir /path/on/the/disk]
+
+For each size, a transformer-like state is saved twice, by stagesave and by ``torch.save``. Every
+measurement runs in a fresh process after the page cache is dropped (root only; otherwise every
+figure is warm and the script says so), and ends once every tensor's bytes were touched (a load
+with ``mmap`` reads pages only then). Figures are medians over ``--rounds``:
+
+* **floors** — the stagesave file's bytes read without parsing: sequentially in 1 MiB ``read``s;
+  with O_DIRECT in 64 MiB requests; and with O_DIRECT from ``--threads`` threads in 8 MiB
+  aligned ranges. The **read floor** is the fastest of the three, measured in the same run;
+* ``Checkpointer.load`` with ``verify=True`` (the default) and ``verify=False``;
+* ``torch.load(weights_only=True)`` of the ``torch.save`` file, with and without ``mmap``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+sys.path.insert(0, os.path.dirname(__file__))
+import common
+
+import stagesave
+
+_CHILD = textwrap.dedent(
+    """
+    import concurrent.futures as cf, json, mmap, os, sys, time, warnings
+    warnings.simplefilter("ignore")
+    import torch, stagesave
+    variant, ours, theirs, threads = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+
+    def touch(state):
+        total, stack = 0.0, [state]
+        while stack:
+            x = stack.pop()
+            if isinstance(x, torch.Tensor):
+                total += float(x.sum())
+            elif isinstance(x, dict):
+                stack.extend(x.values())
+            elif isinstance(x, (list, tuple)):
+                stack.extend(x)
+        return total
+
+    def read_seq(path):
+        with open(path, "rb", buffering=0) as f:
+            buf = bytearray(1 << 20)
+            while f.readinto(buf):
+                pass
+
+    def read_direct(path, request, workers):
+        size = os.path.getsize(path)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+        try:
+            ranges = list(range(0, size, request))
+            def one(start):
+                buf = mmap.mmap(-1, request)
+                end = min(size, start + request)
+                off = start
+                while off < end:
+                    n = os.preadv(fd, [memoryview(buf)[: max(4096, (end - off + 4095) // 4096 * 4096)]], off)
+                    if n <= 0:
+                        break
+                    off += n
+                buf.close()
+            if workers == 1:
+                for s in ranges:
+                    one(s)
+            else:
+                with cf.ThreadPoolExecutor(workers) as ex:
+                    list(ex.map(one, ranges))
+        finally:
+            os.close(fd)
+
+    t0 = time.perf_counter()
+    if variant == "floor_seq":
+        read_seq(ours)
+    elif variant == "floor_direct":
+        read_direct(ours, 64 << 20, 1)
+    elif variant == "floor_parallel":
+        read_direct(ours, 8 << 20, threads)
+    elif variant in ("load_verify", "load_noverify"):
+        with stagesave.Checkpointer() as ck:
+            touch(ck.load(ours, verify=variant == "load_verify"))
+    elif variant == "torch_load":
+        touch(torch.load(theirs, weights_only=True))
+    elif variant == "torch_load_mmap":
+        touch(torch.load(theirs, weights_only=True, mmap=True))
+    print(json.dumps({"s": time.perf_counter() - t0}))
+    """
+)
+
+VARIANTS = ["floor_seq", "floor_direct", "floor_parallel", "load_verify", "load_noverify", "torch_load",
+            "torch_load_mmap"]
+LABELS = {
+    "floor_seq": "floor: sequential 1 MiB reads",
+    "floor_direct": "floor: O_DIRECT 64 MiB, 1 thread",
+    "floor_parallel": "floor: O_DIRECT 8 MiB, threads",
+    "load_verify": "Checkpointer.load (verify)",
+    "load_noverify": "Checkpointer.load(verify=False)",
+    "torch_load": "torch.load(weights_only=True)",
+    "torch_load_mmap": "torch.load(weights_only=True, mmap)",
+}
+
+
+def run_child(variant: str, ours: str, theirs: str, threads: int) -> float:
+    r = subprocess.run([sys.executable, "-c", _CHILD, variant, ours, theirs, str(threads)], capture_output=True,
+                       text=True, check=False)
+    if r.returncode:
+        raise RuntimeError(f"{variant} failed:\n{r.stderr}")
+    return float(json.loads(r.stdout.strip().splitlines()[-1])["s"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", default=None)
+    ap.add_argument("--gib", type=float, nargs="+", default=[0.5, 2.0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=4)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    base = tempfile.mkdtemp(prefix="bench-restore-", dir=args.dir)
+    cold = common.drop_caches()
+    results: dict[str, dict[str, list[float]]] = {}
+    try:
+        for gib in args.gib:
+            state = common.transformer_state(int(gib * (1 << 30)), d_model=common.d_model_for(int(gib * (1 << 30))))
+            ours, theirs = os.path.join(base, "ours.ckpt"), os.path.join(base, "theirs.pt")
+            with stagesave.Checkpointer() as ck:
+                ck.save(state, ours).result()
+            import torch
+
+            torch.save(state, theirs)
+            n_tensors = len(common.tensors_of(state))
+            del state
+            key = f"{os.path.getsize(ours) / (1 << 30):.2f} GiB, {n_tensors} tensors"
+            runs: dict[str, list[float]] = {v: [] for v in VARIANTS}
+            for _ in range(args.rounds):  # interleaved: every variant once per round
+                for variant in VARIANTS:
+                    common.drop_caches()
+                    runs[variant].append(run_child(variant, ours, theirs, args.threads))
+            results[key] = runs
+            floor = min(statistics.median(runs[v]) for v in VARIANTS if v.startswith("floor"))
+            for variant in VARIANTS:
+                med = statistics.median(runs[variant])
+                print(f"{key:22} {LABELS[variant]:38} {med:7.3f} s  {med / floor:5.2f}x the read floor", flush=True)
+            os.unlink(ours)
+            os.unlink(theirs)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    if not cold:
+        print("page cache could not be dropped (not root): every figure is warm")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"cold": cold, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
