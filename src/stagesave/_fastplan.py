@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import io
+import os
 import pickle
 import struct
 import threading
@@ -290,17 +291,20 @@ class _Layout:
         return recs, bytes(out), pos
 
 
-def _head(constants: _Constants, pkl: bytes) -> tuple[list[_Record], bytes]:
-    """data.pkl and the small records from offset 0, up to where the next record would start."""
+def _head(constants: _Constants, pkl: bytes) -> tuple[list[_Record], bytes, dict[str, int]]:
+    """data.pkl and the small records from offset 0, up to where the next record would start,
+    with each record's CRC-32 by name."""
     out = bytearray()
     recs = []
+    crcs = {}
     for rel, data in ((("data.pkl", pkl),) + constants.small):
         pos = len(out)
         name = f"{_PREFIX}/{rel}".encode()
         header = _local_header(name, pos, len(data))
         recs.append(_Record(name.decode(), pos, pos + len(header), len(data), pos + len(header) + len(data) + 4))
-        out += header + data + _descriptor(crc32(data), pos, len(data))
-    return recs, bytes(out)
+        crc = crcs[recs[-1].name] = crc32(data)
+        out += header + data + _descriptor(crc, pos, len(data))
+    return recs, bytes(out), crcs
 
 
 def _central_directory(records: list[_Record], crcs: dict[str, int]) -> tuple[bytes, list[int]]:
@@ -430,13 +434,30 @@ def same_layout(a: FileImage, b: FileImage) -> bool:
 
 
 # ---------------------------------------------------------------------------- planning
+PLANNER_ENV = "STAGESAVE_PLANNER"
+
+
+def _planner_setting() -> str:
+    """``STAGESAVE_PLANNER``: ``auto`` (default: this module where it can) or ``torch`` (always
+    ``torch.save``'s layout, the escape hatch should the two ever disagree).
+
+    Raises:
+        ValueError: another value.
+    """
+    value = os.environ.get(PLANNER_ENV, "auto").strip().lower() or "auto"
+    if value not in ("auto", "torch"):
+        raise ValueError(f"{PLANNER_ENV} must be 'auto' or 'torch', got {value!r}")
+    return value
+
+
 def plan(state: Any) -> FileImage:
     """The file image of ``state``: laid out here when it can be, else by ``torch.save``.
 
     Raises:
         UnsupportedObjectError: something in the state cannot be pickled; the message names it.
+        ValueError: ``STAGESAVE_PLANNER`` holds something other than ``auto`` or ``torch``.
     """
-    if fast_path_enabled():
+    if _planner_setting() == "auto" and fast_path_enabled():
         image = plan_fast(state)
         if image is not None:
             return image
@@ -463,7 +484,7 @@ def plan_fast(state: Any, *, probe: bool = False) -> FileImage | None:
 
 
 def _image(constants: _Constants, pkl: bytes, pickler: _Pickler, state: Any) -> FileImage:
-    head_records, head = _head(constants, pkl)
+    head_records, head, head_crcs = _head(constants, pkl)
     sizes = tuple(int(s.nbytes()) for s in pickler.storages)
     # The first storage's header starts where the head ends (no gap: torch writes records back to back).
     layout, storage_cd, storage_cd_at = _layout(constants, len(head), sizes)
@@ -475,8 +496,7 @@ def _image(constants: _Constants, pkl: bytes, pickler: _Pickler, state: Any) -> 
         pieces = [(0, head + first)] + layout.pieces[1:] + [(layout.after, tail)]
     else:
         pieces = [(0, head + tail)]
-    head_cd, _ = _central_directory(head_records, {r.name: crc32(pkl if i == 0 else constants.small[i - 1][1])
-                                                   for i, r in enumerate(head_records)})
+    head_cd, _ = _central_directory(head_records, head_crcs)
     tail_cd, _ = _central_directory(tail_records, {tail_records[0].name: crc32(constants.version),
                                                    tail_records[1].name: crc32(sid)})
     cd = head_cd + storage_cd + tail_cd

@@ -290,3 +290,16 @@ def test_nothing_planned_stays_behind_once_the_last_checkpointer_closes(ckpt_dir
     gc.collect()
     assert not list(checkpointer._live)  # no other Checkpointer of the test session is open
     assert not _fastplan._layouts
+
+
+def test_stagesave_planner_torch_forces_torch_saves_layout(monkeypatch: pytest.MonkeyPatch, ckpt_dir: str) -> None:
+    state = {"w": torch.ones(3), "step": 1}
+    assert _fastplan.plan(state).size == _fastplan.plan(state).covered  # ours: no central directory staged
+    monkeypatch.setenv("STAGESAVE_PLANNER", "torch")
+    assert _fastplan.plan(state).size > _fastplan.plan(state).covered  # torch's: its CD included
+    with stagesave.Checkpointer(ckpt_dir) as ck:
+        ck.save(state, "t.ckpt").result()
+        assert ck.verify("t.ckpt").status == "verified"
+        monkeypatch.setenv("STAGESAVE_PLANNER", "fastest")
+        with pytest.raises(ValueError, match="STAGESAVE_PLANNER must be 'auto' or 'torch', got 'fastest'"):
+            ck.save(state, "u.ckpt")
