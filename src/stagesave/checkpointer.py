@@ -37,7 +37,7 @@ from ._discovery import (
     scan,
     verified_before,
 )
-from ._fastplan import forget_layouts
+from ._fastplan import fast_path_enabled, forget_layouts
 from ._fastplan import plan as plan_torch_file
 from ._image import FileImage
 from ._local import LocalStore
@@ -374,6 +374,7 @@ class Checkpointer:
         self._failed: list[SaveHandle] = []
         self._closed = False
         _live.add(self)
+        fast_path_enabled()  # the once-per-process check of the planner, before the first save
 
     @property
     def _queue(self) -> JobQueue | None:
