@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import common
 
 import stagesave
-from stagesave import _fastplan
+from stagesave import _fastplan, _ziplayout
 
 
 def adam_state(total_bytes: int, n_tensors: int, *, weights: bool = True) -> dict[str, Any]:
@@ -96,7 +96,7 @@ def measure(state: Any, directory: str, saves: int, planners: list[str]) -> dict
     # The first save of a run: a new Checkpointer, nothing planned before.
     for name in planners:
         _planner(name)
-        _fastplan._layouts.clear()  # noqa: SLF001
+        _ziplayout.forget_layouts()
         root = os.path.join(directory, f"first-{name}")
         with stagesave.Checkpointer(root, keep_last=1) as ck:
             t0 = time.perf_counter()

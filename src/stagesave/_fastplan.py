@@ -13,7 +13,7 @@ This module produces the same bytes itself:
 * **the archive**: torch's records in torch's order, each local header padded so the data starts
   on a 4096-byte boundary, data descriptors, zip64 fields where torch puts them, and the central
   directory. The part that depends only on the storages' sizes (everything from the first
-  storage record on) is computed once per structure and reused (:class:`_Layout`), so a save of
+  storage record on) is computed once per structure and reused (:class:`Layout`), so a save of
   an unchanged structure costs the pickle, a header and a copy of the central directory.
 
 Anything else (tensor subclasses, tensors with Python attributes or hooks, sparse, quantized,
@@ -33,7 +33,7 @@ import pickle
 import struct
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, is_dataclass
+from dataclasses import fields, is_dataclass
 from typing import Any
 
 import torch
@@ -48,17 +48,18 @@ from ._image import (
     plan_torch_file,
     unique_id,
 )
-from ._names import ALIGNMENT
 from ._zipfmt import TorchZip, ZipRecord
+from ._ziplayout import (
+    PREFIX,
+    Constants,
+    cached_layout,
+    cd_entry,
+    central_directory,
+    lay_out_head,
+)
 
-__all__ = ["fast_path_enabled", "forget_layouts", "plan", "plan_fast"]
+__all__ = ["fast_path_enabled", "plan", "plan_fast", "same_layout"]
 
-_LH_SIG = 0x04034B50
-_CD_SIG = 0x02014B50
-_DD_SIG = 0x08074B50
-_U32 = 0xFFFFFFFF
-_FLAGS = 0x0808  # data descriptor follows; names are UTF-8
-_PREFIX = "archive"
 
 #: dtype -> the legacy storage class ``torch.save`` names in its persistent ids.
 _STORAGE_CLASS: dict[torch.dtype, Any] = {
@@ -162,193 +163,10 @@ class _Pickler(pickle.Pickler):
         return (_rebuild_tensor_v2, (ref, offset, shape, stride, t.requires_grad, _NoHooks()))
 
 
-# ---------------------------------------------------------------------------- the archive
-#: The padding every cached header shares (a view of it per header, not a copy: a layout of
-#: 100,000 storages would otherwise hold ~400 MB of ``Z``).
-_ZPAD = memoryview(b"Z" * ALIGNMENT)
-
-
-def _local_header(name: bytes, offset: int, size: int) -> bytes:
-    """A streamed record's local header (sizes and CRC in its descriptor), padded to alignment."""
-    fixed, pad = _local_header_parts(name, offset, size)
-    return fixed + b"Z" * pad
-
-
-def _local_header_parts(name: bytes, offset: int, size: int) -> tuple[bytes, int]:
-    """:func:`_local_header` without its trailing ``Z`` padding, and how many ``Z`` follow."""
-    big_size, big_offset = size >= _U32, offset >= _U32
-    z64 = b""
-    if big_size or big_offset:
-        # torch's local zip64 field: the size and a zero compressed size (known later), the offset
-        values = ([size, 0] if big_size else []) + ([offset] if big_offset else [])
-        z64 = struct.pack(f"<HH{len(values)}Q", 0x0001, 8 * len(values), *values)
-    start = offset + 30 + len(name) + len(z64) + 4
-    pad = -start % ALIGNMENT
-    extra_len = len(z64) + 4 + pad
-    fixed = struct.pack("<IHHHHHIIIHH", _LH_SIG, 0, _flags(size), 0, 0, 0, 0, 0, 0, len(name), extra_len)
-    return fixed + name + z64 + b"FB" + struct.pack("<H", pad), pad
-
-
-def _flags(size: int) -> int:
-    """torch streams every record but an empty one (no data descriptor then)."""
-    return _FLAGS if size else _FLAGS & ~0x08
-
-
-def _descriptor(crc: int, offset: int, size: int) -> bytes:
-    if not size:
-        return b""
-    if size >= _U32 or offset >= _U32:
-        return struct.pack("<IIQQ", _DD_SIG, crc, size, size)
-    return struct.pack("<IIII", _DD_SIG, crc, size, size)
-
-
-def _cd_entry(name: bytes, crc: int, offset: int, size: int) -> bytes:
-    big_size, big_offset = size >= _U32, offset >= _U32
-    values = ([size, size] if big_size else []) + ([offset] if big_offset else [])
-    extra = struct.pack(f"<HH{len(values)}Q", 0x0001, 8 * len(values), *values) if values else b""
-    return struct.pack(
-        "<IHHHHHHIIIHHHHHII", _CD_SIG, 0, 0, _flags(size), 0, 0, 0, crc, min(size, _U32), min(size, _U32),
-        len(name), len(extra), 0, 0, 0, 0, min(offset, _U32),
-    ) + name + extra
-
-
-@dataclass(frozen=True)
-class _Constants:
-    """What torch writes into its small records (learned from torch itself, once)."""
-
-    small: tuple[tuple[str, bytes], ...]  # records between data.pkl and the storages
-    version: bytes
-    id_length: int
-
-
-@dataclass(frozen=True)
-class _Record:
-    name: str
-    header_offset: int
-    data_offset: int
-    size: int
-    crc_at: int  # the CRC field of its data descriptor
-
-
-class _Layout:
-    """The archive of one structure, from the first storage record to the central directory.
-
-    ``head`` bytes (data.pkl and the small records) precede it: their length, rounded up by the
-    padding, is ``start``; a pickle that still fits before ``start`` reuses the layout.
-    """
-
-    def __init__(self, constants: _Constants, start: int, sizes: tuple[int, ...]) -> None:
-        self.start = start
-        self.sizes = sizes
-        pieces: list[tuple[int, bytes | memoryview]] = []
-        records: list[_Record] = []
-        pos = start
-        # The small records before the storages are not part of ``start``: the head holds them.
-        pending = b""
-        for key, size in enumerate(sizes):
-            name = f"{_PREFIX}/data/{key}".encode()
-            fixed, pad = _local_header_parts(name, pos, size)
-            header_len = len(fixed) + pad
-            records.append(_Record(name.decode(), pos, pos + header_len, size,
-                                   pos + header_len + size + 4 if size else -1))
-            pieces.append((pos - len(pending), pending + fixed))
-            if pad:
-                pieces.append((pos + len(fixed), _ZPAD[:pad]))
-            pos += header_len + size
-            pending = _descriptor(0, records[-1].header_offset, size)
-            pos += len(pending)
-        self.storage_records = records
-        self.keys = [str(k) for k in range(len(sizes))]
-        self.crc_fields = [r.crc_at for r in records]
-        self._zip_records: dict[int, list[ZipRecord]] = {}
-        self.pieces = pieces  # the first one starts at ``start`` (no pending descriptor yet)
-        self.after = pos - len(pending)  # where the last storage's descriptor starts
-        self.pending = pending
-        self.constants = constants
-
-    def zip_records(self, cd_base: int, cd_at: list[int]) -> list[ZipRecord]:
-        """The storage records as :class:`ZipRecord` s, their CD entries ``cd_base`` into the CD."""
-        made = self._zip_records.get(cd_base)
-        if made is None:
-            made = [ZipRecord(r.name, r.header_offset, r.data_offset, r.size, r.crc_at, cd_base + at)
-                    for r, at in zip(self.storage_records, cd_at)]
-            self._zip_records[cd_base] = made
-        return made
-
-    def tail(self, sid: bytes) -> tuple[list[_Record], bytes, int]:
-        """The records after the storages (version, serialization id) as one piece at
-        :attr:`after`, with their records and where the piece ends (the central directory)."""
-        out = bytearray(self.pending)
-        pos = self.after + len(out)
-        recs = []
-        for rel, data in (("version", self.constants.version), (".data/serialization_id", sid)):
-            name = f"{_PREFIX}/{rel}".encode()
-            header = _local_header(name, pos, len(data))
-            recs.append(_Record(name.decode(), pos, pos + len(header), len(data), pos + len(header) + len(data) + 4))
-            descriptor = _descriptor(crc32(data), pos, len(data))
-            out += header + data + descriptor
-            pos += len(header) + len(data) + len(descriptor)
-        return recs, bytes(out), pos
-
-
-def _head(constants: _Constants, pkl: bytes) -> tuple[list[_Record], bytes, dict[str, int]]:
-    """data.pkl and the small records from offset 0, up to where the next record would start,
-    with each record's CRC-32 by name."""
-    out = bytearray()
-    recs = []
-    crcs = {}
-    for rel, data in ((("data.pkl", pkl),) + constants.small):
-        pos = len(out)
-        name = f"{_PREFIX}/{rel}".encode()
-        header = _local_header(name, pos, len(data))
-        recs.append(_Record(name.decode(), pos, pos + len(header), len(data), pos + len(header) + len(data) + 4))
-        crc = crcs[recs[-1].name] = crc32(data)
-        out += header + data + _descriptor(crc, pos, len(data))
-    return recs, bytes(out), crcs
-
-
-def _central_directory(records: list[_Record], crcs: dict[str, int]) -> tuple[bytes, list[int]]:
-    out = bytearray()
-    at = []
-    for r in records:
-        at.append(len(out))
-        out += _cd_entry(r.name.encode(), crcs.get(r.name, 0), r.header_offset, r.size)
-    return bytes(out), at
-
-
-# ---------------------------------------------------------------------------- the cache
-_lock = threading.Lock()  # the layout cache
+# ---------------------------------------------------------------------------- the probe
 _probe_lock = threading.Lock()
-_layouts: collections.OrderedDict[tuple[int, tuple[int, ...]], tuple[_Layout, bytes, list[int]]] = (
-    collections.OrderedDict())
-_MAX_LAYOUTS = 8
-_constants: _Constants | None = None
+_constants: Constants | None = None
 _checked: bool | None = None  # the probe's verdict: None = not run yet
-
-
-def _layout(constants: _Constants, start: int, sizes: tuple[int, ...]) -> tuple[_Layout, bytes, list[int]]:
-    """The layout for ``sizes`` after a head of ``start`` bytes, and the central directory of
-    its storage records (CRCs zero) with where each entry starts."""
-    key = (start, sizes)
-    with _lock:
-        hit = _layouts.get(key)
-        if hit is not None:
-            _layouts.move_to_end(key)
-            return hit
-    layout = _Layout(constants, start, sizes)
-    cd, at = _central_directory(layout.storage_records, {})
-    made = (layout, cd, at)
-    with _lock:
-        _layouts[key] = made
-        while len(_layouts) > _MAX_LAYOUTS:
-            _layouts.popitem(last=False)
-    return made
-
-
-def forget_layouts() -> None:
-    """Drop every cached layout (the last ``Checkpointer`` of the process closed)."""
-    with _lock:
-        _layouts.clear()
 
 
 def fast_path_enabled() -> bool:
@@ -365,18 +183,18 @@ def fast_path_enabled() -> bool:
     return bool(_checked)
 
 
-def _learn_constants() -> _Constants:
+def _learn_constants() -> Constants:
     """The small records torch writes, read from a probe file laid out by torch."""
     image = plan_torch_file({})
     data = _image_bytes(image)
     zip_ = image.zip
     assert zip_ is not None
-    names = [r.name.removeprefix(f"{_PREFIX}/") for r in zip_.records]
+    names = [r.name.removeprefix(f"{PREFIX}/") for r in zip_.records]
     content = {n: bytes(data[r.data_offset : r.data_offset + r.size]) for n, r in zip(names, zip_.records)}
     if names[0] != "data.pkl" or names[-2:] != ["version", ".data/serialization_id"]:
         raise ValueError(f"unexpected records {names}")
     small = tuple((n, content[n]) for n in names[1:-2])
-    return _Constants(small, content["version"], len(image.serialization_id))
+    return Constants(small, content["version"], len(image.serialization_id))
 
 
 def _image_bytes(image: FileImage) -> bytearray:
@@ -483,11 +301,11 @@ def plan_fast(state: Any, *, probe: bool = False) -> FileImage | None:
         return _image(constants, pkl, pickler, state)
 
 
-def _image(constants: _Constants, pkl: bytes, pickler: _Pickler, state: Any) -> FileImage:
-    head_records, head, head_crcs = _head(constants, pkl)
+def _image(constants: Constants, pkl: bytes, pickler: _Pickler, state: Any) -> FileImage:
+    head_records, head, head_crcs = lay_out_head(constants, pkl)
     sizes = tuple(int(s.nbytes()) for s in pickler.storages)
     # The first storage's header starts where the head ends (no gap: torch writes records back to back).
-    layout, storage_cd, storage_cd_at = _layout(constants, len(head), sizes)
+    layout, storage_cd, storage_cd_at = cached_layout(constants, len(head), sizes)
     sid = unique_id(constants.id_length).encode()
     tail_records, tail, cd_start = layout.tail(sid)
     pieces: list[tuple[int, bytes | memoryview]]
@@ -496,8 +314,8 @@ def _image(constants: _Constants, pkl: bytes, pickler: _Pickler, state: Any) -> 
         pieces = [(0, head + first)] + layout.pieces[1:] + [(layout.after, tail)]
     else:
         pieces = [(0, head + tail)]
-    head_cd, _ = _central_directory(head_records, head_crcs)
-    tail_cd, _ = _central_directory(tail_records, {tail_records[0].name: crc32(constants.version),
+    head_cd, _ = central_directory(head_records, head_crcs)
+    tail_cd, _ = central_directory(tail_records, {tail_records[0].name: crc32(constants.version),
                                                    tail_records[1].name: crc32(sid)})
     cd = head_cd + storage_cd + tail_cd
     zip_records = []
@@ -509,8 +327,8 @@ def _image(constants: _Constants, pkl: bytes, pickler: _Pickler, state: Any) -> 
     at = len(head_cd) + len(storage_cd)
     for r in tail_records:
         zip_records.append(ZipRecord(r.name, r.header_offset, r.data_offset, r.size, r.crc_at, at))
-        at += len(_cd_entry(r.name.encode(), 0, r.header_offset, r.size))
-    zip_ = TorchZip(_PREFIX, tuple(zip_records), cd_start, cd, True)
+        at += len(cd_entry(r.name.encode(), 0, r.header_offset, r.size))
+    zip_ = TorchZip(PREFIX, tuple(zip_records), cd_start, cd, True)
     slots = [StorageSlot(key, rec.data_offset, rec.size, storage=storage, device_type=device, address=address)
              for key, rec, storage, device, address in zip(layout.keys, layout.storage_records, pickler.storages,
                                                            pickler.devices, pickler.addresses)]

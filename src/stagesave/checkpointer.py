@@ -37,7 +37,7 @@ from ._discovery import (
     scan,
     verified_before,
 )
-from ._fastplan import fast_path_enabled, forget_layouts
+from ._fastplan import fast_path_enabled
 from ._fastplan import plan as plan_torch_file
 from ._image import FileImage
 from ._local import LocalStore
@@ -57,6 +57,7 @@ from ._stage import ImageCrcs, many_small_slots, on_host, stage_and_crc, stage_i
 from ._store import Reader, Store, check_name
 from ._targets import StoreResolver
 from ._write import FileToWrite, WriteStats, Written, proof_room
+from ._ziplayout import forget_layouts
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import stagesave
-from stagesave import _fastplan
+from stagesave import _fastplan, _ziplayout
 from stagesave._image import plan_torch_file
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
@@ -286,10 +286,10 @@ def test_nothing_planned_stays_behind_once_the_last_checkpointer_closes(ckpt_dir
 
     with stagesave.Checkpointer(ckpt_dir) as ck:
         ck.save({"w": torch.ones(100), "step": 1}, "a.ckpt").result()
-        assert _fastplan._layouts  # cached while a Checkpointer lives
+        assert _ziplayout._layouts  # cached while a Checkpointer lives
     gc.collect()
     assert not list(checkpointer._live)  # no other Checkpointer of the test session is open
-    assert not _fastplan._layouts
+    assert not _ziplayout._layouts
 
 
 def test_stagesave_planner_torch_forces_torch_saves_layout(monkeypatch: pytest.MonkeyPatch, ckpt_dir: str) -> None:
