@@ -31,7 +31,7 @@ import torch
 
 import stagesave.checkpointer as checkpointer_mod
 from stagesave import Checkpointer
-from stagesave._device import gpudirect_kvikio
+from stagesave.saving.stage_device import gpudirect_kvikio
 
 GIB = 1 << 30
 

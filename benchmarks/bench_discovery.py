@@ -50,9 +50,9 @@ _CHILD = textwrap.dedent(
         out["latest_s"] = time.perf_counter() - t0
         out["name"] = info.name
         import importlib
-        forget = getattr(importlib.import_module("stagesave._discovery"), "forget", None)
+        forget = getattr(importlib.import_module("stagesave.restore.discovery"), "forget", None)
         if forget is not None:  # format 2 caches what a listing learnt: measure it cold
-            from stagesave._local import LocalStore
+            from stagesave.stores.local import LocalStore
             forget(LocalStore(root), "")
         t0 = time.perf_counter()
         found = stagesave.list_checkpoints(root)
@@ -67,11 +67,11 @@ _CHILD = textwrap.dedent(
             out["save_to_commit_s"] = time.perf_counter() - t0
             # the retention alone, as the save ran it (a fresh process: nothing cached)
         import importlib
-        disc = importlib.import_module("stagesave._discovery")
+        disc = importlib.import_module("stagesave.restore.discovery")
         with stagesave.Checkpointer(root, keep_last=n) as ck2:
             store = ck2._targets.root
             if hasattr(disc, "forget"):  # format 2: nothing cached
-                from stagesave._commit import retain
+                from stagesave.saving.commit import retain
                 disc.forget(store, "")
                 t0 = time.perf_counter()
                 retain(store, "", n)

@@ -17,7 +17,6 @@ Usage: python benchmarks/bench_interference.py --gib 2 --repeats 3 [--alternativ
 from __future__ import annotations
 
 import argparse
-import io
 import os
 import shutil
 import statistics

@@ -7,8 +7,8 @@ cyclic collector several times, and a full collection visits every object of the
 training process holds millions (modules, datasets, tokenizers), simulated here by ``--objects``
 small dicts kept alive. Both variants plan the same state, interleaved, ``--repeats`` times:
 
-- ``collector on``: ``stagesave._image._plan_torch_file`` (the plan as it was before the pause);
-- ``collector paused``: ``stagesave._image.plan_torch_file`` (``gc_paused`` around it).
+- ``collector on``: ``stagesave.saving.plan._plan_torch_file`` (the plan as it was before the pause);
+- ``collector paused``: ``stagesave.saving.plan.plan_torch_file`` (``gc_paused`` around it).
 
 The states are ``common.transformer_state`` layouts with the tensor counts of the 2 GiB and
 8 GiB sweep states (672 and 2,736 tensors), at 1/64 of the bytes (the plan never touches tensor
@@ -28,7 +28,7 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 import common
 
-from stagesave._image import _plan_torch_file, plan_torch_file
+from stagesave.saving.plan import _plan_torch_file, plan_torch_file
 
 GIB = 1 << 30
 

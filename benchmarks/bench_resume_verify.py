@@ -43,7 +43,7 @@ _CHILD = textwrap.dedent(
     """
     import json, sys, time, warnings
     import torch, stagesave
-    from stagesave import _discovery
+    from stagesave.restore import discovery as _discovery
     root, variant = sys.argv[1], sys.argv[2]
     warnings.simplefilter("ignore")
     newest = root + "/step-2.ckpt"

@@ -66,7 +66,7 @@ def _cpu(pid: int | None) -> float:
 
 def _run_stagesave(state: Any, url: str, options: dict[str, Any], args: argparse.Namespace) -> dict[str, float]:
     import stagesave
-    from stagesave._s3 import S3Store
+    from stagesave.stores.s3 import S3Store
 
     root, _, name = url.rpartition("/")
     store = S3Store(root, options, max_connections=args.connections, part_size=args.part_mib << 20,

@@ -33,7 +33,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 import common
 
 import stagesave
-from stagesave import _fastplan, _ziplayout
+from stagesave.saving import fastplan as _fastplan
+from stagesave.saving import ziplayout as _ziplayout
 
 
 def adam_state(total_bytes: int, n_tensors: int, *, weights: bool = True) -> dict[str, Any]:

@@ -54,8 +54,8 @@ def one(cfg: tuple[str, bool], st: dict[str, torch.Tensor], root: str, name: str
 
 def proof_hmac_cost(st: dict[str, torch.Tensor], root: str) -> tuple[float, float, int]:
     """Seconds to sign and to check one real proof (no I/O), and the proof's size."""
-    from stagesave._manifest import dumps
-    from stagesave._signing import Keys, check_doc, sign_doc
+    from stagesave.ondisk.manifest import dumps
+    from stagesave.ondisk.signing import Keys, check_doc, sign_doc
 
     signing.configure([KEY])
     try:

@@ -1,6 +1,6 @@
 """How big should the piece be that one staging thread copies before hashing it?
 
-``stagesave._stage.stage_and_hash`` copies a host-memory state into the staging buffer and hashes
+``stagesave.saving.stage.stage_and_hash`` copies a host-memory state into the staging buffer and hashes
 every byte right after copying it, a sub-chunk at a time, so that the hash reads the bytes from
 the core's cache instead of memory. The sub-chunk must fit that cache together with the source it
 was read from. This runs the real ``stage_and_hash`` on a ``common.transformer_state`` of
@@ -30,10 +30,10 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 import common
 
-import stagesave._stage as stage_mod
-from stagesave._image import plan_torch_file
-from stagesave._pool import HostBuffer
+import stagesave.saving.stage as stage_mod
 from stagesave.cli._floors import copy_floor_s
+from stagesave.saving.buffers import HostBuffer
+from stagesave.saving.plan import plan_torch_file
 
 GIB = 1 << 30
 

@@ -15,9 +15,9 @@ def format1_checkpoint(path: Any, state: Any, *, chunk_bytes: int = 4096, algori
     import time
     import zipfile
 
-    from stagesave._checksum import digest
-    from stagesave._manifest import FileEntry, Manifest
-    from stagesave._names import manifest_name
+    from stagesave.ondisk.checksum import digest
+    from stagesave.ondisk.manifest import FileEntry, Manifest
+    from stagesave.ondisk.names import manifest_name
 
     torch.save(state, path)
     data = open(path, "rb").read()
@@ -39,10 +39,10 @@ def rewrite_proof(path: Any, mutate: Any) -> None:
     access (and no key) can produce. ``mutate`` may return bytes to use as the proof verbatim."""
     import json
 
-    from stagesave._checksum import crc32
-    from stagesave._manifest import Summary, parse_summary
-    from stagesave._proofread import zip_tail_parts
-    from stagesave._zipfmt import read_footer
+    from stagesave.ondisk.checksum import crc32
+    from stagesave.ondisk.manifest import Summary, parse_summary
+    from stagesave.ondisk.torchzip import read_footer
+    from stagesave.restore.proof import zip_tail_parts
 
     data = open(path, "rb").read()
     raw = read_footer(data[-65536:], crc32)

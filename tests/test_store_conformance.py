@@ -16,11 +16,11 @@ import pytest
 import torch
 
 import stagesave
-from stagesave._fsspec import FsspecStore
-from stagesave._local import LocalStore
-from stagesave._s3 import S3Store
-from stagesave._store import Store
-from stagesave._tiered import TieredStore
+from stagesave.stores.base import Store
+from stagesave.stores.fsspec import FsspecStore
+from stagesave.stores.local import LocalStore
+from stagesave.stores.s3 import S3Store
+from stagesave.stores.tiered import TieredStore
 
 MiB = 1 << 20
 #: Big enough for three multipart parts on S3 (part size 5 MiB in these tests), odd length.

@@ -16,12 +16,12 @@ The other ranks learn that a DCP part committed by finding it at its target, so 
 where they are until every rank has said it saw them (its acknowledgement file, written by its
 own writer thread once its part handles are done). Then rank 0 moves the DCP folders into
 ``work/folder/<leaf>`` and renames that folder to the target with the core's folder rename
-(``stagesave._commit._rename_into_place``: an atomic swap with an invalid folder being replaced,
+(``stagesave.saving.commit._rename_into_place``: an atomic swap with an invalid folder being replaced,
 directory fsync, undone if that fails): the single step that makes the checkpoint visible. A
 crash before it leaves the previous checkpoint the newest (and the work folder as debris that
 ``stagesave gc`` removes once its writer is dead); a failed part, a failed rank or a missing
 acknowledgement (a rank died) publishes nothing. Every mutating filesystem call goes through
-``stagesave._fsops``, so the power-loss recorder sees each step.
+``stagesave.stores.posix``, so the power-loss recorder sees each step.
 
 These steps run as ``Checkpointer.run_after`` actions, queued on each process's writer thread
 behind the parts they follow: they poll a folder and rename (syscalls only: no torch op, no
@@ -39,10 +39,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from stagesave import SaveHandle
-from stagesave import _fsops as fsops
-from stagesave._commit import _rename_into_place, restore_aside, retain
-from stagesave._local import LocalStore
 from stagesave.errors import CheckpointError, StorageError
+from stagesave.saving.commit import _rename_into_place, restore_aside, retain
+from stagesave.stores import posix as fsops
+from stagesave.stores.local import LocalStore
 
 __all__ = ["Assembly", "discard", "first_error", "publish", "write_ack"]
 

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stagesave import Checkpointer, CheckpointInfo, SaveHandle, SaveTelemetry, TieredStore
-from stagesave import _fsops as fsops
+from stagesave.stores import posix as fsops
 
 from . import _dist, _fsdp, _remote
 from ._assemble import Assembly, discard, first_error, keep_newest, publish, write_ack

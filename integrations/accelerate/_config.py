@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from stagesave._checksum import DEFAULT_ALGORITHM
+from stagesave.ondisk.checksum import DEFAULT_ALGORITHM
 
 __all__ = ["ENV_CONFIG", "ENV_PREFIX", "ENV_SWITCH", "Options", "is_switched_off", "resolve_options"]
 

@@ -17,8 +17,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from stagesave import _fsops as fsops
 from stagesave.formats import Raw
+from stagesave.stores import posix as fsops
 
 __all__ = ["run_save_hooks"]
 

@@ -13,7 +13,7 @@ import tempfile
 from collections.abc import Mapping
 from typing import Any
 
-from stagesave import _fsops as fsops
+from stagesave.stores import posix as fsops
 
 __all__ = ["download_folder", "is_url", "join", "leaf", "normalize", "parent"]
 

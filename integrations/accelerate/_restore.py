@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from stagesave import Checkpointer, CheckpointInfo
-from stagesave import _fsops as fsops
 from stagesave.errors import CheckpointNotFoundError, IntegrityError
+from stagesave.stores import posix as fsops
 
 from . import _remote
 from ._layout import METADATA_KEY

@@ -8,7 +8,7 @@ Removing a checkpoint that a link points at, or will point at once the queued up
 held back; it is submitted once neither is the case, and then runs behind every link update
 queued before it, so a valid ``last`` exists at every moment. Lightning allows ``"link"`` only
 for local paths; the link itself is made by the core's one commit module
-(``stagesave._commit.commit_link``: a temporary link renamed over the old one, then a directory
+(``stagesave.saving.commit.commit_link``: a temporary link renamed over the old one, then a directory
 fsync, every step through the filesystem seam the power-loss tests record), so the directory
 holds exactly what Lightning's own ``save_last="link"`` leaves: the link and the checkpoints.
 """
@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from stagesave import Checkpointer, SaveHandle
-from stagesave._commit import commit_link
+from stagesave.saving.commit import commit_link
 
 __all__ = ["LinkKeeper", "install_link_hook"]
 

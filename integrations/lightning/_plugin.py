@@ -33,8 +33,8 @@ from stagesave import (
     ClosedError,
     SaveHandle,
     SaveTelemetry,
-    _inflight,
 )
+from stagesave.saving import inflight as _inflight
 
 from ._links import LinkKeeper, install_link_hook
 from ._trainer_hooks import install_trainer_hooks

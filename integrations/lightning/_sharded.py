@@ -46,10 +46,10 @@ from stagesave import (
     LocalStore,
     SaveHandle,
 )
-from stagesave import _fsops as fsops
-from stagesave._discovery import folder_entries, resolve_dir, verify_entry
-from stagesave._image import plan_torch_file
 from stagesave.dcp import StagedStorageReader, StagedStorageWriter
+from stagesave.restore.discovery import folder_entries, resolve_dir, verify_entry
+from stagesave.saving.plan import plan_torch_file
+from stagesave.stores import posix as fsops
 
 from ._plugin import LIGHTNING_SAFE_GLOBALS, StagedCheckpointIO, lightning_metadata
 

@@ -13,13 +13,6 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ._discovery import CheckpointInfo
-from ._fsspec import FsspecStore
-from ._local import LocalStore
-from ._names import TMP_MARKER, is_temporary
-from ._s3 import RetryPolicy, S3Store, abort_stale_multipart_uploads
-from ._store import Store
-from ._tiered import TieredStore
 from .checkpointer import Checkpointer, flush_all, flush_on_sigterm
 from .errors import (
     CheckpointError,
@@ -34,7 +27,14 @@ from .errors import (
     UnsupportedObjectError,
 )
 from .handle import SaveHandle
+from .ondisk.names import TMP_MARKER, is_temporary
+from .restore.discovery import CheckpointInfo
 from .safety import allow_globals, allowed_globals
+from .stores.base import Store
+from .stores.fsspec import FsspecStore
+from .stores.local import LocalStore
+from .stores.s3 import RetryPolicy, S3Store, abort_stale_multipart_uploads
+from .stores.tiered import TieredStore
 from .telemetry import SaveTelemetry
 
 __version__ = "0.1.0"

@@ -20,44 +20,6 @@ from typing import Any
 
 import torch
 
-from . import _inflight
-from ._background import JobQueue, current_queue
-from ._checksum import CRYPTOGRAPHIC, DEFAULT_ALGORITHM, check_algorithm
-from ._commit import commit_file, commit_folder, remove_checkpoint, retain
-from ._device import device_of, gpudirect_kvikio, stage_on_device, write_device_data
-from ._discovery import (
-    CheckpointInfo,
-    folder_entries,
-    plain_problem,
-    raise_if_corrupt,
-    remember_verified,
-    resolve,
-    resolve_dir,
-    resolve_reader,
-    scan,
-    verified_before,
-)
-from ._fastplan import fast_path_enabled
-from ._fastplan import plan as plan_torch_file
-from ._image import FileImage
-from ._local import LocalStore
-from ._manifest import MAX_DEPTH, plain_json
-from ._names import (
-    ALIGNMENT,
-    ASIDE_MARKER,
-    DEFAULT_CHUNK_BYTES,
-    TELEMETRY_FILE,
-    TMP_MARKER,
-    check_target_name,
-)
-from ._pool import BufferPool, HostBuffer
-from ._proofread import chunk_problems
-from ._signing import current as signing_keys
-from ._stage import ImageCrcs, many_small_slots, on_host, stage_and_crc, stage_image
-from ._store import Reader, Store, check_name
-from ._targets import StoreResolver
-from ._write import FileToWrite, WriteStats, Written, proof_room
-from ._ziplayout import forget_layouts
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -70,7 +32,45 @@ from .errors import (
 )
 from .formats import plan_file
 from .handle import SaveHandle
+from .ondisk.checksum import CRYPTOGRAPHIC, DEFAULT_ALGORITHM, check_algorithm
+from .ondisk.manifest import MAX_DEPTH, plain_json
+from .ondisk.names import (
+    ALIGNMENT,
+    ASIDE_MARKER,
+    DEFAULT_CHUNK_BYTES,
+    TELEMETRY_FILE,
+    TMP_MARKER,
+    check_target_name,
+)
+from .ondisk.signing import current as signing_keys
+from .restore.discovery import (
+    CheckpointInfo,
+    folder_entries,
+    plain_problem,
+    raise_if_corrupt,
+    remember_verified,
+    resolve,
+    resolve_dir,
+    resolve_reader,
+    scan,
+    verified_before,
+)
+from .restore.proof import chunk_problems
 from .safety import safe_torch_load
+from .saving import inflight as _inflight
+from .saving.buffers import BufferPool, HostBuffer
+from .saving.commit import commit_file, commit_folder, remove_checkpoint, retain
+from .saving.fastplan import fast_path_enabled
+from .saving.fastplan import plan as plan_torch_file
+from .saving.pipeline import JobQueue, current_queue
+from .saving.plan import FileImage
+from .saving.stage import ImageCrcs, many_small_slots, on_host, stage_and_crc, stage_image
+from .saving.stage_device import device_of, gpudirect_kvikio, stage_on_device, write_device_data
+from .saving.write import FileToWrite, WriteStats, Written, proof_room
+from .saving.ziplayout import forget_layouts
+from .stores.base import Reader, Store, check_name
+from .stores.local import LocalStore
+from .stores.targets import StoreResolver
 from .telemetry import SaveTelemetry, TelemetryCallback
 
 __all__ = ["Checkpointer"]
@@ -158,7 +158,7 @@ def _check_same_filesystem(store: Store, dname: str, staging_dir: str | os.PathL
     target_parent = store.local_path(dname.rpartition("/")[0])
     if target_parent is None:
         raise ValueError("staging_dir only applies to local targets (a local root or a tiered root's local tier)")
-    from ._local import makedirs_durable
+    from .stores.local import makedirs_durable
 
     makedirs_durable(os.fspath(staging_dir))
     if os.stat(staging_dir).st_dev != os.stat(target_parent).st_dev:
@@ -553,7 +553,7 @@ class Checkpointer:
                 if wait_device is not None:
                     wait_device()
                     wait_device = None
-                from ._stage import crc_image
+                from .saving.stage import crc_image
 
                 h0 = time.perf_counter()
                 crcs = crc_image(image, buf.view[base : base + image.size], chunk_bytes=self.chunk_bytes,
@@ -763,7 +763,7 @@ class Checkpointer:
 
     def _folder_bound(self, files: dict[str, Any], planned: dict[str, FileImage]) -> dict[str, Any]:
         """A folder section at least as long as the real one will be (to size a reservation)."""
-        from ._checksum import DIGEST_HEX_LEN
+        from .ondisk.checksum import DIGEST_HEX_LEN
 
         hex_len = DIGEST_HEX_LEN[self.checksum]
         members = [[n, 1 << 50, 0xFFFFFFFF] for n in files]
@@ -1125,7 +1125,7 @@ class Checkpointer:
                         if reader.size != listed.size:
                             problems.append(f"{reader.where} is {reader.size} bytes, its proof says {listed.size}")
                         else:
-                            from ._manifest import Manifest
+                            from .ondisk.manifest import Manifest
 
                             problems += self._chunk_problems(reader, Manifest([listed], 0))
             except OSError as exc:

@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
-from ._fastplan import plan as plan_torch_file
-from ._image import FileImage
-from ._safetensors import ProofRoom, plan_safetensors_file
+from .saving.fastplan import plan as plan_torch_file
+from .saving.plan import FileImage
+from .saving.plan_safetensors import ProofRoom, plan_safetensors_file
 
 __all__ = ["Raw", "Safetensors", "plan_file"]
 

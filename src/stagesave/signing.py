@@ -1,11 +1,19 @@
 """Signed checkpoints (optional): a secret key makes every proof keyed.
 
-See :mod:`stagesave._signing` and ``docs/user-guide.md`` (Signed checkpoints) for the threat
+See :mod:`stagesave.ondisk.signing` and ``docs/user-guide.md`` (Signed checkpoints) for the threat
 model. Keys come from ``STAGESAVE_SIGNING_KEY`` / ``STAGESAVE_SIGNING_KEY_FILE`` (hex, at
 least 32 bytes), ``STAGESAVE_REQUIRE_SIGNED=1`` refuses unsigned checkpoints, or from
 :func:`configure` in the process.
 """
 
-from ._signing import ENV_KEY, ENV_KEY_FILE, ENV_REQUIRE, MIN_KEY_BYTES, configure, current, key_id
+from .ondisk.signing import (
+    ENV_KEY,
+    ENV_KEY_FILE,
+    ENV_REQUIRE,
+    MIN_KEY_BYTES,
+    configure,
+    current,
+    key_id,
+)
 
 __all__ = ["ENV_KEY", "ENV_KEY_FILE", "ENV_REQUIRE", "MIN_KEY_BYTES", "configure", "current", "key_id"]

@@ -72,7 +72,7 @@ def test_same_folder_through_device_staging(tmp_path, monkeypatch):
     """``device_staging=True``: the same files, staged through the device path (host memory
     standing in for the GPU, which this machine does not have) and written by its writer."""
     import stagesave.checkpointer as checkpointer_mod
-    from stagesave._local import LocalStore
+    from stagesave.stores.local import LocalStore
 
     monkeypatch.setattr(checkpointer_mod, "device_of",
                         lambda images, store: torch.device("cpu") if isinstance(store, LocalStore) else None)

@@ -87,7 +87,7 @@ def _payload(tmp_path) -> tuple[bytes, str]:
 def _reprove(folder: str, name: str, data: bytes) -> None:
     """Put ``data`` at ``name`` and rewrite the carrier's proof to vouch for it (a listed file
     with its checksums), every CRC consistent: what an attacker without a key can do."""
-    from stagesave._checksum import digest
+    from stagesave.ondisk.checksum import digest
 
     def mutate(doc):
         step, algorithm = doc["chunk_bytes"], doc["algorithm"]

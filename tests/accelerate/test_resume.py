@@ -280,8 +280,8 @@ def _format1_folder(folder, metadata) -> None:
     ``checkpoint.stagesave.json`` manifest listing each with its size and chunk digests."""
     import time
 
-    from stagesave._checksum import digest
-    from stagesave._manifest import FileEntry, Manifest
+    from stagesave.ondisk.checksum import digest
+    from stagesave.ondisk.manifest import FileEntry, Manifest
 
     entries = []
     for name in sorted(os.listdir(folder)):

@@ -74,8 +74,8 @@ def _format1_entry(path: str, name: str, kind: str, algorithm: str, chunk_bytes:
     digests, and for a torch zip its storage records and serialization id."""
     import zipfile
 
-    from stagesave._checksum import digest
-    from stagesave._manifest import FileEntry, StorageRecord
+    from stagesave.ondisk.checksum import digest
+    from stagesave.ondisk.manifest import FileEntry, StorageRecord
 
     data = Path(path).read_bytes()
     chunks = tuple(digest(algorithm, data[i : i + chunk_bytes]) for i in range(0, len(data), chunk_bytes))
@@ -103,9 +103,9 @@ def write_format1(
     Returns ``(file path, sidecar path)``."""
     import time
 
-    from stagesave._image import plan_torch_file
-    from stagesave._manifest import Manifest
-    from stagesave._names import manifest_name
+    from stagesave.ondisk.manifest import Manifest
+    from stagesave.ondisk.names import manifest_name
+    from stagesave.saving.plan import plan_torch_file
 
     path = os.path.join(str(root), name)
     torch.save(state, path)
@@ -129,8 +129,8 @@ def write_format1_dir(
 
     from safetensors.torch import save_file
 
-    from stagesave._manifest import Manifest
-    from stagesave._names import DIR_MANIFEST
+    from stagesave.ondisk.manifest import Manifest
+    from stagesave.ondisk.names import DIR_MANIFEST
 
     d = os.path.join(str(root), name)
     os.makedirs(d)
@@ -187,8 +187,8 @@ _CRASH_DRIVER = textwrap.dedent(
         if pid == 0:
             os.environ["STAGESAVE_CRASH_AT"] = point
             if mode == "dir_noexchange":  # the two-rename fallback, which leaves an aside folder
-                import stagesave._fsops
-                stagesave._fsops.exchange = no_exchange
+                import stagesave.stores.posix
+                stagesave.stores.posix.exchange = no_exchange
             try:
                 scenario(root, mode, name, options[0] if options else None)
             finally:

@@ -15,8 +15,8 @@ import torch
 from clitools import flip_byte, small_state, write_checkpoints, write_format1
 
 import stagesave
-from stagesave._gc import collect_garbage, find_debris, pid_alive
-from stagesave._local import LocalStore
+from stagesave.restore.gc import collect_garbage, find_debris, pid_alive
+from stagesave.stores.local import LocalStore
 
 
 def _tree(root):

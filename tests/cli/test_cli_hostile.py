@@ -35,11 +35,11 @@ def rewrite_index(path: Any, mutate: Any) -> None:
     """Rewrite a format-2 torch file's tensor index with ``mutate(index)`` (bytes returned are
     used verbatim), pin it in the proof by its new digest, and rebuild the tail so that every
     CRC and offset is consistent: what an attacker without a key can produce."""
-    from stagesave._checksum import crc32, digest
-    from stagesave._manifest import Summary, parse_summary
-    from stagesave._names import INDEX_RECORD, PROOF_RECORD
-    from stagesave._proofread import zip_tail_parts
-    from stagesave._zipfmt import TorchZip, build_tail, read_footer
+    from stagesave.ondisk.checksum import crc32, digest
+    from stagesave.ondisk.manifest import Summary, parse_summary
+    from stagesave.ondisk.names import INDEX_RECORD, PROOF_RECORD
+    from stagesave.ondisk.torchzip import TorchZip, build_tail, read_footer
+    from stagesave.restore.proof import zip_tail_parts
 
     data = Path(path).read_bytes()
     raw = read_footer(data[-65536:], crc32)

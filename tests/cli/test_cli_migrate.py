@@ -166,8 +166,8 @@ def test_adopted_files_are_left_unless_asked(cli, tmp_path):
 
 
 def test_folders_migrate_only_what_they_prove(cli, tmp_path):
-    from stagesave._manifest import Manifest, parse_manifest
-    from stagesave._names import DIR_MANIFEST
+    from stagesave.ondisk.manifest import Manifest, parse_manifest
+    from stagesave.ondisk.names import DIR_MANIFEST
 
     d = write_format1_dir(tmp_path, "checkpoint_1")
     with open(os.path.join(d, "notes.txt"), "w") as f:

@@ -10,7 +10,7 @@ import torch
 from clitools import small_state
 
 import stagesave
-from stagesave._names import TELEMETRY_FILE
+from stagesave.ondisk.names import TELEMETRY_FILE
 
 
 @pytest.fixture

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers import assert_same
 
 import stagesave
-from helpers import assert_same
 
 
 def test_plain_torch_load_and_mmap_read_stagesave_files(ckpt_dir):

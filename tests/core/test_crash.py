@@ -11,10 +11,10 @@ import os
 import signal
 import time
 
+import crashchild
 import pytest
 import torch
 
-import crashchild
 import stagesave
 from stagesave._crash import CRASH_POINTS
 

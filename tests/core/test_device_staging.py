@@ -19,12 +19,17 @@ from test_stage_and_hash import states
 
 import stagesave
 import stagesave.checkpointer as checkpointer_mod
-from stagesave._device import device_of, gpudirect_kvikio, stage_on_device, write_device_data
-from stagesave._image import plan_torch_file
-from stagesave._local import LocalStore
-from stagesave._pool import HostBuffer
-from stagesave._write import FileToWrite, WriteStats, write_data
-from stagesave._stage import stage_image
+from stagesave.saving.buffers import HostBuffer
+from stagesave.saving.plan import plan_torch_file
+from stagesave.saving.stage import stage_image
+from stagesave.saving.stage_device import (
+    device_of,
+    gpudirect_kvikio,
+    stage_on_device,
+    write_device_data,
+)
+from stagesave.saving.write import FileToWrite, WriteStats, write_data
+from stagesave.stores.local import LocalStore
 
 CPU = torch.device("cpu")
 
@@ -118,7 +123,7 @@ def test_a_failing_device_write_leaves_no_temporary_and_no_write_after_the_abort
     import threading
     import time
 
-    from stagesave import _fsops
+    from stagesave.stores import posix as _fsops
 
     image = plan_torch_file({"w": torch.randn(1_000_000)})  # 4 MB: 16 chunks of 256 KiB
     buf = _device_buffer(image, 0)

@@ -1,6 +1,6 @@
 """The fast planner lays a state out exactly as ``torch.save`` does, or declines.
 
-``torch.save`` under ``skip_data`` (through :func:`stagesave._image.plan_torch_file`) is the
+``torch.save`` under ``skip_data`` (through :func:`stagesave.saving.plan.plan_torch_file`) is the
 oracle: for generated states both images must hold the same bytes up to the central directory
 (serialization ids aside), the same slots, CRC positions, central directory and index. The
 planner is private; the tests reach it because the property is about its output, not a save.
@@ -22,8 +22,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import stagesave
-from stagesave import _fastplan, _ziplayout
-from stagesave._image import plan_torch_file
+from stagesave.saving import fastplan as _fastplan
+from stagesave.saving import ziplayout as _ziplayout
+from stagesave.saving.plan import plan_torch_file
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
           torch.int8, torch.uint8, torch.bool, torch.complex64]

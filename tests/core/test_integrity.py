@@ -11,10 +11,9 @@ import zipfile
 
 import pytest
 import torch
+from helpers import format1_checkpoint, rewrite_proof
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from helpers import format1_checkpoint, rewrite_proof
 
 import stagesave
 from stagesave.errors import IntegrityError, ManifestError, UnsafeCheckpointError
@@ -89,15 +88,15 @@ def test_every_byte_of_the_tail_and_the_first_page_is_covered(tmp_path):
 
     newest = _two_checkpoints(tmp_path)
     raw = newest.read_bytes()
-    from stagesave._checksum import crc32
-    from stagesave._manifest import parse_summary
-    from stagesave._zipfmt import read_footer
+    from stagesave.ondisk.checksum import crc32
+    from stagesave.ondisk.manifest import parse_summary
+    from stagesave.ondisk.torchzip import read_footer
 
     s = parse_summary(read_footer(raw[-4096:], crc32), "x")
     covered = _json.loads(raw[s.proof_offset : s.proof_offset + s.proof_len])["covered"]
     positions = list(range(covered, len(raw))) + list(range(0, 4096, 7))
-    from stagesave._discovery import resolve
-    from stagesave._local import LocalStore
+    from stagesave.restore.discovery import resolve
+    from stagesave.stores.local import LocalStore
 
     store = LocalStore(str(tmp_path))
     for pos in positions:
@@ -238,7 +237,7 @@ def test_format1_manifest_validation_rejects_hostile_fields(tmp_path, field, val
     m = _manifest_of(newest)
     doc = json.loads(m.read_bytes())
     doc["files"][0][field] = value
-    from stagesave._manifest import parse_manifest
+    from stagesave.ondisk.manifest import parse_manifest
 
     with pytest.raises(ManifestError, match=message):
         parse_manifest(json.dumps(doc).encode(), str(m))
@@ -251,7 +250,7 @@ def test_format1_manifest_validation_rejects_hostile_fields(tmp_path, field, val
     max_leaves=20,
 ).map(lambda d: json.dumps(d).encode()))
 def test_fuzzed_manifests_never_crash_the_parser(blob):
-    from stagesave._manifest import parse_manifest
+    from stagesave.ondisk.manifest import parse_manifest
 
     try:
         parse_manifest(blob, "fuzz")

@@ -6,7 +6,7 @@ import gc
 
 import torch
 
-from stagesave._image import _plan_torch_file, gc_paused, plan_torch_file
+from stagesave.saving.plan import _plan_torch_file, gc_paused, plan_torch_file
 
 
 def _state(n: int = 200) -> dict:

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 import stagesave
-from stagesave import _discovery
-from stagesave._names import aside_name
+from stagesave.restore import discovery as _discovery
 from stagesave.errors import CheckpointError, CheckpointPermissionError, IntegrityError
+from stagesave.ondisk.names import aside_name
 
 
 def _flip_tensor_byte(path) -> None:

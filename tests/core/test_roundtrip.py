@@ -11,11 +11,11 @@ from typing import NamedTuple
 import numpy as np
 import pytest
 import torch
+from helpers import assert_same
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import stagesave
-from helpers import assert_same
 
 SERIALIZABLE_DTYPES = [
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,

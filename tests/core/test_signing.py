@@ -9,9 +9,9 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from proofkit import carrier_of, format1_checkpoint, rewrite_proof
 
 import stagesave
-from proofkit import carrier_of, format1_checkpoint, rewrite_proof
 from stagesave import signing
 from stagesave.errors import CheckpointError, IntegrityError
 
@@ -97,7 +97,7 @@ def test_a_proof_changed_without_the_key_is_refused_and_latest_skips_it(tmp_path
 def test_bytes_changed_and_reproved_keep_no_valid_signature(tmp_path):
     """An attacker changes a tensor and recomputes every digest (blake3) in the proof: the old
     signature no longer matches the proof."""
-    from stagesave._checksum import digest
+    from stagesave.ondisk.checksum import digest
 
     signing.configure([KEY])
     stagesave.save(state(1), tmp_path / "a.ckpt")

@@ -7,19 +7,18 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import os
+import zlib
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import zlib
-
-import stagesave._stage as stage_mod
-from stagesave._image import StorageSlot, plan_torch_file
-from stagesave._pool import HostBuffer
-from stagesave._safetensors import plan_safetensors_file
-from stagesave._stage import crc_image, on_host, stage_and_crc, stage_image
+import stagesave.saving.stage as stage_mod
+from stagesave.saving.buffers import HostBuffer
+from stagesave.saving.plan import StorageSlot, plan_torch_file
+from stagesave.saving.plan_safetensors import plan_safetensors_file
+from stagesave.saving.stage import crc_image, on_host, stage_and_crc, stage_image
 
 
 def _reference_crcs(view: memoryview, image, chunk: int) -> tuple[list[int], list[int]]:
@@ -141,7 +140,7 @@ def test_sub_chunk_follows_this_machines_l2_cache():
 def test_filled_zip_crcs_update_the_chunk_crcs_without_rehashing(state, chunk_pages):
     """After staging, each storage record's CRC goes into its data descriptor; the chunk CRCs
     are patched for those bytes (CRC-32 is affine) and equal a CRC of the final bytes."""
-    from stagesave._write import fill_crcs
+    from stagesave.saving.write import fill_crcs
 
     image = plan_torch_file(state)
     chunk = chunk_pages * 4096

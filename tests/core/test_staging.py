@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
 import numpy as np
-import os
-
 import pytest
 import torch
+from helpers import assert_same
 
 import stagesave
-from helpers import assert_same
 
 
 def test_mutating_tensors_arrays_and_containers_after_save_changes_nothing(ckpt_dir):
@@ -184,7 +183,7 @@ def test_host_state_is_hashed_before_save_returns_by_default(ckpt_dir, checksum_
 def test_where_checksums_are_computed(ckpt_dir, checksum_in, host, device_pending):
     """"auto" leaves hashing to the writers while a device-to-host copy is still in flight, and
     for states of many small tensors (private: the choice itself is not observable otherwise)."""
-    from stagesave._fastplan import plan
+    from stagesave.saving.fastplan import plan
 
     big, small = plan({"t": torch.zeros(1 << 20)}), plan({str(i): torch.zeros(16) for i in range(100)})
     with stagesave.Checkpointer(ckpt_dir, checksum_in=checksum_in) as ck:
@@ -435,7 +434,7 @@ def test_dot_names_are_saved_listed_and_latest(ckpt_dir):
 def test_the_clock_stepping_back_changes_no_order(ckpt_dir, monkeypatch):
     """Newest is the sequence number, never the wall clock: with the clock stepped back an hour
     after the first save, latest() is still the last save and keep_last removes the oldest."""
-    import stagesave._commit as commit_mod
+    import stagesave.saving.commit as commit_mod
 
     real = commit_mod.time.time_ns
     with stagesave.Checkpointer(ckpt_dir, keep_last=2) as ck:

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from stagesave import LocalStore
-from stagesave._manifest import Manifest
-from stagesave._proofread import FileProof, read_proof
+from stagesave.ondisk.manifest import Manifest
+from stagesave.restore.proof import FileProof, read_proof
 
 #: A small MLP whose first dimensions (48, 40, 10) shard unevenly over 4 ranks and over 2.
 SIZES = (32, 48, 40, 10)

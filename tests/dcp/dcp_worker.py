@@ -228,7 +228,7 @@ def crash_replace(rank: int, world: int, out: str) -> dict[str, Any]:
     sdcp.save(a, "last", writer=writer).result(60)
     ckpt.keep_last = 1
     if os.environ.get("NO_EXCHANGE") == "1":  # a filesystem without RENAME_EXCHANGE: old folder aside first
-        from stagesave import _fsops
+        from stagesave.stores import posix as _fsops
 
         def no_exchange(a: str, b: str) -> None:
             raise OSError(errno.ENOSYS, "renameat2(RENAME_EXCHANGE) is not supported here")

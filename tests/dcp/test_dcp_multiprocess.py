@@ -25,8 +25,8 @@ import stagesave
 import stagesave.dcp as sdcp
 from stagesave import LocalStore
 from stagesave._crash import CRASH_POINTS
-from stagesave._gc import collect_garbage, find_debris
 from stagesave.dcp._metadata import load_metadata
+from stagesave.restore.gc import collect_garbage, find_debris
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 

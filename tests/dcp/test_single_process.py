@@ -253,7 +253,7 @@ def test_retention_latest_and_remove_treat_the_folder_as_one_checkpoint(root):
 
 
 def test_tiered_store_uploads_the_committed_folder(tmp_path):
-    from stagesave._tiered import TieredStore
+    from stagesave.stores.tiered import TieredStore
 
     tier = TieredStore(tmp_path / "local", tmp_path / "remote")
     ckpt = stagesave.Checkpointer(tier)
@@ -453,8 +453,8 @@ def test_misuse_is_refused_with_the_reason(writer, root):
 def _format1_folder(folder: Path, state: dict[str, Any], chunk_bytes: int = 4096) -> None:
     """A sharded folder as stagesave 1.x committed it: DCP's files plus ``checkpoint.stagesave.json``
     (every file with its size and the xxh3-128 digests of its chunks), written last."""
-    from stagesave._checksum import digest
-    from stagesave._manifest import FileEntry, Manifest
+    from stagesave.ondisk.checksum import digest
+    from stagesave.ondisk.manifest import FileEntry, Manifest
 
     dcp.save(state, checkpoint_id=str(folder))
     entries = []

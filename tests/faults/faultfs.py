@@ -1,6 +1,6 @@
 """A recording filesystem for fault injection, in the spirit of LevelDB's fault-injection env.
 
-:class:`Recorder` wraps every function of ``stagesave._fsops`` (the module through which the
+:class:`Recorder` wraps every function of ``stagesave.stores.posix`` (the module through which the
 local store makes each mutating POSIX call) around the real call: it logs what each call did,
 can make a chosen call fail (ENOSPC, EIO) before it reaches the kernel, and can pause a call
 (to act while a save is in flight). Nothing is mocked: the save really runs on a real directory.
@@ -32,13 +32,13 @@ from typing import Any
 
 from typing_extensions import Self
 
-from stagesave import _fsops
+from stagesave.stores import posix as _fsops
 
 __all__ = ["FSOPS", "MODES", "Call", "Op", "PowerLossModel", "Recorder"]
 
-#: Functions of ``stagesave._fsops`` made of others of it (their parts are recorded, not them).
+#: Functions of ``stagesave.stores.posix`` made of others of it (their parts are recorded, not them).
 COMPOSITE = ("fsync_dir",)
-#: Every other function of ``stagesave._fsops`` (all of them are wrapped).
+#: Every other function of ``stagesave.stores.posix`` (all of them are wrapped).
 FSOPS = tuple(n for n in _fsops.__all__ if n not in COMPOSITE)
 #: Views of a power loss, see the module docstring.
 MODES = ("durable", "eager", "random")
@@ -78,7 +78,7 @@ class Call:
 
 
 class Recorder:
-    """Wraps ``stagesave._fsops`` while active (``with recorder:``), logging every effect.
+    """Wraps ``stagesave.stores.posix`` while active (``with recorder:``), logging every effect.
 
     Args:
         base: The directory tree the model covers; every path touched must lie inside it.

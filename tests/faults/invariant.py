@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 import stagesave
-from stagesave._names import parse_aside_name
 from stagesave.formats import Safetensors
+from stagesave.ondisk.names import parse_aside_name
 
 __all__ = ["Version", "check_invariant", "read_version_files", "same_state"]
 

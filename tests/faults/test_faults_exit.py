@@ -2,7 +2,7 @@
 the process does not hang.
 
 Children are forked from a server with torch preloaded (a fork, not an interpreter start); their
-disk is slowed by a hook on ``stagesave._fsops`` so that the save is really in flight when the
+disk is slowed by a hook on ``stagesave.stores.posix`` so that the save is really in flight when the
 process ends. A multiprocessing child ends through ``threading._shutdown()`` like an interpreter
 does (that is where stagesave flushes), but not through ``atexit``; one case therefore also runs
 a real interpreter.

@@ -1,6 +1,6 @@
 """EIO from fsync, ENOSPC in the middle of the background write and from fallocate.
 
-These faults are injected by wrapping ``stagesave._fsops`` (``faultfs.Recorder.fail``): the
+These faults are injected by wrapping ``stagesave.stores.posix`` (``faultfs.Recorder.fail``): the
 wrapped call raises before it reaches the kernel. A real EIO from fsync needs a failing device
 (or dm-flakey / dm-error, which need a block device and root in a VM); this sandbox has neither,
 so the injected error stands in for it. Real ENOSPC on a small tmpfs is tested in

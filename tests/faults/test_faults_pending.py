@@ -1,7 +1,7 @@
 """Faults while a save is in flight: its temporary deleted, a load or removal of the same path,
 readers looking at every step, close, and host memory under ``max_pending`` back-pressure.
 
-A save is held at an exact call of the protocol by a hook on ``stagesave._fsops`` that blocks
+A save is held at an exact call of the protocol by a hook on ``stagesave.stores.posix`` that blocks
 the background writer thread until the test releases it; everything else is real.
 """
 
@@ -26,8 +26,8 @@ from faultfs import Call, Recorder
 from faulthelp import debris, dir_state, file_state, latest_name, lock_waiters
 
 import stagesave
-from stagesave import _inflight
 from stagesave.errors import CheckpointError, CheckpointNotFoundError, ClosedError
+from stagesave.saving import inflight as _inflight
 
 _ctx = multiprocessing.get_context("forkserver")
 _ctx.set_forkserver_preload(["torch", "stagesave", "faultchild"])
@@ -207,7 +207,7 @@ def _waits_for_pending_save(thread: threading.Thread) -> bool:
     """Whether ``thread`` is waiting in the process-wide view for a save of this process."""
     frame = sys._current_frames().get(thread.ident or -1)
     while frame is not None:
-        if frame.f_code.co_filename.endswith(os.path.join("stagesave", "_inflight.py")):
+        if frame.f_code.co_filename.endswith(os.path.join("stagesave", "saving", "inflight.py")):
             return True
         frame = frame.f_back
     return False

@@ -176,7 +176,7 @@ def test_model_drops_what_was_not_fsynced(tmp_path):
     base.mkdir()
     model = PowerLossModel(base)
     with Recorder(base) as rec:
-        from stagesave import _fsops
+        from stagesave.stores import posix as _fsops
 
         fd = _fsops.open(str(base / "f"), os.O_WRONLY | os.O_CREAT, 0o644)
         _fsops.pwrite(fd, b"abc", 0)
@@ -220,7 +220,7 @@ def test_power_loss_during_a_link_update(tmp_path):
     is (durable view), never at nothing or at an uncommitted file."""
     from faulthelp import file_state as state_of
 
-    from stagesave._commit import commit_link
+    from stagesave.saving.commit import commit_link
 
     base = tmp_path / "world"
     base.mkdir()

@@ -19,6 +19,7 @@ import threading
 import time
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 
 import faultstats
 import psutil
@@ -27,9 +28,6 @@ import torch
 from faulthelp import dir_state, file_state, tree
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from pathlib import Path
-
 from proofkit import carrier_of, format1_checkpoint, rewrite_proof
 
 import stagesave
@@ -255,7 +253,7 @@ def committed_folder(tmp_path_factory):
 def _resign(folder, data: bytes) -> None:
     """Rewrite the folder's proof so that it vouches for ``data`` as its model.safetensors (an
     attacker controls both): the file becomes a listed file with its checksums in the carrier."""
-    from stagesave._checksum import digest
+    from stagesave.ondisk.checksum import digest
 
     def mutate(doc):
         step, algorithm = doc["chunk_bytes"], doc["algorithm"]

@@ -34,8 +34,8 @@ def _ckpt_files(d: Path) -> list[str]:
 
 def _valid_on_disk(d: Path) -> list[str]:
     # What another process would see now: stagesave's own listing would wait for the pending saves.
-    from stagesave._discovery import scan
-    from stagesave._local import LocalStore
+    from stagesave.restore.discovery import scan
+    from stagesave.stores.local import LocalStore
 
     return sorted(Path(c.path).name for c in scan(LocalStore(str(d))) if c.valid)
 

@@ -8,8 +8,8 @@ from pathlib import Path
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_helpers import StepBatches, TinyModel, make_trainer
 
-from stagesave import _fastplan
-from stagesave._image import plan_torch_file
+from stagesave.saving import fastplan as _fastplan
+from stagesave.saving.plan import plan_torch_file
 
 
 def test_a_lightning_checkpoint_takes_the_fast_path_with_torch_saves_layout(tmp_path: Path) -> None:

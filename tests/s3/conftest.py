@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from faultproxy import FaultProxy
 from s3help import FAST_RETRY, PART
 
-from stagesave._s3 import S3Store
+from stagesave.stores.s3 import S3Store
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from stagesave._s3 import RetryPolicy
+from stagesave.stores.s3 import RetryPolicy
 
 MiB = 1 << 20
 #: Parts of 5 MiB (S3's minimum) so that a 12 MiB checkpoint is a three-part upload.

@@ -15,7 +15,7 @@ from faultproxy import Fault
 from s3help import big_state, object_names, open_uploads, small_state
 
 import stagesave
-from stagesave._s3 import RetryPolicy
+from stagesave.stores.s3 import RetryPolicy
 
 pytestmark = pytest.mark.s3
 

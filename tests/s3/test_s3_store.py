@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from s3help import PART, MiB, big_state, object_names, open_uploads, small_state, split_url
 
 import stagesave
-from stagesave._s3 import (
+from stagesave.stores.s3 import (
     MAX_PART_BYTES,
     MAX_PARTS,
     MIN_PART_BYTES,
@@ -174,7 +174,7 @@ def test_overwrite_keeps_readers_on_the_old_version_until_publish(make_store, s3
 _KILLED_CHILD = textwrap.dedent(
     """
     import sys, torch, stagesave
-    from stagesave._s3 import S3Store
+    from stagesave.stores.s3 import S3Store
     url, endpoint, key, secret = sys.argv[1:5]
     store = S3Store(url, {"key": key, "secret": secret, "endpoint_url": endpoint},
                     part_size=5 << 20, multipart_threshold=5 << 20)

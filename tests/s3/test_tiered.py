@@ -12,9 +12,9 @@ from faultproxy import Fault
 from s3help import FAST_RETRY, object_names, open_uploads, small_state
 
 import stagesave
-from stagesave._local import LocalStore
-from stagesave._s3 import RetryPolicy, abort_stale_multipart_uploads
-from stagesave._tiered import TieredStore
+from stagesave.stores.local import LocalStore
+from stagesave.stores.s3 import RetryPolicy, abort_stale_multipart_uploads
+from stagesave.stores.tiered import TieredStore
 
 pytestmark = pytest.mark.s3
 
@@ -202,7 +202,7 @@ def test_cleanup_call_accepts_the_tiered_store(tiered, s3_server, s3_url):
 
 
 def test_uploads_finish_before_close_returns(tmp_path, s3_url, s3_options, s3_server):
-    from stagesave._s3 import S3Store
+    from stagesave.stores.s3 import S3Store
 
     store = TieredStore(str(tmp_path / "l"), S3Store(s3_url, s3_options, retry=FAST_RETRY))
     with stagesave.Checkpointer(store) as ckpt:
@@ -214,7 +214,7 @@ def test_uploads_finish_before_close_returns(tmp_path, s3_url, s3_options, s3_se
 
 _EXITING_CHILD = """
 import sys, torch, stagesave
-from stagesave._tiered import TieredStore
+from stagesave.stores.tiered import TieredStore
 local, url, endpoint, key, secret = sys.argv[1:6]
 store = TieredStore(local, url, storage_options={"key": key, "secret": secret, "endpoint_url": endpoint})
 ckpt = stagesave.Checkpointer(store)

@@ -21,9 +21,9 @@ from s3help import big_state, object_names, open_uploads, small_state, split_url
 from typing_extensions import Self
 
 import stagesave
-from stagesave._local import LocalStore
-from stagesave._s3 import RetryPolicy
-from stagesave._tiered import TieredStore
+from stagesave.stores.local import LocalStore
+from stagesave.stores.s3 import RetryPolicy
+from stagesave.stores.tiered import TieredStore
 
 pytestmark = pytest.mark.s3
 

@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from .. import _fsops as fsops
-from .._targets import is_url
 from ..checkpointer import Checkpointer
+from ..stores import posix as fsops
+from ..stores.targets import is_url
 
 __all__ = [
     "ENTRY_POINT_GROUP",

@@ -35,8 +35,8 @@ import torch
 from rich.table import Table
 from rich.text import Text
 
-from .. import _fsops as fsops
-from .._targets import is_url
+from ..stores import posix as fsops
+from ..stores.targets import is_url
 from ._alternatives import Alternative, Session, available_alternatives, mem_available_bytes
 from ._common import CliError, Env, literal
 from ._floors import copy_floor_s, disk_floor_s

@@ -1,6 +1,6 @@
 """Whole files in memory, as the commands that rewrite or copy them need them.
 
-``export`` and ``migrate`` read a file once, through one :class:`~stagesave._store.Reader` (one
+``export`` and ``migrate`` read a file once, through one :class:`~stagesave.stores.base.Reader` (one
 version of it), into page-aligned memory, then judge *those bytes*: the proof is read and
 checked through a :class:`MemReader` over the same memory, so what is written afterwards is
 exactly what was checked, even if the name is replaced meanwhile.
@@ -13,10 +13,10 @@ import contextlib
 import mmap
 from collections.abc import Callable, Iterator
 
-from .._names import ALIGNMENT
-from .._pool import HostBuffer
-from .._store import Reader
 from ..errors import IntegrityError
+from ..ondisk.names import ALIGNMENT
+from ..saving.buffers import HostBuffer
+from ..stores.base import Reader
 
 __all__ = ["Loaded", "MemReader", "load_bytes"]
 

@@ -1,4 +1,4 @@
-"""``stagesave gc ROOT``: remove the debris of crashed saves (see ``stagesave._gc``)."""
+"""``stagesave gc ROOT``: remove the debris of crashed saves (see ``stagesave.restore.gc``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 from rich.table import Table
 
-from .._gc import collect_garbage
+from ..restore.gc import collect_garbage
 from ._common import CliError, Env, literal
 from ._units import fmt_bytes, fmt_duration, parse_duration
 

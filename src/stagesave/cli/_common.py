@@ -16,9 +16,9 @@ from typing import Any
 from rich.console import Console
 from rich.text import Text
 
-from .._store import Store
-from .._targets import StoreResolver, is_url
 from ..errors import CheckpointNotFoundError
+from ..stores.base import Store
+from ..stores.targets import StoreResolver, is_url
 
 __all__ = ["CliError", "Env", "Target", "jsonable", "literal", "parse_storage_options", "shown"]
 
@@ -77,7 +77,7 @@ class _Resolver(StoreResolver):
             return super().store_for(url)
         key = url.rstrip("/")
         if key not in self._s3:
-            from .._s3 import RetryPolicy, S3Store
+            from ..stores.s3 import RetryPolicy, S3Store
 
             self._s3[key] = S3Store(key, self.storage_options, retry=RetryPolicy(max_attempts=self.retries))
         return self._s3[key]

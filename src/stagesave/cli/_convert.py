@@ -33,24 +33,24 @@ from typing import Any, ClassVar
 
 import torch
 
-from .._checksum import DEFAULT_ALGORITHM, check_algorithm, digest
-from .._commit import copy_file
-from .._discovery import CheckpointInfo, folder_entries, resolve, resolve_reader
-from .._manifest import FileEntry, Manifest
-from .._names import (
+from ..checkpointer import Checkpointer
+from ..errors import IntegrityError, UnsafeCheckpointError
+from ..ondisk.checksum import DEFAULT_ALGORITHM, check_algorithm, digest
+from ..ondisk.manifest import FileEntry, Manifest
+from ..ondisk.names import (
     ALIGNMENT,
     DEFAULT_CHUNK_BYTES,
     MAX_FILE_BYTES,
     check_target_name,
     manifest_name,
 )
-from .._proofread import chunk_problems, peek, read_proof
-from .._store import Store
-from .._targets import is_url
-from .._write import WriteStats
-from ..checkpointer import Checkpointer
-from ..errors import IntegrityError, UnsafeCheckpointError
+from ..restore.discovery import CheckpointInfo, folder_entries, resolve, resolve_reader
+from ..restore.proof import chunk_problems, peek, read_proof
 from ..safety import safe_torch_load
+from ..saving.commit import copy_file
+from ..saving.write import WriteStats
+from ..stores.base import Store
+from ..stores.targets import is_url
 from ._bytes import MemReader, load_bytes
 from ._common import CliError, Env, Target
 from ._found import folder_files, needs_unsafe_global, resolve_target, sidecars_of, tensor_index

@@ -18,8 +18,8 @@ from collections.abc import Iterable
 
 import torch
 
-from .. import _fsops as fsops
-from .._local import temp_name_for
+from ..stores import posix as fsops
+from ..stores.local import temp_name_for
 
 __all__ = ["copy_floor_s", "disk_floor_s"]
 

@@ -20,13 +20,13 @@ from typing import Any
 
 import torch
 
-from .._discovery import CHECKPOINT_SUFFIXES, CheckpointInfo, resolve, resolve_dir, scan
-from .._gc import Debris, find_debris, match_temporary
-from .._manifest import MAX_NUMEL, MAX_RANK, Manifest, parse_manifest
-from .._names import ASIDE_MARKER, MAX_MANIFEST_BYTES, TMP_MARKER, split_manifest_name
-from .._store import ObjectInfo, Store
 from ..errors import ManifestError, UnsafeCheckpointError
+from ..ondisk.manifest import MAX_NUMEL, MAX_RANK, Manifest, parse_manifest
+from ..ondisk.names import ASIDE_MARKER, MAX_MANIFEST_BYTES, TMP_MARKER, split_manifest_name
+from ..restore.discovery import CHECKPOINT_SUFFIXES, CheckpointInfo, resolve, resolve_dir, scan
+from ..restore.gc import Debris, find_debris, match_temporary
 from ..safety import safe_torch_load
+from ..stores.base import ObjectInfo, Store
 
 __all__ = [
     "Row", "find_rows", "folder_files", "is_folder_checkpoint", "manifest_tensors", "resolve_target", "sidecars_of",

@@ -16,12 +16,12 @@ from typing import Any
 
 from rich.table import Table
 
-from .._discovery import CheckpointInfo, folder_entries
-from .._manifest import FileEntry, Manifest
-from .._names import DIR_MANIFEST, INDEX_RECORD, PROOF_KEY, PROOF_RECORD
-from .._store import Store
-from .._write import TRAILER_KINDS
 from ..errors import CheckpointError, CheckpointNotFoundError, IntegrityError
+from ..ondisk.manifest import FileEntry, Manifest
+from ..ondisk.names import DIR_MANIFEST, INDEX_RECORD, PROOF_KEY, PROOF_RECORD
+from ..restore.discovery import CheckpointInfo, folder_entries
+from ..saving.write import TRAILER_KINDS
+from ..stores.base import Store
 from ._common import Env, literal
 from ._found import (
     folder_files,

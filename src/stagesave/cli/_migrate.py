@@ -40,19 +40,19 @@ from typing import Any
 
 from rich.table import Table
 
-from .._checksum import DIGEST_HEX_LEN, crc32
-from .._commit import choose_carrier, commit_file, commit_folder
-from .._discovery import CheckpointInfo, forget, resolve, resolve_dir, resolve_reader, scan
-from .._image import FileImage, StorageSlot, TensorEntry
-from .._manifest import FileEntry, Manifest, StorageRecord
-from .._names import ALIGNMENT, DEFAULT_CHUNK_BYTES, DIR_MANIFEST, PROOF_KEY
-from .._pool import HostBuffer
-from .._proofread import chunk_problems
-from .._stage import stage_image
-from .._store import Store
-from .._write import FileToWrite, WriteStats, proof_room
-from .._zipfmt import TorchZip, ZipFormatError, parse_torch_zip
 from ..formats import Raw, Safetensors, plan_file
+from ..ondisk.checksum import DIGEST_HEX_LEN, crc32
+from ..ondisk.manifest import FileEntry, Manifest, StorageRecord
+from ..ondisk.names import ALIGNMENT, DEFAULT_CHUNK_BYTES, DIR_MANIFEST, PROOF_KEY
+from ..ondisk.torchzip import TorchZip, ZipFormatError, parse_torch_zip
+from ..restore.discovery import CheckpointInfo, forget, resolve, resolve_dir, resolve_reader, scan
+from ..restore.proof import chunk_problems
+from ..saving.buffers import HostBuffer
+from ..saving.commit import choose_carrier, commit_file, commit_folder
+from ..saving.plan import FileImage, StorageSlot, TensorEntry
+from ..saving.stage import stage_image
+from ..saving.write import FileToWrite, WriteStats, proof_room
+from ..stores.base import Store
 from ._bytes import Loaded, MemReader, load_bytes
 from ._common import CliError, Env, literal
 from ._found import sidecars_of

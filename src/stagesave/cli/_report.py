@@ -17,9 +17,9 @@ from typing import Any
 
 from rich.table import Table
 
-from .._names import TELEMETRY_FILE
-from .._targets import is_url
 from ..errors import CheckpointNotFoundError
+from ..ondisk.names import TELEMETRY_FILE
+from ..stores.targets import is_url
 from ._common import CliError, Env, literal
 from ._units import fmt_bytes, fmt_duration, fmt_rate
 

@@ -14,11 +14,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._discovery import CheckpointInfo, folder_entries, resolve_dir, resolve_reader
-from .._manifest import Manifest
-from .._proofread import chunk_problems
-from .._store import Reader, Store
 from ..errors import CheckpointNotFoundError, UnsafeCheckpointError
+from ..ondisk.manifest import Manifest
+from ..restore.discovery import CheckpointInfo, folder_entries, resolve_dir, resolve_reader
+from ..restore.proof import chunk_problems
+from ..stores.base import Reader, Store
 from ._common import CliError, Env
 from ._found import (
     find_rows,

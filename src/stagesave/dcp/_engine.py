@@ -13,13 +13,13 @@ import concurrent.futures as cf
 from collections.abc import Callable
 from typing import Any
 
-from .._commit import retain
-from .._image import FileImage
-from .._pool import HostBuffer
-from .._stage import ImageCrcs
-from .._store import Store
 from ..checkpointer import Checkpointer, _as_checkpoint_error
 from ..handle import SaveHandle
+from ..saving.buffers import HostBuffer
+from ..saving.commit import retain
+from ..saving.plan import FileImage
+from ..saving.stage import ImageCrcs
+from ..stores.base import Store
 from ..telemetry import SaveTelemetry
 
 __all__ = ["Engine"]

@@ -27,7 +27,7 @@ prefix beside the target.
 
 from __future__ import annotations
 
-from .._names import TMP_MARKER
+from ..ondisk.names import TMP_MARKER
 
 __all__ = [
     "ITEM_ALIGNMENT",

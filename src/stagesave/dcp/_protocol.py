@@ -42,19 +42,19 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import _fsops as fsops
-from .._checksum import digest
-from .._commit import _remove_tree, _rename_into_place, restore_aside
 from .._crash import crash_point
-from .._discovery import next_seq
-from .._image import FileImage
-from .._manifest import FileEntry, FolderProof, Manifest, Member, dumps
-from .._names import DIR_MANIFEST, is_temporary
-from .._proofread import peek
-from .._stage import ImageCrcs
-from .._store import Store
-from .._write import FileToWrite, WriteStats, write_data
 from ..errors import CheckpointError, ManifestError
+from ..ondisk.checksum import digest
+from ..ondisk.manifest import FileEntry, FolderProof, Manifest, Member, dumps
+from ..ondisk.names import DIR_MANIFEST, is_temporary
+from ..restore.discovery import next_seq
+from ..restore.proof import peek
+from ..saving.commit import _remove_tree, _rename_into_place, restore_aside
+from ..saving.plan import FileImage
+from ..saving.stage import ImageCrcs
+from ..saving.write import FileToWrite, WriteStats, write_data
+from ..stores import posix as fsops
+from ..stores.base import Store
 from ._format import (
     MAX_MARKER_BYTES,
     METADATA_FILE,

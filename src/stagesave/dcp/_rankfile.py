@@ -26,8 +26,8 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.utils.serialization import config as _torch_save_config
 
-from .._image import FileImage, StorageSlot, _SparseReader, _SparseSink
 from ..errors import UnsupportedObjectError
+from ..saving.plan import FileImage, StorageSlot, _SparseReader, _SparseSink
 from ._format import ITEM_ALIGNMENT, RANK_FILE_KIND
 
 __all__ = ["RankImage", "SkeletonCache", "layout_rank_file"]

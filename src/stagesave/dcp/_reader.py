@@ -30,15 +30,15 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from .._checksum import digest
-from .._discovery import CheckpointInfo, folder_entries, raise_if_corrupt, resolve_dir
-from .._manifest import FileEntry
-from .._names import DEFAULT_CHUNK_BYTES
-from .._proofread import peek
-from .._store import Reader, Store, check_name
-from .._targets import StoreResolver
 from ..errors import CheckpointNotFoundError, IntegrityError, ManifestError
+from ..ondisk.checksum import digest
+from ..ondisk.manifest import FileEntry
+from ..ondisk.names import DEFAULT_CHUNK_BYTES
+from ..restore.discovery import CheckpointInfo, folder_entries, raise_if_corrupt, resolve_dir
+from ..restore.proof import peek
 from ..safety import safe_torch_load
+from ..stores.base import Reader, Store, check_name
+from ..stores.targets import StoreResolver
 from ._format import METADATA_FILE
 from ._metadata import load_metadata
 

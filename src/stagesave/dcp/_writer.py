@@ -34,14 +34,14 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 from typing_extensions import Self
 
-from .._image import FileImage
-from .._names import TMP_MARKER, check_target_name
-from .._pool import HostBuffer
-from .._stage import ImageCrcs
-from .._store import Store
-from .._write import WriteStats
 from ..checkpointer import Checkpointer
 from ..handle import SaveHandle
+from ..ondisk.names import TMP_MARKER, check_target_name
+from ..saving.buffers import HostBuffer
+from ..saving.plan import FileImage
+from ..saving.stage import ImageCrcs
+from ..saving.write import WriteStats
+from ..stores.base import Store
 from ..telemetry import SaveTelemetry
 from ._engine import Engine
 from ._format import FORMAT_KEY, FORMAT_VALUE, SAVE_ID_KEY, WORLD_SIZE_KEY, lease

@@ -1,6 +1,6 @@
 """The fast planner: the file image of a state of plain tensors, without running ``torch.save``.
 
-:func:`stagesave._image.plan_torch_file` lets ``torch.save`` lay the file out under
+:func:`stagesave.saving.plan.plan_torch_file` lets ``torch.save`` lay the file out under
 ``skip_data`` and reads the layout back. That costs ~50-100 µs per tensor (torch's reductions,
 its zip writer, reading the archive back), which dominates a save of thousands of small tensors.
 This module produces the same bytes itself:
@@ -38,8 +38,9 @@ from typing import Any
 
 import torch
 
-from ._checksum import crc32
-from ._image import (
+from ..ondisk.checksum import crc32
+from ..ondisk.torchzip import TorchZip, ZipRecord
+from .plan import (
     MAX_INDEXED_TENSORS,
     FileImage,
     StorageSlot,
@@ -48,8 +49,7 @@ from ._image import (
     plan_torch_file,
     unique_id,
 )
-from ._zipfmt import TorchZip, ZipRecord
-from ._ziplayout import (
+from .ziplayout import (
     PREFIX,
     Constants,
     cached_layout,
@@ -353,7 +353,7 @@ _ATOMS = frozenset({int, float, str, bool, type(None), bytes, complex})
 
 
 def _index(state: Any, pickler: _Pickler) -> list[TensorEntry]:
-    """The manifest's index, as :func:`stagesave._image.index_tensors` builds it (same names,
+    """The manifest's index, as :func:`stagesave.saving.plan.index_tensors` builds it (same names,
     order, depth limit and cap), from what the pickler recorded about each tensor."""
     out: list[TensorEntry] = []
     info, param_data = pickler.info, pickler.param_data

@@ -32,10 +32,10 @@ try:  # torch >= 2.7: records can be aligned to pages
 except ImportError:  # torch 2.6: records are 64-byte aligned (the whole image is still written in pages)
     _torch_save_config = None  # type: ignore[assignment]
 
-from ._checksum import crc32
-from ._names import ALIGNMENT
-from ._zipfmt import TorchZip, ZipFormatError, parse_torch_zip
-from .errors import UnsupportedObjectError
+from ..errors import UnsupportedObjectError
+from ..ondisk.checksum import crc32
+from ..ondisk.names import ALIGNMENT
+from ..ondisk.torchzip import TorchZip, ZipFormatError, parse_torch_zip
 
 __all__ = ["FileImage", "StorageSlot", "TensorEntry", "plan_torch_file"]
 

@@ -16,9 +16,9 @@ import struct
 import threading
 from dataclasses import dataclass
 
-from ._checksum import crc32
-from ._names import ALIGNMENT
-from ._zipfmt import ZipRecord
+from ..ondisk.checksum import crc32
+from ..ondisk.names import ALIGNMENT
+from ..ondisk.torchzip import ZipRecord
 
 __all__ = [
     "PREFIX",

@@ -29,15 +29,15 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from ._crash import crash_point
-from ._store import ObjectInfo, PendingWrite, Reader, Store, check_name
-from .errors import (
+from .._crash import crash_point
+from ..errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CheckpointPermissionError,
     MissingExtraError,
     StorageError,
 )
+from .base import ObjectInfo, PendingWrite, Reader, Store, check_name
 
 __all__ = ["RetryPolicy", "S3Store", "abort_stale_multipart_uploads", "choose_part_size"]
 

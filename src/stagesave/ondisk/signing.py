@@ -27,8 +27,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from ._checksum import CRYPTOGRAPHIC
-from .errors import ManifestError
+from ..errors import ManifestError
+from .checksum import CRYPTOGRAPHIC
 
 __all__ = ["ENV_KEY", "ENV_KEY_FILE", "ENV_REQUIRE", "Keys", "check_doc", "configure", "current", "key_id",
            "sign_doc"]
@@ -157,7 +157,7 @@ def _mac(key: bytes, payload: bytes) -> str:
 
 
 def _payload(doc: dict[str, Any]) -> bytes:
-    from ._manifest import dumps
+    from .manifest import dumps
 
     return dumps({k: v for k, v in doc.items() if k != "signature"})
 

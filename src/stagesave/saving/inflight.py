@@ -18,8 +18,8 @@ from __future__ import annotations
 import threading
 import time
 
-from ._background import current_queue
-from .handle import SaveHandle
+from ..handle import SaveHandle
+from .pipeline import current_queue
 
 __all__ = ["forget", "pending", "register", "wait_path", "wait_under"]
 

@@ -37,10 +37,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _fsops as fsops
-from ._discovery import is_sidecar_of, resolve
-from ._names import ASIDE_MARKER, TMP_MARKER, parse_aside_name, split_manifest_name
-from ._store import Store
+from ..ondisk.names import ASIDE_MARKER, TMP_MARKER, parse_aside_name, split_manifest_name
+from ..stores import posix as fsops
+from ..stores.base import Store
+from .discovery import is_sidecar_of, resolve
 
 __all__ = ["Debris", "GcReport", "collect_garbage", "find_debris", "match_temporary"]
 
@@ -319,7 +319,7 @@ def _remove(store: Store, d: Debris) -> None:
         _remove_tree(store, d.name)
         return
     if d.kind == "aside-dir" and d.action == "restore":
-        from ._commit import restore_aside
+        from ..saving.commit import restore_aside
 
         restore_aside(store, d.name.rpartition("/")[0])
         return
@@ -350,7 +350,7 @@ def _multipart(
     abort_stale: Callable[..., list[str]] | None = None
     if not dry_run:
         try:
-            from ._s3 import abort_stale_multipart_uploads as abort_stale
+            from ..stores.s3 import abort_stale_multipart_uploads as abort_stale
         except ImportError:
             abort_stale = None
         if abort_stale is not None:

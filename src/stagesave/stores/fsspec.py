@@ -13,9 +13,9 @@ import posixpath
 import secrets
 from typing import Any
 
-from ._names import TMP_MARKER
-from ._store import ObjectInfo, PendingWrite, Store, check_name
-from .errors import MissingExtraError
+from ..errors import MissingExtraError
+from ..ondisk.names import TMP_MARKER
+from .base import ObjectInfo, PendingWrite, Store, check_name
 
 __all__ = ["FsspecStore"]
 

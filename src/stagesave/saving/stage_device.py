@@ -37,16 +37,16 @@ from typing import Any
 
 import torch
 
-from . import _fsops as fsops
-from ._checksum import digest
-from ._crash import crash_point
-from ._image import FileImage
-from ._local import LocalStore
-from ._names import ALIGNMENT
-from ._pool import HostBuffer
-from ._stage import crc_image
-from ._store import Store
-from ._write import FileToWrite, WriteStats, Written, entry_of, flush_data, late_end, run_all
+from .._crash import crash_point
+from ..ondisk.checksum import digest
+from ..ondisk.names import ALIGNMENT
+from ..stores import posix as fsops
+from ..stores.base import Store
+from ..stores.local import LocalStore
+from .buffers import HostBuffer
+from .plan import FileImage
+from .stage import crc_image
+from .write import FileToWrite, WriteStats, Written, entry_of, flush_data, late_end, run_all
 
 __all__ = ["device_of", "gpudirect_kvikio", "stage_on_device", "write_device_data"]
 

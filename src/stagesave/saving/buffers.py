@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._names import ALIGNMENT
+from ..ondisk.names import ALIGNMENT
 
 __all__ = ["BufferPool", "HostBuffer"]
 

@@ -20,10 +20,10 @@ import secrets
 import stat
 from collections.abc import Iterator
 
-from . import _fsops as fsops
-from ._names import ALIGNMENT, TMP_MARKER
-from ._store import ObjectInfo, PendingWrite, Reader, Store, check_name
-from .errors import CheckpointError, oserror_to_checkpoint_error
+from ..errors import CheckpointError, oserror_to_checkpoint_error
+from ..ondisk.names import ALIGNMENT, TMP_MARKER
+from . import posix as fsops
+from .base import ObjectInfo, PendingWrite, Reader, Store, check_name
 
 __all__ = ["LocalStore"]
 

@@ -1,6 +1,6 @@
 """Reading a file's proof, and checking a file against it.
 
-Everything here reads through one :class:`~stagesave._store.Reader`, so the proof and the bytes
+Everything here reads through one :class:`~stagesave.stores.base.Reader`, so the proof and the bytes
 it proves come from the same version of the file even while another process replaces it.
 
 * :func:`peek` reads the last few KiB: the footer and summary of a format-2 torch or trailer
@@ -20,13 +20,13 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ._checksum import crc32, digest
-from ._manifest import Manifest, Summary, parse_index, parse_proof, parse_summary
-from ._names import INDEX_RECORD, PROOF_KEY, PROOF_RECORD
-from ._store import Reader
-from ._write import TRAILER_KINDS, proof_value
-from ._zipfmt import FOOTER_LEN, FOOTER_MAGIC, TorchZip, build_tail, read_footer
-from .errors import ManifestError
+from ..errors import ManifestError
+from ..ondisk.checksum import crc32, digest
+from ..ondisk.manifest import Manifest, Summary, parse_index, parse_proof, parse_summary
+from ..ondisk.names import INDEX_RECORD, PROOF_KEY, PROOF_RECORD
+from ..ondisk.torchzip import FOOTER_LEN, FOOTER_MAGIC, TorchZip, build_tail, read_footer
+from ..saving.write import TRAILER_KINDS, proof_value
+from ..stores.base import Reader
 
 __all__ = ["Peek", "chunk_problems", "peek", "read_proof"]
 

@@ -32,14 +32,14 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any, TypeVar
 
-from ._background import JobQueue
-from ._commit import copy_checkpoint, remove_checkpoint, retain
-from ._discovery import CheckpointInfo, resolve, resolve_dir, scan
-from ._names import DIR_MANIFEST, TMP_MARKER, split_manifest_name
-from ._store import ObjectInfo, PendingWrite, Reader, Store
-from ._write import WriteStats
-from .errors import IntegrityError
-from .telemetry import SaveTelemetry, TelemetryCallback
+from ..errors import IntegrityError
+from ..ondisk.names import DIR_MANIFEST, TMP_MARKER, split_manifest_name
+from ..restore.discovery import CheckpointInfo, resolve, resolve_dir, scan
+from ..saving.commit import copy_checkpoint, remove_checkpoint, retain
+from ..saving.pipeline import JobQueue
+from ..saving.write import WriteStats
+from ..telemetry import SaveTelemetry, TelemetryCallback
+from .base import ObjectInfo, PendingWrite, Reader, Store
 
 __all__ = ["TieredStore"]
 
@@ -53,7 +53,7 @@ _exit_hook_registered = False
 def _flush_at_exit() -> None:
     # Checkpointers first: their last local commits queue uploads that must run too.
     try:
-        from .checkpointer import _close_all_at_exit
+        from ..checkpointer import _close_all_at_exit
 
         _close_all_at_exit()
     except Exception as exc:  # noqa: BLE001 - report, never hang the exit
@@ -85,14 +85,14 @@ def _store_for(target: Store | str | os.PathLike[str], storage_options: dict[str
         return target
     url = os.fspath(target)
     if url.startswith(("s3://", "s3a://")):
-        from ._s3 import S3Store
+        from .s3 import S3Store
 
         return S3Store(url, storage_options)
     if "://" in url and not url.startswith("file://"):
-        from ._fsspec import FsspecStore
+        from .fsspec import FsspecStore
 
         return FsspecStore(url, storage_options)
-    from ._local import LocalStore
+    from .local import LocalStore
 
     return LocalStore(url.removeprefix("file://"))
 

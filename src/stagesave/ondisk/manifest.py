@@ -25,13 +25,13 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from ._checksum import ALGORITHMS, CRYPTOGRAPHIC, DIGEST_HEX_LEN
-from ._names import FORMAT_TAG, MAX_FILE_BYTES, MAX_MANIFEST_BYTES, SCHEMA_VERSION
-from ._signing import check_doc
-from ._signing import current as signing_keys
-from ._store import check_name
-from .errors import ManifestError
-from .telemetry import SaveTelemetry
+from ..errors import ManifestError
+from ..stores.base import check_name
+from ..telemetry import SaveTelemetry
+from .checksum import ALGORITHMS, CRYPTOGRAPHIC, DIGEST_HEX_LEN
+from .names import FORMAT_TAG, MAX_FILE_BYTES, MAX_MANIFEST_BYTES, SCHEMA_VERSION
+from .signing import check_doc
+from .signing import current as signing_keys
 
 __all__ = [
     "FileEntry", "FolderProof", "Manifest", "Member", "StorageRecord", "Summary", "parse_manifest",

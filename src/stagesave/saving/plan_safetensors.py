@@ -18,9 +18,9 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from ._image import FileImage, StorageSlot
-from ._names import PROOF_KEY
-from .errors import UnsupportedObjectError
+from ..errors import UnsupportedObjectError
+from ..ondisk.names import PROOF_KEY
+from .plan import FileImage, StorageSlot
 
 __all__ = ["plan_safetensors_file"]
 

@@ -25,16 +25,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from ._checksum import crc32, crc32_patch, digest
-from ._crash import crash_point
-from ._image import FileImage
-from ._manifest import FileEntry, Manifest, StorageRecord, Summary, dumps, proof_doc
-from ._names import ALIGNMENT, INDEX_RECORD, PROOF_RECORD
-from ._signing import current as signing_keys
-from ._signing import sign_doc
-from ._stage import ImageCrcs, crc_image
-from ._store import PendingWrite, Store
-from ._zipfmt import build_tail, footer
+from .._crash import crash_point
+from ..ondisk.checksum import crc32, crc32_patch, digest
+from ..ondisk.manifest import FileEntry, Manifest, StorageRecord, Summary, dumps, proof_doc
+from ..ondisk.names import ALIGNMENT, INDEX_RECORD, PROOF_RECORD
+from ..ondisk.signing import current as signing_keys
+from ..ondisk.signing import sign_doc
+from ..ondisk.torchzip import build_tail, footer
+from ..stores.base import PendingWrite, Store
+from .plan import FileImage
+from .stage import ImageCrcs, crc_image
 
 __all__ = [
     "TRAILER_KINDS", "FileToWrite", "WriteStats", "Written", "blank_fill", "fill_crcs", "late_end", "proof_value",
@@ -346,7 +346,7 @@ def proof_room(
     The proof is built with the widest value of every field (one chunk more than needed, the
     largest sequence number and times), escaped as a JSON string, plus a margin.
     """
-    from ._checksum import DIGEST_HEX_LEN
+    from ..ondisk.checksum import DIGEST_HEX_LEN
 
     n = (size + chunk_bytes - 1) // chunk_bytes + 1
     entry = FileEntry(

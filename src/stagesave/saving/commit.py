@@ -38,16 +38,22 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import _fsops as fsops
-from ._checksum import digest
-from ._crash import crash_point
-from ._discovery import CheckpointInfo, is_sidecar_of, next_seq, resolve_dir, scan
-from ._local import LocalStore, makedirs_durable, temp_name_for
-from ._manifest import FileEntry, FolderProof, Member
-from ._names import DIR_MANIFEST, TMP_MARKER, aside_name, parse_aside_name, split_manifest_name
-from ._store import Store
-from ._write import FileToWrite, WriteStats, Written, run_all, write_data
-from .errors import IntegrityError
+from .._crash import crash_point
+from ..errors import IntegrityError
+from ..ondisk.checksum import digest
+from ..ondisk.manifest import FileEntry, FolderProof, Member
+from ..ondisk.names import (
+    DIR_MANIFEST,
+    TMP_MARKER,
+    aside_name,
+    parse_aside_name,
+    split_manifest_name,
+)
+from ..restore.discovery import CheckpointInfo, is_sidecar_of, next_seq, resolve_dir, scan
+from ..stores import posix as fsops
+from ..stores.base import Store
+from ..stores.local import LocalStore, makedirs_durable, temp_name_for
+from .write import FileToWrite, WriteStats, Written, run_all, write_data
 
 __all__ = [
     "CARRIER_PREFERENCE", "commit_file", "commit_folder", "commit_link", "copy_checkpoint", "remove_checkpoint",
@@ -252,7 +258,7 @@ def _clear_for_rewrite(store: Store, directory: str, keep: set[str]) -> None:
             store.delete(f"{directory}/{old.manifest.folder.carrier}")
         elif old.manifest_name is not None:
             store.delete(old.manifest_name)
-    from ._discovery import list_tree
+    from ..restore.discovery import list_tree
 
     prefix = len(directory) + 1
     for info in list_tree(store, directory):
@@ -528,7 +534,7 @@ def copy_checkpoint(
         with read(info.name) as data:
             copy_file(dst, info.name, data, m.files[0], pool=pool, stats=stats)
         return
-    from ._discovery import folder_entries
+    from ..restore.discovery import folder_entries
 
     entries, problems = folder_entries(src, info)
     if problems:

@@ -32,9 +32,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ._checksum import crc32, crc32_combine
-from ._image import FileImage
-from ._pool import HostBuffer
+from ..ondisk.checksum import crc32, crc32_combine
+from .buffers import HostBuffer
+from .plan import FileImage
 
 __all__ = ["ImageCrcs", "crc_image", "on_host", "stage_and_crc", "stage_image"]
 

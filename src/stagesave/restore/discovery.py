@@ -12,7 +12,7 @@ in its directory), never the wall clock: format-2 checkpoints order by it, above
 else; format-1 and plain files, which have none, order by their recorded time or mtime.
 
 A listing costs one directory read plus, for each file not seen before, one read of its last
-few KiB (:func:`stagesave._proofread.peek`): what was learnt is cached per directory and reused
+few KiB (:func:`stagesave.restore.proof.peek`): what was learnt is cached per directory and reused
 while a file's name, size and version stay the same, so ``latest()`` and the sequence number of
 a new save stay linear in the number of checkpoints, and cheap when few changed.
 
@@ -46,8 +46,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from ._manifest import FileEntry, Manifest, parse_manifest
-from ._names import (
+from ..errors import IntegrityError, ManifestError
+from ..ondisk.manifest import FileEntry, Manifest, parse_manifest
+from ..ondisk.names import (
     ASIDE_MARKER,
     DIR_MANIFEST,
     MANIFEST_SUFFIX,
@@ -56,9 +57,8 @@ from ._names import (
     parse_aside_name,
     split_manifest_name,
 )
-from ._proofread import FileProof, chunk_problems, peek, read_proof
-from ._store import ObjectInfo, Reader, Store
-from .errors import IntegrityError, ManifestError
+from ..stores.base import ObjectInfo, Reader, Store
+from .proof import FileProof, chunk_problems, peek, read_proof
 
 __all__ = [
     "CheckpointInfo", "next_seq", "plain_problem", "raise_if_corrupt", "remember_verified", "resolve", "resolve_dir",
@@ -514,7 +514,7 @@ def _scan(
 ) -> tuple[list[CheckpointInfo], str | None]:
     """:func:`scan`, and the aside folder of a live mover whose final name is missing, if any
     (``movers_done``: the commit lock was free since, so such a folder is offered too)."""
-    from ._commit import pid_alive  # the commit protocol reads listings: imported when used
+    from ..saving.commit import pid_alive  # the commit protocol reads listings: imported when used
 
     files = store.list(directory)
     key = _cache_key(store, directory)

@@ -6,9 +6,9 @@ import os
 import threading
 from typing import Any
 
-from ._fsspec import FsspecStore
-from ._local import LocalStore
-from ._store import Store
+from .base import Store
+from .fsspec import FsspecStore
+from .local import LocalStore
 
 __all__ = ["StoreResolver", "is_url"]
 
@@ -47,7 +47,7 @@ class StoreResolver:
             store = self._stores.get(key)
             if store is None:
                 if key.startswith(("s3://", "s3a://")):
-                    from ._s3 import S3Store  # the fast path: parallel multipart uploads
+                    from .s3 import S3Store  # the fast path: parallel multipart uploads
 
                     store = S3Store(key, self.storage_options)
                 elif is_url(key):
