@@ -5,7 +5,6 @@ from __future__ import annotations
 import atexit
 import concurrent.futures as cf
 import contextlib
-import io
 import json
 import os
 import signal
@@ -22,10 +21,8 @@ import torch
 
 from .errors import (
     CheckpointError,
-    CheckpointNotFoundError,
     CheckpointPermissionError,
     ClosedError,
-    IntegrityError,
     StorageError,
     UnsupportedObjectError,
     oserror_to_checkpoint_error,
@@ -36,7 +33,6 @@ from .ondisk.checksum import CRYPTOGRAPHIC, DEFAULT_ALGORITHM, check_algorithm
 from .ondisk.manifest import MAX_DEPTH, plain_json
 from .ondisk.names import (
     ALIGNMENT,
-    ASIDE_MARKER,
     DEFAULT_CHUNK_BYTES,
     TELEMETRY_FILE,
     TMP_MARKER,
@@ -45,18 +41,11 @@ from .ondisk.names import (
 from .ondisk.signing import current as signing_keys
 from .restore.discovery import (
     CheckpointInfo,
-    folder_entries,
-    plain_problem,
-    raise_if_corrupt,
-    remember_verified,
-    resolve,
-    resolve_dir,
-    resolve_reader,
     scan,
-    verified_before,
 )
-from .restore.proof import chunk_problems
-from .safety import safe_torch_load
+from .restore.load import load_checkpoint
+from .restore.select import latest_in, resume_choice
+from .restore.verify import verify_checkpoint
 from .saving import inflight as _inflight
 from .saving.buffers import BufferPool, HostBuffer
 from .saving.commit import commit_file, commit_folder, remove_checkpoint, retain
@@ -68,7 +57,7 @@ from .saving.stage import ImageCrcs, many_small_slots, on_host, stage_and_crc, s
 from .saving.stage_device import device_of, gpudirect_kvikio, stage_on_device, write_device_data
 from .saving.write import FileToWrite, WriteStats, Written, proof_room
 from .saving.ziplayout import forget_layouts
-from .stores.base import Reader, Store, check_name
+from .stores.base import Store, check_name
 from .stores.local import LocalStore
 from .stores.targets import StoreResolver
 from .telemetry import SaveTelemetry, TelemetryCallback
@@ -243,33 +232,6 @@ def _check_inside_root(store: Store, name: str) -> None:
             f"checkpoint root {root}, and stagesave never reads through links out of the root. Use "
             f"the link's target as the root (or pass an absolute path), or a directory inside {root}."
         )
-
-
-#: How many times :meth:`Checkpointer.latest` lists the directory again when a candidate is
-#: replaced while it is being checked.
-_RELISTS = 3
-
-
-def _replaced(exc: BaseException) -> bool:
-    """Whether ``exc`` says the object was replaced by another writer while it was read (S3)."""
-    return getattr(exc, "s3_code", None) == "PreconditionFailed"
-
-
-def _save_token(manifest: Any) -> Any:
-    """What tells one save of a folder from another: its proof's random token (format 1: time)."""
-    return manifest.folder.token if manifest.folder is not None else manifest.created_ns
-
-
-def _is_folder(store: Store, name: str) -> bool:
-    """Whether ``name`` is a folder checkpoint rather than a file."""
-    local = store.local_path(name)
-    if local is not None:
-        return os.path.isdir(local)
-    try:
-        store.info(name)
-        return False
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-        return bool(store.list(name)) or bool(store.list_dirs(name))
 
 
 class Checkpointer:
@@ -910,12 +872,6 @@ class Checkpointer:
         q = self._queue
         return q.pending() if q is not None else 0
 
-    @staticmethod
-    def _wait_path(key: str, timeout: float | None = None) -> None:
-        """Wait for the saves and removals of ``key`` (or of a folder holding it) pending in
-        this process, whichever Checkpointer submitted them."""
-        _inflight.wait_path(key, timeout)
-
     def _raise_failures(self) -> None:
         with self._lock:
             failed, self._failed = self._failed, []
@@ -958,98 +914,16 @@ class Checkpointer:
             UnsafeCheckpointError: the file needs a class that is not allow-listed.
         """
         store, name = self._targets.split(path)
-        where = store.describe(name)
-        self._wait_path(where)
-        globs = [*self.safe_globals, *safe_globals]
-        for attempt in range(3):
-            try:
-                return self._load_once(store, name, where, map_location, verify, mmap, trusted, globs)
-            except StorageError as exc:  # replaced while being read (S3): read the new version
-                if getattr(exc, "s3_code", None) != "PreconditionFailed" or attempt == 2:
-                    raise
-        raise AssertionError("unreachable")
-
-    def _load_once(
-        self, store: Store, name: str, where: str, map_location: Any, verify: bool, mmap: bool | None,
-        trusted: bool, globs: list[Any],
-    ) -> Any:
-        reader = self._open(store, name, where)
-        judged = reader.name
-        with reader:
-            info = resolve_reader(store, judged, reader)
-            if info.status == "corrupt":
-                raise IntegrityError(f"checkpoint {where} is corrupt: {'; '.join(info.problems)}")
-            manifest = info.manifest
-            fd = reader.fileno()
-            if fd is not None:
-                # Verified by this process a moment ago (latest()), the very inode unchanged: the
-                # load does not read and hash it again.
-                if verify and manifest is not None and not verified_before(reader, manifest.files[0]):
-                    raise_if_corrupt(self._chunk_problems(reader, manifest), where)
-                use_mmap = reader.read(0, 4) == b"PK\x03\x04" if mmap is None else mmap
-                # Load the very inode we verified, even if the name was replaced meanwhile.
-                proc = f"/proc/self/fd/{fd}"
-                local = store.local_path(judged)
-                source = proc if os.path.exists(proc) else local
-                return safe_torch_load(source, map_location=map_location, mmap=use_mmap, trusted=trusted,
-                                       safe_globals=globs, where=where)
-            data = bytearray(reader.size)
-            view = memoryview(data)
-            self._read_parallel(reader, view)
-            if verify and manifest is not None:
-                raise_if_corrupt(self._chunk_problems(reader, manifest, view), where)
-            return safe_torch_load(io.BytesIO(data), map_location=map_location, trusted=trusted,
-                                   safe_globals=globs, where=where)
-
-    @staticmethod
-    def _open(store: Store, name: str, where: str) -> Reader:
-        """Open the file ``name`` stands for (a link inside the root: its target) for reading.
-
-        Raises:
-            CheckpointNotFoundError: no such file. CheckpointError: it cannot be read (e.g. a
-                symbolic link out of the root, which is never followed).
-        """
-        judged = store.canonical(name)
-        try:
-            return store.open(judged)
-        except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:
-            raise CheckpointNotFoundError(f"no checkpoint at {where}") from exc
-        except OSError as exc:
-            if getattr(exc, "s3_code", None) == "PreconditionFailed":
-                raise  # replaced while read: the caller reads the new version
-            raise oserror_to_checkpoint_error(exc, f"cannot read checkpoint {where}") from exc
-
-    def _chunk_problems(self, reader: Reader, manifest: Any, view: memoryview | None = None) -> list[str]:
-        """Check every chunk of one file through ``reader`` (or in ``view``, already read)."""
-        if view is not None:
-            return chunk_problems(reader, manifest, self._io(), read=lambda lo, n: view[lo : lo + n])
-        scratch = threading.local()
-
-        def read(lo: int, n: int) -> memoryview:
-            # One reused buffer per I/O thread: no allocation (and page faults) per chunk.
-            buf = getattr(scratch, "buf", None)
-            if buf is None or len(buf) < n:
-                buf = scratch.buf = bytearray(n)
-            got = reader.readinto(lo, memoryview(buf)[:n])
-            return memoryview(buf)[:got]
-
-        return chunk_problems(reader, manifest, self._io(), read=read)
+        return load_checkpoint(store, name, self._io, chunk_bytes=self.chunk_bytes,
+                               map_location=map_location, verify=verify, mmap=mmap, trusted=trusted,
+                               safe_globals=[*self.safe_globals, *safe_globals])
 
     def _io(self) -> cf.Executor:
+        """The I/O threads reads use (those of the writer queue, created on first use)."""
         with self._lock:
             if self._queue is None:
                 self._queue = self._new_queue()
             return self._queue.io_pool
-
-    def _read_parallel(self, reader: Reader, view: memoryview) -> None:
-        step = self.chunk_bytes
-
-        def one(lo: int) -> None:
-            n = reader.readinto(lo, view[lo : lo + step])
-            if n != len(view[lo : lo + step]):
-                raise IntegrityError(f"checkpoint {reader.where} is truncated at byte {lo + n}")
-
-        list(self._io().map(one, range(0, len(view), step)))
 
     def verify(self, path: str | os.PathLike[str]) -> CheckpointInfo:
         """Check a checkpoint (file or folder) against its proof, reading every byte.
@@ -1061,94 +935,7 @@ class Checkpointer:
             CheckpointNotFoundError: no such file.
         """
         store, name = self._targets.split(path)
-        return self._verify_in(store, name)
-
-    def _verify_in(self, store: Store, name: str, *, reuse: bool = False) -> CheckpointInfo:
-        """:meth:`verify`; ``reuse``: a file verified moments ago, unchanged, is not read again."""
-        self._wait_path(store.describe(name))
-        if _is_folder(store, name):
-            # Its files are listed, then opened one by one: a folder replaced meanwhile (another
-            # process saving over it) is verified again, never reported as damaged. Replaced
-            # means: another save's proof is there now, or the listing and the proof it was
-            # judged against were of two saves (a listing taken just before the replacement,
-            # the proof read just after: the same proof, listed again, is whole).
-            for _ in range(3):
-                resolved = resolve_dir(store, name)
-                listed_whole = resolved.status == "committed"
-                info = self._verify_folder(store, name, reuse, resolved)
-                if info.status != "corrupt" or info.manifest is None:
-                    return info
-                again = resolve_dir(store, name)
-                if again.manifest is None:
-                    return info
-                if _save_token(again.manifest) != _save_token(info.manifest):
-                    continue
-                if not listed_whole and again.status == "committed":
-                    continue
-                return info
-            return info
-        for attempt in range(3):
-            try:
-                return self._verify_file(store, name, reuse)
-            except StorageError as exc:  # replaced while being read (S3): verify the new version
-                if not _replaced(exc) or attempt == 2:
-                    raise
-        raise AssertionError("unreachable")
-
-    def _verify_file(self, store: Store, name: str, reuse: bool) -> CheckpointInfo:
-        """One pass of :meth:`_verify_in` over a file checkpoint, read through one reader."""
-        reader = self._open(store, name, store.describe(name))
-        judged = reader.name
-        with reader:
-            info = resolve_reader(store, judged, reader)
-            if judged != name:
-                info.path, info.name, info.judged = store.describe(name), name, judged
-            if info.status != "committed" or info.manifest is None:
-                return info
-            info.problems = self._check_file(reader, info.manifest, reuse)
-        info.status = "corrupt" if info.problems else "verified"
-        return info
-
-    def _verify_folder(self, store: Store, name: str, reuse: bool, info: CheckpointInfo) -> CheckpointInfo:
-        """One pass of :meth:`_verify_in` over a folder checkpoint (``info``: as resolved just
-        before): every file of it checked."""
-        if info.status != "committed" or info.manifest is None:
-            return info
-        entries, problems = folder_entries(store, info)
-        for fname, own, listed in entries:
-            full = f"{name}/{fname}"
-            try:
-                with store.open(full) as reader:
-                    if own is not None:
-                        problems += self._check_file(reader, own, reuse)
-                    elif listed is not None:
-                        if reader.size != listed.size:
-                            problems.append(f"{reader.where} is {reader.size} bytes, its proof says {listed.size}")
-                        else:
-                            from .ondisk.manifest import Manifest
-
-                            problems += self._chunk_problems(reader, Manifest([listed], 0))
-            except OSError as exc:
-                problems.append(f"{store.describe(full)}: {exc.strerror or exc}")
-        folder = info.manifest.folder
-        for sub in folder.nested if folder is not None else ():
-            inner = self._verify_in(store, f"{name}/{sub}")
-            if inner.status != "verified":
-                problems += inner.problems or [f"{inner.path} is {inner.status}"]
-        info.problems = problems
-        info.status = "corrupt" if problems else "verified"
-        return info
-
-    def _check_file(self, reader: Reader, manifest: Any, reuse: bool) -> list[str]:
-        """Every chunk of one file checked (unless ``reuse`` and verified moments ago, unchanged);
-        a match is remembered for the load that follows."""
-        entry = manifest.files[0]
-        if reuse and verified_before(reader, entry):
-            return []
-        problems = self._chunk_problems(reader, manifest)
-        if not problems:
-            remember_verified(reader, entry)
-        return problems
+        return verify_checkpoint(store, name, self._io)
 
     def list(self, root: str | os.PathLike[str] | None = None) -> list[CheckpointInfo]:
         """Checkpoints directly in ``root``, newest first (committed, unverified and corrupt).
@@ -1157,7 +944,7 @@ class Checkpointer:
         :meth:`verify` or :meth:`latest` reads the whole proof).
         """
         store = self._targets.dir_store(root)
-        self._wait_listing(store)
+        self._settle(store)
         return scan(store, settle=True)
 
     def latest(self, root: str | os.PathLike[str] | None = None, *, verify: bool = True) -> CheckpointInfo | None:
@@ -1189,7 +976,7 @@ class Checkpointer:
         Raises:
             CheckpointError: the directory cannot be listed.
         """
-        return self._latest_in(self._targets.dir_store(root), verify)
+        return latest_in(self._targets.dir_store(root), verify, self._io, self._settle)
 
     def resume_from(self, path: str | os.PathLike[str], *, verify: bool = True) -> str | None:
         """What a resume pointed at ``path`` as *the newest checkpoint* should load.
@@ -1204,106 +991,12 @@ class Checkpointer:
             CheckpointError: the directory cannot be listed.
         """
         store, name = self._targets.split(path)
-        self._wait_path(store.describe(name))
-        try:
-            info = resolve_dir(store, name) if _is_folder(store, name) else resolve(store, name)
-        except FileNotFoundError:
-            info = None
-            warnings.warn(f"skipping checkpoint {store.describe(name)}: it does not exist", stacklevel=2)
-        if info is not None:
-            if info.valid:
-                if self._first_usable(store, [info], verify, skip_replaced=True) is not None:
-                    return os.fspath(path)
-            else:
-                problems = "; ".join(info.problems) or f"it is {info.status}"
-                warnings.warn(f"skipping checkpoint {info.path}: {problems}", stacklevel=2)
-        parent, _, leaf = name.rpartition("/")
-        directory = store if not parent else self._targets.dir_store(store.describe(parent))
-        chosen = self._latest_in(directory, verify, exclude=leaf)
-        if chosen is not None:
-            warnings.warn(f"resuming from {chosen.path} instead of {store.describe(name)}, which cannot be "
-                          "loaded (see the warning above)", stacklevel=2)
-        return None if chosen is None else chosen.path
+        chosen = resume_choice(store, name, verify, self._io, self._settle, self._targets.dir_store)
+        if chosen is True:
+            return os.fspath(path)
+        return None if chosen is None or chosen is False else chosen.path
 
-    def _latest_in(self, store: Store, verify: bool, exclude: str = "") -> CheckpointInfo | None:
-        """:meth:`latest` in ``store``'s directory; ``exclude``: a leaf name not to offer."""
-        self._wait_listing(store)
-        for attempt in range(_RELISTS):
-            try:
-                found = [i for i in scan(store, warn=True, settle=True) if not exclude or i.name != exclude]
-            except CheckpointError:
-                raise
-            except OSError as exc:
-                raise oserror_to_checkpoint_error(exc, f"cannot list checkpoints in {store.describe('')}") from exc
-            try:
-                return self._first_usable(store, found, verify, skip_replaced=attempt == _RELISTS - 1)
-            except StorageError as exc:
-                if not _replaced(exc):
-                    raise
-                # Replaced while it was checked: what is newest may have changed; list again.
-        raise AssertionError("unreachable")
-
-    def _first_usable(
-        self, store: Store, found: Iterable[CheckpointInfo], verify: bool, *, skip_replaced: bool,
-    ) -> CheckpointInfo | None:
-        """The first of ``found`` (newest first) that :meth:`_usable` accepts.
-
-        Raises:
-            StorageError: a candidate was replaced while it was being read (unless
-                ``skip_replaced``: then it is skipped with a warning).
-        """
-        keys = signing_keys()
-        for info in found:
-            if not info.valid:
-                continue
-            if keys is not None and keys.require and info.format != 2:  # format 1 or no proof at all
-                warnings.warn(f"skipping checkpoint {info.path}: not signed, and signatures are required",
-                              stacklevel=3)
-                continue
-            try:
-                chosen = self._usable(store, info, verify)
-            except (FileNotFoundError, NotADirectoryError):
-                continue  # removed since the listing
-            except StorageError as exc:
-                if not (skip_replaced and _replaced(exc)):
-                    raise
-                warnings.warn(f"skipping checkpoint {info.path}: another process kept replacing it while it "
-                              "was being checked", stacklevel=3)
-                continue
-            if chosen is not None:
-                if ASIDE_MARKER in chosen.name:
-                    warnings.warn(f"offering {chosen.path}: the only copy of a checkpoint, left aside by a crash "
-                                  "while it was being replaced; the next save into this directory (or "
-                                  "`stagesave gc`) moves it back", stacklevel=3)
-                return chosen
-        return None
-
-    def _usable(self, store: Store, info: CheckpointInfo, verify: bool) -> CheckpointInfo | None:
-        """``info`` as checked for a resume (``verify``: every byte), or ``None`` after a warning."""
-        problems: list[str] = []
-        if info.format == 0 and not info.is_dir:  # no proof: at least it must load as what it is
-            reader = self._open(store, info.name, info.path)
-            with reader:
-                problem = plain_problem(reader, full=verify)
-            problems = [problem] if problem else []
-        elif verify:
-            checked = self._verify_in(store, info.name, reuse=True)
-            checked.tier = info.tier
-            if checked.status == "verified":
-                return checked
-            problems = checked.problems or [f"{checked.path} is {checked.status}"]
-        elif info.format == 2 and info.manifest is None and not info.is_dir:
-            resolved = resolve(store, info.name)
-            resolved.tier = info.tier
-            if resolved.status != "corrupt":
-                return resolved
-            problems = resolved.problems
-        if problems:
-            warnings.warn(f"skipping checkpoint {info.path}: {'; '.join(problems)}", stacklevel=4)
-            return None
-        return info
-
-    def _wait_listing(self, store: Store) -> None:
+    def _settle(self, store: Store) -> None:
         """Before listing ``store``'s directory: wait for this instance's queue (link updates
         and actions included) and for every save and removal pending inside it in the process."""
         self.wait_quietly()

@@ -15,12 +15,14 @@ __all__ = [
     "CheckpointNotFoundError",
     "CheckpointPermissionError",
     "ClosedError",
+    "CommitTimeoutError",
     "IntegrityError",
     "ManifestError",
     "MissingExtraError",
     "StorageError",
     "UnsafeCheckpointError",
     "UnsupportedObjectError",
+    "UsageError",
 ]
 
 
@@ -58,6 +60,15 @@ class UnsafeCheckpointError(CheckpointError, pickle.UnpicklingError):
 
 class ClosedError(CheckpointError, RuntimeError):
     """The checkpointer was closed."""
+
+
+class UsageError(CheckpointError, RuntimeError):
+    """stagesave was called in an order or a state it does not support (a programming error
+    in the caller or an integration, never a storage problem); the message says which call."""
+
+
+class CommitTimeoutError(CheckpointError, TimeoutError):
+    """A sharded save did not commit in time (a rank died, hung, or the coordinator did)."""
 
 
 class MissingExtraError(CheckpointError, ImportError):

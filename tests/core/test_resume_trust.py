@@ -18,6 +18,8 @@ import pytest
 import torch
 
 import stagesave
+import stagesave.restore.proof as proof_mod
+import stagesave.restore.verify as verify_mod
 from stagesave.restore import discovery as _discovery
 from stagesave.errors import CheckpointError, CheckpointPermissionError, IntegrityError
 from stagesave.ondisk.names import aside_name
@@ -121,13 +123,13 @@ def test_a_plain_torch_file_is_offered_unverified_below_any_proven_one_and_a_dam
 
 def test_the_load_after_a_verifying_latest_hashes_nothing_again_unless_the_file_changed(ckpt_dir, monkeypatch):
     calls = []
-    real = stagesave.Checkpointer._chunk_problems
+    real = proof_mod.chunk_problems  # counts the chunk hashing of the one verifier
 
-    def counted(self, reader, manifest, view=None):
+    def counted(reader, manifest, pool, read=None):
         calls.append(reader.where)
-        return real(self, reader, manifest, view)
+        return real(reader, manifest, pool, read=read)
 
-    monkeypatch.setattr(stagesave.Checkpointer, "_chunk_problems", counted)
+    monkeypatch.setattr(proof_mod, "chunk_problems", counted)
     with stagesave.Checkpointer(ckpt_dir) as ck:
         ck.save({"step": 1, "w": torch.ones(1000)}, "a.ckpt").result()
         ck.save({"step": 2, "w": torch.ones(1000)}, "b.ckpt").result()
@@ -276,18 +278,18 @@ def test_reading_through_a_link_out_of_the_root_raises_the_family_error(tmp_path
 def test_a_folder_replaced_while_latest_verifies_it_is_verified_again_not_skipped(ckpt_dir, monkeypatch):
     with stagesave.Checkpointer(ckpt_dir) as ck:
         ck.save_dir({"model.bin": {"step": 1, "w": torch.ones(1000)}, "extra.bin": {"n": 1}}, "checkpoint").result()
-    real = stagesave.Checkpointer._check_file
+    real = verify_mod.check_file  # fault injection: a replacement between the proof and the bytes
     replaced = []
 
-    def replace_once(self, reader, manifest, reuse):
+    def replace_once(reader, manifest, io, reuse):
         if not replaced:  # another writer replaces the folder between its proof and its bytes
             with stagesave.Checkpointer(ckpt_dir) as other:
                 other.save_dir({"model.bin": {"step": 2, "w": torch.full((1000,), 2.0)}, "extra.bin": {"n": 2}},
                                "checkpoint").result()
             replaced.append(True)
-        return real(self, reader, manifest, reuse)
+        return real(reader, manifest, io, reuse)
 
-    monkeypatch.setattr(stagesave.Checkpointer, "_check_file", replace_once)
+    monkeypatch.setattr(verify_mod, "check_file", replace_once)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a replacement is never reported as damage
         info = stagesave.latest(ckpt_dir)

@@ -15,6 +15,7 @@ from faultproxy import Fault
 from s3help import big_state, object_names, open_uploads, small_state
 
 import stagesave
+import stagesave.restore.verify as verify_mod
 from stagesave.stores.s3 import RetryPolicy
 
 pytestmark = pytest.mark.s3
@@ -156,17 +157,17 @@ def test_latest_verifies_again_a_file_replaced_while_it_reads_it(make_store, s3_
     store = make_store(s3_url)
     with stagesave.Checkpointer(store) as ckpt:
         ckpt.save(small_state(1), "last.ckpt").result()
-        real = stagesave.Checkpointer._check_file
+        real = verify_mod.check_file  # fault injection: a replacement between a file's proof and its bytes
         replaced: list[int] = []
 
-        def replace_first(self, reader, manifest, reuse):
+        def replace_first(reader, manifest, io, reuse):
             if len(replaced) < times:  # another writer replaces last.ckpt between its proof and its bytes
                 with stagesave.Checkpointer(make_store(s3_url)) as other:
                     other.save(small_state(len(replaced) + 2), "last.ckpt").result()
                 replaced.append(1)
-            return real(self, reader, manifest, reuse)
+            return real(reader, manifest, io, reuse)
 
-        monkeypatch.setattr(stagesave.Checkpointer, "_check_file", replace_first)
+        monkeypatch.setattr(verify_mod, "check_file", replace_first)
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # a replacement is neither damage nor a reason to skip
             info = ckpt.latest()

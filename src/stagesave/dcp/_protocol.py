@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._crash import crash_point
-from ..errors import CheckpointError, ManifestError
+from ..errors import CheckpointError, CommitTimeoutError, ManifestError
 from ..ondisk.checksum import digest
 from ..ondisk.manifest import FileEntry, FolderProof, Manifest, Member, dumps
 from ..ondisk.names import DIR_MANIFEST, is_temporary
@@ -76,10 +76,6 @@ _POLL_MAX = 0.25
 #: Once every rank's part is durable, DCP's finish() (the metadata) is due within moments; a
 #: coordinator whose dcp.save raised after the writes never calls it.
 FINISH_GRACE_S = 60.0
-
-
-class CommitTimeoutError(CheckpointError, TimeoutError):
-    """A sharded save did not commit in time (a rank died, hung, or the coordinator did)."""
 
 
 @dataclass(frozen=True)

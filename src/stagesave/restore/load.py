@@ -1,0 +1,93 @@
+"""Loading: one version of a checkpoint opened once, verified, then unpickled safely.
+
+The proof and the bytes come from one open file (or one pinned object version), so a name
+replaced while it is read never mixes two saves. Local files are verified through the open
+descriptor and loaded from the very inode that was checked (``/proc/self/fd``), with ``mmap``
+for zip files; other stores are read in parallel into memory, verified there, and loaded from it.
+"""
+
+from __future__ import annotations
+
+import io as _bytesio
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from ..errors import IntegrityError, StorageError
+from ..safety import safe_torch_load
+from ..saving import inflight
+from ..stores.base import Reader, Store
+from .discovery import raise_if_corrupt, resolve_reader, verified_before
+from .verify import IoThreads, check_chunks, open_reader, replaced
+
+__all__ = ["load_checkpoint"]
+
+
+def load_checkpoint(
+    store: Store, name: str, io: IoThreads, *, chunk_bytes: int, map_location: Any, verify: bool,
+    mmap: bool | None, trusted: bool, safe_globals: Sequence[Any],
+) -> Any:
+    """Load the checkpoint ``name`` of ``store`` (see :meth:`stagesave.Checkpointer.load`).
+
+    Waits for pending saves of the same path in this process first.
+
+    Raises:
+        CheckpointNotFoundError: no such file.
+        IntegrityError: the file does not match its proof.
+        UnsafeCheckpointError: the file needs a class that is not allow-listed.
+    """
+    where = store.describe(name)
+    inflight.wait_path(where)
+    globs = list(safe_globals)
+    for attempt in range(3):
+        try:
+            return _load_once(store, name, where, io, chunk_bytes, map_location, verify, mmap,
+                              trusted, globs)
+        except StorageError as exc:  # replaced while being read (S3): read the new version
+            if not replaced(exc) or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _load_once(
+    store: Store, name: str, where: str, io: IoThreads, chunk_bytes: int, map_location: Any,
+    verify: bool, mmap: bool | None, trusted: bool, globs: list[Any],
+) -> Any:
+    reader = open_reader(store, name, where)
+    judged = reader.name
+    with reader:
+        info = resolve_reader(store, judged, reader)
+        if info.status == "corrupt":
+            raise IntegrityError(f"checkpoint {where} is corrupt: {'; '.join(info.problems)}")
+        manifest = info.manifest
+        fd = reader.fileno()
+        if fd is not None:
+            # Verified by this process a moment ago (latest()), the very inode unchanged: the
+            # load does not read and hash it again.
+            if verify and manifest is not None and not verified_before(reader, manifest.files[0]):
+                raise_if_corrupt(check_chunks(reader, manifest, io), where)
+            use_mmap = reader.read(0, 4) == b"PK\x03\x04" if mmap is None else mmap
+            # Load the very inode we verified, even if the name was replaced meanwhile.
+            proc = f"/proc/self/fd/{fd}"
+            local = store.local_path(judged)
+            source = proc if os.path.exists(proc) else local
+            return safe_torch_load(source, map_location=map_location, mmap=use_mmap,
+                                   trusted=trusted, safe_globals=globs, where=where)
+        data = bytearray(reader.size)
+        view = memoryview(data)
+        _read_parallel(reader, view, io, chunk_bytes)
+        if verify and manifest is not None:
+            raise_if_corrupt(check_chunks(reader, manifest, io, view), where)
+        return safe_torch_load(_bytesio.BytesIO(data), map_location=map_location, trusted=trusted,
+                               safe_globals=globs, where=where)
+
+
+def _read_parallel(reader: Reader, view: memoryview, io: IoThreads, step: int) -> None:
+    """Read the whole of ``reader`` into ``view`` in ``step``-sized pieces on the I/O threads."""
+
+    def one(lo: int) -> None:
+        n = reader.readinto(lo, view[lo : lo + step])
+        if n != len(view[lo : lo + step]):
+            raise IntegrityError(f"checkpoint {reader.where} is truncated at byte {lo + n}")
+
+    list(io().map(one, range(0, len(view), step)))
