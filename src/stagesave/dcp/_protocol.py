@@ -49,7 +49,7 @@ from ..ondisk.manifest import FileEntry, FolderProof, Manifest, Member, dumps
 from ..ondisk.names import DIR_MANIFEST, is_temporary
 from ..restore.discovery import next_seq
 from ..restore.proof import peek
-from ..saving.commit import _remove_tree, _rename_into_place, restore_aside
+from ..saving.publish import remove_tree, rename_into_place, restore_aside
 from ..saving.plan import FileImage
 from ..saving.stage import ImageCrcs
 from ..saving.write import FileToWrite, WriteStats, write_data
@@ -380,7 +380,7 @@ def commit(
                 src, dst = store.local_path(spec.staging), store.local_path(spec.target)
                 assert src is not None and dst is not None
                 fsops.fsync_dir(src)  # the markers' removal, durable before the folder appears
-                _rename_into_place(store, src, dst, spec.target)
+                rename_into_place(store, src, dst, spec.target)
             else:
                 crash_point("after_rename")
                 crash_point("after_commit")
@@ -417,7 +417,7 @@ def abandon(store: Store, spec: SavePlanData) -> None:
     _quietly_delete(store, spec.lease)
     try:
         if spec.renames:
-            _remove_tree(store, spec.staging)
+            remove_tree(store, spec.staging)
         else:
             for info in store.list(spec.markers):
                 if marker_rank(info.name.rpartition("/")[2], spec.save_id) is not None:
@@ -453,7 +453,7 @@ def discard_if_abandoned(store: Store, spec: SavePlanData) -> bool:
         return False
     try:
         if spec.renames:
-            _remove_tree(store, spec.staging)
+            remove_tree(store, spec.staging)
         else:  # what this rank wrote after the coordinator cleared up
             if _is_ours(store, _join(spec.staging, spec.file_name), spec):
                 store.delete(_join(spec.staging, spec.file_name))
