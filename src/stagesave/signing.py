@@ -16,4 +16,6 @@ from .ondisk.signing import (
     key_id,
 )
 
-__all__ = ["ENV_KEY", "ENV_KEY_FILE", "ENV_REQUIRE", "MIN_KEY_BYTES", "configure", "current", "key_id"]
+__all__ = [
+    "ENV_KEY", "ENV_KEY_FILE", "ENV_REQUIRE", "MIN_KEY_BYTES", "configure", "current", "key_id",
+]

@@ -1,8 +1,8 @@
 """Chunk checksums.
 
 A file is hashed in fixed-size chunks so that the hashing runs in parallel (in the same pass as
-the staging copy, or in the writers, each hashing the slice it writes: ``checksum_in``) and a corrupt
-byte can be located to its chunk.
+the staging copy, or in the writers, each hashing the slice it writes: ``checksum_in``) and a
+corrupt byte can be located to its chunk.
 All algorithms here release the GIL on large inputs.
 
 The default is CRC-32 (the zip polynomial) through ISA-L, which runs at memory speed: the CRC of
@@ -32,8 +32,8 @@ except ImportError:  # pragma: no cover - platforms without an isal wheel: same 
     _crc32_combine = None
 
 __all__ = [
-    "ALGORITHMS", "CRYPTOGRAPHIC", "DEFAULT_ALGORITHM", "Hasher", "check_algorithm", "crc32", "crc32_combine",
-    "crc32_patch", "digest", "hasher",
+    "ALGORITHMS", "CRYPTOGRAPHIC", "DEFAULT_ALGORITHM", "Hasher", "check_algorithm", "crc32",
+    "crc32_combine", "crc32_patch", "digest", "hasher",
 ]
 
 Buffer = bytes | bytearray | memoryview
@@ -100,13 +100,14 @@ _ZEROS4 = crc32(bytes(4))
 
 
 def crc32_patch(crc: int, length: int, at: int, old: bytes, new: bytes) -> int:
-    """CRC-32 of a message of ``length`` bytes whose bytes at ``at`` changed from ``old`` to ``new``.
+    """CRC-32 of a message of ``length`` bytes whose bytes at ``at`` changed from ``old`` to
+    ``new``.
 
     CRC-32 is affine in the message, so the change costs a CRC of ``len(new)`` bytes and one
     shift, however long the message (used to fix a chunk's checksum after a zip CRC field in it
     was filled in).
     """
-    delta = bytes(a ^ b for a, b in zip(old, new))
+    delta = bytes(a ^ b for a, b in zip(old, new, strict=False))
     base = _ZEROS4 if len(delta) == 4 else crc32(bytes(len(delta)))
     return crc ^ crc32_combine(crc32(delta) ^ base, 0, length - at - len(delta))
 

@@ -16,6 +16,8 @@ ASIDE_MARKER = ".stagesave-aside"
 TELEMETRY_FILE = "stagesave-telemetry.jsonl"
 #: Schema of the sidecar manifests of format 1 (read; written only by ``stagesave adopt``).
 SCHEMA_VERSION = 1
+#: Schema of the embedded proof (format 2) and of its summary.
+SCHEMA_EMBEDDED = 2
 #: Format 2: the zip records of a torch file that hold its tensor index and its proof (proof last),
 #: relative to the archive's folder.
 INDEX_RECORD = ".data/stagesave/index.json"
@@ -58,7 +60,9 @@ def aside_name(leaf: str, token: str) -> str:
     return f".{leaf}.{token}{ASIDE_MARKER}"
 
 
-_ASIDE_RE = re.compile(r"^\.(?P<data>.+)\.(?P<pid>\d+)-(?P<token>[0-9a-f]{8})" + re.escape(ASIDE_MARKER) + r"$")
+_ASIDE_RE = re.compile(
+    r"^\.(?P<data>.+)\.(?P<pid>\d+)-(?P<token>[0-9a-f]{8})" + re.escape(ASIDE_MARKER) + r"$"
+)
 
 
 def parse_aside_name(leaf: str) -> tuple[str, int] | None:
@@ -89,14 +93,14 @@ def check_target_name(name: str) -> str:
     for part in parts:
         if TMP_MARKER in part or ASIDE_MARKER in part:
             raise ValueError(
-                f"invalid checkpoint name {name!r}: {TMP_MARKER!r} and {ASIDE_MARKER!r} are reserved for "
-                "stagesave's temporaries; choose another name"
+                f"invalid checkpoint name {name!r}: {TMP_MARKER!r} and {ASIDE_MARKER!r} are "
+                "reserved for stagesave's temporaries; choose another name"
             )
         if len(part.encode()) > MAX_NAME_BYTES:
             raise ValueError(
-                f"invalid checkpoint name {name!r}: {part[:40]!r}... is {len(part.encode())} bytes, more than the "
-                f"{MAX_NAME_BYTES} stagesave allows (filesystems allow 255, and its temporaries add to the "
-                "name); choose a shorter name"
+                f"invalid checkpoint name {name!r}: {part[:40]!r}... is {len(part.encode())} "
+                f"bytes, more than the {MAX_NAME_BYTES} stagesave allows (filesystems allow 255, "
+                "and its temporaries add to the name); choose a shorter name"
             )
     leaf = parts[-1]
     if leaf == DIR_MANIFEST or split_manifest_name(leaf) is not None:

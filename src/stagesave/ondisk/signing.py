@@ -29,9 +29,10 @@ from typing import Any
 
 from ..errors import ManifestError
 from .checksum import CRYPTOGRAPHIC
+from .model import dumps
 
-__all__ = ["ENV_KEY", "ENV_KEY_FILE", "ENV_REQUIRE", "Keys", "check_doc", "configure", "current", "key_id",
-           "sign_doc"]
+__all__ = ["ENV_KEY", "ENV_KEY_FILE", "ENV_REQUIRE", "Keys", "check_doc", "configure", "current",
+           "key_id", "sign_doc"]
 
 ENV_KEY = "STAGESAVE_SIGNING_KEY"
 ENV_KEY_FILE = "STAGESAVE_SIGNING_KEY_FILE"
@@ -68,7 +69,9 @@ def _parse_key(text: str, source: str) -> bytes:
     try:
         key = bytes.fromhex(text)
     except ValueError:
-        raise ValueError(f"{source}: a signing key is written in hex (e.g. `openssl rand -hex 32`)") from None
+        raise ValueError(
+            f"{source}: a signing key is written in hex (e.g. `openssl rand -hex 32`)"
+        ) from None
     if len(key) < MIN_KEY_BYTES:
         raise ValueError(f"{source}: a signing key needs at least {MIN_KEY_BYTES} bytes "
                          f"({2 * MIN_KEY_BYTES} hex digits), got {len(key)}")
@@ -83,12 +86,14 @@ def _from_environment() -> Keys | None:
     if path:
         try:
             with open(path, encoding="ascii") as f:
-                lines = [line for line in f.read().splitlines() if line.strip() and not line.lstrip().startswith("#")]
+                lines = [line for line in f.read().splitlines()
+                         if line.strip() and not line.lstrip().startswith("#")]
         except (OSError, UnicodeDecodeError) as exc:
             raise ValueError(f"{ENV_KEY_FILE}: cannot read the key file {path}: {exc}") from None
         if not lines:
             raise ValueError(f"{ENV_KEY_FILE}: the key file {path} holds no key")
-        keys += [_parse_key(line, f"{ENV_KEY_FILE} {path} line {i}") for i, line in enumerate(lines, 1)]
+        keys += [_parse_key(line, f"{ENV_KEY_FILE} {path} line {i}")
+                 for i, line in enumerate(lines, 1)]
     require = os.environ.get(ENV_REQUIRE, "").strip().lower() in ("1", "true", "yes", "on")
     if require and not keys:
         raise ValueError(f"{ENV_REQUIRE} is set but no key is: set {ENV_KEY} or {ENV_KEY_FILE}")
@@ -157,8 +162,6 @@ def _mac(key: bytes, payload: bytes) -> str:
 
 
 def _payload(doc: dict[str, Any]) -> bytes:
-    from .manifest import dumps
-
     return dumps({k: v for k, v in doc.items() if k != "signature"})
 
 
@@ -167,11 +170,12 @@ def sign_doc(doc: dict[str, Any], keys: Keys | None) -> dict[str, Any]:
     if keys is None or keys.signing is None:
         return doc
     if doc.get("algorithm") not in CRYPTOGRAPHIC:
-        raise ValueError(f"cannot sign a proof over {doc.get('algorithm')!r} checksums: they are not "
-                         "cryptographic (use checksum='blake3' or 'sha256')")
+        raise ValueError(f"cannot sign a proof over {doc.get('algorithm')!r} checksums: they are "
+                         "not cryptographic (use checksum='blake3' or 'sha256')")
     key = keys.signing
     signed = {k: v for k, v in doc.items() if k != "signature"}
-    signed["signature"] = {"algorithm": ALGORITHM, "key": key_id(key), "mac": _mac(key, _payload(doc))}
+    mac = _mac(key, _payload(doc))
+    signed["signature"] = {"algorithm": ALGORITHM, "key": key_id(key), "mac": mac}
     return signed
 
 
@@ -192,17 +196,19 @@ def check_doc(doc: dict[str, Any], where: str, keys: Keys | None, *, cryptograph
         if keys.require:
             raise ManifestError(f"{where}: not signed, and signatures are required ({ENV_REQUIRE})")
         return False
-    if (not isinstance(sig, dict) or set(sig) != {"algorithm", "key", "mac"} or sig["algorithm"] != ALGORITHM
+    if (not isinstance(sig, dict) or set(sig) != {"algorithm", "key", "mac"}
+            or sig["algorithm"] != ALGORITHM
             or not isinstance(sig["key"], str) or not isinstance(sig["mac"], str)):
         raise ManifestError(f"{where}: malformed signature")
     key = keys.by_id().get(sig["key"])
     if key is None:
-        raise ManifestError(f"{where}: signed with a key this process does not hold (key id {sig['key'][:16]!r}); "
+        raise ManifestError(f"{where}: signed with a key this process does not hold "
+                            f"(key id {sig['key'][:16]!r}); "
                             f"list every key still in use in {ENV_KEY_FILE}")
     if not hmac.compare_digest(_mac(key, _payload(doc)), sig["mac"]):
-        raise ManifestError(f"{where}: the signature does not match the proof: changed, or signed again without "
-                            "the key")
+        raise ManifestError(f"{where}: the signature does not match the proof: changed, or signed "
+                            "again without the key")
     if not cryptographic:
-        raise ManifestError(f"{where}: signed, but its checksums are not cryptographic; a signature over them "
-                            "proves nothing")
+        raise ManifestError(f"{where}: signed, but its checksums are not cryptographic; a "
+                            "signature over them proves nothing")
     return True

@@ -177,7 +177,9 @@ def parse_torch_zip(read: Reader, size: int) -> TorchZip:
 
 
 def _local_header(name: bytes, crc: int, size: int) -> bytes:
-    return struct.pack("<IHHHHHIIIHH", _LH_SIG, 20, 0x0800, 0, 0, 0x21, crc, size, size, len(name), 0) + name
+    fixed = struct.pack("<IHHHHHIIIHH", _LH_SIG, 20, 0x0800, 0, 0, 0x21, crc, size, size,
+                        len(name), 0)
+    return fixed + name
 
 
 def _cd_entry(name: bytes, crc: int, size: int, offset: int) -> bytes:
@@ -187,8 +189,8 @@ def _cd_entry(name: bytes, crc: int, size: int, offset: int) -> bytes:
         extra = struct.pack("<HHQ", 0x0001, 8, offset)
         field = _U32
     return struct.pack(
-        "<IHHHHHHIIIHHHHHII", _CD_SIG, 0x031E, 45 if extra else 20, 0x0800, 0, 0, 0x21, crc, size, size,
-        len(name), len(extra), 0, 0, 0, 0, field,
+        "<IHHHHHHIIIHHHHHII", _CD_SIG, 0x031E, 45 if extra else 20, 0x0800, 0, 0, 0x21, crc,
+        size, size, len(name), len(extra), 0, 0, 0, 0, field,
     ) + name + extra
 
 
@@ -234,8 +236,8 @@ def build_tail(
         out += struct.pack("<IIQI", _LOC64_SIG, 0, eocd64_at, 1)
     comment = summary + footer(summary, crc32)
     out += struct.pack(
-        "<IHHHHIIH", _EOCD_SIG, 0, 0, min(n, _U16), min(n, _U16), min(cd_size, _U32), min(cd_off, _U32),
-        len(comment),
+        "<IHHHHIIH", _EOCD_SIG, 0, 0, min(n, _U16), min(n, _U16), min(cd_size, _U32),
+        min(cd_off, _U32), len(comment),
     )
     out += comment
     return bytes(out), offsets
