@@ -19,11 +19,11 @@ from hypothesis import strategies as st
 from s3help import PART, MiB, big_state, object_names, open_uploads, small_state, split_url
 
 import stagesave
-from stagesave.stores.s3 import (
+from stagesave.stores.s3 import S3Store
+from stagesave.stores.s3_upload import (
     MAX_PART_BYTES,
     MAX_PARTS,
     MIN_PART_BYTES,
-    S3Store,
     abort_stale_multipart_uploads,
     choose_part_size,
 )
