@@ -21,19 +21,24 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from ..errors import ManifestError, UnsafeCheckpointError
 
-__all__ = ["load_metadata"]
+__all__ = ["StorageInfo", "load_metadata"]
+
+#: Where DCP's metadata places an item: ``(relative_path, offset, length)``. torch keeps the class
+#: private; this is the one place stagesave names it.
+StorageInfo = _fs._StorageInfo
 
 _ALLOWED: dict[tuple[str, str], Any] = {
     **{(_md.__name__, n): getattr(_md, n) for n in (
         "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
         "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
     )},
-    (_fs.__name__, "_StorageInfo"): _fs._StorageInfo,
+    (_fs.__name__, "_StorageInfo"): StorageInfo,
     ("torch", "Size"): torch.Size,
     ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
     ("pathlib", "PosixPath"): pathlib.PosixPath,
     ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
-    ("pathlib", "WindowsPath"): pathlib.PureWindowsPath,  # never instantiate a concrete foreign path
+    # never instantiate a concrete foreign path
+    ("pathlib", "WindowsPath"): pathlib.PureWindowsPath,
     ("pathlib", "PureWindowsPath"): pathlib.PureWindowsPath,
     ("collections", "OrderedDict"): __import__("collections").OrderedDict,
 }
@@ -69,7 +74,10 @@ def load_metadata(data: bytes, where: str, *, trusted: bool = False) -> Metadata
     except UnsafeCheckpointError:
         raise
     except Exception as exc:  # any parse failure means the same thing
-        raise ManifestError(f"cannot read {where}: not a readable DCP metadata pickle ({exc})") from exc
+        raise ManifestError(
+            f"cannot read {where}: not a readable DCP metadata pickle ({exc})"
+        ) from exc
     if not isinstance(obj, Metadata) or not isinstance(getattr(obj, "storage_data", None), dict):
-        raise ManifestError(f"cannot read {where}: it holds a {type(obj).__name__}, not DCP metadata with storage data")
+        raise ManifestError(f"cannot read {where}: it holds a {type(obj).__name__}, not DCP "
+                            "metadata with storage data")
     return obj

@@ -41,7 +41,9 @@ class SplitReplicatedPlanner(DefaultSavePlanner):
         ValueError: ``split_bytes`` or ``pieces`` is not positive, or plan caching was requested.
     """
 
-    def __init__(self, split_bytes: int = DEFAULT_SPLIT_BYTES, pieces: int | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, split_bytes: int = DEFAULT_SPLIT_BYTES, pieces: int | None = None, **kwargs: Any,
+    ) -> None:
         if kwargs.get("enable_plan_caching"):
             raise ValueError("SplitReplicatedPlanner does not support enable_plan_caching=True")
         if split_bytes < 1:
@@ -97,8 +99,10 @@ class SplitReplicatedPlanner(DefaultSavePlanner):
             out.append(WriteItem(
                 index=index,
                 type=WriteItemType.SHARD,
-                tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
-                                            properties=td.properties, size=td.size),
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
+                    properties=td.properties, size=td.size,
+                ),
             ))
             start += n
         return out

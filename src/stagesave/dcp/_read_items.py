@@ -1,0 +1,127 @@
+"""Reading a rank file's items: windows of whole checksum chunks, each verified before DCP sees it.
+
+The items a rank asks of one file are sorted by offset and grouped into *windows* of whole
+checksum chunks (at most ``window_bytes``, at least one item), so that every chunk an item
+touches is read and checked once. A window's chunks are read and checked against the proof's
+digests in parallel on the I/O threads; only then are its items handed to DCP's planner, on the
+caller's thread (unpickling and tensor copies never run on the I/O threads).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import io
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
+
+from ..errors import IntegrityError
+from ..ondisk.checksum import digest
+from ..ondisk.manifest import FileEntry
+from ..ondisk.names import DEFAULT_CHUNK_BYTES
+from ..restore.discovery import raise_if_corrupt
+from ..safety import safe_torch_load
+from ..stores.base import Reader
+from ._metadata import StorageInfo
+
+__all__ = ["DEFAULT_WINDOW_BYTES", "Item", "Window", "deliver", "read_window", "windows"]
+
+#: Bytes read (and verified) at once; a window holds whole chunks, at least one item.
+DEFAULT_WINDOW_BYTES = 256 * 1024 * 1024
+#: Unverified reads merge items separated by at most this many bytes (alignment padding).
+_MERGE_GAP = 64 * 1024
+
+#: One item of a load plan, with where the metadata places it.
+Item = tuple[StorageInfo, ReadItem]
+
+
+@dataclass
+class Window:
+    """Bytes ``[lo, hi)`` of one file, read (and verified) at once, and the items in them."""
+
+    lo: int
+    hi: int
+    items: list[Item]
+
+
+def windows(items: list[Item], entry: FileEntry | None, window_bytes: int) -> Iterator[Window]:
+    """Group sorted items into reads of whole chunks (all chunks, when verifying)."""
+    step = entry.chunk_bytes if entry is not None else 1
+    gap = 0 if entry is not None else _MERGE_GAP
+    current: Window | None = None
+    for sinfo, req in items:
+        end = sinfo.offset + sinfo.length
+        lo = sinfo.offset // step * step
+        hi = -(-end // step) * step
+        if entry is not None:
+            hi = min(hi, entry.end)
+        if (current is not None and lo <= current.hi + gap
+                and max(hi, current.hi) - current.lo <= window_bytes):
+            current.hi = max(current.hi, hi)
+            current.items.append((sinfo, req))
+            continue
+        if current is not None:
+            yield current
+        current = Window(lo, hi, [(sinfo, req)])
+    if current is not None:
+        yield current
+
+
+def read_window(
+    reader: Reader, lo: int, length: int, entry: FileEntry | None, pool: cf.Executor | None,
+) -> memoryview:
+    """Bytes ``[lo, lo + length)`` of ``reader``'s file; with ``entry``, every chunk checked first.
+
+    Raises:
+        IntegrityError: a chunk's digest differs, or the file is shorter than it should be.
+    """
+    out = memoryview(bytearray(length))
+    step = entry.chunk_bytes if entry is not None else DEFAULT_CHUNK_BYTES
+    path = reader.where
+
+    def one(off: int) -> str | None:
+        n = min(step, length - off)
+        got = reader.readinto(lo + off, out[off : off + n])
+        if got != n:
+            return f"{path}: truncated at byte {lo + off + got}"
+        if entry is not None:
+            i = (lo + off) // entry.chunk_bytes
+            if digest(entry.algorithm, out[off : off + n]) != entry.chunks[i]:
+                a, b = entry.chunk_range(i)
+                return f"{path}: checksum mismatch in bytes [{a}, {b}) (chunk {i})"
+        return None
+
+    offsets = range(0, length, step)
+    parallel = pool is not None and len(offsets) > 1
+    results = pool.map(one, offsets) if parallel and pool is not None else map(one, offsets)
+    raise_if_corrupt([p for p in results if p], path.rpartition("/")[0])
+    return out
+
+
+def deliver(
+    req: ReadItem, blob: memoryview, planner: LoadPlanner, where: str, *, trusted: bool,
+    safe_globals: list[Any],
+) -> None:
+    """Hand one verified item to DCP's planner (on the caller's thread)."""
+    if req.type == LoadItemType.BYTE_IO:
+        raw = bytes(blob)
+        if not trusted:
+            # DCP's planner unpickles with the full unpickler; the same bytes must first pass
+            # the allow-listed one, so nothing off the list is ever constructed.
+            safe_torch_load(io.BytesIO(raw), safe_globals=safe_globals,
+                            where=f"{where} (item {req.storage_index.fqn})")
+        planner.load_bytes(req, io.BytesIO(raw))
+        return
+    loaded = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+    tensor = narrow_tensor_by_index(cast(torch.Tensor, loaded), req.storage_offsets, req.lengths)
+    target = planner.resolve_tensor(req).detach()
+    if target.size() != tensor.size():
+        raise IntegrityError(f"{where}: item {req.storage_index.fqn} has shape "
+                             f"{tuple(tensor.size())} where the plan expects "
+                             f"{tuple(target.size())}")
+    target.copy_(tensor)
+    planner.commit_tensor(req, target)
