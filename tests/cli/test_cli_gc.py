@@ -15,7 +15,8 @@ import torch
 from clitools import flip_byte, small_state, write_checkpoints, write_format1
 
 import stagesave
-from stagesave.restore.gc import collect_garbage, find_debris, pid_alive
+from stagesave.restore.gc import collect_garbage, find_debris
+from stagesave.restore.liveness import pid_alive
 from stagesave.stores.local import LocalStore
 
 
@@ -49,10 +50,17 @@ def test_dry_run_lists_and_changes_nothing_then_gc_removes(cli, crashed, tmp_pat
     r = cli("gc", tmp_path, "--dry-run", "--json")
     assert r.code == 0
     doc = r.json()
-    assert {(d["name"], d["kind"]) for d in doc["found"]} == {(temps[0], "temporary"), (orphans[0], "orphan-manifest")}
+    assert {(d["name"], d["kind"]) for d in doc["found"]} == {
+        (temps[0], "temporary"),
+        (orphans[0], "orphan-manifest"),
+    }
     assert doc["done"] == []
-    assert "is not running on this host" in next(d["reason"] for d in doc["found"] if d["kind"] == "temporary")
-    assert "gone.ckpt does not exist" in next(d["reason"] for d in doc["found"] if d["kind"] == "orphan-manifest")
+    assert "is not running on this host" in next(
+        d["reason"] for d in doc["found"] if d["kind"] == "temporary"
+    )
+    assert "gone.ckpt does not exist" in next(
+        d["reason"] for d in doc["found"] if d["kind"] == "orphan-manifest"
+    )
     assert _tree(tmp_path) == before
     text = cli("gc", tmp_path, "-n").out
     assert "would remove temporary" in text and "would reclaim" in text
@@ -69,10 +77,14 @@ def test_crash_while_replacing_keeps_the_old_file(cli, crashed, tmp_path):
         old = ck.verify(tmp_path / "last.ckpt")
     assert old.status == "verified" and old.format == 2 and old.seq == 1
     assert cli("gc", tmp_path).code == 0
-    assert sorted(os.listdir(tmp_path)) == ["last.ckpt"]  # the file carries its own proof: nothing beside it
+    assert sorted(os.listdir(tmp_path)) == [
+        "last.ckpt"
+    ]  # the file carries its own proof: nothing beside it
     with stagesave.Checkpointer() as ck:
         assert ck.verify(tmp_path / "last.ckpt").status == "verified"
-        assert torch.equal(ck.load(tmp_path / "last.ckpt")["w"], torch.arange(600_000, dtype=torch.float32))
+        assert torch.equal(
+            ck.load(tmp_path / "last.ckpt")["w"], torch.arange(600_000, dtype=torch.float32)
+        )
 
 
 def test_crashed_folder_saves(cli, crashed, tmp_path):
@@ -125,7 +137,12 @@ def test_no_pid_check_relies_on_age_only(cli, crashed, tmp_path):
     # the writer is dead, but on a shared filesystem that proves nothing: too recent to remove
     os.utime(tmp_path / tmp, None)
     assert cli("gc", tmp_path, "--no-pid-check", "--json").json()["found"] == []
-    assert cli("gc", tmp_path, "--no-pid-check", "--older-than", "1ms", "--json").json()["done"][0]["name"] == tmp
+    assert (
+        cli("gc", tmp_path, "--no-pid-check", "--older-than", "1ms", "--json").json()["done"][0][
+            "name"
+        ]
+        == tmp
+    )
 
 
 def test_never_touches_user_files_symlinks_or_evidence(cli, crashed, tmp_path):
@@ -138,8 +155,10 @@ def test_never_touches_user_files_symlinks_or_evidence(cli, crashed, tmp_path):
     root.mkdir()
     look_alikes = {
         "notes.stagesave.json": "user's own file",
-        "notes.ckpt.123.stagesave.json": "named like a manifest, not one",  # its 'data file' is missing
-        "x.ckpt.0123.stagesave.json": '{"format": "stagesave", "schema": 1}',  # not a valid manifest
+        # named like a manifest, not one: its 'data file' is missing
+        "notes.ckpt.123.stagesave.json": "named like a manifest, not one",
+        # not a valid manifest
+        "x.ckpt.0123.stagesave.json": '{"format": "stagesave", "schema": 1}',
         "x.stagesave-tmp": "not ours",
         ".x.stagesave-tmp": "not ours either",
         "notes.0123abcd.stagesave-tmp": "no leading dot: not a name stagesave gives a file",
@@ -167,12 +186,22 @@ def test_never_touches_user_files_symlinks_or_evidence(cli, crashed, tmp_path):
     assert _tree(root) == before_root and _tree(outside) == before_outside
     assert victim.read_bytes() == b"precious"
     ignored = {d["name"] for d in doc["ignored"]}
-    assert {"notes.ckpt.123.stagesave.json", "x.ckpt.0123.stagesave.json", "x.stagesave-tmp", ".x.stagesave-tmp",
-            "notes.0123abcd.stagesave-tmp", ".y.ckpt.0123abcd.stagesave-tmp.bak", "mine.stagesave-aside",
-            "staging.stagesave-tmp"} <= ignored
+    assert {
+        "notes.ckpt.123.stagesave.json",
+        "x.ckpt.0123.stagesave.json",
+        "x.stagesave-tmp",
+        ".x.stagesave-tmp",
+        "notes.0123abcd.stagesave-tmp",
+        ".y.ckpt.0123abcd.stagesave-tmp.bak",
+        "mine.stagesave-aside",
+        "staging.stagesave-tmp",
+    } <= ignored
     assert not any(k["name"] in ignored for k in doc["kept"])
     r = cli("gc", root, "--older-than", "1ms", "-v")
-    assert "files only named like stagesave's left alone" in r.out and "ignored x.stagesave-tmp" in r.out
+    assert (
+        "files only named like stagesave's left alone" in r.out
+        and "ignored x.stagesave-tmp" in r.out
+    )
     with stagesave.Checkpointer() as ck:
         assert ck.verify(path).status == "corrupt"
         assert ck.verify(old).status == "corrupt"
@@ -206,7 +235,9 @@ def test_pid_alive():
     assert not pid_alive(0) and not pid_alive(-5)
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores directory permissions: no EACCES to provoke")
+@pytest.mark.skipif(
+    os.geteuid() == 0, reason="root ignores directory permissions: no EACCES to provoke"
+)
 def test_collect_garbage_reports_errors_and_goes_on(tmp_path, crashed):
     crashed("proof", tmp_path)
     write_format1(tmp_path, "gone.ckpt", small_state(2))

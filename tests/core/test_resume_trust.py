@@ -19,8 +19,9 @@ import torch
 
 import stagesave
 import stagesave.restore.proof as proof_mod
+import stagesave.restore.resolve_folder as folders_mod
+import stagesave.restore.verified_memo as memo_mod
 import stagesave.restore.verify as verify_mod
-from stagesave.restore import discovery as _discovery
 from stagesave.errors import CheckpointError, CheckpointPermissionError, IntegrityError
 from stagesave.ondisk.names import aside_name
 
@@ -133,7 +134,7 @@ def test_the_load_after_a_verifying_latest_hashes_nothing_again_unless_the_file_
     with stagesave.Checkpointer(ckpt_dir) as ck:
         ck.save({"step": 1, "w": torch.ones(1000)}, "a.ckpt").result()
         ck.save({"step": 2, "w": torch.ones(1000)}, "b.ckpt").result()
-        _discovery.forget_verified()
+        memo_mod.forget_verified()
         info = ck.latest()
         assert info.name == "b.ckpt" and calls == [info.path]
         assert ck.load(info.path)["step"] == 2
@@ -318,7 +319,7 @@ def test_a_folder_listed_just_before_a_replacement_and_proved_just_after_is_veri
 
     with stagesave.Checkpointer(ckpt_dir) as ck:
         ck.save_dir(state(1), "checkpoint").result()
-    real_list_tree = _discovery.list_tree
+    real_list_tree = folders_mod.list_tree
     armed: list[int] = []
 
     def list_then_replace(store, directory, *args, **kwargs):
@@ -329,7 +330,7 @@ def test_a_folder_listed_just_before_a_replacement_and_proved_just_after_is_veri
             subprocess.run([sys.executable, "-c", _REPLACE_FOLDER, str(ckpt_dir), str(step)], check=True)
         return listing
 
-    monkeypatch.setattr(_discovery, "list_tree", list_then_replace)
+    monkeypatch.setattr(folders_mod, "list_tree", list_then_replace)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a replacement is never reported as damage
         armed.append(1)

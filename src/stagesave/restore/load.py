@@ -17,8 +17,9 @@ from ..errors import IntegrityError, StorageError
 from ..safety import safe_torch_load
 from ..saving import inflight
 from ..stores.base import Reader, Store
-from .discovery import raise_if_corrupt, resolve_reader, verified_before
-from .verify import IoThreads, check_chunks, open_reader, replaced
+from .resolve_file import resolve_reader
+from .verified_memo import verified_before
+from .verify import IoThreads, check_chunks, open_reader, raise_if_corrupt, replaced
 
 __all__ = ["load_checkpoint"]
 

@@ -16,7 +16,11 @@ from ..ondisk.names import ASIDE_MARKER
 from ..ondisk.signing import current as signing_keys
 from ..saving import inflight
 from ..stores.base import Store
-from .discovery import CheckpointInfo, plain_problem, resolve, resolve_dir, scan
+from .discovery import scan
+from .info import CheckpointInfo
+from .plain import plain_problem
+from .resolve_file import resolve
+from .resolve_folder import resolve_dir
 from .verify import IoThreads, is_folder, open_reader, replaced, verify_checkpoint
 
 __all__ = ["Settle", "latest_in", "resume_choice"]
@@ -61,7 +65,7 @@ def latest_in(
 def resume_choice(
     store: Store, name: str, verify: bool, io: IoThreads, settle: Settle,
     dir_store: Callable[[str], Store],
-) -> CheckpointInfo | None | bool:
+) -> CheckpointInfo | bool | None:
     """What a resume pointed at ``name`` as *the newest checkpoint* should load.
 
     Returns ``True`` when ``name`` itself is usable, otherwise (after a warning) the newest
@@ -72,7 +76,8 @@ def resume_choice(
         info = resolve_dir(store, name) if is_folder(store, name) else resolve(store, name)
     except FileNotFoundError:
         info = None
-        warnings.warn(f"skipping checkpoint {store.describe(name)}: it does not exist", stacklevel=3)
+        warnings.warn(f"skipping checkpoint {store.describe(name)}: it does not exist",
+                      stacklevel=3)
     if info is not None:
         if info.valid:
             if _first_usable(store, [info], verify, io, skip_replaced=True) is not None:
@@ -84,8 +89,8 @@ def resume_choice(
     directory = store if not parent else dir_store(store.describe(parent))
     chosen = latest_in(directory, verify, io, settle, exclude=leaf)
     if chosen is not None:
-        warnings.warn(f"resuming from {chosen.path} instead of {store.describe(name)}, which cannot "
-                      "be loaded (see the warning above)", stacklevel=3)
+        warnings.warn(f"resuming from {chosen.path} instead of {store.describe(name)}, which "
+                      "cannot be loaded (see the warning above)", stacklevel=3)
     return chosen
 
 
@@ -119,14 +124,16 @@ def _first_usable(
             continue
         if chosen is not None:
             if ASIDE_MARKER in chosen.name:
-                warnings.warn(f"offering {chosen.path}: the only copy of a checkpoint, left aside by "
-                              "a crash while it was being replaced; the next save into this directory "
-                              "(or `stagesave gc`) moves it back", stacklevel=3)
+                warnings.warn(f"offering {chosen.path}: the only copy of a checkpoint, left aside "
+                              "by a crash while it was being replaced; the next save into this "
+                              "directory (or `stagesave gc`) moves it back", stacklevel=3)
             return chosen
     return None
 
 
-def _usable(store: Store, info: CheckpointInfo, verify: bool, io: IoThreads) -> CheckpointInfo | None:
+def _usable(
+    store: Store, info: CheckpointInfo, verify: bool, io: IoThreads,
+) -> CheckpointInfo | None:
     """``info`` as checked for a resume (``verify``: every byte), or ``None`` after a warning."""
     problems: list[str] = []
     if info.format == 0 and not info.is_dir:  # no proof: at least it must load as what it is

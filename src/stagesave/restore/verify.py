@@ -13,29 +13,28 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import CheckpointNotFoundError, StorageError, oserror_to_checkpoint_error
-from ..ondisk.manifest import Manifest
+from ..errors import (
+    CheckpointNotFoundError,
+    IntegrityError,
+    StorageError,
+    oserror_to_checkpoint_error,
+)
+from ..ondisk.manifest import FileEntry, Manifest
 from ..saving import inflight
 from ..stores.base import Reader, Store
 from . import proof
-from .discovery import (
-    CheckpointInfo,
-    folder_entries,
-    remember_verified,
-    resolve_dir,
-    resolve_reader,
-    verified_before,
-)
+from .info import CheckpointInfo, replaced
+from .resolve_file import resolve_reader
+from .resolve_folder import folder_entries, resolve_dir
+from .verified_memo import remember_verified, verified_before
 
-__all__ = ["IoThreads", "check_chunks", "check_file", "is_folder", "open_reader", "replaced", "verify_checkpoint"]
+__all__ = [
+    "IoThreads", "check_chunks", "check_file", "is_folder", "open_reader", "raise_if_corrupt",
+    "replaced", "verify_checkpoint", "verify_entry",
+]
 
 #: The I/O threads of the Checkpointer a read runs for (created on first use).
 IoThreads = Callable[[], cf.Executor]
-
-
-def replaced(exc: BaseException) -> bool:
-    """Whether ``exc`` says the object was replaced by another writer while it was read (S3)."""
-    return getattr(exc, "s3_code", None) == "PreconditionFailed"
 
 
 def save_token(manifest: Any) -> Any:
@@ -73,10 +72,13 @@ def open_reader(store: Store, name: str, where: str) -> Reader:
         raise oserror_to_checkpoint_error(exc, f"cannot read checkpoint {where}") from exc
 
 
-def check_chunks(reader: Reader, manifest: Any, io: IoThreads, view: memoryview | None = None) -> list[str]:
+def check_chunks(
+    reader: Reader, manifest: Any, io: IoThreads, view: memoryview | None = None,
+) -> list[str]:
     """Check every chunk of one file through ``reader`` (or in ``view``, already read)."""
     if view is not None:
-        return proof.chunk_problems(reader, manifest, io(), read=lambda lo, n: view[lo : lo + n])
+        return proof.chunk_problems(reader, manifest, io(),
+                                    read=lambda lo, n: view[lo : lo + n])
     scratch = threading.local()
 
     def read(lo: int, n: int) -> memoryview:
@@ -90,7 +92,9 @@ def check_chunks(reader: Reader, manifest: Any, io: IoThreads, view: memoryview 
     return proof.chunk_problems(reader, manifest, io(), read=read)
 
 
-def verify_checkpoint(store: Store, name: str, io: IoThreads, *, reuse: bool = False) -> CheckpointInfo:
+def verify_checkpoint(
+    store: Store, name: str, io: IoThreads, *, reuse: bool = False,
+) -> CheckpointInfo:
     """Check a checkpoint (file or folder) against its proof, reading every byte.
 
     ``reuse``: a file verified moments ago by this process, unchanged, is not read again.
@@ -184,3 +188,32 @@ def check_file(reader: Reader, manifest: Any, io: IoThreads, reuse: bool) -> lis
     if not problems:
         remember_verified(reader, entry)
     return problems
+
+
+def verify_entry(
+    store: Store, name: str, entry: FileEntry, pool: cf.Executor | None = None,
+) -> list[str]:
+    """Recompute every chunk digest of ``name`` against ``entry``; the problems (empty: intact)."""
+    try:
+        reader = store.open(name)
+    except OSError as exc:
+        return [f"{store.describe(name)}: {exc.strerror or exc}"]
+    with reader:
+        if reader.size != entry.size:
+            return [f"{reader.where} is {reader.size} bytes, its proof says {entry.size}"]
+        return proof.chunk_problems(reader, Manifest([entry], 0), pool)
+
+
+def raise_if_corrupt(problems: list[str], path: str) -> None:
+    """Refuse to load a checkpoint whose verification found ``problems``.
+
+    Raises:
+        IntegrityError: ``problems`` is not empty; the message names the first.
+    """
+    if problems:
+        raise IntegrityError(
+            f"checkpoint {path} is corrupt: {problems[0]}"
+            + (f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else "")
+            + ". It was not loaded; use the previous checkpoint (stagesave.latest skips corrupt "
+            "ones)."
+        )

@@ -1,0 +1,241 @@
+"""One folder's status: committed when its proof names exactly the files it holds.
+
+A folder is committed when its carrier's proof names exactly the files it holds (format 2), or
+its ``checkpoint.stagesave.json`` does (format 1). Its files are listed without following
+symbolic links, down to :data:`MAX_FOLDER_DEPTH` levels.
+"""
+
+from __future__ import annotations
+
+from ..errors import ManifestError
+from ..ondisk.manifest import FileEntry, Manifest
+from ..ondisk.names import DIR_MANIFEST
+from ..stores.base import ObjectInfo, Store
+from .info import CheckpointInfo, join, replaced, reread
+from .proof import FileProof, peek, read_proof
+from .resolve_file import read_sidecar
+
+__all__ = ["MAX_FOLDER_DEPTH", "FolderEntry", "folder_entries", "list_tree", "resolve_dir"]
+
+#: How deep a folder checkpoint's files may nest (hooks write e.g. ``tokenizer/vocab.txt``).
+MAX_FOLDER_DEPTH = 8
+
+
+def list_tree(store: Store, directory: str, depth: int = 0) -> list[ObjectInfo]:
+    """Every file under ``directory`` (sub-folders included, symbolic links never followed)."""
+    out = list(store.list(directory))
+    if depth < MAX_FOLDER_DEPTH:
+        for leaf in store.list_dirs(directory):
+            out += list_tree(store, join(directory, leaf), depth + 1)
+    return out
+
+
+def resolve_dir(
+    store: Store, directory: str, listing: list[ObjectInfo] | None = None,
+) -> CheckpointInfo:
+    """Status of a folder checkpoint (committed when its proof names exactly its files).
+
+    ``listing``: every file under the folder (:func:`list_tree`), when the caller has it.
+    """
+    try:
+        return _resolve_dir(store, directory, listing)
+    except OSError as exc:
+        if not replaced(exc):
+            raise
+        # replaced meanwhile: list again
+        return reread(lambda: _resolve_dir(store, directory, None))
+
+
+def _resolve_dir(
+    store: Store, directory: str, listing: list[ObjectInfo] | None,
+) -> CheckpointInfo:
+    path = store.describe(directory)
+    prefix = len(directory) + 1 if directory else 0
+    listed = listing if listing is not None else list_tree(store, directory)
+    files = {f.name[prefix:]: f for f in listed}
+    if DIR_MANIFEST in files:
+        return _dir_format1(store, directory, path, files)
+    carrier = _find_carrier(store, directory, files)
+    if carrier is None:
+        return CheckpointInfo(
+            path, directory, "unverified", max((f.mtime for f in files.values()), default=0.0),
+            sum(f.size for f in files.values()), is_dir=True,
+            problems=["no stagesave proof in any of its files: completeness cannot be proven"],
+        )
+    leaf, got = carrier
+    total = sum(f.size for f in files.values())
+    if got.manifest is None or got.manifest.folder is None:
+        return CheckpointInfo(
+            path, directory, "corrupt", 0.0, total, is_dir=True,
+            problems=got.problems or [f"{path}: {leaf} does not prove the folder"],
+            problems_from_manifest=True, format=2,
+        )
+    m = got.manifest
+    folder = m.folder
+    assert folder is not None
+    problems = _folder_problems(store, directory, files, m)
+    status = "corrupt" if problems else "committed"
+    return CheckpointInfo(path, directory, status, m.created_ns / 1e9, total, m, None, problems,
+                          is_dir=True, problems_from_manifest=True, seq=m.seq, format=2)
+
+
+def _find_carrier(
+    store: Store, directory: str, files: dict[str, ObjectInfo],
+) -> tuple[str, FileProof] | None:
+    """The carrier of a format-2 folder: the file whose summary (or header) says it carries the
+    folder. A member's claim about who the carrier is counts only if no file claims it itself."""
+    named: list[str] = []
+    safetensors: list[str] = []
+    for leaf in sorted(files):
+        try:
+            with store.open(join(directory, leaf)) as reader:
+                p = peek(reader)
+                if p.format == 2 and p.summary is not None and p.summary.folder is not None:
+                    if p.summary.carrier == leaf:
+                        return leaf, read_proof(reader, leaf)
+                    # deeper files may belong to a folder checkpoint inside this one
+                    if "/" not in leaf:
+                        named.append(p.summary.carrier or "")
+                elif p.format == 0 and leaf.endswith(".safetensors"):
+                    safetensors.append(leaf)
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            continue
+        except OSError as exc:
+            if replaced(exc):
+                raise  # replaced while read: the caller reads the folder again
+            where = store.describe(join(directory, leaf))
+            return leaf, FileProof(None, None, [f"{where}: {exc.strerror or exc}"], 2)
+    for leaf in safetensors:  # no footer: the proof is in the header
+        try:
+            with store.open(join(directory, leaf)) as reader:
+                got = read_proof(reader, leaf)
+        except OSError:
+            continue
+        if got.manifest is not None and got.manifest.folder is not None:
+            if got.manifest.folder.carrier == leaf:
+                return leaf, got
+            if "/" not in leaf:
+                named.append(got.manifest.folder.carrier)
+    if named:
+        carrier = max(set(named), key=named.count)
+        problem = f"{store.describe(directory)}: its carrier {carrier} is missing or damaged"
+        return carrier, FileProof(None, None, [problem], 2)
+    return None
+
+
+def _folder_problems(
+    store: Store, directory: str, files: dict[str, ObjectInfo], m: Manifest,
+) -> list[str]:
+    folder = m.folder
+    assert folder is not None
+    path = store.describe(directory)
+    problems = []
+    inside = {n: [f for f in files if f.startswith(n + "/")] for n in folder.nested}
+    own = {n: f for n, f in files.items() if not any(n.startswith(p + "/") for p in folder.nested)}
+    expected = folder.names()
+    for extra in sorted(set(own) - expected):
+        problems.append(f"{path}/{extra} is not part of the checkpoint its proof describes")
+    for missing in sorted(expected - set(own)):
+        problems.append(f"{path}/{missing} is missing")
+    for name, found in inside.items():
+        if not found:
+            problems.append(f"{path}/{name} (a folder checkpoint of its own) is missing")
+    for member in folder.members:
+        got = own.get(member.name)
+        if got is None:
+            continue
+        if got.size != member.size:
+            problems.append(f"{path}/{member.name} is {got.size} bytes, its folder's proof "
+                            f"says {member.size}")
+            continue
+        try:
+            with store.open(join(directory, member.name)) as reader:  # the version: one small read
+                s = peek(reader).summary
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            problems.append(f"{path}/{member.name} is missing")  # removed since the listing
+            continue
+        if s is not None and (s.folder != folder.token or s.proof_crc != member.proof_crc):
+            problems.append(f"{path}/{member.name} belongs to another save than its folder")
+    for entry in folder.listed:
+        got = own.get(entry.name)
+        if got is not None and got.size != entry.size:
+            problems.append(f"{path}/{entry.name} is {got.size} bytes, its folder's proof "
+                            f"says {entry.size}")
+    return problems
+
+
+#: One file of a folder and what proves it: ``(name, own manifest, listed entry)``.
+FolderEntry = tuple[str, Manifest | None, FileEntry | None]
+
+
+def folder_entries(store: Store, info: CheckpointInfo) -> tuple[list[FolderEntry], list[str]]:
+    """Every file of a committed folder with what proves it: ``(name, own manifest, listed
+    entry)``.
+
+    Members are read (their proofs must carry the folder's token and the CRC the carrier pins).
+    """
+    m = info.manifest
+    assert m is not None
+    if m.folder is None:  # format 1: the folder manifest lists every file
+        return [(e.name, Manifest([e], m.created_ns, schema=1), None) for e in m.files], []
+    folder = m.folder
+    out: list[FolderEntry] = [(folder.carrier, m, None)]
+    problems: list[str] = []
+    for member in folder.members:
+        name = join(info.name, member.name)
+        try:
+            with store.open(name) as reader:
+                got = read_proof(reader, member.name)
+        except OSError as exc:
+            problems.append(f"{store.describe(name)}: {exc.strerror or exc}")
+            continue
+        mm = got.manifest
+        if mm is None:
+            problems += got.problems or [f"{store.describe(name)} has no stagesave proof"]
+            continue
+        if mm.folder is None or mm.folder.token != folder.token:
+            problems.append(f"{store.describe(name)} belongs to another save than its folder")
+            continue
+        if got.proof_crc != member.proof_crc:
+            problems.append(f"{store.describe(name)} is not the version its folder's proof names")
+            continue
+        out.append((member.name, mm, None))
+    out += [(e.name, None, e) for e in folder.listed]
+    return out, problems
+
+
+def _dir_format1(
+    store: Store, directory: str, path: str, files: dict[str, ObjectInfo],
+) -> CheckpointInfo:
+    mname = join(directory, DIR_MANIFEST)
+    try:
+        manifest = read_sidecar(store, mname)
+    except FileNotFoundError:
+        return CheckpointInfo(path, directory, "unverified", 0.0, 0, is_dir=True,
+                              problems=["no stagesave manifest: completeness cannot be proven"])
+    except (ManifestError, OSError) as exc:
+        return CheckpointInfo(path, directory, "corrupt", 0.0, 0, is_dir=True,
+                              problems=[str(exc)], format=1)
+    problems = []
+    total = 0
+    for entry in manifest.files:
+        fname = join(directory, entry.name)
+        try:
+            with store.open(fname) as reader:
+                total += reader.size
+                sid = entry.serialization_id
+                if reader.size != entry.size:
+                    problems.append(f"{store.describe(fname)} is {reader.size} bytes, manifest "
+                                    f"says {entry.size}")
+                elif (sid and entry.id_offset is not None
+                      and reader.read(entry.id_offset, len(sid)) != sid.encode()):
+                    problems.append(f"{store.describe(fname)} does not carry the id its "
+                                    f"manifest names")
+        except (FileNotFoundError, IsADirectoryError):
+            problems.append(f"{store.describe(fname)} is missing")
+        except OSError as exc:
+            problems.append(f"{store.describe(fname)}: {exc.strerror or exc}")
+    status = "corrupt" if problems else "committed"
+    return CheckpointInfo(path, directory, status, manifest.created_ns / 1e9, total, manifest,
+                          mname, problems, is_dir=True, format=1, problems_from_manifest=True)
+
