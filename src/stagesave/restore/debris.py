@@ -119,8 +119,8 @@ class _Finder:
                 continue
             m = match_temporary(leaf, is_dir=False)
             if m is None:
-                self.ignored.append((info.name, "not named as stagesave names its temporaries "
-                                                "(a user's file)"))
+                self.ignored.append((info.name, ("not named as stagesave names its temporaries "
+                                                 "(a user's file)")))
                 continue
             age = max(0.0, self.now - info.mtime)
             debris, reason = self._owner_state(m.group("pid"), age)
@@ -134,8 +134,8 @@ class _Finder:
             if TMP_MARKER in leaf:
                 m = match_temporary(leaf, is_dir=True)
                 if m is None:
-                    self.ignored.append((sub, "not named as stagesave names its temporaries "
-                                              "(a user's folder)"))
+                    self.ignored.append((sub, ("not named as stagesave names its temporaries "
+                                               "(a user's folder)")))
                     continue
                 mtime, size = _tree_newest_mtime(self.store, sub)
                 age = max(0.0, self.now - mtime)
@@ -155,8 +155,8 @@ class _Finder:
         sub = join(prefix, leaf)
         parsed = parse_aside_name(leaf)
         if parsed is None:
-            self.ignored.append((sub, "not named as stagesave names folders it moves aside "
-                                      "(a user's folder)"))
+            self.ignored.append((sub, ("not named as stagesave names folders it moves aside "
+                                       "(a user's folder)")))
             return
         original, pid = parsed
         if self.local and pid_alive(pid):
@@ -181,8 +181,8 @@ class _Finder:
                 continue
             data_leaf = parsed[0]
             if not is_sidecar_of(self.store, info.name, data_leaf):
-                self.ignored.append((info.name, f"named like a manifest, but not a stagesave "
-                                                f"manifest of {data_leaf}"))
+                self.ignored.append((info.name, (f"named like a manifest, but not a stagesave "
+                                                 f"manifest of {data_leaf}")))
                 continue
             if data_leaf in live_owners or leaf in live_owners:
                 self.kept.append((info.name,
@@ -190,8 +190,8 @@ class _Finder:
                 continue
             age = max(0.0, self.now - info.mtime)
             if not self.local and age < self.older_than_s:
-                self.kept.append((info.name, f"written {age:.0f} s ago: its save may still be "
-                                             f"publishing"))
+                self.kept.append((info.name, (f"written {age:.0f} s ago: its save may still "
+                                              f"be publishing")))
                 continue
             reason = orphan_reason(self.store, prefix, data_leaf, info.name, data_leaf in present)
             if reason is None:

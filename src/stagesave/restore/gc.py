@@ -189,9 +189,9 @@ def collect_garbage(
             store, dry_run=dry_run, older_than_s=older_than_s, storage_options=storage_options,
             now=now,
         )
-    except Exception as exc:  # the S3 client raises its own family
-        uploads, problems = [], [f"multipart uploads under {store.url}: "
-                                 f"{type(exc).__name__}: {exc}"]
+    except Exception as exc:  # noqa: BLE001, RUF100 - the S3 client raises its own family
+        uploads, problems = [], [(f"multipart uploads under {store.url}: "
+                                  f"{type(exc).__name__}: {exc}")]
     report.found += uploads
     if not dry_run:
         report.done += uploads

@@ -72,9 +72,11 @@ def peek(reader: Reader) -> Peek:
 
 def _damaged_footer(reader: Reader, tail: bytes) -> str | None:
     """A file that was written as format 2 but whose footer no longer checks out."""
-    end = _tail(reader, _MAX_SUMMARY_READ) if len(tail) < min(reader.size, _MAX_SUMMARY_READ) else tail
+    short = len(tail) < min(reader.size, _MAX_SUMMARY_READ)
+    end = _tail(reader, _MAX_SUMMARY_READ) if short else tail
     if FOOTER_MAGIC in end or PROOF_RECORD.encode() in end:
-        return f"{reader.where}: its stagesave footer is damaged (the file was changed after it was written)"
+        return (f"{reader.where}: its stagesave footer is damaged (the file was changed after it "
+                f"was written)")
     return None
 
 
@@ -128,18 +130,21 @@ def read_proof(reader: Reader, name: str) -> FileProof:
             return FileProof(None, summary, [f"{where}: its summary points outside the file"], 2)
         proof = reader.read(summary.proof_offset, summary.proof_len)
         if len(proof) != summary.proof_len or crc32(proof) != summary.proof_crc:
-            return FileProof(None, summary, [f"{where}: its proof record is damaged (CRC mismatch)"], 2)
+            return FileProof(None, summary,
+                             [f"{where}: its proof record is damaged (CRC mismatch)"], 2)
         manifest = parse_proof(proof, where, name, reader.size)
         problems = _consistent(summary, manifest, where)
         if not problems:
             if summary.kind == "torch":
                 problems = _check_zip_tail(reader, manifest, summary, proof, raw)
             elif summary.kind in TRAILER_KINDS:
-                if summary.proof_offset != manifest.files[0].end or summary.proof_offset + len(proof) != end:
+                if (summary.proof_offset != manifest.files[0].end
+                        or summary.proof_offset + len(proof) != end):
                     problems = [f"{where}: the trailer does not follow the data it proves"]
             else:
                 problems = [f"{where}: unknown kind {summary.kind!r} in its summary"]
-        return FileProof(manifest if not problems else None, summary, problems, 2, summary.proof_crc)
+        return FileProof(manifest if not problems else None, summary, problems, 2,
+                         summary.proof_crc)
     except ManifestError as exc:
         return FileProof(None, None, [str(exc)], 2)
 
@@ -147,7 +152,8 @@ def read_proof(reader: Reader, name: str) -> FileProof:
 def _consistent(summary: Summary, manifest: Manifest, where: str) -> list[str]:
     entry = manifest.files[0]
     folder = manifest.folder
-    if (summary.kind != entry.kind or summary.seq != manifest.seq or summary.created_ns != manifest.created_ns
+    if (summary.kind != entry.kind or summary.seq != manifest.seq
+            or summary.created_ns != manifest.created_ns
             or summary.folder != (folder.token if folder else None)
             or summary.carrier != (folder.carrier if folder else None)):
         return [f"{where}: its summary and its proof disagree"]
@@ -171,12 +177,15 @@ class ZipTail:
     def rebuild(self, proof: bytes, summary: bytes) -> bytes:
         """The tail these parts, this proof and this summary make."""
         zip_ = TorchZip(self.prefix, (), self.covered, self.cd_prefix, self.zip64)
-        tail, _ = build_tail(zip_, self.cd_prefix, [(INDEX_RECORD, self.index), (PROOF_RECORD, proof)], summary,
-                             crc32=crc32, n_records=self.n_records)
+        records = [(INDEX_RECORD, self.index), (PROOF_RECORD, proof)]
+        tail, _ = build_tail(zip_, self.cd_prefix, records, summary, crc32=crc32,
+                             n_records=self.n_records)
         return tail
 
 
-def zip_tail_parts(tail: bytes, covered: int, proof_offset: int, proof_len: int, summary_len: int) -> ZipTail | None:
+def zip_tail_parts(
+    tail: bytes, covered: int, proof_offset: int, proof_len: int, summary_len: int,
+) -> ZipTail | None:
     """Split ``tail`` (the bytes from ``covered`` to the end) into index, torch's CD and the rest;
     ``None`` when it does not have the shape format 2 writes."""
     try:
@@ -215,7 +224,9 @@ def zip_tail_parts(tail: bytes, covered: int, proof_offset: int, proof_len: int,
     return ZipTail(prefix, index, cd_prefix, zip64, n_total - 2, covered)
 
 
-def _check_zip_tail(reader: Reader, manifest: Manifest, summary: Summary, proof: bytes, raw: bytes) -> list[str]:
+def _check_zip_tail(
+    reader: Reader, manifest: Manifest, summary: Summary, proof: bytes, raw: bytes,
+) -> list[str]:
     """Rebuild the tail of a torch file from its proven parts and compare it with the file's."""
     entry = manifest.files[0]
     where = reader.where
@@ -263,7 +274,8 @@ def _safetensors_proof(reader: Reader, name: str) -> FileProof:
         return FileProof(None, None, [str(exc)], 2)
     entry = manifest.files[0]
     if entry.kind != "safetensors" or entry.blank is None or entry.end != reader.size:
-        return FileProof(None, None, [f"{where}: its proof does not describe a whole safetensors file"], 2)
+        return FileProof(None, None,
+                         [f"{where}: its proof does not describe a whole safetensors file"], 2)
     at, length = entry.blank
     proof = value.rstrip(" ").encode()
     if at + length > 8 + n or reader.read(at, length) != proof_value(proof, length):

@@ -1,0 +1,315 @@
+"""The opcode loop of the safe unpickler: torch's weights-only protocol, stagesave's checks.
+
+The same opcodes as torch's weights-only unpickler, the same torch rebuild functions, torch's
+reading of storages (``torch.load`` supplies ``persistent_load``); what a file may name, call
+and build is the load's :class:`~stagesave.restore.allowlist.Policy`, numpy only through its
+routes (:mod:`.numpy_pickles`). A numpy placeholder (:class:`~.numpy_pickles.Pending`) may not
+be used by anything before its ``BUILD``.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable
+from struct import unpack
+from typing import Any, cast
+
+import numpy as np
+import torch
+
+from ..errors import CheckpointError
+from .allowlist import Policy
+from .numpy_pickles import Pending, build_array, build_dtype
+from .refusal import BadPickle, refuse
+
+__all__ = ["PICKLE_MODULE", "Unpickler"]
+
+_OP = {name: getattr(pickle, name)[0] for name in (
+    "APPEND", "APPENDS", "BINFLOAT", "BINGET", "BININT", "BININT1", "BININT2", "BINPERSID",
+    "BINPUT", "BINUNICODE", "BUILD", "EMPTY_DICT", "EMPTY_LIST", "EMPTY_SET", "EMPTY_TUPLE",
+    "GLOBAL", "LONG1", "LONG_BINGET", "LONG_BINPUT", "MARK", "NEWFALSE", "NEWOBJ", "NEWTRUE",
+    "NONE", "PROTO", "REDUCE", "SETITEM", "SETITEMS", "SHORT_BINSTRING", "STOP", "TUPLE",
+    "TUPLE1", "TUPLE2", "TUPLE3")}
+_BLOCKED_MODULES = frozenset({"sys", "os", "posix", "nt"})
+
+
+def _free(items: Iterable[Any]) -> None:
+    for x in items:
+        if type(x) is Pending:
+            raise BadPickle(f"a numpy {x.what} is used before its state is set")
+
+
+class Unpickler:
+    """The opcodes of torch's weights-only unpickler, with stagesave's allow-list and routes."""
+
+    def __init__(self, file: Any, *, encoding: str = "bytes", stagesave_policy: Policy) -> None:
+        self.read: Callable[[int], bytes] = file.read
+        self.readline: Callable[[], bytes] = file.readline
+        self.encoding = encoding
+        self.policy = stagesave_policy
+        self.vetted: dict[int, np.dtype[Any]] = {}
+        self.memo: dict[int, Any] = {}
+
+    def persistent_load(self, pid: Any) -> Any:  # replaced by torch with its storage reader
+        raise BadPickle("unsupported persistent id encountered")
+
+    def call(self, func: Any, args: Any) -> Any:
+        """``func(*args)`` for an allow-listed ``func``, through its route if it has one."""
+        if type(args) is not tuple:
+            raise BadPickle(f"call arguments must be a tuple, not {type(args).__name__}")
+        route = self.policy.routes.get(id(func))
+        try:
+            if route is not None:
+                return route(self, args)
+            if id(func) not in self.policy.callable_ids:
+                raise BadPickle(f"Trying to call reduce for unrecognized function {func!r}")
+            result = func(*args)
+        except (CheckpointError, pickle.UnpicklingError):
+            raise
+        except Exception as exc:
+            name = getattr(func, "__name__", func)
+            raise BadPickle(f"{name} failed: {type(exc).__name__}: {exc}") from exc
+        if func in torch._tensor_classes and "sparse" in func.__module__:
+            torch._utils._sparse_tensors_to_validate.append(result)
+        return result
+
+    def global_(self) -> Any:
+        from torch._utils import IMPORT_MAPPING, NAME_MAPPING
+
+        module = self.readline()[:-1].decode("utf-8")
+        name = self.readline()[:-1].decode("utf-8")
+        if (module, name) in NAME_MAPPING:
+            module, name = NAME_MAPPING[(module, name)]
+        elif module in IMPORT_MAPPING:
+            module = IMPORT_MAPPING[module]
+        full = f"{module}.{name}"
+        obj = self.policy.table.get(full, _MISSING)
+        if obj is _MISSING or module in _BLOCKED_MODULES:
+            raise pickle.UnpicklingError(
+                f"Unsupported global: GLOBAL {full} was not an allowed global"
+            )
+        return obj
+
+    def build(self, inst: Any, state: Any) -> Any:
+        """``BUILD``: numpy placeholders become checked objects; otherwise torch's rules."""
+        if type(inst) is Pending:
+            _free([state] if type(state) is not tuple else state)
+            try:
+                made = (build_dtype(self, inst, state) if inst.what == "dtype"
+                        else build_array(self, state))
+            except (CheckpointError, pickle.UnpicklingError):
+                raise
+            except Exception as exc:  # numpy's own refusal of a description
+                raise BadPickle(f"numpy {inst.what} state refused: "
+                                f"{type(exc).__name__}: {exc}") from exc
+            for slot in inst.memo_slots:
+                if self.memo.get(slot) is inst:
+                    self.memo[slot] = made
+            return made
+        _free([state])
+        if isinstance(inst, (np.ndarray, np.dtype, np.generic)):
+            refuse(self, f"it sets the state of a numpy {type(inst).__name__} that already has one "
+                          f"(that frees memory a tensor may still point into, or changes the item "
+                          f"size under an array)")
+        try:
+            if type(inst) is torch.Tensor:
+                inst.set_(*state)
+            elif type(inst) is torch.nn.Parameter:
+                cast(Any, inst).__setstate__(state)
+            elif type(inst) is OrderedDict:
+                inst.__dict__.update(state)
+            elif id(type(inst)) in self.policy.build_ids:
+                if hasattr(inst, "__setstate__"):
+                    inst.__setstate__(state)
+                else:
+                    slotstate = None
+                    if isinstance(state, tuple) and len(state) == 2:
+                        state, slotstate = state
+                    if state:
+                        inst.__dict__.update(state)
+                    for k, v in (slotstate or {}).items():
+                        setattr(inst, k, v)
+            else:
+                raise BadPickle(f"Can only build Tensor, Parameter, OrderedDict or allow-listed "
+                                 f"types, but got {type(inst).__name__}")
+        except (CheckpointError, pickle.UnpicklingError):
+            raise
+        except Exception as exc:
+            raise BadPickle(f"BUILD of {type(inst).__name__} failed: "
+                            f"{type(exc).__name__}: {exc}") from exc
+        return inst
+
+    def load(self) -> Any:  # one branch per opcode, as pickle's own loop
+        self.metastack: list[list[Any]] = []
+        stack: list[Any] = []
+        self.stack = stack
+        read = self.read
+        op = _OP
+        while True:
+            key = read(1)
+            if not key:
+                raise EOFError
+            k = key[0]
+            if k == op["GLOBAL"]:
+                stack.append(self.global_())
+            elif k == op["NEWOBJ"]:
+                args, cls = stack.pop(), stack.pop()
+                _free([cls])
+                if type(args) is not tuple:
+                    raise BadPickle("NEWOBJ arguments must be a tuple")
+                if cls is torch.nn.Parameter:
+                    stack.append(torch.nn.Parameter(*args))
+                elif id(cls) in self.policy.routes:
+                    stack.append(self.call(cls, args))
+                elif id(cls) in self.policy.build_ids:
+                    stack.append(self._new(cls, args))
+                else:
+                    raise BadPickle(f"Can only create new objects of allow-listed classes, "
+                                    f"not {cls!r}")
+            elif k == op["REDUCE"]:
+                args = stack.pop()
+                _free([stack[-1]])
+                stack[-1] = self.call(stack[-1], args)
+            elif k == op["BUILD"]:
+                state = stack.pop()
+                stack[-1] = self.build(stack[-1], state)
+            elif k == op["APPEND"]:
+                item = stack.pop()
+                _free([item])
+                if type(stack[-1]) is not list:
+                    raise BadPickle(f"Can only append to lists, but got {type(stack[-1]).__name__}")
+                stack[-1].append(item)
+            elif k == op["APPENDS"]:
+                items = self._pop_mark()
+                stack = self.stack
+                _free(items)
+                if type(stack[-1]) is not list:
+                    raise BadPickle(f"Can only extend lists, but got {type(stack[-1]).__name__}")
+                stack[-1].extend(items)
+            elif k == op["SETITEM"]:
+                v, key_ = stack.pop(), stack.pop()
+                _free((key_, v))
+                self._check_mapping(stack[-1])
+                stack[-1][key_] = v
+            elif k == op["SETITEMS"]:
+                items = self._pop_mark()
+                stack = self.stack
+                _free(items)
+                self._check_mapping(stack[-1])
+                for i in range(0, len(items) - 1, 2):
+                    stack[-1][items[i]] = items[i + 1]
+            elif k == op["MARK"]:
+                self.metastack.append(stack)
+                stack = self.stack = []
+            elif k == op["TUPLE"]:
+                items = self._pop_mark()
+                stack = self.stack
+                _free(items)
+                stack.append(tuple(items))
+            elif k in (op["TUPLE1"], op["TUPLE2"], op["TUPLE3"]):
+                n = 1 + k - op["TUPLE1"]
+                if len(stack) < n:
+                    raise BadPickle("stack underflow")
+                items = stack[-n:]
+                _free(items)
+                stack[-n:] = [tuple(items)]
+            elif k == op["NONE"]:
+                stack.append(None)
+            elif k == op["NEWFALSE"]:
+                stack.append(False)
+            elif k == op["NEWTRUE"]:
+                stack.append(True)
+            elif k == op["EMPTY_TUPLE"]:
+                stack.append(())
+            elif k == op["EMPTY_LIST"]:
+                stack.append([])
+            elif k == op["EMPTY_DICT"]:
+                stack.append({})
+            elif k == op["EMPTY_SET"]:
+                stack.append(set())
+            elif k == op["BININT"]:
+                stack.append(unpack("<i", read(4))[0])
+            elif k == op["BININT1"]:
+                stack.append(read(1)[0])
+            elif k == op["BININT2"]:
+                stack.append(unpack("<H", read(2))[0])
+            elif k == op["BINFLOAT"]:
+                stack.append(unpack(">d", read(8))[0])
+            elif k == op["BINUNICODE"]:
+                (n,) = unpack("<I", read(4))
+                data = read(n)
+                if len(data) != n:
+                    raise EOFError
+                stack.append(str(data, "utf-8", "surrogatepass"))
+            elif k == op["SHORT_BINSTRING"]:
+                raw = read(read(1)[0])
+                stack.append(raw if self.encoding == "bytes"
+                             else raw.decode(self.encoding, "strict"))
+            elif k == op["LONG1"]:
+                stack.append(pickle.decode_long(read(read(1)[0])))
+            elif k == op["BINPERSID"]:
+                pid = stack.pop()
+                if type(pid) is not tuple or not pid or pid[0] not in ("storage", b"storage"):
+                    raise BadPickle("a persistent id must be a tuple naming a storage")
+                _free(pid)
+                try:
+                    stack.append(self.persistent_load(pid))
+                except (CheckpointError, pickle.UnpicklingError, RuntimeError):
+                    raise  # torch's own words on the zip, the storage, the device
+                except Exception as exc:
+                    raise BadPickle(f"persistent id {pid!r:.200} is malformed: "
+                                    f"{type(exc).__name__}: {exc}") from exc
+            elif k in (op["BINGET"], op["LONG_BINGET"]):
+                i = read(1)[0] if k == op["BINGET"] else unpack("<I", read(4))[0]
+                stack.append(self.memo[i])
+            elif k in (op["BINPUT"], op["LONG_BINPUT"]):
+                i = read(1)[0] if k == op["BINPUT"] else unpack("<I", read(4))[0]
+                self.memo[i] = stack[-1]
+                if type(stack[-1]) is Pending:
+                    stack[-1].memo_slots.append(i)
+            elif k == op["PROTO"]:
+                read(1)
+            elif k == op["STOP"]:
+                result = stack.pop()
+                _free([result])
+                return result
+            else:
+                raise BadPickle(f"Unsupported operand {k}")
+
+    def _new(self, cls: Any, args: tuple[Any, ...]) -> Any:
+        _free(args)
+        try:
+            return cls.__new__(cls, *args)
+        except Exception as exc:
+            raise BadPickle(f"creating {cls.__name__} failed: {type(exc).__name__}: {exc}") from exc
+
+    def _pop_mark(self) -> list[Any]:
+        if not self.metastack:
+            raise BadPickle("MARK missing")
+        items = self.stack
+        self.stack = self.metastack.pop()
+        return items
+
+    @staticmethod
+    def _check_mapping(target: Any) -> None:
+        if type(target) not in (dict, OrderedDict, Counter):
+            raise BadPickle(f"Can only set items of dicts, but got {type(target).__name__}")
+
+
+_MISSING = object()
+
+
+def _pickle_load(file: Any, *, encoding: str = "bytes", stagesave_policy: Policy) -> Any:
+    return Unpickler(file, encoding=encoding, stagesave_policy=stagesave_policy).load()
+
+
+class _PickleModule:
+    """What ``torch.load(pickle_module=...)`` uses: our unpickler, torch's reading of the zip."""
+
+    Unpickler = Unpickler
+    load = staticmethod(_pickle_load)
+    __name__ = "stagesave.safety"
+
+
+PICKLE_MODULE = _PickleModule()
