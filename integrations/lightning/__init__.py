@@ -21,7 +21,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ._callback import CheckpointTelemetryLogger, telemetry_metrics
-from ._plugin import LIGHTNING_SAFE_GLOBALS, StagedCheckpointIO, find_plugin
+from ._options import LIGHTNING_SAFE_GLOBALS
+from ._plugin import StagedCheckpointIO, find_plugin
 from ._resume import latest, wait
 
 if TYPE_CHECKING:

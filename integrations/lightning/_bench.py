@@ -11,12 +11,14 @@ from collections.abc import Callable
 from typing import Any
 
 from stagesave.cli._alternatives import Alternative, Session
+from stagesave.errors import UsageError
 
 __all__ = ["LightningAsync", "alternatives"]
 
 
 class LightningAsync(Session):
-    """Lightning's ``AsyncCheckpointIO(TorchCheckpointIO())``: clone, then torch.save in a thread."""
+    """Lightning's ``AsyncCheckpointIO(TorchCheckpointIO())``: clone, then torch.save in a
+    thread."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -31,7 +33,7 @@ class LightningAsync(Session):
         blocking = time.perf_counter() - self.called_at
         executor = self.plugin._executor
         if executor is None:  # pragma: no cover - Lightning creates it on the first save
-            raise RuntimeError("AsyncCheckpointIO has no executor after a save")
+            raise UsageError("AsyncCheckpointIO has no executor after a save")
         sentinel = executor.submit(lambda: None)  # one FIFO worker: runs after the save
         sentinel.add_done_callback(self._mark_done)
         return blocking, sentinel.done
@@ -47,6 +49,6 @@ class LightningAsync(Session):
 def alternatives() -> list[Alternative]:
     """What ``stagesave.lightning`` adds to the benchmark alternatives."""
     return [
-        Alternative("lightning AsyncCheckpointIO", lambda base, options: LightningAsync(), 2.25, False, False,
-                    "clone + torch.save into BytesIO in a thread; no fsync"),
+        Alternative("lightning AsyncCheckpointIO", lambda base, options: LightningAsync(), 2.25,
+                    False, False, "clone + torch.save into BytesIO in a thread; no fsync"),
     ]

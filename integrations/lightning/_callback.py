@@ -56,12 +56,14 @@ class CheckpointTelemetryLogger(Callback):
         self._plugin = find_plugin(trainer)
         if self._plugin is None:
             rank_zero_warn(
-                "CheckpointTelemetryLogger has nothing to log: the Trainer has no StagedCheckpointIO "
-                "plugin. Add Trainer(plugins=[StagedCheckpointIO()])."
+                "CheckpointTelemetryLogger has nothing to log: the Trainer has no "
+                "StagedCheckpointIO plugin. Add Trainer(plugins=[StagedCheckpointIO()])."
             )
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any
+    ) -> None:
         self._publish(trainer)
 
     @override

@@ -1,95 +1,43 @@
-"""``StagedCheckpointIO``: Lightning's checkpoint calls, routed through one ``stagesave.Checkpointer``.
+"""``StagedCheckpointIO``: Lightning's checkpoint calls, routed through one ``Checkpointer``.
 
 The plugin only translates: ``save_checkpoint`` stages and returns, ``remove_checkpoint`` is
 queued behind the saves submitted before it, ``load_checkpoint`` waits for a pending save of the
 same path and loads with stagesave's allow-list, ``teardown`` flushes. Everything that holds
-threads or buffers is created on first use and dropped at teardown, so the plugin is cheap to
-construct, picklable while idle, and reusable across ``fit``/``validate``/``test`` calls.
+threads or buffers is created on first use and dropped at teardown (``_runtime.py``), so the
+plugin is cheap to construct, picklable while idle, and reusable across ``fit``/``validate``/
+``test`` calls. What the plugin offers beyond the ``CheckpointIO`` contract (barriers, queries,
+what Lightning's wrapped methods ask it) is in ``_extras.py``.
 """
 
 from __future__ import annotations
 
-import argparse
-import collections
-import importlib
 import logging
 import os
-import pathlib
-import sys
-import threading
-import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from typing_extensions import override
 
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
-from lightning.fabric.utilities import rank_zero_info
-from stagesave import (
-    Checkpointer,
-    CheckpointNotFoundError,
-    ClosedError,
-    SaveHandle,
-    SaveTelemetry,
-)
-from stagesave.saving import inflight as _inflight
+from stagesave import Checkpointer, CheckpointNotFoundError, SaveTelemetry
 
-from ._links import LinkKeeper, install_link_hook
+from ._extras import StagedExtras
+from ._links import install_link_hook
+from ._options import LIGHTNING_SAFE_GLOBALS, import_global, save_metadata
+from ._runtime import Runtime
+from ._teardown import teardown
 from ._trainer_hooks import install_trainer_hooks
 
 __all__ = ["LIGHTNING_SAFE_GLOBALS", "StagedCheckpointIO", "find_plugin"]
 
 log = logging.getLogger("stagesave.lightning")
 
-#: Plain-data classes that Lightning checkpoints commonly hold besides tensors and numpy arrays
-#: (``save_hyperparameters()`` of a ``Path`` or a ``Namespace``), allowed on top of the core's
-#: allow-list. Lightning's ``AttributeDict`` cannot be: torch's safe unpickler refuses item
-#: assignment on dict subclasses, and Lightning stores hyper-parameters as a plain ``dict``.
-LIGHTNING_SAFE_GLOBALS: tuple[Any, ...] = (
-    pathlib.PosixPath,
-    pathlib.WindowsPath,
-    pathlib.PurePosixPath,
-    pathlib.PureWindowsPath,
-    argparse.Namespace,
-)
-
-#: How many finished saves' telemetry the plugin keeps for the logging callback.
-TELEMETRY_BACKLOG = 1024
-
-_STORAGE_OPTION_KEYS = ("metadata",)
-
 #: Lightning's name for the checkpoint its SLURM requeue handler writes (saved synchronously).
 HPC_CHECKPOINT_PREFIX = "hpc_ckpt_"
 
 
-def _import_global(name: str) -> Any:
-    module, _, attr = name.rpartition(".")
-    try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError, ValueError) as exc:
-        raise ValueError(
-            f"safe_globals entry {name!r} does not name an importable class or function; "
-            "give a dotted path such as 'my_pkg.config.TrainConfig'"
-        ) from exc
-
-
-def lightning_metadata(checkpoint: dict[str, Any]) -> dict[str, Any]:
-    """What every Lightning checkpoint's proof records: the framework, the epoch and the step."""
-    metadata: dict[str, Any] = {"framework": "lightning"}
-    for field in ("epoch", "global_step"):
-        value = checkpoint.get(field)
-        if isinstance(value, int) and not isinstance(value, bool):
-            metadata[field] = value
-    return metadata
-
-
-def _key(path: str) -> str:
-    return path.rstrip("/") if "://" in path else os.path.abspath(os.path.expanduser(path))
-
-
-class StagedCheckpointIO(CheckpointIO):
+class StagedCheckpointIO(StagedExtras, CheckpointIO):
     """A Lightning ``CheckpointIO`` whose saves cost training one copy into host memory.
 
     ``Trainer(plugins=[StagedCheckpointIO()])`` keeps ``ModelCheckpoint``, ``ckpt_path="last"``,
@@ -157,33 +105,19 @@ class StagedCheckpointIO(CheckpointIO):
         self.teardown_timeout = teardown_timeout
         self.telemetry_callback = telemetry_callback
         self.telemetry_jsonl = telemetry_jsonl
-        self.safe_globals = [_import_global(g) if isinstance(g, str) else g for g in safe_globals]
-        self._init_runtime()
+        self.safe_globals = [import_global(g) if isinstance(g, str) else g for g in safe_globals]
+        self._run = Runtime(self._new_checkpointer, self._forward_telemetry)
         # The core validates every option now, not at the first save (pinned=False: no CUDA
         # query before a fork-based launcher starts its workers).
         self._new_checkpointer(pinned=False).close()
         install_link_hook(find_plugin)
         install_trainer_hooks(find_plugin)
 
-    def _init_runtime(self) -> None:
-        self._lock = threading.RLock()
-        self._ckpt: Checkpointer | None = None
-        self._links = LinkKeeper()
-        self._handles: dict[str, SaveHandle] = {}
-        self._last_save_failed = False  # written and read on the writer thread only
-        self._telemetry: collections.deque[SaveTelemetry] = collections.deque(maxlen=TELEMETRY_BACKLOG)
-        self._mode = threading.local()  # per thread: is the save being made inside the fit loop?
-        self._async_active = False  # an asynchronous save was made since the last teardown
-        self._warned_replaced_save = False
-
     # ------------------------------------------------------------------ the core, on demand
     @property
     def checkpointer(self) -> Checkpointer:
         """The underlying :class:`stagesave.Checkpointer` (created on first use)."""
-        with self._lock:
-            if self._ckpt is None:
-                self._ckpt = self._new_checkpointer()
-            return self._ckpt
+        return self._run.checkpointer
 
     def _new_checkpointer(self, pinned: bool | None = None) -> Checkpointer:
         return Checkpointer(
@@ -195,37 +129,20 @@ class StagedCheckpointIO(CheckpointIO):
             io_threads=self.io_threads,
             direct_io=self.direct_io,
             storage_options=self.storage_options,
-            telemetry_callback=self._on_telemetry,
+            telemetry_callback=self._run.on_telemetry,
             telemetry_jsonl=self.telemetry_jsonl,
             safe_globals=[*LIGHTNING_SAFE_GLOBALS, *self.safe_globals],
         )
 
-    def _on_telemetry(self, tel: SaveTelemetry) -> None:
-        # Runs on the writer thread: record, report a failure at once, pass on.
-        self._telemetry.append(tel)
-        self._last_save_failed = bool(tel.error)
-        if tel.error:
-            log.error(
-                "stagesave: saving %s failed in the background: %s. The checkpoint was not "
-                "committed; the error is raised at the next save, wait() or teardown.",
-                tel.path,
-                tel.error,
-            )
+    def _forward_telemetry(self, tel: SaveTelemetry) -> None:
         if self.telemetry_callback is not None:
             self.telemetry_callback(tel)
 
-    def pop_telemetry(self) -> list[SaveTelemetry]:
-        """Telemetry of the saves finished since the last call (oldest first)."""
-        out = []
-        while True:
-            try:
-                out.append(self._telemetry.popleft())
-            except IndexError:
-                return out
-
     # ------------------------------------------------------------------ CheckpointIO contract
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
+    ) -> None:
         """Stage ``checkpoint`` and write it to ``path`` in the background.
 
         Returns once the state is copied into host memory; later changes to the model, the
@@ -246,25 +163,16 @@ class StagedCheckpointIO(CheckpointIO):
             stagesave.CheckpointError: an earlier background save failed (raised once), the
                 target cannot be written, or the state holds an object that cannot be saved.
         """
-        metadata = lightning_metadata(checkpoint)
-        if storage_options is not None:
-            unknown = set(storage_options) - set(_STORAGE_OPTION_KEYS) if isinstance(storage_options, dict) else {0}
-            if unknown:
-                raise TypeError(
-                    f"{type(self).__name__} accepts storage_options={{'metadata': {{...}}}} only, got "
-                    f"{storage_options!r}; set fsspec options with StagedCheckpointIO(storage_options=...)"
-                )
-            metadata.update(storage_options.get("metadata") or {})
+        metadata = save_metadata(checkpoint, storage_options, type(self).__name__)
         target = os.fspath(path)
         if torch.save is not torch.serialization.save:
             self._save_through_replaced_torch_save(checkpoint, path)
             return
-        asynchronous = self._asynchronous()
+        asynchronous = self._run.asynchronous()
         handle = self.checkpointer.save(checkpoint, target, metadata=metadata)
         self.track(target, handle)
         if asynchronous:
-            with self._lock:
-                self._async_active = True
+            self._run.mark_asynchronous()
             if os.path.basename(target).startswith(HPC_CHECKPOINT_PREFIX):
                 # Lightning's SLURM auto-requeue saves this and requeues the job at once: the
                 # checkpoint must be durable before the job can be killed.
@@ -273,7 +181,7 @@ class StagedCheckpointIO(CheckpointIO):
         try:
             handle.result()
         finally:
-            self._release_if_idle()
+            self._run.release_if_idle()
 
     def _save_through_replaced_torch_save(self, checkpoint: dict[str, Any], path: Any) -> None:
         """``torch.save`` was replaced in this process (a monkeypatch, a test's mock): honour it
@@ -282,11 +190,11 @@ class StagedCheckpointIO(CheckpointIO):
         plugin's pending work; a warning says so once per plugin."""
         from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
-        if not self._warned_replaced_save:
-            self._warned_replaced_save = True
-            log.warning("stagesave: torch.save is replaced by %r in this process; checkpoints are written "
-                        "through it by Lightning's TorchCheckpointIO (synchronously, without stagesave's "
-                        "proof) while it stays replaced", torch.save)
+        if not self._run.warned_replaced_save:
+            self._run.warned_replaced_save = True
+            log.warning("stagesave: torch.save is replaced by %r in this process; checkpoints "
+                        "are written through it by Lightning's TorchCheckpointIO (synchronously, "
+                        "without stagesave's proof) while it stays replaced", torch.save)
         self.wait()
         TorchCheckpointIO().save_checkpoint(checkpoint, path)
 
@@ -310,10 +218,7 @@ class StagedCheckpointIO(CheckpointIO):
             stagesave.UnsafeCheckpointError: the file needs a class that is not allow-listed.
         """
         target = os.fspath(path)
-        if "://" not in target:
-            update = self._links.update_of(target)
-            if update is not None:
-                update.exception()  # the link moves only once its target is committed
+        self._run.settle_link(target)  # the link moves only once its target is committed
         try:
             return self.checkpointer.load(  # type: ignore[no-any-return]
                 target,
@@ -321,30 +226,10 @@ class StagedCheckpointIO(CheckpointIO):
                 verify=self.verify_on_load,
                 trusted=weights_only is False,
             )
-        except CheckpointNotFoundError as exc:
-            raise CheckpointNotFoundError(f"Checkpoint file not found: {target}") from exc  # Lightning's words
+        except CheckpointNotFoundError as exc:  # Lightning's words:
+            raise CheckpointNotFoundError(f"Checkpoint file not found: {target}") from exc
         finally:
-            self._release_if_idle()
-
-    def resume_path(self, path: Any) -> Any:
-        """The checkpoint ``fit(ckpt_path="last")`` should resume from, given Lightning's choice.
-
-        Lightning picks the newest ``last*.ckpt`` by modification time. That file is checked as
-        :func:`stagesave.latest` checks a candidate (every byte with ``verify_on_load``; the load
-        that follows does not hash it again): if it cannot be loaded, a warning names it and what
-        is wrong, and the newest checkpoint in the same directory that can be loaded is used
-        instead. With none, Lightning's choice stands and its load raises the error.
-        """
-        target = os.fspath(path)
-        if "://" not in target:
-            update = self._links.update_of(target)
-            if update is not None:
-                update.exception()
-        try:
-            chosen = self.checkpointer.resume_from(target, verify=self.verify_on_load)
-        finally:
-            self._release_if_idle()
-        return path if chosen is None or chosen == target else chosen
+            self._run.release_if_idle()
 
     @override
     def remove_checkpoint(self, path: Any) -> None:
@@ -356,100 +241,7 @@ class StagedCheckpointIO(CheckpointIO):
         checkpoint, so it is kept (with a warning). A checkpoint that a ``save_last="link"``
         link still points at is removed once the link has moved on (or kept, if it never does).
         """
-        target = os.fspath(path)
-        ckpt = self.checkpointer
-        with self._lock:
-            queued = self._async_active
-        if not queued or getattr(self._mode, "asynchronous", None) is False:
-            # no asynchronous save to stay behind (outside a run): remove it now
-            try:
-                ckpt.remove(target).result()
-            finally:
-                self._release_if_idle()
-            return
-        if "://" not in target and self._links.remove(ckpt, target):
-            return
-        ckpt.run_after(lambda: self._remove_unless_a_save_failed(ckpt, target),
-                       description=f"removing {target}")
-
-    def _remove_unless_a_save_failed(self, ckpt: Checkpointer, target: str) -> None:
-        # On the writer thread, after every save submitted before the removal.
-        if self._last_save_failed:
-            log.warning("stagesave: kept %s: the save before its removal failed, so it may be the "
-                        "newest valid checkpoint", target)
-            return
-        try:
-            ckpt.remove(target)  # queued now; runs after what was submitted meanwhile
-        except (ClosedError, RuntimeError):
-            log.info("stagesave: kept %s: the plugin was closed before its removal", target)
-
-    # ------------------------------------------------------------------ when a save is asynchronous
-    @contextmanager
-    def saving(self, *, asynchronous: bool) -> Iterator[None]:
-        """Saves made on this thread inside the block are asynchronous (``True``: the fit loop
-        runs and hides the write) or return once committed (``False``: nothing to overlap).
-
-        The plugin's ``Trainer.save_checkpoint`` hook sets this for every trainer save; a save
-        made without it (Fabric, a direct call) is asynchronous.
-        """
-        previous = getattr(self._mode, "asynchronous", None)
-        self._mode.asynchronous = asynchronous
-        try:
-            yield
-        finally:
-            self._mode.asynchronous = previous
-
-    def _asynchronous(self) -> bool:
-        return getattr(self._mode, "asynchronous", None) is not False
-
-    def will_exist(self, path: Any) -> bool | None:
-        """Whether ``path`` will exist once the operations pending on it in this process ran
-        (``True``: its last pending operation is a save; ``False``: a removal); ``None`` when
-        nothing is pending on it (ask the filesystem)."""
-        ops = [h for h in _inflight.pending(_key(os.fspath(path))) if h.kind in ("save", "remove")]
-        return None if not ops else ops[-1].kind == "save"
-
-    def _release_if_idle(self) -> None:
-        """Outside a run (no asynchronous save since the last teardown): end the threads and
-        free the staging buffers now, as ``teardown`` does, so that saves and loads between or
-        after runs leave nothing behind. Errors are raised unless one is already propagating."""
-        with self._lock:
-            if self._async_active or self._ckpt is None:
-                return
-            ckpt, self._ckpt = self._ckpt, None
-            links, self._links = self._links, LinkKeeper()
-        errors = _flush_and_close(ckpt, links, None)
-        links.kept()
-        if not errors:
-            return
-        if sys.exc_info()[1] is not None:
-            for exc in errors:
-                log.error("stagesave: while another error was propagating: %s", exc)
-            return
-        raise errors[0]
-
-    def track(self, path: Any, handle: SaveHandle) -> None:
-        """Record ``handle`` as the pending save of ``path`` (a link to ``path`` made later
-        moves only if that save commits). The sharded strategies register their saves here."""
-        with self._lock:
-            self._handles = {k: h for k, h in self._handles.items() if not h.done()}
-            self._handles[_key(os.fspath(path))] = handle
-
-    def link(self, target: Any, link: Any) -> None:
-        """Point the symlink ``link`` at ``target`` once ``target`` is committed (atomically).
-
-        ``ModelCheckpoint(save_last="link")`` calls this through the trainer; the link never
-        points at a checkpoint that is still being written.
-
-        Raises:
-            ValueError: ``link`` is a URL (links exist on local filesystems only).
-        """
-        target_s, link_s = os.fspath(target), os.fspath(link)
-        if "://" in link_s:
-            raise ValueError(f"cannot link {link_s}: save_last='link' needs a local directory")
-        with self._lock:
-            handle = self._handles.get(_key(target_s))
-        self._links.link(self.checkpointer, target_s, link_s, handle)
+        self._run.remove(os.fspath(path))
 
     @override
     def teardown(self) -> None:
@@ -465,142 +257,24 @@ class StagedCheckpointIO(CheckpointIO):
             TimeoutError: saves still running after ``teardown_timeout`` seconds.
             stagesave.CheckpointError: a background save failed and was not reported yet.
         """
-        in_flight = sys.exc_info()[1]
-        deadline = None if self.teardown_timeout is None else time.monotonic() + self.teardown_timeout
-        pending = self.pending()
-        if pending:
-            rank_zero_info(f"stagesave: waiting for {pending} checkpoint operation(s) to finish writing")
-        with self._lock:
-            ckpt, self._ckpt = self._ckpt, None
-            links, self._links = self._links, LinkKeeper()
-            self._async_active = False
-        errors = _flush_and_close(ckpt, links, deadline)
-        links.kept()
-        if in_flight is None and not errors:
-            errors = _meet_other_ranks(deadline)
-        if not errors:
-            return
-        if isinstance(errors[0], TimeoutError):
-            errors[0] = TimeoutError(
-                f"{errors[0]}. StagedCheckpointIO.teardown gave up after teardown_timeout="
-                f"{self.teardown_timeout} s; raise it, or check the storage (the checkpoints "
-                "still being written were not committed, earlier ones are intact)."
-            )
-        if in_flight is not None:
-            for exc in errors:
-                log.error("stagesave: while %s was propagating: %s", type(in_flight).__name__, exc)
-            return
-        for exc in errors[1:]:
-            log.error("stagesave: also failed at teardown: %s", exc)
-        raise errors[0]
-
-    # ------------------------------------------------------------------ barriers and queries
-    def wait(self, timeout: float | None = None) -> None:
-        """Block until every submitted save, removal and link update has finished.
-
-        The one-line barrier before reading a checkpoint file directly:
-        ``trainer.strategy.checkpoint_io.wait()`` (loads through the plugin wait by themselves).
-
-        Raises:
-            TimeoutError: still running after ``timeout`` seconds.
-            stagesave.CheckpointError: a background save failed (raised once).
-        """
-        ckpt = self._ckpt
-        if ckpt is None:
-            return
-        deadline = None if timeout is None else time.monotonic() + timeout
-        ckpt.wait(timeout)
-        # The link updates just finished may free checkpoints whose removal was held.
-        self._links.release(ckpt)
-        ckpt.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
-
-    def pending(self) -> int:
-        """Saves, removals and link updates not finished yet."""
-        return self._ckpt.pending() if self._ckpt is not None else 0
-
-    def latest(self, dirpath: Any, *, verify: bool = True) -> str | None:
-        """Path of the newest checkpoint in ``dirpath`` that a resume can load (after this
-        plugin's pending saves), or ``None``; use it as ``trainer.fit(ckpt_path=...)``.
-
-        Verified unless ``verify=False``, as :func:`stagesave.lightning.latest`."""
-        self.wait()
-        try:
-            info = self.checkpointer.latest(os.fspath(dirpath), verify=verify)
-        finally:
-            self._release_if_idle()
-        return None if info is None else info.path
+        teardown(self._run, self.teardown_timeout)
 
     # ------------------------------------------------------------------ pickling
     def __getstate__(self) -> dict[str, Any]:
         # Configuration only: threads, buffers and pending saves stay with the original.
         state = self.__dict__.copy()
-        for runtime in ("_lock", "_ckpt", "_links", "_handles", "_telemetry", "_mode", "_async_active"):
-            state.pop(runtime, None)
+        state.pop("_run", None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._init_runtime()
+        self._run = Runtime(self._new_checkpointer, self._forward_telemetry)
 
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(max_pending={self.max_pending}, checksum={self.checksum!r}, "
             f"pending={self.pending()})"
         )
-
-
-def _meet_other_ranks(deadline: float | None) -> list[BaseException]:
-    """Barrier after the flush: only rank 0 writes, and no rank may go on to read a checkpoint
-    (``ckpt_path="last"``/``"best"`` of a next stage, ``latest()``) that rank 0 is still writing.
-    Runs on the training thread at the end of a stage that every rank reaches, never while an
-    exception propagates (the other ranks might never arrive)."""
-    import datetime
-
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
-        return []
-    left = None if deadline is None else max(1.0, deadline - time.monotonic())
-    try:
-        dist.barrier(timeout=None if left is None else datetime.timedelta(seconds=left))
-    except BaseException as exc:  # noqa: BLE001 - the caller raises it with context
-        err = RuntimeError(
-            f"stagesave: ranks did not meet after the checkpoint flush ({exc}); another rank "
-            "failed or is still running. Checkpoints written so far are committed."
-        )
-        err.__cause__ = exc
-        return [err]
-    return []
-
-
-def _flush_and_close(ckpt: Checkpointer | None, links: LinkKeeper, deadline: float | None) -> list[BaseException]:
-    """Wait for every operation, submit the removals the last link updates freed, close.
-
-    Returns the errors instead of raising them (the caller decides whether they may be raised).
-    """
-    if ckpt is None:
-        return []
-
-    def left() -> float | None:
-        return None if deadline is None else max(0.0, deadline - time.monotonic())
-
-    errors: list[BaseException] = []
-    try:
-        ckpt.wait(left())
-        links.release(ckpt)
-    except TimeoutError as exc:
-        errors.append(exc)
-    except BaseException as exc:  # noqa: BLE001 - the caller raises or reports it
-        errors.append(exc)
-        links.release(ckpt)
-    try:
-        ckpt.close(0.0 if errors and isinstance(errors[0], TimeoutError) else left())
-    except TimeoutError as exc:
-        if not errors:
-            errors.append(exc)
-    except BaseException as exc:  # noqa: BLE001
-        errors.append(exc)
-    return errors
 
 
 def find_plugin(owner: Any) -> StagedCheckpointIO | None:

@@ -12,7 +12,9 @@ from ._plugin import find_plugin
 __all__ = ["latest", "wait"]
 
 
-def latest(dirpath: Any, *, verify: bool = True, storage_options: dict[str, Any] | None = None) -> str | None:
+def latest(
+    dirpath: Any, *, verify: bool = True, storage_options: dict[str, Any] | None = None
+) -> str | None:
     """Path of the newest checkpoint in ``dirpath`` that a resume can load, or ``None``.
 
     One call to resume from any directory, local or remote, for which Lightning's own

@@ -47,11 +47,13 @@ from stagesave import (
     SaveHandle,
 )
 from stagesave.dcp import StagedStorageReader, StagedStorageWriter
+from stagesave.errors import UsageError
 from stagesave.restore.discovery import folder_entries, resolve_dir, verify_entry
 from stagesave.saving.plan import plan_torch_file
 from stagesave.stores import posix as fsops
 
-from ._plugin import LIGHTNING_SAFE_GLOBALS, StagedCheckpointIO, lightning_metadata
+from ._options import LIGHTNING_SAFE_GLOBALS, lightning_metadata
+from ._plugin import StagedCheckpointIO
 
 __all__ = ["META_FILE", "ShardedCheckpoints"]
 
@@ -64,7 +66,7 @@ def _staging_folder(target: str, plans: Sequence[SavePlan]) -> str:
     """The hidden folder the ranks assemble ``target`` in, as the writer planned it."""
     staging = getattr(plans[0].storage_data, "staging", None) if plans else None
     if not isinstance(staging, str) or not getattr(plans[0].storage_data, "renames", False):
-        raise RuntimeError(
+        raise UsageError(
             "stagesave.lightning cannot place meta.pt: this stagesave.dcp writer did not plan a "
             "staging folder beside the target (a local directory is required for Lightning's "
             "sharded checkpoints)"
@@ -104,7 +106,7 @@ def _write_meta(meta: dict[str, Any], folder: str) -> None:
     LocalStore(os.path.dirname(folder)).put_atomic(f"{os.path.basename(folder)}/{META_FILE}", data)
 
 
-class _ShardWriter(StagedStorageWriter):  # type: ignore[misc]
+class _ShardWriter(StagedStorageWriter):
     """A ``StagedStorageWriter`` whose coordinator also puts ``meta.pt`` into the folder."""
 
     def __init__(self, checkpointer: Any) -> None:
@@ -114,7 +116,7 @@ class _ShardWriter(StagedStorageWriter):  # type: ignore[misc]
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         plans = super().prepare_global_plan(plans)
         if self.meta is None:
-            raise RuntimeError("stagesave.lightning: a sharded save without Lightning's metadata")
+            raise UsageError("stagesave.lightning: a sharded save without Lightning's metadata")
         folder = _staging_folder(os.path.abspath(os.fspath(self.path or "")), plans)
         try:
             _write_meta(self.meta, folder)
@@ -151,7 +153,9 @@ class ShardedCheckpoints:
             self._writer = _ShardWriter(ckpt)
         return self._writer
 
-    def save(self, plugin: StagedCheckpointIO, state: dict[str, Any], meta: dict[str, Any], path: str) -> SaveHandle:
+    def save(
+        self, plugin: StagedCheckpointIO, state: dict[str, Any], meta: dict[str, Any], path: str
+    ) -> SaveHandle:
         """On every rank: stage this rank's shards of ``state`` into the folder ``path``.
 
         Returns once staged; the folder (with ``meta`` as ``meta.pt``) is committed once every
@@ -182,8 +186,8 @@ class ShardedCheckpoints:
 
         ``fill`` runs DCP loads with the reader it is given. A folder that carries a stagesave
         proof is checked against it: its file set here (always), and with ``verify_on_load``
-        byte for byte, ``meta.pt`` here and the shards as the reader reads them; a plain Lightning folder (no
-        proof) is read as it is, still with the safe unpickler.
+        byte for byte, ``meta.pt`` here and the shards as the reader reads them; a plain
+        Lightning folder (no proof) is read as it is, still with the safe unpickler.
 
         Raises:
             stagesave.CheckpointNotFoundError: no ``meta.pt`` in the folder.
@@ -194,7 +198,9 @@ class ShardedCheckpoints:
         path = os.path.abspath(path)
         meta_path = os.path.join(path, META_FILE)
         if not os.path.isfile(meta_path):
-            raise CheckpointNotFoundError(f"{path} is not a Lightning sharded checkpoint: it has no {META_FILE}")
+            raise CheckpointNotFoundError(
+                f"{path} is not a Lightning sharded checkpoint: it has no {META_FILE}"
+            )
         # The folder's own proof, if any (proofs only): a file it does not list, or a missing
         # one, is refused even without verify_on_load, which adds the checksums.
         real = os.path.realpath(path)  # a save_last="link" link: the folder it names

@@ -70,14 +70,16 @@ class _StagedSharding(_Base):
         plugin = find_plugin(self)
         if plugin is None:
             raise TypeError(
-                f"{type(self).__name__} writes sharded checkpoints through a StagedCheckpointIO, but "
-                f"its checkpoint_io is a {type(self.checkpoint_io).__name__}. Remove the other "
-                "CheckpointIO plugin, or pass StagedCheckpointIO(...) as the plugin."
+                f"{type(self).__name__} writes sharded checkpoints through a StagedCheckpointIO, "
+                f"but its checkpoint_io is a {type(self.checkpoint_io).__name__}. Remove the "
+                "other CheckpointIO plugin, or pass StagedCheckpointIO(...) as the plugin."
             )
         return plugin
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
         """Save a sharded checkpoint folder (returns once staged) or, otherwise, as Lightning does.
 
         Raises:
@@ -91,14 +93,16 @@ class _StagedSharding(_Base):
             return
         if storage_options is not None:
             raise TypeError(
-                f"{type(self).__name__}.save_checkpoint(..., storage_options=...) is not supported for "
-                "sharded checkpoints (Lightning does not pass them to sharded saves either)"
+                f"{type(self).__name__}.save_checkpoint(..., storage_options=...) is not "
+                "supported for sharded checkpoints (Lightning does not pass them to sharded "
+                "saves either)"
             )
         path = os.fspath(self.broadcast(filepath))
         if "://" in path:
             raise ValueError(
-                f"cannot save a sharded checkpoint to {path}: Lightning's sharded checkpoints are local "
-                "folders; use a local or mounted directory as ModelCheckpoint(dirpath=...)"
+                f"cannot save a sharded checkpoint to {path}: Lightning's sharded checkpoints "
+                "are local folders; use a local or mounted directory as "
+                "ModelCheckpoint(dirpath=...)"
             )
         state: dict[str, Any] = {self._model_key: checkpoint.pop("state_dict")}
         for i, optim_state in enumerate(checkpoint.pop("optimizer_states", [])):
@@ -106,7 +110,9 @@ class _StagedSharding(_Base):
         self._shards.save(self._staged_io(), state, checkpoint, os.path.abspath(path))
 
     @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, checkpoint_path: Any, weights_only: bool | None = None
+    ) -> dict[str, Any]:
         """Load a sharded folder (written by stagesave or by Lightning) into the sharded model
         and optimizers and return the rest of the checkpoint; a single file as Lightning does.
 
@@ -134,7 +140,12 @@ class _StagedSharding(_Base):
         return self._shards.load(plugin, path, weights_only, fill)
 
     def _load_sharded(
-        self, reader: StagedStorageReader, path: str, module: Module, optimizers: list[Optimizer], strict: bool
+        self,
+        reader: StagedStorageReader,
+        path: str,
+        module: Module,
+        optimizers: list[Optimizer],
+        strict: bool,
     ) -> None:
         """Fill the model and optimizers in place from the folder (DTensor state: FSDP2, TP).
 
@@ -153,7 +164,8 @@ class _StagedSharding(_Base):
         for i, optimizer in enumerate(optimizers):
             state[f"optimizer_{i}"] = get_optimizer_state_dict(module, optimizer)
         sdcp.load(state, path, reader=reader)
-        set_model_state_dict(module, state[self._model_key], options=StateDictOptions(strict=strict))
+        options = StateDictOptions(strict=strict)
+        set_model_state_dict(module, state[self._model_key], options=options)
         for i, optimizer in enumerate(optimizers):
             set_optimizer_state_dict(module, optimizer, state[f"optimizer_{i}"])
 
@@ -181,7 +193,12 @@ class StagedFSDPStrategy(_StagedSharding, FSDPStrategy):
 
     @override
     def _load_sharded(
-        self, reader: StagedStorageReader, path: str, module: Module, optimizers: list[Optimizer], strict: bool
+        self,
+        reader: StagedStorageReader,
+        path: str,
+        module: Module,
+        optimizers: list[Optimizer],
+        strict: bool,
     ) -> None:
         """FSDP1 (``ShardedTensor`` state): the optimizer state is laid out from the folder's
         metadata and the model's shards (torch's ``load_sharded_optimizer_state_dict``), since
@@ -199,8 +216,9 @@ class StagedFSDPStrategy(_StagedSharding, FSDPStrategy):
         set_model_state_dict(module, model_state, options=StateDictOptions(strict=strict))
         for i, optimizer in enumerate(optimizers):
             key = f"optimizer_{i}"
-            loaded = load_sharded_optimizer_state_dict(model_state_dict=model_state, optimizer_key=key,
-                                                       storage_reader=reader)
+            loaded = load_sharded_optimizer_state_dict(
+                model_state_dict=model_state, optimizer_key=key, storage_reader=reader
+            )
             set_optimizer_state_dict(module, optimizer, loaded[key])
 
 

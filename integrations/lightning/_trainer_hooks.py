@@ -58,7 +58,9 @@ def install_trainer_hooks(find_plugin: Callable[[Any], Any]) -> None:
     from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 
     def make_save(original: Any) -> Any:
-        def save_checkpoint(self: Any, filepath: Any, weights_only: Any = None, storage_options: Any = None) -> None:
+        def save_checkpoint(
+            self: Any, filepath: Any, weights_only: Any = None, storage_options: Any = None
+        ) -> None:
             plugin = find_plugin(self)
             if plugin is None:
                 return original(self, filepath, weights_only, storage_options)  # type: ignore[no-any-return]

@@ -69,7 +69,7 @@ def test_device_staging_reaches_the_checkpointer(tmp_path: Path) -> None:
     state = {"w": torch.arange(10.0), "global_step": 1}
     io.save_checkpoint(state, tmp_path / "a.ckpt")  # host tensors: staged on the host as usual
     io.wait()
-    assert io._new_checkpointer().device_staging is True
+    assert io.checkpointer.device_staging is True
     assert torch.equal(io.load_checkpoint(tmp_path / "a.ckpt")["w"], state["w"])
     io.teardown()
 
