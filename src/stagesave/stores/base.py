@@ -2,7 +2,7 @@
 
 A checkpoint root is a store; names inside it are relative POSIX paths (``last.ckpt``,
 ``checkpoint_3/model.safetensors``). Writing a data file happens in three steps so that the
-commit protocol (``_commit.py``) can order them: ``begin_write`` opens an invisible temporary
+commit protocol (``saving/commit.py``) can order them: ``begin_write`` opens an invisible temporary
 (a temp file, a multipart upload), ``PendingWrite.write_range`` fills it from the staging buffer
 (thread-safe, called in parallel on disjoint ranges), ``write_tail`` appends the bytes that
 follow them (a format-2 file's proof), ``finish`` makes it durable and ``publish`` makes it
@@ -52,7 +52,9 @@ def check_name(name: str) -> str:
         or posixpath.normpath(name) != name
         or name in ("..", ".")
     ):
-        raise ValueError(f"invalid checkpoint name {name!r}: must be a relative path inside the root")
+        raise ValueError(
+            f"invalid checkpoint name {name!r}: must be a relative path inside the root"
+        )
     return name
 
 
@@ -70,7 +72,7 @@ class PendingWrite(ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} cannot append a tail")
 
-    def flush(self) -> None:
+    def flush(self) -> None:  # noqa: B027, RUF100 - optional: the default does nothing
         """Make the ranges written so far durable, keeping the file open (optional)."""
 
     @abstractmethod
@@ -107,10 +109,10 @@ class Reader(ABC):
         """A descriptor of this version when it is a local file (to load it without reopening)."""
         return None
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027, RUF100 - optional: the default does nothing
         """Release the descriptor or connection."""
 
-    def __enter__(self) -> Reader:  # noqa: PYI034 - Self needs Python 3.11
+    def __enter__(self) -> Reader:  # noqa: PYI034, RUF100 - Self needs Python 3.11
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -143,7 +145,9 @@ class Store(ABC):
         """Fail now, on the caller's thread, if writing ``name`` of ``size`` bytes cannot work."""
 
     @abstractmethod
-    def begin_write(self, name: str, image: memoryview, size: int, *, tail: bool = False) -> PendingWrite:
+    def begin_write(
+        self, name: str, image: memoryview, size: int, *, tail: bool = False
+    ) -> PendingWrite:
         """Start writing ``image[:size]`` to ``name``; ``image`` may extend past ``size``.
 
         With ``tail``, :meth:`PendingWrite.write_tail` appends more bytes before ``finish``.
@@ -196,10 +200,10 @@ class Store(ABC):
         """
         return contextlib.nullcontext()
 
-    def folder_committed(self, directory: str) -> None:
+    def folder_committed(self, directory: str) -> None:  # noqa: B027, RUF100 - optional hook
         """Called once the folder checkpoint ``directory`` was renamed into place, committed.
 
-        The folder commit (``_dircommit.py``) assembles a folder under a temporary name, possibly
+        The folder commit (``saving/commit.py``) assembles a folder under a temporary name, possibly
         in another directory (``staging_dir``), and renames it into place under the commit lock;
         it calls this hook after that rename succeeded, never after a failed commit. A store that
         acts on committed checkpoints (a tiered store queues the upload) overrides it; the
@@ -214,5 +218,5 @@ class Store(ABC):
         """A POSIX path for ``name`` when the store is a local directory, else ``None``."""
         return None
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027, RUF100 - optional: the default does nothing
         """Release connections."""

@@ -30,13 +30,18 @@ def _filesystem(url: str, storage_options: dict[str, Any]) -> tuple[Any, str]:
         fs, path = fsspec.core.url_to_fs(url, **storage_options)
     except ImportError as exc:
         extra = _EXTRA_FOR.get(protocol)
-        hint = f"pip install 'stagesave[{extra}]'" if extra == "s3" else f"install the fsspec backend for {protocol}://"
-        raise MissingExtraError(f"checkpoints at {protocol}:// need an optional dependency: {hint}") from exc
+        hint = (f"pip install 'stagesave[{extra}]'" if extra == "s3"
+                else f"install the fsspec backend for {protocol}://")
+        raise MissingExtraError(
+            f"checkpoints at {protocol}:// need an optional dependency: {hint}"
+        ) from exc
     return fs, path.rstrip("/")
 
 
 class _PipePendingWrite(PendingWrite):
-    def __init__(self, store: FsspecStore, name: str, image: memoryview, size: int, tail: bool) -> None:
+    def __init__(
+        self, store: FsspecStore, name: str, image: memoryview, size: int, tail: bool
+    ) -> None:
         self.store = store
         self.final = store._path(name)
         head, _, leaf = self.final.rpartition("/")
@@ -79,7 +84,9 @@ class FsspecStore(Store):
     def check_writable(self, name: str, size: int) -> None:
         check_name(name)
 
-    def begin_write(self, name: str, image: memoryview, size: int, *, tail: bool = False) -> PendingWrite:
+    def begin_write(
+        self, name: str, image: memoryview, size: int, *, tail: bool = False
+    ) -> PendingWrite:
         return _PipePendingWrite(self, name, image, size, tail)
 
     def put_atomic(self, name: str, data: bytes) -> None:
@@ -135,10 +142,9 @@ class FsspecStore(Store):
             entries = self.fs.ls(base, detail=True)
         except FileNotFoundError:
             return []
-        return [e["name"].rstrip("/").rpartition("/")[2] for e in entries if e.get("type") == "directory"]
+        return [e["name"].rstrip("/").rpartition("/")[2] for e in entries
+                if e.get("type") == "directory"]
 
     def delete(self, name: str) -> None:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(self._path(name))
-        except FileNotFoundError:
-            pass

@@ -14,8 +14,8 @@ from typing import Any
 
 __all__ = [
     "close", "exchange", "fsync", "fsync_dir", "ftruncate", "link", "makedirs", "mkdir", "open",
-    "posix_fadvise", "posix_fallocate", "pwrite", "rename", "replace", "rmtree", "symlink", "unlink",
-    "write",
+    "posix_fadvise", "posix_fallocate", "pwrite", "rename", "replace", "rmtree", "symlink",
+    "unlink", "write",
 ]
 
 
@@ -123,7 +123,9 @@ def exchange(a: str, b: str) -> None:
         if fn is None:
             _renameat2 = False
         else:
-            fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+            fn.argtypes = [
+                ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint,
+            ]
             fn.restype = ctypes.c_int
             _renameat2 = fn
     if _renameat2 is False:

@@ -10,11 +10,30 @@ from .base import Store
 from .fsspec import FsspecStore
 from .local import LocalStore
 
-__all__ = ["StoreResolver", "is_url"]
+__all__ = ["StoreResolver", "is_url", "open_store"]
 
 
 def is_url(path: str) -> bool:
     return "://" in path and not path.startswith("file://")
+
+
+def open_store(
+    target: Store | str | os.PathLike[str],
+    storage_options: dict[str, Any] | None = None,
+    *,
+    direct_io: bool = True,
+) -> Store:
+    """The store whose root is ``target``: itself if a store, else chosen by the URL's scheme."""
+    if isinstance(target, Store):
+        return target
+    url = os.fspath(target)
+    if url.startswith(("s3://", "s3a://")):
+        from .s3 import S3Store  # the fast path: parallel multipart uploads
+
+        return S3Store(url, storage_options)
+    if is_url(url):
+        return FsspecStore(url, storage_options)
+    return LocalStore(url.removeprefix("file://"), direct_io=direct_io)
 
 
 class StoreResolver:
@@ -46,14 +65,7 @@ class StoreResolver:
         with self._lock:
             store = self._stores.get(key)
             if store is None:
-                if key.startswith(("s3://", "s3a://")):
-                    from .s3 import S3Store  # the fast path: parallel multipart uploads
-
-                    store = S3Store(key, self.storage_options)
-                elif is_url(key):
-                    store = FsspecStore(key, self.storage_options)
-                else:
-                    store = LocalStore(key, direct_io=self.direct_io)
+                store = open_store(key, self.storage_options, direct_io=self.direct_io)
                 self._stores[key] = store
             return store
 
@@ -79,7 +91,8 @@ class StoreResolver:
             return root
         r = os.fspath(root)
         if self.root is not None and not is_url(r) and not os.path.isabs(r):
-            r = os.path.join(self.root.url, r) if not is_url(self.root.url) else f"{self.root.url}/{r}"
+            base = self.root.url
+            r = os.path.join(base, r) if not is_url(base) else f"{base}/{r}"
         return self.store_for(r)
 
     def close(self) -> None:
