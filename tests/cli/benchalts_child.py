@@ -16,8 +16,9 @@ import time
 
 import torch
 
+# the alternatives themselves, one save each in a fresh process (what `bench` runs in rounds)
 from stagesave.cli._alternatives import available_alternatives
-from stagesave.cli._bench import synthetic_state
+from stagesave.cli._bench_state import synthetic_state
 
 
 def equal(a, b) -> bool:  # type: ignore[no-untyped-def]
@@ -26,7 +27,7 @@ def equal(a, b) -> bool:  # type: ignore[no-untyped-def]
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(equal(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(equal(x, y) for x, y in zip(a, b, strict=True))
     return a == b
 
 

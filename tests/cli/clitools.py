@@ -31,7 +31,9 @@ class CliRun:
 def small_state(step: int, width: int = 64) -> dict[str, Any]:
     """A real little training state: model, Adam state, step, numpy RNG state."""
     torch.manual_seed(step)
-    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.LayerNorm(width), torch.nn.Linear(width, 4))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(width, width), torch.nn.LayerNorm(width), torch.nn.Linear(width, 4)
+    )
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     model(torch.randn(2, width)).sum().backward()
     opt.step()
@@ -43,7 +45,9 @@ def small_state(step: int, width: int = 64) -> dict[str, Any]:
     }
 
 
-def write_checkpoints(root: os.PathLike[str] | str, steps: tuple[int, ...] = (10, 20, 30), **options: Any) -> list[str]:
+def write_checkpoints(
+    root: os.PathLike[str] | str, steps: tuple[int, ...] = (10, 20, 30), **options: Any
+) -> list[str]:
     """Committed stagesave checkpoints ``step=<n>.ckpt`` in ``root``, oldest first; their paths."""
     paths = []
     with stagesave.Checkpointer(root, **options) as ck:
@@ -53,13 +57,18 @@ def write_checkpoints(root: os.PathLike[str] | str, steps: tuple[int, ...] = (10
     return paths
 
 
-def write_dir_checkpoint(root: os.PathLike[str] | str, name: str = "checkpoint_3", step: int = 3, **options: Any) -> str:
-    """An Accelerate-layout folder committed by stagesave (model.safetensors, optimizer.bin, ...)."""
+def write_dir_checkpoint(
+    root: os.PathLike[str] | str, name: str = "checkpoint_3", step: int = 3, **options: Any
+) -> str:
+    """An Accelerate-layout folder committed by stagesave (model.safetensors, optimizer.bin,
+    ...)."""
     state = small_state(step)
     with stagesave.Checkpointer(root, **options) as ck:
         ck.save_dir(
             {
-                "model.safetensors": Safetensors({k: v.contiguous() for k, v in state["model"].items()}),
+                "model.safetensors": Safetensors(
+                    {k: v.contiguous() for k, v in state["model"].items()}
+                ),
                 "optimizer.bin": state["optimizer"],
                 "random_states_0.pkl": {"step": step, "numpy_random_seed": state["rng"]},
             },
@@ -69,7 +78,7 @@ def write_dir_checkpoint(root: os.PathLike[str] | str, name: str = "checkpoint_3
     return os.path.join(str(root), name)
 
 
-def _format1_entry(path: str, name: str, kind: str, algorithm: str, chunk_bytes: int) -> Any:
+def format1_entry(path: str, name: str, kind: str, algorithm: str, chunk_bytes: int) -> Any:
     """The format-1 manifest entry of one file as stagesave wrote it before format 2: chunk
     digests, and for a torch zip its storage records and serialization id."""
     import zipfile
@@ -78,7 +87,9 @@ def _format1_entry(path: str, name: str, kind: str, algorithm: str, chunk_bytes:
     from stagesave.ondisk.manifest import FileEntry, StorageRecord
 
     data = Path(path).read_bytes()
-    chunks = tuple(digest(algorithm, data[i : i + chunk_bytes]) for i in range(0, len(data), chunk_bytes))
+    chunks = tuple(
+        digest(algorithm, data[i : i + chunk_bytes]) for i in range(0, len(data), chunk_bytes)
+    )
     sid = id_offset = None
     storages: list[Any] = []
     if kind == "torch" and data[:4] == b"PK\x03\x04":
@@ -91,7 +102,9 @@ def _format1_entry(path: str, name: str, kind: str, algorithm: str, chunk_bytes:
                     storages.append(StorageRecord(rel[5:], off, info.file_size))
         sid = str(reader.serialization_id())
         id_offset = int(reader.get_record_offset(".data/serialization_id"))
-    return FileEntry(name, len(data), algorithm, chunk_bytes, chunks, kind, sid, id_offset, tuple(storages))
+    return FileEntry(
+        name, len(data), algorithm, chunk_bytes, chunks, kind, sid, id_offset, tuple(storages)
+    )
 
 
 def write_format1(
@@ -109,9 +122,18 @@ def write_format1(
 
     path = os.path.join(str(root), name)
     torch.save(state, path)
-    entry = _format1_entry(path, name, "torch", algorithm, chunk_bytes)
-    tensors = [{"name": t.name, "storage": t.storage_key, "dtype": t.dtype, "shape": list(t.shape),
-                "stride": list(t.stride), "storage_offset": t.storage_offset} for t in plan_torch_file(state).tensors]
+    entry = format1_entry(path, name, "torch", algorithm, chunk_bytes)
+    tensors = [
+        {
+            "name": t.name,
+            "storage": t.storage_key,
+            "dtype": t.dtype,
+            "shape": list(t.shape),
+            "stride": list(t.stride),
+            "storage_offset": t.storage_offset,
+        }
+        for t in plan_torch_file(state).tensors
+    ]
     manifest = Manifest([entry], created_ns or time.time_ns(), tensors, metadata or {},
                         {"blocking_s": 0.25, "bytes": entry.size})
     sidecar = os.path.join(str(root), manifest_name(name, entry.serialization_id))
@@ -121,7 +143,11 @@ def write_format1(
 
 
 def write_format1_dir(
-    root: os.PathLike[str] | str, name: str = "checkpoint_1", step: int = 1, *, chunk_bytes: int = 64 * 1024,
+    root: os.PathLike[str] | str,
+    name: str = "checkpoint_1",
+    step: int = 1,
+    *,
+    chunk_bytes: int = 64 * 1024,
 ) -> str:
     """A format-1 folder checkpoint (Accelerate layout) with its ``checkpoint.stagesave.json``."""
     import json
@@ -135,17 +161,31 @@ def write_format1_dir(
     d = os.path.join(str(root), name)
     os.makedirs(d)
     state = small_state(step)
-    save_file({k: v.contiguous() for k, v in state["model"].items()}, os.path.join(d, "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in state["model"].items()},
+        os.path.join(d, "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     torch.save(state["optimizer"], os.path.join(d, "optimizer.bin"))
-    torch.save({"step": step, "numpy_random_seed": state["rng"]}, os.path.join(d, "random_states_0.pkl"))
+    torch.save(
+        {"step": step, "numpy_random_seed": state["rng"]}, os.path.join(d, "random_states_0.pkl")
+    )
     with open(os.path.join(d, "config.json"), "w") as f:
         json.dump({"step": step}, f)
-    kinds = {"model.safetensors": "safetensors", "optimizer.bin": "torch", "random_states_0.pkl": "torch",
-             "config.json": "raw"}
-    entries = [_format1_entry(os.path.join(d, n), n, k, "xxh3_128", chunk_bytes) for n, k in sorted(kinds.items())]
+    kinds = {
+        "model.safetensors": "safetensors",
+        "optimizer.bin": "torch",
+        "random_states_0.pkl": "torch",
+        "config.json": "raw",
+    }
+    entries = [
+        format1_entry(os.path.join(d, n), n, k, "xxh3_128", chunk_bytes)
+        for n, k in sorted(kinds.items())
+    ]
     with open(os.path.join(d, DIR_MANIFEST), "wb") as f:
-        f.write(Manifest(entries, time.time_ns(), [], {"step": step}, {"blocking_s": 0.5}).to_json())
+        f.write(
+            Manifest(entries, time.time_ns(), [], {"step": step}, {"blocking_s": 0.5}).to_json()
+        )
     return d
 
 

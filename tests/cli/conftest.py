@@ -66,7 +66,9 @@ def crashed(tmp_path_factory):
         (base / kind).mkdir()
         scenarios.append((str(base / kind), mode, name, point))
     signals = crash_saves(scenarios)
-    assert signals == [9] * len(scenarios), f"not every child was killed at its crash point: {signals}"
+    assert signals == [9] * len(scenarios), (
+        f"not every child was killed at its crash point: {signals}"
+    )
 
     def copy(kind: str, dest) -> None:
         shutil.copytree(base / kind, dest, symlinks=True, dirs_exist_ok=True)

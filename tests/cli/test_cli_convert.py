@@ -25,7 +25,11 @@ def _same(a, b):
     if isinstance(a, dict):
         return isinstance(b, dict) and list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+        return (
+            type(a) is type(b)
+            and len(a) == len(b)
+            and all(_same(x, y) for x, y in zip(a, b, strict=True))
+        )
     return a == b
 
 
@@ -66,8 +70,10 @@ def test_export_refuses_a_corrupt_file_and_writes_nothing(cli, tmp_path):
     flip_byte(src, 100_000)
     r = cli("export", src, tmp_path / "out.ckpt")
     assert r.code == 1
-    assert r.err == (f"stagesave: error: {src} is corrupt: checksum mismatch in bytes [65536, 131072) (chunk 1); "
-                     "nothing was exported\n")
+    assert r.err == (
+        f"stagesave: error: {src} is corrupt: checksum mismatch in bytes [65536, 131072) "
+        "(chunk 1); nothing was exported\n"
+    )
     assert sorted(os.listdir(tmp_path)) == ["ck"]
 
 
@@ -77,7 +83,9 @@ def test_export_output_rules(cli, tmp_path):
     out.write_bytes(b"keep me")
     r = cli("export", src, out)
     assert r.code == 1 and "exists; pass --force" in r.err and out.read_bytes() == b"keep me"
-    assert cli("export", src, out, "--force").code == 0 and out.read_bytes() == Path(src).read_bytes()
+    assert (
+        cli("export", src, out, "--force").code == 0 and out.read_bytes() == Path(src).read_bytes()
+    )
     r = cli("export", src, tmp_path / "no" / "out.ckpt")
     assert r.code == 1 and "does not exist" in r.err
     r = cli("export", tmp_path / "missing.ckpt", tmp_path / "x.ckpt")
@@ -96,7 +104,9 @@ def test_export_stagesave_folder(cli, tmp_path):
     assert all(torch.equal(merged["model"][k], v) for k, v in state["model"].items())
     assert _same(merged["optimizer"], state["optimizer"])
     assert merged["random_states_0"]["step"] == 3
-    info = stagesave.verify(out)  # a fresh file that carries its own proof, with the folder's metadata
+    info = stagesave.verify(
+        out
+    )  # a fresh file that carries its own proof, with the folder's metadata
     assert info.status == "verified" and info.format == 2 and info.manifest.metadata == {"step": 3}
     assert zipfile.ZipFile(out).testzip() is None
     flip_byte(os.path.join(d, "optimizer.bin"), 50)
@@ -105,7 +115,8 @@ def test_export_stagesave_folder(cli, tmp_path):
 
 
 def test_export_one_file_of_a_folder_checkpoint(cli, tmp_path):
-    """A file of a folder names its folder in its proof: exported, it becomes a checkpoint of its own."""
+    """A file of a folder names its folder in its proof: exported, it becomes a checkpoint of its
+    own."""
     d = write_dir_checkpoint(tmp_path)
     (tmp_path / "out").mkdir()
     out = tmp_path / "out" / "optimizer.ckpt"
@@ -131,7 +142,9 @@ def test_export_real_accelerate_save_state(cli, tmp_path):
     opt.step()
     sched.step()
     acc.save_state(str(tmp_path / "acc"))
-    assert {"model.safetensors", "optimizer.bin", "scheduler.bin"} <= set(os.listdir(tmp_path / "acc"))
+    assert {"model.safetensors", "optimizer.bin", "scheduler.bin"} <= set(
+        os.listdir(tmp_path / "acc")
+    )
     out = tmp_path / "acc.ckpt"
     r = cli("export", tmp_path / "acc", out)
     assert r.code == 0, r.err
@@ -186,7 +199,10 @@ def test_adopt_plain_file_then_verify_catches_corruption(cli, tmp_path):
     reader = torch._C.PyTorchFileReader(str(path))
     assert entry.serialization_id == reader.serialization_id()
     assert _same(stagesave.load(path), state)
-    assert {t["name"] for t in info.manifest.tensors} >= {"model.0.weight", "optimizer.state.0.exp_avg"}
+    assert {t["name"] for t in info.manifest.tensors} >= {
+        "model.0.weight",
+        "optimizer.state.0.exp_avg",
+    }
     r = cli("adopt", path)
     assert r.code == 0 and "already has a matching manifest" in r.out
     flip_byte(str(path), len(before) // 2)
@@ -220,7 +236,9 @@ def test_adopt_refuses_what_it_cannot_certify(cli, tmp_path):
 
 def test_adopt_over_a_mismatching_manifest_needs_force(cli, tmp_path):
     path, _ = write_format1(tmp_path, "old.ckpt", small_state(1))
-    torch.save(small_state(2), path)  # replaced behind stagesave's back: the manifest no longer matches
+    torch.save(
+        small_state(2), path
+    )  # replaced behind stagesave's back: the manifest no longer matches
     r = cli("adopt", path)
     assert r.code == 1 and "pass --force" in r.err
     assert cli("adopt", path, "--force").code == 0
@@ -234,17 +252,24 @@ def test_adopt_refuses_a_file_that_carries_its_own_proof(cli, tmp_path):
     before = sorted(os.listdir(tmp_path))
     r = cli("adopt", path)
     assert r.code == 1
-    assert r.err == (f"stagesave: error: {path} already carries its own stagesave proof (format 2, seq 1): adopt is "
-                     "for files stagesave did not write; `stagesave verify` checks this one\n")
+    assert r.err == (
+        f"stagesave: error: {path} already carries its own stagesave proof (format 2, seq 1): "
+        "adopt is for files stagesave did not write; `stagesave verify` checks this one\n"
+    )
     flip_byte(path, stagesave.verify(path).manifest.files[0].end + 200)  # damage its proof records
     r = cli("adopt", path, "--force")
-    assert r.code == 1 and "carries a stagesave proof of its own (format 2) that does not check out" in r.err
+    assert (
+        r.code == 1
+        and "carries a stagesave proof of its own (format 2) that does not check out" in r.err
+    )
     assert sorted(os.listdir(tmp_path)) == before  # no sidecar written
 
 
 def test_adopt_refuses_a_file_inside_a_proven_folder(cli, tmp_path):
     d = write_dir_checkpoint(tmp_path)
-    torch.save({"w": torch.ones(2)}, os.path.join(d, "extra.pt"))  # makes the folder invalid already
+    torch.save(
+        {"w": torch.ones(2)}, os.path.join(d, "extra.pt")
+    )  # makes the folder invalid already
     r = cli("adopt", os.path.join(d, "extra.pt"))
     assert r.code == 1 and "is a file of a folder checkpoint proven by" in r.err
     assert not any(n.endswith(".stagesave.json") for n in os.listdir(d))
@@ -267,7 +292,9 @@ def test_adopt_trusted_indexes_unsafe_files(cli, tmp_path):
     path = tmp_path / "lightning.ckpt"
     torch.save({"state_dict": {"w": torch.ones(3)}, "hyper": Hyper(0.1)}, path)
     assert cli("adopt", path, "--trusted").code == 0
-    assert stagesave.verify(path).manifest.tensors == [{"name": "state_dict.w", "dtype": "float32", "shape": [3]}]
+    assert stagesave.verify(path).manifest.tensors == [
+        {"name": "state_dict.w", "dtype": "float32", "shape": [3]}
+    ]
 
 
 def test_export_stagesave_sharded_folder_is_verified_and_needs_no_trust(cli, tmp_path):

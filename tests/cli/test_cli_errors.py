@@ -16,14 +16,31 @@ from stagesave.errors import IntegrityError
 
 
 def _run(*args, **kw):
-    return subprocess.run([sys.executable, "-m", "stagesave", *map(str, args)], capture_output=True, text=True,
-                          timeout=300, check=False, **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "stagesave", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        **kw,
+    )
 
 
 def test_python_m_stagesave_and_console_script(tmp_path):
     r = _run("--help")
     assert r.returncode == 0
-    for cmd in ("plan", "ls", "inspect", "verify", "export", "adopt", "migrate", "gc", "bench", "report"):
+    for cmd in (
+        "plan",
+        "ls",
+        "inspect",
+        "verify",
+        "export",
+        "adopt",
+        "migrate",
+        "gc",
+        "bench",
+        "report",
+    ):
         assert cmd in r.stdout
     script = os.path.join(os.path.dirname(sys.executable), "stagesave")
     r = subprocess.run([script, "verify", tmp_path / "nope.ckpt"], capture_output=True, text=True,
@@ -40,7 +57,9 @@ def test_one_line_error_and_debug_traceback(cli, tmp_path):
     assert r.code == 1
     assert r.err.startswith(f"stagesave: error: {path} is corrupt:") and r.err.count("\n") == 1
     assert r.out == ""
-    with pytest.raises(IntegrityError, match="is corrupt"):  # --debug: the exception itself, with its traceback
+    with pytest.raises(
+        IntegrityError, match="is corrupt"
+    ):  # --debug: the exception itself, with its traceback
         cli("--debug", "export", path, tmp_path / "out.ckpt")
 
 
@@ -59,8 +78,18 @@ def test_unreachable_endpoint(cli):
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    r = cli("--retries", "1", "--endpoint-url", f"http://127.0.0.1:{port}", "-o", "key=k", "-o", "secret=s",
-            "ls", "s3://bucket/ckpt")
+    r = cli(
+        "--retries",
+        "1",
+        "--endpoint-url",
+        f"http://127.0.0.1:{port}",
+        "-o",
+        "key=k",
+        "-o",
+        "secret=s",
+        "ls",
+        "s3://bucket/ckpt",
+    )
     assert r.code == 1
     assert r.err.startswith("stagesave: error: ") and r.err.count("\n") == 1
     assert "Could not connect" in r.err and f"127.0.0.1:{port}" in r.err
@@ -87,7 +116,9 @@ def test_corrupt_proof_is_named(cli, tmp_path):
     rows = cli("ls", tmp_path, "--json").json()
     assert rows[0]["status"] == "corrupt" and "footer is damaged" in rows[0]["problems"][0]
     r = cli("verify", path)
-    assert r.code == 1 and r.err.startswith(f"stagesave: error: {path}: its stagesave footer is damaged")
+    assert r.code == 1 and r.err.startswith(
+        f"stagesave: error: {path}: its stagesave footer is damaged"
+    )
     r = cli("inspect", path, "--json")  # the summary is printed, and the exit says corrupt
     assert r.code == 1 and r.json()["status"] == "corrupt" and r.json()["tensors"] == []
     assert r.err.startswith(f"stagesave: error: {path} is corrupt: ") and r.err.count("\n") == 1

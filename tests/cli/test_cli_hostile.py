@@ -56,9 +56,15 @@ def rewrite_index(path: Any, mutate: Any) -> None:
     proof = json.dumps(doc, separators=(",", ":")).encode()
     zip_ = TorchZip(parts.prefix, (), covered, parts.cd_prefix, parts.zip64)
     records = [(INDEX_RECORD, new_index), (PROOF_RECORD, proof)]
-    _, offsets = build_tail(zip_, parts.cd_prefix, records, b"{}", crc32=crc32, n_records=parts.n_records)
-    summary = Summary(s.kind, s.seq, s.created_ns, offsets[1], len(proof), crc32(proof), s.folder, s.carrier)
-    tail, _ = build_tail(zip_, parts.cd_prefix, records, summary.to_bytes(), crc32=crc32, n_records=parts.n_records)
+    _, offsets = build_tail(
+        zip_, parts.cd_prefix, records, b"{}", crc32=crc32, n_records=parts.n_records
+    )
+    summary = Summary(
+        s.kind, s.seq, s.created_ns, offsets[1], len(proof), crc32(proof), s.folder, s.carrier
+    )
+    tail, _ = build_tail(
+        zip_, parts.cd_prefix, records, summary.to_bytes(), crc32=crc32, n_records=parts.n_records
+    )
     Path(path).write_bytes(data[:covered] + tail)
 
 
@@ -81,7 +87,10 @@ def _clean(r: CliRun, what: str) -> None:
     assert r.code in (0, 1), (what, r.code, r.err[-2000:])
     assert "Traceback" not in r.err and "Traceback" not in r.out, (what, r.err[-2000:])
     if r.code == 1:
-        assert r.err.startswith("stagesave: error: ") and r.err.count("\n") == 1, (what, r.err[-2000:])
+        assert r.err.startswith("stagesave: error: ") and r.err.count("\n") == 1, (
+            what,
+            r.err[-2000:],
+        )
 
 
 def _every_command(cli: Any, root: Path, path: Path, tmp: Path) -> dict[str, CliRun]:
@@ -111,7 +120,7 @@ def _assert_refused(cli: Any, root: Path, path: Path, tmp: Path, field: str) -> 
     info = stagesave.verify(path)
     assert info.status == "corrupt", info
     assert any(field in p for p in info.problems), info.problems
-    with pytest.raises(CheckpointError, match="corrupt|invalid"):
+    with pytest.raises(CheckpointError, match=r"corrupt|invalid"):
         stagesave.load(path)
     runs = _every_command(cli, root, path, tmp)
     for what in ("verify", "verify --json", "verify ROOT", "inspect", "inspect --json", "export"):
@@ -154,26 +163,57 @@ def _nested(depth: int) -> Any:
 
 # (index mutation, the field the error names)
 _HOSTILE_INDEX = {
-    "tensors entry not an object": (lambda ix: ix["tensors"].insert(0, 7), "tensors[0] is not an object"),
+    "tensors entry not an object": (
+        lambda ix: ix["tensors"].insert(0, 7),
+        "tensors[0] is not an object",
+    ),
     "tensors not a list": (lambda ix: ix.update(tensors={"w": 1}), "tensors must be a list"),
     "dimension not an int": (lambda ix: ix["tensors"][0].update(shape=["10"]), "tensors[0].shape"),
     "dimension a float": (lambda ix: ix["tensors"][0].update(shape=[2.5]), "tensors[0].shape"),
     "dimension a bool": (lambda ix: ix["tensors"][0].update(shape=[True]), "tensors[0].shape"),
     "dimension negative": (lambda ix: ix["tensors"][0].update(shape=[-4]), "tensors[0].shape"),
-    "400k dimensions": (lambda ix: ix["tensors"][0].update(shape=[10**6] * 400_000), "tensors[0].shape"),
-    "element count overflows": (lambda ix: ix["tensors"][0].update(shape=[1 << 40] * 3), "tensors[0].shape"),
+    "400k dimensions": (
+        lambda ix: ix["tensors"][0].update(shape=[10**6] * 400_000),
+        "tensors[0].shape",
+    ),
+    "element count overflows": (
+        lambda ix: ix["tensors"][0].update(shape=[1 << 40] * 3),
+        "tensors[0].shape",
+    ),
     "name not a string": (lambda ix: ix["tensors"][0].update(name=["w"]), "tensors[0].name"),
     "dtype not a string": (lambda ix: ix["tensors"][0].update(dtype=None), "tensors[0].dtype"),
-    "stride of another rank": (lambda ix: ix["tensors"][0].update(stride=[1, 1, 1]), "tensors[0].stride"),
+    "stride of another rank": (
+        lambda ix: ix["tensors"][0].update(stride=[1, 1, 1]),
+        "tensors[0].stride",
+    ),
     "infinite extra field": (
-        lambda ix: json.dumps({**ix, "tensors": [{**ix["tensors"][0], "x": 12345.5}]}).replace("12345.5", "1e999")
-        .encode(), "tensors[0]['x']"),
+        lambda ix: (
+            json.dumps({**ix, "tensors": [{**ix["tensors"][0], "x": 12345.5}]})
+            .replace("12345.5", "1e999")
+            .encode()
+        ),
+        "tensors[0]['x']",
+    ),
     "infinite telemetry": (
-        lambda ix: json.dumps({**ix, "telemetry": {**ix["telemetry"], "write_s": 12345.5}}).replace("12345.5", "1e999")
-        .encode(), "telemetry['write_s']"),
-    "telemetry of the wrong type": (lambda ix: ix["telemetry"].update(blocking_s="fast"), "telemetry['blocking_s']"),
-    "telemetry int past a float": (lambda ix: ix["telemetry"].update(blocking_s=10**400), "telemetry['blocking_s']"),
-    "telemetry nested too deep": (lambda ix: ix["telemetry"].update(extra=_nested(150)), "nests deeper"),
+        lambda ix: (
+            json.dumps({**ix, "telemetry": {**ix["telemetry"], "write_s": 12345.5}})
+            .replace("12345.5", "1e999")
+            .encode()
+        ),
+        "telemetry['write_s']",
+    ),
+    "telemetry of the wrong type": (
+        lambda ix: ix["telemetry"].update(blocking_s="fast"),
+        "telemetry['blocking_s']",
+    ),
+    "telemetry int past a float": (
+        lambda ix: ix["telemetry"].update(blocking_s=10**400),
+        "telemetry['blocking_s']",
+    ),
+    "telemetry nested too deep": (
+        lambda ix: ix["telemetry"].update(extra=_nested(150)),
+        "nests deeper",
+    ),
 }
 
 
@@ -198,7 +238,9 @@ def test_markup_in_the_kind_is_corrupt(cli, one, tmp_path):
     _assert_refused(cli, root, path, tmp_path, "kind")
 
 
-@pytest.mark.parametrize("case", ["tensors entry not an object", "400k dimensions", "infinite telemetry"])
+@pytest.mark.parametrize(
+    "case", ["tensors entry not an object", "400k dimensions", "infinite telemetry"]
+)
 def test_hostile_format1_sidecar_is_corrupt(cli, tmp_path, case):
     """A format-1 sidecar carries its own tensor index and telemetry: checked the same way."""
     root = tmp_path / "root"
@@ -260,9 +302,21 @@ def test_verify_a_lightning_link_verifies_its_target(cli, tmp_path):
 
 def test_hostile_telemetry_lines_in_report(cli, tmp_path):
     """`report` reads telemetry JSON lines, not proofs: odd lines are skipped, never a crash."""
-    good = {"path": "a[/].ckpt", "started_at": 1.0, "blocking_s": 0.5, "bytes": 10, "committed_at": 2.0}
-    lines = [json.dumps(good), json.dumps({**good, "started_at": 2.0, "blocking_s": "x", "bytes": None}),
-             '{"started_at": 1e999, "blocking_s": NaN}', "[1, 2]", '{"started_at": true}', "{not json"]
+    good = {
+        "path": "a[/].ckpt",
+        "started_at": 1.0,
+        "blocking_s": 0.5,
+        "bytes": 10,
+        "committed_at": 2.0,
+    }
+    lines = [
+        json.dumps(good),
+        json.dumps({**good, "started_at": 2.0, "blocking_s": "x", "bytes": None}),
+        '{"started_at": 1e999, "blocking_s": NaN}',
+        "[1, 2]",
+        '{"started_at": true}',
+        "{not json",
+    ]
     (tmp_path / "stagesave-telemetry.jsonl").write_text("\n".join(lines) + "\n")
     for args in ((), ("--json",)):
         r = cli("report", tmp_path, *args, "--no-png")
@@ -272,29 +326,66 @@ def test_hostile_telemetry_lines_in_report(cli, tmp_path):
 
 
 # ------------------------------------------------------------------------------ fuzz
-_MARKUP = ["[/]", "[bold]x[/bold]", "[link=file:///etc/passwd]y", "\x1b[2J", "\u202e", "ckpt[x].ckpt", "", "é"]
+_MARKUP = [
+    "[/]",
+    "[bold]x[/bold]",
+    "[link=file:///etc/passwd]y",
+    "\x1b[2J",
+    "\u202e",
+    "ckpt[x].ckpt",
+    "",
+    "é",
+]
 _INTS = [0, 1, -1, 2**31, 2**32, 2**62, 2**62 + 1, 2**63, 2**64, -(2**63), 10**4000]
 _leaf = st.one_of(
     st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.sampled_from(_INTS),
     st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=12), st.sampled_from(_MARKUP),
 )
 _value = st.one_of(
-    st.recursive(_leaf, lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=6), c, max_size=4),
-                 max_leaves=12),
-    st.just([1] * 5000), st.just([10**6] * 2000), st.builds(_nested, st.sampled_from([99, 101, 400])),
+    st.recursive(
+        _leaf,
+        lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=6), c, max_size=4),
+        max_leaves=12,
+    ),
+    st.just([1] * 5000),
+    st.just([10**6] * 2000),
+    st.builds(_nested, st.sampled_from([99, 101, 400])),
 )
 #: Where a value goes: (part, path of keys; "*" a fresh key), drawn per example.
 _SPOTS = [
-    ("proof", ("kind",)), ("proof", ("seq",)), ("proof", ("created_ns",)), ("proof", ("covered",)),
-    ("proof", ("algorithm",)), ("proof", ("chunk_bytes",)), ("proof", ("chunks",)), ("proof", ("chunks", 0)),
-    ("proof", ("serialization_id",)), ("proof", ("id_offset",)), ("proof", ("storages",)),
-    ("proof", ("storages", 0)), ("proof", ("storages", 0, 1)), ("proof", ("blank",)), ("proof", ("zip",)),
-    ("proof", ("metadata",)), ("proof", ("metadata", "*")), ("proof", ("folder",)), ("proof", ("*",)),
-    ("index", ("tensors",)), ("index", ("tensors", 0)), ("index", ("tensors", 0, "name")),
-    ("index", ("tensors", 0, "dtype")), ("index", ("tensors", 0, "shape")), ("index", ("tensors", 0, "shape", 0)),
-    ("index", ("tensors", 0, "stride")), ("index", ("tensors", 0, "storage_offset")),
-    ("index", ("tensors", 0, "storage")), ("index", ("tensors", 0, "*")), ("index", ("telemetry",)),
-    ("index", ("telemetry", "blocking_s")), ("index", ("telemetry", "direct_io")), ("index", ("telemetry", "*")),
+    ("proof", ("kind",)),
+    ("proof", ("seq",)),
+    ("proof", ("created_ns",)),
+    ("proof", ("covered",)),
+    ("proof", ("algorithm",)),
+    ("proof", ("chunk_bytes",)),
+    ("proof", ("chunks",)),
+    ("proof", ("chunks", 0)),
+    ("proof", ("serialization_id",)),
+    ("proof", ("id_offset",)),
+    ("proof", ("storages",)),
+    ("proof", ("storages", 0)),
+    ("proof", ("storages", 0, 1)),
+    ("proof", ("blank",)),
+    ("proof", ("zip",)),
+    ("proof", ("metadata",)),
+    ("proof", ("metadata", "*")),
+    ("proof", ("folder",)),
+    ("proof", ("*",)),
+    ("index", ("tensors",)),
+    ("index", ("tensors", 0)),
+    ("index", ("tensors", 0, "name")),
+    ("index", ("tensors", 0, "dtype")),
+    ("index", ("tensors", 0, "shape")),
+    ("index", ("tensors", 0, "shape", 0)),
+    ("index", ("tensors", 0, "stride")),
+    ("index", ("tensors", 0, "storage_offset")),
+    ("index", ("tensors", 0, "storage")),
+    ("index", ("tensors", 0, "*")),
+    ("index", ("telemetry",)),
+    ("index", ("telemetry", "blocking_s")),
+    ("index", ("telemetry", "direct_io")),
+    ("index", ("telemetry", "*")),
     ("index", ("*",)),
 ]
 
@@ -319,7 +410,9 @@ def _encode(doc: Any, spelling: str) -> bytes:
     extension) or ``1e999`` (valid JSON that parses as infinity)."""
     text = json.dumps(doc, separators=(",", ":"))
     if spelling == "1e999":
-        text = text.replace("-Infinity", "-1e999").replace("Infinity", "1e999").replace("NaN", "1e999")
+        text = (
+            text.replace("-Infinity", "-1e999").replace("Infinity", "1e999").replace("NaN", "1e999")
+        )
     return text.encode()
 
 
@@ -333,7 +426,9 @@ def fuzz_base(tmp_path_factory) -> bytes:
 
 
 _FUZZ_HEALTH = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
-_fuzz_given = given(spot=st.sampled_from(_SPOTS), value=_value, spelling=st.sampled_from(["1e999", "NaN"]))
+_fuzz_given = given(
+    spot=st.sampled_from(_SPOTS), value=_value, spelling=st.sampled_from(["1e999", "NaN"])
+)
 
 
 @settings(max_examples=300, deadline=None, database=None, suppress_health_check=_FUZZ_HEALTH)
@@ -397,7 +492,9 @@ def _fuzz_one(cli, fuzz_base, tmp_path_factory, spot, value, spelling):  # type:
         warnings.simplefilter("ignore")  # a corrupt checkpoint is skipped with a warning
         for verify in (False, True):
             best = stagesave.latest(root, verify=verify)
-            assert (best.name if best is not None else None) == (path.name if status == "verified" else None)
+            assert (best.name if best is not None else None) == (
+                path.name if status == "verified" else None
+            )
     assert time.monotonic() - t0 < 10
     _fuzz["examples"] += 1
     _fuzz[status] += 1
@@ -408,6 +505,9 @@ def test_fuzz_summary():
     """Runs after the fuzz test (file order): what it did."""
     if _fuzz["examples"] == 0:
         pytest.skip("the fuzz test did not run in this session")
-    print(f"fuzzed proof fields: {_fuzz['examples']} examples through stagesave.verify, verify, inspect, "
-          f"inspect --json, ls, ls --json: {_fuzz['corrupt']} refused as corrupt, {_fuzz['verified']} verified")
+    print(
+        f"fuzzed proof fields: {_fuzz['examples']} examples through stagesave.verify, verify, "
+        f"inspect, inspect --json, ls, ls --json: {_fuzz['corrupt']} refused as corrupt, "
+        f"{_fuzz['verified']} verified"
+    )
     assert _fuzz["corrupt"] > 0 and _fuzz["examples"] >= 200

@@ -29,19 +29,35 @@ def test_ls_lists_newest_first_with_status_step_size_tier(cli, tmp_path):
     rows = cli("ls", tmp_path, "--json").json()
     # newest as latest() sees them: format 2 by sequence number, then the rest by time
     names = [r["name"] for r in rows]
-    assert names == ["checkpoint_3", "step=30.ckpt", "step=20.ckpt", "step=10.ckpt", "plain.pt", "old.ckpt"]
+    assert names == [
+        "checkpoint_3",
+        "step=30.ckpt",
+        "step=20.ckpt",
+        "step=10.ckpt",
+        "plain.pt",
+        "old.ckpt",
+    ]
     assert [r["seq"] for r in rows] == [4, 3, 2, 1, None, None]
     assert [r["format"] for r in rows] == [2, 2, 2, 2, 0, 1]
     by = {r["name"]: r for r in rows}
     assert by["step=20.ckpt"]["status"] == "committed" and by["step=20.ckpt"]["step"] == 20
     assert by["step=20.ckpt"]["size"] == os.path.getsize(tmp_path / "step=20.ckpt")
     assert by["step=20.ckpt"]["tier"] == "local"
-    assert by["checkpoint_3"]["folder"] and by["checkpoint_3"]["status"] == "committed" and by["checkpoint_3"]["step"] == 3
+    assert (
+        by["checkpoint_3"]["folder"]
+        and by["checkpoint_3"]["status"] == "committed"
+        and by["checkpoint_3"]["step"] == 3
+    )
     assert by["plain.pt"]["status"] == "unverified"
     assert by["old.ckpt"]["status"] == "committed" and by["old.ckpt"]["step"] == 1
     assert not any(n.endswith(".stagesave.json") for n in names)
     text = cli("ls", tmp_path).out
-    assert "step=30.ckpt" in text and "checkpoint_3/" in text and "committed" in text and "notes.txt" not in text
+    assert (
+        "step=30.ckpt" in text
+        and "checkpoint_3/" in text
+        and "committed" in text
+        and "notes.txt" not in text
+    )
     assert "seq" in text.splitlines()[0] and "format" in text.splitlines()[0]
 
 
@@ -56,7 +72,10 @@ def test_ls_shows_corrupt_and_torn(cli, tmp_path, crashed):
     assert by["step=1.ckpt"]["status"] == "corrupt"
     assert "footer is damaged" in by["step=1.ckpt"]["problems"][0]
     assert by["crashed.ckpt"]["status"] == "torn" and by["crashed.ckpt"]["format"] == 2
-    assert "no crashed.ckpt exists: a save (or removal) of it was interrupted" in by["crashed.ckpt"]["problems"][0]
+    assert (
+        "no crashed.ckpt exists: a save (or removal) of it was interrupted"
+        in by["crashed.ckpt"]["problems"][0]
+    )
     assert "is not running on this host" in by["crashed.ckpt"]["problems"][0]
     assert by["gone.ckpt"]["status"] == "torn" and by["gone.ckpt"]["format"] == 1
     assert os.path.basename(sidecar) in by["gone.ckpt"]["problems"][0]
@@ -124,7 +143,12 @@ def test_inspect_file_shows_the_proof_inside_it(cli, tmp_path):
     assert entry["size"] == os.path.getsize(path) and ".data/stagesave/proof.json" in entry["proof"]
     assert doc["telemetry"]["bytes"] == proven.end and doc["telemetry"]["blocking_s"] > 0
     text = cli("inspect", path).out
-    assert "model.0.weight" in text and "64x64" in text and "crc32" in text and "blocked training" in text
+    assert (
+        "model.0.weight" in text
+        and "64x64" in text
+        and "crc32" in text
+        and "blocked training" in text
+    )
     assert "seq       2" in text and "the proof is inside the file" in text
 
 
@@ -133,7 +157,10 @@ def test_inspect_format1_file_reads_its_sidecar(cli, tmp_path):
     doc = cli("inspect", path, "--json").json()
     assert doc["status"] == "committed" and doc["format"] == 1 and doc["seq"] is None
     assert doc["manifest"] == os.path.basename(sidecar) and doc["step"] == 2
-    assert doc["files"][0]["algorithm"] == "xxh3_128" and doc["files"][0]["proof"] == f"sidecar {os.path.basename(sidecar)}"
+    assert (
+        doc["files"][0]["algorithm"] == "xxh3_128"
+        and doc["files"][0]["proof"] == f"sidecar {os.path.basename(sidecar)}"
+    )
     assert {"model.0.weight", "optimizer.state.0.exp_avg"} <= {t["name"] for t in doc["tensors"]}
     assert doc["telemetry"]["blocking_s"] == 0.25
 
@@ -145,8 +172,13 @@ def test_inspect_hostile_but_valid_manifest(cli, tmp_path):
     doc = json.loads(Path(sidecar).read_text())
     doc["telemetry"] = {"blocking_s": 1e999, "write_s": "fast", "direct_io": 3}
     doc["metadata"] = {"lr": -1e999, "name": "[red]x[/red]"}
-    doc["tensors"] = [7, {"name": "a", "dtype": "float32", "shape": [10**6] * 40}, {"name": "b"},
-                      {"name": "c[bold]", "dtype": "float16", "shape": [2, 3]}, {"name": "d", "dtype": "nope", "shape": [4]}]
+    doc["tensors"] = [
+        7,
+        {"name": "a", "dtype": "float32", "shape": [10**6] * 40},
+        {"name": "b"},
+        {"name": "c[bold]", "dtype": "float16", "shape": [2, 3]},
+        {"name": "d", "dtype": "nope", "shape": [4]},
+    ]
     with open(sidecar, "w") as f:
         f.write(json.dumps(doc).replace("Infinity", "1e999"))
     r = cli("inspect", path, "--json")
@@ -161,14 +193,20 @@ def test_inspect_plain_file_reads_structure_only(cli, tmp_path):
     torch.save({"w": torch.zeros(1000, 1000, dtype=torch.bfloat16), "n": 3}, tmp_path / "plain.pt")
     doc = cli("inspect", tmp_path / "plain.pt", "--json").json()
     assert doc["status"] == "unverified"
-    assert doc["tensors"] == [{"name": "w", "dtype": "bfloat16", "shape": [1000, 1000], "bytes": 2_000_000}]
+    assert doc["tensors"] == [
+        {"name": "w", "dtype": "bfloat16", "shape": [1000, 1000], "bytes": 2_000_000}
+    ]
 
 
 def test_inspect_folder_lists_every_file(cli, tmp_path):
     d = write_dir_checkpoint(tmp_path)
     doc = cli("inspect", d, "--json").json()
     assert doc["folder"] and doc["status"] == "committed" and doc["step"] == 3
-    assert {f["name"] for f in doc["files"]} == {"model.safetensors", "optimizer.bin", "random_states_0.pkl"}
+    assert {f["name"] for f in doc["files"]} == {
+        "model.safetensors",
+        "optimizer.bin",
+        "random_states_0.pkl",
+    }
     kinds = {f["name"]: f["kind"] for f in doc["files"]}
     assert kinds["model.safetensors"] == "safetensors" and kinds["optimizer.bin"] == "torch"
     tensors = {t["name"]: t for t in doc["tensors"]}
@@ -204,12 +242,21 @@ def test_verify_root_names_each_problem(cli, tmp_path):
     assert r.code == 1
     doc = json.loads(r.out)
     status = {os.path.basename(c["path"]): c for c in doc["checkpoints"]}
-    assert status["step=10.ckpt"]["status"] == "verified" and status["step=30.ckpt"]["status"] == "verified"
+    assert (
+        status["step=10.ckpt"]["status"] == "verified"
+        and status["step=30.ckpt"]["status"] == "verified"
+    )
     assert status["step=20.ckpt"]["status"] == "corrupt"
-    assert "checksum mismatch in bytes [65536, 131072) (chunk 1)" in status["step=20.ckpt"]["problems"][0]
+    assert (
+        "checksum mismatch in bytes [65536, 131072) (chunk 1)"
+        in status["step=20.ckpt"]["problems"][0]
+    )
     assert status["step=20.ckpt"]["format"] == 2 and status["step=20.ckpt"]["seq"] == 2
     assert status["checkpoint_3"]["status"] == "corrupt"
-    assert "optimizer.bin: checksum mismatch in bytes [0, 65536)" in status["checkpoint_3"]["problems"][0]
+    assert (
+        "optimizer.bin: checksum mismatch in bytes [0, 65536)"
+        in status["checkpoint_3"]["problems"][0]
+    )
     assert "and 1 more checkpoints with problems" in r.err
 
 
@@ -250,8 +297,9 @@ def test_verify_format1_file_and_folder(cli, tmp_path):
     d = write_format1_dir(tmp_path)
     r = cli("verify", tmp_path, "--json")
     assert r.code == 0, r.err
-    assert {(os.path.basename(c["path"]), c["status"], c["format"]) for c in r.json()["checkpoints"]} == {
-        ("old.ckpt", "verified", 1), ("checkpoint_1", "verified", 1)}
+    assert {
+        (os.path.basename(c["path"]), c["status"], c["format"]) for c in r.json()["checkpoints"]
+    } == {("old.ckpt", "verified", 1), ("checkpoint_1", "verified", 1)}
     assert cli("verify", d).code == 0 and cli("verify", path).code == 0
     flip_byte(os.path.join(d, "config.json"), 2)
     r = cli("verify", d)
@@ -310,12 +358,15 @@ def test_progress_bars_on_a_terminal(tmp_path):
 
     from rich.console import Console
 
+    # a terminal console cannot be given through main(): the command is run with one
     from stagesave.cli import _verify
     from stagesave.cli._common import Env
 
     path = write_checkpoints(tmp_path, steps=(1,), chunk_bytes=64 * 1024)[0]
     err = io.StringIO()
-    env = Env(out=Console(file=io.StringIO()), err=Console(file=err, force_terminal=True, width=100))
+    env = Env(
+        out=Console(file=io.StringIO()), err=Console(file=err, force_terminal=True, width=100)
+    )
     assert env.interactive
     assert _verify.run(env, argparse.Namespace(path=path, strict=False, json=False)) == 0
     assert "verifying step=1.ckpt" in err.getvalue()

@@ -26,7 +26,11 @@ def _same(a, b):
     if isinstance(a, dict):
         return isinstance(b, dict) and list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+        return (
+            type(a) is type(b)
+            and len(a) == len(b)
+            and all(_same(x, y) for x, y in zip(a, b, strict=True))
+        )
     return a == b
 
 
@@ -45,7 +49,9 @@ def test_migrate_a_format1_file(cli, tmp_path):
     r = cli("verify", path)
     assert r.code == 0 and r.out.startswith("OK ")
     info = stagesave.verify(path)
-    assert info.status == "verified" and info.format == 2 and info.seq == 0  # migrated: older than any format-2 save
+    assert (
+        info.status == "verified" and info.format == 2 and info.seq == 0
+    )  # migrated: older than any format-2 save
     m = info.manifest
     assert m.metadata == {"step": 3}  # carried over
     assert m.files[0].algorithm == "xxh3_128" and m.files[0].chunk_bytes == 64 * 1024
@@ -70,19 +76,30 @@ def test_migrate_a_format1_folder(cli, tmp_path):
     (res,) = r.json()["checkpoints"]
     assert res["action"] == "migrated" and res["folder"] and res["seq"] == 0
     # exactly the checkpoint's files: no checkpoint.stagesave.json any more
-    assert sorted(os.listdir(d)) == ["config.json", "model.safetensors", "optimizer.bin", "random_states_0.pkl"]
+    assert sorted(os.listdir(d)) == [
+        "config.json",
+        "model.safetensors",
+        "optimizer.bin",
+        "random_states_0.pkl",
+    ]
     assert sorted(os.listdir(tmp_path)) == ["checkpoint_1"]
     state = small_state(1)
     for name in ("optimizer.bin", "random_states_0.pkl"):
         assert zipfile.ZipFile(os.path.join(d, name)).testzip() is None
-    assert _same(torch.load(os.path.join(d, "optimizer.bin"), weights_only=False), state["optimizer"])
+    assert _same(
+        torch.load(os.path.join(d, "optimizer.bin"), weights_only=False), state["optimizer"]
+    )
     rs = torch.load(os.path.join(d, "random_states_0.pkl"), weights_only=False)
     assert rs["step"] == 1 and _same(rs["numpy_random_seed"], state["rng"])
     model = load_file(os.path.join(d, "model.safetensors"))
-    assert set(model) == set(state["model"]) and all(torch.equal(model[k], v) for k, v in state["model"].items())
+    assert set(model) == set(state["model"]) and all(
+        torch.equal(model[k], v) for k, v in state["model"].items()
+    )
     with safe_open(os.path.join(d, "model.safetensors"), "pt") as f:
         assert f.metadata()["format"] == "pt"  # the file's own metadata is kept
-    assert Path(os.path.join(d, "config.json")).read_bytes() == before["config.json"]  # raw: byte for byte
+    assert (
+        Path(os.path.join(d, "config.json")).read_bytes() == before["config.json"]
+    )  # raw: byte for byte
     r = cli("verify", d)
     assert r.code == 0 and r.out.startswith("OK ")
     info = stagesave.verify(d)
@@ -96,11 +113,18 @@ def test_migrate_a_format1_folder(cli, tmp_path):
 def test_dry_run_verifies_and_changes_nothing(cli, tmp_path):
     write_format1(tmp_path, "a.ckpt", small_state(1))
     write_format1_dir(tmp_path)
-    before = {p: Path(os.path.join(dp, p)).read_bytes() for dp, _, fs in os.walk(tmp_path) for p in fs}
+    before = {
+        p: Path(os.path.join(dp, p)).read_bytes() for dp, _, fs in os.walk(tmp_path) for p in fs
+    }
     r = cli("migrate", tmp_path, "--dry-run")
     assert r.code == 0, r.err
-    assert r.out.count("would migrate") == 2 and "2 of 2 format-1 checkpoints would be migrated" in r.out
-    after = {p: Path(os.path.join(dp, p)).read_bytes() for dp, _, fs in os.walk(tmp_path) for p in fs}
+    assert (
+        r.out.count("would migrate") == 2
+        and "2 of 2 format-1 checkpoints would be migrated" in r.out
+    )
+    after = {
+        p: Path(os.path.join(dp, p)).read_bytes() for dp, _, fs in os.walk(tmp_path) for p in fs
+    }
     assert after == before
 
 
@@ -114,7 +138,10 @@ def test_a_corrupt_checkpoint_is_not_migrated(cli, tmp_path):
     assert r.code == 1
     results = {os.path.basename(c["path"]): c for c in r.json()["checkpoints"]}
     assert results["good.ckpt"]["action"] == "migrated"
-    assert results["bad.ckpt"]["action"] == "failed" and "does not verify" in results["bad.ckpt"]["detail"]
+    assert (
+        results["bad.ckpt"]["action"] == "failed"
+        and "does not verify" in results["bad.ckpt"]["detail"]
+    )
     assert "checksum mismatch" in results["bad.ckpt"]["detail"]
     assert "bad.ckpt was not migrated" in r.err
     assert Path(bad).read_bytes() == bad_bytes and os.path.exists(bad_sidecar)  # left as it was
@@ -144,7 +171,10 @@ def test_order_is_kept_and_newer_format2_checkpoints_are_never_overtaken(cli, tm
     assert cli("migrate", mixed).code == 0
     assert not os.path.exists(sidecar)
     assert stagesave.latest(mixed).name == "step=9.ckpt"
-    assert [(c.name, c.seq) for c in stagesave.list_checkpoints(mixed)] == [("step=9.ckpt", 1), ("old.ckpt", 0)]
+    assert [(c.name, c.seq) for c in stagesave.list_checkpoints(mixed)] == [
+        ("step=9.ckpt", 1),
+        ("old.ckpt", 0),
+    ]
 
 
 def test_adopted_files_are_left_unless_asked(cli, tmp_path):
@@ -160,8 +190,14 @@ def test_adopted_files_are_left_unless_asked(cli, tmp_path):
     r = cli("migrate", tmp_path, "--include-adopted")
     assert r.code == 0, r.err
     info = stagesave.verify(path)
-    assert info.format == 2 and info.status == "verified" and info.manifest.metadata["adopted_by"] == "stagesave adopt"
-    assert zipfile.ZipFile(path).testzip() is None and _same(torch.load(path, weights_only=False), small_state(4))
+    assert (
+        info.format == 2
+        and info.status == "verified"
+        and info.manifest.metadata["adopted_by"] == "stagesave adopt"
+    )
+    assert zipfile.ZipFile(path).testzip() is None and _same(
+        torch.load(path, weights_only=False), small_state(4)
+    )
     assert sorted(os.listdir(tmp_path)) == ["theirs.ckpt"]
 
 
@@ -181,10 +217,12 @@ def test_folders_migrate_only_what_they_prove(cli, tmp_path):
     (s / ".metadata").write_bytes(b"metadata")
     (s / "__0_0.distcp").write_bytes(b"rank 0")
     m = parse_manifest(Path(os.path.join(d, DIR_MANIFEST)).read_bytes(), "x")
-    from clitools import _format1_entry
+    from clitools import format1_entry
 
-    entries = [_format1_entry(str(s / n), n, k, "xxh3_128", 65536) for n, k in ((".metadata", "dcp-metadata"),
-                                                                                ("__0_0.distcp", "dcp"))]
+    entries = [
+        format1_entry(str(s / n), n, k, "xxh3_128", 65536)
+        for n, k in ((".metadata", "dcp-metadata"), ("__0_0.distcp", "dcp"))
+    ]
     (s / DIR_MANIFEST).write_bytes(Manifest(entries, m.created_ns).to_json())
     r = cli("migrate", s, "--json")
     assert r.code == 0, r.err

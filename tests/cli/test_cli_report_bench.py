@@ -22,7 +22,9 @@ def run_with_telemetry(tmp_path):
     with stagesave.Checkpointer(root, telemetry_jsonl=True, keep_last=2) as ck:
         for step in (1, 2, 3):
             ck.save(small_state(step), f"step={step}.ckpt").result()
-        ck.save_dir({"model.safetensors": Safetensors({"w": torch.ones(1000)})}, "checkpoint_4").result()
+        ck.save_dir(
+            {"model.safetensors": Safetensors({"w": torch.ones(1000)})}, "checkpoint_4"
+        ).result()
     return root
 
 
@@ -50,7 +52,9 @@ def test_report_summary_and_png(cli, run_with_telemetry, tmp_path):
     assert "training stall per save" in text and "4 saves" in text and str(png) in text
 
 
-def test_report_skips_torn_lines_and_accepts_the_file(cli, run_with_telemetry, tmp_path, monkeypatch):
+def test_report_skips_torn_lines_and_accepts_the_file(
+    cli, run_with_telemetry, tmp_path, monkeypatch
+):
     monkeypatch.chdir(tmp_path)
     f = run_with_telemetry / TELEMETRY_FILE
     with open(f, "a") as fh:
@@ -58,12 +62,18 @@ def test_report_skips_torn_lines_and_accepts_the_file(cli, run_with_telemetry, t
     r = cli("report", f, "--no-png", "--json")
     assert r.code == 0 and r.json()["unreadable_lines"] == 1 and r.json()["saves"] == 4
     assert not (tmp_path / "stagesave-timeline.png").exists()
-    assert cli("report", f).code == 0 and (tmp_path / "stagesave-timeline.png").exists()  # the default
+    assert (
+        cli("report", f).code == 0 and (tmp_path / "stagesave-timeline.png").exists()
+    )  # the default
 
 
 def test_report_errors(cli, tmp_path):
     r = cli("report", tmp_path, "--no-png")
-    assert r.code == 1 and f"no {TELEMETRY_FILE} in {tmp_path}" in r.err and "telemetry_jsonl=True" in r.err
+    assert (
+        r.code == 1
+        and f"no {TELEMETRY_FILE} in {tmp_path}" in r.err
+        and "telemetry_jsonl=True" in r.err
+    )
     (tmp_path / TELEMETRY_FILE).write_text("garbage\n")
     r = cli("report", tmp_path, "--no-png")
     assert r.code == 1 and "records no saves (1 unreadable lines)" in r.err
@@ -91,7 +101,9 @@ def test_bench_quick(cli, tmp_path):
 
 
 def test_bench_loop_reports_training_time_lost(cli, tmp_path, capsys):
-    r = cli("bench", tmp_path, "--size", "8MB", "--repeat", "2", "--warmup", "1", "--loop", "--json")
+    r = cli(
+        "bench", tmp_path, "--size", "8MB", "--repeat", "2", "--warmup", "1", "--loop", "--json"
+    )
     assert r.code == 0, r.err
     methods = {x["method"]: x for x in r.json()["results"]}
     assert set(methods) == {"torch.save+fsync", "stagesave"}
@@ -99,7 +111,9 @@ def test_bench_loop_reports_training_time_lost(cli, tmp_path, capsys):
         assert x["runs"] == 2
         # lost is the blocking time plus what the loop lost meanwhile: never less, and not past
         # durable by more than the step that was running when the save completed
-        assert 0 < x["blocking_s"] <= x["lost_s"] <= x["durable_s"] + 5 * x["loop_ms_per_step"] / 1e3
+        assert (
+            0 < x["blocking_s"] <= x["lost_s"] <= x["durable_s"] + 5 * x["loop_ms_per_step"] / 1e3
+        )
         assert x["step_mean_x"] > 0 and x["step_p99_x"] > 0 and 0 < x["loop_ms_per_step"] < 5000
     plain = methods["torch.save+fsync"]
     assert plain["lost_s"] == plain["blocking_s"]  # synchronous: training waits for all of it
@@ -113,7 +127,8 @@ def test_bench_loop_reports_training_time_lost(cli, tmp_path, capsys):
 
 
 def test_bench_synthetic_state_is_transformer_like():
-    from stagesave.cli._bench import state_bytes, synthetic_state
+    # the workload itself, not a command: its module is the one place that builds it
+    from stagesave.cli._bench_state import state_bytes, synthetic_state
 
     s = synthetic_state(40e6)
     assert 30e6 <= state_bytes(s) <= 50e6
@@ -127,22 +142,45 @@ def test_bench_errors(cli, tmp_path):
     r = cli("bench", tmp_path, "--size", "10")
     assert r.code == 2 and "at least 100 kB" in r.err
     r = cli("bench", tmp_path, "--size", "100TB")  # refused before anything is allocated
-    assert r.code == 2 and "does not fit in memory here" in r.err and "pick a smaller --size" in r.err
+    assert (
+        r.code == 2 and "does not fit in memory here" in r.err and "pick a smaller --size" in r.err
+    )
     r = cli("bench", tmp_path, "--alternatives", "stagesave,torch.load")
-    assert r.code == 2 and "unknown alternatives ['torch.load']" in r.err and "dcp.async_save thread" in r.err
+    assert (
+        r.code == 2
+        and "unknown alternatives ['torch.load']" in r.err
+        and "dcp.async_save thread" in r.err
+    )
     r = cli("bench")
     assert r.code == 2 and "needs a target folder or URL" in r.err
     r = cli("bench", tmp_path, "--alternatives", "dcp.async_save process (pinned+shm stager)")
-    if not torch.cuda.is_available():  # the only chosen alternative cannot run: say why, measure nothing
-        assert r.code == 1 and "none of the chosen alternatives can run here" in r.err and "needs CUDA" in r.err
+    if (
+        not torch.cuda.is_available()
+    ):  # the only chosen alternative cannot run: say why, measure nothing
+        assert (
+            r.code == 1
+            and "none of the chosen alternatives can run here" in r.err
+            and "needs CUDA" in r.err
+        )
     assert os.listdir(tmp_path) == []
 
 
 def test_report_counts_remote_uploads_apart(cli, run_with_telemetry):
     f = run_with_telemetry / TELEMETRY_FILE
     with open(f, "a") as fh:  # what a TieredStore upload records: it never blocks training
-        fh.write(json.dumps({"path": "s3://b/step=3.ckpt", "started_at": 2e9, "blocking_s": 99.0, "tier": "remote",
-                             "time_to_commit_s": 4.0, "committed_at": 2e9 + 4}) + "\n")
+        fh.write(
+            json.dumps(
+                {
+                    "path": "s3://b/step=3.ckpt",
+                    "started_at": 2e9,
+                    "blocking_s": 99.0,
+                    "tier": "remote",
+                    "time_to_commit_s": 4.0,
+                    "committed_at": 2e9 + 4,
+                }
+            )
+            + "\n"
+        )
     doc = cli("report", f, "--no-png", "--json").json()
     assert doc["saves"] == 4 and doc["remote_uploads"] == 1 and doc["stall_max_s"] < 99.0
     assert "uploads to the remote tier" in cli("report", f, "--no-png").out
@@ -153,14 +191,27 @@ def test_every_alternative_really_saves_the_state(tmp_path):
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "benchalts_child.py"), tmp_path],
-                       capture_output=True, text=True, timeout=300, check=False)
+    r = subprocess.run(
+        [sys.executable, os.path.join(os.path.dirname(__file__), "benchalts_child.py"), tmp_path],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     saved = json.loads(r.stdout.strip().splitlines()[-1])
-    expected = {"torch.save+fsync", "dcp.async_save thread", "dcp.async_save thread (reused stager)",
-                "dcp.async_save process", "dcp.async_save process (shm stager)", "stagesave",
-                "stagesave checksum_in=staging", "stagesave checksum_in=background",
-                "lightning AsyncCheckpointIO", "accelerate save_state"}  # contributed by the integrations
+    expected = {
+        "torch.save+fsync",
+        "dcp.async_save thread",
+        "dcp.async_save thread (reused stager)",
+        "dcp.async_save process",
+        "dcp.async_save process (shm stager)",
+        "stagesave",
+        "stagesave checksum_in=staging",
+        "stagesave checksum_in=background",
+        "lightning AsyncCheckpointIO",
+        "accelerate save_state",
+    }  # contributed by the integrations
     if torch.cuda.is_available():
         expected.add("dcp.async_save process (pinned+shm stager)")
     assert set(saved) == expected
@@ -172,13 +223,39 @@ def test_bench_all_alternatives(tmp_path):
     import shutil
     import subprocess
 
-    exe = shutil.which("stagesave") or os.path.join(os.path.dirname(__import__("sys").executable), "stagesave")
-    r = subprocess.run([exe, "-q", "bench", tmp_path, "--size", "2MB", "--repeat", "2", "--alternatives", "all",
-                        "--json"], capture_output=True, text=True, timeout=300, check=False)
+    exe = shutil.which("stagesave") or os.path.join(
+        os.path.dirname(__import__("sys").executable), "stagesave"
+    )
+    r = subprocess.run(
+        [
+            exe,
+            "-q",
+            "bench",
+            tmp_path,
+            "--size",
+            "2MB",
+            "--repeat",
+            "2",
+            "--alternatives",
+            "all",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     doc = json.loads(r.stdout)
-    listed = json.loads(subprocess.run([exe, "bench", "--list", "--json"], capture_output=True, text=True,
-                                       timeout=120, check=True).stdout)["alternatives"]
+    listed = json.loads(
+        subprocess.run(
+            [exe, "bench", "--list", "--json"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        ).stdout
+    )["alternatives"]
     runnable = {a["name"] for a in listed if a["unavailable"] is None}
     assert {"lightning AsyncCheckpointIO", "accelerate save_state"} <= runnable
     assert {x["method"] for x in doc["results"]} == runnable
@@ -189,9 +266,27 @@ def test_bench_all_alternatives(tmp_path):
     assert durable["lightning AsyncCheckpointIO"] is False and durable["stagesave"] is True
     assert os.listdir(tmp_path) == []
     # without a warm-up save DCP's process mode must still start its daemon on the measured save
-    r = subprocess.run([exe, "-q", "bench", tmp_path, "--size", "2MB", "--repeat", "1", "--warmup", "0", "--json",
-                        "--alternatives", "dcp.async_save process,dcp.async_save process (shm stager)"],
-                       capture_output=True, text=True, timeout=300, check=False)
+    r = subprocess.run(
+        [
+            exe,
+            "-q",
+            "bench",
+            tmp_path,
+            "--size",
+            "2MB",
+            "--repeat",
+            "1",
+            "--warmup",
+            "0",
+            "--json",
+            "--alternatives",
+            "dcp.async_save process,dcp.async_save process (shm stager)",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert {x["method"] for x in json.loads(r.stdout)["results"]} == {
         "dcp.async_save process", "dcp.async_save process (shm stager)"}
@@ -199,7 +294,8 @@ def test_bench_all_alternatives(tmp_path):
 
 
 class _Broken:
-    """An alternative that fails the way a broken plugin would: its save raises, then its teardown."""
+    """An alternative that fails the way a broken plugin would: its save raises, then its
+    teardown."""
 
     def __init__(self, folder: str) -> None:
         self.folder = folder
@@ -219,16 +315,17 @@ class _Broken:
 def test_a_failing_alternative_is_named_and_leaves_nothing(tmp_path, capsys):
     import argparse
 
+    # one bench round with a broken alternative (the command cannot be made to run one)
     from stagesave.cli._alternatives import Alternative
-    from stagesave.cli._bench import Timing, _measure_round, _Target
+    from stagesave.cli._bench_round import BenchTarget, Timing, measure_round
     from stagesave.cli._common import CliError, Env
 
     env = Env()
-    target = _Target(env, str(tmp_path))
+    target = BenchTarget(env, str(tmp_path))
     args = argparse.Namespace(warmup=1)
     broken = Alternative("broken", lambda folder, options: _Broken(folder), 1.0, True, True, "")
     with pytest.raises(CliError, match=r"^broken failed: RuntimeError: boom in save$") as info:
-        _measure_round(env, target, broken, {}, args, None, Timing("broken"), lambda n: None, 1)
+        measure_round(env, target, broken, {}, args, None, Timing("broken"), lambda n: None, 1)
     assert isinstance(info.value.__cause__, RuntimeError)
     assert "tearing down broken also failed: boom in teardown" in capsys.readouterr().err
     assert os.listdir(tmp_path) == []  # its folder and what it wrote are gone
@@ -238,5 +335,7 @@ def test_a_failing_alternative_is_named_and_leaves_nothing(tmp_path, capsys):
 
     unbuildable = Alternative("unbuildable", cannot_start, 1.0, False, True, "")
     with pytest.raises(CliError, match="unbuildable failed: ValueError: no such backend"):
-        _measure_round(env, target, unbuildable, {}, args, None, Timing("unbuildable"), lambda n: None, 1)
+        measure_round(
+            env, target, unbuildable, {}, args, None, Timing("unbuildable"), lambda n: None, 1
+        )
     assert os.listdir(tmp_path) == []

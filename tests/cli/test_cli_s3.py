@@ -28,8 +28,14 @@ def s3_ckpts(cli_s3):
     with stagesave.Checkpointer(url, storage_options=storage) as ck:
         for step in (1, 2):
             ck.save(small_state(step), f"step={step}.ckpt", metadata={"step": step}).result()
-        ck.save_dir({"model.safetensors": Safetensors({"w": torch.ones(64, 64)}), "optimizer.bin": {"step": 3}},
-                    "checkpoint_3", metadata={"step": 3}).result()
+        ck.save_dir(
+            {
+                "model.safetensors": Safetensors({"w": torch.ones(64, 64)}),
+                "optimizer.bin": {"step": 3},
+            },
+            "checkpoint_3",
+            metadata={"step": 3},
+        ).result()
     return url, opts, storage
 
 
@@ -37,13 +43,18 @@ def test_ls_inspect_verify_on_s3(cli, s3_ckpts):
     url, opts, _ = s3_ckpts
     rows = cli(*opts, "ls", url, "--json").json()
     assert [(r["name"], r["status"], r["tier"], r["step"]) for r in rows] == [
-        ("checkpoint_3", "committed", "s3", 3), ("step=2.ckpt", "committed", "s3", 2), ("step=1.ckpt", "committed", "s3", 1),
+        ("checkpoint_3", "committed", "s3", 3),
+        ("step=2.ckpt", "committed", "s3", 2),
+        ("step=1.ckpt", "committed", "s3", 1),
     ]
     doc = cli(*opts, "inspect", f"{url}/step=2.ckpt", "--json").json()
     assert doc["status"] == "committed" and doc["metadata"] == {"step": 2}
     assert {"model.0.weight", "optimizer.state.0.exp_avg"} <= {t["name"] for t in doc["tensors"]}
     doc = cli(*opts, "inspect", f"{url}/checkpoint_3", "--json").json()
-    assert doc["folder"] and {f["name"] for f in doc["files"]} == {"model.safetensors", "optimizer.bin"}
+    assert doc["folder"] and {f["name"] for f in doc["files"]} == {
+        "model.safetensors",
+        "optimizer.bin",
+    }
     r = cli(*opts, "verify", url)
     assert r.code == 0, r.err
     assert r.out.count("OK ") == 3
@@ -76,7 +87,9 @@ def test_export_and_adopt_on_s3(cli, s3_ckpts, s3_server, tmp_path):
     r = cli(*opts, "export", f"{url}/checkpoint_3", f"{url}/exported/merged.ckpt")
     assert r.code == 0, r.err
     merged = stagesave.load(f"{url}/exported/merged.ckpt", storage_options=storage, trusted=True)
-    assert torch.equal(merged["model"]["w"], torch.ones(64, 64)) and merged["optimizer"] == {"step": 3}
+    assert torch.equal(merged["model"]["w"], torch.ones(64, 64)) and merged["optimizer"] == {
+        "step": 3
+    }
     assert stagesave.verify(f"{url}/exported/merged.ckpt", storage_options=storage).format == 2
     # a file on S3 into a file on S3: byte for byte, and it proves itself
     assert cli(*opts, "export", f"{url}/step=1.ckpt", f"{url}/exported/one.ckpt").code == 0
@@ -103,7 +116,9 @@ def test_gc_on_s3_aborts_uploads_of_crashed_saves(cli, cli_s3, s3_server):
     assert [u["Key"] for u in uploads] == [f"{prefix}/crashed.ckpt"]
     rows = cli(*opts, "gc", url, "--dry-run", "--json").json()
     assert rows["found"] == []  # too recent to prove abandoned on an object store
-    assert client.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", []) == []  # nothing published
+    assert (
+        client.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", []) == []
+    )  # nothing published
     doc = cli(*opts, "gc", url, "--dry-run", "--older-than", "1ms", "--json").json()
     assert [d["kind"] for d in doc["found"]] == ["multipart-upload"]
     assert client.list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads", []) != []
@@ -126,7 +141,9 @@ def test_bench_on_s3(cli, cli_s3):
     assert r.code == 0, r.err
     doc = r.json()
     assert [x["method"] for x in doc["results"]] == ["stagesave"]
-    assert doc["skipped"] == [{"method": "dcp.async_save thread", "reason": "writes local paths only"}]
+    assert doc["skipped"] == [
+        {"method": "dcp.async_save thread", "reason": "writes local paths only"}
+    ]
 
 
 def test_missing_object_and_bucket_on_s3(cli, cli_s3):
@@ -134,7 +151,11 @@ def test_missing_object_and_bucket_on_s3(cli, cli_s3):
     r = cli(*opts, "inspect", f"{url}/nope.ckpt")
     assert r.code == 1 and r.err == f"stagesave: error: no such file or folder: {url}/nope.ckpt\n"
     r = cli(*opts, "ls", "s3://no-such-bucket-for-stagesave/x")
-    assert r.code == 1 and r.err.startswith("stagesave: error:") and "no-such-bucket-for-stagesave" in r.err
+    assert (
+        r.code == 1
+        and r.err.startswith("stagesave: error:")
+        and "no-such-bucket-for-stagesave" in r.err
+    )
     assert "Traceback" not in r.err
 
 
@@ -149,16 +170,28 @@ def test_migrate_on_s3(cli, cli_s3, s3_server, tmp_path):
     path, sidecar = write_format1(tmp_path, "old.ckpt", small_state(2), metadata={"step": 2})
     d = write_format1_dir(tmp_path, "checkpoint_3", step=3)
     for p in (path, sidecar):
-        client.put_object(Bucket=bucket, Key=f"{prefix}/{os.path.basename(p)}", Body=Path(p).read_bytes())
+        client.put_object(
+            Bucket=bucket, Key=f"{prefix}/{os.path.basename(p)}", Body=Path(p).read_bytes()
+        )
     for n in os.listdir(d):
-        client.put_object(Bucket=bucket, Key=f"{prefix}/checkpoint_3/{n}", Body=Path(d, n).read_bytes())
+        client.put_object(
+            Bucket=bucket, Key=f"{prefix}/checkpoint_3/{n}", Body=Path(d, n).read_bytes()
+        )
     r = cli(*opts, "migrate", url, "--json")
     assert r.code == 1  # the folder is refused
     by = {os.path.basename(c["path"]): c for c in r.json()["checkpoints"]}
     assert by["old.ckpt"]["action"] == "migrated" and by["old.ckpt"]["seq"] == 0
-    assert by["checkpoint_3"]["action"] == "refused" and "local disk only" in by["checkpoint_3"]["detail"]
-    keys = sorted(o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/").get("Contents", []))
-    assert [k for k in keys if "/checkpoint_3/" not in k] == [f"{prefix}/old.ckpt"]  # the sidecar is gone
+    assert (
+        by["checkpoint_3"]["action"] == "refused"
+        and "local disk only" in by["checkpoint_3"]["detail"]
+    )
+    keys = sorted(
+        o["Key"]
+        for o in client.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/").get("Contents", [])
+    )
+    assert [k for k in keys if "/checkpoint_3/" not in k] == [
+        f"{prefix}/old.ckpt"
+    ]  # the sidecar is gone
     info = stagesave.verify(f"{url}/old.ckpt", storage_options=storage)
     assert info.status == "verified" and info.format == 2 and info.manifest.metadata == {"step": 2}
     assert cli(*opts, "verify", f"{url}/checkpoint_3").code == 0  # still format 1, still verifies

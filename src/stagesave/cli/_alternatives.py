@@ -3,11 +3,12 @@
 
 Each alternative is a :class:`Session` factory plus what a fair comparison must know about it
 (how many copies of the state it holds, whether its first save allocates what later ones reuse,
-whether "done" means durable). Built in: ``torch.save`` (+ fsync), ``torch.distributed.checkpoint``
-``async_save`` in thread and process mode with its stagers, and stagesave itself. Integrations add
-theirs through the ``stagesave.bench_alternatives`` entry-point group (``stagesave.lightning``:
-Lightning's ``AsyncCheckpointIO``; ``stagesave.accelerate``: ``Accelerator.save_state``), so this
-package never imports Lightning or Accelerate itself.
+whether "done" means durable). Built in: ``torch.save`` (+ fsync),
+``torch.distributed.checkpoint`` ``async_save`` in thread and process mode with its stagers
+(``_alt_dcp.py``), and stagesave itself. Integrations add theirs through the
+``stagesave.bench_alternatives`` entry-point group (``stagesave.lightning``: Lightning's
+``AsyncCheckpointIO``; ``stagesave.accelerate``: ``Accelerator.save_state``), so this package
+never imports Lightning or Accelerate itself.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from __future__ import annotations
 import abc
 import os
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from ..checkpointer import Checkpointer
+from ..errors import UsageError
 from ..stores import posix as fsops
 from ..stores.targets import is_url
 
@@ -37,7 +38,8 @@ __all__ = [
     "mem_available_bytes",
 ]
 
-#: Entry-point group through which integrations contribute alternatives (a callable returning a list).
+#: Entry-point group through which integrations contribute alternatives (a callable returning a
+#: list).
 ENTRY_POINT_GROUP = "stagesave.bench_alternatives"
 
 
@@ -54,6 +56,7 @@ class Session(abc.ABC):
 
     def check(self) -> None:
         """Raise the error of the last save, if it failed in the background."""
+        return  # an optional hook: nothing to raise unless a subclass saves in the background
 
     def commit_s(self) -> float | None:
         """Seconds from the last call until the save was complete, as the alternative sees it."""
@@ -61,9 +64,11 @@ class Session(abc.ABC):
 
     def after_warmup(self) -> None:
         """Drop what only the first save needed (e.g. the gloo group that starts DCP's daemon)."""
+        return  # an optional hook: most alternatives need nothing after their warm-up
 
     def close(self) -> None:
         """Release buffers and threads, so the next alternative starts from a clean process."""
+        return  # an optional hook: an alternative that holds nothing has nothing to release
 
     def _mark_done(self, _: Any = None) -> None:
         self.done_at = time.perf_counter()
@@ -140,130 +145,50 @@ class StageSave(Session):
         self.ck.close()
 
 
-class DcpAsync(Session):
-    """``torch.distributed.checkpoint.async_save`` in thread or process mode, with a chosen stager.
-
-    ``stager``: ``None`` lets async_save create (and close) its own per save, as a plain call does;
-    ``"reused"`` keeps one DefaultStager whose cached CPU copies later saves reuse; ``"shm"`` is
-    the same in shared memory, which process mode hands to its daemon without a copy;
-    ``"pinned+shm"`` adds pinned memory (CUDA only).
-    """
-
-    def __init__(self, base: str, *, process: bool, stager: str | None) -> None:
-        super().__init__()
-        import torch.distributed as dist
-        from torch.distributed.checkpoint import _async_process_executor
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-        self.process = process
-        self._fut: Any = None
-        self._own_group = False
-        self.stager = None
-        if stager is not None:
-            self.stager = DefaultStager(StagingOptions(
-                use_pinned_memory="pinned" in stager, use_shared_memory="shm" in stager,
-                use_async_staging=False, use_non_blocking_copy=False))
-        if process and _async_process_executor._CHECKPOINT_PROCESS is None and not dist.is_initialized():
-            # Process mode learns the daemon's rendezvous through a process group; one process is
-            # a gloo group of world size 1. Its gloo threads slow torch's OpenMP threads, so the
-            # group lives only until the daemon has started (see after_warmup).
-            store = dist.FileStore(os.path.join(base, "pg-store"), 1)  # type: ignore[attr-defined]
-            dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-            self._own_group = True
-
-    def start(self, state: Any, path: str) -> tuple[float, Callable[[], bool]]:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict_saver import (
-            AsyncCheckpointerType,
-            AsyncSaveResponse,
-        )
-
-        kwargs: dict[str, Any] = {}
-        if self.stager is not None:
-            kwargs["async_stager"] = self.stager
-        if self.process:
-            kwargs["async_checkpointer_type"] = AsyncCheckpointerType.PROCESS
-        self.called_at = time.perf_counter()
-        self.done_at = None
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process.*")
-            fut = dcp.async_save(state, checkpoint_id=path, **kwargs)  # type: ignore[attr-defined]
-        blocking = time.perf_counter() - self.called_at
-        if isinstance(fut, AsyncSaveResponse):
-            fut = fut.upload_completion
-        fut.add_done_callback(self._mark_done)
-        self._fut = fut
-        return blocking, fut.done
-
-    def check(self) -> None:
-        if self._fut is not None:
-            self._fut.result()
-
-    def after_warmup(self) -> None:
-        import torch.distributed as dist
-        from torch.distributed.checkpoint import _async_process_executor
-
-        if self.process and _async_process_executor._CHECKPOINT_PROCESS is None:
-            return  # the daemon has not started yet: it still needs the group to learn its rendezvous
-        if self._own_group and dist.is_initialized():
-            dist.destroy_process_group()
-            self._own_group = False
-
-    def close(self) -> None:
-        import torch.distributed as dist
-
-        if self._own_group and dist.is_initialized():
-            dist.destroy_process_group()
-            self._own_group = False
-        if self.stager is not None:
-            self.stager.close()
-
-
-def _pinned_unavailable() -> str | None:
-    return None if torch.cuda.is_available() else "pinned memory needs CUDA (torch ignores pin_memory without it)"
-
-
-def _gloo_unavailable() -> str | None:
-    import torch.distributed as dist
-
-    return None if dist.is_available() and dist.is_gloo_available() else "torch was built without gloo"
-
-
 def _builtin() -> list[Alternative]:
+    from ._alt_dcp import DcpAsync, gloo_unavailable, pinned_unavailable
+
     def dcp(process: bool, stager: str | None) -> Callable[[str, dict[str, Any]], Session]:
         return lambda base, _options: DcpAsync(base, process=process, stager=stager)
 
     return [
         Alternative("torch.save+fsync", lambda base, options: TorchSave(options), 0.0, False, True,
-                    "synchronous, as TorchCheckpointIO / Accelerate save (plus fsync)", urls=True,
-                    url_name="torch.save"),
+                    "synchronous, as TorchCheckpointIO / Accelerate save (plus fsync)",
+                    urls=True, url_name="torch.save"),
         Alternative("dcp.async_save thread", dcp(False, None), 1.0, False, True,
                     "as a plain call: a fresh staged copy per save"),
         Alternative("dcp.async_save thread (reused stager)", dcp(False, "reused"), 1.0, True, True,
                     "one DefaultStager kept across saves"),
         Alternative("dcp.async_save process", dcp(True, None), 2.0, True, True,
-                    "daemon process; staged copy moved to shared memory per save", _gloo_unavailable),
+                    "daemon process; staged copy moved to shared memory per save",
+                    gloo_unavailable),
         Alternative("dcp.async_save process (shm stager)", dcp(True, "shm"), 1.0, True, True,
-                    "daemon process; reused shared-memory stager", _gloo_unavailable),
-        Alternative("dcp.async_save process (pinned+shm stager)", dcp(True, "pinned+shm"), 1.0, True, True,
-                    "daemon process; reused pinned shared-memory stager", _pinned_unavailable),
+                    "daemon process; reused shared-memory stager", gloo_unavailable),
+        Alternative("dcp.async_save process (pinned+shm stager)", dcp(True, "pinned+shm"),
+                    1.0, True, True, "daemon process; reused pinned shared-memory stager",
+                    pinned_unavailable),
         Alternative("stagesave", lambda base, options: StageSave(options), 1.0, True, True,
-                    "max_pending=1, default options (host state: hashed in the staging copy)", urls=True),
+                    "max_pending=1, default options (host state: hashed in the staging copy)",
+                    urls=True),
         Alternative("stagesave checksum_in=staging",
-                    lambda base, options: StageSave(options, checksum_in="staging"), 1.0, True, True,
-                    "max_pending=1; hashed in the staging copy: the default for host state", urls=True),
+                    lambda base, options: StageSave(options, checksum_in="staging"), 1.0, True,
+                    True, "max_pending=1; hashed in the staging copy: the default for host state",
+                    urls=True),
         Alternative("stagesave checksum_in=background",
-                    lambda base, options: StageSave(options, checksum_in="background"), 1.0, True, True,
-                    "max_pending=1; the writer threads hash as they write", urls=True),
+                    lambda base, options: StageSave(options, checksum_in="background"), 1.0,
+                    True, True, "max_pending=1; the writer threads hash as they write", urls=True),
     ]
 
 
 def _failed_plugin(name: str, exc: BaseException) -> Alternative:
     def make(base: str, options: dict[str, Any]) -> Session:
-        raise RuntimeError(f"{name}: {exc}")
+        raise UsageError(f"{name}: {exc}") from exc
+
+    def unavailable() -> str:
+        return f"its entry point could not be loaded: {type(exc).__name__}: {exc}"
 
     return Alternative(f"{name} (failed to load)", make, 0.0, False, False, "entry point failed",
-                       unavailable=lambda: f"its entry point could not be loaded: {type(exc).__name__}: {exc}")
+                       unavailable=unavailable)
 
 
 def available_alternatives(*, plugins: bool = True) -> list[Alternative]:
@@ -278,7 +203,7 @@ def available_alternatives(*, plugins: bool = True) -> list[Alternative]:
         for ep in sorted(metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
             try:
                 alts.extend(ep.load()())
-            except Exception as exc:  # noqa: BLE001 - one broken plugin must not hide the rest
+            except Exception as exc:  # noqa: BLE001, RUF100 - one broken plugin must not hide the rest
                 alts.append(_failed_plugin(ep.name, exc))
     return alts
 
@@ -300,7 +225,9 @@ def mem_available_bytes() -> int | None:
         pass
     try:
         with open("/proc/self/cgroup") as f:
-            group = next((line.strip().split("::", 1)[1] for line in f if line.startswith("0::")), None)
+            group = next(
+                (line.strip().split("::", 1)[1] for line in f if line.startswith("0::")), None
+            )
         if group is not None:
             base = os.path.join("/sys/fs/cgroup", group.lstrip("/"))
             with open(os.path.join(base, "memory.max")) as f:

@@ -19,14 +19,28 @@ EXIT_USAGE = 2
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import _bench, _clean, _convert, _inspect, _ls, _migrate, _plan, _report, _verify
+    from . import (
+        _adopt,
+        _bench,
+        _clean,
+        _export,
+        _inspect,
+        _ls,
+        _migrate,
+        _plan,
+        _report,
+        _verify,
+    )
 
     parser = argparse.ArgumentParser(
         prog="stagesave",
-        description="Plan, inspect, verify, convert, migrate and clean up stagesave (and plain torch) checkpoints.",
+        description="Plan, inspect, verify, convert, migrate and clean up stagesave (and plain "
+                    "torch) checkpoints.",
     )
     parser.add_argument("--version", action="version", version=f"stagesave {__version__}")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
+    parser.add_argument(
+        "--debug", action="store_true", help="show tracebacks instead of one-line errors"
+    )
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     parser.add_argument("--endpoint-url", help="S3-compatible endpoint for s3:// paths (e.g. http://127.0.0.1:8333)")
     parser.add_argument(
@@ -38,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="attempts per S3 request before giving up (default: the store's, 8); 1 fails fast",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for module in (_plan, _ls, _inspect, _verify, _convert, _migrate, _clean, _bench, _report):
+    commands = (_plan, _ls, _inspect, _verify, _export, _adopt, _migrate, _clean, _bench, _report)
+    for module in commands:
         module.add_parser(sub)
     return parser
 

@@ -46,7 +46,9 @@ class Loaded:
     """A whole file in memory: ``view`` (exactly its bytes) inside a page-aligned ``buffer``
     (``None`` when the file is memory-mapped instead); close it to give the memory back."""
 
-    def __init__(self, view: memoryview, buffer: HostBuffer | None, close: Callable[[], None]) -> None:
+    def __init__(
+        self, view: memoryview, buffer: HostBuffer | None, close: Callable[[], None]
+    ) -> None:
         self.view, self.buffer, self._close = view, buffer, close
 
     def detach(self) -> HostBuffer:
@@ -100,7 +102,9 @@ def load_bytes(
         n = reader.readinto(lo, view[lo:hi])
         advance(n)
         if n != hi - lo:
-            raise IntegrityError(f"{reader.where} is truncated at byte {lo + n} (it changed while being read)")
+            raise IntegrityError(
+                f"{reader.where} is truncated at byte {lo + n} (it changed while being read)"
+            )
 
     loaded = Loaded(view, buf, buf.release_memory)
     try:

@@ -17,21 +17,31 @@ __all__ = ["add_parser", "run"]
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "gc",
-        help="remove debris of crashed saves (temporaries, stale format-1 manifests, stale multipart uploads)",
+        help="remove debris of crashed saves (temporaries, stale format-1 manifests, stale "
+             "multipart uploads)",
         description="Find what crashed saves left under ROOT and its sub-folders: stagesave "
         "temporaries (recognised by the exact names stagesave gives them) whose writer is dead or "
-        "that were untouched for --older-than, format-1 sidecar manifests that are stale (they parse "
-        "as stagesave's, and their file is missing or now carries its own proof), folders left aside "
-        "by an interrupted replacement, and on s3:// stale multipart uploads; then remove them. "
-        "Nothing else is ever touched (a user's file that only looks similar is left alone) and "
-        "symlinks are never followed. --dry-run only lists.",
+        "that were untouched for --older-than, format-1 sidecar manifests that are stale (they "
+        "parse as stagesave's, and their file is missing or now carries its own proof), folders "
+        "left aside by an interrupted replacement, and on s3:// stale multipart uploads; then "
+        "remove them. Nothing else is ever touched (a user's file that only looks similar is left "
+        "alone) and symlinks are never followed. --dry-run only lists.",
     )
     p.add_argument("root", metavar="ROOT")
-    p.add_argument("--dry-run", "-n", action="store_true", help="list what would be done, change nothing")
-    p.add_argument("--older-than", default="1h",
-                   help="age after which a temporary or upload counts as abandoned even without pid proof (default 1h)")
-    p.add_argument("--no-pid-check", action="store_true",
-                   help="do not trust pids (a filesystem shared by several hosts): rely on age only")
+    p.add_argument(
+        "--dry-run", "-n", action="store_true", help="list what would be done, change nothing"
+    )
+    p.add_argument(
+        "--older-than",
+        default="1h",
+        help="age after which a temporary or upload counts as abandoned even without pid proof "
+             "(default 1h)",
+    )
+    p.add_argument(
+        "--no-pid-check",
+        action="store_true",
+        help="do not trust pids (a filesystem shared by several hosts): rely on age only",
+    )
     p.add_argument("--verbose", "-v", action="store_true",
                    help="also list stagesave files kept and look-alike files ignored, and why")
     p.add_argument("--json", action="store_true", help="print JSON")
@@ -59,13 +69,18 @@ def run(env: Env, args: argparse.Namespace) -> int:
         if report.found:
             t = Table(show_header=True, header_style="bold", box=None, pad_edge=False)
             for col in ("action", "what", "size", "age", "why"):
-                t.add_column(col, justify="right" if col in ("size", "age") else "left", overflow="fold")
+                t.add_column(
+                    col, justify="right" if col in ("size", "age") else "left", overflow="fold"
+                )
             done = {id(d) for d in report.done}
             for d in report.found:
                 action = d.action if (args.dry_run or id(d) in done) else f"{d.action} FAILED"
                 t.add_row(
-                    ("would " if args.dry_run else "") + action + " " + d.kind, literal(d.name),
-                    fmt_bytes(d.size) if d.size else "-", fmt_duration(d.age_s) if d.age_s else "-", literal(d.reason),
+                    ("would " if args.dry_run else "") + action + " " + d.kind,
+                    literal(d.name),
+                    fmt_bytes(d.size) if d.size else "-",
+                    fmt_duration(d.age_s) if d.age_s else "-",
+                    literal(d.reason),
                 )
             env.out.print(t)
         verb = "would reclaim" if args.dry_run else "reclaimed"

@@ -32,13 +32,19 @@ class CliError(Exception):
 
 
 #: Options that are always strings, even when they look like numbers (credentials above all).
-_STRING_OPTIONS = frozenset({"key", "secret", "token", "username", "password", "profile", "endpoint_url", "region_name"})
+_STRING_OPTIONS = frozenset(
+    {"key", "secret", "token", "username", "password", "profile", "endpoint_url", "region_name"}
+)
 
 
 def _option_value(key: str, value: str) -> Any:
     if key in _STRING_OPTIONS:
         return value
-    if value in ("true", "false", "null") or value.startswith(("{", "[")) or re.fullmatch(r"-?\d+(\.\d+)?", value):
+    if (
+        value in ("true", "false", "null")
+        or value.startswith(("{", "["))
+        or re.fullmatch(r"-?\d+(\.\d+)?", value)
+    ):
         try:
             return json.loads(value)
         except ValueError:
@@ -79,7 +85,9 @@ class _Resolver(StoreResolver):
         if key not in self._s3:
             from ..stores.s3 import RetryPolicy, S3Store
 
-            self._s3[key] = S3Store(key, self.storage_options, retry=RetryPolicy(max_attempts=self.retries))
+            self._s3[key] = S3Store(
+                key, self.storage_options, retry=RetryPolicy(max_attempts=self.retries)
+            )
         return self._s3[key]
 
     def close(self) -> None:
@@ -143,7 +151,9 @@ class Env:
             if not os.path.exists(local):
                 raise CliError(f"{local} does not exist")
             if not os.path.isdir(local):
-                raise CliError(f"{local} is a file, not a checkpoint folder (use inspect/verify on files)")
+                raise CliError(
+                    f"{local} is a file, not a checkpoint folder (use inspect/verify on files)"
+                )
         return self.resolver.dir_store(path)
 
     def target(self, path: str) -> Target:
@@ -170,7 +180,9 @@ class Env:
         except FileNotFoundError:
             if name in store.list_dirs(""):
                 return Target(store, name, True)
-            raise CheckpointNotFoundError(f"no such file or folder: {store.describe(name)}") from None
+            raise CheckpointNotFoundError(
+                f"no such file or folder: {store.describe(name)}"
+            ) from None
 
     @contextlib.contextmanager
     def progress(self, description: str, total: float | None) -> Iterator[Callable[[float], None]]:
@@ -234,7 +246,13 @@ def shown(text: str) -> str:
             out.append(ch)
         else:
             code = ord(ch)
-            out.append(f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}")
+            out.append(
+                f"\\x{code:02x}"
+                if code < 0x100
+                else f"\\u{code:04x}"
+                if code < 0x10000
+                else f"\\U{code:08x}"
+            )
     return "".join(out)
 
 

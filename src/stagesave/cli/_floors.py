@@ -60,7 +60,9 @@ def disk_floor_s(folder: str, nbytes: int) -> tuple[float, bool]:
     try:
         try:
             dt = _timed_write(path, buf, count, direct)
-        except OSError as exc:  # O_DIRECT refused by this filesystem (at open or at the first write)
+        except (
+            OSError
+        ) as exc:  # O_DIRECT refused by this filesystem (at open or at the first write)
             if not direct or exc.errno != errno.EINVAL:
                 raise
             direct = 0

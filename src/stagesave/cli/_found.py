@@ -1,43 +1,36 @@
-"""What is in a root, as the commands show it: checkpoints, torn saves, and tensor indexes.
+"""What is in a root, as the commands show it: checkpoints, plain folders and torn saves.
 
-The core's discovery (``_discovery.py``) decides what is committed, unverified or corrupt, and
-in which order checkpoints are newest (format 2: the sequence number each save records; older
-formats below, by time); this module adds what an operator also wants to see: plain checkpoint
-folders without a proof (Accelerate's own ``save_state``), saves that crashed before publishing
-("torn": a format-2 temporary whose writer is gone and whose checkpoint does not exist, or a
-format-1 manifest whose data never appeared), the step of each checkpoint, and its tier.
+The core's discovery (``restore/discovery.py``) decides what is committed, unverified or
+corrupt, and in which order checkpoints are newest (format 2: the sequence number each save
+records; older formats below, by time); this module adds what an operator also wants to see:
+plain checkpoint folders without a proof (Accelerate's own ``save_state``), saves that crashed
+before publishing ("torn": a format-2 temporary whose writer is gone and whose checkpoint does
+not exist, or a format-1 manifest whose data never appeared), the step of each checkpoint, and
+its tier. What the files hold (tensor indexes) is ``_tensor_index.py``.
 """
 
 from __future__ import annotations
 
-import io
-import json
 import re
-import struct
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-from ..errors import ManifestError, UnsafeCheckpointError
-from ..ondisk.manifest import MAX_NUMEL, MAX_RANK, Manifest, parse_manifest
+from ..errors import ManifestError
+from ..ondisk.manifest import Manifest, parse_manifest
 from ..ondisk.names import ASIDE_MARKER, MAX_MANIFEST_BYTES, TMP_MARKER, split_manifest_name
 from ..restore.discovery import CHECKPOINT_SUFFIXES, CheckpointInfo, resolve, resolve_dir, scan
 from ..restore.gc import Debris, find_debris, match_temporary
-from ..safety import safe_torch_load
 from ..stores.base import ObjectInfo, Store
 
 __all__ = [
-    "Row", "find_rows", "folder_files", "is_folder_checkpoint", "manifest_tensors", "resolve_target", "sidecars_of",
-    "step_of", "store_tier", "tensor_index",
+    "FOLDER_FILE_SUFFIXES", "Row", "find_rows", "folder_files", "is_folder_checkpoint",
+    "resolve_target", "sidecars_of", "step_of", "store_tier",
 ]
 
 #: Files that make a folder without a proof look like a checkpoint (Accelerate's names too).
 FOLDER_FILE_SUFFIXES = (*CHECKPOINT_SUFFIXES, ".safetensors", ".pkl")
 _STEP_RE = re.compile(r"(?:global_step|step|checkpoint|ckpt)[=_-]?(\d+)", re.IGNORECASE)
-#: Largest safetensors header we agree to parse (the library's own cap is 100 MB).
-_MAX_ST_HEADER = 100_000_000
 
 
 @dataclass
@@ -68,9 +61,17 @@ class Row:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "name": self.name, "path": self.path, "status": self.status, "size": self.size,
-            "created": self.created, "step": self.step, "seq": self.seq, "format": self.format, "tier": self.tier,
-            "folder": self.is_dir, "problems": self.problems,
+            "name": self.name,
+            "path": self.path,
+            "status": self.status,
+            "size": self.size,
+            "created": self.created,
+            "step": self.step,
+            "seq": self.seq,
+            "format": self.format,
+            "tier": self.tier,
+            "folder": self.is_dir,
+            "problems": self.problems,
         }
 
 
@@ -143,8 +144,13 @@ def _plain_folder(store: Store, name: str) -> CheckpointInfo | None:
     if not files:
         return None
     return CheckpointInfo(
-        store.describe(name), name, "unverified", max(f.mtime for f in files), sum(f.size for f in files),
-        problems=["no stagesave proof: completeness cannot be proven"], is_dir=True,
+        store.describe(name),
+        name,
+        "unverified",
+        max(f.mtime for f in files),
+        sum(f.size for f in files),
+        problems=["no stagesave proof: completeness cannot be proven"],
+        is_dir=True,
     )
 
 
@@ -181,8 +187,18 @@ def _torn_row(store: Store, d: Debris, tier: str, listed: set[str]) -> Row | Non
         except (ManifestError, OSError):
             manifest, size, created = None, 0, 0.0
         return Row(
-            data, store.describe(data), "torn", size, created, step_of(data, manifest), tier, format=1,
-            problems=[f"the save of {data} crashed before publishing it (leftover {d.name}; `stagesave gc` removes it)"],
+            data,
+            store.describe(data),
+            "torn",
+            size,
+            created,
+            step_of(data, manifest),
+            tier,
+            format=1,
+            problems=[
+                (f"the save of {data} crashed before publishing it (leftover {d.name}; "
+                 "`stagesave gc` removes it)")
+            ],
         )
     if d.kind in ("temporary", "temporary-dir"):  # format 2: an unfinished write, its writer gone
         m = match_temporary(d.name, is_dir=d.kind == "temporary-dir")
@@ -192,10 +208,21 @@ def _torn_row(store: Store, d: Debris, tier: str, listed: set[str]) -> Row | Non
         if data in listed or _exists(store, data):
             return None  # the checkpoint exists (a replacement was interrupted): only debris
         return Row(
-            data, store.describe(data), "torn", d.size, time.time() - d.age_s, step_of(data, None), tier,
-            is_dir=d.kind == "temporary-dir", format=2,
-            problems=[(f"no {data} exists: a save (or removal) of it was interrupted ({d.reason}); it left "
-                       f"{d.name}, which `stagesave gc` removes")],
+            data,
+            store.describe(data),
+            "torn",
+            d.size,
+            time.time() - d.age_s,
+            step_of(data, None),
+            tier,
+            is_dir=d.kind == "temporary-dir",
+            format=2,
+            problems=[
+                (
+                    f"no {data} exists: a save (or removal) of it was interrupted ({d.reason}); it "
+                    f"left {d.name}, which `stagesave gc` removes"
+                )
+            ],
         )
     return None
 
@@ -225,146 +252,3 @@ def find_rows(store: Store) -> tuple[list[Row], list[Debris], list[tuple[str, st
             listed.add(torn.name)
     rows.sort(key=Row.order, reverse=True)
     return rows, debris, kept
-
-
-_ST_DTYPES = {
-    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
-    "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
-    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "U16": "uint16", "U32": "uint32",
-    "U64": "uint64", "C64": "complex64",
-}
-
-
-def _safetensors_index(store: Store, name: str) -> list[dict[str, Any]]:
-    head = store.read_range(name, 0, 8)
-    if len(head) != 8:
-        raise ValueError(f"{store.describe(name)} is too short to be a safetensors file")
-    (n,) = struct.unpack("<Q", head)
-    if n > _MAX_ST_HEADER:
-        raise ValueError(f"{store.describe(name)}: safetensors header of {n} bytes is over the limit")
-    header = json.loads(store.read_range(name, 8, n))
-    if not isinstance(header, dict):
-        raise ValueError(f"{store.describe(name)}: the safetensors header is not a JSON object")  # noqa: TRY004
-    out = []
-    for key, spec in header.items():
-        if key == "__metadata__" or not isinstance(spec, dict):
-            continue
-        offsets, shape, dtype = spec.get("data_offsets"), spec.get("shape"), spec.get("dtype")
-        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets)
-                or not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(isinstance(d, int) for d in shape)
-                or not isinstance(dtype, str)):
-            raise ValueError(f"{store.describe(name)}: malformed safetensors entry {key[:80]!r}")
-        out.append({"name": key, "dtype": _ST_DTYPES.get(dtype, dtype), "shape": shape,
-                    "bytes": offsets[1] - offsets[0]})
-    return out
-
-
-class _StoreReader(io.RawIOBase):
-    """A seekable file over ``store.read_range`` (so torch reads only what it needs)."""
-
-    def __init__(self, store: Store, name: str, size: int) -> None:
-        super().__init__()
-        self.store, self.name, self.size, self.pos = store, name, size, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence]
-        self.pos = base + offset
-        return self.pos
-
-    def readinto(self, b: Any) -> int:
-        view = memoryview(b).cast("B")
-        data = self.store.read_range(self.name, self.pos, min(len(view), max(0, self.size - self.pos)))
-        view[: len(data)] = data
-        self.pos += len(data)
-        return len(data)
-
-
-def _walk(obj: Any, prefix: str, out: list[dict[str, Any]], depth: int = 0) -> None:
-    if isinstance(obj, torch.Tensor):
-        out.append({
-            "name": prefix, "dtype": str(obj.dtype).removeprefix("torch."), "shape": list(obj.shape),
-            "bytes": obj.numel() * obj.element_size(),
-        })
-    elif depth < 64 and isinstance(obj, dict):
-        for k, v in obj.items():
-            _walk(v, f"{prefix}.{k}" if prefix else str(k), out, depth + 1)
-    elif depth < 64 and isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            _walk(v, f"{prefix}.{i}" if prefix else str(i), out, depth + 1)
-
-
-def needs_unsafe_global(exc: BaseException) -> bool:
-    """Whether a refused load was refused for a class off the allow-list (the file is fine),
-    rather than for a pickle that does not parse (the file is damaged)."""
-    if not isinstance(exc, UnsafeCheckpointError):
-        return False
-    return "GLOBAL" in str(exc.__cause__ or "")  # torch: "Unsupported global: GLOBAL mod.Class"
-
-
-def torch_index(store: Store, name: str, size: int, *, trusted: bool = False) -> list[dict[str, Any]]:
-    """Tensors of a torch file, read without their data (``map_location="meta"``).
-
-    Raises:
-        UnsafeCheckpointError: the structure needs a global off the allow-list (and not trusted).
-    """
-    source = io.BufferedReader(_StoreReader(store, name, size), 1 << 20)
-    state = safe_torch_load(source, map_location="meta", trusted=trusted, where=store.describe(name))
-    out: list[dict[str, Any]] = []
-    _walk(state, "", out)
-    return out
-
-
-def tensor_index(
-    store: Store, name: str, kind: str, size: int, *, trusted: bool = False
-) -> list[dict[str, Any]]:
-    """Name, dtype, shape and bytes of every tensor in one file (safetensors or torch)."""
-    if kind == "safetensors" or name.endswith(".safetensors"):
-        return _safetensors_index(store, name)
-    return torch_index(store, name, size, trusted=trusted)
-
-
-#: Most dimensions of a shape shown (the core refuses a proof whose index claims more).
-MAX_DIMS = MAX_RANK
-_MAX_NUMEL = MAX_NUMEL
-_ITEMSIZE: dict[str, int] = {}
-
-
-def _itemsize(dtype: str) -> int | None:
-    if dtype not in _ITEMSIZE:
-        dt = getattr(torch, dtype, None) if dtype.isidentifier() else None
-        _ITEMSIZE[dtype] = dt.itemsize if isinstance(dt, torch.dtype) else 0
-    return _ITEMSIZE[dtype] or None
-
-
-def manifest_tensors(manifest: Manifest) -> tuple[list[dict[str, Any]], int]:
-    """The proof's tensor index as ``{name, dtype, shape, bytes}`` rows, every field checked
-    (a proof is read from a file that may come from anywhere); and how many entries were not
-    well-formed (left out). ``bytes`` is ``None`` when the dtype is unknown to this torch."""
-    out = []
-    bad = 0
-    tensors = manifest.tensors if isinstance(manifest.tensors, list) else []
-    for t in tensors:
-        name, dtype, shape = (t.get("name"), t.get("dtype"), t.get("shape")) if isinstance(t, dict) else (None,) * 3
-        if (not isinstance(name, str) or not isinstance(dtype, str) or len(dtype) > 64 or not isinstance(shape, list)
-                or len(shape) > MAX_DIMS
-                or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= _MAX_NUMEL for d in shape)):
-            bad += 1
-            continue
-        numel = 1
-        for d in shape:
-            numel = min(numel * d, _MAX_NUMEL + 1)
-        if numel > _MAX_NUMEL:
-            bad += 1
-            continue
-        size = _itemsize(dtype)
-        out.append({"name": name, "dtype": dtype, "shape": list(shape), "bytes": None if size is None else numel * size})
-    return out, bad

@@ -23,36 +23,45 @@ from ..restore.discovery import CheckpointInfo, folder_entries
 from ..saving.write import TRAILER_KINDS
 from ..stores.base import Store
 from ._common import Env, literal
-from ._found import (
-    folder_files,
-    manifest_tensors,
-    needs_unsafe_global,
-    resolve_target,
-    step_of,
-    tensor_index,
-)
+from ._found import folder_files, resolve_target, step_of
 from ._ls import fmt_time
+from ._tensor_index import manifest_tensors, needs_unsafe_global, tensor_index
 from ._units import fmt_bytes, fmt_duration, fmt_rate
 from ._verify import first_line
 
 __all__ = ["add_parser", "describe", "run"]
 
-_FORMAT = {2: "2 (the proof is inside the file)", 1: "1 (a sidecar manifest beside the data)", 0: "none (no proof)"}
+_FORMAT = {
+    2: "2 (the proof is inside the file)",
+    1: "1 (a sidecar manifest beside the data)",
+    0: "none (no proof)",
+}
 
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "inspect",
-        help="show a checkpoint's proof: sequence number, files, checksums, tensors, metadata, telemetry",
-        description="Summarize one checkpoint (file or folder) from its proof, read from inside the "
-        "file(s) (format 2) or from its sidecar manifest (format 1): status, sequence number, files "
-        "with their checksums, tensors (name, dtype, shape, bytes), metadata and the telemetry of "
-        "the save. Files without a proof are summarized from their structure (no tensor data).",
+        help="show a checkpoint's proof: sequence number, files, checksums, tensors, metadata, "
+             "telemetry",
+        description="Summarize one checkpoint (file or folder) from its proof, read from inside "
+        "the file(s) (format 2) or from its sidecar manifest (format 1): status, sequence number, "
+        "files with their checksums, tensors (name, dtype, shape, bytes), metadata and the "
+        "telemetry of the save. Files without a proof are summarized from their structure (no "
+        "tensor data).",
     )
     p.add_argument("path", metavar="PATH")
-    p.add_argument("--tensors", type=int, default=30, metavar="N", help="show at most N tensors (default 30; 0: all)")
-    p.add_argument("--trusted", action="store_true",
-                   help="parse files without a proof with the full unpickler (only for files you trust)")
+    p.add_argument(
+        "--tensors",
+        type=int,
+        default=30,
+        metavar="N",
+        help="show at most N tensors (default 30; 0: all)",
+    )
+    p.add_argument(
+        "--trusted",
+        action="store_true",
+        help="parse files without a proof with the full unpickler (only for files you trust)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=run)
 
@@ -69,15 +78,27 @@ def _where_proof(e: FileEntry) -> str:
 
 def _file_doc(name: str, store_name: str, e: FileEntry, role: str, proof: str) -> dict[str, Any]:
     return {
-        "name": name, "store_name": store_name, "kind": e.kind, "role": role, "size": e.size, "covered": e.end,
-        "algorithm": e.algorithm, "chunk_bytes": e.chunk_bytes, "chunks": len(e.chunks),
-        "first_digest": e.chunks[0] if e.chunks else None, "serialization_id": e.serialization_id,
-        "storages": len(e.storages), "proof": proof,
+        "name": name,
+        "store_name": store_name,
+        "kind": e.kind,
+        "role": role,
+        "size": e.size,
+        "covered": e.end,
+        "algorithm": e.algorithm,
+        "chunk_bytes": e.chunk_bytes,
+        "chunks": len(e.chunks),
+        "first_digest": e.chunks[0] if e.chunks else None,
+        "serialization_id": e.serialization_id,
+        "storages": len(e.storages),
+        "proof": proof,
     }
 
 
-def _files(store: Store, ci: CheckpointInfo) -> tuple[list[dict[str, Any]], dict[str, Manifest], list[str]]:
-    """Every file of the checkpoint as shown, each one's own proof (format 2), and problems found."""
+def _files(
+    store: Store, ci: CheckpointInfo
+) -> tuple[list[dict[str, Any]], dict[str, Manifest], list[str]]:
+    """Every file of the checkpoint as shown, each one's own proof (format 2), and the problems
+    found."""
     m = ci.manifest
     if m is not None and m.folder is not None:  # a format-2 folder: the carrier names every file
         entries, problems = folder_entries(store, ci)
@@ -90,31 +111,65 @@ def _files(store: Store, ci: CheckpointInfo) -> tuple[list[dict[str, Any]], dict
                 docs.append(_file_doc(fname, full, e, role, f"in the file: {_where_proof(e)}"))
                 own_of[fname] = own
             elif listed is not None:
-                docs.append(_file_doc(fname, full, listed, "listed", f"checksums in the proof of {m.folder.carrier}"))
+                docs.append(
+                    _file_doc(
+                        fname,
+                        full,
+                        listed,
+                        "listed",
+                        f"checksums in the proof of {m.folder.carrier}",
+                    )
+                )
         return docs, own_of, problems
     if m is not None:
         if ci.format == 2:
             e = m.files[0]
-            return [_file_doc(e.name, ci.name, e, "file", f"in the file: {_where_proof(e)}")], {e.name: m}, []
+            return (
+                [_file_doc(e.name, ci.name, e, "file", f"in the file: {_where_proof(e)}")],
+                {e.name: m},
+                [],
+            )
         proof = f"sidecar {ci.manifest_name}" if not ci.is_dir else f"{DIR_MANIFEST} in the folder"
-        return [
-            _file_doc(e.name, f"{ci.name}/{e.name}" if ci.is_dir else ci.name, e, "file", proof) for e in m.files
-        ], {}, []
+        return (
+            [
+                _file_doc(e.name, f"{ci.name}/{e.name}" if ci.is_dir else ci.name, e, "file", proof)
+                for e in m.files
+            ],
+            {},
+            [],
+        )
     infos = folder_files(store, ci.name) if ci.is_dir else [store.info(ci.name)]
-    return [
-        {"name": f.name.rpartition("/")[2], "store_name": f.name,
-         "kind": "safetensors" if f.name.endswith(".safetensors") else "torch", "role": "file", "size": f.size,
-         "covered": None, "algorithm": None, "chunk_bytes": None, "chunks": 0, "first_digest": None,
-         "serialization_id": None, "storages": 0, "proof": None}
-        for f in infos
-    ], {}, []
+    return (
+        [
+            {
+                "name": f.name.rpartition("/")[2],
+                "store_name": f.name,
+                "kind": "safetensors" if f.name.endswith(".safetensors") else "torch",
+                "role": "file",
+                "size": f.size,
+                "covered": None,
+                "algorithm": None,
+                "chunk_bytes": None,
+                "chunks": 0,
+                "first_digest": None,
+                "serialization_id": None,
+                "storages": 0,
+                "proof": None,
+            }
+            for f in infos
+        ],
+        {},
+        [],
+    )
 
 
-def _parsed_tensors(store: Store, f: dict[str, Any], trusted: bool, notes: list[str]) -> list[dict[str, Any]]:
+def _parsed_tensors(
+    store: Store, f: dict[str, Any], trusted: bool, notes: list[str]
+) -> list[dict[str, Any]]:
     """Tensors of a file without an index in its proof: its structure, parsed."""
     try:
         return tensor_index(store, f["store_name"], f["kind"], f["size"], trusted=trusted)
-    except Exception as exc:  # noqa: BLE001 - a damaged file must not stop the summary
+    except Exception as exc:  # noqa: BLE001, RUF100 - a damaged file must not stop the summary
         if needs_unsafe_global(exc):
             notes.append(f"{f['name']}: tensors not listed: it needs classes off the safe "
                          "allow-list (--trusted parses it with the full unpickler)")
@@ -185,9 +240,15 @@ def _number(v: Any) -> float | None:
 def _telemetry_rows(tel: dict[str, Any]) -> list[tuple[str, str]]:
     rows = []
     for key, label in (
-        ("blocking_s", "blocked training"), ("plan_s", "  planning"), ("buffer_wait_s", "  waiting for a buffer"),
-        ("stage_s", "  staging copy"), ("write_s", "background write"), ("checksum_s", "  hashing"),
-        ("fsync_s", "  fsync"), ("commit_s", "commit"), ("time_to_commit_s", "time to commit"),
+        ("blocking_s", "blocked training"),
+        ("plan_s", "  planning"),
+        ("buffer_wait_s", "  waiting for a buffer"),
+        ("stage_s", "  staging copy"),
+        ("write_s", "background write"),
+        ("checksum_s", "  hashing"),
+        ("fsync_s", "  fsync"),
+        ("commit_s", "commit"),
+        ("time_to_commit_s", "time to commit"),
     ):
         v = _number(tel.get(key))
         # Missing or zero means "not known when the proof was written" (commit times come after it).
@@ -247,19 +308,36 @@ def _print(env: Env, doc: dict[str, Any], max_tensors: int) -> None:
 
     ft = Table(title="files", title_justify="left", header_style="bold", box=None, pad_edge=False)
     for col in ("file", "kind", "size", "checksum", "chunks", "serialization id", "proof"):
-        ft.add_column(col, justify="right" if col in ("size", "chunks") else "left", overflow="fold")
+        ft.add_column(
+            col, justify="right" if col in ("size", "chunks") else "left", overflow="fold"
+        )
     for f in doc["files"]:
-        checksum = (f"{f['algorithm']} {f['first_digest'][:12]}..." if f["algorithm"] and f["first_digest"]
-                    else f["algorithm"] or "none (no proof)")
-        ft.add_row(literal(f["name"]), literal(f["kind"]), fmt_bytes(f["size"]), literal(checksum), str(f["chunks"]),
-                   literal(f["serialization_id"] or "-"), literal(f["proof"] or "-"))
+        checksum = (
+            f"{f['algorithm']} {f['first_digest'][:12]}..."
+            if f["algorithm"] and f["first_digest"]
+            else f["algorithm"] or "none (no proof)"
+        )
+        ft.add_row(
+            literal(f["name"]),
+            literal(f["kind"]),
+            fmt_bytes(f["size"]),
+            literal(checksum),
+            str(f["chunks"]),
+            literal(f["serialization_id"] or "-"),
+            literal(f["proof"] or "-"),
+        )
     o.print(ft)
 
     tensors = doc["tensors"]
     if tensors:
         limit = max_tensors if max_tensors > 0 else len(tensors)
-        tt = Table(title=f"tensors ({len(tensors)}, {fmt_bytes(doc['tensor_bytes'])})", title_justify="left",
-                   header_style="bold", box=None, pad_edge=False)
+        tt = Table(
+            title=f"tensors ({len(tensors)}, {fmt_bytes(doc['tensor_bytes'])})",
+            title_justify="left",
+            header_style="bold",
+            box=None,
+            pad_edge=False,
+        )
         for col in ("name", "dtype", "shape", "bytes"):
             tt.add_column(col, justify="right" if col == "bytes" else "left", overflow="fold")
         for t in tensors[:limit]:

@@ -69,9 +69,14 @@ def run(env: Env, args: argparse.Namespace) -> int:
         for r in rows:
             name = (r.path if multi else r.name) + ("/" if r.is_dir else "")
             t.add_row(
-                literal(name), "-" if r.seq is None else str(r.seq), "-" if r.step is None else str(r.step),
-                fmt_bytes(r.size), fmt_time(r.created), literal(r.status, _STYLE.get(r.status, "")),
-                str(r.format) if r.format else "-", literal(r.tier),
+                literal(name),
+                "-" if r.seq is None else str(r.seq),
+                "-" if r.step is None else str(r.step),
+                fmt_bytes(r.size),
+                fmt_time(r.created),
+                literal(r.status, _STYLE.get(r.status, "")),
+                str(r.format) if r.format else "-",
+                literal(r.tier),
             )
         env.out.print(t)
         for r in rows:

@@ -56,9 +56,13 @@ def bytes_per_param(precision: str, optimizer: str, *, gradients: bool = True) -
         ValueError: unknown precision or optimizer.
     """
     if precision not in PRECISION_BYTES:
-        raise ValueError(f"unknown precision {precision!r}; choose one of {sorted(PRECISION_BYTES)}")
+        raise ValueError(
+            f"unknown precision {precision!r}; choose one of {sorted(PRECISION_BYTES)}"
+        )
     if optimizer not in OPTIMIZER_STATES:
-        raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {sorted(OPTIMIZER_STATES)}")
+        raise ValueError(
+            f"unknown optimizer {optimizer!r}; choose one of {sorted(OPTIMIZER_STATES)}"
+        )
     p = PRECISION_BYTES[precision]
     out = {"weights": p}
     if optimizer != "none":
@@ -152,7 +156,9 @@ def plan(
             raise ValueError("give a parameter count (e.g. 70B) or a checkpoint size (--size 5TB)")
         if bytes_per_param_override is not None:
             if bytes_per_param_override <= 0:
-                raise ValueError(f"bytes per parameter must be positive, got {bytes_per_param_override}")
+                raise ValueError(
+                    f"bytes per parameter must be positive, got {bytes_per_param_override}"
+                )
             bpp = bytes_per_param_override
         else:
             breakdown = bytes_per_param(precision, optimizer, gradients=gradients)
@@ -214,12 +220,28 @@ def render(env: Env, r: PlanResult) -> None:
         how = " + ".join(f"{v} {k.replace('_', ' ')}" for k, v in (r.breakdown or {}).items() if v)
         t.add_row("bytes per parameter", f"{r.bytes_per_param:g} B", how or "given")
     t.add_row("checkpoint size", fmt_bytes(r.checkpoint_bytes), "the write burst of every save")
-    t.add_row("per-GPU share", fmt_bytes(r.per_gpu_bytes), f"over {r.gpus} GPUs (sharding splits, never shrinks)")
-    t.add_row("synchronous save", fmt_duration(r.sync_save_s), f"size / {fmt_rate(r.storage_bytes_per_s)} storage")
-    t.add_row("blocking with staging", fmt_duration(r.staging_blocking_s), f"share / {fmt_rate(r.d2h_bytes_per_s)} device-to-host")
+    t.add_row(
+        "per-GPU share",
+        fmt_bytes(r.per_gpu_bytes),
+        f"over {r.gpus} GPUs (sharding splits, never shrinks)",
+    )
+    t.add_row(
+        "synchronous save",
+        fmt_duration(r.sync_save_s),
+        f"size / {fmt_rate(r.storage_bytes_per_s)} storage",
+    )
+    t.add_row(
+        "blocking with staging",
+        fmt_duration(r.staging_blocking_s),
+        f"share / {fmt_rate(r.d2h_bytes_per_s)} device-to-host",
+    )
     t.add_row("save interval", fmt_duration(r.interval_s), "")
     t.add_row("lost, synchronous", _pct(r.sync_lost_fraction), "save time / interval")
-    note = "staging / interval" if r.background_write_fits_interval else "staging + write overrun / interval"
+    note = (
+        "staging / interval"
+        if r.background_write_fits_interval
+        else "staging + write overrun / interval"
+    )
     t.add_row("lost, staged (async)", _pct(r.async_lost_fraction), note)
     t.add_row("bandwidth to keep up", fmt_rate(r.sustained_bytes_per_s_needed), "size / interval")
     if r.mtbf_s is not None:
@@ -227,15 +249,28 @@ def render(env: Env, r: PlanResult) -> None:
         assert r.young_interval_async_s is not None and r.daly_interval_async_s is not None
         assert r.expected_waste_sync is not None and r.expected_waste_async is not None
         t.add_row("MTBF", fmt_duration(r.mtbf_s), "")
-        t.add_row("optimal interval, sync", f"{fmt_duration(r.young_interval_sync_s)} / {fmt_duration(r.daly_interval_sync_s)}", "Young sqrt(2dM) / Daly")
-        t.add_row("optimal interval, async", f"{fmt_duration(r.young_interval_async_s)} / {fmt_duration(r.daly_interval_async_s)}", "Young sqrt(2dM) / Daly")
-        t.add_row("expected waste, sync", _pct(r.expected_waste_sync), "d/T + T/2M at this interval")
-        t.add_row("expected waste, async", _pct(r.expected_waste_async), "d/T + T/2M at this interval")
+        t.add_row(
+            "optimal interval, sync",
+            f"{fmt_duration(r.young_interval_sync_s)} / {fmt_duration(r.daly_interval_sync_s)}",
+            "Young sqrt(2dM) / Daly",
+        )
+        t.add_row(
+            "optimal interval, async",
+            f"{fmt_duration(r.young_interval_async_s)} / {fmt_duration(r.daly_interval_async_s)}",
+            "Young sqrt(2dM) / Daly",
+        )
+        t.add_row(
+            "expected waste, sync", _pct(r.expected_waste_sync), "d/T + T/2M at this interval"
+        )
+        t.add_row(
+            "expected waste, async", _pct(r.expected_waste_async), "d/T + T/2M at this interval"
+        )
     env.out.print(t)
     if not r.background_write_fits_interval:
         env.out.print(
             f"warning: one save takes {fmt_duration(r.sync_save_s)} to write, longer than the "
-            f"{fmt_duration(r.interval_s)} interval: saves will queue; lengthen the interval or add bandwidth."
+            f"{fmt_duration(r.interval_s)} interval: saves will queue; lengthen the interval or "
+            "add bandwidth."
         )
 
 
@@ -247,17 +282,33 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("params", nargs="?", help="parameter count: 70B, 405B, 350M, 7e9")
     p.add_argument("--size", help="checkpoint size instead of a parameter count: 5TB, 800GiB")
-    p.add_argument("--precision", default="bf16", choices=sorted(PRECISION_BYTES), help="weight precision (default bf16)")
+    p.add_argument(
+        "--precision",
+        default="bf16",
+        choices=sorted(PRECISION_BYTES),
+        help="weight precision (default bf16)",
+    )
     p.add_argument("--optimizer", default="adam", choices=sorted(OPTIMIZER_STATES),
                    help="optimizer whose state is saved; 'none' for weights only (default adam)")
     p.add_argument("--no-gradients", action="store_true", help="the checkpoint holds no gradients")
     p.add_argument("--bytes-per-param", type=float, help="override the per-parameter size")
-    p.add_argument("--gpus", type=int, default=DEFAULT_GPUS, help=f"GPUs sharing the save (default {DEFAULT_GPUS})")
-    p.add_argument("--storage-bw", default="10GB/s", help="aggregate write bandwidth to storage (default 10GB/s)")
+    p.add_argument(
+        "--gpus",
+        type=int,
+        default=DEFAULT_GPUS,
+        help=f"GPUs sharing the save (default {DEFAULT_GPUS})",
+    )
+    p.add_argument(
+        "--storage-bw",
+        default="10GB/s",
+        help="aggregate write bandwidth to storage (default 10GB/s)",
+    )
     p.add_argument("--d2h-bw", "--h2d-bw", dest="d2h_bw", default="25GB/s",
                    help="device-to-host copy bandwidth per GPU (default 25GB/s, PCIe 4.0 x16)")
     p.add_argument("--interval", default="1h", help="time between checkpoints (default 1h)")
-    p.add_argument("--mtbf", help="mean time between failures of the whole job, e.g. 24h: adds Young/Daly")
+    p.add_argument(
+        "--mtbf", help="mean time between failures of the whole job, e.g. 24h: adds Young/Daly"
+    )
     p.add_argument("--json", action="store_true", help="print JSON (bytes, seconds, fractions)")
     p.set_defaults(func=run)
 

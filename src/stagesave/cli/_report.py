@@ -60,7 +60,9 @@ def read_telemetry(data: bytes) -> tuple[list[dict[str, Any]], int]:
         CliError: the file is over the size limit.
     """
     if len(data) > MAX_TELEMETRY_BYTES:
-        raise CliError(f"the telemetry file is over {fmt_bytes(MAX_TELEMETRY_BYTES)}; split it first")
+        raise CliError(
+            f"the telemetry file is over {fmt_bytes(MAX_TELEMETRY_BYTES)}; split it first"
+        )
     saves, bad = [], 0
     for line in data.splitlines():
         if not line.strip():
@@ -117,15 +119,23 @@ def summarize(saves: list[dict[str, Any]]) -> Summary:
     rates = [_num(s, "throughput_bytes_per_s") for s in ok if _num(s, "throughput_bytes_per_s") > 0]
     commits = [_num(s, "time_to_commit_s") for s in ok] or [0.0]
     start = min(_num(s, "started_at") for s in saves)
-    end = max(max(_num(s, "committed_at"), _num(s, "started_at") + _num(s, "blocking_s")) for s in saves)
+    end = max(
+        max(_num(s, "committed_at"), _num(s, "started_at") + _num(s, "blocking_s")) for s in saves
+    )
     span = max(end - start, 1e-9)
     return Summary(
-        saves=len(saves), failed=len(saves) - len(ok), bytes_total=sum(_num(s, "bytes") for s in ok),
-        stall_mean_s=statistics.fmean(stalls), stall_median_s=statistics.median(stalls),
-        stall_p95_s=_pct(stalls, 0.95), stall_max_s=max(stalls),
+        saves=len(saves),
+        failed=len(saves) - len(ok),
+        bytes_total=sum(_num(s, "bytes") for s in ok),
+        stall_mean_s=statistics.fmean(stalls),
+        stall_median_s=statistics.median(stalls),
+        stall_p95_s=_pct(stalls, 0.95),
+        stall_max_s=max(stalls),
         throughput_median=statistics.median(rates) if rates else 0.0,
-        commit_median_s=statistics.median(commits), commit_max_s=max(commits),
-        span_s=span, stalled_fraction=min(1.0, sum(stalls) / span),
+        commit_median_s=statistics.median(commits),
+        commit_max_s=max(commits),
+        span_s=span,
+        stalled_fraction=min(1.0, sum(stalls) / span),
     )
 
 
@@ -143,18 +153,26 @@ def draw_timeline(saves: list[dict[str, Any]], png: str) -> None:
     colors = {"staging": "#d62728", "write": "#1f77b4", "commit": "#2ca02c"}
     for i, s in enumerate(saves):
         start = _num(s, "started_at") - t0
-        ax.broken_barh([(start, max(_num(s, "blocking_s"), 1e-6))], (i - 0.4, 0.8), color=colors["staging"])
+        ax.broken_barh(
+            [(start, max(_num(s, "blocking_s"), 1e-6))], (i - 0.4, 0.8), color=colors["staging"]
+        )
         committed = _num(s, "committed_at")
         if committed > 0:
             end = committed - t0
             commit = _num(s, "commit_s")
             write = _num(s, "write_s")
-            ax.broken_barh([(end - commit - write, max(write, 1e-6))], (i - 0.4, 0.8), color=colors["write"])
-            ax.broken_barh([(end - commit, max(commit, 1e-6))], (i - 0.4, 0.8), color=colors["commit"])
+            ax.broken_barh(
+                [(end - commit - write, max(write, 1e-6))], (i - 0.4, 0.8), color=colors["write"]
+            )
+            ax.broken_barh(
+                [(end - commit, max(commit, 1e-6))], (i - 0.4, 0.8), color=colors["commit"]
+            )
         elif s.get("error"):
             ax.plot([start + _num(s, "blocking_s")], [i], marker="x", color="black", markersize=9)
     ax.set_yticks(range(len(saves)))
-    ax.set_yticklabels([os.path.basename(str(s.get("path", "?"))) or "?" for s in saves], fontsize=8)
+    ax.set_yticklabels(
+        [os.path.basename(str(s.get("path", "?"))) or "?" for s in saves], fontsize=8
+    )
     ax.invert_yaxis()
     ax.set_xlabel("seconds since the first save")
     ax.set_title("stagesave: where each save's time went (training waits only for staging)")
@@ -174,11 +192,16 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "report",
         help="summarize save telemetry (stall, throughput, time to commit) and draw a PNG timeline",
-        description=f"Read {TELEMETRY_FILE} in ROOT (written by Checkpointer(telemetry_jsonl=True)), "
-        "or a telemetry file given directly, print a summary and write a PNG timeline.",
+        description=f"Read {TELEMETRY_FILE} in ROOT (written by "
+        "Checkpointer(telemetry_jsonl=True)), or a telemetry file given directly, print a summary "
+        "and write a PNG timeline.",
     )
     p.add_argument("root", metavar="ROOT|FILE.jsonl")
-    p.add_argument("--png", default="stagesave-timeline.png", help="where to write the timeline (default ./stagesave-timeline.png)")
+    p.add_argument(
+        "--png",
+        default="stagesave-timeline.png",
+        help="where to write the timeline (default ./stagesave-timeline.png)",
+    )
     p.add_argument("--no-png", action="store_true", help="do not draw the timeline")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=run)
@@ -196,24 +219,53 @@ def run(env: Env, args: argparse.Namespace) -> int:
     if not args.no_png:
         draw_timeline(saves, args.png)
     if args.json:
-        env.print_json({"source": where, "unreadable_lines": bad, "png": None if args.no_png else args.png,
-                        "remote_uploads": len(uploads), **vars(summary)})
+        env.print_json(
+            {
+                "source": where,
+                "unreadable_lines": bad,
+                "png": None if args.no_png else args.png,
+                "remote_uploads": len(uploads),
+                **vars(summary),
+            }
+        )
         return 0
-    t = Table(title=literal(f"{summary.saves} saves in {where}"), title_justify="left", show_header=False, box=None)
+    t = Table(
+        title=literal(f"{summary.saves} saves in {where}"),
+        title_justify="left",
+        show_header=False,
+        box=None,
+    )
     t.add_column("what")
     t.add_column("value", justify="right")
     rows = [
         ("failed saves", str(summary.failed)),
         ("bytes written", fmt_bytes(summary.bytes_total)),
-        ("training stall per save", f"median {fmt_duration(summary.stall_median_s)}, p95 {fmt_duration(summary.stall_p95_s)}, max {fmt_duration(summary.stall_max_s)}"),
+        (
+            "training stall per save",
+            (f"median {fmt_duration(summary.stall_median_s)}, p95 "
+             f"{fmt_duration(summary.stall_p95_s)}, max {fmt_duration(summary.stall_max_s)}"),
+        ),
         ("write throughput (median)", fmt_rate(summary.throughput_median)),
-        ("time to commit", f"median {fmt_duration(summary.commit_median_s)}, max {fmt_duration(summary.commit_max_s)}"),
-        ("stalled / wall time", f"{100 * summary.stalled_fraction:.3g}% of {fmt_duration(summary.span_s)}"),
+        (
+            "time to commit",
+            (f"median {fmt_duration(summary.commit_median_s)}, max "
+             f"{fmt_duration(summary.commit_max_s)}"),
+        ),
+        (
+            "stalled / wall time",
+            f"{100 * summary.stalled_fraction:.3g}% of {fmt_duration(summary.span_s)}",
+        ),
     ]
     if uploads:
         failed = sum(1 for u in uploads if u.get("error"))
         times = [_num(u, "time_to_commit_s") for u in uploads if not u.get("error")] or [0.0]
-        rows.append(("uploads to the remote tier", f"{len(uploads)} ({failed} failed), median {fmt_duration(statistics.median(times))}"))
+        rows.append(
+            (
+                "uploads to the remote tier",
+                (f"{len(uploads)} ({failed} failed), median "
+                 f"{fmt_duration(statistics.median(times))}"),
+            )
+        )
     for k, v in rows:
         t.add_row(k, v)
     env.out.print(t)

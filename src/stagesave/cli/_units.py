@@ -51,7 +51,9 @@ _DURATION_UNITS = {
 _NUMBER = r"([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)"
 
 
-def _split(text: str, what: str, units: dict[str, float] | dict[str, int], example: str) -> tuple[float, float]:
+def _split(
+    text: str, what: str, units: dict[str, float] | dict[str, int], example: str
+) -> tuple[float, float]:
     m = re.fullmatch(_NUMBER + r"\s*([a-z]*)", text.strip().lower())
     if m is None or m.group(2) not in units:
         raise ValueError(f"cannot read {what} {text!r}: write it like {example}")

@@ -20,14 +20,8 @@ from ..restore.discovery import CheckpointInfo, folder_entries, resolve_dir, res
 from ..restore.proof import chunk_problems
 from ..stores.base import Reader, Store
 from ._common import CliError, Env
-from ._found import (
-    find_rows,
-    folder_files,
-    is_folder_checkpoint,
-    needs_unsafe_global,
-    resolve_target,
-    torch_index,
-)
+from ._found import find_rows, folder_files, is_folder_checkpoint, resolve_target
+from ._tensor_index import needs_unsafe_global, torch_index
 
 __all__ = ["THREADS", "Outcome", "add_parser", "run", "verify_checkpoint"]
 
@@ -48,11 +42,20 @@ class Outcome:
     format: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"path": self.path, "status": self.status, "size": self.size, "seq": self.seq, "format": self.format,
-                "problems": self.problems, "notes": self.notes}
+        return {
+            "path": self.path,
+            "status": self.status,
+            "size": self.size,
+            "seq": self.seq,
+            "format": self.format,
+            "problems": self.problems,
+            "notes": self.notes,
+        }
 
 
-def _check(reader: Reader, manifest: Manifest, pool: cf.Executor, advance: Callable[[float], None]) -> list[str]:
+def _check(
+    reader: Reader, manifest: Manifest, pool: cf.Executor, advance: Callable[[float], None]
+) -> list[str]:
     """Every chunk of one file against its proof, through ``reader``."""
 
     def read(lo: int, n: int) -> bytes:
@@ -63,7 +66,9 @@ def _check(reader: Reader, manifest: Manifest, pool: cf.Executor, advance: Calla
     return chunk_problems(reader, manifest, pool, read=read)
 
 
-def _verify_file(env: Env, store: Store, ci: CheckpointInfo, pool: cf.Executor) -> tuple[str, list[str]]:
+def _verify_file(
+    env: Env, store: Store, ci: CheckpointInfo, pool: cf.Executor
+) -> tuple[str, list[str]]:
     """``(status, problems)`` of a file: its proof and its bytes read through one open file."""
     judged = ci.judged or ci.name
     try:
@@ -79,7 +84,9 @@ def _verify_file(env: Env, store: Store, ci: CheckpointInfo, pool: cf.Executor) 
     return ("corrupt" if problems else "verified"), problems
 
 
-def _verify_folder(env: Env, store: Store, ci: CheckpointInfo, pool: cf.Executor) -> tuple[str, list[str]]:
+def _verify_folder(
+    env: Env, store: Store, ci: CheckpointInfo, pool: cf.Executor
+) -> tuple[str, list[str]]:
     """``(status, problems)`` of a folder: the set of files, then every file against its proof."""
     info = resolve_dir(store, ci.name)
     if info.status != "committed" or info.manifest is None:
@@ -94,7 +101,10 @@ def _verify_folder(env: Env, store: Store, ci: CheckpointInfo, pool: cf.Executor
                         problems += _check(reader, own, pool, advance)
                     elif listed is not None:
                         if reader.size != listed.size:
-                            problems.append(f"{reader.where} is {reader.size} bytes, its folder's proof says {listed.size}")
+                            problems.append(
+                                f"{reader.where} is {reader.size} bytes, its folder's proof says "
+                                f"{listed.size}"
+                            )
                         else:
                             problems += _check(reader, Manifest([listed], 0), pool, advance)
             except OSError as exc:
@@ -114,18 +124,29 @@ def verify_checkpoint(env: Env, store: Store, ci: CheckpointInfo) -> Outcome:
         return out
     # No proof: bytes cannot be proven, but the structure can be read (it must parse).
     out.problems = []
-    out.notes.append("no proof: bytes cannot be verified (`stagesave adopt` writes a manifest for a file)")
-    files = [(f.name, f.size) for f in folder_files(store, ci.name)] if ci.is_dir else [(ci.name, ci.size)]
+    out.notes.append(
+        "no proof: bytes cannot be verified (`stagesave adopt` writes a manifest for a file)"
+    )
+    files = (
+        [(f.name, f.size) for f in folder_files(store, ci.name)]
+        if ci.is_dir
+        else [(ci.name, ci.size)]
+    )
     for name, size in files:
         if name.endswith(".safetensors"):
             continue
         try:
             torch_index(store, name, size)
-        except Exception as exc:  # noqa: BLE001 - any other parse failure means the file is damaged
+        except Exception as exc:  # noqa: BLE001, RUF100 - any other parse failure means the file is damaged
             if needs_unsafe_global(exc):
-                out.notes.append(f"{name.rpartition('/')[2]} needs classes off the safe allow-list: structure not parsed")
+                out.notes.append(
+                    f"{name.rpartition('/')[2]} needs classes off the safe allow-list: structure "
+                    "not parsed"
+                )
                 continue
-            cause = exc.__cause__ if isinstance(exc, UnsafeCheckpointError) and exc.__cause__ else exc
+            cause = (
+                exc.__cause__ if isinstance(exc, UnsafeCheckpointError) and exc.__cause__ else exc
+            )
             out.status = "corrupt"
             out.problems.append(
                 f"{store.describe(name)} cannot be read as a torch file: {first_line(cause)}"
@@ -148,10 +169,13 @@ def add_parser(sub: Any) -> None:
         help="recompute checksums of a checkpoint or of every checkpoint under a root",
         description="Read every byte of a checkpoint (file or folder, format 2 or 1) or of every "
         "checkpoint under ROOT and compare it with its proof. Exits 1 and names each problem if "
-        "anything is corrupt (with --strict, also if a checkpoint has no proof or a save was torn).",
+        "anything is corrupt (with --strict, also if a checkpoint has no proof or a save was "
+        "torn).",
     )
     p.add_argument("path", metavar="PATH|ROOT")
-    p.add_argument("--strict", action="store_true", help="fail on checkpoints without proof and torn saves too")
+    p.add_argument(
+        "--strict", action="store_true", help="fail on checkpoints without proof and torn saves too"
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=run)
 
@@ -165,7 +189,11 @@ def _collect(env: Env, path: str) -> tuple[Store, list[CheckpointInfo], list[Out
     store = env.root(path)
     rows, _, _ = find_rows(store)
     infos = [r.info for r in rows if r.info is not None]
-    torn = [Outcome(r.path, "torn", r.size, list(r.problems), format=r.format) for r in rows if r.status == "torn"]
+    torn = [
+        Outcome(r.path, "torn", r.size, list(r.problems), format=r.format)
+        for r in rows
+        if r.status == "torn"
+    ]
     if not infos and not torn:
         raise CheckpointNotFoundError(f"no checkpoints under {store.url}")
     return store, infos, torn
@@ -174,13 +202,21 @@ def _collect(env: Env, path: str) -> tuple[Store, list[CheckpointInfo], list[Out
 def run(env: Env, args: argparse.Namespace) -> int:
     store, infos, torn = _collect(env, args.path)
     outcomes = [verify_checkpoint(env, store, ci) for ci in infos] + torn
-    bad = [o for o in outcomes if o.status == "corrupt" or (args.strict and o.status in ("unverified", "torn"))]
+    bad = [
+        o
+        for o in outcomes
+        if o.status == "corrupt" or (args.strict and o.status in ("unverified", "torn"))
+    ]
     if args.json:
         env.print_json({"ok": not bad, "checkpoints": [o.to_dict() for o in outcomes]})
     else:
         for o in outcomes:
-            label = {"verified": "OK", "corrupt": "CORRUPT", "unverified": "UNVERIFIED", "torn": "TORN"}.get(
-                o.status, o.status.upper())
+            label = {
+                "verified": "OK",
+                "corrupt": "CORRUPT",
+                "unverified": "UNVERIFIED",
+                "torn": "TORN",
+            }.get(o.status, o.status.upper())
             env.say(f"{label:<10} {o.path}")
             for p in o.problems:
                 env.say(f"           {p}")
