@@ -8,7 +8,9 @@ from typing import Any
 import torch
 
 
-def format1_checkpoint(path: Any, state: Any, *, chunk_bytes: int = 4096, algorithm: str = "xxh3_128") -> Any:
+def format1_checkpoint(
+    path: Any, state: Any, *, chunk_bytes: int = 4096, algorithm: str = "xxh3_128",
+) -> Any:
     """A checkpoint in format 1, as stagesave 0.1 wrote it: a torch file and a sidecar manifest
     ``<name>.<serialization_id>.stagesave.json`` naming its size, id and chunk digests."""
     import os
@@ -25,8 +27,10 @@ def format1_checkpoint(path: Any, state: Any, *, chunk_bytes: int = 4096, algori
         [rec] = [i for i in z.infolist() if i.filename.endswith(".data/serialization_id")]
         sid = z.read(rec).decode()
     id_offset = data.index(sid.encode())
-    chunks = tuple(digest(algorithm, data[lo : lo + chunk_bytes]) for lo in range(0, len(data), chunk_bytes))
-    entry = FileEntry(os.path.basename(path), len(data), algorithm, chunk_bytes, chunks, "torch", sid, id_offset)
+    chunks = tuple(digest(algorithm, data[lo : lo + chunk_bytes])
+                   for lo in range(0, len(data), chunk_bytes))
+    entry = FileEntry(os.path.basename(path), len(data), algorithm, chunk_bytes, chunks, "torch",
+                      sid, id_offset)
     sidecar = os.path.join(os.path.dirname(path), manifest_name(os.path.basename(path), sid))
     with open(sidecar, "wb") as f:
         f.write(Manifest([entry], time.time_ns(), metadata={"format": 1}).to_json())
@@ -55,7 +59,8 @@ def rewrite_proof(path: Any, mutate: Any) -> None:
     assert parts is not None
     out = mutate(doc)
     new = out if isinstance(out, bytes) else json.dumps(doc, separators=(",", ":")).encode()
-    summary = Summary(s.kind, s.seq, s.created_ns, s.proof_offset, len(new), crc32(new), s.folder, s.carrier).to_bytes()
+    summary = Summary(s.kind, s.seq, s.created_ns, s.proof_offset, len(new), crc32(new), s.folder,
+                      s.carrier).to_bytes()
     tail = parts.rebuild(new, summary)
 
     with open(path, "wb") as f:

@@ -50,10 +50,15 @@ def test_signed_round_trip_file_and_folder(tmp_path):
     signing.configure([KEY], require=True)
     with stagesave.Checkpointer(tmp_path) as ck:
         ck.save(state(1), "a.ckpt").result()
-        ck.save_dir({"model.bin": state(2), "opt.bin": {"lr": torch.tensor(0.1)}}, "folder").result()
+        ck.save_dir({"model.bin": state(2), "opt.bin": {"lr": torch.tensor(0.1)}},
+                    "folder").result()
     doc = proof_of(tmp_path / "a.ckpt")
-    assert doc["algorithm"] == "blake3"  # crc32 (the default) is not cryptographic: blake3 while signing
-    assert doc["signature"] == {"algorithm": "hmac-sha256", "key": signing.key_id(KEY), "mac": doc["signature"]["mac"]}  # type: ignore[index]
+    # crc32 (the default) is not cryptographic: blake3 while signing
+    assert doc["algorithm"] == "blake3"
+    assert doc["signature"] == {
+        "algorithm": "hmac-sha256", "key": signing.key_id(KEY),
+        "mac": doc["signature"]["mac"],  # type: ignore[index]
+    }
     assert stagesave.verify(tmp_path / "a.ckpt").status == "verified"
     assert torch.equal(stagesave.load(tmp_path / "a.ckpt")["w"], state(1)["w"])
     assert "signature" in proof_of(carrier_of(tmp_path / "folder"))
@@ -69,7 +74,8 @@ def _resign_without_key(path: object, change: str) -> None:
         elif change == "strip":
             doc.pop("signature")
         elif change == "foreign":
-            doc["signature"] = {"algorithm": "hmac-sha256", "key": signing.key_id(OTHER_KEY), "mac": "0" * 64}
+            doc["signature"] = {"algorithm": "hmac-sha256", "key": signing.key_id(OTHER_KEY),
+                                "mac": "0" * 64}
 
     rewrite_proof(path, mutate)
 
@@ -83,7 +89,8 @@ def test_a_proof_changed_without_the_key_is_refused_and_latest_skips_it(tmp_path
     _resign_without_key(tmp_path / "step-2.ckpt", change)
     info = stagesave.verify(tmp_path / "step-2.ckpt")
     assert info.status == "corrupt"
-    expected = "signature does not match" if change == "metadata" else "a key this process does not hold"
+    expected = ("signature does not match" if change == "metadata"
+                else "a key this process does not hold")
     assert any(expected in p for p in info.problems), info.problems
     with pytest.raises(IntegrityError, match=expected):
         stagesave.load(tmp_path / "step-2.ckpt")
@@ -107,7 +114,8 @@ def test_bytes_changed_and_reproved_keep_no_valid_signature(tmp_path):
     data[offset] ^= 0xFF
     chunk = doc["chunk_bytes"]
     covered = doc["covered"]
-    chunks = [digest("blake3", bytes(data[i : min(i + chunk, covered)])) for i in range(0, covered, chunk)]  # type: ignore[call-overload, operator]
+    chunks = [digest("blake3", bytes(data[i : min(i + chunk, covered)]))
+              for i in range(0, covered, chunk)]  # type: ignore[call-overload, operator]
     with open(tmp_path / "a.ckpt", "wb") as f:
         f.write(data)
     rewrite_proof(tmp_path / "a.ckpt", lambda d: d.update(chunks=chunks))
@@ -159,7 +167,9 @@ def test_keys_from_the_environment_and_rotation(tmp_path, monkeypatch):
     ("ab" * 16 + "c", "written in hex"),
     ("ab" * 8, "at least 32 bytes"),
 ])
-def test_a_bad_key_is_a_clear_error_before_anything_is_written(tmp_path, monkeypatch, value, message):
+def test_a_bad_key_is_a_clear_error_before_anything_is_written(
+    tmp_path, monkeypatch, value, message,
+):
     monkeypatch.setenv(signing.ENV_KEY, value)
     with pytest.raises(ValueError, match=message):
         stagesave.Checkpointer(tmp_path)
