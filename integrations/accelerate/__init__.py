@@ -36,10 +36,11 @@ except ImportError as _exc:  # pragma: no cover - exercised only without the ext
         "stagesave.accelerate needs Hugging Face Accelerate: pip install 'stagesave[accelerate]'"
     ) from _exc
 
-from ._checkpointer import AcceleratorCheckpointer, SynchronousFallbackWarning
+from ._checkpointer import AcceleratorCheckpointer
 from ._config import ENV_CONFIG, ENV_PREFIX, ENV_SWITCH, Options
 from ._patch import disable, disable_globally, enable, enable_globally, enabled
 from ._roots import STAGING_DIR
+from ._support import SynchronousFallbackWarning
 
 __all__ = [
     "ENV_CONFIG",

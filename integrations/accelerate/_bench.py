@@ -58,6 +58,7 @@ class AccelerateSaveState(Session):
 def alternatives() -> list[Alternative]:
     """What ``stagesave.accelerate`` adds to the benchmark alternatives."""
     return [
-        Alternative("accelerate save_state", lambda base, options: AccelerateSaveState(), 0.0, False, False,
+        Alternative("accelerate save_state", lambda base, options: AccelerateSaveState(), 0.0,
+                    False, False,
                     "synchronous torch.save of the registered state into the folder; no fsync"),
     ]

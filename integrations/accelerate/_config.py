@@ -18,8 +18,19 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from stagesave.ondisk.checksum import DEFAULT_ALGORITHM
+from stagesave.ondisk.names import TELEMETRY_FILE
+from stagesave.stores import urls
 
-__all__ = ["ENV_CONFIG", "ENV_PREFIX", "ENV_SWITCH", "Options", "is_switched_off", "resolve_options"]
+__all__ = [
+    "ENV_CONFIG",
+    "ENV_PREFIX",
+    "ENV_SWITCH",
+    "Options",
+    "check_options",
+    "is_switched_off",
+    "resolve_options",
+    "telemetry_target",
+]
 
 #: ``0``/``false``/``off`` disables the adapter (``enable()`` leaves Accelerate untouched).
 ENV_SWITCH = "STAGESAVE_ACCELERATE"
@@ -144,7 +155,9 @@ def _coerce(key: str, value: Any, where: str) -> Any:
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{where}: storage_options must be a JSON object: {exc}") from exc
         if not isinstance(value, Mapping):
-            raise ValueError(f"{where}: storage_options must be a mapping, got {type(value).__name__}")
+            raise ValueError(
+                f"{where}: storage_options must be a mapping, got {type(value).__name__}"
+            )
         return dict(value)
     if key in ("destination", "local_tier"):
         return None if value in (None, "") else os.path.expanduser(str(value))
@@ -172,8 +185,8 @@ def _from_file(path: str) -> dict[str, Any]:
     if isinstance(data, Mapping) and set(data) == {"stagesave"}:
         data = data["stagesave"] or {}
     if not isinstance(data, Mapping):
-        # A malformed file is a bad value like any other: ValueError, as documented.
-        raise ValueError(f"{ENV_CONFIG} file {path} must hold a mapping of options")  # noqa: TRY004
+        # A malformed file is a bad value like any other: ValueError, as documented (not TypeError).
+        raise ValueError(f"{ENV_CONFIG} file {path} must hold a mapping of options")
     unknown = sorted(set(data) - _NAMES)
     if unknown:
         raise ValueError(
@@ -212,3 +225,38 @@ def resolve_options(
             raise TypeError(f"unknown stagesave.accelerate option {key!r}; known: {sorted(_NAMES)}")
         merged[key] = _coerce(key, value, f"argument {key}")
     return replace(Options(), **merged)
+
+
+def check_options(options: Options) -> None:
+    """Raises ValueError for option combinations that cannot work."""
+    if options.local_tier is None:
+        if options.keep_local is not None:
+            raise ValueError("keep_local applies to local_tier, which is not set")
+        return
+    if options.destination is None:
+        raise ValueError("local_tier is a fast tier in front of destination=, which is not set")
+    if urls.is_url(options.local_tier):
+        raise ValueError(f"local_tier must be a local directory, got {options.local_tier}")
+    if urls.normalize(options.local_tier) == urls.normalize(options.destination):
+        raise ValueError("local_tier and destination are the same folder")
+
+
+def telemetry_target(accelerator: Any, options: Options) -> bool | str:
+    """Where the telemetry JSON lines go: a file path, or ``False``.
+
+    Raises:
+        ValueError: ``telemetry_jsonl=True`` for an Accelerator without ``project_dir``.
+    """
+    wanted = options.telemetry_jsonl
+    if wanted is False or wanted == "":
+        return False
+    if wanted is True:
+        project_dir = getattr(accelerator, "project_dir", None)
+        if project_dir is None:
+            raise ValueError(
+                f"telemetry_jsonl=True writes <project_dir>/{TELEMETRY_FILE}, and this "
+                "Accelerator has no project_dir: pass ProjectConfiguration(project_dir=...) or a "
+                "file path as telemetry_jsonl"
+            )
+        return os.path.join(os.fspath(project_dir), TELEMETRY_FILE)
+    return os.fspath(wanted)

@@ -13,12 +13,12 @@ under stagesave's allow-list. The folders are genuine DCP folders: Accelerate's 
 ``load_state`` reads them too.
 
 Other FSDP state dict types (``FULL_STATE_DICT``, ``LOCAL_STATE_DICT``) and per-node saves keep
-Accelerate's synchronous path (see ``_checkpointer._fallback_reason``).
+Accelerate's synchronous path (see ``_support.fallback_reason``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
@@ -27,14 +27,16 @@ from stagesave import SaveHandle
 if TYPE_CHECKING:
     import stagesave.dcp as sdcp
 
-__all__ = ["load_parts", "part_names", "save_parts", "unsupported_reason"]
+__all__ = ["load_parts", "load_sharded", "part_names", "save_parts", "unsupported_reason"]
 
 #: Accelerate's names (``accelerate.utils.constants``): ``<name>_<index>`` DCP folders.
 FSDP_MODEL_NAME = "pytorch_model_fsdp"
 OPTIMIZER_NAME = "optimizer"
 
 #: Accelerate's private helpers this module mirrors Accelerate with (checked before use).
-_HELPERS = ("_get_model_state_dict", "_set_model_state_dict", "_prepare_sd_options", "_unwrap_optimizer")
+_HELPERS = (
+    "_get_model_state_dict", "_set_model_state_dict", "_prepare_sd_options", "_unwrap_optimizer",
+)
 
 
 def unsupported_reason(accelerator: Any) -> str | None:
@@ -44,21 +46,26 @@ def unsupported_reason(accelerator: Any) -> str | None:
     plugin = getattr(accelerator.state, "fsdp_plugin", None)
     if plugin is None:
         return "this FSDP Accelerator has no fsdp_plugin to read the state dict type from"
-    kind = getattr(getattr(plugin, "state_dict_type", None), "name", str(getattr(plugin, "state_dict_type", None)))
+    state_dict_type = getattr(plugin, "state_dict_type", None)
+    kind = getattr(state_dict_type, "name", str(state_dict_type))
     if kind != "SHARDED_STATE_DICT":
         return (
             f"FSDP runs with state_dict_type={kind} save through Accelerate's own torch.save calls "
             "(stagesave stages FSDP checkpoints with SHARDED_STATE_DICT, through stagesave.dcp)"
         )
     if accelerator.project_configuration.save_on_each_node:
-        return "FSDP runs with save_on_each_node=True write a DCP folder per node, which stagesave does not commit"
+        return (
+            "FSDP runs with save_on_each_node=True write a DCP folder per node, which stagesave "
+            "does not commit"
+        )
     missing = [h for h in _HELPERS if not hasattr(fsdp_utils, h)]
     if missing:
         from importlib.metadata import version
 
         return (
             f"this Accelerate version ({version('accelerate')}) lacks accelerate.utils.fsdp_utils."
-            f"{', '.join(missing)}, which stagesave uses to build FSDP state dicts as Accelerate does"
+            f"{', '.join(missing)}, which stagesave uses to build FSDP state dicts as Accelerate "
+            "does"
         )
     return None
 
@@ -117,12 +124,14 @@ def save_parts(accelerator: Any, writer: sdcp.StagedStorageWriter, base: str) ->
     for i, model in enumerate(accelerator._models):
         with _state_dict_context(plugin, model) as options:
             state = _get_model_state_dict(model, sd_options=options)
-            handles.append(sdcp.save({"model": state}, f"{base}/{FSDP_MODEL_NAME}_{i}", writer=writer))
+            path = f"{base}/{FSDP_MODEL_NAME}_{i}"
+            handles.append(sdcp.save({"model": state}, path, writer=writer))
     for i, optimizer in enumerate(accelerator._optimizers):
         model = accelerator._models[i]
         with _state_dict_context(plugin, model) as options:
             state = _optimizer_state(plugin, model, optimizer, options)
-            handles.append(sdcp.save({"optimizer": state}, f"{base}/{OPTIMIZER_NAME}_{i}", writer=writer))
+            path = f"{base}/{OPTIMIZER_NAME}_{i}"
+            handles.append(sdcp.save({"optimizer": state}, path, writer=writer))
     return handles
 
 
@@ -164,10 +173,29 @@ def load_parts(accelerator: Any, folder: str) -> None:
                     FullyShardedDataParallel as FSDP,
                 )
 
-                optimizer.load_state_dict(
-                    FSDP.optim_state_dict_to_load(model=model, optim=optimizer, optim_state_dict=optim["optimizer"])
-                )
+                optimizer.load_state_dict(FSDP.optim_state_dict_to_load(
+                    model=model, optim=optimizer, optim_state_dict=optim["optimizer"]
+                ))
             else:
                 from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-                set_optimizer_state_dict(model, _unwrap_optimizer(optimizer), optim["optimizer"], options=options)
+                set_optimizer_state_dict(
+                    model, _unwrap_optimizer(optimizer), optim["optimizer"], options=options
+                )
+
+
+def load_sharded(accelerator: Any, folder: str, load_rest: Callable[[], None]) -> None:
+    """The DCP parts through stagesave's reader, the rest through Accelerate's ``load_state``.
+
+    ``load_rest()`` (Accelerate's own method) runs with no models and optimizers registered
+    for its duration (exactly what it loads through ``load_fsdp_model``/``load_fsdp_optimizer``);
+    under FSDP its hooks receive an empty model list either way.
+    """
+    acc = accelerator
+    load_parts(acc, folder)
+    models, optimizers = acc._models, acc._optimizers
+    acc._models, acc._optimizers = [], []
+    try:
+        load_rest()
+    finally:
+        acc._models, acc._optimizers = models, optimizers

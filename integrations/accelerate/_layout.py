@@ -23,7 +23,8 @@ from stagesave.formats import Safetensors
 
 __all__ = ["METADATA_KEY", "collect_rng_state", "model_file_name", "state_files"]
 
-#: Key of the adapter's entry in the ``metadata`` of the folder's proof (``save_dir(metadata=...)``).
+#: Key of the adapter's entry in the ``metadata`` of the folder's proof
+#: (``save_dir(metadata=...)``).
 METADATA_KEY = "accelerate"
 
 _MODEL = "pytorch_model"
@@ -47,7 +48,8 @@ def _numbered(stem: str, index: int, ext: str = "bin") -> str:
 
 
 def collect_rng_state(step: int) -> dict[str, Any]:
-    """This process's RNG states, exactly the dict Accelerate pickles into ``random_states_<rank>.pkl``."""
+    """This process's RNG states, exactly the dict Accelerate pickles into
+    ``random_states_<rank>.pkl``."""
     states: dict[str, Any] = {
         "step": step,
         "random_state": random.getstate(),

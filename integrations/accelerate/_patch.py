@@ -15,10 +15,15 @@ patched only by :func:`enable_globally`, used by ``python -m stagesave.accelerat
 from __future__ import annotations
 
 import functools
+import os
+from pathlib import Path
 from typing import Any
+
+from stagesave.stores import urls
 
 from ._checkpointer import AcceleratorCheckpointer
 from ._config import resolve_options
+from ._roots import CHECKPOINTS_DIR
 
 __all__ = ["disable", "disable_globally", "enable", "enable_globally", "enabled"]
 
@@ -67,36 +72,88 @@ def enable(accelerator: Any, **options: Any) -> AcceleratorCheckpointer:
         if existing.used:
             raise ValueError(
                 "stagesave.accelerate.enable() was already called on this Accelerator with other "
-                "options, and it has saved or loaded since; call stagesave.accelerate.disable(accelerator) first"
+                "options, and it has saved or loaded since; call "
+                "stagesave.accelerate.disable(accelerator) first"
             )
         disable(accelerator)  # nothing went through it yet: the options given here win
     checkpointer = AcceleratorCheckpointer(accelerator, **options)
     if checkpointer.asynchronous:
         cls = type(accelerator)
-        accelerator.save_state = _installed(cls.save_state, checkpointer._installed_save_state)
-        accelerator.load_state = _installed(cls.load_state, checkpointer._installed_load_state)
+        for name, method in (("save_state", _save_state), ("load_state", _load_state)):
+            setattr(accelerator, name, _installed(
+                getattr(cls, name), functools.partial(method, checkpointer), checkpointer))
         for name in _RELEASING:
             original = getattr(cls, name, None)
             if original is not None:
-                setattr(accelerator, name, _installed(original, functools.partial(
-                    checkpointer._released_then, name), owner=checkpointer))
+                setattr(accelerator, name, _installed(
+                    original, functools.partial(_released_then, checkpointer, name), checkpointer))
     setattr(accelerator, _ATTR, checkpointer)
     return checkpointer
 
 
-def _installed(original: Any, method: Any, owner: Any = None) -> Any:
+def _installed(original: Any, method: Any, owner: AcceleratorCheckpointer) -> Any:
     """A function with the original's name and docstring that calls ``method``.
 
-    It refers to the checkpointer (``owner``, or the one ``method`` is bound to), which refers to
-    the Accelerator only weakly: installing it creates no reference cycle through the Accelerator.
+    It refers to the checkpointer ``owner``, which refers to the Accelerator only weakly:
+    installing it creates no reference cycle through the Accelerator.
     """
 
     @functools.wraps(original)
     def installed(*args: Any, **kwargs: Any) -> Any:
         return method(*args, **kwargs)
 
-    installed.__stagesave__ = owner if owner is not None else method.__self__  # type: ignore[attr-defined]
+    installed.__stagesave__ = owner  # type: ignore[attr-defined]
     return installed
+
+
+def _save_state(
+    checkpointer: AcceleratorCheckpointer, output_dir: str | os.PathLike[str] | None = None,
+    safe_serialization: bool = True, **save_model_func_kwargs: Any,
+) -> Path | str:
+    """``Accelerator.save_state`` replacement: returns the folder, like Accelerate."""
+    cp = checkpointer
+    if not cp.asynchronous:
+        result: Path | str = cp._accelerate_save(
+            output_dir, safe_serialization=safe_serialization, **save_model_func_kwargs
+        )
+        return result
+    target, _ = cp._save(output_dir, safe_serialization)
+    acc = cp.accelerator
+    if output_dir is not None and not acc.project_configuration.automatic_checkpoint_naming:
+        # as given, like Accelerate
+        return target if urls.is_url(target) else Path(os.fspath(output_dir))
+    local = cp._auto.local_folder(urls.leaf(target))
+    if local is None:
+        return target
+    if cp.options.destination is None:
+        return Path(os.path.join(acc.project_dir, CHECKPOINTS_DIR, urls.leaf(target)))
+    return Path(local)
+
+
+def _load_state(
+    checkpointer: AcceleratorCheckpointer, input_dir: str | os.PathLike[str] | None = None,
+    load_kwargs: dict[str, Any] | None = None, **load_model_func_kwargs: Any,
+) -> None:
+    """``Accelerator.load_state`` replacement (returns ``None``, like Accelerate)."""
+    checkpointer.load_state(input_dir, load_kwargs, **load_model_func_kwargs)
+
+
+def _released_then(
+    checkpointer: AcceleratorCheckpointer, name: str, *args: Any, **kwargs: Any
+) -> Any:
+    """``end_training``/``free_memory``/``clear`` replacement: pending saves are committed and
+    stagesave's threads and buffers given back first (``end_training`` then destroys the
+    process group, which a flush must not outlive), then Accelerate's own method runs. A
+    failed save is raised after Accelerate's method ran, so the run still ends normally."""
+    failure: BaseException | None = None
+    try:
+        checkpointer.close()
+    except BaseException as exc:  # raised below, once Accelerate's method ran
+        failure = exc
+    result = getattr(checkpointer._cls, name)(checkpointer.accelerator, *args, **kwargs)
+    if failure is not None:
+        raise failure
+    return result
 
 
 def disable(accelerator: Any, timeout: float | None = None) -> None:

@@ -12,11 +12,15 @@ still open is flushed by ``stagesave``'s exit hook before torch and the thread p
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from stagesave import Checkpointer, TieredStore
+from stagesave.stores.local import makedirs_durable
+
+from ._config import Options
 
 if TYPE_CHECKING:
     from stagesave.dcp import StagedStorageWriter
@@ -26,11 +30,47 @@ __all__ = ["Resources"]
 
 @dataclass
 class Resources:
-    """The Checkpointers (by kind), the tiered store and the DCP writer of one checkpointer."""
+    """The Checkpointers (by kind), the tiered store and the DCP writer of one checkpointer.
 
+    ``options`` and ``telemetry`` (a JSON lines file, or ``False``) configure what is created.
+    """
+
+    options: Options
+    telemetry: bool | str
     checkpointers: dict[str, Checkpointer] = field(default_factory=dict)
     tiered: TieredStore | None = None
     writer: StagedStorageWriter | None = None
+
+    def open(self, kind: str, keep: int | None, remote_root: str | None) -> Checkpointer:
+        """A new Checkpointer for ``kind`` (``"auto"``, ``"plain"``, ``"fsdp"``), kept by kind.
+
+        ``keep``: retention (``total_limit``); ``remote_root``: the URL behind a tiered root (the
+        ``local_tier`` option), whose :class:`~stagesave.TieredStore` is the Checkpointer's root.
+        """
+        o = self.options
+        root: TieredStore | None = None
+        if remote_root is not None and o.local_tier is not None:
+            root = self.tiered = TieredStore(
+                o.local_tier, remote_root, storage_options=dict(o.storage_options),
+                keep_local=o.keep_local,
+            )
+        ckpt = Checkpointer(
+            root, max_pending=o.max_pending, checksum=o.checksum, keep_last=keep,
+            io_threads=o.io_threads, direct_io=o.direct_io, storage_options=dict(o.storage_options),
+            device_staging=o.device_staging, telemetry_jsonl=self.telemetry,
+        )
+        if isinstance(self.telemetry, str):  # the core appends to the file, in a folder that exists
+            makedirs_durable(os.path.dirname(os.path.abspath(self.telemetry)))
+        self.checkpointers[kind] = ckpt
+        return ckpt
+
+    def dcp_writer(self, checkpointer: Checkpointer) -> StagedStorageWriter:
+        """The DCP writer of FSDP parts (created on first use, over ``checkpointer``)."""
+        if self.writer is None:
+            from stagesave.dcp import StagedStorageWriter  # only FSDP runs need torch's DCP
+
+            self.writer = StagedStorageWriter(checkpointer=checkpointer)
+        return self.writer
 
     def pending(self) -> int:
         return sum(c.pending() for c in self.checkpointers.values())
@@ -49,19 +89,19 @@ class Resources:
         if writer is not None:
             try:
                 writer.close(timeout)
-            except BaseException as exc:  # noqa: BLE001 - close every part, then raise the first
+            except BaseException as exc:  # close every part, then raise the first
                 errors.append(exc)
         checkpointers, self.checkpointers = list(self.checkpointers.values()), {}
         for ckpt in checkpointers:
             try:
                 ckpt.close(timeout)
-            except BaseException as exc:  # noqa: BLE001
+            except BaseException as exc:
                 errors.append(exc)
         tiered, self.tiered = self.tiered, None
         if tiered is not None:
             try:
                 tiered.close(timeout)
-            except BaseException as exc:  # noqa: BLE001
+            except BaseException as exc:
                 errors.append(exc)
         if errors:
             raise errors[0]
@@ -70,6 +110,9 @@ class Resources:
         """:meth:`close` for a finalizer: a failure is printed, never raised."""
         try:
             self.close()
-        except BaseException as exc:  # noqa: BLE001 - nobody to raise to when an object is collected
-            print(f"stagesave.accelerate: a checkpoint save failed before its Accelerator was released: {exc}",
-                  file=sys.stderr)
+        except BaseException as exc:  # nobody to raise to when an object is collected
+            print(
+                "stagesave.accelerate: a checkpoint save failed before its Accelerator was "
+                f"released: {exc}",
+                file=sys.stderr,
+            )

@@ -3,7 +3,8 @@
 Accelerate's own ``load_state()`` takes the highest-numbered entry of ``checkpoints/``, complete
 or not. Here a candidate must carry a stagesave proof that matches its files (each torch and
 safetensors file carries its own; one of them, the carrier, also names every file of the folder
-and records the save's metadata) and, with ``verify_on_load``, every checksum; corrupt ones are skipped with a warning naming the damage.
+and records the save's metadata) and, with ``verify_on_load``, every checksum; corrupt ones are
+skipped with a warning naming the damage.
 Only when no stagesave checkpoint exists at all does Accelerate's choice among plain folders
 apply (a run that started without stagesave keeps resuming). This runs on rank 0 only; the
 result travels to the other processes as a :class:`LoadPlan`.
@@ -20,12 +21,12 @@ from typing import Any
 
 from stagesave import Checkpointer, CheckpointInfo
 from stagesave.errors import CheckpointNotFoundError, IntegrityError
-from stagesave.stores import posix as fsops
+from stagesave.restore.download import discard_download, download_folder
+from stagesave.stores import urls
 
-from . import _remote
 from ._layout import METADATA_KEY
 
-__all__ = ["FOLDER_RE", "LoadPlan", "discard_copy", "fsdp_parts", "parts_problems", "plan_explicit", "plan_newest"]
+__all__ = ["FOLDER_RE", "LoadPlan", "fsdp_parts", "parts_problems", "plan_explicit", "plan_newest"]
 
 #: Accelerate's automatic folder names.
 FOLDER_RE = re.compile(r"^checkpoint_(\d+)$")
@@ -49,15 +50,12 @@ class LoadPlan:
     names: frozenset[str] | None = None
 
 
-def discard_copy(local: str) -> None:
-    """Remove a temporary local copy made by :func:`_remote.download_folder`."""
-    fsops.rmtree(os.path.dirname(local))
-
-
 def _metadata(info: CheckpointInfo | None) -> dict[str, Any]:
     """The adapter's entry in the metadata of a checkpoint's proof (format 2: recorded by the
     folder's carrier; format 1: by its ``checkpoint.stagesave.json``); empty when there is none."""
-    meta = info.manifest.metadata.get(METADATA_KEY, {}) if info is not None and info.manifest is not None else {}
+    if info is None or info.manifest is None:
+        return {}
+    meta = info.manifest.metadata.get(METADATA_KEY, {})
     return meta if isinstance(meta, dict) else {}
 
 
@@ -68,13 +66,15 @@ def fsdp_parts(info: CheckpointInfo | None) -> list[str]:
     return [p for p in parts if isinstance(p, str)] if isinstance(parts, list) else []
 
 
-def parts_problems(ckpt: Checkpointer, folder: str, info: CheckpointInfo, verify: bool) -> list[str]:
+def parts_problems(
+    ckpt: Checkpointer, folder: str, info: CheckpointInfo, verify: bool
+) -> list[str]:
     """What is wrong with the DCP folders of an FSDP checkpoint (each proves itself)."""
     parts = fsdp_parts(info)
     if not parts:
         return []
     problems = []
-    listed = {} if verify else {_remote.leaf(c.name): c for c in ckpt.list(folder)}
+    listed = {} if verify else {urls.leaf(c.name): c for c in ckpt.list(folder)}
     for part in parts:
         path = os.path.join(folder, part)
         if verify:
@@ -104,14 +104,14 @@ def _proven_names(info: CheckpointInfo | None) -> frozenset[str] | None:
 def _listed(ckpt: Checkpointer, local: str) -> CheckpointInfo | None:
     """What listing (proofs only, no checksums) says about the folder ``local``."""
     parent, leaf = os.path.split(os.path.abspath(local))
-    return next((c for c in ckpt.list(parent) if c.is_dir and _remote.leaf(c.name) == leaf), None)
+    return next((c for c in ckpt.list(parent) if c.is_dir and urls.leaf(c.name) == leaf), None)
 
 
 def _iteration_of(info: CheckpointInfo | None, folder: str) -> int | None:
     meta = _metadata(info)
     if isinstance(meta.get("iteration"), int):
         return int(meta["iteration"])
-    m = FOLDER_RE.match(_remote.leaf(folder))
+    m = FOLDER_RE.match(urls.leaf(folder))
     return int(m.group(1)) if m else None
 
 
@@ -125,17 +125,20 @@ def _prove(
         IntegrityError: corrupt and not ``skip_corrupt``.
         ValueError: a remote folder does not exist.
     """
-    remote = _remote.is_url(folder)
+    remote = urls.is_url(folder)
     local = folder
     if remote:
         try:
-            local = _remote.download_folder(folder, storage_options)
+            local = download_folder(folder, storage_options)
         except FileNotFoundError as exc:
             raise ValueError(f"Tried to find {folder} but folder does not exist") from exc
     try:
         # without verify_on_load, still the proof's list of files: a folder holding a file it
         # does not name is refused (what listing checks, reading proofs only)
-        checked = ckpt.verify(local) if verify else info if info is not None else _listed(ckpt, local)
+        if verify:
+            checked = ckpt.verify(local)
+        else:
+            checked = info if info is not None else _listed(ckpt, local)
         if checked is not None and checked.status != "corrupt" and checked.manifest is not None:
             parts = parts_problems(ckpt, local, checked, verify)
             if parts:
@@ -143,14 +146,16 @@ def _prove(
         if checked is not None and checked.status == "corrupt":
             problem = "; ".join(checked.problems)
             if not skip_corrupt:
-                raise IntegrityError(f"checkpoint {folder} is corrupt: {problem}. It was not loaded.")
-            warnings.warn(f"stagesave: skipping checkpoint {folder}: {problem}", stacklevel=6)
+                raise IntegrityError(
+                    f"checkpoint {folder} is corrupt: {problem}. It was not loaded."
+                )
+            warnings.warn(f"stagesave: skipping checkpoint {folder}: {problem}", stacklevel=7)
             if remote:
-                discard_copy(local)
+                discard_download(local)
             return None
     except BaseException:
         if remote:
-            discard_copy(local)
+            discard_download(local)
         raise
     source = checked if checked is not None and checked.manifest is not None else info
     return LoadPlan(folder, local, remote, _iteration_of(source, folder),
@@ -158,7 +163,8 @@ def _prove(
 
 
 def plan_explicit(
-    ckpt: Checkpointer, input_dir: str | os.PathLike[str], verify: bool, storage_options: dict[str, object]
+    ckpt: Checkpointer, input_dir: str | os.PathLike[str], verify: bool,
+    storage_options: dict[str, object],
 ) -> LoadPlan:
     """The folder the user named, proven (a plain Accelerate folder is loaded as it is).
 
@@ -166,8 +172,8 @@ def plan_explicit(
         ValueError: it does not exist (Accelerate's message).
         IntegrityError: its files do not match their proof.
     """
-    folder = _remote.normalize(input_dir)
-    if not _remote.is_url(folder) and not os.path.isdir(folder):
+    folder = urls.normalize(input_dir)
+    if not urls.is_url(folder) and not os.path.isdir(folder):
         raise ValueError(f"Tried to find {os.fspath(input_dir)} but folder does not exist")
     plan = _prove(ckpt, folder, verify, storage_options, skip_corrupt=False)
     assert plan is not None
@@ -192,7 +198,8 @@ def plan_newest(
     ckpt.latest(root, verify=False)
     for info in ckpt.list(root):
         if info.is_dir and info.valid:
-            plan = _prove(ckpt, folder_of(info), verify, storage_options, skip_corrupt=True, info=info)
+            plan = _prove(ckpt, folder_of(info), verify, storage_options, skip_corrupt=True,
+                          info=info)
             if plan is not None:
                 return plan
     return _plain_accelerate_folder(plain_root)
@@ -200,7 +207,7 @@ def plan_newest(
 
 def _plain_accelerate_folder(root: str) -> LoadPlan:
     numbered = []
-    if not _remote.is_url(root) and os.path.isdir(root):
+    if not urls.is_url(root) and os.path.isdir(root):
         for name in os.listdir(root):
             m = FOLDER_RE.match(name)
             if m and os.path.isdir(os.path.join(root, name)):
@@ -212,6 +219,6 @@ def _plain_accelerate_folder(root: str) -> LoadPlan:
     warnings.warn(
         f"stagesave: no stagesave checkpoint under {root}; resuming from {folder}, a plain "
         "Accelerate folder that cannot be verified",
-        stacklevel=5,
+        stacklevel=6,
     )
     return LoadPlan(folder, folder, False, number, False)

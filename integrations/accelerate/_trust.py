@@ -71,7 +71,8 @@ class Guard:
         path = os.fspath(file)
         if self.names is None or not os.path.lexists(path):
             return path  # nothing to check against; a missing file fails as Accelerate's would
-        rel = os.path.relpath(os.path.abspath(path), os.path.abspath(self.folder)).replace(os.sep, "/")
+        rel = os.path.relpath(os.path.abspath(path), os.path.abspath(self.folder))
+        rel = rel.replace(os.sep, "/")
         if rel not in self.names:
             raise IntegrityError(
                 f"refusing to load {path}: the proof of checkpoint {self.folder} does not list it, "
@@ -139,7 +140,8 @@ def _load(f: Any, map_location: Any = None, **kwargs: Any) -> Any:
 
 
 def _load_model(model: Any, filename: Any, *args: Any, **kwargs: Any) -> Any:
-    """``accelerate.checkpointing.load_model`` (safetensors: no code runs), for listed files only."""
+    """``accelerate.checkpointing.load_model`` (safetensors: no code runs), for listed files
+    only."""
     guard: Guard | None = getattr(_active, "guard", None)
     if guard is not None:
         try:
