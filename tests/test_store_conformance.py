@@ -67,10 +67,14 @@ def _image(size: int, seed: int = 0) -> memoryview:
     return memoryview(mem)[:size]
 
 
-def _write(store: Store, name: str, image: memoryview, size: int, chunk: int = 4 * MiB, publish: bool = True):
+def _write(
+    store: Store, name: str, image: memoryview, size: int, chunk: int = 4 * MiB,
+    publish: bool = True,
+):
     pending = store.begin_write(name, image, size)
     with cf.ThreadPoolExecutor(4) as pool:
-        list(pool.map(lambda lo: pending.write_range(lo, min(size, lo + chunk)), range(0, size, chunk)))
+        list(pool.map(lambda lo: pending.write_range(lo, min(size, lo + chunk)),
+                      range(0, size, chunk)))
     pending.finish()
     if publish:
         pending.publish()
@@ -201,7 +205,9 @@ def test_delete(store):
     store.delete("never-existed.json")
 
 
-@pytest.mark.parametrize("bad", ["../escape", "/abs/path", "a/../b", "a//b", "", "s3://x/y", "a\\b", "."])
+@pytest.mark.parametrize(
+    "bad", ["../escape", "/abs/path", "a/../b", "a//b", "", "s3://x/y", "a\\b", "."]
+)
 def test_names_that_could_escape_are_refused(store, bad):
     with pytest.raises(ValueError, match="invalid checkpoint name"):
         store.put_atomic(bad, b"x")
@@ -241,7 +247,8 @@ def test_checkpointer_save_load_latest_verify(store):
         assert cheap is not None and cheap.name == "step-2.ckpt" and cheap.status == "committed"
         loaded = ckpt.load("step-2.ckpt")
         assert _same(loaded, _state(2))
-        assert loaded["tied"].untyped_storage().data_ptr() == loaded["w"].untyped_storage().data_ptr()
+        tied, w = loaded["tied"].untyped_storage(), loaded["w"].untyped_storage()
+        assert tied.data_ptr() == w.data_ptr()
         assert ckpt.verify("step-1.ckpt").status == "verified"
         assert [c.name for c in ckpt.list()] == ["step-2.ckpt", "step-1.ckpt"]
 

@@ -29,7 +29,8 @@ def split_url(url: str) -> tuple[str, str]:
 
 def open_uploads(s3_server, url: str) -> list[dict]:
     bucket, prefix = split_url(url)
-    return s3_server.client().list_multipart_uploads(Bucket=bucket, Prefix=prefix + "/").get("Uploads", [])
+    listed = s3_server.client().list_multipart_uploads(Bucket=bucket, Prefix=prefix + "/")
+    return listed.get("Uploads", [])
 
 
 def object_names(s3_server, url: str) -> list[str]:

@@ -30,14 +30,20 @@ def _roundtrip_ok(ckpt: stagesave.Checkpointer, name: str, state: dict) -> None:
 @pytest.mark.parametrize(
     "faults",
     [
-        pytest.param([Fault("UploadPart", "drop_request", times=2, drop_after=256 * 1024)], id="dropped-mid-part"),
-        pytest.param([Fault("UploadPart", "status", times=3, status=503, code="SlowDown")], id="slowdown-burst"),
-        pytest.param([Fault("UploadPart", "status", times=2, status=503, code="ServiceUnavailable"),
-                      Fault("CreateMultipartUpload", "status", times=2, status=500, code="InternalError"),
-                      Fault("CompleteMultipartUpload", "status", times=2, status=503, code="SlowDown")],
-                     id="5xx-everywhere"),
-        pytest.param([Fault("CompleteMultipartUpload", "drop_response", times=1)], id="complete-reply-lost"),
-        pytest.param([Fault("PutObject", "status", times=2, status=500, code="InternalError")], id="5xx-small-put"),
+        pytest.param([Fault("UploadPart", "drop_request", times=2, drop_after=256 * 1024)],
+                     id="dropped-mid-part"),
+        pytest.param([Fault("UploadPart", "status", times=3, status=503, code="SlowDown")],
+                     id="slowdown-burst"),
+        pytest.param(
+            [Fault("UploadPart", "status", times=2, status=503, code="ServiceUnavailable"),
+             Fault("CreateMultipartUpload", "status", times=2, status=500, code="InternalError"),
+             Fault("CompleteMultipartUpload", "status", times=2, status=503, code="SlowDown")],
+            id="5xx-everywhere",
+        ),
+        pytest.param([Fault("CompleteMultipartUpload", "drop_response", times=1)],
+                     id="complete-reply-lost"),
+        pytest.param([Fault("PutObject", "status", times=2, status=500, code="InternalError")],
+                     id="5xx-small-put"),
     ],
 )
 def test_transient_faults_are_retried_to_identical_bytes(proxy, make_store, s3_url, faults):
@@ -63,7 +69,8 @@ def test_beyond_the_retry_budget_nothing_is_published(proxy, make_store, s3_url,
     store = make_store(s3_url, proxy.endpoint, retry=RetryPolicy(max_attempts=3, base_delay_s=0.01))
     with stagesave.Checkpointer(store) as ckpt:
         proxy.add(Fault("UploadPart", "status", times=-1, status=503, code="SlowDown"))
-        with pytest.raises(stagesave.StorageError, match=r"UploadPart .* failed after 3 attempts \(SlowDown"):
+        with pytest.raises(stagesave.StorageError,
+                           match=r"UploadPart .* failed after 3 attempts \(SlowDown"):
             ckpt.save(big_state(), "a.ckpt").result()
     assert proxy.requests["AbortMultipartUpload"] == 1
     assert proxy.requests["PutObject"] == 0  # nothing else was ever written
@@ -76,12 +83,15 @@ def test_failed_publish_keeps_the_previous_checkpoint(proxy, make_store, s3_url,
     old = big_state(1)
     with stagesave.Checkpointer(store) as ckpt:
         ckpt.save(old, "last.ckpt").result()
-        proxy.add(Fault("CompleteMultipartUpload", "status", times=-1, status=500, code="InternalError"))
-        with pytest.raises(stagesave.StorageError, match="CompleteMultipartUpload .* after 2 attempts"):
+        proxy.add(Fault("CompleteMultipartUpload", "status", times=-1, status=500,
+                        code="InternalError"))
+        with pytest.raises(stagesave.StorageError,
+                           match="CompleteMultipartUpload .* after 2 attempts"):
             ckpt.save(big_state(2), "last.ckpt").result()
         proxy.clear()
         info = ckpt.latest()
-        assert info is not None and info.name == "last.ckpt" and info.status == "verified"  # every byte of the old one
+        # every byte of the old one
+        assert info is not None and info.name == "last.ckpt" and info.status == "verified"
         _roundtrip_ok(ckpt, "last.ckpt", old)
     assert object_names(s3_server, s3_url) == ["last.ckpt"]  # the old file, whole
     assert open_uploads(s3_server, s3_url) == []
@@ -92,9 +102,11 @@ def test_access_denied_surfaces_at_once(proxy, make_store, s3_url, s3_server, op
     proxy.add(Fault(op, "status", times=-1, status=403, code="AccessDenied"))
     state = small_state() if op == "PutObject" else big_state()
     with stagesave.Checkpointer(make_store(s3_url, proxy.endpoint)) as ckpt:
-        with pytest.raises(stagesave.CheckpointPermissionError, match=f"S3 {op} .* refused \\(AccessDenied"):
+        with pytest.raises(stagesave.CheckpointPermissionError,
+                           match=f"S3 {op} .* refused \\(AccessDenied"):
             ckpt.save(state, "a.ckpt").result()
-    assert proxy.requests[op] <= (3 if op == "UploadPart" else 1)  # each part tried once, never again
+    # each part tried once, never again
+    assert proxy.requests[op] <= (3 if op == "UploadPart" else 1)
     assert object_names(s3_server, s3_url) == []
     assert open_uploads(s3_server, s3_url) == []
 
@@ -124,7 +136,8 @@ def test_a_byte_flipped_on_the_way_down_is_caught_on_load(proxy, make_store, s3_
     state = big_state(4)
     with stagesave.Checkpointer(make_store(s3_url, proxy.endpoint)) as ckpt:
         ckpt.save(state, "f.ckpt").result()
-        proxy.add(Fault("GetObject", "flip_response", times=-1, flip_offset=100_000, path_suffix="/f.ckpt"))
+        proxy.add(Fault("GetObject", "flip_response", times=-1, flip_offset=100_000,
+                        path_suffix="/f.ckpt"))
         with pytest.raises(stagesave.IntegrityError, match="checksum mismatch"):
             ckpt.load("f.ckpt")
         proxy.clear()
@@ -135,7 +148,8 @@ def test_reads_dropped_mid_body_are_retried(proxy, make_store, s3_url):
     state = big_state(5)
     with stagesave.Checkpointer(make_store(s3_url, proxy.endpoint)) as ckpt:
         ckpt.save(state, "r.ckpt").result()
-        proxy.add(Fault("GetObject", "drop_response", times=3), Fault("HeadObject", "status", times=1, status=503))
+        proxy.add(Fault("GetObject", "drop_response", times=3),
+                  Fault("HeadObject", "status", times=1, status=503))
         loaded = ckpt.load("r.ckpt")
         assert proxy.injected["GetObject"] == 3
         assert torch.equal(loaded["w"], state["w"])
@@ -150,18 +164,22 @@ def test_an_unreachable_server_fails_clearly_after_the_budget(proxy, make_store,
 
 
 @pytest.mark.parametrize("times", [1, 3], ids=["once", "on-every-read-of-one-listing"])
-def test_latest_verifies_again_a_file_replaced_while_it_reads_it(make_store, s3_url, monkeypatch, times):
+def test_latest_verifies_again_a_file_replaced_while_it_reads_it(
+    make_store, s3_url, monkeypatch, times
+):
     """latest() verifies every byte: another writer replacing the object under that read makes
     the pinned read fail (PreconditionFailed). latest() reads the new version (and lists
     again), as a load does: never an error, never a skipped checkpoint."""
     store = make_store(s3_url)
     with stagesave.Checkpointer(store) as ckpt:
         ckpt.save(small_state(1), "last.ckpt").result()
-        real = verify_mod.check_file  # fault injection: a replacement between a file's proof and its bytes
+        # fault injection: a replacement between a file's proof and its bytes
+        real = verify_mod.check_file
         replaced: list[int] = []
 
         def replace_first(reader, manifest, io, reuse):
-            if len(replaced) < times:  # another writer replaces last.ckpt between its proof and its bytes
+            # another writer replaces last.ckpt between its proof and its bytes
+            if len(replaced) < times:
                 with stagesave.Checkpointer(make_store(s3_url)) as other:
                     other.save(small_state(len(replaced) + 2), "last.ckpt").result()
                 replaced.append(1)

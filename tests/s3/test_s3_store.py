@@ -40,7 +40,8 @@ def test_part_size_examples(size, part):
     assert choose_part_size(size) == part
 
 
-@given(st.integers(min_value=0, max_value=5 << 40), st.integers(min_value=MIN_PART_BYTES, max_value=MAX_PART_BYTES))
+@given(st.integers(min_value=0, max_value=5 << 40),
+       st.integers(min_value=MIN_PART_BYTES, max_value=MAX_PART_BYTES))
 def test_part_size_stays_within_s3_limits(size, preferred):
     part = choose_part_size(size, preferred)
     assert MIN_PART_BYTES <= part <= MAX_PART_BYTES
@@ -60,7 +61,9 @@ def test_url_with_credentials_is_refused_without_echoing_them():
 
 
 # ---------------------------------------------------------------------- upload shape and order
-def test_large_file_is_a_concurrent_multipart_upload_committed_by_completing_it(proxy, make_store, s3_url):
+def test_large_file_is_a_concurrent_multipart_upload_committed_by_completing_it(
+    proxy, make_store, s3_url
+):
     store = make_store(s3_url, proxy.endpoint, max_connections=2)
     state = big_state(1)
     with stagesave.Checkpointer(store) as ckpt:
@@ -70,7 +73,8 @@ def test_large_file_is_a_concurrent_multipart_upload_committed_by_completing_it(
     writes = [op for op, _ in proxy.log if op in
               ("CreateMultipartUpload", "UploadPart", "PutObject", "CompleteMultipartUpload")]
     # data parts up (the last one carries the proof), then the atomic publish: no other object
-    assert writes == ["CreateMultipartUpload", "UploadPart", "UploadPart", "UploadPart", "CompleteMultipartUpload"]
+    assert writes == ["CreateMultipartUpload", "UploadPart", "UploadPart", "UploadPart",
+                      "CompleteMultipartUpload"]
     assert proxy.max_in_flight["UploadPart"] == 2  # concurrent, and bounded by max_connections
     assert proxy.requests["GetObject"] >= 3  # the load used concurrent ranged reads
 
@@ -80,7 +84,8 @@ def test_small_file_is_a_single_put(proxy, make_store, s3_url):
     with stagesave.Checkpointer(store) as ckpt:
         ckpt.save(small_state(), "small.ckpt").result()
     assert proxy.requests["CreateMultipartUpload"] == 0
-    assert [op for op, _ in proxy.log if op == "PutObject"] == ["PutObject"]  # the file, proof inside
+    # the file, proof inside
+    assert [op for op, _ in proxy.log if op == "PutObject"] == ["PutObject"]
 
 
 def test_the_one_object_written_is_a_self_proving_torch_file(s3_server, make_store, s3_url):
@@ -94,24 +99,29 @@ def test_the_one_object_written_is_a_self_proving_torch_file(s3_server, make_sto
     assert len(raw) == tel.bytes
     import io
 
-    assert torch.equal(torch.load(io.BytesIO(raw), weights_only=True)["w"], state["w"])  # plain torch file
+    plain = torch.load(io.BytesIO(raw), weights_only=True)  # a plain torch file
+    assert torch.equal(plain["w"], state["w"])
     import zipfile
 
     assert zipfile.ZipFile(io.BytesIO(raw)).testzip() is None  # real CRCs
     assert open_uploads(s3_server, s3_url) == []
 
 
-def test_credentials_never_reach_proofs_errors_or_telemetry(s3_server, make_store, s3_url, s3_options):
+def test_credentials_never_reach_proofs_errors_or_telemetry(
+    s3_server, make_store, s3_url, s3_options
+):
     seen = []
     with stagesave.Checkpointer(make_store(s3_url), telemetry_callback=seen.append) as ckpt:
         ckpt.save(small_state(), "a.ckpt", metadata={"note": "x"}).result()
     bucket, prefix = split_url(s3_url)
-    manifest = s3_server.client().get_object(Bucket=bucket, Key=f"{prefix}/a.ckpt")["Body"].read()  # proof inside
+    # the proof is inside the file
+    manifest = s3_server.client().get_object(Bucket=bucket, Key=f"{prefix}/a.ckpt")["Body"].read()
     wrong = dict(s3_options, secret="not-the-secret-" + s3_options["secret"][:6])
     with stagesave.Checkpointer(make_store(s3_url, options=wrong)) as ckpt:
         with pytest.raises(stagesave.CheckpointPermissionError) as err:
             ckpt.save(small_state(), "b.ckpt").result()
-    texts = [manifest.decode("latin-1"), str(err.value), repr(err.value), json.dumps([t.to_dict() for t in seen])]
+    texts = [manifest.decode("latin-1"), str(err.value), repr(err.value),
+             json.dumps([t.to_dict() for t in seen])]
     for text in texts:
         assert s3_options["secret"] not in text
         assert wrong["secret"] not in text
@@ -122,7 +132,8 @@ def test_credentials_never_reach_proofs_errors_or_telemetry(s3_server, make_stor
 def test_missing_bucket_fails_the_save_at_once(proxy, make_store):
     store = make_store("s3://no-such-bucket-stagesave/x", proxy.endpoint)
     with stagesave.Checkpointer(store) as ckpt:
-        with pytest.raises(stagesave.CheckpointNotFoundError, match="bucket 'no-such-bucket-stagesave' does not exist"):
+        with pytest.raises(stagesave.CheckpointNotFoundError,
+                           match="bucket 'no-such-bucket-stagesave' does not exist"):
             ckpt.save(small_state(), "a.ckpt")
         with pytest.raises(stagesave.CheckpointNotFoundError):
             ckpt.load("a.ckpt")
@@ -165,7 +176,8 @@ def test_overwrite_keeps_readers_on_the_old_version_until_publish(make_store, s3
         pending = store.begin_write("last.ckpt", image, len(image))
         pending.write_range(0, len(image))
         pending.finish()
-        assert torch.equal(ckpt.load("last.ckpt")["w"], big_state(1)["w"])  # parts up, not published
+        # parts up, not published: readers still see the old version
+        assert torch.equal(ckpt.load("last.ckpt")["w"], big_state(1)["w"])
         pending.abort()
         assert torch.equal(ckpt.load("last.ckpt")["w"], big_state(1)["w"])
 
@@ -187,7 +199,8 @@ _KILLED_CHILD = textwrap.dedent(
 def test_upload_of_a_killed_process_is_found_and_aborted(s3_server, s3_url, make_store):
     env = dict(os.environ, STAGESAVE_CRASH_AT="mid_data")
     proc = subprocess.run(
-        [sys.executable, "-c", _KILLED_CHILD, s3_url, s3_server.endpoint, s3_server.key, s3_server.secret],
+        [sys.executable, "-c", _KILLED_CHILD, s3_url, s3_server.endpoint, s3_server.key,
+         s3_server.secret],
         env=env, capture_output=True, timeout=120, check=False,
     )
     assert proc.returncode == -9, proc.stderr.decode()[-2000:]  # SIGKILL after its first part
@@ -195,7 +208,8 @@ def test_upload_of_a_killed_process_is_found_and_aborted(s3_server, s3_url, make
     assert object_names(s3_server, s3_url) == []  # nothing published, no manifest
     store = make_store(s3_url)
     assert abort_stale_multipart_uploads(store) == []  # younger than an hour: may be a live save
-    aborted = abort_stale_multipart_uploads(s3_url, older_than_s=0, storage_options=s3_server.options())
+    aborted = abort_stale_multipart_uploads(s3_url, older_than_s=0,
+                                            storage_options=s3_server.options())
     assert aborted == [f"{s3_url}/killed.ckpt"]
     assert open_uploads(s3_server, s3_url) == []
     assert stagesave.latest(store) is None
@@ -207,25 +221,29 @@ def test_abort_stale_only_touches_its_own_prefix(s3_server, s3_url):
     client.create_multipart_upload(Bucket=bucket, Key=f"{prefix}/a/x.ckpt")
     other = client.create_multipart_upload(Bucket=bucket, Key=f"{prefix}-other/x.ckpt")
     try:
-        assert abort_stale_multipart_uploads(f"{s3_url}/a", older_than_s=0, storage_options=s3_server.options()) == [
-            f"{s3_url}/a/x.ckpt"
-        ]
-        keys = [u["Key"] for u in client.list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads", [])]
+        aborted = abort_stale_multipart_uploads(f"{s3_url}/a", older_than_s=0,
+                                                storage_options=s3_server.options())
+        assert aborted == [f"{s3_url}/a/x.ckpt"]
+        listed = client.list_multipart_uploads(Bucket=bucket, Prefix=prefix)
+        keys = [u["Key"] for u in listed.get("Uploads", [])]
         assert keys == [f"{prefix}-other/x.ckpt"]
     finally:
-        client.abort_multipart_upload(Bucket=bucket, Key=f"{prefix}-other/x.ckpt", UploadId=other["UploadId"])
+        client.abort_multipart_upload(Bucket=bucket, Key=f"{prefix}-other/x.ckpt",
+                                      UploadId=other["UploadId"])
 
 
 def test_checkpointer_dispatches_s3_urls_to_the_fast_path(s3_url, s3_options):
     with stagesave.Checkpointer(storage_options=s3_options) as ckpt:
         ckpt.save(small_state(3), f"{s3_url}/a.ckpt").result()
-        store, name = ckpt._targets.split(f"{s3_url}/a.ckpt")
+        store, name = ckpt.targets.split(f"{s3_url}/a.ckpt")
         assert isinstance(store, S3Store) and name == "a.ckpt"
         assert ckpt.load(f"{s3_url}/a.ckpt")["step"] == 3
         assert stagesave.latest(s3_url, storage_options=s3_options).path == f"{s3_url}/a.ckpt"
 
 
-def test_part_size_is_respected_by_a_server_that_enforces_the_minimum(s3_server, make_store, s3_url):
+def test_part_size_is_respected_by_a_server_that_enforces_the_minimum(
+    s3_server, make_store, s3_url
+):
     # SeaweedFS refuses parts under 5 MiB (EntityTooSmall), like S3: the chosen sizes pass it.
     state = big_state(4, mib=11)
     store = make_store(s3_url, part_size=PART)

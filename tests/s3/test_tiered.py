@@ -27,7 +27,8 @@ def tiered(tmp_path, proxy, make_store, s3_url):
     def make(remote_kw: dict | None = None, **kw) -> TieredStore:
         remote_kw = {"retry": RetryPolicy(max_attempts=2, base_delay_s=0.01), **(remote_kw or {})}
         remote = make_store(s3_url, proxy.endpoint, **remote_kw)
-        store = TieredStore(LocalStore(str(tmp_path / "local")), remote, remote_retry_after_s=0.0, **kw)
+        store = TieredStore(LocalStore(str(tmp_path / "local")), remote,
+                            remote_retry_after_s=0.0, **kw)
         made.append(store)
         return store
 
@@ -53,18 +54,26 @@ def test_commits_locally_then_uploads_the_same_checkpoint(tiered, s3_server, s3_
         assert local.path == os.path.join(store.local.url, "a.ckpt")  # committed on local disk
         assert ckpt.verify(local.path).status == "verified"
         uploads = store.wait_uploads()
-    assert [(u.tier, u.path, u.error, u.bytes) for u in uploads] == [("remote", f"{s3_url}/a.ckpt", None, local.bytes)]
+    assert [(u.tier, u.path, u.error, u.bytes) for u in uploads] == [
+        ("remote", f"{s3_url}/a.ckpt", None, local.bytes)
+    ]
     # both commits are in the telemetry: the local one first, then the upload
-    assert [(t.path, t.tier) for t in telemetry] == [(local.path, "local"), (f"{s3_url}/a.ckpt", "remote")]
+    assert [(t.path, t.tier) for t in telemetry] == [
+        (local.path, "local"), (f"{s3_url}/a.ckpt", "remote")
+    ]
     assert telemetry[1].committed_at >= telemetry[0].committed_at
     remote_manifests = [n for n in object_names(s3_server, s3_url) if n.endswith(".stagesave.json")]
-    assert remote_manifests == [n for n in os.listdir(store.local.url) if n.endswith(".stagesave.json")]
+    local_manifests = [n for n in os.listdir(store.local.url) if n.endswith(".stagesave.json")]
+    assert remote_manifests == local_manifests
     remote = stagesave.verify(f"{s3_url}/a.ckpt", storage_options=s3_options)
     assert remote.status == "verified"
-    assert torch.equal(stagesave.load(f"{s3_url}/a.ckpt", storage_options=s3_options)["w"], state["w"])
+    loaded = stagesave.load(f"{s3_url}/a.ckpt", storage_options=s3_options)
+    assert torch.equal(loaded["w"], state["w"])
 
 
-def test_remote_down_keeps_local_commits_and_the_next_save_uploads(tiered, proxy, s3_server, s3_url, capfd):
+def test_remote_down_keeps_local_commits_and_the_next_save_uploads(
+    tiered, proxy, s3_server, s3_url, capfd
+):
     store = tiered()
     with stagesave.Checkpointer(store) as ckpt:
         proxy.down = True
@@ -78,7 +87,9 @@ def test_remote_down_keeps_local_commits_and_the_next_save_uploads(tiered, proxy
         proxy.down = False
         ckpt.save(small_state(2), "b.ckpt").result()
         uploads = store.wait_uploads()
-    assert [(u.path.rpartition("/")[2], u.error) for u in uploads] == [("b.ckpt", None), ("a.ckpt", None)]
+    assert [(u.path.rpartition("/")[2], u.error) for u in uploads] == [
+        ("b.ckpt", None), ("a.ckpt", None)
+    ]
     assert store.pending_uploads() == []
     assert _remote_names(s3_server, s3_url) == ["a.ckpt", "b.ckpt"]
 
@@ -95,7 +106,8 @@ def test_a_hanging_remote_does_not_hold_up_local_commits(tiered, proxy):
         info = ckpt.latest()
         assert info is not None and info.name == "b.ckpt" and store.tier_of("b.ckpt") == "local"
         records = store.wait_uploads(timeout=60)
-    assert [r.path.rpartition("/")[2] for r in records] == ["b.ckpt"] and "failed" in records[0].error
+    assert [r.path.rpartition("/")[2] for r in records] == ["b.ckpt"]
+    assert "failed" in records[0].error
 
 
 def test_latest_prefers_the_valid_local_copy_and_falls_back_to_remote(tiered, s3_url, s3_options):
@@ -110,17 +122,22 @@ def test_latest_prefers_the_valid_local_copy_and_falls_back_to_remote(tiered, s3
         torch.save({"x": 1}, plain)
         os.utime(plain, (1e9, 1e9))  # older than the others
         info = ckpt.latest()
-        assert (info.name, info.path, store.tier_of("b.ckpt")) == ("b.ckpt", os.path.join(store.local.url, "b.ckpt"), "local")
+        assert (info.name, info.path, store.tier_of("b.ckpt")) == (
+            "b.ckpt", os.path.join(store.local.url, "b.ckpt"), "local"
+        )
         with open(info.path, "r+b") as f:  # the local copy is torn (node crash, bad disk)
             f.truncate(100)
         info = ckpt.latest()  # the committed remote copy wins over the torn local one
-        assert info.name == "b.ckpt" and info.path == f"{s3_url}/b.ckpt" and store.tier_of("b.ckpt") == "remote"
+        assert info.name == "b.ckpt" and info.path == f"{s3_url}/b.ckpt"
+        assert store.tier_of("b.ckpt") == "remote"
         assert ckpt.load("b.ckpt")["step"] == 2  # read from the remote tier
         os.remove(os.path.join(store.local.url, "a.ckpt"))
         assert ckpt.load("a.ckpt")["step"] == 1
 
 
-def test_latest_picks_a_newer_checkpoint_written_to_the_remote_elsewhere(tiered, s3_url, s3_options):
+def test_latest_picks_a_newer_checkpoint_written_to_the_remote_elsewhere(
+    tiered, s3_url, s3_options
+):
     store = tiered()
     with stagesave.Checkpointer(store) as ckpt:
         ckpt.save(small_state(1), "last.ckpt").result()
@@ -179,7 +196,8 @@ def test_a_locally_rotted_copy_is_not_uploaded(tiered, proxy, s3_server, s3_url,
         ckpt.save(small_state(1), "a.ckpt").result()
         store.wait_uploads()  # failed: a.ckpt waits for the remote tier
         path = os.path.join(store.local.url, "a.ckpt")
-        with open(path, "r+b") as f:  # one byte of the local copy rots meanwhile (a tensor's, or its proof's)
+        # one byte of the local copy rots meanwhile (a tensor's, or its proof's)
+        with open(path, "r+b") as f:
             f.seek(os.path.getsize(path) - 30 if where == "proof" else 4096 * 5 + 10)
             b = f.read(1)
             f.seek(-1, 1)
@@ -216,7 +234,8 @@ _EXITING_CHILD = """
 import sys, torch, stagesave
 from stagesave.stores.tiered import TieredStore
 local, url, endpoint, key, secret = sys.argv[1:6]
-store = TieredStore(local, url, storage_options={"key": key, "secret": secret, "endpoint_url": endpoint})
+store = TieredStore(local, url,
+                    storage_options={"key": key, "secret": secret, "endpoint_url": endpoint})
 ckpt = stagesave.Checkpointer(store)
 ckpt.save({"w": torch.arange(10.0)}, "exit.ckpt")
 # no wait, no close: the interpreter exits with the save and its upload still queued
@@ -237,7 +256,9 @@ def test_interpreter_exit_flushes_saves_then_uploads(tmp_path, s3_server, s3_url
     assert stagesave.verify(f"{s3_url}/exit.ckpt", storage_options=s3_options).status == "verified"
 
 
-def test_a_removed_checkpoint_is_not_listed_while_its_remote_removal_is_slow(tiered, proxy, s3_server, s3_url):
+def test_a_removed_checkpoint_is_not_listed_while_its_remote_removal_is_slow(
+    tiered, proxy, s3_server, s3_url
+):
     """Retention removes a checkpoint from both tiers; the remote removal waits behind the uploads
     queued before it. Until it has run, the remote copy must not reappear in listings (CI once saw
     `list()` return a checkpoint that `keep_last` had just removed)."""
