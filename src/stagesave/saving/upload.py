@@ -136,7 +136,7 @@ class Uploader:
         """``name`` (a file or a folder) is committed on the local tier: queue its upload.
 
         Raises:
-            RuntimeError: the upload queue is stopped.
+            ClosedError: the upload queue is stopped.
         """
         when = time.time()
         with self._lock:

@@ -27,6 +27,7 @@ import os
 from contextlib import AbstractContextManager
 from typing import Any
 
+from ..errors import ClosedError
 from ..ondisk.names import DIR_MANIFEST, TMP_MARKER, split_manifest_name
 from ..saving.retire import remove_checkpoint
 from ..saving.upload import Uploader, register_for_exit, unregister_for_exit
@@ -162,7 +163,7 @@ class TieredStore(Store):
         """
         try:
             self._uploads.committed(directory)
-        except RuntimeError as exc:  # the upload queue is closed: report, the commit stands
+        except ClosedError as exc:  # the upload queue is closed: report, the commit stands
             self._uploads.report_failure(
                 directory,
                 f"uploading {self.remote.describe(directory)} was not queued ({exc}); the local "
