@@ -19,8 +19,9 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from ..errors import CheckpointNotFoundError, IntegrityError, ManifestError
 from ..ondisk.manifest import FileEntry
-from ..restore.discovery import CheckpointInfo, folder_entries, resolve_dir
+from ..restore.info import CheckpointInfo
 from ..restore.proof import peek
+from ..restore.resolve_folder import folder_entries, resolve_dir
 from ..stores.base import Reader, Store, check_name
 from ._format import METADATA_FILE
 from ._metadata import StorageInfo, load_metadata

@@ -23,7 +23,7 @@ from ..errors import IntegrityError
 from ..ondisk.checksum import digest
 from ..ondisk.manifest import FileEntry
 from ..ondisk.names import DEFAULT_CHUNK_BYTES
-from ..restore.discovery import raise_if_corrupt
+from ..restore.verify import raise_if_corrupt
 from ..safety import safe_torch_load
 from ..stores.base import Reader
 from ._metadata import StorageInfo
