@@ -16,7 +16,9 @@ from stagesave.lightning import StagedCheckpointIO
 
 def main() -> None:
     root = Path(sys.argv[1])
-    mc = ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=2, save_top_k=1, save_last="link")
+    mc = ModelCheckpoint(
+        dirpath=root / "ckpt", every_n_train_steps=2, save_top_k=1, save_last="link"
+    )
     make_trainer(root, [StagedCheckpointIO()], [mc], max_steps=6).fit(TinyModel(), StepBatches())
     print("not killed", flush=True)
 

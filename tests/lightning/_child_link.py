@@ -41,7 +41,8 @@ class KillWhilePending(Callback):
         self.held = held
 
     def on_train_batch_start(self, trainer: Trainer, *args: Any) -> None:
-        if trainer.global_step == 3:  # let the step-2 save (and link) finish, as a slower step would
+        # let the step-2 save (and link) finish, as a slower step would
+        if trainer.global_step == 3:
             while not ((first_committed.is_set() and (self.d / "last.ckpt").exists())
                        or (self.held and self.held.written)):
                 time.sleep(0.01)
@@ -64,7 +65,9 @@ def main() -> None:
     else:
         io = StagedCheckpointIO(telemetry_callback=hold_writer_after_first, max_pending=8)
     mc = ModelCheckpoint(dirpath=d, every_n_train_steps=2, save_top_k=1, save_last="link")
-    make_trainer(root, [io], [mc, KillWhilePending(d, held)], max_steps=10).fit(TinyModel(), StepBatches())
+    make_trainer(root, [io], [mc, KillWhilePending(d, held)], max_steps=10).fit(
+        TinyModel(), StepBatches()
+    )
     print("not killed", flush=True)
 
 

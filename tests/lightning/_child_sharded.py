@@ -2,8 +2,9 @@
 
 Usage: ``python _child_sharded.py ROOT KIND [KIND ...]`` with kinds ``fsdp``,
 ``model_parallel``, ``fsdp-cuda``, each run in ``ROOT/<kind>``, one after the other in the same
-two processes (starting them is most of the cost). Lightning re-launches this script for rank 1. On the CPU the model shards itself in ``configure_model`` (FSDP1 with
-``device_id=cpu``, or FSDP2's ``fully_shard`` on the ModelParallel data-parallel mesh), which is
+two processes (starting them is most of the cost). Lightning re-launches this script for rank 1.
+On the CPU the model shards itself in ``configure_model`` (FSDP1 with ``device_id=cpu``, or
+FSDP2's ``fully_shard`` on the ModelParallel data-parallel mesh), which is
 how Lightning's FSDP runs on a CPU at all; ``fsdp-cuda`` leaves the wrapping to Lightning (an
 auto-wrap policy) on up to two GPUs. Phases, each a ``Trainer.fit`` in the same processes:
 
@@ -56,7 +57,9 @@ class ShardedModel(LightningModule):
         super().__init__()
         self.kind = kind
         torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 1))
+        self.net = nn.Sequential(
+            nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 1)
+        )
 
     def configure_model(self) -> None:
         if self.kind == "fsdp-cuda":
@@ -75,7 +78,9 @@ class ShardedModel(LightningModule):
                     fully_shard(layer, mesh=mesh)
             fully_shard(self.net, mesh=mesh)
 
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+    def training_step(
+        self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int
+    ) -> torch.Tensor:
         x, y = batch
         return nn.functional.mse_loss(self.net(x), y)
 
@@ -203,13 +208,15 @@ def run(kind: str, root: Path) -> None:
     try:
         first.save_checkpoint(root / "manual-c.ckpt")
         out["c_error"] = None
-    except Exception as exc:  # noqa: BLE001 - recorded for the test
+    except Exception as exc:  # noqa: BLE001, RUF100 - recorded for the test
         out["c_error"] = [type(exc).__name__, str(exc)[:400]]
     first.lightning_module.unsaveable = False  # type: ignore[attr-defined]
     plugin.teardown()
 
     # 2. resume with ckpt_path="last"
-    second = trainer(kind, root, True, 6, ModelCheckpoint(dirpath=ckpt, save_last=save_last), Record(out, "run2"))
+    second = trainer(
+        kind, root, True, 6, ModelCheckpoint(dirpath=ckpt, save_last=save_last), Record(out, "run2")
+    )
     second.fit(ShardedModel(kind), StepBatches(), ckpt_path="last")
 
     # 3. Lightning's own strategy reads the staged folder, and writes a plain one at step 6
@@ -230,16 +237,24 @@ def run(kind: str, root: Path) -> None:
         bad.write_bytes(bytes(data))
     torch.distributed.barrier()
     try:
-        trainer(kind, root, True, 8).fit(ShardedModel(kind), StepBatches(), ckpt_path=root / "manual-b.ckpt")
+        trainer(kind, root, True, 8).fit(
+            ShardedModel(kind), StepBatches(), ckpt_path=root / "manual-b.ckpt"
+        )
         out["corrupt_error"] = None
-    except Exception as exc:  # noqa: BLE001 - recorded for the test
+    except Exception as exc:  # noqa: BLE001, RUF100 - recorded for the test
         out["corrupt_error"] = [type(exc).__name__, str(exc)[:400]]
 
     if kind == "model_parallel":
         # 6. the same strategy with full checkpoints: one file, written by rank 0's plugin
         full = root / "full"
-        trainer("model_parallel_full", full, True, 2, ModelCheckpoint(dirpath=full, every_n_train_steps=2),
-                Record(out, "full1")).fit(ShardedModel(kind), StepBatches())
+        trainer(
+            "model_parallel_full",
+            full,
+            True,
+            2,
+            ModelCheckpoint(dirpath=full, every_n_train_steps=2),
+            Record(out, "full1"),
+        ).fit(ShardedModel(kind), StepBatches())
         trainer("model_parallel_full", full, True, 3, Record(out, "full2")).fit(
             ShardedModel(kind), StepBatches(), ckpt_path=full / "epoch=0-step=2.ckpt")
 

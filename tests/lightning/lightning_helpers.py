@@ -66,14 +66,20 @@ class StepBatches:
 class TinyModel(LightningModule):
     """A small MLP with dropout; saves the torch RNG so a resumed run draws the same masks."""
 
-    def __init__(self, dim: int = 8, hidden: int = 32, lr: float = 0.01, numpy_state: bool = False) -> None:
+    def __init__(
+        self, dim: int = 8, hidden: int = 32, lr: float = 0.01, numpy_state: bool = False
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.net = nn.Sequential(nn.Linear(dim, hidden), nn.ReLU(), nn.Dropout(0.1), nn.Linear(hidden, 1))
+        self.net = nn.Sequential(
+            nn.Linear(dim, hidden), nn.ReLU(), nn.Dropout(0.1), nn.Linear(hidden, 1)
+        )
         # A mutable non-tensor leaf (as many users keep): updated in place every step.
         self.seen = np.zeros(4, dtype=np.int64)
 
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+    def training_step(
+        self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int
+    ) -> torch.Tensor:
         x, y = batch
         loss = nn.functional.mse_loss(self.net(x), y)
         self.seen += 1
@@ -86,7 +92,10 @@ class TinyModel(LightningModule):
 
     def configure_optimizers(self) -> Any:
         opt = torch.optim.AdamW(self.parameters(), lr=self.hparams["lr"])
-        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.9)}
+        return {
+            "optimizer": opt,
+            "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.9),
+        }
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["torch_rng"] = torch.get_rng_state()
@@ -100,7 +109,9 @@ class TinyModel(LightningModule):
             self.seen = np.array(checkpoint["seen"])
 
 
-def make_trainer(root: Path, plugins: Sequence[Any] = (), callbacks: Sequence[Any] = (), **kw: Any) -> Trainer:
+def make_trainer(
+    root: Path, plugins: Sequence[Any] = (), callbacks: Sequence[Any] = (), **kw: Any
+) -> Trainer:
     options: dict[str, Any] = {
         "default_root_dir": str(root),
         "accelerator": "cpu",
@@ -153,7 +164,9 @@ class HeldCheckpointIO(TorchCheckpointIO):
         self.calls = 0
         self.written: list[str] = []
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None
+    ) -> None:
         self.calls += 1
         if self.calls > self.hold_after:
             self.release.wait(60)

@@ -26,12 +26,12 @@ ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 1 << 20)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch
-from lightning.pytorch import LightningModule
-from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.plugins.io import TorchCheckpointIO
-from lightning_helpers import StepBatches, make_trainer
-from torch import nn
+import torch  # noqa: E402, RUF100 - after mallopt
+from lightning.pytorch import LightningModule  # noqa: E402, RUF100 - after mallopt
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402, RUF100 - after mallopt
+from lightning.pytorch.plugins.io import TorchCheckpointIO  # noqa: E402, RUF100 - after mallopt
+from lightning_helpers import StepBatches, make_trainer  # noqa: E402, RUF100 - after mallopt
+from torch import nn  # noqa: E402, RUF100 - after mallopt
 
 #: Bytes of checkpointed state (weights, bias and Adam's two moments of each).
 STATE_BYTES = 3 * 2048 * 2049 * 4
@@ -42,7 +42,9 @@ class WideModel(LightningModule):
         super().__init__()
         self.net = nn.Linear(2048, 2048)
 
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+    def training_step(
+        self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int
+    ) -> torch.Tensor:
         x, _ = batch
         return self.net(x.repeat(1, 256)).square().mean()
 

@@ -41,7 +41,8 @@ def _valid_on_disk(d: Path) -> list[str]:
 
 
 class Probe(Callback):
-    """Records which checkpoints are valid on disk before each batch; releases the hold at the end."""
+    """Records which checkpoints are valid on disk before each batch; releases the hold at the
+    end."""
 
     def __init__(self, d: Path, release: Any, first_written: Any = None) -> None:
         self.d = d
@@ -62,7 +63,7 @@ class Probe(Callback):
         self.release()
 
 
-# ---------------------------------------------------------------- top-k removal while saves are queued
+# ---------------------------------------------------------- top-k removal while saves are queued
 def _topk_run(tmp_path: Path, io: Any, release: Any, first_written: Any) -> tuple[Probe, Path]:
     d = tmp_path / "ckpt"
     probe = Probe(d, release, first_written)
@@ -84,7 +85,9 @@ def test_topk_removal_with_async_checkpointio_loses_or_leaks_checkpoints(tmp_pat
     assert _ckpt_files(d) == ["epoch=0-step=2.ckpt", "epoch=0-step=3.ckpt", "epoch=0-step=4.ckpt"]
 
 
-def test_topk_removal_with_plugin_is_ordered_after_queued_saves(tmp_path: Path, gate: WriterGate) -> None:
+def test_topk_removal_with_plugin_is_ordered_after_queued_saves(
+    tmp_path: Path, gate: WriterGate
+) -> None:
     io = StagedCheckpointIO(telemetry_callback=gate, max_pending=8)
     probe, d = _topk_run(tmp_path, io, gate.open, lambda: gate.entered.wait(30))
     # While later saves were held, step 1 (the only committed checkpoint) was never removed.
@@ -124,7 +127,9 @@ def _numpy_run(tmp_path: Path, io: Any, release: Any) -> Path:
     d = tmp_path / "ckpt"
     mc = ModelCheckpoint(dirpath=d, every_n_train_steps=1, save_top_k=-1)
     probe = Probe(d, release)
-    make_trainer(tmp_path, [io], [mc, probe], max_steps=4).fit(TinyModel(numpy_state=True), StepBatches())
+    make_trainer(tmp_path, [io], [mc, probe], max_steps=4).fit(
+        TinyModel(numpy_state=True), StepBatches()
+    )
     return d
 
 
@@ -181,16 +186,21 @@ def _break_directory(d: Path) -> None:
     d.write_bytes(b"not a directory")
 
 
-def test_plugin_background_error_is_raised_once_then_cleared(tmp_path: Path, gate: WriterGate) -> None:
+def test_plugin_background_error_is_raised_once_then_cleared(
+    tmp_path: Path, gate: WriterGate
+) -> None:
     io = StagedCheckpointIO(telemetry_callback=gate, max_pending=8)
-    io.save_checkpoint(_state(0), tmp_path / "first.ckpt")  # commits, then the gate holds the writer
+    # commits, then the gate holds the writer
+    io.save_checkpoint(_state(0), tmp_path / "first.ckpt")
     assert gate.entered.wait(30)
     bad = tmp_path / "volume"
     io.save_checkpoint(_state(1), bad / "a.ckpt")  # staged; its write is held
     _break_directory(bad)
     gate.open()
     _wait_until(lambda: io.pending() == 0)
-    with pytest.raises(stagesave.CheckpointError, match=r"saving checkpoint .*volume/a\.ckpt failed"):
+    with pytest.raises(
+        stagesave.CheckpointError, match=r"saving checkpoint .*volume/a\.ckpt failed"
+    ):
         io.save_checkpoint(_state(2), tmp_path / "b.ckpt")
     io.save_checkpoint(_state(3), tmp_path / "c.ckpt")  # the error was delivered: not raised again
     io.teardown()
@@ -250,7 +260,10 @@ def test_plugin_teardown_never_masks_the_users_exception(
             pytest.raises(ValueError, match="boom in training_step"):
         trainer.fit(_fails_at(1, break_and_release), StepBatches())
     # The failed save is reported, not lost, and nothing is left pending or raised later.
-    assert any("epoch=0-step=1.ckpt" in r.getMessage() and "failed" in r.getMessage() for r in caplog.records)
+    assert any(
+        "epoch=0-step=1.ckpt" in r.getMessage() and "failed" in r.getMessage()
+        for r in caplog.records
+    )
     assert io.pending() == 0
     io.teardown()
 
@@ -308,7 +321,9 @@ def test_torch_checkpointio_cannot_resume_a_checkpoint_with_numpy(tmp_path: Path
 
 
 @pytest.mark.parametrize("writer", ["torch", "staged"])
-def test_plugin_resumes_a_checkpoint_with_numpy_under_default_weights_only(tmp_path: Path, writer: str) -> None:
+def test_plugin_resumes_a_checkpoint_with_numpy_under_default_weights_only(
+    tmp_path: Path, writer: str
+) -> None:
     d = tmp_path / "ckpt"
     io = [] if writer == "torch" else [StagedCheckpointIO()]
     make_trainer(tmp_path, io, [ModelCheckpoint(dirpath=d)], max_steps=2).fit(

@@ -26,4 +26,7 @@ def test_ddp_two_processes_save_on_rank_zero_and_resume_on_both(tmp_path: Path) 
     assert r0["end_step"] == r1["end_step"] == 8
     assert r0["fingerprint"] == r1["fingerprint"]
     # Top-1 plus last: rank 0's removals of older checkpoints ran after its saves.
-    assert sorted(p.name for p in (tmp_path / "ckpt").glob("*.ckpt")) == ["epoch=0-step=8.ckpt", "last.ckpt"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("*.ckpt")) == [
+        "epoch=0-step=8.ckpt",
+        "last.ckpt",
+    ]

@@ -36,7 +36,9 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 # ---------------------------------------------------------------- saves outside the fit loop
 def test_a_save_after_fit_is_there_for_every_reader(tmp_path: Path) -> None:
-    trainer = make_trainer(tmp_path, [StagedCheckpointIO()], max_steps=3, enable_checkpointing=False)
+    trainer = make_trainer(
+        tmp_path, [StagedCheckpointIO()], max_steps=3, enable_checkpointing=False
+    )
     model = TinyModel()
     trainer.fit(model, StepBatches())
     final = tmp_path / "final.ckpt"
@@ -48,7 +50,9 @@ def test_a_save_after_fit_is_there_for_every_reader(tmp_path: Path) -> None:
     assert _same(TinyModel.load_from_checkpoint(final).state_dict(), model.state_dict())
     validated = make_trainer(tmp_path, [StagedCheckpointIO()])
     assert validated.validate(TinyModel(), StepBatches(n=2), ckpt_path=final, verbose=False)
-    resumed = make_trainer(tmp_path, [StagedCheckpointIO()], max_steps=5, enable_checkpointing=False)
+    resumed = make_trainer(
+        tmp_path, [StagedCheckpointIO()], max_steps=5, enable_checkpointing=False
+    )
     resumed.fit(TinyModel(), StepBatches(), ckpt_path=final)
     assert resumed.global_step == 5
     assert stagesave.verify(str(final)).status == "verified"
@@ -74,7 +78,9 @@ def test_saves_from_validate_and_test_return_committed(tmp_path: Path) -> None:
         def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
             self.validation_step(batch, batch_idx)
 
-    trainer = make_trainer(tmp_path, [StagedCheckpointIO()], [SavesInEveryStage()], enable_checkpointing=False)
+    trainer = make_trainer(
+        tmp_path, [StagedCheckpointIO()], [SavesInEveryStage()], enable_checkpointing=False
+    )
     model = Tested()
     trainer.validate(model, StepBatches(n=2), verbose=False)
     trainer.test(model, StepBatches(n=2), verbose=False)
@@ -94,9 +100,12 @@ def test_saves_inside_fit_stay_asynchronous(tmp_path: Path, gate: WriterGate) ->
             gate.open()
 
     io = StagedCheckpointIO(telemetry_callback=gate, max_pending=4)
-    make_trainer(tmp_path, [io], [Probe()], max_steps=2, enable_checkpointing=False).fit(TinyModel(), StepBatches())
+    make_trainer(tmp_path, [io], [Probe()], max_steps=2, enable_checkpointing=False).fit(
+        TinyModel(), StepBatches()
+    )
     assert seen == {"b pending": True}
-    assert torch.load(tmp_path / "b.ckpt", weights_only=True)["global_step"] == 2  # teardown flushed it
+    # teardown flushed it
+    assert torch.load(tmp_path / "b.ckpt", weights_only=True)["global_step"] == 2
 
 
 # ---------------------------------------------------------------- the process-wide view
@@ -111,7 +120,8 @@ def test_another_instance_waits_for_a_pending_save(tmp_path: Path, gate: WriterG
             assert not (tmp_path / "b.ckpt").exists()
             threading.Timer(0.3, gate.open).start()
             # Neither of these instances made the save; both wait for it.
-            seen["other plugin"] = StagedCheckpointIO().load_checkpoint(tmp_path / "b.ckpt")["global_step"]
+            other = StagedCheckpointIO().load_checkpoint(tmp_path / "b.ckpt")
+            seen["other plugin"] = other["global_step"]
             gate.close()
             trainer.save_checkpoint(tmp_path / "c.ckpt")
             threading.Timer(0.3, gate.open).start()
@@ -120,13 +130,15 @@ def test_another_instance_waits_for_a_pending_save(tmp_path: Path, gate: WriterG
             seen["load"] = stagesave.load(str(tmp_path / "c.ckpt"))["global_step"]
 
     io = StagedCheckpointIO(telemetry_callback=gate, max_pending=4)
-    make_trainer(tmp_path, [io], [ReadsThroughOthers()], max_steps=2, enable_checkpointing=False).fit(
-        TinyModel(), StepBatches())
+    make_trainer(
+        tmp_path, [io], [ReadsThroughOthers()], max_steps=2, enable_checkpointing=False
+    ).fit(TinyModel(), StepBatches())
     assert seen == {"other plugin": 2, "latest": "c.ckpt", "load": 2}
 
 
 def test_model_checkpoint_versions_names_of_pending_saves(tmp_path: Path, gate: WriterGate) -> None:
-    # ModelCheckpoint asks whether "test.ckpt" exists to choose "test-v1.ckpt": a pending save counts.
+    # ModelCheckpoint asks whether "test.ckpt" exists to choose "test-v1.ckpt": a pending save
+    # counts.
     mc = ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="test", monitor="epoch", save_top_k=-1)
     gate.hold_after = 1
     io = StagedCheckpointIO(telemetry_callback=gate, max_pending=8)
@@ -156,11 +168,14 @@ def test_a_replaced_torch_save_is_honoured(
     monkeypatch.setattr(torch, "save", counting_save)
     mc = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1)
     with caplog.at_level(logging.WARNING, logger="stagesave.lightning"):
-        make_trainer(tmp_path, [StagedCheckpointIO()], [mc], max_steps=3).fit(TinyModel(), StepBatches())
+        make_trainer(tmp_path, [StagedCheckpointIO()], [mc], max_steps=3).fit(
+            TinyModel(), StepBatches()
+        )
     names = sorted(os.listdir(tmp_path / "ckpt"))
     assert names == ["epoch=0-step=1.ckpt", "epoch=0-step=2.ckpt", "epoch=0-step=3.ckpt"]
     assert calls == ["dict"] * 3  # every checkpoint went through the replacement, once
-    assert [torch.load(tmp_path / "ckpt" / n, weights_only=True)["global_step"] for n in names] == [1, 2, 3]
+    steps = [torch.load(tmp_path / "ckpt" / n, weights_only=True)["global_step"] for n in names]
+    assert steps == [1, 2, 3]
     assert "torch.save is replaced" in caplog.text
 
 
@@ -168,8 +183,13 @@ def test_a_replaced_torch_save_is_honoured(
 def test_a_hundred_trainers_leave_no_threads_and_flat_memory(tmp_path: Path) -> None:
     # In a child process of its own (RSS of this one holds every earlier test), with a fixed
     # malloc mmap threshold so that freed buffers leave RSS (many_trainers.py).
-    out = subprocess.run([sys.executable, str(HERE / "many_trainers.py"), "--runs", "100", "--dir", str(tmp_path)],
-                         capture_output=True, text=True, timeout=600, check=False)
+    out = subprocess.run(
+        [sys.executable, str(HERE / "many_trainers.py"), "--runs", "100", "--dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["threads"] == [0] * 100  # live stagesave threads after each trainer

@@ -11,8 +11,8 @@ from typing import Any
 from lightning_helpers import REPO, run_python
 
 EXAMPLE = str(REPO / "examples" / "lightning_finetune.py")
-SMALL = ["--max-steps", "8", "--every", "3", "--batch-size", "4", "--seq-len", "16", "--d-model", "16",
-         "--layers", "1", "--sample", "0"]
+SMALL = ["--max-steps", "8", "--every", "3", "--batch-size", "4", "--seq-len", "16",
+         "--d-model", "16", "--layers", "1", "--sample", "0"]
 
 
 def _result(stdout: str) -> dict[str, Any]:
@@ -23,8 +23,12 @@ def _result(stdout: str) -> dict[str, Any]:
 def test_example_crash_resume_matches_an_uninterrupted_run(tmp_path: Path) -> None:
     run = tmp_path / "run"
     with ThreadPoolExecutor(2) as pool:  # the uninterrupted reference runs alongside
-        reference = pool.submit(run_python, [EXAMPLE, "--dir", str(tmp_path / "straight"), *SMALL], cwd=tmp_path)
-        crashed = run_python([EXAMPLE, "--dir", str(run), *SMALL, "--crash-after-step", "6"], cwd=tmp_path)
+        reference = pool.submit(
+            run_python, [EXAMPLE, "--dir", str(tmp_path / "straight"), *SMALL], cwd=tmp_path
+        )
+        crashed = run_python(
+            [EXAMPLE, "--dir", str(run), *SMALL, "--crash-after-step", "6"], cwd=tmp_path
+        )
         straight = reference.result()
     assert crashed.returncode == -signal.SIGKILL, crashed.stdout[-2000:] + crashed.stderr[-2000:]
     assert "simulated crash: SIGKILL after step 6" in crashed.stdout

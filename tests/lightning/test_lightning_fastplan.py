@@ -15,7 +15,8 @@ from stagesave.saving.plan import plan_torch_file
 def test_a_lightning_checkpoint_takes_the_fast_path_with_torch_saves_layout(tmp_path: Path) -> None:
     trainer = make_trainer(tmp_path, [], [ModelCheckpoint(dirpath=tmp_path / "c")], max_steps=3)
     trainer.fit(TinyModel(numpy_state=True), StepBatches())
-    checkpoint = trainer._checkpoint_connector.dump_checkpoint()  # what save_checkpoint hands the IO
+    # what save_checkpoint hands the IO
+    checkpoint = trainer._checkpoint_connector.dump_checkpoint()
     assert _fastplan.fast_path_enabled()
     ours = _fastplan.plan_fast(checkpoint)
     assert ours is not None

@@ -24,7 +24,11 @@ def test_telemetry_reaches_the_trainers_loggers(tmp_path: Path) -> None:
     logger = CSVLogger(tmp_path, name="run", version=0)
     mc = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
     trainer = make_trainer(
-        tmp_path, [StagedCheckpointIO()], [mc, CheckpointTelemetryLogger()], max_steps=6, logger=logger
+        tmp_path,
+        [StagedCheckpointIO()],
+        [mc, CheckpointTelemetryLogger()],
+        max_steps=6,
+        logger=logger,
     )
     trainer.fit(TinyModel(), StepBatches())
     with open(tmp_path / "run" / "version_0" / "metrics.csv") as f:
@@ -79,7 +83,9 @@ def test_fabric_save_wait_load(tmp_path: Path) -> None:
     assert opt2.state_dict()["state"][0]["step"] == opt.state_dict()["state"][0]["step"]
     io.teardown()
     io2.teardown()
-    assert not [t for t in threading.enumerate() if t.name.startswith("stagesave") and t not in before]
+    assert not [
+        t for t in threading.enumerate() if t.name.startswith("stagesave") and t not in before
+    ]
 
 
 def test_fabric_load_waits_for_its_own_pending_save(tmp_path: Path) -> None:

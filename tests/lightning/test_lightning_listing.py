@@ -41,17 +41,22 @@ def _assert_plain_and_proven(path: Path) -> dict[str, Any]:
     assert_bitwise_equal(mapped["state_dict"], state["state_dict"])
     info = stagesave.verify(path)
     assert (info.status, info.format) == ("verified", 2), (path, info.problems)
-    assert info.manifest is not None and info.manifest.metadata["global_step"] == state["global_step"]
+    assert (
+        info.manifest is not None and info.manifest.metadata["global_step"] == state["global_step"]
+    )
     return state  # type: ignore[no-any-return]
 
 
-def test_save_top_k_and_save_last_list_exactly_what_torch_checkpointio_lists(tmp_path: Path) -> None:
+def test_save_top_k_and_save_last_list_exactly_what_torch_checkpointio_lists(
+    tmp_path: Path,
+) -> None:
     torch_dir, _ = _fit(tmp_path / "torch", TorchCheckpointIO(), save_last=True)
     staged_dir, model = _fit(tmp_path / "staged", StagedCheckpointIO(), save_last=True)
 
     listing = sorted(os.listdir(staged_dir))
     assert listing == sorted(os.listdir(torch_dir))
-    assert len(listing) == 4 and "last.ckpt" in listing  # the three best and last: a real run of top-k
+    # the three best and last: a real run of top-k
+    assert len(listing) == 4 and "last.ckpt" in listing
     for name in listing:
         path = staged_dir / name
         assert path.is_file() and not path.is_symlink()

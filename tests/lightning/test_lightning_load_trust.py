@@ -35,8 +35,9 @@ def _real_checkpoint(tmp_path: Path) -> dict[str, Any]:
     """The dict of a real Lightning checkpoint (3 steps of a real Trainer with the plugin)."""
     d = tmp_path / "ckpts"
     io = StagedCheckpointIO()
-    make_trainer(tmp_path / "run", [io], [ModelCheckpoint(dirpath=d, save_top_k=-1)], max_steps=3).fit(
-        TinyModel(), StepBatches())
+    make_trainer(
+        tmp_path / "run", [io], [ModelCheckpoint(dirpath=d, save_top_k=-1)], max_steps=3
+    ).fit(TinyModel(), StepBatches())
     io.wait()
     [path] = sorted(d.iterdir())
     return io.load_checkpoint(path)
@@ -44,7 +45,9 @@ def _real_checkpoint(tmp_path: Path) -> dict[str, Any]:
 
 @pytest.mark.parametrize("verify", [True, False], ids=["verify", "no-verify"])
 @pytest.mark.parametrize("made_by", ["torch.save", "stagesave.save"])
-def test_fit_ckpt_path_refuses_a_checkpoint_that_would_run_code(tmp_path: Path, made_by: str, verify: bool) -> None:
+def test_fit_ckpt_path_refuses_a_checkpoint_that_would_run_code(
+    tmp_path: Path, made_by: str, verify: bool
+) -> None:
     state = _real_checkpoint(tmp_path)
     marker = str(tmp_path / "PWNED")
     state["callbacks"] = {"evil": Boom(marker)}
@@ -54,8 +57,10 @@ def test_fit_ckpt_path_refuses_a_checkpoint_that_would_run_code(tmp_path: Path, 
     else:  # a checkpoint whose proof holds up: anyone can make one with stagesave itself
         stagesave.save(state, path)
         assert stagesave.verify(path).status == "verified"
-    trainer = make_trainer(tmp_path / "resume", [StagedCheckpointIO(verify_on_load=verify)], max_steps=6)
-    with pytest.raises(stagesave.UnsafeCheckpointError, match="posix.mkdir"):
+    trainer = make_trainer(
+        tmp_path / "resume", [StagedCheckpointIO(verify_on_load=verify)], max_steps=6
+    )
+    with pytest.raises(stagesave.UnsafeCheckpointError, match=r"posix.mkdir"):
         trainer.fit(TinyModel(), StepBatches(), ckpt_path=str(path))
     assert not os.path.exists(marker)
 
@@ -66,7 +71,9 @@ def _sharded_folder(root: Path, meta: bytes, *, proven: bool) -> Path:
     folder = root / "sharded.ckpt"
     if proven:
         with stagesave.Checkpointer(root) as ck:
-            ck.save_dir({".metadata": {"planner": torch.zeros(1)}, "meta.pt": Raw(meta)}, folder.name).result()
+            ck.save_dir(
+                {".metadata": {"planner": torch.zeros(1)}, "meta.pt": Raw(meta)}, folder.name
+            ).result()
         assert stagesave.verify(folder).status == "verified"
     else:
         folder.mkdir()
@@ -76,7 +83,9 @@ def _sharded_folder(root: Path, meta: bytes, *, proven: bool) -> Path:
 
 @pytest.mark.parametrize("verify", [True, False], ids=["verify", "no-verify"])
 @pytest.mark.parametrize("proven", [True, False], ids=["proven", "plain"])
-def test_a_sharded_meta_pt_that_would_run_code_is_refused(tmp_path: Path, proven: bool, verify: bool) -> None:
+def test_a_sharded_meta_pt_that_would_run_code_is_refused(
+    tmp_path: Path, proven: bool, verify: bool
+) -> None:
     marker = str(tmp_path / "PWNED")
     evil = tmp_path / "evil.pt"
     torch.save({"global_step": 4, "loops": Boom(marker)}, evil)
@@ -84,7 +93,7 @@ def test_a_sharded_meta_pt_that_would_run_code_is_refused(tmp_path: Path, proven
     io = StagedCheckpointIO(verify_on_load=verify)
     filled: list[Any] = []
     try:
-        with pytest.raises(stagesave.UnsafeCheckpointError, match="posix.mkdir"):
+        with pytest.raises(stagesave.UnsafeCheckpointError, match=r"posix.mkdir"):
             ShardedCheckpoints().load(io, str(folder), None, filled.append)
     finally:
         io.teardown()
@@ -92,15 +101,18 @@ def test_a_sharded_meta_pt_that_would_run_code_is_refused(tmp_path: Path, proven
 
 
 @pytest.mark.parametrize("verify", [True, False], ids=["verify", "no-verify"])
-def test_a_file_the_sharded_proof_does_not_list_is_refused_without_verify_on_load(tmp_path: Path, verify: bool) -> None:
+def test_a_file_the_sharded_proof_does_not_list_is_refused_without_verify_on_load(
+    tmp_path: Path, verify: bool
+) -> None:
     ok = tmp_path / "ok.pt"
     torch.save({"global_step": 4}, ok)
     folder = _sharded_folder(tmp_path, ok.read_bytes(), proven=True)
-    shutil.copy(folder / ".metadata", folder / "__0_0.distcp")  # not in the proof: DCP would read it
+    # not in the proof: DCP would read it
+    shutil.copy(folder / ".metadata", folder / "__0_0.distcp")
     io = StagedCheckpointIO(verify_on_load=verify)
     filled: list[Any] = []
     try:
-        with pytest.raises(stagesave.IntegrityError, match="__0_0.distcp"):
+        with pytest.raises(stagesave.IntegrityError, match=r"__0_0.distcp"):
             ShardedCheckpoints().load(io, str(folder), None, filled.append)
     finally:
         io.teardown()

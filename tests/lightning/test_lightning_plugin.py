@@ -33,7 +33,9 @@ _BEFORE: set[threading.Thread] = set()
 
 def _stagesave_threads() -> list[str]:
     """stagesave threads started since this test began and still alive."""
-    return [t.name for t in threading.enumerate() if t.name.startswith("stagesave") and t not in _BEFORE]
+    return [
+        t.name for t in threading.enumerate() if t.name.startswith("stagesave") and t not in _BEFORE
+    ]
 
 
 def _metadata(path: Path) -> dict[str, Any]:
@@ -58,7 +60,7 @@ def test_invalid_arguments_say_what_is_wrong() -> None:
         StagedCheckpointIO(checksum_in="later")
     with pytest.raises(ValueError, match="teardown_timeout must be >= 0"):
         StagedCheckpointIO(teardown_timeout=-1)
-    with pytest.raises(ValueError, match="'no.such.Class' does not name an importable class"):
+    with pytest.raises(ValueError, match=r"'no.such.Class' does not name an importable class"):
         StagedCheckpointIO(safe_globals=["no.such.Class"])
     with pytest.raises(TypeError, match="device_staging must be True or False, got 'gpu'"):
         StagedCheckpointIO(device_staging="gpu")  # type: ignore[arg-type]
@@ -78,10 +80,21 @@ def test_save_checkpoint_positional_and_keyword_with_metadata(tmp_path: Path) ->
     io = StagedCheckpointIO()
     state = {"w": torch.arange(10.0), "global_step": 5, "epoch": 1}
     io.save_checkpoint(state, tmp_path / "a.ckpt")
-    io.save_checkpoint(checkpoint=state, path=str(tmp_path / "b.ckpt"), storage_options={"metadata": {"run": "x"}})
+    io.save_checkpoint(
+        checkpoint=state, path=str(tmp_path / "b.ckpt"), storage_options={"metadata": {"run": "x"}}
+    )
     io.wait()
-    assert _metadata(tmp_path / "a.ckpt") == {"framework": "lightning", "epoch": 1, "global_step": 5}
-    assert _metadata(tmp_path / "b.ckpt") == {"framework": "lightning", "epoch": 1, "global_step": 5, "run": "x"}
+    assert _metadata(tmp_path / "a.ckpt") == {
+        "framework": "lightning",
+        "epoch": 1,
+        "global_step": 5,
+    }
+    assert _metadata(tmp_path / "b.ckpt") == {
+        "framework": "lightning",
+        "epoch": 1,
+        "global_step": 5,
+        "run": "x",
+    }
     assert sorted(os.listdir(tmp_path)) == ["a.ckpt", "b.ckpt"]  # the proof is inside each file
     with pytest.raises(TypeError, match=r"accepts storage_options=\{'metadata'"):
         io.save_checkpoint(state, tmp_path / "c.ckpt", storage_options={"compress": True})
@@ -104,7 +117,9 @@ def test_wait_is_the_barrier_inside_the_fit_loop(tmp_path: Path, gate: WriterGat
             seen["step"] = torch.load(tmp_path / "manual.ckpt", weights_only=True)["global_step"]
 
     io = StagedCheckpointIO(telemetry_callback=gate, max_pending=8)
-    trainer = make_trainer(tmp_path, [io], [ReadsTheFile()], max_steps=2, enable_checkpointing=False)
+    trainer = make_trainer(
+        tmp_path, [io], [ReadsTheFile()], max_steps=2, enable_checkpointing=False
+    )
     trainer.fit(TinyModel(), StepBatches())
     assert seen == {"pending": True, "step": 2}
 
@@ -123,7 +138,9 @@ def test_saves_outside_fit_return_committed_and_leave_no_threads(tmp_path: Path)
 
 def test_teardown_joins_threads_and_the_plugin_is_reusable(tmp_path: Path) -> None:
     io = StagedCheckpointIO()
-    mc = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1, save_last="link")
+    mc = ModelCheckpoint(
+        dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1, save_last="link"
+    )
     trainer = make_trainer(tmp_path, [io], [mc], max_steps=3)
     trainer.fit(TinyModel(), StepBatches())
     assert _stagesave_threads() == []
@@ -138,14 +155,17 @@ def test_teardown_joins_threads_and_the_plugin_is_reusable(tmp_path: Path) -> No
 _GATE = WriterGate()
 
 
-def _held_by_module_gate(tel: stagesave.SaveTelemetry) -> None:  # picklable: a module-level function
+# picklable: a module-level function
+def _held_by_module_gate(tel: stagesave.SaveTelemetry) -> None:
     _GATE(tel)
 
 
 def test_picklable_while_idle_and_while_busy(tmp_path: Path) -> None:
     gate = _GATE
     gate.close()
-    io = StagedCheckpointIO(max_pending=3, checksum="blake3", telemetry_callback=_held_by_module_gate)
+    io = StagedCheckpointIO(
+        max_pending=3, checksum="blake3", telemetry_callback=_held_by_module_gate
+    )
     copy = pickle.loads(pickle.dumps(io))
     assert (copy.max_pending, copy.checksum) == (3, "blake3")
     io.save_checkpoint({"x": torch.ones(1)}, tmp_path / "a.ckpt")
@@ -161,7 +181,9 @@ def test_picklable_while_idle_and_while_busy(tmp_path: Path) -> None:
     assert isinstance(restored, StagedCheckpointIO)
 
 
-def test_no_side_effects_on_cwd_or_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_side_effects_on_cwd_or_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     work = tmp_path / "cwd"
     work.mkdir()
     monkeypatch.chdir(work)
@@ -195,7 +217,7 @@ def test_teardown_timeout_is_bounded_and_explains(tmp_path: Path, gate: WriterGa
     io.save_checkpoint({"x": torch.ones(1)}, tmp_path / "a.ckpt")
     assert gate.entered.wait(30)
     io.save_checkpoint({"x": torch.ones(1)}, tmp_path / "b.ckpt")
-    with pytest.raises(TimeoutError, match="teardown_timeout=0.2 s; raise it"):
+    with pytest.raises(TimeoutError, match=r"teardown_timeout=0.2 s; raise it"):
         io.teardown()
     gate.open()
 
@@ -205,7 +227,9 @@ def test_safe_globals_by_dotted_name_load_user_classes(tmp_path: Path) -> None:
     torch.save({"cfg": AsyncCheckpointIO()}, path)
     with pytest.raises(stagesave.UnsafeCheckpointError):
         StagedCheckpointIO().load_checkpoint(path)
-    io = StagedCheckpointIO(safe_globals=["lightning.pytorch.plugins.io.async_plugin.AsyncCheckpointIO"])
+    io = StagedCheckpointIO(
+        safe_globals=["lightning.pytorch.plugins.io.async_plugin.AsyncCheckpointIO"]
+    )
     assert isinstance(io.load_checkpoint(path)["cfg"], AsyncCheckpointIO)
 
 
@@ -213,14 +237,18 @@ def test_paths_and_namespaces_in_hyperparameters_load_safely(tmp_path: Path) -> 
     import argparse
 
     path = tmp_path / "x.ckpt"
-    torch.save({"hyper_parameters": {"data_dir": Path("/data"), "args": argparse.Namespace(lr=0.1)}}, path)
+    torch.save(
+        {"hyper_parameters": {"data_dir": Path("/data"), "args": argparse.Namespace(lr=0.1)}}, path
+    )
     hp = StagedCheckpointIO().load_checkpoint(path)["hyper_parameters"]
     assert hp["data_dir"] == Path("/data") and hp["args"].lr == 0.1
 
 
 def test_loading_a_missing_checkpoint_is_file_not_found(tmp_path: Path) -> None:
     # Lightning's TorchCheckpointIO words, which Lightning's own callers and tests match
-    with pytest.raises(FileNotFoundError, match=f"^Checkpoint file not found: {tmp_path / 'nope.ckpt'}$"):
+    with pytest.raises(
+        FileNotFoundError, match=f"^Checkpoint file not found: {tmp_path / 'nope.ckpt'}$"
+    ):
         StagedCheckpointIO().load_checkpoint(tmp_path / "nope.ckpt")
 
 

@@ -20,7 +20,9 @@ def _fit(tmp_path: Path, max_steps: int, ckpt_path: str | None = None, every: in
     seed_everything(7, workers=True)
     model = TinyModel()
     mc = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=every, save_top_k=-1)
-    trainer = make_trainer(tmp_path, [StagedCheckpointIO()], [mc], max_steps=max_steps, max_epochs=-1)
+    trainer = make_trainer(
+        tmp_path, [StagedCheckpointIO()], [mc], max_steps=max_steps, max_epochs=-1
+    )
     trainer.fit(model, StepBatches(n=5), ckpt_path=ckpt_path)
     assert trainer.global_step == max_steps
     return model
@@ -39,7 +41,9 @@ def _three_checkpoints(tmp_path: Path) -> Path:
     d = tmp_path / "ckpt"
     io = StagedCheckpointIO()
     for step in (1, 2, 3):
-        io.save_checkpoint({"w": torch.full((1024,), float(step)), "global_step": step}, d / f"step={step}.ckpt")
+        io.save_checkpoint(
+            {"w": torch.full((1024,), float(step)), "global_step": step}, d / f"step={step}.ckpt"
+        )
         io.wait()
     io.teardown()
     return d
@@ -62,7 +66,8 @@ def test_latest_verifies_by_default_and_skips_a_corrupted_checkpoint(tmp_path: P
     newest.write_bytes(bytes(data))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert latest(d, verify=False) == str(newest)  # without verify only sizes and ids are checked
+        # without verify only sizes and ids are checked
+        assert latest(d, verify=False) == str(newest)
     with pytest.warns(UserWarning, match=r"step=3\.ckpt.*checksum mismatch"):
         assert latest(d) == str(d / "step=2.ckpt")
     io = StagedCheckpointIO()
@@ -96,7 +101,9 @@ def test_latest_of_an_empty_or_missing_directory_is_none(tmp_path: Path) -> None
 
 def test_plain_lightning_checkpoints_resume_through_the_plugin(tmp_path: Path) -> None:
     d = tmp_path / "ckpt"
-    make_trainer(tmp_path, [], [ModelCheckpoint(dirpath=d)], max_steps=3).fit(TinyModel(), StepBatches())
+    make_trainer(tmp_path, [], [ModelCheckpoint(dirpath=d)], max_steps=3).fit(
+        TinyModel(), StepBatches()
+    )
     found = latest(d)  # no proof: listed as an unverified, still valid, checkpoint
     assert found == str(d / "epoch=0-step=3.ckpt")
     trainer = make_trainer(tmp_path, [StagedCheckpointIO()], max_steps=5)
@@ -124,8 +131,12 @@ def test_plugin_checkpoints_are_plain_lightning_checkpoints(tmp_path: Path) -> N
 def test_ckpt_path_last_resumes_with_the_plugin(tmp_path: Path) -> None:
     d = tmp_path / "ckpt"
     mc = ModelCheckpoint(dirpath=d, every_n_train_steps=2, save_last=True)
-    make_trainer(tmp_path, [StagedCheckpointIO()], [mc], max_steps=4).fit(TinyModel(), StepBatches())
-    trainer = make_trainer(tmp_path, [StagedCheckpointIO()], [ModelCheckpoint(dirpath=d, save_last=True)], max_steps=6)
+    make_trainer(tmp_path, [StagedCheckpointIO()], [mc], max_steps=4).fit(
+        TinyModel(), StepBatches()
+    )
+    trainer = make_trainer(
+        tmp_path, [StagedCheckpointIO()], [ModelCheckpoint(dirpath=d, save_last=True)], max_steps=6
+    )
     trainer.fit(TinyModel(), StepBatches(), ckpt_path="last")
     assert trainer.global_step == 6
 
@@ -137,8 +148,10 @@ def _flip_tensor_byte(path: Path) -> None:
     with zipfile.ZipFile(path) as z:
         record = next(i for i in z.infolist() if "/data/" in i.filename and i.file_size > 0)
     data = bytearray(path.read_bytes())
-    name_len, extra_len = int.from_bytes(data[record.header_offset + 26:record.header_offset + 28], "little"), \
-        int.from_bytes(data[record.header_offset + 28:record.header_offset + 30], "little")
+    name_len, extra_len = (
+        int.from_bytes(data[record.header_offset + 26 : record.header_offset + 28], "little"),
+        int.from_bytes(data[record.header_offset + 28 : record.header_offset + 30], "little"),
+    )
     data[record.header_offset + 30 + name_len + extra_len] ^= 0xFF
     path.write_bytes(bytes(data))
 
@@ -154,32 +167,55 @@ class _StartStep(ModelCheckpoint.__mro__[1]):  # lightning Callback
 def _last_run(tmp_path: Path) -> Path:
     d = tmp_path / "ckpt"
     mc = ModelCheckpoint(dirpath=d, every_n_train_steps=2, save_top_k=-1, save_last=True)
-    make_trainer(tmp_path, [StagedCheckpointIO()], [mc], max_steps=4).fit(TinyModel(), StepBatches())
-    assert sorted(p.name for p in d.iterdir()) == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "last.ckpt"]
+    make_trainer(tmp_path, [StagedCheckpointIO()], [mc], max_steps=4).fit(
+        TinyModel(), StepBatches()
+    )
+    assert sorted(p.name for p in d.iterdir()) == [
+        "epoch=0-step=2.ckpt",
+        "epoch=0-step=4.ckpt",
+        "last.ckpt",
+    ]
     return d
 
 
-def test_ckpt_path_last_that_is_damaged_resumes_from_the_newest_intact_checkpoint(tmp_path: Path) -> None:
+def test_ckpt_path_last_that_is_damaged_resumes_from_the_newest_intact_checkpoint(
+    tmp_path: Path,
+) -> None:
     d = _last_run(tmp_path)
     _flip_tensor_byte(d / "last.ckpt")
     start = _StartStep()
-    trainer = make_trainer(tmp_path, [StagedCheckpointIO()], [ModelCheckpoint(dirpath=d, save_last=True), start],
-                           max_steps=6)
+    trainer = make_trainer(
+        tmp_path,
+        [StagedCheckpointIO()],
+        [ModelCheckpoint(dirpath=d, save_last=True), start],
+        max_steps=6,
+    )
     with pytest.warns(UserWarning) as record:
         trainer.fit(TinyModel(), StepBatches(), ckpt_path="last")
     messages = [str(w.message) for w in record]
     assert any("last.ckpt" in m and "checksum mismatch" in m for m in messages), messages
-    assert any(f"resuming from {d / 'epoch=0-step=4.ckpt'} instead of {d / 'last.ckpt'}" in m for m in messages)
+    assert any(
+        f"resuming from {d / 'epoch=0-step=4.ckpt'} instead of {d / 'last.ckpt'}" in m
+        for m in messages
+    )
     assert start.start == 4 and trainer.global_step == 6
 
 
-def test_ckpt_path_last_that_is_intact_is_lightnings_choice_without_a_warning(tmp_path: Path) -> None:
+def test_ckpt_path_last_that_is_intact_is_lightnings_choice_without_a_warning(
+    tmp_path: Path,
+) -> None:
     d = _last_run(tmp_path)
     start = _StartStep()
-    trainer = make_trainer(tmp_path, [StagedCheckpointIO()], [ModelCheckpoint(dirpath=d, save_last=True), start],
-                           max_steps=6)
+    trainer = make_trainer(
+        tmp_path,
+        [StagedCheckpointIO()],
+        [ModelCheckpoint(dirpath=d, save_last=True), start],
+        max_steps=6,
+    )
     with warnings.catch_warnings():
-        warnings.filterwarnings("error", message=".*(skipping checkpoint|resuming from .* instead of)")
+        warnings.filterwarnings(
+            "error", message=".*(skipping checkpoint|resuming from .* instead of)"
+        )
         trainer.fit(TinyModel(), StepBatches(), ckpt_path="last")
     assert start.start == 4 and trainer.global_step == 6
 
@@ -188,8 +224,13 @@ def test_ckpt_path_last_with_nothing_intact_raises_the_integrity_error(tmp_path:
     d = _last_run(tmp_path)
     for p in d.iterdir():
         _flip_tensor_byte(p)
-    trainer = make_trainer(tmp_path, [StagedCheckpointIO()], [ModelCheckpoint(dirpath=d, save_last=True)], max_steps=6)
-    with pytest.warns(UserWarning, match="skipping checkpoint"), pytest.raises(stagesave.IntegrityError, match="last.ckpt"):
+    trainer = make_trainer(
+        tmp_path, [StagedCheckpointIO()], [ModelCheckpoint(dirpath=d, save_last=True)], max_steps=6
+    )
+    with (
+        pytest.warns(UserWarning, match="skipping checkpoint"),
+        pytest.raises(stagesave.IntegrityError, match=r"last.ckpt"),
+    ):
         trainer.fit(TinyModel(), StepBatches(), ckpt_path="last")
 
 
@@ -197,8 +238,13 @@ def test_ckpt_path_last_without_the_plugin_is_untouched(tmp_path: Path) -> None:
     d = _last_run(tmp_path)
     _flip_tensor_byte(d / "last.ckpt")
     start = _StartStep()
-    trainer = make_trainer(tmp_path, [], [ModelCheckpoint(dirpath=d, save_last=True), start], max_steps=6)
+    trainer = make_trainer(
+        tmp_path, [], [ModelCheckpoint(dirpath=d, save_last=True), start], max_steps=6
+    )
     with warnings.catch_warnings():
-        warnings.filterwarnings("error", message=".*(skipping checkpoint|resuming from .* instead of)")
-        trainer.fit(TinyModel(), StepBatches(), ckpt_path="last")  # torch.load does not check CRC-32s
+        warnings.filterwarnings(
+            "error", message=".*(skipping checkpoint|resuming from .* instead of)"
+        )
+        # torch.load does not check CRC-32s
+        trainer.fit(TinyModel(), StepBatches(), ckpt_path="last")
     assert start.start == 4

@@ -42,7 +42,9 @@ def test_s3_dirpath_save_remove_and_resume_with_latest(
     assert trainer.global_step == 6
 
 
-def test_s3_latest_skips_a_torn_object(s3_url: str, s3_options: dict[str, Any], s3_server: Any) -> None:
+def test_s3_latest_skips_a_torn_object(
+    s3_url: str, s3_options: dict[str, Any], s3_server: Any
+) -> None:
     io = StagedCheckpointIO(storage_options=s3_options)
     for step in (1, 2):
         io.save_checkpoint({"global_step": step, "pad": b"x" * 4096}, f"{s3_url}/step={step}.ckpt")

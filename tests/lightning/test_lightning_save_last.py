@@ -99,18 +99,21 @@ def test_last_is_always_a_committed_checkpoint(tmp_path: Path, save_last: Any) -
 
     probe, d = _run(tmp_path, io, gate.open, save_last, first_held=first_held)
     assert set(probe.seen) <= {"absent", "verified"}
-    assert probe.seen[3:] == ["verified"] * 5  # steps 3-7: the step-2 checkpoint while later ones are held
+    # steps 3-7: the step-2 checkpoint while later ones are held
+    assert probe.seen[3:] == ["verified"] * 5
     assert gate.entered.is_set()
     assert last.is_symlink() == (save_last == "link")
     assert stagesave.verify(str(last)).status == "verified"  # the link verifies as its target
     assert torch.load(last, weights_only=False)["global_step"] == 8
     files = sorted(p.name for p in d.glob("*.ckpt") if not p.is_symlink())
-    assert files == (["epoch=0-step=8.ckpt"] if save_last == "link" else ["epoch=0-step=8.ckpt", "last.ckpt"])
+    assert files == (
+        ["epoch=0-step=8.ckpt"] if save_last == "link" else ["epoch=0-step=8.ckpt", "last.ckpt"]
+    )
 
 
 def test_async_checkpointio_link_fails_while_the_first_save_is_pending(tmp_path: Path) -> None:
     held = HeldCheckpointIO(hold_after=0)
-    with pytest.raises(FileNotFoundError, match="epoch=0-step=2.ckpt"):
+    with pytest.raises(FileNotFoundError, match=r"epoch=0-step=2.ckpt"):
         _run(tmp_path, AsyncCheckpointIO(held), held.release.set, "link")
     held.release.set()
 
@@ -131,7 +134,9 @@ def test_plugin_link_works_from_the_first_save(tmp_path: Path) -> None:
 def test_save_last_false_writes_no_last(tmp_path: Path) -> None:
     io = StagedCheckpointIO()
     _, d = _run(tmp_path, io, lambda: None, False, top_k=-1)
-    assert sorted(p.name for p in d.glob("*.ckpt")) == [f"epoch=0-step={s}.ckpt" for s in (2, 4, 6, 8)]
+    assert sorted(p.name for p in d.glob("*.ckpt")) == [
+        f"epoch=0-step={s}.ckpt" for s in (2, 4, 6, 8)
+    ]
 
 
 def test_link_to_a_failed_save_keeps_the_previous_target(tmp_path: Path, gate: WriterGate) -> None:
@@ -168,8 +173,12 @@ def _crash_then_resume(tmp_path: Path, mode: str) -> tuple[dict[str, Any], int |
     at_kill = json.loads(proc.stdout.strip().splitlines()[-1])
     io: Any = AsyncCheckpointIO() if mode == "async" else StagedCheckpointIO()
     start = StartStep()
-    mc = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=1, save_last="link")
-    make_trainer(tmp_path, [io], [mc, start], max_steps=6).fit(TinyModel(), StepBatches(), ckpt_path="last")
+    mc = ModelCheckpoint(
+        dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=1, save_last="link"
+    )
+    make_trainer(tmp_path, [io], [mc, start], max_steps=6).fit(
+        TinyModel(), StepBatches(), ckpt_path="last"
+    )
     return at_kill, start.step
 
 
@@ -190,8 +199,11 @@ def test_plugin_crash_during_link_resumes_from_the_committed_checkpoint(tmp_path
 def test_links_with_changing_names_replace_each_other(tmp_path: Path) -> None:
     d = tmp_path / "ckpt"
     mc = ModelCheckpoint(dirpath=d, every_n_train_steps=2, save_top_k=1, save_last="link")
-    mc.CHECKPOINT_NAME_LAST = "last-{step}"  # a new link name each time: the previous link is removed
-    make_trainer(tmp_path, [StagedCheckpointIO()], [mc], max_steps=6).fit(TinyModel(), StepBatches())
+    # a new link name each time: the previous link is removed
+    mc.CHECKPOINT_NAME_LAST = "last-{step}"
+    make_trainer(tmp_path, [StagedCheckpointIO()], [mc], max_steps=6).fit(
+        TinyModel(), StepBatches()
+    )
     links = sorted(p.name for p in d.iterdir() if p.is_symlink())
     assert links == ["last-step=6.ckpt"]
     assert os.readlink(d / "last-step=6.ckpt") == "epoch=0-step=6.ckpt"
@@ -200,7 +212,9 @@ def test_links_with_changing_names_replace_each_other(tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------- SIGKILL inside a commit
 @pytest.mark.parametrize("n", range(1, 7))
-def test_sigkill_after_each_commit_rename_leaves_last_on_a_committed_checkpoint(tmp_path: Path, n: int) -> None:
+def test_sigkill_after_each_commit_rename_leaves_last_on_a_committed_checkpoint(
+    tmp_path: Path, n: int
+) -> None:
     # The writer publishes this run in six renames, in order: the step-2 file, the link to it,
     # the step-4 file, the link, the step-6 file, the link (the link's commit is the core's
     # commit_link). Killed right after the n-th: only Lightning's names are there (no temporary
@@ -214,7 +228,9 @@ def test_sigkill_after_each_commit_rename_leaves_last_on_a_committed_checkpoint(
     newest = 2 * ((n + 1) // 2)  # the newest file committed
     listing = sorted(os.listdir(d))
     assert f"epoch=0-step={newest}.ckpt" in listing
-    assert all(p == "last.ckpt" or (p.startswith("epoch=0-step=") and p.endswith(".ckpt")) for p in listing), listing
+    assert all(
+        p == "last.ckpt" or (p.startswith("epoch=0-step=") and p.endswith(".ckpt")) for p in listing
+    ), listing
     last = d / "last.ckpt"
     start = StartStep()
     mc = ModelCheckpoint(dirpath=d, every_n_train_steps=2, save_top_k=1, save_last="link")

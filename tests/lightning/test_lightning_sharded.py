@@ -36,12 +36,21 @@ KINDS = {"fsdp": "model", "model_parallel": "state_dict"}  # strategy -> its mod
 
 # ---------------------------------------------------------------- the strategies as objects
 def test_the_strategies_bring_their_plugin_or_take_the_one_given(tmp_path: Path) -> None:
-    assert isinstance(StagedFSDPStrategy(state_dict_type="sharded").checkpoint_io, StagedCheckpointIO)
+    assert isinstance(
+        StagedFSDPStrategy(state_dict_type="sharded").checkpoint_io, StagedCheckpointIO
+    )
     io = StagedCheckpointIO(max_pending=1)
     assert StagedModelParallelStrategy(checkpoint_io=io).checkpoint_io is io
     io2 = StagedCheckpointIO()
-    trainer = Trainer(strategy=StagedModelParallelStrategy(), plugins=[io2], accelerator="cpu", devices=1,
-                      logger=False, enable_checkpointing=False, default_root_dir=tmp_path)
+    trainer = Trainer(
+        strategy=StagedModelParallelStrategy(),
+        plugins=[io2],
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
+    )
     assert trainer.strategy.checkpoint_io is io2 and find_plugin(trainer) is io2
 
 
@@ -68,13 +77,18 @@ trainer:
     cli = LightningCLI(TinyModel, args=["--config", str(cfg)], run=False, save_config_callback=None)
     strategy = cli.trainer.strategy
     assert isinstance(strategy, StagedModelParallelStrategy) and strategy._data_parallel_size == 1
-    assert isinstance(strategy.checkpoint_io, StagedCheckpointIO) and strategy.checkpoint_io.max_pending == 1
+    assert (
+        isinstance(strategy.checkpoint_io, StagedCheckpointIO)
+        and strategy.checkpoint_io.max_pending == 1
+    )
 
 
 def test_sharded_saves_refuse_what_they_cannot_do(tmp_path: Path) -> None:
     state = {"state_dict": {}, "optimizer_states": []}
-    with pytest.raises(TypeError, match="storage_options=...\\) is not supported for sharded"):
-        StagedFSDPStrategy(state_dict_type="sharded").save_checkpoint(dict(state), tmp_path / "a", {"x": 1})
+    with pytest.raises(TypeError, match=r"storage_options=...\) is not supported for sharded"):
+        StagedFSDPStrategy(state_dict_type="sharded").save_checkpoint(
+            dict(state), tmp_path / "a", {"x": 1}
+        )
     with pytest.raises(ValueError, match="sharded checkpoints are local folders"):
         StagedFSDPStrategy(state_dict_type="sharded").save_checkpoint(dict(state), "s3://bucket/a.ckpt")
     other = StagedModelParallelStrategy(checkpoint_io=TorchCheckpointIO())
@@ -92,8 +106,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, list
     base = tmp_path_factory.mktemp("sharded")
     proc = run_python([str(HERE / "_child_sharded.py"), str(base), *KINDS], timeout=420)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return {kind: (base / kind, [json.loads((base / kind / f"rank{r}.json").read_text()) for r in (0, 1)])
-            for kind in KINDS}
+    return {
+        kind: (
+            base / kind,
+            [json.loads((base / kind / f"rank{r}.json").read_text()) for r in (0, 1)],
+        )
+        for kind in KINDS
+    }
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
@@ -104,7 +123,9 @@ def test_sharded_saves_are_committed_folders_in_lightnings_layout(
     ckpt = root / "ckpt"
     folder = ckpt / "epoch=0-step=4.ckpt"
     info = stagesave.verify(str(folder))
-    assert (info.status, info.format) == ("verified", 2) and info.is_dir and info.manifest is not None
+    assert (
+        (info.status, info.format) == ("verified", 2) and info.is_dir and info.manifest is not None
+    )
     # Exactly Lightning's files (as in the folder Lightning's own strategy wrote in phase 3),
     # nothing beside them: the proof is inside the files.
     assert sorted(os.listdir(folder)) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
@@ -177,7 +198,8 @@ def test_a_changed_meta_pt_or_an_extra_file_makes_the_folder_corrupt(
     readers: list[Any] = []
     io = StagedCheckpointIO()
 
-    def load(folder: Path) -> dict[str, Any]:  # the strategy's load up to DCP (no process group here)
+    # the strategy's load up to DCP (no process group here)
+    def load(folder: Path) -> dict[str, Any]:
         return ShardedCheckpoints().load(io, str(folder), None, readers.append)
 
     # Intact: meta.pt loads, and the shards are read verified (the folder carries a proof)...
@@ -206,7 +228,7 @@ def test_a_changed_meta_pt_or_an_extra_file_makes_the_folder_corrupt(
     (extra / "notes.txt").write_text("not part of the checkpoint")
     info = stagesave.verify(str(extra))
     assert info.status == "corrupt" and any("notes.txt" in p for p in info.problems), info.problems
-    with pytest.raises(stagesave.IntegrityError, match="notes.txt"):
+    with pytest.raises(stagesave.IntegrityError, match=r"notes.txt"):
         load(extra)
     assert len(readers) == 3  # neither corrupt folder reached DCP
     io.teardown()
@@ -234,7 +256,9 @@ def test_a_failed_sharded_save_or_a_corrupt_folder_fails_on_every_rank(
         assert "cannot save the value at hook (function)" in r["c_error"][1]
         # ...and a flipped byte in a committed folder stops the load on both ranks.
         assert r["corrupt_error"][0] == "IntegrityError"
-        assert "__1_0.distcp" in r["corrupt_error"][1] and "checksum mismatch" in r["corrupt_error"][1]
+        assert (
+            "__1_0.distcp" in r["corrupt_error"][1] and "checksum mismatch" in r["corrupt_error"][1]
+        )
     assert not (root / "manual-c.ckpt").exists()
     assert not [p for p in root.iterdir() if stagesave.is_temporary(p.name)]
     assert stagesave.verify(str(root / "manual-b.ckpt")).status == "corrupt"
@@ -248,4 +272,7 @@ def test_fsdp_auto_wrap_on_gpu_saves_and_resumes_sharded(tmp_path: Path) -> None
     assert r["run2_start"] == r["run1_end"] and r["run3_start"] == r["run1_end"]
     assert r["run2_end"] == r["run3_end"] and r["run4_start"] == r["run3_end"]
     assert r["c_error"][0] == "UnsupportedObjectError" and r["corrupt_error"][0] == "IntegrityError"
-    assert stagesave.verify(str(tmp_path / "fsdp-cuda" / "ckpt" / "epoch=0-step=4.ckpt")).status == "verified"
+    assert (
+        stagesave.verify(str(tmp_path / "fsdp-cuda" / "ckpt" / "epoch=0-step=4.ckpt")).status
+        == "verified"
+    )
