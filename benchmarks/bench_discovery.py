@@ -69,7 +69,7 @@ _CHILD = textwrap.dedent(
         import importlib
         disc = importlib.import_module("stagesave.restore.discovery")
         with stagesave.Checkpointer(root, keep_last=n) as ck2:
-            store = ck2._targets.root
+            store = ck2.targets.root
             if hasattr(disc, "forget"):  # format 2: nothing cached
                 from stagesave.saving.commit import retain
                 disc.forget(store, "")

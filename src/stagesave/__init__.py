@@ -25,6 +25,7 @@ from .errors import (
     StorageError,
     UnsafeCheckpointError,
     UnsupportedObjectError,
+    UsageError,
 )
 from .handle import SaveHandle
 from .ondisk.names import TMP_MARKER, is_temporary
@@ -61,6 +62,7 @@ __all__ = [
     "TieredStore",
     "UnsafeCheckpointError",
     "UnsupportedObjectError",
+    "UsageError",
     "abort_stale_multipart_uploads",
     "allow_globals",
     "allowed_globals",
@@ -93,7 +95,9 @@ def load(path: str | os.PathLike[str], map_location: Any = None, **options: Any)
         return ckpt.load(path, map_location, **load_opts)
 
 
-def latest(root: str | os.PathLike[str], *, verify: bool = True, **options: Any) -> CheckpointInfo | None:
+def latest(
+    root: str | os.PathLike[str], *, verify: bool = True, **options: Any
+) -> CheckpointInfo | None:
     """The newest checkpoint directly in ``root`` that a resume can load (verified unless
     ``verify=False``), or ``None``: see :meth:`Checkpointer.latest`."""
     with Checkpointer(**options) as ckpt:

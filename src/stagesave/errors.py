@@ -23,6 +23,8 @@ __all__ = [
     "UnsafeCheckpointError",
     "UnsupportedObjectError",
     "UsageError",
+    "as_checkpoint_error",
+    "oserror_to_checkpoint_error",
 ]
 
 
@@ -102,3 +104,22 @@ def oserror_to_checkpoint_error(exc: OSError, what: str) -> CheckpointError:
             "checkpoints kept; the previous checkpoint is untouched.",
         )
     return StorageError(exc.errno, f"{what}: {reason}")
+
+
+def as_checkpoint_error(exc: BaseException, what: str) -> BaseException:
+    """``exc`` as a :class:`CheckpointError` saying ``what`` failed (chained to ``exc``).
+
+    Checkpoint errors pass through; an ``OSError`` becomes the matching storage error; other
+    exceptions become :class:`StorageError`; ``BaseException``s that are not ``Exception``s
+    (``KeyboardInterrupt``...) are returned as they are.
+    """
+    if isinstance(exc, CheckpointError):
+        return exc
+    if isinstance(exc, OSError):
+        err = oserror_to_checkpoint_error(exc, what)
+    elif isinstance(exc, Exception):
+        err = StorageError(f"{what}: {type(exc).__name__}: {exc}")
+    else:
+        return exc
+    err.__cause__ = exc
+    return err

@@ -37,5 +37,7 @@ def plan_file(obj: Any, *, proof_room: ProofRoom | None = None) -> tuple[str, Fi
         return "raw", FileImage(size=len(data), pieces=[(0, data)] if data else [], slots=[],
                                 serialization_id="", id_offset=0, kind="raw")
     if isinstance(obj, Safetensors):
-        return "safetensors", plan_safetensors_file(obj.tensors, obj.metadata, proof_room=proof_room)
+        return "safetensors", plan_safetensors_file(
+            obj.tensors, obj.metadata, proof_room=proof_room
+        )
     return "torch", plan_torch_file(obj)

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
-__all__ = ["SaveTelemetry", "TelemetryCallback"]
+from .ondisk.names import TELEMETRY_FILE
+
+__all__ = ["SaveTelemetry", "SinkOption", "TelemetryCallback", "TelemetrySink"]
 
 
 @dataclass
@@ -47,3 +51,47 @@ class TelemetryCallback(Protocol):
     """Called on the writer thread once per save, committed or failed. Keep it cheap."""
 
     def __call__(self, telemetry: SaveTelemetry, /) -> None: ...
+
+
+class TelemetrySink:
+    """Where a Checkpointer's finished saves report: a callback and/or JSON lines.
+
+    ``jsonl``: ``True`` appends to :data:`TELEMETRY_FILE` beside each local checkpoint, a path
+    appends there. A failing callback or file is reported on stderr, never fails a save.
+    """
+
+    def __init__(self, callback: TelemetryCallback | None, jsonl: bool | str) -> None:
+        self.callback, self.jsonl = callback, jsonl
+
+    def emit(self, tel: SaveTelemetry) -> None:
+        if self.callback is not None:
+            try:
+                self.callback(tel)
+            except Exception as exc:  # noqa: BLE001 - a broken callback must not fail saves
+                print(f"stagesave: telemetry callback failed: {exc!r}", file=sys.stderr)
+        if not self.jsonl:
+            return
+        target = self.jsonl
+        if target is True:
+            if not tel.path.startswith("/"):
+                return
+            target = os.path.join(os.path.dirname(tel.path), TELEMETRY_FILE)
+        try:
+            with open(str(target), "a", encoding="utf-8") as f:
+                f.write(tel.to_json() + "\n")
+        except OSError as exc:
+            print(f"stagesave: cannot append telemetry to {target}: {exc}", file=sys.stderr)
+
+
+class SinkOption:
+    """An attribute of the owner (``telemetry_callback``, ``telemetry_jsonl``) that reads and
+    sets the field of its ``telemetry_sink`` (so a change after construction takes effect)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.field = name.removeprefix("telemetry_")
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        return self if obj is None else getattr(obj.telemetry_sink, self.field)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        setattr(obj.telemetry_sink, self.field, value)

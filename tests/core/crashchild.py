@@ -22,10 +22,11 @@ def save_step(root: str, step: int, mode: str, crash: str | None) -> None:
     if mode in ("file_device", "dir_device"):
         # device staging's save path (device buffer, bounce writes) with host memory standing
         # in for the GPU, which this machine does not have
-        import stagesave.checkpointer as checkpointer_mod
+        import stagesave.saving.jobs as jobs_mod  # device staging without a GPU: the device is the host
+        import stagesave.saving.staging as staging_mod
 
-        checkpointer_mod.device_of = lambda images, store: torch.device("cpu")  # type: ignore[assignment]
-        checkpointer_mod.gpudirect_kvikio = lambda: None  # type: ignore[assignment]
+        staging_mod.device_of = lambda images, store: torch.device("cpu")  # type: ignore[assignment]
+        jobs_mod.gpudirect_kvikio = lambda: None  # type: ignore[assignment]
     with stagesave.Checkpointer(root, chunk_bytes=1 << 20, keep_last=2, device_staging=mode.endswith("_device")) as ck:
         if mode in ("file", "file_device"):
             ck.save(state, "last.ckpt").result()

@@ -72,7 +72,7 @@ def test_disk_full_during_background_write_surfaces_and_leaves_no_debris(small_f
         ck.save({"w": torch.ones(1000)}, "good.ckpt").result()
         # Passes the synchronous check, then the disk fills before the background write.
         gate = threading.Event()
-        ck._queue.submit(gate.wait)
+        ck.pipeline.queue.submit(gate.wait)
         h = ck.save({"w": torch.ones(300_000)}, "late.ckpt")  # ~1.2 MB
         filler.write_bytes(b"x" * (small_fs.stat().st_size and 0))
         with open(filler, "wb") as f:
@@ -169,7 +169,7 @@ def test_background_error_surfaces_once_via_next_save_wait_and_close(tmp_path):
     ck = stagesave.Checkpointer(victim)
     gate = threading.Event()
     ck.save({"a": 1}, "warm.ckpt").result()
-    ck._queue.submit(gate.wait)
+    ck.pipeline.queue.submit(gate.wait)
     h = ck.save({"a": torch.ones(10)}, "x.ckpt")
     victim.rename(tmp_path / "moved")  # the target directory is replaced by a file under the save
     victim.write_text("not a directory")
@@ -189,7 +189,7 @@ def test_close_raises_undelivered_failure_but_context_manager_never_masks(tmp_pa
         with stagesave.Checkpointer(victim) as ck:
             gate = threading.Event()
             ck.save({"a": 1}, "warm.ckpt").result()
-            ck._queue.submit(gate.wait)
+            ck.pipeline.queue.submit(gate.wait)
             ck.save({"a": 2}, "x.ckpt")
             victim.rename(tmp_path / "gone")
             victim.write_text("not a directory")

@@ -18,7 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from test_stage_and_hash import states
 
 import stagesave
-import stagesave.checkpointer as checkpointer_mod
+import stagesave.saving.jobs as jobs_mod  # device staging without a GPU: the device is the host
+import stagesave.saving.staging as staging_mod
 from stagesave.saving.buffers import HostBuffer
 from stagesave.saving.plan import plan_torch_file
 from stagesave.saving.stage import stage_image
@@ -235,16 +236,16 @@ def test_host_state_with_device_staging_is_staged_on_the_host(tmp_path):
         h = ck.save({"w": torch.ones(3)}, "h.pt")
         h.result()
         assert h.telemetry.staged_on == "host" and h.telemetry.gpudirect is None
-        assert ck._device_pools == {}
+        assert ck.memory.devices == {}
         assert torch.equal(ck.load("h.pt")["w"], torch.ones(3))
 
 
 def test_checkpointer_device_path_end_to_end_with_host_memory_as_the_device(tmp_path, monkeypatch):
     """The whole save path of device staging (pool, layout, bounce writes, commit, retention),
     with host memory standing in for the device: no CUDA here, the code is the same."""
-    monkeypatch.setattr(checkpointer_mod, "device_of",
+    monkeypatch.setattr(staging_mod, "device_of",
                         lambda images, store: CPU if isinstance(store, LocalStore) else None)
-    monkeypatch.setattr(checkpointer_mod, "gpudirect_kvikio", lambda: None)
+    monkeypatch.setattr(jobs_mod, "gpudirect_kvikio", lambda: None)
     w = torch.randn(512, 1024)
     with stagesave.Checkpointer(tmp_path, device_staging=True, keep_last=2, chunk_bytes=1 << 20) as ck:
         for step in range(4):
@@ -254,7 +255,7 @@ def test_checkpointer_device_path_end_to_end_with_host_memory_as_the_device(tmp_
             h.result()
             assert h.telemetry.staged_on == "cpu" and h.telemetry.gpudirect is False
         assert [c.name for c in ck.list()] == ["s3.pt", "s2.pt"]
-        assert len(ck._device_pools[CPU]._free) == 1  # one device buffer, reused
+        assert len(ck.memory.devices[CPU]._free) == 1  # one device buffer, reused
         out = ck.load("s3.pt")
         assert out["step"] == 3 and torch.equal(out["w"], before)
     assert stagesave.verify(tmp_path / "s3.pt").status == "verified"
@@ -267,9 +268,9 @@ def test_save_dir_device_path_end_to_end_with_host_memory_as_the_device(tmp_path
 
     from stagesave.formats import Safetensors
 
-    monkeypatch.setattr(checkpointer_mod, "device_of",
+    monkeypatch.setattr(staging_mod, "device_of",
                         lambda images, store: CPU if isinstance(store, LocalStore) else None)
-    monkeypatch.setattr(checkpointer_mod, "gpudirect_kvikio", lambda: None)
+    monkeypatch.setattr(jobs_mod, "gpudirect_kvikio", lambda: None)
     weights = {"a": torch.randn(300, 70), "b": torch.arange(4099, dtype=torch.int32)}
     optim = {"state": {0: {"exp_avg": torch.randn(300, 70), "step": torch.tensor(5.0)}}, "lr": 0.1}
     with stagesave.Checkpointer(tmp_path, device_staging=True, chunk_bytes=64 << 10) as ck:
@@ -291,7 +292,7 @@ def test_save_dir_device_path_end_to_end_with_host_memory_as_the_device(tmp_path
 def test_no_room_on_the_device_stages_in_host_memory_and_warns_once(tmp_path, monkeypatch):
     """A device buffer that cannot be allocated (out of GPU memory: injected, no GPU here) must
     not fail the save: it is staged in host memory, with one warning."""
-    monkeypatch.setattr(checkpointer_mod, "device_of",
+    monkeypatch.setattr(staging_mod, "device_of",
                         lambda images, store: CPU if isinstance(store, LocalStore) else None)
 
     attempts = []
@@ -313,7 +314,7 @@ def test_no_room_on_the_device_stages_in_host_memory_and_warns_once(tmp_path, mo
             h.result()
             assert h.telemetry.staged_on == "host"
         assert torch.equal(ck.load("b.pt")["w"], w)
-        assert ck._device_pools[CPU].in_use() == 0  # the failed allocation left no count behind
+        assert ck.memory.devices[CPU].in_use() == 0  # the failed allocation left no count behind
         assert len(attempts) == 1  # a size that did not fit is not retried on every save
 
 
@@ -327,7 +328,7 @@ def test_cuda_state_staged_on_the_device_round_trips(ckpt_dir, monkeypatch, use_
         pytest.skip("kvikio is not installed (pip install kvikio-cu12) or in its compatibility mode: "
                     "GPUDirect Storage path untested")
     if not use_kvikio:
-        monkeypatch.setattr(checkpointer_mod, "gpudirect_kvikio", lambda: None)
+        monkeypatch.setattr(jobs_mod, "gpudirect_kvikio", lambda: None)
     w = torch.randn(4096, 4096, device="cuda")  # 64 MiB
     step = torch.tensor(7.0)  # a host tensor in the same state (Adam's step counters are)
     expected_w, expected_step = w.cpu(), step.clone()

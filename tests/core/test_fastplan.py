@@ -283,13 +283,13 @@ def test_nothing_planned_stays_behind_once_the_last_checkpointer_closes(ckpt_dir
     """The layout cache is private; what matters is that a finished run leaves none of it."""
     import gc
 
-    from stagesave import checkpointer
+    from stagesave.saving import lifecycle
 
     with stagesave.Checkpointer(ckpt_dir) as ck:
         ck.save({"w": torch.ones(100), "step": 1}, "a.ckpt").result()
         assert _ziplayout._layouts  # cached while a Checkpointer lives
     gc.collect()
-    assert not list(checkpointer._live)  # no other Checkpointer of the test session is open
+    assert not lifecycle.live()  # no other Checkpointer of the test session is open
     assert not _ziplayout._layouts
 
 

@@ -19,7 +19,7 @@ def test_cuda_state_round_trips_and_pool_is_pinned(ckpt_dir):
              "cpu": torch.ones(3)}
     with stagesave.Checkpointer(ckpt_dir) as ck:
         ck.save(state, "g.ckpt").result()
-        assert ck._pool.pinned
+        assert ck.memory.host.pinned
         out = ck.load("g.ckpt", map_location="cuda")
         assert out["w"].is_cuda and torch.equal(out["w"], state["w"])
         cpu = ck.load("g.ckpt", map_location="cpu")

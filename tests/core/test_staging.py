@@ -89,9 +89,9 @@ def test_max_pending_back_pressure_bounds_buffers(ckpt_dir):
         for i in range(4):
             h = ck.save({"t": torch.randn(1 << 20)}, f"b{i}.ckpt")
             waits.append(h.telemetry.buffer_wait_s)
-            assert ck._pool.in_use() <= 1
+            assert ck.memory.host.in_use() <= 1
         ck.wait()
-        assert ck._pool._count == 1  # one buffer, reused by all four saves
+        assert ck.memory.host._count == 1  # one buffer, reused by all four saves
 
 
 def test_keep_last_keeps_the_newest_by_sequence(ckpt_dir):
@@ -120,9 +120,9 @@ def test_save_returns_before_the_write_finishes(tmp_path):
     """The write really is in the background: a save whose commit we hold back returns at once."""
     gate = threading.Event()
     with stagesave.Checkpointer(tmp_path) as ck:
-        q = ck._queue or None
+        q = ck.pipeline.queue or None
         ck.save({"a": torch.ones(1)}, "warm.ckpt").result()
-        ck._queue.submit(gate.wait)  # occupy the writer
+        ck.pipeline.queue.submit(gate.wait)  # occupy the writer
         h = ck.save({"a": torch.ones(1)}, "x.ckpt")
         time.sleep(0.2)
         assert not h.done()
@@ -187,9 +187,9 @@ def test_where_checksums_are_computed(ckpt_dir, checksum_in, host, device_pendin
 
     big, small = plan({"t": torch.zeros(1 << 20)}), plan({str(i): torch.zeros(16) for i in range(100)})
     with stagesave.Checkpointer(ckpt_dir, checksum_in=checksum_in) as ck:
-        assert ck._hash_while_staging(device_copy_pending=False, image=big) is host
-        assert ck._hash_while_staging(device_copy_pending=True, image=big) is device_pending
-        assert ck._hash_while_staging(device_copy_pending=False, image=small) is (checksum_in == "staging")
+        assert ck.stager.hash_while_staging(device_copy_pending=False, image=big) is host
+        assert ck.stager.hash_while_staging(device_copy_pending=True, image=big) is device_pending
+        assert ck.stager.hash_while_staging(device_copy_pending=False, image=small) is (checksum_in == "staging")
 
 
 def test_many_small_tensors_hashed_in_the_background_verify(ckpt_dir):
@@ -207,7 +207,7 @@ def test_many_small_tensors_hashed_in_the_background_verify(ckpt_dir):
 def test_io_threads_option_sizes_the_writer_pool(ckpt_dir):
     with stagesave.Checkpointer(ckpt_dir, io_threads=3) as ck:
         ck.save({"a": torch.ones(1)}, "x.ckpt").result()
-        assert ck._queue.io_pool._max_workers == 3
+        assert ck.pipeline.queue.io_pool._max_workers == 3
 
 
 def test_save_dir_folder_appears_only_at_commit_and_raw_files(tmp_path):
@@ -218,7 +218,7 @@ def test_save_dir_folder_appears_only_at_commit_and_raw_files(tmp_path):
     with stagesave.Checkpointer(tmp_path) as ck:
         ck.save({"a": 1}, "warm.ckpt").result()
         gate = threading.Event()
-        ck._queue.submit(gate.wait)
+        ck.pipeline.queue.submit(gate.wait)
         h = ck.save_dir({"config.json": Raw(b'{"x": 1}'), "w.bin": {"w": torch.ones(3)}}, "ck_0")
         assert not (tmp_path / "ck_0").exists()  # not even an empty folder before the commit
         gate.set()
@@ -236,7 +236,7 @@ def test_save_dir_staging_dir_keeps_temporaries_out_of_the_listed_folder(tmp_pat
 
         ck.save({"a": 1}, "warm.ckpt").result()
         gate = threading.Event()
-        ck._queue.submit(gate.wait)
+        ck.pipeline.queue.submit(gate.wait)
         h = ck.save_dir({"w.bin": {"w": torch.ones(3)}}, "checkpoint_1", staging_dir=staging)
         gate.set()
         while not h.done():
@@ -299,7 +299,7 @@ def test_a_checkpointer_dropped_without_close_gives_its_threads_and_buffers_back
     ck.save({"w": torch.ones(1 << 16)}, "a.ckpt").result(timeout=60)
     ours = [t for t in threading.enumerate() if t.ident not in before]
     assert sorted(t.name.rstrip("_0123456789") for t in ours) == ["stagesave-hash", "stagesave-io", "stagesave-writer"]
-    pool = ck._pool
+    pool = ck.memory.host
     assert pool.total_bytes() > 0
     gone = weakref.ref(ck)
     del ck
@@ -343,13 +343,13 @@ def test_closing_joins_the_hashing_threads_and_none_start_afterwards(ckpt_dir):
     """close() joins the threads that hash after the copy; a save racing close() cannot restart them."""
     ck = stagesave.Checkpointer(ckpt_dir)
     ck.save({"t": torch.randn(100_000)}, "h.ckpt").result()
-    hashing = [t for t in ck._hash_pool._threads if t.is_alive()]
+    hashing = [t for t in ck.stager.threads._threads if t.is_alive()]
     assert hashing and all(t.name.startswith("stagesave-hash") for t in hashing)
     ck.close()
-    assert not any(t.is_alive() for t in hashing) and ck._hash_pool is None
+    assert not any(t.is_alive() for t in hashing) and ck.stager.threads is None
     with pytest.raises(stagesave.ClosedError, match="closed"):
-        ck._staging_pool()
-    assert ck._hash_pool is None
+        ck.stager.copy_threads()
+    assert ck.stager.threads is None
 
 
 @pytest.mark.parametrize("checksum_in", ["auto", "background"])

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Stora
 
 import stagesave
 import stagesave.dcp as sdcp
-import stagesave.dcp._writer as writer_module
+import stagesave.dcp._rankjob as writer_module  # faults wrap write_rank where the rank job calls it
 from stagesave.dcp._metadata import load_metadata
 from stagesave.errors import (
     CheckpointError,
@@ -94,7 +94,7 @@ def writer(root: Path):
 
 def saved(writer: sdcp.StagedStorageWriter, state: dict[str, Any], name: str, **kw: Any) -> Path:
     sdcp.save(state, name, writer=writer, **kw).result(60)
-    return Path(writer.checkpointer._targets.root.url) / name  # type: ignore[union-attr]
+    return Path(writer.checkpointer.targets.root.url) / name  # type: ignore[union-attr]
 
 
 def flip(path: Path, offset: int) -> None:
@@ -160,7 +160,7 @@ def test_cuda_state_is_staged_on_a_side_stream_into_pinned_memory(writer, root):
     handle = sdcp.save({"w": w, "v": strided, "step": 3}, "gpu", writer=writer)
     w.add_(1)  # on the current stream: ordered after the staging copy, never seen by the save
     handle.result(60)
-    assert writer.checkpointer._pool.pinned
+    assert writer.checkpointer.memory.host.pinned
     got = {"w": torch.zeros(1024, 1024, device=dev), "v": torch.zeros(5, dtype=torch.long, device=dev), "step": 0}
     sdcp.load(got, root / "gpu")
     assert got["w"].device.type == "cuda" and torch.equal(got["w"], ref_w)
@@ -442,7 +442,8 @@ def test_misuse_is_refused_with_the_reason(writer, root):
         response.result(60)  # type: ignore[union-attr]
     planner = DefaultSavePlanner(enable_plan_caching=True)
     sdcp.save({"w": torch.ones(2)}, "c1", writer=writer, planner=planner).result(30)
-    with pytest.raises(CheckpointException, match="enable_plan_caching=False"):
+    # stagesave.dcp.save re-raises a stagesave error as itself (a UsageError is a RuntimeError too)
+    with pytest.raises(stagesave.UsageError, match="enable_plan_caching=False"):
         sdcp.save({"w": torch.ones(2)}, "c2", writer=writer, planner=planner)
     with pytest.raises(ValueError, match="got a checkpointer and checkpointer options"):
         sdcp.StagedStorageWriter(checkpointer=writer.checkpointer, keep_last=2)
@@ -532,7 +533,7 @@ class _WriterWithHookFile(sdcp.StagedStorageWriter):
     def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
         plans = super().prepare_global_plan(plans)
         staging = plans[0].storage_data.staging
-        local = self.checkpointer._targets.root.local_path(staging)
+        local = self.checkpointer.targets.root.local_path(staging)
         os.makedirs(local, exist_ok=True)
         with open(os.path.join(local, "meta.pt"), "wb") as f:
             torch.save({"epoch": 4}, f)

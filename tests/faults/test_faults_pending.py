@@ -462,7 +462,7 @@ def test_close_racing_a_save_being_staged_refuses_it_cleanly(tmp_path, kind, che
         else:
             ck.save_dir({"optimizer.bin": state}, "c")
     assert os.listdir(tmp_path) == []
-    assert ck._pool.in_use() == 0 and ck._pool.total_bytes() == 0  # the staging buffer was given back and freed
+    assert ck.memory.host.in_use() == 0 and ck.memory.host.total_bytes() == 0  # the staging buffer was given back and freed
     assert ck.pending() == 0  # and the process-wide view shows nothing pending on the path
     assert _inflight.pending(str(tmp_path / ("a.ckpt" if kind == "file" else "c"))) == []
     ck.close()  # and it stays closed, quietly
@@ -502,14 +502,14 @@ def test_max_pending_keeps_host_memory_within_budget_over_100_saves(tmp_path):
                 state["w"].fill_(float(i))  # the state changes in place, as training does
                 h = ck.save(state, f"s{i:03d}.ckpt")
                 waited += h.telemetry.buffer_wait_s
-                assert ck._pool.in_use() <= max_pending
+                assert ck.memory.host.in_use() <= max_pending
                 if i in (20, 99):
                     gc.collect()
                     rss_at[i] = proc.memory_info().rss
             ck.wait()
             stop.set()
             t.join()
-        assert ck._pool._count <= max_pending
+        assert ck.memory.host._count <= max_pending
         image = h.telemetry.bytes
     peak = max(samples + [base])
     # Resident: the pages of max_pending staging buffers the images touch, plus allocator slack.

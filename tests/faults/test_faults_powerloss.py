@@ -267,7 +267,7 @@ def test_power_loss_during_an_export(tmp_path, replace):
     from faulthelp import file_state as state_of
 
     from stagesave.cli._common import Env
-    from stagesave.cli._convert import export
+    from stagesave.cli._export import export
 
     base = tmp_path / "world"
     (base / "out").mkdir(parents=True)

@@ -94,7 +94,7 @@ def test_folder_is_assembled_in_staging_dir_committed_locally_then_uploaded(
             assert [u.error for u in store.wait_uploads(timeout=60)] == [None]
             # Hold the next save mid-write: its only I/O thread waits behind this gate.
             gate = threading.Event()
-            ckpt._queue.io_pool.submit(gate.wait)
+            ckpt.pipeline.queue.io_pool.submit(gate.wait)
             handle = ckpt.save_dir(files2, "checkpoint_2", staging_dir=staging)
             _wait_for(lambda: os.listdir(staging) != [], "the staging folder")
             [assembling] = os.listdir(staging)

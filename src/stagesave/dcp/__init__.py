@@ -136,7 +136,11 @@ def load(
 
 
 def to_state_dict(
-    path: str | os.PathLike[str], *, verify: bool = True, trusted: bool = False, **reader_options: Any
+    path: str | os.PathLike[str],
+    *,
+    verify: bool = True,
+    trusted: bool = False,
+    **reader_options: Any,
 ) -> dict[str, Any]:
     """The whole checkpoint as one plain state dict in this process (every shard gathered).
 
@@ -157,7 +161,9 @@ def to_state_dict(
     return state
 
 
-def export(path: str | os.PathLike[str], out: str | os.PathLike[str] | IO[bytes], **options: Any) -> None:
+def export(
+    path: str | os.PathLike[str], out: str | os.PathLike[str] | IO[bytes], **options: Any
+) -> None:
     """Write the whole checkpoint to ``out`` as one plain ``torch.save`` file.
 
     ``options`` as in :func:`to_state_dict`.

@@ -49,8 +49,8 @@ from ..ondisk.manifest import FileEntry, FolderProof, Manifest, Member, dumps
 from ..ondisk.names import DIR_MANIFEST, is_temporary
 from ..restore.discovery import next_seq
 from ..restore.proof import peek
-from ..saving.publish import remove_tree, rename_into_place, restore_aside
 from ..saving.plan import FileImage
+from ..saving.publish import remove_tree, rename_into_place, restore_aside
 from ..saving.stage import ImageCrcs
 from ..saving.write import FileToWrite, WriteStats, write_data
 from ..stores import posix as fsops
@@ -66,8 +66,8 @@ from ._format import (
 )
 
 __all__ = [
-    "CommitTimeoutError", "MetadataSlot", "SavePlanData", "abandon", "abandoned", "commit", "discard_if_abandoned",
-    "gave_up_error", "take_lease", "wait_for_commit", "write_rank",
+    "CommitTimeoutError", "MetadataSlot", "SavePlanData", "abandon", "abandoned", "commit",
+    "discard_if_abandoned", "gave_up_error", "take_lease", "wait_for_commit", "write_rank",
 ]
 
 #: Polling the store starts this fast and slows down to ``_POLL_MAX`` (seconds).
@@ -169,9 +169,14 @@ def write_rank(
     pool: Any,
     stats: WriteStats,
 ) -> Member:
-    """Write this rank's file into the staging folder with its proof, publish it, then its marker."""
-    f = FileToWrite(_join(spec.staging, spec.file_name), image, view, crcs, entry_name=spec.file_name)
-    written = write_data(store, f, algorithm=algorithm, chunk_bytes=chunk_bytes, pool=pool, stats=stats)
+    """Write this rank's file into the staging folder with its proof, publish it, then its
+    marker."""
+    f = FileToWrite(
+        _join(spec.staging, spec.file_name), image, view, crcs, entry_name=spec.file_name
+    )
+    written = write_data(
+        store, f, algorithm=algorithm, chunk_bytes=chunk_bytes, pool=pool, stats=stats
+    )
     try:
         written.seal(seq=None, created_ns=spec.created_ns, metadata={}, folder=_member_proof(spec),
                      summary_folder=(spec.save_id, METADATA_FILE))
@@ -184,7 +189,9 @@ def write_rank(
     crash_point("dcp_before_marker")
     marker = {"save": spec.save_id, "rank": spec.rank, "name": member.name, "size": member.size,
               "proof_crc": member.proof_crc}
-    store.put_atomic(_join(spec.markers, rank_marker(spec.rank, os.getpid(), spec.save_id)), dumps(marker))
+    store.put_atomic(
+        _join(spec.markers, rank_marker(spec.rank, os.getpid(), spec.save_id)), dumps(marker)
+    )
     crash_point("dcp_after_marker")
     return member
 
@@ -275,20 +282,32 @@ def _parse_marker(data: bytes, where: str, spec: SavePlanData, rank: int) -> Mem
         doc = None
     name = rank_file(rank)
     ok = (
-        isinstance(doc, dict) and doc.get("save") == spec.save_id and doc.get("rank") == rank
+        isinstance(doc, dict)
+        and doc.get("save") == spec.save_id
+        and doc.get("rank") == rank
         and doc.get("name") == name
-        and all(isinstance(doc.get(k), int) and not isinstance(doc.get(k), bool) for k in ("size", "proof_crc"))
-        and 0 <= doc["size"] and 0 <= doc["proof_crc"] <= 0xFFFFFFFF
+        and all(
+            isinstance(doc.get(k), int) and not isinstance(doc.get(k), bool)
+            for k in ("size", "proof_crc")
+        )
+        and 0 <= doc["size"]
+        and 0 <= doc["proof_crc"] <= 0xFFFFFFFF
     )
     if not ok:
-        raise ManifestError(f"the marker of rank {rank} ({where}) does not describe this save's file {name}")
+        raise ManifestError(
+            f"the marker of rank {rank} ({where}) does not describe this save's file {name}"
+        )
     assert isinstance(doc, dict)
     return Member(name, doc["size"], doc["proof_crc"])
 
 
 def _read_markers(store: Store, spec: SavePlanData, found: dict[int, str]) -> list[Member]:
-    return [_parse_marker(store.read_range(found[r], 0, MAX_MARKER_BYTES + 1), store.describe(found[r]), spec, r)
-            for r in range(spec.world_size)]
+    return [
+        _parse_marker(
+            store.read_range(found[r], 0, MAX_MARKER_BYTES + 1), store.describe(found[r]), spec, r
+        )
+        for r in range(spec.world_size)
+    ]
 
 
 def _list_extras(
@@ -312,7 +331,9 @@ def _list_extras(
             for lo in range(0, size, chunk_bytes):
                 data = reader.read(lo, min(chunk_bytes, size - lo))
                 if len(data) != min(chunk_bytes, size - lo):
-                    raise CheckpointError(f"{reader.where} changed while it was being added to the checkpoint")
+                    raise CheckpointError(
+                        f"{reader.where} changed while it was being added to the checkpoint"
+                    )
                 chunks.append(digest(algorithm, data))
         listed.append(FileEntry(leaf, size, algorithm, chunk_bytes, tuple(chunks), kind="raw"))
     return listed
@@ -331,9 +352,17 @@ def _metadata_file(spec: SavePlanData, data: bytes) -> FileToWrite:
     it; the anonymous map is freed with the last view of it)."""
     mem = mmap.mmap(-1, -(-max(len(data), 1) // mmap.PAGESIZE) * mmap.PAGESIZE)
     mem[: len(data)] = data
-    image = FileImage(size=len(data), pieces=[(0, data)], slots=[], serialization_id="", id_offset=0,
-                      kind=METADATA_KIND)
-    return FileToWrite(_join(spec.staging, METADATA_FILE), image, memoryview(mem), entry_name=METADATA_FILE)
+    image = FileImage(
+        size=len(data),
+        pieces=[(0, data)],
+        slots=[],
+        serialization_id="",
+        id_offset=0,
+        kind=METADATA_KIND,
+    )
+    return FileToWrite(
+        _join(spec.staging, METADATA_FILE), image, memoryview(mem), entry_name=METADATA_FILE
+    )
 
 
 def commit(
@@ -364,15 +393,22 @@ def commit(
     else:
         _clear_stale(store, spec, members)
     f = _metadata_file(spec, data)
-    written = write_data(store, f, algorithm=algorithm, chunk_bytes=chunk_bytes, pool=pool, stats=stats)
+    written = write_data(
+        store, f, algorithm=algorithm, chunk_bytes=chunk_bytes, pool=pool, stats=stats
+    )
     try:
         with store.commit_lock(spec.target):
             if spec.renames:
                 restore_aside(store, spec.parent)
             seq = next_seq(store, spec.parent)
             folder = FolderProof(spec.save_id, METADATA_FILE, members, listed).to_doc(True)
-            manifest = written.seal(seq=seq, created_ns=spec.created_ns, metadata=metadata, folder=folder,
-                                    summary_folder=(spec.save_id, METADATA_FILE))
+            manifest = written.seal(
+                seq=seq,
+                created_ns=spec.created_ns,
+                metadata=metadata,
+                folder=folder,
+                summary_folder=(spec.save_id, METADATA_FILE),
+            )
             written.finish(stats)
             written.publish()
             crash_point("dcp_after_metadata")
@@ -475,7 +511,9 @@ def _is_ours(store: Store, name: str, spec: SavePlanData) -> bool:
 
 
 def gave_up_error(what: str) -> CheckpointError:
-    return CheckpointError(f"{what}: the coordinator gave up on this save (see its error); it was not committed")
+    return CheckpointError(
+        f"{what}: the coordinator gave up on this save (see its error); it was not committed"
+    )
 
 
 def _holds_lease(store: Store, spec: SavePlanData) -> bool:

@@ -54,7 +54,9 @@ def plan_skeleton(dtype: torch.dtype, shape: tuple[int, ...]) -> Skeleton:
     reader = torch._C.PyTorchFileReader(cast(IO[bytes], _SparseReader(sink.end, sink.pieces)))
     records = [r for r in reader.get_all_records() if r.startswith("data/")]
     if len(records) != 1:
-        raise RuntimeError(f"torch.save of one tensor wrote {len(records)} storages; expected one")
+        raise UnsupportedObjectError(
+            f"torch.save of one tensor wrote {len(records)} storages; expected one"
+        )
     offset = int(reader.get_record_offset(records[0]))  # type: ignore[attr-defined]
     return Skeleton(sink.end, tuple(sink.pieces), offset, placeholder.nbytes)
 
@@ -168,7 +170,9 @@ def layout_rank_file(
                 sk = cache.get(t.dtype, tuple(t.shape))
                 pieces.extend((base + off, chunk) for off, chunk in sk.pieces)
                 if sk.nbytes:
-                    slots.append(StorageSlot(str(n), base + sk.data_offset, sk.nbytes, _flat_bytes(t)))
+                    slots.append(
+                        StorageSlot(str(n), base + sk.data_offset, sk.nbytes, _flat_bytes(t))
+                    )
                 length = sk.size
                 tensor_bytes += sk.nbytes
             else:
@@ -180,5 +184,7 @@ def layout_rank_file(
                         storage_data=_StorageInfo(file_name, base, length))
         )
         pos = base + length
-    image = FileImage(size=pos, pieces=pieces, slots=slots, serialization_id="", id_offset=0, kind=RANK_FILE_KIND)
+    image = FileImage(
+        size=pos, pieces=pieces, slots=slots, serialization_id="", id_offset=0, kind=RANK_FILE_KIND
+    )
     return RankImage(image, results, tensor_bytes)

@@ -23,7 +23,6 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,31 +34,22 @@ from torch.futures import Future
 from typing_extensions import Self
 
 from ..checkpointer import Checkpointer
+from ..errors import UsageError, as_checkpoint_error
 from ..handle import SaveHandle
 from ..ondisk.names import TMP_MARKER, check_target_name
-from ..saving.buffers import HostBuffer
-from ..saving.plan import FileImage
-from ..saving.stage import ImageCrcs
-from ..saving.write import WriteStats
 from ..stores.base import Store
 from ..telemetry import SaveTelemetry
-from ._engine import Engine
-from ._format import FORMAT_KEY, FORMAT_VALUE, SAVE_ID_KEY, WORLD_SIZE_KEY, lease
+from ._format import lease
 from ._protocol import (
     MetadataSlot,
     SavePlanData,
     abandon,
-    abandoned,
     clear_old_carrier,
-    commit,
-    discard_if_abandoned,
-    gave_up_error,
     report_failure,
     take_lease,
-    wait_for_commit,
-    write_rank,
 )
 from ._rankfile import SkeletonCache, layout_rank_file
+from ._rankjob import RankJob, RankStaging
 
 __all__ = ["StagedStorageWriter"]
 
@@ -82,91 +72,6 @@ class _Save:
     telemetry: SaveTelemetry
     slot: MetadataSlot | None = None
     spec: SavePlanData | None = None
-
-
-@dataclass
-class _RankJob:
-    """One rank's background part of one save: write, then commit (coordinator) or wait."""
-
-    engine: Engine
-    store: Store
-    spec: SavePlanData
-    buf: HostBuffer
-    image: FileImage
-    crcs: ImageCrcs | None
-    wait_device: Callable[[], None] | None
-    slot: MetadataSlot | None
-    handle: SaveHandle
-    started: float
-    timeout: float
-    user_metadata: dict[str, Any]
-
-    @property
-    def what(self) -> str:
-        return f"sharded checkpoint {self.handle.path}"
-
-    def metadata(self) -> dict[str, Any]:
-        """What the folder's proof records besides the files: the user's metadata and the save's."""
-        return {**self.user_metadata, FORMAT_KEY: FORMAT_VALUE, SAVE_ID_KEY: self.spec.save_id,
-                WORLD_SIZE_KEY: self.spec.world_size}
-
-    def _write(self) -> None:
-        engine = self.engine
-        stats = WriteStats()
-        try:
-            if self.wait_device is not None:
-                self.wait_device()
-            member = write_rank(self.store, self.spec, self.image, self.buf.view, self.crcs,
-                                algorithm=engine.checksum, chunk_bytes=engine.chunk_bytes,
-                                pool=engine.io_pool(), stats=stats)
-        finally:
-            engine.release(self.buf)
-        self.handle.telemetry.bytes = member.size  # the file as written: its data and its proof
-        self._record(stats)
-
-    def _record(self, stats: WriteStats) -> None:
-        tel = self.handle.telemetry
-        tel.write_s, tel.fsync_s, tel.direct_io = stats.write_s, stats.fsync_s, stats.direct_io
-        tel.checksum_s += stats.checksum_s
-        stats.checksum_s = 0.0
-        tel.throughput_bytes_per_s = self.image.size / stats.write_s if stats.write_s > 0 else 0.0
-
-    def run(self) -> None:
-        engine, spec, tel = self.engine, self.spec, self.handle.telemetry
-        error: BaseException | None = None
-        wrote = committed = False
-        try:
-            self._write()
-            wrote = True
-            c0 = time.perf_counter()
-            deadline = time.monotonic() + self.timeout
-            if self.slot is not None:
-                commit(self.store, spec, self.slot, self.metadata(), algorithm=engine.checksum,
-                       chunk_bytes=engine.chunk_bytes, pool=engine.io_pool(), stats=WriteStats(),
-                       deadline=deadline, what=self.what)
-                committed = True
-            else:
-                wait_for_commit(self.store, spec, deadline, self.what)
-            tel.commit_s = time.perf_counter() - c0
-            tel.time_to_commit_s = time.perf_counter() - self.started
-            tel.committed_at = time.time()
-            if committed:
-                engine.retain(self.store, spec.parent)
-        except BaseException as exc:  # noqa: BLE001 - delivered through the handle
-            error = engine.as_error(exc, f"saving {self.what} failed")
-            if self.slot is None and not wrote and isinstance(exc, FileNotFoundError) and abandoned(self.store, spec):
-                # The coordinator had given up and removed the staging folder under this rank's
-                # write: that is the failure to report.
-                error = gave_up_error(self.what)
-                error.__cause__ = exc
-            if not wrote:
-                report_failure(self.store, spec, exc)
-            if self.slot is not None and not committed:
-                abandon(self.store, spec)
-            elif self.slot is None:
-                discard_if_abandoned(self.store, spec)
-            tel.error = str(error)
-        engine.finish(self.handle, error)
 
 
 class StagedStorageWriter(StorageWriter):
@@ -214,8 +119,8 @@ class StagedStorageWriter(StorageWriter):
             )
         if commit_timeout <= 0:
             raise ValueError(f"commit_timeout must be > 0 seconds, got {commit_timeout}")
-        owned = checkpointer is None
-        self._engine = Engine(checkpointer if checkpointer is not None else Checkpointer(**options), owned=owned)
+        self._owned = checkpointer is None
+        self._ckpt = checkpointer if checkpointer is not None else Checkpointer(**options)
         self.path = path
         self.commit_timeout = float(commit_timeout)
         self.metadata: dict[str, Any] = dict(metadata or {})
@@ -230,7 +135,7 @@ class StagedStorageWriter(StorageWriter):
     @property
     def checkpointer(self) -> Checkpointer:
         """The checkpointer this writer runs on (for ``latest``, ``wait``, ``remove``...)."""
-        return self._engine.ckpt
+        return self._ckpt
 
     # ------------------------------------------------------------------ StorageWriter
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -246,10 +151,10 @@ class StagedStorageWriter(StorageWriter):
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if threading.current_thread().name.startswith("AsyncCheckpointExecutor"):
-            raise RuntimeError(
-                "StagedStorageWriter is meant for dcp.save, not dcp.async_save: async_save runs the "
-                "planning collectives on a background thread, which slows training down while it "
-                "lives. dcp.save with this writer already returns after staging; call dcp.save."
+            raise UsageError(
+                "StagedStorageWriter is meant for dcp.save, not dcp.async_save: async_save runs "
+                "the planning collectives on a background thread, which slows training down while "
+                "it lives. dcp.save with this writer already returns after staging; call dcp.save."
             )
         if not kwargs.get("use_collectives", True):
             raise ValueError(
@@ -257,10 +162,12 @@ class StagedStorageWriter(StorageWriter):
                 "the folder once it knows every rank's plan"
             )
         if self.path is None:
-            raise ValueError("no checkpoint folder: pass checkpoint_id= to dcp.save or path= to the writer")
+            raise ValueError(
+                "no checkpoint folder: pass checkpoint_id= to dcp.save or path= to the writer"
+            )
         self.abandon("a new dcp.save started before the previous one reached finish() (it raised)")
-        self._engine.check_usable()
-        store, name = self._engine.split(self.path)
+        self._ckpt.pipeline.check_usable()
+        store, name = self._ckpt.targets.split(self.path)
         check_target_name(name)
         tel = SaveTelemetry(path=store.describe(name), started_at=time.time())
         self._save = _Save(time.perf_counter(), is_coordinator, store, name, tel)
@@ -277,14 +184,28 @@ class StagedStorageWriter(StorageWriter):
         hidden = _join(parent, f".{leaf}.{pid}-{save_id[:8]}{TMP_MARKER}")
         local = s.store.local_path(s.name) is not None
         staging = hidden if local else s.name
-        specs = [SavePlanData(i, len(plans), save_id, staging, s.name, pid, hidden,
-                              _join(parent, lease(leaf, pid, save_id)), time.time_ns()) for i in range(len(plans))]
+        specs = [
+            SavePlanData(
+                i,
+                len(plans),
+                save_id,
+                staging,
+                s.name,
+                pid,
+                hidden,
+                _join(parent, lease(leaf, pid, save_id)),
+                time.time_ns(),
+            )
+            for i in range(len(plans))
+        ]
         # No rank writes before the plans go out: the lease exists before anyone could wait on
         # it, and on object stores the old folder loses its carrier before it is overwritten.
         try:
             take_lease(s.store, specs[0])
         except OSError as exc:
-            raise self._engine.as_error(exc, f"cannot save sharded checkpoint {s.telemetry.path}") from exc
+            raise as_checkpoint_error(
+                exc, f"cannot save sharded checkpoint {s.telemetry.path}"
+            ) from exc
         self._unowned = (s.store, specs[0])
         if not local:
             clear_old_carrier(s.store, s.name)
@@ -294,30 +215,35 @@ class StagedStorageWriter(StorageWriter):
         s = self._current()
         spec = plan.storage_data
         if not isinstance(spec, SavePlanData):
-            raise RuntimeError(  # noqa: TRY004 - a misconfigured save, not a wrong argument
-                "the save plan carries no stagesave data: StagedStorageWriter.prepare_global_plan did "
-                "not run on the coordinator for this save (is every rank using this writer?)"
+            raise UsageError(
+                "the save plan carries no stagesave data: StagedStorageWriter.prepare_global_plan "
+                "did not run on the coordinator for this save (is every rank using this writer?)"
             )
         if spec.save_id in self._recent_ids:
-            raise RuntimeError(
-                "DCP reused a cached plan of an earlier save; StagedStorageWriter needs a fresh plan "
-                "per save: create the planner with enable_plan_caching=False"
+            raise UsageError(
+                "DCP reused a cached plan of an earlier save; StagedStorageWriter needs a fresh "
+                "plan per save: create the planner with enable_plan_caching=False"
             )
         self._recent_ids.append(spec.save_id)
         s.spec = spec
         tel = s.telemetry
-        engine = self._engine
+        ckpt = self._ckpt
         try:
             t0 = time.perf_counter()
-            rank_image = layout_rank_file(plan.items, planner.resolve_data, spec.file_name, self._skeletons)
+            rank_image = layout_rank_file(
+                plan.items, planner.resolve_data, spec.file_name, self._skeletons
+            )
             image = rank_image.image
             tel.plan_s = time.perf_counter() - t0
             s.store.check_writable(_join(spec.staging, spec.file_name), image.size)
-            buf, tel.buffer_wait_s = engine.acquire(image.size)
+            lease = ckpt.memory.lease(image.size)
+            tel.buffer_wait_s = lease.waited_s
             try:
-                wait_device, crcs = engine.stage(image, buf, tel)
+                wait_device, crcs = ckpt.stager.stage_image(
+                    image, lease.buf, 0, tel, algorithm=ckpt.checksum
+                )
             except BaseException:
-                engine.release(buf)
+                lease.give_back()
                 raise
         except BaseException as exc:
             # DCP reports this to every rank through its gathers; the marker makes the
@@ -336,9 +262,20 @@ class StagedStorageWriter(StorageWriter):
             self._unowned = None  # the commit job gives the lease up
         handle = SaveHandle(tel.path, tel)
         self.last_handle = handle
-        job = _RankJob(engine, s.store, spec, buf, image, crcs, wait_device, s.slot, handle,
-                       s.started, self.commit_timeout, dict(self.metadata))
-        engine.submit(job.run, handle)
+        job = RankJob(
+            ckpt,
+            s.store,
+            spec,
+            RankStaging(lease, wait_device),
+            image,
+            crcs,
+            s.slot,
+            handle,
+            s.started,
+            self.commit_timeout,
+            dict(self.metadata),
+        )
+        ckpt.pipeline.submit(job.job())
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(rank_image.results)
         return fut
@@ -346,12 +283,14 @@ class StagedStorageWriter(StorageWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         s = self._current()
         if s.slot is None or s.spec is None:
-            raise RuntimeError("finish() was called before write_data() on the coordinator")
+            raise UsageError("finish() was called before write_data() on the coordinator")
         try:
             metadata.version = CURRENT_DCP_VERSION
             metadata.storage_data = {wr.index: wr.storage_data for rank in results for wr in rank}
             metadata.storage_meta = StorageMeta(
-                checkpoint_id=os.fspath(self.path) if self.path is not None else None, save_id=s.spec.save_id)
+                checkpoint_id=os.fspath(self.path) if self.path is not None else None,
+                save_id=s.spec.save_id,
+            )
             s.slot.fill(pickle.dumps(metadata))
         except BaseException as exc:
             s.slot.abandon(f"finish() failed: {type(exc).__name__}: {exc}")
@@ -385,12 +324,13 @@ class StagedStorageWriter(StorageWriter):
             TimeoutError: still running after ``timeout`` seconds.
             CheckpointError: a background save failed and its error was not delivered yet.
         """
-        self._engine.wait(timeout)
+        self._ckpt.wait(timeout)
 
     def close(self, timeout: float | None = None) -> None:
         """Finish pending saves; close the checkpointer if this writer created it."""
         self.abandon("the writer was closed before dcp.save reached finish()")
-        self._engine.close(timeout)
+        if self._owned:
+            self._ckpt.close(timeout)
 
     def __enter__(self) -> Self:
         return self
@@ -400,5 +340,8 @@ class StagedStorageWriter(StorageWriter):
 
     def _current(self) -> _Save:
         if self._save is None:
-            raise RuntimeError("StagedStorageWriter was called outside dcp.save (set_up_storage_writer did not run)")
+            raise UsageError(
+                "StagedStorageWriter was called outside dcp.save (set_up_storage_writer did "
+                "not run)"
+            )
         return self._save

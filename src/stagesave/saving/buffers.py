@@ -5,6 +5,7 @@ buffer runs at ~7 GB/s, a clone into fresh memory at ~2.6 GB/s), so staging buff
 reused. Buffers are page-aligned (O_DIRECT needs it) and pinned when CUDA is available (so
 device-to-host copies can run without blocking). At most ``max_pending`` buffers exist; a save
 that finds them all busy waits for one, and the wait is reported in its telemetry.
+:class:`StagingMemory` is the one owner of a Checkpointer's staging memory, host and device.
 """
 
 from __future__ import annotations
@@ -12,13 +13,15 @@ from __future__ import annotations
 import mmap
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import ClosedError
 from ..ondisk.names import ALIGNMENT
 
-__all__ = ["BufferPool", "HostBuffer"]
+__all__ = ["BufferPool", "HostBuffer", "Lease", "StagingMemory"]
 
 #: Buffers grow in steps of this many bytes, so that slightly larger saves reuse them.
 GROWTH_STEP = 64 * 1024 * 1024
@@ -68,7 +71,9 @@ class HostBuffer:
 class BufferPool:
     """At most ``max_buffers`` host buffers, handed out one per in-flight save."""
 
-    def __init__(self, max_buffers: int, pinned: bool | None = None, device: torch.device | None = None) -> None:
+    def __init__(
+        self, max_buffers: int, pinned: bool | None = None, device: torch.device | None = None
+    ) -> None:
         """``device``: hand out buffers in that device's memory instead (see ``device_staging``)."""
         if max_buffers < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_buffers}")
@@ -94,15 +99,19 @@ class BufferPool:
         with self._cond:
             while not self._free and self._count >= self.max_buffers:
                 if self._closed:
-                    raise RuntimeError("buffer pool is closed")
+                    raise ClosedError(
+                        "the staging buffers were released (the Checkpointer was closed)"
+                    )
                 if not self._cond.wait(timeout=timeout):
                     raise TimeoutError(f"no staging buffer became free within {timeout} s")
             waited = time.perf_counter() - t0
             if self._free:
                 # Prefer the smallest buffer that fits; otherwise regrow the largest one.
                 fitting = [b for b in self._free if b.capacity >= need]
-                buf = min(fitting, key=lambda b: b.capacity) if fitting else max(
-                    self._free, key=lambda b: b.capacity
+                buf = (
+                    min(fitting, key=lambda b: b.capacity)
+                    if fitting
+                    else max(self._free, key=lambda b: b.capacity)
                 )
                 self._free.remove(buf)
                 if buf.capacity >= need:
@@ -152,3 +161,91 @@ class BufferPool:
             self._cond.notify_all()
         for b in free:
             b.release_memory()
+
+
+class Lease:
+    """One staging buffer taken from :class:`StagingMemory`, held until :meth:`give_back`."""
+
+    __slots__ = ("buf", "device", "pool", "waited_s")
+
+    def __init__(
+        self, pool: BufferPool, buf: HostBuffer, device: torch.device | None, waited_s: float
+    ) -> None:
+        self.pool, self.buf, self.device, self.waited_s = pool, buf, device, waited_s
+
+    def give_back(self) -> None:
+        self.pool.release(self.buf)
+
+
+class StagingMemory:
+    """Every staging buffer of one Checkpointer, in one owner.
+
+    Host buffers (pinned when asked) and, with ``device_staging``, buffers in each CUDA
+    device's memory, at most ``max_buffers`` of each kind in flight. A device without room
+    for a save's buffer is an optimization that failed, never a failed save: that save stages
+    in host memory, a warning says so once, and saves at least that large stage in host memory
+    from then on (a failed CUDA allocation first empties the allocator's cache, which training
+    would pay for at every save).
+    """
+
+    def __init__(self, max_buffers: int, pinned: bool | None) -> None:
+        self.host = BufferPool(max_buffers, pinned)
+        self.devices: dict[torch.device, BufferPool] = {}
+        self._no_room: dict[torch.device, int] = {}  # smallest size that found no room
+        self._warned = False
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @property
+    def max_buffers(self) -> int:
+        return self.host.max_buffers
+
+    def lease(self, nbytes: int, device: torch.device | None = None) -> Lease:
+        """A buffer of at least ``nbytes``: on ``device`` when it has room, else in host memory.
+
+        Waits while ``max_buffers`` of that kind are in flight.
+
+        Raises:
+            ClosedError: released by :meth:`close`.
+        """
+        if device is not None and nbytes >= self._no_room.get(device, nbytes + 1):
+            device = None  # this size did not fit on the device before: do not retry every save
+        pool = self.host if device is None else self._device_pool(device)
+        try:
+            buf, waited = pool.acquire(nbytes)
+        except torch.OutOfMemoryError as exc:
+            if device is None:
+                raise
+            self._no_room[device] = min(nbytes, self._no_room.get(device, nbytes))
+            if not self._warned:
+                self._warned = True
+                warnings.warn(
+                    f"device_staging: no room on {device} for a {nbytes / 2**30:.2f} GiB staging "
+                    f"buffer ({str(exc).splitlines()[0]}); staging in host memory instead "
+                    "(SaveTelemetry.staged_on tells which each save used)",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+            pool, device = self.host, None
+            buf, waited = pool.acquire(nbytes)
+        return Lease(pool, buf, device, waited)
+
+    def _device_pool(self, device: torch.device) -> BufferPool:
+        """The buffers of ``device`` (created on first use)."""
+        with self._lock:
+            if self._closed:
+                raise ClosedError(
+                    "this Checkpointer is closed; create a new one to save or remove checkpoints"
+                )
+            pool = self.devices.get(device)
+            if pool is None:
+                pool = self.devices[device] = BufferPool(self.max_buffers, device=device)
+            return pool
+
+    def close(self) -> None:
+        """Free idle buffers now; buffers in flight are freed when given back."""
+        with self._lock:
+            self._closed = True
+            pools = [self.host, *self.devices.values()]
+        for pool in pools:
+            pool.close()

@@ -47,7 +47,6 @@ from .publish import (
     drop_sidecars,
     join_name,
     parent_of,
-    pid_alive,
     remove_tree,
     rename_into_place,
     restore_aside,
@@ -64,7 +63,6 @@ __all__ = [
     "commit_link",
     "copy_checkpoint",
     "copy_file",
-    "pid_alive",
     "remove_checkpoint",
     "remove_tree",
     "rename_into_place",
@@ -80,9 +78,18 @@ Telemetry = Callable[[], dict[str, Any]]
 
 
 def commit_file(
-    store: Store, f: FileToWrite, *, algorithm: str, chunk_bytes: int, pool: cf.Executor, stats: WriteStats,
-    metadata: dict[str, Any], telemetry: Telemetry, written: Written | None = None,
-    seq: int | None = None, created_ns: int | None = None,
+    store: Store,
+    f: FileToWrite,
+    *,
+    algorithm: str,
+    chunk_bytes: int,
+    pool: cf.Executor,
+    stats: WriteStats,
+    metadata: dict[str, Any],
+    telemetry: Telemetry,
+    written: Written | None = None,
+    seq: int | None = None,
+    created_ns: int | None = None,
 ) -> Written:
     """Write, seal and publish one file. Returns it as written (``.manifest``, ``.length``).
 
@@ -93,15 +100,24 @@ def commit_file(
     Raises:
         Whatever failed; nothing is published and the temporary is gone.
     """
-    w = written if written is not None else write_data(store, f, algorithm=algorithm, chunk_bytes=chunk_bytes,
-                                                       pool=pool, stats=stats)
+    w = (
+        written
+        if written is not None
+        else write_data(
+            store, f, algorithm=algorithm, chunk_bytes=chunk_bytes, pool=pool, stats=stats
+        )
+    )
     directory = parent_of(f.name)
     try:
         with store.commit_lock(f.name):
             restore_aside(store, directory)  # a read never repairs: the next write does
-            w.seal(seq=next_seq(store, directory) if seq is None else seq,
-                   created_ns=time.time_ns() if created_ns is None else created_ns, metadata=metadata,
-                   tensors=_tensor_index(f), telemetry=telemetry())
+            w.seal(
+                seq=next_seq(store, directory) if seq is None else seq,
+                created_ns=time.time_ns() if created_ns is None else created_ns,
+                metadata=metadata,
+                tensors=_tensor_index(f),
+                telemetry=telemetry(),
+            )
             w.finish(stats)
             w.publish()
             crash_point("after_rename")
@@ -115,8 +131,14 @@ def commit_file(
 
 def _tensor_index(f: FileToWrite) -> list[dict[str, Any]]:
     return [
-        {"name": t.name, "storage": t.storage_key, "dtype": t.dtype, "shape": list(t.shape),
-         "stride": list(t.stride), "storage_offset": t.storage_offset}
+        {
+            "name": t.name,
+            "storage": t.storage_key,
+            "dtype": t.dtype,
+            "shape": list(t.shape),
+            "stride": list(t.stride),
+            "storage_offset": t.storage_offset,
+        }
         for t in f.image.tensors
     ]
 
@@ -138,14 +160,26 @@ def choose_carrier(files: Sequence[FileToWrite]) -> FileToWrite:
 
 
 def commit_folder(
-    store: Store, directory: str, files: Sequence[FileToWrite], *, algorithm: str, chunk_bytes: int,
-    pool: cf.Executor, stats: WriteStats, metadata: dict[str, Any], telemetry: Telemetry,
-    staging_dir: str | None = None, write: Callable[[Store, FileToWrite], Written] | None = None,
-    seq: int | None = None, created_ns: int | None = None, nested: Sequence[str] = (),
+    store: Store,
+    directory: str,
+    files: Sequence[FileToWrite],
+    *,
+    algorithm: str,
+    chunk_bytes: int,
+    pool: cf.Executor,
+    stats: WriteStats,
+    metadata: dict[str, Any],
+    telemetry: Telemetry,
+    staging_dir: str | None = None,
+    write: Callable[[Store, FileToWrite], Written] | None = None,
+    seq: int | None = None,
+    created_ns: int | None = None,
+    nested: Sequence[str] = (),
 ) -> list[Written]:
     """Write ``files`` (names relative to ``directory``) and commit them as one folder checkpoint.
 
-    Returns the files as written, the carrier last. ``seq``/``created_ns`` as in :func:`commit_file`.
+    Returns the files as written, the carrier last. ``seq``/``created_ns`` as in
+    :func:`commit_file`.
     ``nested``: sub-folders that are folder checkpoints of their own and will be in the folder
     (moved in by the caller, e.g. an FSDP checkpoint's DCP parts): named in its proof.
 
@@ -173,11 +207,19 @@ def commit_folder(
         clear_for_rewrite(store, directory, {(f.entry_name or f.name) for f in files})
 
     def write_one(f: FileToWrite) -> Written:
-        target = FileToWrite(f"{staging}/{f.entry_name or f.name}", f.image, f.view, f.crcs, f.device_data,
-                             f.entry_name or f.name)
+        target = FileToWrite(
+            f"{staging}/{f.entry_name or f.name}",
+            f.image,
+            f.view,
+            f.crcs,
+            f.device_data,
+            f.entry_name or f.name,
+        )
         if write is not None:
             return write(wstore, target)
-        return write_data(wstore, target, algorithm=algorithm, chunk_bytes=chunk_bytes, pool=pool, stats=stats)
+        return write_data(
+            wstore, target, algorithm=algorithm, chunk_bytes=chunk_bytes, pool=pool, stats=stats
+        )
 
     pending: list[Written] = []
     try:
@@ -188,8 +230,13 @@ def commit_folder(
         for f in ordered[:-1]:
             w = write_one(f)
             pending.append(w)
-            w.seal(seq=None, created_ns=created, metadata={}, folder=FolderProof(token, carrier_name).to_doc(False),
-                   summary_folder=(token, carrier_name))
+            w.seal(
+                seq=None,
+                created_ns=created,
+                metadata={},
+                folder=FolderProof(token, carrier_name).to_doc(False),
+                summary_folder=(token, carrier_name),
+            )
             w.finish(stats)
             w.publish()
             if f.image.kind == "raw":
@@ -202,9 +249,15 @@ def commit_folder(
         with store.commit_lock(directory):
             if local_parent:
                 restore_aside(store, parent)
-            w.seal(seq=next_seq(store, parent) if seq is None else seq, created_ns=created, metadata=metadata,
-                   folder=folder_doc,
-                   summary_folder=(token, carrier_name), tensors=_tensor_index(carrier), telemetry=telemetry())
+            w.seal(
+                seq=next_seq(store, parent) if seq is None else seq,
+                created_ns=created,
+                metadata=metadata,
+                folder=folder_doc,
+                summary_folder=(token, carrier_name),
+                tensors=_tensor_index(carrier),
+                telemetry=telemetry(),
+            )
             w.finish(stats)
             w.publish()
             if local_parent:

@@ -170,7 +170,8 @@ _checked: bool | None = None  # the probe's verdict: None = not run yet
 
 
 def fast_path_enabled() -> bool:
-    """Whether this process lays torch files out itself (the probe against ``torch.save`` passed)."""
+    """Whether this process lays torch files out itself (the probe against ``torch.save``
+    passed)."""
     global _checked, _constants
     if _checked is None:
         with _probe_lock:
@@ -190,7 +191,9 @@ def _learn_constants() -> Constants:
     zip_ = image.zip
     assert zip_ is not None
     names = [r.name.removeprefix(f"{PREFIX}/") for r in zip_.records]
-    content = {n: bytes(data[r.data_offset : r.data_offset + r.size]) for n, r in zip(names, zip_.records)}
+    content = {
+        n: bytes(data[r.data_offset : r.data_offset + r.size]) for n, r in zip(names, zip_.records)
+    }
     if names[0] != "data.pkl" or names[-2:] != ["version", ".data/serialization_id"]:
         raise ValueError(f"unexpected records {names}")
     small = tuple((n, content[n]) for n in names[1:-2])
@@ -207,10 +210,18 @@ def _image_bytes(image: FileImage) -> bytearray:
 def _probe_state() -> dict[str, Any]:
     base = torch.arange(12, dtype=torch.float32)
     return {
-        "w": torch.nn.Parameter(torch.ones(2, 3)), "view": base[2:8].view(2, 3), "base": base,
-        "t": base.t() if base.dim() == 2 else base.reshape(3, 4).t(), "i": torch.zeros(3, dtype=torch.int64),
-        "b": torch.tensor([True]), "h": torch.ones(1, dtype=torch.bfloat16), "e": torch.empty(0),
-        "step": 3, "lr": 0.1, "name": "probe", "nested": [{"x": (1, 2.5, None)}, b"bytes"],
+        "w": torch.nn.Parameter(torch.ones(2, 3)),
+        "view": base[2:8].view(2, 3),
+        "base": base,
+        "t": base.t() if base.dim() == 2 else base.reshape(3, 4).t(),
+        "i": torch.zeros(3, dtype=torch.int64),
+        "b": torch.tensor([True]),
+        "h": torch.ones(1, dtype=torch.bfloat16),
+        "e": torch.empty(0),
+        "step": 3,
+        "lr": 0.1,
+        "name": "probe",
+        "nested": [{"x": (1, 2.5, None)}, b"bytes"],
     }
 
 
@@ -236,7 +247,9 @@ def same_layout(a: FileImage, b: FileImage) -> bool:
             data[rec.descriptor_crc_at : rec.descriptor_crc_at + 4] = bytes(4)
     if x != y:
         return False
-    if [(s.key, s.offset, s.nbytes) for s in a.slots] != [(s.key, s.offset, s.nbytes) for s in b.slots]:
+    if [(s.key, s.offset, s.nbytes) for s in a.slots] != [
+        (s.key, s.offset, s.nbytes) for s in b.slots
+    ]:
         return False
     if a.crc_fields != b.crc_fields or a.tensors != b.tensors:
         return False
@@ -247,8 +260,9 @@ def same_layout(a: FileImage, b: FileImage) -> bool:
         rec = image.zip.record(".data/serialization_id")
         struct.pack_into("<I", cd, rec.cd_entry_at + 16, 0)
         cds.append(bytes(cd))
-    return cds[0] == cds[1] and [(r.name, r.header_offset, r.data_offset, r.size) for r in a.zip.records] == [
-        (r.name, r.header_offset, r.data_offset, r.size) for r in b.zip.records]
+    return cds[0] == cds[1] and [
+        (r.name, r.header_offset, r.data_offset, r.size) for r in a.zip.records
+    ] == [(r.name, r.header_offset, r.data_offset, r.size) for r in b.zip.records]
 
 
 # ---------------------------------------------------------------------------- planning
@@ -304,7 +318,8 @@ def plan_fast(state: Any, *, probe: bool = False) -> FileImage | None:
 def _image(constants: Constants, pkl: bytes, pickler: _Pickler, state: Any) -> FileImage:
     head_records, head, head_crcs = lay_out_head(constants, pkl)
     sizes = tuple(int(s.nbytes()) for s in pickler.storages)
-    # The first storage's header starts where the head ends (no gap: torch writes records back to back).
+    # The first storage's header starts where the head ends (no gap: torch writes records back to
+    # back).
     layout, storage_cd, storage_cd_at = cached_layout(constants, len(head), sizes)
     sid = unique_id(constants.id_length).encode()
     tail_records, tail, cd_start = layout.tail(sid)
@@ -329,9 +344,18 @@ def _image(constants: Constants, pkl: bytes, pickler: _Pickler, state: Any) -> F
         zip_records.append(ZipRecord(r.name, r.header_offset, r.data_offset, r.size, r.crc_at, at))
         at += len(cd_entry(r.name.encode(), 0, r.header_offset, r.size))
     zip_ = TorchZip(PREFIX, tuple(zip_records), cd_start, cd, True)
-    slots = [StorageSlot(key, rec.data_offset, rec.size, storage=storage, device_type=device, address=address)
-             for key, rec, storage, device, address in zip(layout.keys, layout.storage_records, pickler.storages,
-                                                           pickler.devices, pickler.addresses)]
+    slots = [
+        StorageSlot(
+            key, rec.data_offset, rec.size, storage=storage, device_type=device, address=address
+        )
+        for key, rec, storage, device, address in zip(
+            layout.keys,
+            layout.storage_records,
+            pickler.storages,
+            pickler.devices,
+            pickler.addresses,
+        )
+    ]
     return FileImage(
         size=cd_start,
         pieces=pieces,
@@ -373,9 +397,17 @@ def _index(state: Any, pickler: _Pickler) -> list[TensorEntry]:
             return  # as deep as the index goes (a tensor there was added by its parent)
         kind = type(obj)
         items: Any
-        if kind is dict or kind is _OrderedDict or (kind is not _Tensor and isinstance(obj, Mapping)):
+        if (
+            kind is dict
+            or kind is _OrderedDict
+            or (kind is not _Tensor and isinstance(obj, Mapping))
+        ):
             items = obj.items()
-        elif kind is list or kind is tuple or (kind is not _Tensor and isinstance(obj, (list, tuple))):
+        elif (
+            kind is list
+            or kind is tuple
+            or (kind is not _Tensor and isinstance(obj, (list, tuple)))
+        ):
             items = enumerate(obj)
         elif is_dataclass(obj) and not isinstance(obj, type):
             items = [(f.name, getattr(obj, f.name)) for f in fields(obj)]

@@ -84,5 +84,7 @@ def wait_under(root: str, timeout: float | None = None) -> bool:
     holding it (what a listing of ``root`` shows). Returns whether all finished.
     """
     with _lock:
-        handles = [h for k, hs in _by_key.items() if _within(k, root) or _within(root, k) for h in hs]
+        handles = [
+            h for k, hs in _by_key.items() if _within(k, root) or _within(root, k) for h in hs
+        ]
     return _wait(handles, timeout)

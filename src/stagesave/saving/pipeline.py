@@ -1,12 +1,17 @@
-"""The background side: one ordered job queue and a pool of I/O threads.
+"""The background side of a save: one ordered job queue, a pool of I/O threads, and the one job
+body every save, folder save, sharded (DCP) save, removal and action runs through:
 
-Jobs (saves, removals) run one at a time in submission order, so a removal submitted after a
+    wait for device copies -> write and commit -> retire old checkpoints -> give the buffer
+    back -> finish (the handle completes, a failure is kept for the next call, telemetry out)
+
+Jobs run one at a time in submission order, so a removal submitted after a
 save never overtakes it; each save's chunks are written by the I/O pool in parallel. These
 threads only make syscalls, copy memory and hash: no CPU torch op and no collective ever runs here
 (either one was reported to switch libgomp into passive waiting and slow training for as long as
 the thread lives; ``benchmarks/bench_omp.py`` did not reproduce it on a 2-vCPU VM, the rule stays
 as a free precaution). With ``device_staging`` they also queue device-to-host copies on CUDA
-streams of their own (``_device.py``): GPU work, no OpenMP team. They run at a lower CPU priority so that the training threads win when cores are scarce.
+streams of their own (``stage_device.py``): GPU work, no OpenMP team. They run at a lower CPU
+priority so that the training threads win when cores are scarce.
 """
 
 from __future__ import annotations
@@ -14,10 +19,18 @@ from __future__ import annotations
 import collections
 import concurrent.futures as cf
 import os
+import sys
 import threading
 from collections.abc import Callable
+from typing import Protocol
 
-__all__ = ["JobQueue", "current_queue", "lower_priority"]
+from ..errors import ClosedError, as_checkpoint_error
+from ..handle import SaveHandle
+from ..stores.base import Store
+from ..telemetry import SaveTelemetry
+from . import inflight
+
+__all__ = ["Job", "JobQueue", "Pipeline", "current_queue", "lower_priority"]
 
 #: Nice value for background threads (Linux applies nice per thread).
 BACKGROUND_NICE = 10
@@ -63,7 +76,7 @@ class JobQueue:
     def submit(self, job: Callable[[], None]) -> None:
         with self._cond:
             if self._stopping:
-                raise RuntimeError("job queue is stopped")
+                raise ClosedError("the job queue is stopped")
             self._jobs.append(job)
             self._cond.notify_all()
 
@@ -81,7 +94,9 @@ class JobQueue:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        if threading.current_thread() is self._thread:  # a finalizer run by a job's garbage collection
+        if (
+            threading.current_thread() is self._thread
+        ):  # a finalizer run by a job's garbage collection
             self.io_pool.shutdown(wait=False)
             return False
         self._thread.join(timeout)
@@ -107,3 +122,205 @@ class JobQueue:
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()
+
+
+class Staging(Protocol):
+    """What a job holds from staging: device copies to wait for, a buffer to give back."""
+
+    def wait(self) -> None: ...
+
+    def give_back(self) -> None: ...
+
+
+class Job:
+    """One unit of background work: a save (file, folder, sharded rank), a removal or an action.
+
+    ``commit`` writes and commits (it gets the I/O threads); ``retire`` applies retention after
+    a commit; ``on_error`` may replace the error reported (and clean up) when a step failed.
+    """
+
+    __slots__ = ("commit", "handle", "key", "on_error", "retire", "staged", "what")
+
+    def __init__(
+        self,
+        handle: SaveHandle,
+        what: str,
+        commit: Callable[[cf.Executor], None],
+        *,
+        staged: Staging | None = None,
+        retire: Callable[[], None] | None = None,
+        on_error: Callable[[BaseException, BaseException], BaseException] | None = None,
+        key: str | None = None,
+    ) -> None:
+        self.handle, self.what, self.commit = handle, what, commit
+        self.staged, self.retire, self.on_error = staged, retire, on_error
+        self.key = handle.path if key is None else key
+
+
+class Pipeline:
+    """The background of one Checkpointer: its queue, its failures, its in-flight saves.
+
+    Every job is shown to the whole process while it is pending (``inflight``: a load or a
+    listing by another Checkpointer waits for it). A job's failure completes its handle and is
+    kept for the next ``save``/``wait``/``close`` of this Checkpointer, raised once.
+    """
+
+    def __init__(self, io_threads: int, emit: Callable[[SaveTelemetry], None]) -> None:
+        self.io_threads = io_threads
+        self._emit = emit
+        self.queue: JobQueue | None = None
+        self._failed: list[SaveHandle] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    # ---------------------------------------------------------------- caller's side
+    def io_pool(self) -> cf.Executor:
+        """The I/O threads (the queue's; reads use them too), created on first use."""
+        with self._lock:
+            if self.queue is None:
+                self.queue = JobQueue(io_threads=self.io_threads)
+            return self.queue.io_pool
+
+    def check_open(self) -> None:
+        if self._closed:
+            raise ClosedError(
+                "this Checkpointer is closed; create a new one to save or remove checkpoints"
+            )
+
+    def check_usable(self) -> None:
+        """Raise if closed, or the undelivered error of an earlier background job."""
+        self.check_open()
+        self.raise_failures()
+
+    def submit(self, job: Job, *, track: bool = True) -> SaveHandle:
+        """Queue ``job`` behind every earlier one; if ``close()`` came first, give back what it
+        holds and raise :class:`ClosedError`.
+
+        ``track``: show it as pending on its key to the whole process (saves and removals).
+        """
+        if track:
+            inflight.register(job.key, job.handle)
+        with self._lock:
+            queue = None
+            if not self._closed:
+                if self.queue is None:
+                    self.queue = JobQueue(io_threads=self.io_threads)
+                queue = self.queue
+        if queue is not None:
+            try:
+                queue.submit(lambda: self._run(job))
+                return job.handle
+            except ClosedError:  # stopped by a close() racing this call
+                pass
+        if job.staged is not None:
+            job.staged.give_back()
+        error = ClosedError(
+            f"the Checkpointer was closed while {job.handle.path} was being "
+            "staged; it was not written"
+        )
+        inflight.forget(job.key, job.handle)
+        job.handle._set_done(error)
+        raise error
+
+    def raise_failures(self) -> None:
+        """Raise the first undelivered failure (the others are printed)."""
+        with self._lock:
+            failed, self._failed = self._failed, []
+        errors = [e for e in (h._claim_error() for h in failed) if e is not None]
+        if errors:
+            if len(errors) > 1:
+                print(
+                    f"stagesave: {len(errors) - 1} more background saves failed: "
+                    + "; ".join(str(e) for e in errors[1:]),
+                    file=sys.stderr,
+                )
+            raise errors[0]
+
+    def report_failures(self) -> None:
+        """Print undelivered failures (on the way out, where raising helps nobody)."""
+        for handle in self._failed:
+            err = handle._claim_error()
+            if err is not None:
+                print(f"stagesave: a checkpoint save failed: {err}", file=sys.stderr)
+
+    def pending(self) -> int:
+        q = self.queue
+        return q.pending() if q is not None else 0
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every submitted job finished (a job of this queue waits for nothing).
+
+        Raises:
+            TimeoutError: still running after ``timeout`` seconds.
+            CheckpointError: a background job failed and its error was not delivered yet.
+        """
+        if not self.drain(timeout):
+            raise TimeoutError(
+                f"{self.pending()} checkpoint operations still running after {timeout} s"
+            )
+        self.raise_failures()
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait for the queue without raising; False on timeout."""
+        q = self.queue
+        if q is None or q is current_queue():  # a job of this queue would wait for itself
+            return True
+        return q.drain(timeout)
+
+    def mark_closed(self) -> bool:
+        """Refuse new jobs from now on; returns whether this call closed it (the first)."""
+        with self._lock:
+            was_closed, self._closed = self._closed, True
+        return not was_closed
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Finish the queued jobs and end the threads (after :meth:`mark_closed`).
+
+        Raises:
+            TimeoutError: jobs still running after ``timeout`` seconds (not committed).
+        """
+        q = self.queue
+        if q is not None and not q.stop(timeout):
+            raise TimeoutError(
+                f"stagesave: {q.pending()} checkpoint operations still running after "
+                f"{timeout} s; they were not committed"
+            )
+
+    def settle(self, store: Store) -> None:
+        """Before listing ``store``'s directory: wait for this queue (link updates and actions
+        included) and for every save and removal pending inside it in the process."""
+        self.drain()
+        inflight.wait_under(store.describe(""))
+
+    def release(self) -> None:
+        """End the threads of an idle pipeline whose Checkpointer was dropped unclosed."""
+        queue, self.queue = self.queue, None
+        if queue is not None:
+            queue.stop(None)
+
+    # ---------------------------------------------------------------- writer's side
+    def _run(self, job: Job) -> None:
+        """The one job body."""
+        error: BaseException | None = None
+        try:
+            if job.staged is not None:
+                job.staged.wait()
+            job.commit(self.io_pool())
+            if job.retire is not None:
+                job.retire()
+        except BaseException as exc:  # noqa: BLE001 - delivered through the handle
+            error = as_checkpoint_error(exc, f"{job.what} failed")
+            if job.on_error is not None:
+                error = job.on_error(exc, error)
+            if job.handle.kind == "save":
+                job.handle.telemetry.error = str(error)
+        finally:
+            if job.staged is not None:
+                job.staged.give_back()
+        with self._lock:
+            inflight.forget(job.key, job.handle)
+            if error is not None:
+                self._failed.append(job.handle)
+        job.handle._set_done(error)
+        if job.handle.kind == "save":
+            self._emit(job.handle.telemetry)

@@ -29,7 +29,8 @@ import torch
 
 try:  # torch >= 2.7: records can be aligned to pages
     from torch.utils.serialization import config as _torch_save_config
-except ImportError:  # torch 2.6: records are 64-byte aligned (the whole image is still written in pages)
+# torch 2.6: records are 64-byte aligned (the whole image is still written in pages)
+except ImportError:
     _torch_save_config = None  # type: ignore[assignment]
 
 from ..errors import UnsupportedObjectError
@@ -95,7 +96,8 @@ class StorageSlot:
         return None
 
     def __repr__(self) -> str:
-        return f"StorageSlot(key={self.key!r}, offset={self.offset}, nbytes={self.nbytes}, device={self.device_type})"
+        return (f"StorageSlot(key={self.key!r}, offset={self.offset}, nbytes={self.nbytes}, "
+                f"device={self.device_type})")
 
 
 class TensorEntry(NamedTuple):
@@ -120,7 +122,8 @@ class FileImage:
     """
 
     size: int
-    #: The bytes that are not tensor data, at their offsets (memoryviews where a planner shares them).
+    #: The bytes that are not tensor data, at their offsets (memoryviews where a planner shares
+    # them).
     pieces: Sequence[tuple[int, bytes | memoryview]]
     slots: list[StorageSlot]
     serialization_id: str
@@ -252,10 +255,28 @@ class _SparseReader(io.RawIOBase):
 #: Types whose objects torch's ``persistent_id`` never names (it names storages only): the
 #: pickler asks about every object it meets, so these skip torch's check (exact types only;
 #: subclasses still go through it).
-_NEVER_PERSISTENT = frozenset({
-    int, float, complex, str, bytes, bool, type(None), tuple, list, dict, set, frozenset,
-    collections.OrderedDict, torch.Tensor, torch.nn.Parameter, torch.Size, torch.dtype, torch.device,
-})
+_NEVER_PERSISTENT = frozenset(
+    {
+        int,
+        float,
+        complex,
+        str,
+        bytes,
+        bool,
+        type(None),
+        tuple,
+        list,
+        dict,
+        set,
+        frozenset,
+        collections.OrderedDict,
+        torch.Tensor,
+        torch.nn.Parameter,
+        torch.Size,
+        torch.dtype,
+        torch.device,
+    }
+)
 
 
 def _recording_pickle_module(found: dict[str, torch.UntypedStorage]) -> types.ModuleType:
@@ -316,7 +337,8 @@ def _walk(obj: Any, prefix: str, depth: int) -> Iterator[tuple[str, Any]]:
 
 
 def index_tensors(state: Any, keys: dict[int, str]) -> list[TensorEntry]:
-    """The manifest's index: every tensor of ``state`` by dotted name (``keys``: storage ``_cdata`` -> key)."""
+    """The manifest's index: every tensor of ``state`` by dotted name (``keys``: storage
+    ``_cdata`` -> key)."""
     entries: list[TensorEntry] = []
     for name, leaf in _walk(state, "", depth=0):
         if not isinstance(leaf, torch.Tensor) or len(entries) >= MAX_INDEXED_TENSORS:
@@ -346,7 +368,9 @@ def unique_id(length: int) -> str:
     return digits[-length:] if length <= len(digits) else digits.rjust(length, "0")
 
 
-def _replace_bytes(pieces: list[tuple[int, bytes]], offset: int, data: bytes) -> list[tuple[int, bytes]]:
+def _replace_bytes(
+    pieces: list[tuple[int, bytes]], offset: int, data: bytes
+) -> list[tuple[int, bytes]]:
     out = []
     for off, chunk in pieces:
         lo, hi = max(off, offset), min(off + len(chunk), offset + len(data))
@@ -413,8 +437,11 @@ def _plan_torch_file(state: Any) -> FileImage:
     with aligned:
         try:
             with torch.serialization.skip_data():
-                # torch's own function even when ``torch.save`` is monkeypatched (a mock writes nothing)
-                torch.serialization.save(state, cast(IO[bytes], sink), pickle_module=_recording_pickle_module(found))
+                # torch's own function even when ``torch.save`` is monkeypatched (a mock writes
+                # nothing)
+                torch.serialization.save(
+                    state, cast(IO[bytes], sink), pickle_module=_recording_pickle_module(found)
+                )
         except (pickle.PicklingError, TypeError, AttributeError, RuntimeError) as exc:
             where = _describe_unpicklable(state, exc)
             raise UnsupportedObjectError(
@@ -468,12 +495,16 @@ def _archive(
     try:
         zip_ = parse_torch_zip(read, size)
     except ZipFormatError as exc:  # torch changed its writer: say so instead of writing a bad file
-        raise UnsupportedObjectError(f"torch {torch.__version__} wrote an archive stagesave cannot lay out: {exc}") from exc
+        raise UnsupportedObjectError(
+            f"torch {torch.__version__} wrote an archive stagesave cannot lay out: {exc}"
+        ) from exc
     id_record = zip_.record(".data/serialization_id")
     crc = crc32(sid.encode())
     if id_record.descriptor_crc_at >= 0:
         pieces = _replace_bytes(pieces, id_record.descriptor_crc_at, crc.to_bytes(4, "little"))
-    zip_ = TorchZip(zip_.prefix, zip_.records, zip_.cd_start, zip_.with_crcs({id_record.name: crc}), zip_.zip64)
+    zip_ = TorchZip(
+        zip_.prefix, zip_.records, zip_.cd_start, zip_.with_crcs({id_record.name: crc}), zip_.zip64
+    )
     by_name = {r.name: r for r in zip_.records}
     fields = [by_name[f"{zip_.prefix}/data/{s.key}"].descriptor_crc_at
               if f"{zip_.prefix}/data/{s.key}" in by_name else -1 for s in slots]

@@ -71,7 +71,9 @@ def plan_safetensors_file(
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
             raise UnsupportedObjectError("safetensors metadata must map str to str")
         if PROOF_KEY in metadata:
-            raise UnsupportedObjectError(f"safetensors metadata key {PROOF_KEY!r} is stagesave's own")
+            raise UnsupportedObjectError(
+                f"safetensors metadata key {PROOF_KEY!r} is stagesave's own"
+            )
     header["__metadata__"] = dict(metadata or {})
     sources: list[tuple[str, torch.Tensor]] = []
     seen: dict[tuple[int, int], str] = {}
@@ -96,11 +98,17 @@ def plan_safetensors_file(
                 )
             seen[key] = name
         nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": code, "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        header[name] = {
+            "dtype": code,
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
         flat = t.reshape(-1)
         if not flat.is_contiguous():
             flat = flat.contiguous()
-        sources.append((name, flat.view(torch.uint8) if nbytes else flat.new_empty(0, dtype=torch.uint8)))
+        sources.append(
+            (name, flat.view(torch.uint8) if nbytes else flat.new_empty(0, dtype=torch.uint8))
+        )
         offset += nbytes
     room = 0
     if proof_room is not None:

@@ -23,10 +23,21 @@ from ..ondisk.names import (
     split_manifest_name,
 )
 from ..restore.discovery import is_sidecar_of, resolve_dir
+from ..restore.liveness import pid_alive
 from ..stores import posix as fsops
 from ..stores.base import Store
 
-__all__ = ["clear_for_rewrite", "drop_sidecars", "join_name", "parent_of", "pid_alive", "remove_tree", "rename_into_place", "restore_aside", "sidecars_of"]
+__all__ = [
+    "clear_for_rewrite",
+    "drop_sidecars",
+    "join_name",
+    "parent_of",
+    "remove_tree",
+    "rename_into_place",
+    "restore_aside",
+    "sidecars_of",
+]
+
 
 def parent_of(name: str) -> str:
     return name.rpartition("/")[0]
@@ -44,9 +55,13 @@ def sidecars_of(store: Store, name: str) -> list[str]:
         listing = store.list(directory)
     except OSError:
         return []
-    return [info.name for info in listing
-            if (parsed := split_manifest_name(info.name.rpartition("/")[2])) is not None and parsed[0] == base
-            and is_sidecar_of(store, info.name, base)]
+    return [
+        info.name
+        for info in listing
+        if (parsed := split_manifest_name(info.name.rpartition("/")[2])) is not None
+        and parsed[0] == base
+        and is_sidecar_of(store, info.name, base)
+    ]
 
 
 def drop_sidecars(store: Store, name: str) -> None:
@@ -99,7 +114,9 @@ def rename_into_place(store: Store, src: str, dst: str, directory: str) -> None:
             fsops.rmtree(src)  # now holds the replaced folder
         return
     parent, leaf = parent_of(directory), directory.rpartition("/")[2]
-    aside = store.local_path(join_name(parent, aside_name(leaf, f"{os.getpid()}-{secrets.token_hex(4)}")))
+    aside = store.local_path(
+        join_name(parent, aside_name(leaf, f"{os.getpid()}-{secrets.token_hex(4)}"))
+    )
     assert aside is not None
     fsops.rename(dst, aside)
     crash_point("after_aside")
@@ -118,7 +135,8 @@ def rename_into_place(store: Store, src: str, dst: str, directory: str) -> None:
 
 
 def _durable_or_undone(dst: str, undo: Callable[[], None]) -> None:
-    """After the publishing rename of ``dst``: fsync its directory, or undo the publish and raise."""
+    """After the publishing rename of ``dst``: fsync its directory, or undo the publish and
+    raise."""
     crash_point("after_rename")
     try:
         fsops.fsync_dir(os.path.dirname(dst))
@@ -149,7 +167,7 @@ def restore_aside(store: Store, parent: str) -> None:
         if parsed is None:
             continue  # not one of ours, whatever it resembles
         original, pid = parsed
-        if pid_alive(str(pid)):
+        if pid_alive(pid, ours_alive=False):
             continue  # a live process is in the middle of its two renames
         src = os.path.join(base, leaf)
         dst = os.path.join(base, original)
@@ -162,24 +180,10 @@ def restore_aside(store: Store, parent: str) -> None:
         except OSError as exc:
             if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
                 raise
-            warnings.warn(f"could not move {src} back to {dst} ({exc.strerror or exc}): readers keep "
-                          "offering it where it is", stacklevel=2)
+            warnings.warn(
+                f"could not move {src} back to {dst} ({exc.strerror or exc}): readers keep "
+                "offering it where it is",
+                stacklevel=2,
+            )
 
 
-def pid_alive(text: str) -> bool:
-    """Whether the process whose id is ``text`` (from a temporary's name) is alive on this host.
-
-    Our own pid counts as dead: names this process created are its own to clean.
-    """
-    if not text.isdigit():
-        return False
-    pid = int(text)
-    if pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

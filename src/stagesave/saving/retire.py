@@ -21,7 +21,10 @@ from .publish import clear_for_rewrite, drop_sidecars, join_name, sidecars_of
 
 __all__ = ["remove_checkpoint", "retain"]
 
-def remove_checkpoint(store: Store, name: str, *, is_dir: bool | None = None, debris_dir: str | None = None) -> None:
+
+def remove_checkpoint(
+    store: Store, name: str, *, is_dir: bool | None = None, debris_dir: str | None = None
+) -> None:
     """Make the checkpoint ``name`` (file or folder) vanish in one step, then delete its bytes.
 
     A symbolic link is removed itself, never what it points to. A tiered store removes it from
@@ -67,14 +70,20 @@ def remove_checkpoint(store: Store, name: str, *, is_dir: bool | None = None, de
         clear_for_rewrite(store, name, set())
         crash_point("during_retention")
         return
-    for m in sidecars_of(store, name):  # format 1: the manifest first, so a half-removed file is never valid
+    for m in sidecars_of(
+        store, name
+    ):  # format 1: the manifest first, so a half-removed file is never valid
         store.delete(m)
     crash_point("during_retention")
     store.delete(name)
 
 
 def retain(
-    store: Store, directory: str, keep: int, *, skip: Callable[[CheckpointInfo], bool] | None = None,
+    store: Store,
+    directory: str,
+    keep: int,
+    *,
+    skip: Callable[[CheckpointInfo], bool] | None = None,
     debris_dir: str | None = None,
 ) -> list[str]:
     """Keep the ``keep`` newest committed checkpoints of ``directory``; remove older ones.

@@ -193,12 +193,15 @@ class ImageCrcs:
 
 def _bounds(image: FileImage) -> tuple[list[tuple[int, int, int]], list[int]]:
     """Non-empty slots as ``(start, end, slot index)`` sorted, and their starts."""
-    bounds = sorted((s.offset, s.offset + s.nbytes, i) for i, s in enumerate(image.slots) if s.nbytes)
+    bounds = sorted(
+        (s.offset, s.offset + s.nbytes, i) for i, s in enumerate(image.slots) if s.nbytes
+    )
     return bounds, [b[0] for b in bounds]
 
 
 def _runs(image: FileImage, buf: HostBuffer, base: int) -> list[tuple[int, int, int]]:
-    """``(start, end, source address)`` of every host slot to memmove (others copied here by torch)."""
+    """``(start, end, source address)`` of every host slot to memmove (others copied here by
+    torch)."""
     dst_all = buf.tensor[base : base + image.size]
     runs = []
     for slot in image.slots:
@@ -208,13 +211,18 @@ def _runs(image: FileImage, buf: HostBuffer, base: int) -> list[tuple[int, int, 
         if address is not None:
             runs.append((slot.offset, slot.offset + slot.nbytes, address))
         else:  # not expected from the planners; copied by torch here, hashed in the pass
-            dst_all[slot.offset : slot.offset + slot.nbytes].copy_(slot.source.reshape(-1).view(torch.uint8))
+            dst_all[slot.offset : slot.offset + slot.nbytes].copy_(
+                slot.source.reshape(-1).view(torch.uint8)
+            )
     runs.sort()
     return runs
 
 
 def _crc_pass(
-    image: FileImage, chunk_bytes: int, pool: cf.Executor, chunk_view: Callable[[int, int], memoryview],
+    image: FileImage,
+    chunk_bytes: int,
+    pool: cf.Executor,
+    chunk_view: Callable[[int, int], memoryview],
     copy: tuple[list[tuple[int, int, int]], int] | None = None,
 ) -> ImageCrcs:
     """CRC-32 every chunk of ``[0, image.covered)`` and every slot, memmoving ``copy`` runs first.
@@ -336,7 +344,9 @@ def stage_and_crc(
     _fill_skeleton(image, buf, base)
     runs = _runs(image, buf, base)
     view = buf.view[base : base + image.size]
-    return _crc_pass(image, chunk_bytes, pool, lambda lo, hi: view[lo:hi], (runs, buf.tensor.data_ptr() + base))
+    return _crc_pass(
+        image, chunk_bytes, pool, lambda lo, hi: view[lo:hi], (runs, buf.tensor.data_ptr() + base)
+    )
 
 
 def crc_image(

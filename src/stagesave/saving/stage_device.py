@@ -136,7 +136,9 @@ def _upload_from_host(image: FileImage, out: torch.Tensor) -> list[torch.Tensor]
         positions = _host_tensor(packed.numel(), torch.int64, pinned)
         torch.add(torch.arange(packed.numel(), dtype=torch.int64), shift, out=positions)
         keep += [packed, positions]
-        out.index_copy_(0, positions.to(out.device, non_blocking=True), packed.to(out.device, non_blocking=True))
+        out.index_copy_(
+            0, positions.to(out.device, non_blocking=True), packed.to(out.device, non_blocking=True)
+        )
     host_slots = [s for s in image.slots if s.nbytes and s.device_type == "cpu"]
     if host_slots:
         snapshot = _host_tensor(sum(s.nbytes for s in host_slots), torch.uint8, pinned)
@@ -259,7 +261,10 @@ def write_device_data(
     image = f.image
     covered = image.covered
     if data.numel() < (covered + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT:
-        raise ValueError(f"device data of {data.numel()} bytes cannot hold {covered} bytes and their page padding")
+        raise ValueError(
+            f"device data of {data.numel()} bytes cannot hold {covered} bytes and their page "
+            "padding"
+        )
     t0 = time.perf_counter()
     span = (chunk_bytes + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
     bounces = _Bounces(span, data.device)
@@ -273,7 +278,9 @@ def write_device_data(
             if at >= 0:
                 value = crcs.slots[i].to_bytes(4, "little")
                 for b in range(4):  # by byte: a field may straddle two chunks
-                    fields.setdefault((at + b) // chunk_bytes, []).append((at + b, value[b : b + 1]))
+                    fields.setdefault((at + b) // chunk_bytes, []).append(
+                        (at + b, value[b : b + 1])
+                    )
         cd = None
         if image.kind == "torch":
             assert image.zip is not None
@@ -284,14 +291,20 @@ def write_device_data(
         kept: dict[str, bytes] = {}
         patched_pages: dict[int, bytes] = {}
         crash_point("before_data")
-        pending: Any = store.begin_write(f.name, memoryview(b""), covered, tail=image.kind != "safetensors")
+        pending: Any = store.begin_write(
+            f.name, memoryview(b""), covered, tail=image.kind != "safetensors"
+        )
     except BaseException:
         bounces.close()
         raise
     try:
         n_chunks = (covered + chunk_bytes - 1) // chunk_bytes
         hash_time = [0.0] * n_chunks
-        with _cufile(kvikio, pending.tmp) if kvikio is not None else contextlib.nullcontext() as cufile:
+        with (
+            _cufile(kvikio, pending.tmp)
+            if kvikio is not None
+            else contextlib.nullcontext() as cufile
+        ):
             # kvikio splits one large write over its own threads (GPUDirect DMA where it can);
             # meanwhile the pool copies each chunk to the host and hashes it.
             future = cufile.pwrite(data[:covered], covered, 0) if cufile is not None else None
@@ -310,7 +323,9 @@ def write_device_data(
                         patched_pages[page] = b""  # filled below, once every field of it is in
                 if future is not None:
                     for page in [p for p in patched_pages if lo <= p < hi and not patched_pages[p]]:
-                        patched_pages[page] = bytes(host[page - lo : min(hi, page + ALIGNMENT) - lo])
+                        patched_pages[page] = bytes(
+                            host[page - lo : min(hi, page + ALIGNMENT) - lo]
+                        )
                 if lo < late:
                     kept["head"] = bytes(host[: min(late, hi) - lo])
                 if lo <= last_lo < hi or (last_lo == hi and i == n_chunks - 1):
@@ -320,7 +335,8 @@ def write_device_data(
                 hash_time[i] = time.perf_counter() - h0
                 if future is None:
                     start = max(lo, late) - lo
-                    if lo + start < hi:  # the late pages (a safetensors header) are written with the proof
+                    # the late pages (a safetensors header) are written with the proof
+                    if lo + start < hi:
                         _pwrite_all(pending, host[start : end - lo], lo + start)
                 if i == 0 and n_chunks > 1:
                     crash_point("mid_data")
@@ -336,7 +352,9 @@ def write_device_data(
                 raise
             done = int(future.get()) if future is not None else covered
             if done != covered:
-                raise OSError(errno.EIO, f"short GPUDirect Storage write: {done} of {covered} bytes")
+                raise OSError(
+                    errno.EIO, f"short GPUDirect Storage write: {done} of {covered} bytes"
+                )
         for page, content in sorted(patched_pages.items()):  # kvikio wrote the fields as zeros
             if page >= late:
                 _pwrite_aligned(pending, content, page)

@@ -33,7 +33,13 @@ _COPY_SPAN = 32 << 20
 
 
 def copy_file(
-    dst: Store, name: str, data: memoryview, entry: FileEntry, *, pool: cf.Executor, stats: WriteStats,
+    dst: Store,
+    name: str,
+    data: memoryview,
+    entry: FileEntry,
+    *,
+    pool: cf.Executor,
+    stats: WriteStats,
 ) -> None:
     """Write the committed bytes ``data`` of one file to ``dst`` under ``name`` and publish them,
     checking each chunk against ``entry`` on the way (a copy that rotted is never published).
@@ -54,14 +60,19 @@ def copy_file(
             b[a - lo : z - lo] = b" " * (z - a)
             chunk = memoryview(bytes(b))
         if digest(entry.algorithm, chunk) != entry.chunks[i]:
-            raise IntegrityError(f"the local copy of {name} no longer matches its proof (bytes [{lo}, {hi}) "
-                                 f"differ): it was not copied to {dst.describe(name)}. The local disk may be "
-                                 "failing.")
+            raise IntegrityError(
+                f"the local copy of {name} no longer matches its proof (bytes [{lo}, {hi}) "
+                f"differ): it was not copied to {dst.describe(name)}. The local disk may be "
+                "failing."
+            )
 
-    run_all(pool, check, len(entry.chunks))  # before any byte goes out: a copy that rotted never does
+    run_all(
+        pool, check, len(entry.chunks)
+    )  # before any byte goes out: a copy that rotted never does
     step = _COPY_SPAN
     pending = dst.begin_write(name, data, size)
     try:
+
         def one(i: int) -> None:
             pending.write_range(i * step, min(size, (i + 1) * step))
             crash_point("during_upload")
@@ -76,7 +87,12 @@ def copy_file(
 
 
 def copy_checkpoint(
-    src: Store, info: CheckpointInfo, dst: Store, *, pool: cf.Executor, stats: WriteStats,
+    src: Store,
+    info: CheckpointInfo,
+    dst: Store,
+    *,
+    pool: cf.Executor,
+    stats: WriteStats,
     read: Callable[[str], contextlib.AbstractContextManager[memoryview]],
 ) -> None:
     """Copy a committed checkpoint (file or folder) from ``src`` to the same name in ``dst``.
@@ -98,7 +114,11 @@ def copy_checkpoint(
         raise IntegrityError(f"{info.path} is not intact: {problems[0]}")
     parent, leaf = parent_of(info.name), info.name.rpartition("/")[2]
     local_parent = dst.local_path(parent)
-    staging = join_name(parent, f".{leaf}.{os.getpid()}-{secrets.token_hex(4)}{TMP_MARKER}") if local_parent else info.name
+    staging = (
+        join_name(parent, f".{leaf}.{os.getpid()}-{secrets.token_hex(4)}{TMP_MARKER}")
+        if local_parent
+        else info.name
+    )
     if not local_parent:
         clear_for_rewrite(dst, info.name, {e[0] for e in entries})
     carrier = m.folder.carrier if m.folder is not None else None

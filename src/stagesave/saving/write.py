@@ -37,8 +37,16 @@ from .plan import FileImage
 from .stage import ImageCrcs, crc_image
 
 __all__ = [
-    "TRAILER_KINDS", "FileToWrite", "WriteStats", "Written", "blank_fill", "fill_crcs", "late_end", "proof_value",
-    "run_all", "write_data",
+    "TRAILER_KINDS",
+    "FileToWrite",
+    "WriteStats",
+    "Written",
+    "blank_fill",
+    "fill_crcs",
+    "late_end",
+    "proof_value",
+    "run_all",
+    "write_data",
 ]
 
 T = TypeVar("T")
@@ -118,7 +126,9 @@ def fill_crcs(image: FileImage, view: memoryview, crcs: ImageCrcs) -> list[tuple
                 break
         else:
             c = at // cb
-            crcs.chunks[c] = crc32_patch(crcs.chunks[c], min(cb, image.covered - c * cb), at - c * cb, old, new)
+            crcs.chunks[c] = crc32_patch(
+                crcs.chunks[c], min(cb, image.covered - c * cb), at - c * cb, old, new
+            )
             continue
         for b in range(4):
             c = (at + b) // cb
@@ -148,8 +158,14 @@ class Written:
     """A file whose data is written and durable; :meth:`seal` adds its proof."""
 
     def __init__(
-        self, store: Store, f: FileToWrite, pending: PendingWrite, entry: FileEntry, cd: bytes | None,
-        write_late: Callable[[bytes], None], head: Callable[[], bytes],
+        self,
+        store: Store,
+        f: FileToWrite,
+        pending: PendingWrite,
+        entry: FileEntry,
+        cd: bytes | None,
+        write_late: Callable[[bytes], None],
+        head: Callable[[], bytes],
     ) -> None:
         self.store = store
         self.name = f.name
@@ -188,29 +204,58 @@ class Written:
         entry = self.entry
         crash_point("before_proof")
         if kind == "raw":
-            self.manifest = Manifest(files=[entry], created_ns=created_ns, metadata=metadata, schema=2, seq=seq)
+            self.manifest = Manifest(
+                files=[entry], created_ns=created_ns, metadata=metadata, schema=2, seq=seq
+            )
             return self.manifest
         zip_digests = None
         index = b""
         if kind == "torch":
             assert self.image.zip is not None and self.cd is not None
             index = dumps({"tensors": list(tensors), "telemetry": telemetry or {}})
-            zip_digests = {"cd": digest(entry.algorithm, self.cd), "index": digest(entry.algorithm, index)}
-        self.proof = dumps(sign_doc(proof_doc(entry, seq=seq, created_ns=created_ns, metadata=metadata,
-                                              folder=folder, zip_digests=zip_digests), signing_keys()))
+            zip_digests = {
+                "cd": digest(entry.algorithm, self.cd),
+                "index": digest(entry.algorithm, index),
+            }
+        self.proof = dumps(
+            sign_doc(
+                proof_doc(
+                    entry,
+                    seq=seq,
+                    created_ns=created_ns,
+                    metadata=metadata,
+                    folder=folder,
+                    zip_digests=zip_digests,
+                ),
+                signing_keys(),
+            )
+        )
         token, carrier = summary_folder if summary_folder is not None else (None, None)
 
         def summary(proof_at: int) -> bytes:
-            return Summary(kind, seq, created_ns, proof_at, len(self.proof), crc32(self.proof), token,
-                           carrier).to_bytes()
+            return Summary(
+                kind, seq, created_ns, proof_at, len(self.proof), crc32(self.proof), token, carrier
+            ).to_bytes()
 
         if kind == "torch":
             zip_ = self.image.zip
             assert zip_ is not None and self.cd is not None
             index_name = f"{zip_.prefix}/{INDEX_RECORD}".encode()
-            proof_at = zip_.cd_start + 30 + len(index_name) + len(index) + 30 + len(f"{zip_.prefix}/{PROOF_RECORD}")
-            tail, offsets = build_tail(zip_, self.cd, [(INDEX_RECORD, index), (PROOF_RECORD, self.proof)],
-                                       summary(proof_at), crc32=crc32)
+            proof_at = (
+                zip_.cd_start
+                + 30
+                + len(index_name)
+                + len(index)
+                + 30
+                + len(f"{zip_.prefix}/{PROOF_RECORD}")
+            )
+            tail, offsets = build_tail(
+                zip_,
+                self.cd,
+                [(INDEX_RECORD, index), (PROOF_RECORD, self.proof)],
+                summary(proof_at),
+                crc32=crc32,
+            )
             assert offsets[1] == proof_at
             self._tail(tail)
         elif kind in TRAILER_KINDS:
@@ -225,8 +270,15 @@ class Written:
         else:
             raise ValueError(f"no proof for files of kind {kind!r}")
         crash_point("after_proof")
-        manifest = Manifest(files=[entry], created_ns=created_ns, tensors=list(tensors), metadata=metadata,
-                            telemetry=telemetry or {}, schema=2, seq=seq)
+        manifest = Manifest(
+            files=[entry],
+            created_ns=created_ns,
+            tensors=list(tensors),
+            metadata=metadata,
+            telemetry=telemetry or {},
+            schema=2,
+            seq=seq,
+        )
         self.manifest = manifest
         return manifest
 
@@ -274,7 +326,13 @@ def entry_of(f: FileToWrite, algorithm: str, chunk_bytes: int, digests: Sequence
 
 
 def write_data(
-    store: Store, f: FileToWrite, *, algorithm: str, chunk_bytes: int, pool: cf.Executor, stats: WriteStats,
+    store: Store,
+    f: FileToWrite,
+    *,
+    algorithm: str,
+    chunk_bytes: int,
+    pool: cf.Executor,
+    stats: WriteStats,
 ) -> Written:
     """Step 1 for a file staged in host memory: CRCs filled in, every chunk written and durable.
 
@@ -334,7 +392,9 @@ def write_data(
     def head() -> bytes:
         return bytes(view[:late])
 
-    return Written(store, f, pending, entry_of(f, algorithm, chunk_bytes, digests), cd, write_late, head)
+    return Written(
+        store, f, pending, entry_of(f, algorithm, chunk_bytes, digests), cd, write_late, head
+    )
 
 
 def proof_room(
@@ -350,10 +410,25 @@ def proof_room(
 
     n = (size + chunk_bytes - 1) // chunk_bytes + 1
     entry = FileEntry(
-        name="x", size=size, algorithm=algorithm, chunk_bytes=chunk_bytes,
-        chunks=("f" * DIGEST_HEX_LEN[algorithm],) * n, kind="safetensors",
-        storages=tuple(StorageRecord(str(s[0]), size, size) for s in storages), covered=size, blank=(size, size),
+        name="x",
+        size=size,
+        algorithm=algorithm,
+        chunk_bytes=chunk_bytes,
+        chunks=("f" * DIGEST_HEX_LEN[algorithm],) * n,
+        kind="safetensors",
+        storages=tuple(StorageRecord(str(s[0]), size, size) for s in storages),
+        covered=size,
+        blank=(size, size),
     )
-    doc = sign_doc(proof_doc(entry, seq=1 << 62, created_ns=1 << 64, metadata=metadata, folder=folder,
-                             zip_digests=None), signing_keys())
+    doc = sign_doc(
+        proof_doc(
+            entry,
+            seq=1 << 62,
+            created_ns=1 << 64,
+            metadata=metadata,
+            folder=folder,
+            zip_digests=None,
+        ),
+        signing_keys(),
+    )
     return len(json.dumps(dumps(doc).decode())) - 2 + 64

@@ -62,7 +62,9 @@ def _local_header_parts(name: bytes, offset: int, size: int) -> tuple[bytes, int
     start = offset + 30 + len(name) + len(z64) + 4
     pad = -start % ALIGNMENT
     extra_len = len(z64) + 4 + pad
-    fixed = struct.pack("<IHHHHHIIIHH", _LH_SIG, 0, _flags(size), 0, 0, 0, 0, 0, 0, len(name), extra_len)
+    fixed = struct.pack(
+        "<IHHHHHIIIHH", _LH_SIG, 0, _flags(size), 0, 0, 0, 0, 0, 0, len(name), extra_len
+    )
     return fixed + name + z64 + b"FB" + struct.pack("<H", pad), pad
 
 
@@ -84,7 +86,8 @@ def cd_entry(name: bytes, crc: int, offset: int, size: int) -> bytes:
     values = ([size, size] if big_size else []) + ([offset] if big_offset else [])
     extra = struct.pack(f"<HH{len(values)}Q", 0x0001, 8 * len(values), *values) if values else b""
     return struct.pack(
-        "<IHHHHHHIIIHHHHHII", _CD_SIG, 0, 0, _flags(size), 0, 0, 0, crc, min(size, _U32), min(size, _U32),
+        "<IHHHHHHIIIHHHHHII", _CD_SIG, 0, 0, _flags(size), 0, 0, 0, crc, min(size, _U32),
+        min(size, _U32),
         len(name), len(extra), 0, 0, 0, 0, min(offset, _U32),
     ) + name + extra
 
@@ -147,8 +150,10 @@ class Layout:
         """The storage records as :class:`ZipRecord` s, their CD entries ``cd_base`` into the CD."""
         made = self._zip_records.get(cd_base)
         if made is None:
-            made = [ZipRecord(r.name, r.header_offset, r.data_offset, r.size, r.crc_at, cd_base + at)
-                    for r, at in zip(self.storage_records, cd_at)]
+            made = [
+                ZipRecord(r.name, r.header_offset, r.data_offset, r.size, r.crc_at, cd_base + at)
+                for r, at in zip(self.storage_records, cd_at)
+            ]
             self._zip_records[cd_base] = made
         return made
 
@@ -161,7 +166,15 @@ class Layout:
         for rel, data in (("version", self.constants.version), (".data/serialization_id", sid)):
             name = f"{PREFIX}/{rel}".encode()
             header = local_header(name, pos, len(data))
-            recs.append(Record(name.decode(), pos, pos + len(header), len(data), pos + len(header) + len(data) + 4))
+            recs.append(
+                Record(
+                    name.decode(),
+                    pos,
+                    pos + len(header),
+                    len(data),
+                    pos + len(header) + len(data) + 4,
+                )
+            )
             descriptor = data_descriptor(crc32(data), pos, len(data))
             out += header + data + descriptor
             pos += len(header) + len(data) + len(descriptor)
@@ -178,7 +191,11 @@ def lay_out_head(constants: Constants, pkl: bytes) -> tuple[list[Record], bytes,
         pos = len(out)
         name = f"{PREFIX}/{rel}".encode()
         header = local_header(name, pos, len(data))
-        recs.append(Record(name.decode(), pos, pos + len(header), len(data), pos + len(header) + len(data) + 4))
+        recs.append(
+            Record(
+                name.decode(), pos, pos + len(header), len(data), pos + len(header) + len(data) + 4
+            )
+        )
         crc = crcs[recs[-1].name] = crc32(data)
         out += header + data + data_descriptor(crc, pos, len(data))
     return recs, bytes(out), crcs
@@ -200,7 +217,9 @@ _layouts: collections.OrderedDict[tuple[int, tuple[int, ...]], tuple[Layout, byt
 _MAX_LAYOUTS = 8
 
 
-def cached_layout(constants: Constants, start: int, sizes: tuple[int, ...]) -> tuple[Layout, bytes, list[int]]:
+def cached_layout(
+    constants: Constants, start: int, sizes: tuple[int, ...]
+) -> tuple[Layout, bytes, list[int]]:
     """The layout for ``sizes`` after a head of ``start`` bytes, and the central directory of
     its storage records (CRCs zero) with where each entry starts."""
     key = (start, sizes)

@@ -1,0 +1,88 @@
+"""Planning a folder checkpoint: every file laid out, room reserved for the proofs.
+
+A safetensors file carries its proof in its header, so its room is reserved when it is planned:
+for its own proof, and, when it will be the folder's carrier (no torch file in the folder), for
+the list of every file of the folder.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..formats import Safetensors, plan_file
+from ..ondisk.checksum import DIGEST_HEX_LEN
+from .plan import FileImage
+from .write import proof_room
+
+__all__ = ["plan_folder"]
+
+
+def plan_folder(
+    files: dict[str, Any],
+    metadata: dict[str, Any],
+    *,
+    algorithm: str,
+    chunk_bytes: int,
+) -> list[tuple[str, FileImage]]:
+    """Plan every file of a folder; a safetensors file gets room for its proof (and, if it
+    will be the carrier, for the folder's list of files)."""
+    plain = {n: c for n, c in files.items() if not isinstance(c, Safetensors)}
+    planned = {n: plan_file(c)[1] for n, c in plain.items()}
+    st_carrier = not any(im.kind in ("torch", "dcp", "dcp-metadata") for im in planned.values())
+    for n, content in files.items():
+        if n in planned:
+            continue
+        # the carrier is the first safetensors file in the folder's order (_commit.choose_carrier)
+        carrier = st_carrier and n == next(
+            k for k, c in files.items() if isinstance(c, Safetensors)
+        )
+        folder = (
+            _folder_bound(files, planned, algorithm, chunk_bytes)
+            if carrier
+            else {"token": "f" * 32, "carrier": "x" * 255}
+        )
+
+        def room(
+            size: int,
+            storages: list[list[object]],
+            folder: dict[str, Any] = folder,
+            carrier: bool = carrier,
+        ) -> int:
+            return proof_room(
+                size,
+                storages,
+                algorithm=algorithm,
+                chunk_bytes=chunk_bytes,
+                metadata=metadata if carrier else {},
+                folder=folder,
+            )
+
+        planned[n] = plan_file(content, proof_room=room)[1]
+    return [(n, planned[n]) for n in files]
+
+
+def _folder_bound(
+    files: dict[str, Any],
+    planned: dict[str, FileImage],
+    algorithm: str,
+    chunk_bytes: int,
+) -> dict[str, Any]:
+    """A folder section at least as long as the real one will be (to size a reservation)."""
+    hex_len = DIGEST_HEX_LEN[algorithm]
+    members = [[n, 1 << 50, 0xFFFFFFFF] for n in files]
+    listed = [
+        {
+            "name": n,
+            "size": 1 << 50,
+            "algorithm": algorithm,
+            "chunk_bytes": chunk_bytes,
+            "chunks": ["f" * hex_len] * ((im.size + chunk_bytes - 1) // chunk_bytes + 1),
+            "kind": "raw",
+            "serialization_id": None,
+            "id_offset": None,
+            "storages": [],
+        }
+        for n, im in planned.items()
+        if im.kind == "raw"
+    ]
+    return {"token": "f" * 32, "carrier": "x" * 255, "members": members, "listed": listed}

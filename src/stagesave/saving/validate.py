@@ -1,0 +1,134 @@
+"""What a save checks on the caller's time, before anything is staged: a clear error now,
+never a failure in the background later."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from ..errors import CheckpointPermissionError, UnsupportedObjectError
+from ..ondisk.manifest import MAX_DEPTH, plain_json
+from ..ondisk.names import ALIGNMENT, TMP_MARKER, check_target_name
+from ..stores.base import Store, check_name
+from ..stores.local import makedirs_durable
+from .plan import FileImage
+
+__all__ = [
+    "check_folder_names", "check_folder_writable", "check_inside_root", "check_options",
+    "check_same_filesystem", "check_target", "checked_metadata",
+]
+
+
+def check_same_filesystem(store: Store, dname: str, staging_dir: str | os.PathLike[str]) -> None:
+    """Refuse a ``staging_dir`` the folder cannot be renamed from (the target's local parent:
+    a local root, or a tiered root's local tier)."""
+    target_parent = store.local_path(dname.rpartition("/")[0])
+    if target_parent is None:
+        raise ValueError(
+            "staging_dir only applies to local targets (a local root or a tiered root's local tier)"
+        )
+    makedirs_durable(os.fspath(staging_dir))
+    if os.stat(staging_dir).st_dev != os.stat(target_parent).st_dev:
+        raise ValueError(
+            f"staging_dir {os.fspath(staging_dir)} is on another filesystem than {target_parent}: "
+            "the finished folder is renamed into place, which needs the same filesystem"
+        )
+
+
+def checked_metadata(metadata: dict[str, Any] | None) -> dict[str, Any]:
+    """The user's metadata, refused now (not in the background) if it cannot go into a proof.
+
+    Raises:
+        UnsupportedObjectError: not a dict of JSON values (NaN and infinities are not JSON).
+    """
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict):
+        raise UnsupportedObjectError(f"metadata must be a dict, got {type(metadata).__name__}")
+    try:
+        plain_json(json.loads(json.dumps(metadata, allow_nan=False)), "metadata", "metadata")
+    except (TypeError, ValueError, RecursionError) as exc:  # ManifestError is a ValueError too
+        raise UnsupportedObjectError(
+            f"metadata must hold JSON values (str, numbers, bool, None, lists, dicts) nested at "
+            f"most {MAX_DEPTH} deep: {exc}"
+        ) from exc
+    return dict(metadata)
+
+
+def check_inside_root(store: Store, name: str) -> None:
+    """Refuse a target whose directory a symbolic link puts outside the store's root.
+
+    Readers never follow a link out of the root (``LocalStore`` refuses it), so such a save
+    could never be loaded, verified or found by ``latest()``: it is refused before anything is
+    written. Links that stay inside the root work end to end; a link as the target's own name
+    is replaced by the new file, never followed.
+
+    Raises:
+        CheckpointPermissionError: the target's directory resolves outside the root.
+    """
+    local, root = store.local_path(name), store.local_path("")
+    if local is None or root is None:
+        return
+    real_root = os.path.realpath(root)
+    parent = os.path.realpath(os.path.dirname(local))
+    if parent != real_root and not parent.startswith(real_root.rstrip(os.sep) + os.sep):
+        raise CheckpointPermissionError(
+            f"refusing to save {local}: its directory is a symbolic link to {parent}, outside the "
+            f"checkpoint root {root}, and stagesave never reads through links out of the root. Use "
+            f"the link's target as the root (or pass an absolute path), or a directory inside "
+            f"{root}."
+        )
+
+
+def check_options(*, keep_last: int | None, io_threads: int, chunk_bytes: int) -> None:
+    """Refuse a Checkpointer's numeric options that cannot work.
+
+    Raises:
+        ValueError: which option, and what it must be.
+    """
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
+    if io_threads < 1:
+        raise ValueError(f"io_threads must be >= 1, got {io_threads}")
+    if chunk_bytes < ALIGNMENT or chunk_bytes % ALIGNMENT:
+        raise ValueError(
+            f"chunk_bytes must be a positive multiple of {ALIGNMENT}, got {chunk_bytes}"
+        )
+
+
+def check_target(store: Store, name: str) -> None:
+    """Refuse a save's target that could never be committed or read back.
+
+    Raises:
+        ValueError: a temporary's or reserved name. CheckpointPermissionError: a directory
+            linked outside the root.
+    """
+    check_target_name(name)
+    check_inside_root(store, name)
+
+
+def check_folder_names(files: dict[str, Any]) -> None:
+    """Refuse a folder save without files or with a file name that cannot be a member.
+
+    Raises:
+        ValueError: which name, and why.
+    """
+    if not files:
+        raise ValueError("save_dir needs at least one file")
+    for fname in files:
+        try:
+            check_name(fname)
+            check_target_name(fname)
+        except ValueError as exc:
+            raise ValueError(f"invalid file name {fname!r} in directory checkpoint: {exc}") from exc
+
+
+def check_folder_writable(store: Store, dname: str, images: list[FileImage]) -> None:
+    """Check that the folder's parent takes its files (by a sibling name: the folder itself
+    must not appear before its commit)."""
+    total = sum((im.size + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT for im in images)
+    parent, _, leaf = dname.rpartition("/")
+    store.check_writable(
+        f"{parent}/.{leaf}{TMP_MARKER}" if parent else f".{leaf}{TMP_MARKER}", total
+    )
