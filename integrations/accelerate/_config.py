@@ -185,8 +185,10 @@ def _from_file(path: str) -> dict[str, Any]:
     if isinstance(data, Mapping) and set(data) == {"stagesave"}:
         data = data["stagesave"] or {}
     if not isinstance(data, Mapping):
-        # A malformed file is a bad value like any other: ValueError, as documented (not TypeError).
-        raise ValueError(f"{ENV_CONFIG} file {path} must hold a mapping of options")
+        # A malformed file is a bad value like any other: ValueError, as documented.
+        raise ValueError(  # noqa: TRY004, RUF100
+            f"{ENV_CONFIG} file {path} must hold a mapping of options"
+        )
     unknown = sorted(set(data) - _NAMES)
     if unknown:
         raise ValueError(

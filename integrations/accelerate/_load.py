@@ -76,7 +76,7 @@ def load_everywhere(
     if rank == 0:
         try:
             chosen = (choose(), None)
-        except Exception as exc:  # every process raises the same error below
+        except Exception as exc:  # noqa: BLE001, RUF100 - every process raises it below
             chosen = (None, exc)
     received: tuple[LoadPlan | None, BaseException | None]
     received = _dist.broadcast_from_main(chosen, world)

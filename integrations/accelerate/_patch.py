@@ -148,7 +148,7 @@ def _released_then(
     failure: BaseException | None = None
     try:
         checkpointer.close()
-    except BaseException as exc:  # raised below, once Accelerate's method ran
+    except BaseException as exc:  # noqa: BLE001, RUF100 - raised once Accelerate's ran
         failure = exc
     result = getattr(checkpointer._cls, name)(checkpointer.accelerator, *args, **kwargs)
     if failure is not None:

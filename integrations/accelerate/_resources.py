@@ -89,19 +89,19 @@ class Resources:
         if writer is not None:
             try:
                 writer.close(timeout)
-            except BaseException as exc:  # close every part, then raise the first
+            except BaseException as exc:  # noqa: BLE001, RUF100 - close all, raise the first
                 errors.append(exc)
         checkpointers, self.checkpointers = list(self.checkpointers.values()), {}
         for ckpt in checkpointers:
             try:
                 ckpt.close(timeout)
-            except BaseException as exc:
+            except BaseException as exc:  # noqa: BLE001, RUF100
                 errors.append(exc)
         tiered, self.tiered = self.tiered, None
         if tiered is not None:
             try:
                 tiered.close(timeout)
-            except BaseException as exc:
+            except BaseException as exc:  # noqa: BLE001, RUF100
                 errors.append(exc)
         if errors:
             raise errors[0]
@@ -110,7 +110,7 @@ class Resources:
         """:meth:`close` for a finalizer: a failure is printed, never raised."""
         try:
             self.close()
-        except BaseException as exc:  # nobody to raise to when an object is collected
+        except BaseException as exc:  # noqa: BLE001, RUF100 - nobody to raise to
             print(
                 "stagesave.accelerate: a checkpoint save failed before its Accelerator was "
                 f"released: {exc}",

@@ -135,6 +135,7 @@ def _prove(
     try:
         # without verify_on_load, still the proof's list of files: a folder holding a file it
         # does not name is refused (what listing checks, reading proofs only)
+        checked: CheckpointInfo | None
         if verify:
             checked = ckpt.verify(local)
         else:

@@ -86,7 +86,7 @@ def save_sharded(
     if rank == 0:
         try:
             decision = (_work_folder(checkpointer, auto, target, iteration), None)
-        except Exception as exc:  # every process raises the same error below
+        except Exception as exc:  # noqa: BLE001, RUF100 - every process raises it below
             decision = (None, exc)
     plan, error = _dist.broadcast_from_main(decision, world)
     if error is not None:

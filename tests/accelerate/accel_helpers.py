@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, TensorDataset
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 #: The key of ``__metadata__`` where a safetensors file written by stagesave carries its proof.
 PROOF_KEY = "stagesave.proof"
@@ -58,7 +62,13 @@ def build(accelerator: Any, *, width: int = 16, n_models: int = 1, seed: int = 0
     scheds = list(prepared[2 * n_models : 3 * n_models])
     counters = [Counter(), Counter()]
     accelerator.register_for_checkpointing(*counters)
-    return {"models": models, "opts": opts, "scheds": scheds, "loader": prepared[-1], "counters": counters}
+    return {
+        "models": models,
+        "opts": opts,
+        "scheds": scheds,
+        "loader": prepared[-1],
+        "counters": counters,
+    }
 
 
 def train(accelerator: Any, run: dict[str, Any], steps: int) -> None:
@@ -73,13 +83,14 @@ def train(accelerator: Any, run: dict[str, Any], steps: int) -> None:
         x = x + 0.01 * torch.randn_like(x) + random.random() + float(np.random.rand())
         loss = sum(torch.nn.functional.mse_loss(m(x), y) for m in run["models"])
         accelerator.backward(loss)
-        for o, s in zip(run["opts"], run["scheds"]):
+        for o, s in zip(run["opts"], run["scheds"], strict=False):
             o.step()
             s.step()
             o.zero_grad()
         for c in run["counters"]:
             c.count += 1
-            c.history = c.history * 0.5 + float(c.count)  # the same on every process, as Accelerate expects
+            # the same on every process, as Accelerate expects
+            c.history = c.history * 0.5 + float(c.count)
 
 
 def snapshot(accelerator: Any, run: dict[str, Any]) -> dict[str, Any]:
@@ -114,7 +125,9 @@ def assert_same(a: Any, b: Any, where: str = "state") -> None:
     """Bitwise equality of nested states (tensors: dtype, shape and bytes)."""
     if isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor), f"{where}: tensor vs {type(b).__name__}"
-        assert a.dtype == b.dtype and a.shape == b.shape, f"{where}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+        assert a.dtype == b.dtype and a.shape == b.shape, (
+            f"{where}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+        )
         assert torch.equal(a.cpu(), b.cpu()), f"{where}: tensor values differ"
     elif isinstance(a, np.ndarray):
         assert isinstance(b, np.ndarray) and a.dtype == b.dtype, f"{where}: ndarray mismatch"
@@ -126,7 +139,7 @@ def assert_same(a: Any, b: Any, where: str = "state") -> None:
             assert_same(a[k], b[k], f"{where}.{k}")
     elif isinstance(a, (list, tuple)):
         assert isinstance(b, (list, tuple)) and len(a) == len(b), f"{where}: sequence mismatch"
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             assert_same(x, y, f"{where}[{i}]")
     else:
         assert a == b, f"{where}: {a!r} != {b!r}"
@@ -184,7 +197,8 @@ def assert_real_zips(folder: str) -> list[str]:
 
 
 def visible(folder: str) -> list[str]:
-    """Entries of a folder as Accelerate's own listing sees them, minus stagesave's hidden temporaries."""
+    """Entries of a folder as Accelerate's own listing sees them, minus stagesave's hidden
+    temporaries."""
     return sorted(n for n in os.listdir(folder) if not n.startswith("."))
 
 
@@ -202,12 +216,10 @@ class ListingWatcher:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 self.seen.update(os.listdir(self.folder))
-            except FileNotFoundError:
-                pass
 
-    def __enter__(self) -> ListingWatcher:  # noqa: PYI034 - Self needs typing_extensions
+    def __enter__(self) -> Self:
         self._thread.start()
         return self
 

@@ -52,15 +52,28 @@ class WorkerRuns:
         for r in ranks:
             rep = self.rank(phase, r)
             for key in keys:
-                assert rep.get(key) == "ok", f"{phase} rank {r} {key}: {rep.get(key)}\n{rep.get('error', '')}\n{self.logs(phase)}"
+                assert rep.get(key) == "ok", (
+                    f"{phase} rank {r} {key}: {rep.get(key)}\n{rep.get('error', '')}\n"
+                    f"{self.logs(phase)}"
+                )
 
 
 @pytest.fixture(scope="session")
 def worker_runs(tmp_path_factory: pytest.TempPathFactory) -> WorkerRuns:
     """Every scenario of ``dist_worker.py``, run once: one interpreter that forks its processes."""
     out = tmp_path_factory.mktemp("dist")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("STAGESAVE_ACCELERATE", "STAGESAVE_CRASH_AT"))}
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "dist_worker.py"), str(out)], check=False,
-                          capture_output=True, text=True, timeout=1200, env={**env, "OMP_NUM_THREADS": "1"})
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("STAGESAVE_ACCELERATE", "STAGESAVE_CRASH_AT"))
+    }
+    proc = subprocess.run(
+        [sys.executable, os.path.join(HERE, "dist_worker.py"), str(out)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        env={**env, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return WorkerRuns(out, json.loads((out / "exit.json").read_text()))

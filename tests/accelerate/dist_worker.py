@@ -48,7 +48,8 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from accel_helpers import Counter, assert_same, clone, load_file_content, train
 
-CRASH_POINT = "dcp_after_metadata"  # the first part of the save committed in staging, not yet renamed
+# the first part of the save committed in staging, not yet renamed
+CRASH_POINT = "dcp_after_metadata"
 
 
 # ----------------------------------------------------------------------------- set-up
@@ -64,12 +65,18 @@ def accelerator(project_dir: str | None = None, total_limit: int | None = None) 
 
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
-    config = ProjectConfiguration(project_dir=project_dir, automatic_checkpoint_naming=project_dir is not None,
-                                  total_limit=total_limit)
+    config = ProjectConfiguration(
+        project_dir=project_dir,
+        automatic_checkpoint_naming=project_dir is not None,
+        total_limit=total_limit,
+    )
     acc = Accelerator(cpu=True, project_config=config)
-    acc.state.fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT")
+    acc.state.fsdp_plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2, state_dict_type="SHARDED_STATE_DICT"
+    )
     acc.state.distributed_type = DistributedType.FSDP
-    PartialState._shared_state["distributed_type"] = DistributedType.FSDP  # survives AcceleratorState()
+    # survives AcceleratorState()
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
     assert acc.is_fsdp2
     return acc
 
@@ -80,7 +87,9 @@ def build(acc: Any, seed: int = 0) -> dict[str, Any]:
                                 torch.nn.ReLU(), torch.nn.Linear(16, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
-    loader = DataLoader(TensorDataset(torch.randn(64, 16), torch.randn(64, 1)), batch_size=8, shuffle=True)
+    loader = DataLoader(
+        TensorDataset(torch.randn(64, 16), torch.randn(64, 1)), batch_size=8, shuffle=True
+    )
     model, opt, sched, loader = acc.prepare(model, opt, sched, loader)
     counters = [Counter()]
     acc.register_for_checkpointing(*counters)
@@ -88,7 +97,13 @@ def build(acc: Any, seed: int = 0) -> dict[str, Any]:
     random.seed(rank)
     np.random.seed(rank)
     torch.manual_seed(1000 + rank)  # every process has its own RNG streams
-    return {"models": [model], "opts": [opt], "scheds": [sched], "loader": loader, "counters": counters}
+    return {
+        "models": [model],
+        "opts": [opt],
+        "scheds": [sched],
+        "loader": loader,
+        "counters": counters,
+    }
 
 
 def _local(obj: Any) -> Any:
@@ -121,13 +136,17 @@ def check(result: dict[str, Any], key: str, fn: Any) -> None:
     try:
         fn()
         result[key] = "ok"
-    except Exception:  # noqa: BLE001 - reported to the test
+    except Exception:  # noqa: BLE001, RUF100 - reported to the test
         result[key] = traceback.format_exc()
 
 
 def tree(folder: str) -> list[str]:
     """Every file under ``folder``, relative, hidden ones included."""
-    return sorted(os.path.relpath(os.path.join(top, n), folder) for top, _, names in os.walk(folder) for n in names)
+    return sorted(
+        os.path.relpath(os.path.join(top, n), folder)
+        for top, _, names in os.walk(folder)
+        for n in names
+    )
 
 
 def real_zips(folder: str) -> list[str]:
@@ -219,7 +238,9 @@ def explicit_folders(rank: int, out: str, result: dict[str, Any]) -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         ckpt = sa.enable(acc)
-    result["fallback_warnings"] = [str(w.message) for w in caught if issubclass(w.category, sa.SynchronousFallbackWarning)]
+    result["fallback_warnings"] = [
+        str(w.message) for w in caught if issubclass(w.category, sa.SynchronousFallbackWarning)
+    ]
     result["asynchronous"] = ckpt.asynchronous
     train(acc, run, 2)
     before = snapshot(acc, run)
@@ -238,12 +259,22 @@ def explicit_folders(rank: int, out: str, result: dict[str, Any]) -> None:
         result["verify"] = stagesave.verify(staged).status
         result["parts_verify"] = [stagesave.verify(os.path.join(staged, p)).status
                                   for p in ("pytorch_model_fsdp_0", "optimizer_0")]
-        result["metadata"] = stagesave.verify(staged).manifest.metadata["accelerate"]  # the carrier's proof
+        # the carrier's proof
+        result["metadata"] = stagesave.verify(staged).manifest.metadata["accelerate"]
         result["bad_zips"] = real_zips(staged)
 
         def same_contents() -> None:
-            for name in ("scheduler.bin", "custom_checkpoint_0.pkl", "random_states_0.pkl", "random_states_1.pkl"):
-                assert_same(load_file_content(os.path.join(plain, name)), load_file_content(os.path.join(staged, name)), name)
+            for name in (
+                "scheduler.bin",
+                "custom_checkpoint_0.pkl",
+                "random_states_0.pkl",
+                "random_states_1.pkl",
+            ):
+                assert_same(
+                    load_file_content(os.path.join(plain, name)),
+                    load_file_content(os.path.join(staged, name)),
+                    name,
+                )
             for part in ("pytorch_model_fsdp_0", "optimizer_0"):
                 theirs = sdcp.to_state_dict(os.path.join(plain, part), verify=False)
                 ours = sdcp.to_state_dict(os.path.join(staged, part))
@@ -291,7 +322,9 @@ def automatic_naming(rank: int, out: str, result: dict[str, Any]) -> None:
     check(result, "auto_restore", lambda: assert_same(states[2], snapshot(acc, run)))
 
     if rank == 0:  # one flipped byte in the data of rank 1's shard of the newest model
-        with open(os.path.join(root, "checkpoint_2", "pytorch_model_fsdp_0", "__1_0.distcp"), "r+b") as f:
+        with open(
+            os.path.join(root, "checkpoint_2", "pytorch_model_fsdp_0", "__1_0.distcp"), "r+b"
+        ) as f:
             f.seek(16)  # the shard's bytes come first; its proof is a trailer at the end
             b = f.read(1)
             f.seek(-1, os.SEEK_CUR)
@@ -344,11 +377,12 @@ def failed_save(rank: int, out: str, result: dict[str, Any]) -> None:
     try:
         acc.save_state()
         result["failed_save"] = "no error"
-    except Exception as exc:  # noqa: BLE001 - reported to the test
+    except Exception as exc:  # noqa: BLE001, RUF100 - reported to the test
         result["failed_save"] = f"{type(exc).__name__}: {exc}"
     ckpt.wait()
     acc.wait_for_everyone()
-    result["failed_listing"] = sorted(os.listdir(os.path.join(project, "checkpoints")))  # hidden ones too
+    # hidden ones too
+    result["failed_listing"] = sorted(os.listdir(os.path.join(project, "checkpoints")))
     result["failed_project_listing"] = sorted(os.listdir(project))
     acc._custom_objects.pop()
     sa.disable(acc)
@@ -384,7 +418,8 @@ def fsdp_resume(rank: int, out: str, result: dict[str, Any], save: Any) -> None:
     project = os.path.join(out, "crash")
     root = os.path.join(project, "checkpoints")
     expected = torch.load(os.path.join(out, f"expected-rank{rank}.pt"), weights_only=False)
-    result["listing"] = sorted(os.listdir(root))  # hidden entries included: the killed save's work folder
+    # hidden entries included: the killed save's work folder
+    result["listing"] = sorted(os.listdir(root))
     result["project_listing"] = sorted(os.listdir(project))
     acc = accelerator(project)
     run = build(acc, seed=3)
@@ -392,9 +427,14 @@ def fsdp_resume(rank: int, out: str, result: dict[str, Any], save: Any) -> None:
     acc.load_state()  # stagesave never takes the work folder for a checkpoint
     check(result, "stagesave_resume", lambda: assert_same(expected, snapshot(acc, run)))
     sa.disable(acc)
-    if rank == 0:  # plain Accelerate would sort the debris (".checkpoint_1...") as the newest: gc first
-        gc = subprocess.run([os.path.join(os.path.dirname(sys.executable), "stagesave"), "gc", project],
-                            capture_output=True, text=True, check=False)
+    # plain Accelerate would sort the debris (".checkpoint_1...") as the newest: gc first
+    if rank == 0:
+        gc = subprocess.run(
+            [os.path.join(os.path.dirname(sys.executable), "stagesave"), "gc", project],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         result["gc"] = [gc.returncode, gc.stdout[-2000:], gc.stderr[-2000:]]
     acc.wait_for_everyone()
     result["listing_after_gc"] = sorted(os.listdir(root))
@@ -425,7 +465,10 @@ def fsdp_save(rank: int, out: str, result: dict[str, Any], save: Any) -> None:
 #: Crash points of the single-process crash test: the third file of the third save (6 files per
 #: save: model, optimizer, scheduler, RNG, two custom objects), and just before the final rename:
 #: the folder's carrier (optimizer.bin, sealed last) has its proof, 6 proofs per save.
-SINGLE_CRASHES = {"third-file-of-third-save": "after_data:15", "carrier-proof-before-rename": "after_proof:18"}
+SINGLE_CRASHES = {
+    "third-file-of-third-save": "after_data:15",
+    "carrier-proof-before-rename": "after_proof:18",
+}
 
 
 def crash_single(out: str) -> None:
@@ -455,20 +498,42 @@ def example2_crash(rank: int, out: str, result: dict[str, Any], save: Any) -> No
     """The example on 2 ranks, killed right after the save of step 8 returned (at step 10)."""
     import runpy
 
-    sys.argv = [EXAMPLE, "--output", os.path.join(out, "run2"), *EXAMPLE_ARGS, "--crash-after-step", "10"]
+    sys.argv = [
+        EXAMPLE,
+        "--output",
+        os.path.join(out, "run2"),
+        *EXAMPLE_ARGS,
+        "--crash-after-step",
+        "10",
+    ]
     runpy.run_path(EXAMPLE, run_name="__main__")
 
 
-PHASES = {"ddp": ddp, "fsdp_save": fsdp_save, "fsdp_resume": fsdp_resume, "example2_crash": example2_crash}
+PHASES = {
+    "ddp": ddp,
+    "fsdp_save": fsdp_save,
+    "fsdp_resume": fsdp_resume,
+    "example2_crash": example2_crash,
+}
 
 
 # ----------------------------------------------------------------------------- processes
 def _child(phase: str, rank: int, world: int, out: str) -> None:
-    log = os.open(os.path.join(out, f"{phase}-rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    log = os.open(
+        os.path.join(out, f"{phase}-rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644
+    )
     os.dup2(log, 1)
     os.dup2(log, 2)
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1"})
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "OMP_NUM_THREADS": "1",
+        }
+    )
     for var in list(os.environ):
         if var.startswith(("STAGESAVE_CRASH_AT", "STAGESAVE_ACCELERATE")):
             del os.environ[var]
@@ -487,7 +552,7 @@ def _child(phase: str, rank: int, world: int, out: str) -> None:
                                 rank=rank, world_size=world)
         PHASES[phase](rank, out, result, save)
         result["ok"] = True
-    except BaseException:  # noqa: BLE001 - reported to the test
+    except BaseException:  # noqa: BLE001, RUF100 - reported to the test
         result["error"] = traceback.format_exc()
         code = 1
     save()
@@ -523,10 +588,15 @@ def launch(phase: str, world: int, out: str, timeout: float = 400.0) -> list[Any
 
 
 #: examples/accelerate_finetune.py and the arguments of its runs in the tests.
-EXAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples", "accelerate_finetune.py")
+EXAMPLE = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples", "accelerate_finetune.py"
+)
 EXAMPLE_ARGS = ["--steps", "12", "--save-every", "4", "--total-limit", "2"]
-EXAMPLE_RUNS = {"example-reference": ("reference", []), "example-crash": ("run1", ["--crash-after-step", "10"]),
-                "example-resume": ("run1", [])}
+EXAMPLE_RUNS = {
+    "example-reference": ("reference", []),
+    "example-crash": ("run1", ["--crash-after-step", "10"]),
+    "example-resume": ("run1", []),
+}
 
 
 def _example(out: str, name: str, folder: str, extra: list[str]) -> None:
@@ -541,7 +611,7 @@ def _example(out: str, name: str, folder: str, extra: list[str]) -> None:
     code = 0
     try:
         runpy.run_path(EXAMPLE, run_name="__main__")
-    except BaseException:  # noqa: BLE001 - the log tells the test
+    except BaseException:  # noqa: BLE001, RUF100 - the log tells the test
         traceback.print_exc()
         code = 1
     sys.stdout.flush()
@@ -576,7 +646,7 @@ def _single(out: str, point: str) -> None:
     code = 0
     try:
         crash_single(out)
-    except BaseException:  # noqa: BLE001 - the log tells the test
+    except BaseException:  # noqa: BLE001, RUF100 - the log tells the test
         traceback.print_exc()
         code = 1
     sys.stdout.flush()

@@ -31,7 +31,11 @@ def test_same_layout_and_contents_as_accelerate_fsdp_save(worker_runs):
         *[f"{p}/{f}" for p in PARTS for f in (".metadata", "__0_0.distcp", "__1_0.distcp")],
     ])
     assert rep["verify"] == "verified" and rep["parts_verify"] == ["verified", "verified"]
-    assert rep["metadata"]["fsdp"] == {"parts": PARTS, "state_dict_type": "SHARDED_STATE_DICT", "fsdp_version": 2}
+    assert rep["metadata"]["fsdp"] == {
+        "parts": PARTS,
+        "state_dict_type": "SHARDED_STATE_DICT",
+        "fsdp_version": 2,
+    }
     assert rep["metadata"]["num_processes"] == 2
 
 
@@ -57,24 +61,37 @@ def test_automatic_naming_total_limit_and_corrupt_part(worker_runs):
         assert rep["corrupt_iteration"] == 2  # checkpoint_1 loaded
         assert rep["replaced_listing"] == ["checkpoint_1", "checkpoint_2"]
     r0 = worker_runs.rank(SAVE, 0)
-    assert any("skipping checkpoint" in w and "checkpoint_2" in w and "__1_0.distcp: checksum mismatch" in w
-               for w in r0["corrupt_warnings"]), r0["corrupt_warnings"]
-    assert any("replacing the invalid checkpoint" in w for w in r0["replace_warnings"]), r0["replace_warnings"]
+    assert any(
+        "skipping checkpoint" in w
+        and "checkpoint_2" in w
+        and "__1_0.distcp: checksum mismatch" in w
+        for w in r0["corrupt_warnings"]
+    ), r0["corrupt_warnings"]
+    assert any("replacing the invalid checkpoint" in w for w in r0["replace_warnings"]), r0[
+        "replace_warnings"
+    ]
 
 
 def test_save_failing_on_the_main_process_publishes_nothing_and_leaves_nothing(worker_runs):
     r0, r1 = worker_runs.rank(SAVE, 0), worker_runs.rank(SAVE, 1)
     assert "failed_save" in r0, r0.get("error") or worker_runs.logs(SAVE)
-    assert "lambda" in r0["failed_save"] and r0["failed_save"] != "no error"  # raised where it failed
+    # raised where it failed
+    assert "lambda" in r0["failed_save"] and r0["failed_save"] != "no error"
     assert r1["failed_save"] == "no error"  # the other rank's part of the save went through
     for rep in (r0, r1):
-        assert rep["failed_listing"] == ["checkpoint_0"]  # the work folder and its parts were removed
+        # the work folder and its parts were removed
+        assert rep["failed_listing"] == ["checkpoint_0"]
         assert rep["failed_project_listing"] == ["checkpoints"]
 
 
-def test_rank_killed_mid_save_leaves_the_previous_checkpoint_for_plain_accelerate_and_stagesave(worker_runs):
-    assert worker_runs.exit[SAVE][0] == -9, worker_runs.logs(SAVE)  # the crash point fired on rank 0
-    assert worker_runs.rank(SAVE, 0).get("crash_armed") and not worker_runs.rank(SAVE, 1).get("crash_missed")
+def test_rank_killed_mid_save_leaves_the_previous_checkpoint_for_plain_accelerate_and_stagesave(
+    worker_runs,
+):
+    # the crash point fired on rank 0
+    assert worker_runs.exit[SAVE][0] == -9, worker_runs.logs(SAVE)
+    assert worker_runs.rank(SAVE, 0).get("crash_armed") and not worker_runs.rank(SAVE, 1).get(
+        "crash_missed"
+    )
     assert worker_runs.exit[RESUME] == [0, 0], worker_runs.logs(RESUME)
     worker_runs.ok(RESUME, "plain_resume", "stagesave_resume")
     gc = worker_runs.rank(RESUME, 0)["gc"]
@@ -84,7 +101,9 @@ def test_rank_killed_mid_save_leaves_the_previous_checkpoint_for_plain_accelerat
         # the killed save's work folder is beside its target, a dot-name stagesave never loads
         # (debris for `stagesave gc`, which removed it before plain Accelerate resumed)
         [debris] = [n for n in rep["listing"] if n != "checkpoint_0"]
-        assert debris.startswith(".checkpoint_1.") and debris.endswith(".stagesave-tmp"), rep["listing"]
+        assert debris.startswith(".checkpoint_1.") and debris.endswith(".stagesave-tmp"), rep[
+            "listing"
+        ]
         assert rep["project_listing"] == ["checkpoints"]
         assert rep["listing_after_gc"] == ["checkpoint_0"]
         assert rep["iteration"] == 1
@@ -102,9 +121,16 @@ def test_real_fsdp_accelerator_on_gpu_saves_through_stagesave(tmp_path, monkeypa
 
     import stagesave
 
-    for var, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": "29533", "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": fsdp_version,
-                       "FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT"}.items():
+    for var, value in {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29533",
+        "ACCELERATE_USE_FSDP": "true",
+        "FSDP_VERSION": fsdp_version,
+        "FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT",
+    }.items():
         monkeypatch.setenv(var, value)
     acc = Accelerator()
     assert acc.distributed_type == DistributedType.FSDP

@@ -88,12 +88,17 @@ def test_project_listing_right_after_each_save_state_is_plain_accelerates(tmp_pa
     ours = _listings(tmp_path / "staged", stagesave_on=True, saves=4)
     assert ours == plain
     assert sorted(os.listdir(tmp_path / "staged")) == ["checkpoints"]
-    assert sorted(os.listdir(tmp_path / "staged" / "checkpoints")) == ["checkpoint_2", "checkpoint_3"]
+    assert sorted(os.listdir(tmp_path / "staged" / "checkpoints")) == [
+        "checkpoint_2",
+        "checkpoint_3",
+    ]
     for name in ("checkpoint_2", "checkpoint_3"):
         assert stagesave.verify(tmp_path / "staged" / "checkpoints" / name).status == "verified"
 
 
-def test_a_save_after_a_training_step_is_asynchronous_and_one_without_is_committed_on_return(tmp_path):
+def test_a_save_after_a_training_step_is_asynchronous_and_one_without_is_committed_on_return(
+    tmp_path,
+):
     acc = _auto(tmp_path)
     run = build(acc)
     ckpt = sa.enable(acc)
@@ -287,7 +292,8 @@ def test_a_hundred_accelerators_in_a_row_keep_no_threads_and_flat_memory(tmp_pat
     within one state size (plus a small allowance) of the first iteration's."""
     width = 512
     state_mib = 2 * (width * width + width) * 4 * 3 / 2**20  # parameters + two Adam moments: ~6 MiB
-    allowance_mib = 24.0  # warm-up of Python, torch and Accelerate caches over the first iterations (~12 MiB here)
+    # warm-up of Python, torch and Accelerate caches over the first iterations (~12 MiB here)
+    allowance_mib = 24.0
     after: list[float] = []
     for i in range(100):
         project = tmp_path / f"run{i}"
@@ -298,9 +304,13 @@ def test_a_hundred_accelerators_in_a_row_keep_no_threads_and_flat_memory(tmp_pat
         assert stagesave.verify(project / "checkpoints" / "checkpoint_1").status == "verified"
         shutil.rmtree(project)
     bound = after[0] + state_mib + allowance_mib
-    assert max(after) <= bound, f"RSS after each (MiB): {[round(r) for r in after]}; bound {bound:.0f}"
-    print(f"RSS after Accelerators 0, 9, 49, 99: {[round(after[i], 1) for i in (0, 9, 49, 99)]} MiB "
-          f"(max {max(after):.1f}, bound {bound:.1f})")
+    assert max(after) <= bound, (
+        f"RSS after each (MiB): {[round(r) for r in after]}; bound {bound:.0f}"
+    )
+    print(
+        f"RSS after Accelerators 0, 9, 49, 99: {[round(after[i], 1) for i in (0, 9, 49, 99)]} MiB "
+        f"(max {max(after):.1f}, bound {bound:.1f})"
+    )
 
 
 def test_stagesave_gc_cleans_a_legacy_staging_folder(tmp_path):
@@ -312,7 +322,8 @@ def test_stagesave_gc_cleans_a_legacy_staging_folder(tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     legacy = tmp_path / sa.STAGING_DIR
-    assembled = legacy / f"checkpoint_2.{dead.pid}-0123abcd.stagesave-tmp"  # the core's folder in a staging_dir
+    # the core's folder in a staging_dir
+    assembled = legacy / f"checkpoint_2.{dead.pid}-0123abcd.stagesave-tmp"
     work = legacy / f".checkpoint_3.{dead.pid}-4567cdef.stagesave-tmp"  # an FSDP work folder
     for folder in (assembled, work / "parts"):
         folder.mkdir(parents=True)

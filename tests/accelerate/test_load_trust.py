@@ -62,7 +62,9 @@ class Holder:
         self.value = state["value"]
 
 
-def _saved(tmp_path, *, safe: bool = True, **options: Any) -> tuple[Accelerator, dict[str, Any], str, dict[str, Any]]:
+def _saved(
+    tmp_path, *, safe: bool = True, **options: Any
+) -> tuple[Accelerator, dict[str, Any], str, dict[str, Any]]:
     """A trained run saved through stagesave; the run trained on afterwards (so a load shows)."""
     acc = Accelerator(cpu=True)
     run = build(acc)
@@ -113,7 +115,9 @@ def _assert_not_restored(acc, run, before) -> None:
 
 
 @pytest.mark.parametrize("verify", [True, False], ids=["verify", "no-verify"])
-@pytest.mark.parametrize("name", ["custom_checkpoint_1.pkl", "random_states_0.pkl", "scheduler.bin"])
+@pytest.mark.parametrize(
+    "name", ["custom_checkpoint_1.pkl", "random_states_0.pkl", "scheduler.bin"]
+)
 def test_a_reproved_malicious_pickle_is_refused_and_runs_nothing(tmp_path, verify, name):
     acc, _run, folder, _ = _saved(tmp_path, verify_on_load=verify)
     data, marker = _payload(tmp_path)
@@ -246,7 +250,9 @@ def test_round_trip_is_bitwise_and_never_unpickles_unsafely(tmp_path, monkeypatc
     def spy(*args: Any, **kwargs: Any) -> Any:
         # safe: torch's weights_only unpickler, or stagesave's own unpickler as pickle_module
         module = kwargs.get("pickle_module")
-        calls.append(kwargs.get("weights_only") is True or (module is not None and module is not pickle))
+        calls.append(
+            kwargs.get("weights_only") is True or (module is not None and module is not pickle)
+        )
         return real(*args, **kwargs)
 
     acc, run, folder, before = _saved(tmp_path)

@@ -18,7 +18,14 @@ def test_two_processes_bitwise_restore_and_plain_interop(worker_runs):
         assert r["folders"] == ["checkpoint_1", "checkpoint_2"]  # hidden entries included: none
         assert r["each_node_files"] == results[0]["files"]
     assert results[0]["bad_zips"] == []  # every torch file is a real zip (testzip passes)
-    assert results[0]["files"] == sorted([  # exactly Accelerate's files: each carries its own proof
-        "model.safetensors", "optimizer.bin", "scheduler.bin",
-        "random_states_0.pkl", "random_states_1.pkl", "custom_checkpoint_0.pkl", "custom_checkpoint_1.pkl",
-    ])
+    assert results[0]["files"] == sorted(
+        [  # exactly Accelerate's files: each carries its own proof
+            "model.safetensors",
+            "optimizer.bin",
+            "scheduler.bin",
+            "random_states_0.pkl",
+            "random_states_1.pkl",
+            "custom_checkpoint_0.pkl",
+            "custom_checkpoint_1.pkl",
+        ]
+    )

@@ -66,7 +66,7 @@ def test_explicit_missing_or_corrupt_folder_raises(tmp_path):
     acc = Accelerator(cpu=True)
     run = build(acc)
     sa.enable(acc)
-    with pytest.raises(ValueError, match="Tried to find .*nope but folder does not exist"):
+    with pytest.raises(ValueError, match=r"Tried to find .*nope but folder does not exist"):
         acc.load_state(str(tmp_path / "nope"))
     train(acc, run, 1)  # the optimizer holds tensors (moments) from now on
     acc.save_state(str(tmp_path / "ck"))
@@ -100,7 +100,10 @@ def _flip_data_byte(path):
         record = next(i for i in z.infolist() if "/data/" in i.filename and i.file_size > 0)
     with open(path, "rb") as f:  # the data follows the record's local header
         f.seek(record.header_offset + 26)
-        name_len, extra_len = int.from_bytes(f.read(2), "little"), int.from_bytes(f.read(2), "little")
+        name_len, extra_len = (
+            int.from_bytes(f.read(2), "little"),
+            int.from_bytes(f.read(2), "little"),
+        )
     _flip_byte(path, record.header_offset + 30 + name_len + extra_len, os.SEEK_SET)
 
 
@@ -126,7 +129,10 @@ def test_automatic_naming_resumes_newest_valid_and_restores_iteration(tmp_path):
     assert visible(root) == ["checkpoint_0", "checkpoint_1", "checkpoint_2"]
     _flip_byte(root / "checkpoint_2" / "model.safetensors")
     train(acc, run, 2)
-    with pytest.warns(UserWarning, match=r"skipping checkpoint .*checkpoint_2: .*model.safetensors: checksum mismatch"):
+    with pytest.warns(
+        UserWarning,
+        match=r"skipping checkpoint .*checkpoint_2: .*model.safetensors: checksum mismatch",
+    ):
         acc.load_state()
     assert_same(states[1], snapshot(acc, run))
     assert acc.project_configuration.iteration == 2
@@ -221,7 +227,9 @@ def _only_committed_folders(root) -> None:
         except CheckpointNotFoundError:
             info = None
         if os.path.exists(root / name):  # (else retention removed it meanwhile)
-            assert info is not None and info.status == "verified", f"{name} visible before its commit: {info}"
+            assert info is not None and info.status == "verified", (
+                f"{name} visible before its commit: {info}"
+            )
     assert len(visible(root)) <= 3
 
 
@@ -253,8 +261,12 @@ def test_sigkill_mid_save_resumes_from_previous_and_retention_kept_it(worker_run
     # Plain Accelerate sorts every entry by its first number and would take the debris (2) for
     # the newest; `stagesave gc` removes it (its writer is dead), then Accelerate's automatic
     # load_state() picks the previous good folder.
-    gc = subprocess.run([os.path.join(os.path.dirname(sys.executable), "stagesave"), "gc", str(project)],
-                        capture_output=True, text=True, check=False)
+    gc = subprocess.run(
+        [os.path.join(os.path.dirname(sys.executable), "stagesave"), "gc", str(project)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert gc.returncode == 0, gc.stdout + gc.stderr
     assert sorted(os.listdir(root)) == ["checkpoint_1"]
     plain = _auto(project, total_limit=1)
@@ -289,7 +301,9 @@ def _format1_folder(folder, metadata) -> None:
         chunks = tuple(digest("xxh3_128", data[lo : lo + 4096]) for lo in range(0, len(data), 4096))
         kind = "safetensors" if name.endswith(".safetensors") else "torch"
         entries.append(FileEntry(name, len(data), "xxh3_128", 4096, chunks, kind, None, None))
-    (folder / "checkpoint.stagesave.json").write_bytes(Manifest(entries, time.time_ns(), metadata=metadata).to_json())
+    (folder / "checkpoint.stagesave.json").write_bytes(
+        Manifest(entries, time.time_ns(), metadata=metadata).to_json()
+    )
 
 
 def test_a_folder_of_the_previous_format_still_verifies_and_loads(tmp_path):
@@ -303,7 +317,11 @@ def test_a_folder_of_the_previous_format_still_verifies_and_loads(tmp_path):
     acc.save_state(str(old))  # Accelerate's own
     _format1_folder(old, {"accelerate": {"iteration": 7, "step": 0, "num_processes": 1}})
     info = stagesave.verify(old)
-    assert (info.status, info.format, info.manifest.metadata["accelerate"]["iteration"]) == ("verified", 1, 7)
+    assert (info.status, info.format, info.manifest.metadata["accelerate"]["iteration"]) == (
+        "verified",
+        1,
+        7,
+    )
     sa.enable(acc)
     train(acc, run, 2)
     acc.load_state(str(old))
@@ -327,7 +345,10 @@ def test_a_file_added_to_a_committed_folder_makes_it_invalid(tmp_path):
     acc._stagesave.wait()
     (tmp_path / "checkpoints" / "checkpoint_1" / "notes.txt").write_text("added by hand")
     train(acc, run, 1)
-    with pytest.warns(UserWarning, match=r"skipping checkpoint .*checkpoint_1: .*notes.txt is not part of the checkpoint"):
+    with pytest.warns(
+        UserWarning,
+        match=r"skipping checkpoint .*checkpoint_1: .*notes.txt is not part of the checkpoint",
+    ):
         acc.load_state()
     assert_same(states[0], snapshot(acc, run))
     assert acc.project_configuration.iteration == 1
