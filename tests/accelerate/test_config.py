@@ -10,6 +10,8 @@ import pytest
 import stagesave.accelerate as sa
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
+
+# private: the precedence of sources needs an explicit environ, which enable() does not take
 from stagesave.accelerate._config import resolve_options
 
 
@@ -104,6 +106,7 @@ def test_device_staging_from_the_environment_reaches_the_checkpointer(tmp_path):
         resolve_options({}, {"STAGESAVE_ACCELERATE_DEVICE_STAGING": "gpu"})
     acc = Accelerator(cpu=True, project_dir=str(tmp_path))
     ckpt = sa.AcceleratorCheckpointer(acc, device_staging=True)
+    # private: the core Checkpointer behind the adapter is where the option has to arrive
     assert ckpt._checkpointer().device_staging is True  # host state: staged in host memory anyway
     ckpt.close()
 

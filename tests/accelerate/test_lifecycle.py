@@ -61,6 +61,7 @@ def _explicit() -> Any:
 def _hold_writer(ckpt: sa.AcceleratorCheckpointer, kind: str = "auto") -> threading.Event:
     """Queue a job that waits on the returned event: saves submitted after it cannot commit."""
     gate = threading.Event()
+    # private: holding the writer thread needs the core Checkpointer behind the adapter
     ckpt._checkpointer(kind).run_after(lambda: gate.wait(60), description="gate")
     return gate
 
