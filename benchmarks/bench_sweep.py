@@ -63,7 +63,7 @@ import bench_interference as interference
 import common
 
 import stagesave
-from stagesave.cli._alternatives import Alternative, available_alternatives
+from stagesave.cli.alternatives import Alternative, available_alternatives
 
 GIB = 1 << 30
 HEADROOM = 1 * GIB  # memory left free beyond the state and an alternative's copies
@@ -76,7 +76,7 @@ warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a
 warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
 
 
-# The alternatives are the ones `stagesave bench` runs (stagesave.cli._alternatives, plus what the
+# The alternatives are the ones `stagesave bench` runs (stagesave.cli.alternatives, plus what the
 # installed integrations contribute: Lightning's AsyncCheckpointIO, Accelerate's save_state). The
 # sweep names stagesave's default by its option ("stagesave checksum_in=staging"), so the plain
 # "stagesave" entry is left out; Accelerate's save_state is torch.save without fsync and runs in
@@ -97,7 +97,9 @@ def wait_done(done: Callable[[], bool], what: str) -> None:
         time.sleep(0.02)
 
 
-def run_one(alt: Alternative, state: Any, folder: str, loop: interference.Loop, baseline_s: float) -> dict[str, Any]:
+def run_one(
+    alt: Alternative, state: Any, folder: str, loop: interference.Loop, baseline_s: float
+) -> dict[str, Any]:
     """Set up ``alt``, warm it up if it keeps state across saves, measure one save, tear down."""
     os.makedirs(folder, exist_ok=True)
     session = alt.make(folder, {})
@@ -116,7 +118,8 @@ def run_one(alt: Alternative, state: Any, folder: str, loop: interference.Loop, 
         m = interference.measure(loop, session.start, state, os.path.join(folder, "ckpt"), before)
         session.check()
         commit = session.commit_s()
-        os.sync()  # writeback left behind by an alternative that does not fsync is not the loop's speed
+        # writeback left behind by an alternative that does not fsync is not the loop's speed
+        os.sync()
         after = loop.baseline(baseline_s)
     finally:
         session.close()
@@ -137,7 +140,8 @@ def touch_all(obj: Any) -> None:
 
 
 def run_loads(torch_path: str | None, ss_path: str | None) -> tuple[dict[str, float], bool]:
-    """Cold and warm loads of this round's torch.save and stagesave files; and whether cold was possible."""
+    """Cold and warm loads of this round's torch.save and stagesave files; and whether cold was
+    possible."""
     out: dict[str, float] = {}
     cold = common.drop_caches()
     if ss_path:
@@ -150,7 +154,10 @@ def run_loads(torch_path: str | None, ss_path: str | None) -> tuple[dict[str, fl
         loaders += [
             ("stagesave load verified (mmap)", lambda: loader.load(ss_path)),
             ("stagesave load verified (copy)", lambda: loader.load(ss_path, mmap=False)),
-            ("stagesave load unverified (copy)", lambda: loader.load(ss_path, verify=False, mmap=False)),
+            (
+                "stagesave load unverified (copy)",
+                lambda: loader.load(ss_path, verify=False, mmap=False),
+            ),
         ]
     try:
         for name, fn in loaders:
@@ -172,9 +179,14 @@ RAW_WRITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "raw_write.
 
 
 def raw_write_floor_s(base: str, nbytes: int) -> float:
-    """Seconds for ``raw_write.py`` (a separate process) to write ``nbytes`` with O_DIRECT + fsync."""
-    out = subprocess.run([sys.executable, RAW_WRITE, os.path.join(base, "raw-write.bin"), str(nbytes)],
-                         capture_output=True, text=True, check=True).stdout
+    """Seconds for ``raw_write.py`` (a separate process) to write ``nbytes`` with O_DIRECT +
+    fsync."""
+    out = subprocess.run(
+        [sys.executable, RAW_WRITE, os.path.join(base, "raw-write.bin"), str(nbytes)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return float(out.strip())
 
 
@@ -193,7 +205,11 @@ def raw_write_lost_s(base: str, nbytes: int, loop: interference.Loop, baseline_s
     procs: list[subprocess.Popen[bytes]] = []
 
     def start(_state: Any, _path: str) -> tuple[float, Callable[[], bool]]:
-        procs.append(subprocess.Popen([sys.executable, RAW_WRITE, path, str(nbytes)], stdout=subprocess.DEVNULL))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, RAW_WRITE, path, str(nbytes)], stdout=subprocess.DEVNULL
+            )
+        )
         return 0.0, lambda: procs[0].poll() is not None
 
     lost = float(interference.measure(loop, start, None, path, before)["lost"])
@@ -209,16 +225,24 @@ def run_size(gib: float, alts: list[Alternative], args: argparse.Namespace, base
     avail = common.mem_available_bytes()
     res: dict[str, Any] = {"gib": gib, "skipped": None}
     if 2 * want + HEADROOM > avail:  # the state and one copy (copy floor, loads) at least
-        res["skipped"] = (f"the state ({gib:g} GiB) and one copy of it need {(2 * want + HEADROOM) / GIB:.1f} GiB, "
-                          f"{avail / GIB:.1f} GiB available")
+        res["skipped"] = (
+            f"the state ({gib:g} GiB) and one copy of it need {(2 * want + HEADROOM) / GIB:.1f} "
+            f"GiB, {avail / GIB:.1f} GiB available"
+        )
         print(f"== {gib:g} GiB: skipped: {res['skipped']}", flush=True)
         return res
     state = common.transformer_state(want, d_model=common.d_model_for(want))
     nbytes = common.state_bytes(state)
     avail = common.mem_available_bytes()
-    res.update(bytes=nbytes, tensors=len(common.tensors_of(state)), mem_available_with_state=avail,
-               floors={"copy_s": [], "dd_direct_s": [], "write_s": [], "write_lost_s": []}, loads={}, cold_cache=None,
-               alternatives={})
+    res.update(
+        bytes=nbytes,
+        tensors=len(common.tensors_of(state)),
+        mem_available_with_state=avail,
+        floors={"copy_s": [], "dd_direct_s": [], "write_s": [], "write_lost_s": []},
+        loads={},
+        cold_cache=None,
+        alternatives={},
+    )
     print(f"== {gib:g} GiB: {nbytes / GIB:.2f} GiB in {res['tensors']} tensors; "
           f"{avail / GIB:.1f} GiB memory available beside it", flush=True)
     runnable: list[Alternative] = []
@@ -226,9 +250,16 @@ def run_size(gib: float, alts: list[Alternative], args: argparse.Namespace, base
         reason = alt.unavailable()
         need = alt.copies * nbytes + HEADROOM
         if reason is None and need > avail:
-            reason = (f"needs ~{need / GIB:.1f} GiB beside the state ({alt.copies:g} copies + headroom), "
-                      f"{avail / GIB:.1f} GiB available")
-        res["alternatives"][alt.name] = {"skipped": reason, "durable": alt.durable, "note": alt.note, "runs": []}
+            reason = (
+                f"needs ~{need / GIB:.1f} GiB beside the state ({alt.copies:g} copies + headroom), "
+                f"{avail / GIB:.1f} GiB available"
+            )
+        res["alternatives"][alt.name] = {
+            "skipped": reason,
+            "durable": alt.durable,
+            "note": alt.note,
+            "runs": [],
+        }
         if reason:
             print(f"   skip {alt.name}: {reason}", flush=True)
         else:
@@ -245,9 +276,13 @@ def run_size(gib: float, alts: list[Alternative], args: argparse.Namespace, base
         res["floors"]["dd_direct_s"].append(dd_floor)
         res["floors"]["write_s"].append(write_floor)
         res["floors"]["write_lost_s"].append(write_lost)
-        print(f"   round {r + 1}/{args.repeats}: copy floor {copy_floor:.3f} s, dd O_DIRECT floor {dd_floor:.3f} s, "
-              f"raw O_DIRECT write floor {write_floor:.3f} s, the loop lost {write_lost:.3f} s to that raw write",
-              flush=True)
+        print(
+            f"   round {r + 1}/{args.repeats}: copy floor {copy_floor:.3f} s, dd O_DIRECT floor "
+            f"{dd_floor:.3f} s, raw O_DIRECT write floor {write_floor:.3f} s, the loop lost "
+            f"{write_lost:.3f} s to "
+            "that raw write",
+            flush=True,
+        )
         order = runnable[r % len(runnable):] + runnable[:r % len(runnable)] if runnable else []
         kept: dict[str, str] = {}
         for alt in order:
@@ -269,12 +304,20 @@ def run_size(gib: float, alts: list[Alternative], args: argparse.Namespace, base
                        lost_over_copy_and_write_floor=run["lost_s"] / (copy_floor + write_lost))
             res["alternatives"][alt.name]["runs"].append(run)
             drift = run["baseline_after_ms"] / run["baseline_before_ms"]
-            print(f"   {alt.name:42s} blocking {run['blocking_s']:7.3f} s  commit {run['commit_s']:7.3f} s  "
-                  f"lost {run['lost_s']:7.3f} s  p99 {run['step_p99_x']:5.2f}x  "
-                  f"loop {run['baseline_before_ms']:.1f} -> {run['baseline_after_ms']:.1f} ms/it", flush=True)
+            print(
+                f"   {alt.name:42s} blocking {run['blocking_s']:7.3f} s  commit "
+                f"{run['commit_s']:7.3f} s  lost {run['lost_s']:7.3f} s  p99 "
+                f"{run['step_p99_x']:5.2f}x  loop {run['baseline_before_ms']:.1f} -> "
+                f"{run['baseline_after_ms']:.1f} ms/it",
+                flush=True,
+            )
             if drift > REGIME_CHANGE:
-                print(f"   !! {alt.name}: the loop ran {drift:.2f}x slower after the save than before it "
-                      "(an OpenMP regime change?)", flush=True)
+                print(
+                    f"   !! {alt.name}: the loop ran {drift:.2f}x slower after the save than "
+                    "before it "
+                    "(an OpenMP regime change?)",
+                    flush=True,
+                )
             if alt.name in (TORCH_SAVE, STAGESAVE):
                 kept[alt.name] = os.path.join(folder, "ckpt")
             else:
@@ -290,8 +333,11 @@ def run_size(gib: float, alts: list[Alternative], args: argparse.Namespace, base
     del state
     gc.collect()
     res["loop_end_ms"] = loop.baseline(args.baseline_s) * 1e3
-    print(f"   loop baseline {res['loop_start_ms']:.1f} ms/it before this size, {res['loop_end_ms']:.1f} after",
-          flush=True)
+    print(
+        f"   loop baseline {res['loop_start_ms']:.1f} ms/it before this size, "
+        f"{res['loop_end_ms']:.1f} after",
+        flush=True,
+    )
     return res
 
 
@@ -307,25 +353,48 @@ def fmt_spread(xs: list[float], digits: int = 3) -> str:
 def markdown(doc: dict[str, Any]) -> str:
     """The sweep as markdown: per size, one table of saves and one of loads (median (min–max))."""
     meta = doc["meta"]
-    lines = [f"## Sweep {meta['date']}", "", f"`{meta['command']}`", "",
-             (f"{meta['cpus']} CPUs, torch {meta['torch']} with {meta['torch_threads']} threads, "
-             f"{meta['mem_total'] / GIB:.1f} GiB RAM, repeats {meta['repeats']}, directory `{meta['dir']}`; "
-             "figures are median (min–max) over rounds; ratios are to the floors of the same round."), ""]
+    lines = [
+        f"## Sweep {meta['date']}",
+        "",
+        f"`{meta['command']}`",
+        "",
+        (
+            f"{meta['cpus']} CPUs, torch {meta['torch']} with {meta['torch_threads']} threads, "
+            f"{meta['mem_total'] / GIB:.1f} GiB RAM, repeats {meta['repeats']}, directory "
+            f"`{meta['dir']}`; "
+            "figures are median (min–max) over rounds; ratios are to the floors of the same round."
+        ),
+        "",
+    ]
     for size in doc["sizes"]:
         if size["skipped"]:
             lines += [f"### {size['gib']:g} GiB: skipped ({size['skipped']})", ""]
             continue
         fl = size["floors"]
-        lines += [f"### {size['bytes'] / GIB:.2f} GiB state ({size['tensors']} tensors)", "",
-                  (f"copy floor {fmt_spread(fl['copy_s'])} s; dd O_DIRECT write floor {fmt_spread(fl['dd_direct_s'])} s"
-                  + (f"; raw O_DIRECT write floor {fmt_spread(fl['write_s'])} s (`raw_write.py`), the loop lost "
-                     f"{fmt_spread(fl['write_lost_s'])} s while it ran" if fl.get("write_lost_s") else "")
-                  + f"; loop baseline {size['loop_start_ms']:.1f} ms/it before this size, {size['loop_end_ms']:.1f} after"),
-                  "",
-                  ("| alternative | blocking s | × copy floor | commit s | × dd floor | × raw write floor | durable "
-                   "| lost per save s "
-                  "| × copy floor | × (copy floor + raw write lost) | mean step × | p99 step × | loop ms/it before → after |"),
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            f"### {size['bytes'] / GIB:.2f} GiB state ({size['tensors']} tensors)",
+            "",
+            (
+                f"copy floor {fmt_spread(fl['copy_s'])} s; dd O_DIRECT write floor "
+                f"{fmt_spread(fl['dd_direct_s'])} s"
+                + (
+                    f"; raw O_DIRECT write floor {fmt_spread(fl['write_s'])} s (`raw_write.py`), "
+                    f"the loop lost {fmt_spread(fl['write_lost_s'])} s while it ran"
+                    if fl.get("write_lost_s")
+                    else ""
+                )
+                + f"; loop baseline {size['loop_start_ms']:.1f} ms/it before this size, "
+                f"{size['loop_end_ms']:.1f} after"
+            ),
+            "",
+            (
+                "| alternative | blocking s | × copy floor | commit s | × dd floor | × raw write "
+                "floor | durable | lost per save s "
+                "| × copy floor | × (copy floor + raw write lost) | mean step × | p99 step × | "
+                "loop ms/it before → after |"
+            ),
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for name, a in size["alternatives"].items():
             if a["skipped"] and not a["runs"]:
                 lines.append(f"| {name} | skipped: {a['skipped']} |||||||||||| ")
@@ -336,17 +405,30 @@ def markdown(doc: dict[str, Any]) -> str:
                 return fmt_spread([x[key] for x in runs], digits)
 
             label = f"{name} (then {a['skipped']})" if a["skipped"] else name
+            over_write = (
+                col("commit_over_write_floor", 2) if "commit_over_write_floor" in runs[0] else "—"
+            )
+            lost_over_both = (
+                col("lost_over_copy_and_write_floor", 2)
+                if "lost_over_copy_and_write_floor" in runs[0]
+                else "—"
+            )
             lines.append(
-                f"| {label} | {col('blocking_s')} | {col('blocking_over_copy_floor', 2)} | {col('commit_s')} | "
-                f"{col('commit_over_dd_floor', 2)} | "
-                f"{col('commit_over_write_floor', 2) if 'commit_over_write_floor' in runs[0] else '—'} | "
+                f"| {label} | {col('blocking_s')} | {col('blocking_over_copy_floor', 2)} | "
+                f"{col('commit_s')} | {col('commit_over_dd_floor', 2)} | "
+                f"{over_write} | "
                 f"{'yes' if a['durable'] else 'no'} | {col('lost_s')} | "
                 f"{col('lost_over_copy_floor', 2)} | "
-                f"{col('lost_over_copy_and_write_floor', 2) if 'lost_over_copy_and_write_floor' in runs[0] else '—'} | "
+                f"{lost_over_both} | "
                 f"{col('step_mean_x', 2)} | {col('step_p99_x', 2)} | "
-                f"{col('baseline_before_ms', 1)} → {col('baseline_after_ms', 1)} |")
+                f"{col('baseline_before_ms', 1)} → {col('baseline_after_ms', 1)} |"
+            )
         if size["loads"]:
-            cold = "cold = page cache dropped" if size["cold_cache"] else "cold NOT possible here (not root): cache warm"
+            cold = (
+                "cold = page cache dropped"
+                if size["cold_cache"]
+                else "cold NOT possible here (not root): cache warm"
+            )
             lines += ["", f"| load ({cold}) | seconds |", "|---|---|"]
             lines += [f"| {k} | {fmt_spread(v)} |" for k, v in size["loads"].items()]
         lines.append("")
@@ -354,7 +436,8 @@ def markdown(doc: dict[str, Any]) -> str:
 
 
 def plot(doc: dict[str, Any], path: str) -> None:
-    """Blocking time and time to commit against state size, one line per alternative, log-scale y."""
+    """Blocking time and time to commit against state size, one line per alternative, log-scale
+    y."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -391,17 +474,30 @@ def plot(doc: dict[str, Any], path: str) -> None:
         ax.legend(fontsize=7, loc="upper left")
     axes[0].set_title("blocking per save (median, min–max)")
     axes[1].set_title("time to commit (median, min–max)")
-    fig.suptitle(f"checkpoint saves by state size, {doc['meta']['cpus']} CPUs, {doc['meta']['date']}", fontsize=10)
+    fig.suptitle(
+        f"checkpoint saves by state size, {doc['meta']['cpus']} CPUs, {doc['meta']['date']}",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dir", default=None, help="directory on the disk to test (default: a temp dir under /work)")
-    ap.add_argument("--sizes", default="0.5,2,8", help="state sizes in GiB, comma-separated (default 0.5,2,8)")
-    ap.add_argument("--repeats", type=int, default=2, help="interleaved rounds per size (default 2)")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--dir",
+        default=None,
+        help="directory on the disk to test (default: a temp dir under /work)",
+    )
+    ap.add_argument(
+        "--sizes", default="0.5,2,8", help="state sizes in GiB, comma-separated (default 0.5,2,8)"
+    )
+    ap.add_argument(
+        "--repeats", type=int, default=2, help="interleaved rounds per size (default 2)"
+    )
     ap.add_argument("--quick", action="store_true", help="smoke test: --sizes 0.25 --repeats 1")
     ap.add_argument("--alternatives", default=",".join(a.name for a in ALTERNATIVES),
                     help="comma-separated names (default: all)")
@@ -410,11 +506,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-loads", action="store_true", help="skip the load measurements")
     ap.add_argument("--json", default=None, help="write every raw figure here")
     ap.add_argument("--markdown", default=None, help="append the tables to this file")
-    ap.add_argument("--png", default=None, help="plot blocking and commit time against state size here")
-    ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
-                    help="measure nothing: merge the --json files of earlier runs (a size measured in a "
-                         "later file replaces one skipped or measured in an earlier one) and write "
-                         "--markdown/--png/--json from them")
+    ap.add_argument(
+        "--png", default=None, help="plot blocking and commit time against state size here"
+    )
+    ap.add_argument(
+        "--merge",
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="measure nothing: merge the --json files of earlier runs (a size measured in a "
+        "later file replaces one skipped or measured in an earlier one) and write "
+        "--markdown/--png/--json from them",
+    )
     args = ap.parse_args(argv)
     if args.quick:
         args.sizes, args.repeats = "0.25", 1
@@ -462,14 +565,23 @@ def main(argv: list[str] | None = None) -> None:
     sizes = [float(x) for x in args.sizes.split(",") if x]
     chosen = set(args.alternatives.split(","))
     alts = [a for a in ALTERNATIVES if a.name in chosen]
-    base = args.dir or tempfile.mkdtemp(prefix="stagesave-sweep-", dir="/work" if os.path.isdir("/work") else None)
+    base = args.dir or tempfile.mkdtemp(
+        prefix="stagesave-sweep-", dir="/work" if os.path.isdir("/work") else None
+    )
     os.makedirs(base, exist_ok=True)
     t_start = time.perf_counter()
-    meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "command": shlex.join(["python", *sys.argv]), "dir": base,
-            "cpus": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-            "mem_total": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "repeats": args.repeats,
-            "sizes_gib": sizes, "stagesave": getattr(stagesave, "__version__", None)}
+    meta = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "command": shlex.join(["python", *sys.argv]),
+        "dir": base,
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "mem_total": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+        "repeats": args.repeats,
+        "sizes_gib": sizes,
+        "stagesave": getattr(stagesave, "__version__", None),
+    }
     print(f"sweep: sizes {sizes} GiB, {args.repeats} rounds, {len(alts)} alternatives, dir {base}; "
           f"torch {torch.__version__} with {torch.get_num_threads()} threads", flush=True)
     loop = interference.Loop()

@@ -1,7 +1,7 @@
 """Lightning's own asynchronous checkpointing, for ``stagesave bench`` and the benchmark sweep.
 
 Registered in the ``stagesave.bench_alternatives`` entry-point group (see
-``stagesave.cli._alternatives``), so the core can run it without importing Lightning.
+``stagesave.cli.alternatives``), so the core can run it without importing Lightning.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from stagesave.cli._alternatives import Alternative, Session
+from stagesave.cli.alternatives import Alternative, Session
 from stagesave.errors import UsageError
 
 __all__ = ["LightningAsync", "alternatives"]

@@ -47,13 +47,21 @@ def test_same_files_and_contents_as_accelerate(tmp_path, safe):
 
     theirs = tree(plain)
     assert tree(staged) == theirs  # exactly Accelerate's files: no manifest beside them
-    model_files = ["model.safetensors", "model_1.safetensors"] if safe else ["pytorch_model.bin", "pytorch_model_1.bin"]
+    model_files = (
+        ["model.safetensors", "model_1.safetensors"]
+        if safe
+        else ["pytorch_model.bin", "pytorch_model_1.bin"]
+    )
     assert theirs == sorted([
         *model_files, "optimizer.bin", "optimizer_1.bin", "scheduler.bin", "scheduler_1.bin",
         "scaler.pt", "random_states_0.pkl", "custom_checkpoint_0.pkl", "custom_checkpoint_1.pkl",
     ])
     for name in theirs:
-        assert_same(load_file_content(os.path.join(plain, name)), load_file_content(os.path.join(staged, name)), name)
+        assert_same(
+            load_file_content(os.path.join(plain, name)),
+            load_file_content(os.path.join(staged, name)),
+            name,
+        )
     if safe:  # Accelerate's metadata kept; the proof is the one key added
         for name in model_files:
             assert safetensors_metadata(os.path.join(plain, name)) == {"format": "pt"}
@@ -71,17 +79,22 @@ def test_same_files_and_contents_as_accelerate(tmp_path, safe):
 def test_same_folder_through_device_staging(tmp_path, monkeypatch):
     """``device_staging=True``: the same files, staged through the device path (host memory
     standing in for the GPU, which this machine does not have) and written by its writer."""
-    import stagesave.checkpointer as checkpointer_mod
+    import stagesave.saving.jobs as jobs_mod  # device staging without a GPU: the device is the host
+    import stagesave.saving.staging as staging_mod
     from stagesave.stores.local import LocalStore
 
-    monkeypatch.setattr(checkpointer_mod, "device_of",
-                        lambda images, store: torch.device("cpu") if isinstance(store, LocalStore) else None)
-    monkeypatch.setattr(checkpointer_mod, "gpudirect_kvikio", lambda: None)
+    monkeypatch.setattr(
+        staging_mod,
+        "device_of",
+        lambda images, store: torch.device("cpu") if isinstance(store, LocalStore) else None,
+    )
+    monkeypatch.setattr(jobs_mod, "gpudirect_kvikio", lambda: None)
     assert _device_staged_like_accelerate(tmp_path, Accelerator(cpu=True)).staged_on == "cpu"
 
 
 def _device_staged_like_accelerate(tmp_path, acc):
-    """Train a little, save with Accelerate and with device staging: the same files; the telemetry."""
+    """Train a little, save with Accelerate and with device staging: the same files; the
+    telemetry."""
     run = build(acc)
     train(acc, run, 2)
     plain = str(tmp_path / "plain")
@@ -94,7 +107,9 @@ def _device_staged_like_accelerate(tmp_path, acc):
     for name in theirs:
         assert_same(load_file_content(os.path.join(plain, name)),
                     load_file_content(str(tmp_path / "staged" / name)), name)
-    assert assert_real_zips(str(tmp_path / "staged")) == sorted(n for n in theirs if not n.endswith(".safetensors"))
+    assert assert_real_zips(str(tmp_path / "staged")) == sorted(
+        n for n in theirs if not n.endswith(".safetensors")
+    )
     assert stagesave.verify(tmp_path / "staged").status == "verified"
     return tel
 
@@ -121,7 +136,10 @@ def test_accelerate_and_safetensors_read_stagesave_files_unchanged(tmp_path):
     run = build(acc)
     train(acc, run, 2)
     plain, staged = _accelerate_and_stagesave(tmp_path, acc, True)
-    ours, theirs = load_file(os.path.join(staged, "model.safetensors")), load_file(os.path.join(plain, "model.safetensors"))
+    ours, theirs = (
+        load_file(os.path.join(staged, "model.safetensors")),
+        load_file(os.path.join(plain, "model.safetensors")),
+    )
     assert_same(dict(sorted(theirs.items())), dict(sorted(ours.items())), "model.safetensors")
     for name in ("optimizer.bin", "scheduler.bin", "custom_checkpoint_0.pkl"):
         assert_same(torch.load(os.path.join(plain, name), weights_only=True),
@@ -141,7 +159,8 @@ def test_proof_records_iteration_and_step(tmp_path):
     ckpt.close()
     info = stagesave.verify(tmp_path / "b")
     assert info.status == "verified"
-    assert info.manifest.folder.carrier in os.listdir(tmp_path / "b")  # recorded by the carrier's proof
+    # recorded by the carrier's proof
+    assert info.manifest.folder.carrier in os.listdir(tmp_path / "b")
     meta = info.manifest.metadata["accelerate"]
     assert meta == {"iteration": 1, "step": 0, "num_processes": 1, "safe_serialization": True,
                     "automatic_checkpoint_naming": False}
@@ -160,8 +179,11 @@ def test_save_pre_hook_files_are_carried_verbatim_and_weights_it_took_are_not_sa
         from safetensors.torch import save_file
 
         os.makedirs(os.path.join(output_dir, "extra", "tokenizer"), exist_ok=True)
-        save_file({"w": weights[0]["head.weight"].clone()}, os.path.join(output_dir, "extra", "head.safetensors"),
-                  metadata={"kind": "head"})
+        save_file(
+            {"w": weights[0]["head.weight"].clone()},
+            os.path.join(output_dir, "extra", "head.safetensors"),
+            metadata={"kind": "head"},
+        )
         with open(os.path.join(output_dir, "config.json"), "w") as f:
             json.dump({"hidden": 16, "tied": True}, f)
         with open(os.path.join(output_dir, "extra", "tokenizer", "vocab.txt"), "wb") as f:
@@ -183,7 +205,9 @@ def test_save_pre_hook_files_are_carried_verbatim_and_weights_it_took_are_not_sa
     listed = {e.name: e for e in info.manifest.folder.listed}
     assert sorted(listed) == hook_files
     for rel in hook_files:
-        assert listed[rel].kind == "raw" and listed[rel].size == os.path.getsize(os.path.join(staged, rel))
+        assert listed[rel].kind == "raw" and listed[rel].size == os.path.getsize(
+            os.path.join(staged, rel)
+        )
     # a hook file that changes afterwards is caught
     with open(os.path.join(staged, "extra", "tokenizer", "vocab.txt"), "r+b") as f:
         f.seek(10)
@@ -231,8 +255,12 @@ def _automatic_run(project, *, stagesave_on: bool, hook: bool, saves: int = 5) -
         sa.disable(acc)  # waits for every commit
 
 
-@pytest.mark.parametrize("hook", [False, True], ids=["accelerate-files", "with-a-save-hook-writing-a-sub-folder"])
-def test_automatic_naming_with_total_limit_lists_exactly_what_plain_accelerate_lists(tmp_path, hook):
+@pytest.mark.parametrize(
+    "hook", [False, True], ids=["accelerate-files", "with-a-save-hook-writing-a-sub-folder"]
+)
+def test_automatic_naming_with_total_limit_lists_exactly_what_plain_accelerate_lists(
+    tmp_path, hook
+):
     """Issue 16, must show: the checkpoints directory of a run with automatic naming and
     ``total_limit`` holds exactly what plain Accelerate's holds (every file and folder,
     recursively), and every torch file there is a zip that ``testzip()`` passes."""
@@ -242,15 +270,30 @@ def test_automatic_naming_with_total_limit_lists_exactly_what_plain_accelerate_l
     assert tree(str(ours)) == tree(str(theirs))
     assert sorted(os.listdir(theirs)) == ["checkpoint_3", "checkpoint_4"]
     # nothing of stagesave's beside checkpoints/ either (folders are assembled beside their target)
-    assert sorted(os.listdir(tmp_path / "staged")) == sorted(os.listdir(tmp_path / "plain")) == ["checkpoints"]
-    per_folder = ["custom_checkpoint_0.pkl", "custom_checkpoint_1.pkl", "optimizer.bin", "optimizer_1.bin",
-                  "random_states_0.pkl", "scheduler.bin", "scheduler_1.bin"]
-    assert assert_real_zips(str(ours)) == [f"{c}/{n}" for c in ("checkpoint_3", "checkpoint_4") for n in per_folder]
+    assert (
+        sorted(os.listdir(tmp_path / "staged"))
+        == sorted(os.listdir(tmp_path / "plain"))
+        == ["checkpoints"]
+    )
+    per_folder = [
+        "custom_checkpoint_0.pkl",
+        "custom_checkpoint_1.pkl",
+        "optimizer.bin",
+        "optimizer_1.bin",
+        "random_states_0.pkl",
+        "scheduler.bin",
+        "scheduler_1.bin",
+    ]
+    assert assert_real_zips(str(ours)) == [
+        f"{c}/{n}" for c in ("checkpoint_3", "checkpoint_4") for n in per_folder
+    ]
     for rel in tree(str(theirs)):  # the same states, file by file
         if not rel.endswith("/"):
             if rel.endswith(".json"):
                 assert (theirs / rel).read_bytes() == (ours / rel).read_bytes(), rel
             else:
-                assert_same(load_file_content(str(theirs / rel)), load_file_content(str(ours / rel)), rel)
+                assert_same(
+                    load_file_content(str(theirs / rel)), load_file_content(str(ours / rel)), rel
+                )
     for name in ("checkpoint_3", "checkpoint_4"):
         assert stagesave.verify(ours / name).status == "verified"

@@ -21,7 +21,9 @@ FILES = sorted(["model.safetensors", "optimizer.bin", "scheduler.bin", "random_s
 def _files(fs, url: str) -> list[str]:
     """Every object under a checkpoint folder URL, relative."""
     root = url.split("://", 1)[1].rstrip("/")
-    return sorted(p.split("://", 1)[-1].lstrip("/")[len(root.lstrip("/")) + 1 :] for p in fs.find(url))
+    return sorted(
+        p.split("://", 1)[-1].lstrip("/")[len(root.lstrip("/")) + 1 :] for p in fs.find(url)
+    )
 
 
 def _carrier(url: str, **options) -> str:
@@ -65,7 +67,10 @@ def test_destination_url_with_automatic_naming_and_total_limit(memory_root, tmp_
         acc.save_state()
     acc._stagesave.wait()
     fs = fsspec.filesystem("memory")
-    assert sorted(p.rpartition("/")[2] for p in fs.ls(memory_root, detail=False)) == ["checkpoint_1", "checkpoint_2"]
+    assert sorted(p.rpartition("/")[2] for p in fs.ls(memory_root, detail=False)) == [
+        "checkpoint_1",
+        "checkpoint_2",
+    ]
     assert _files(fs, f"{memory_root}/checkpoint_2") == FILES  # exactly Accelerate's files
     carrier = _carrier(f"{memory_root}/checkpoint_2")
     assert not (tmp_path / "checkpoints").exists()
@@ -119,7 +124,10 @@ def test_local_tier_in_front_of_a_url_destination(memory_root, tmp_path):
     assert uploads and all(u.tier == "remote" and u.error is None for u in uploads)
     fs = fsspec.filesystem("memory")
     # total_limit on both tiers (the durable history on the remote), keep_local on the local one
-    assert sorted(p.rpartition("/")[2] for p in fs.ls(memory_root, detail=False)) == ["checkpoint_1", "checkpoint_2"]
+    assert sorted(p.rpartition("/")[2] for p in fs.ls(memory_root, detail=False)) == [
+        "checkpoint_1",
+        "checkpoint_2",
+    ]
     for name in ("checkpoint_1", "checkpoint_2"):  # complete, proven copies
         assert _files(fs, f"{memory_root}/{name}") == FILES
         _carrier(f"{memory_root}/{name}")
@@ -192,21 +200,27 @@ def test_local_tier_saves_are_assembled_beside_their_folder(s3_url, s3_options, 
     acc = _fresh_auto(tmp_path, total_limit=2)
     run = build(acc, width=256)
     local = tmp_path / "nvme"
-    ckpt = sa.enable(acc, destination=s3_url, local_tier=str(local), storage_options=s3_options, io_threads=1)
+    ckpt = sa.enable(
+        acc, destination=s3_url, local_tier=str(local), storage_options=s3_options, io_threads=1
+    )
     with ListingWatcher(local) as watcher:
         for i in range(3):
             train(acc, run, 1)
             if i == 2:  # hold the third save mid-write: its only I/O thread waits behind a gate
                 gate = threading.Event()
-                ckpt._checkpointer("auto")._queue.io_pool.submit(gate.wait)
+                ckpt._checkpointer("auto").pipeline.queue.io_pool.submit(gate.wait)
             assert acc.save_state() == local / f"checkpoint_{i}"
             if i == 2:
                 deadline = time.monotonic() + 30
                 while not [n for n in os.listdir(local) if stagesave.is_temporary(n)]:
-                    assert time.monotonic() < deadline, "the save was not assembled beside its folder"
+                    assert time.monotonic() < deadline, (
+                        "the save was not assembled beside its folder"
+                    )
                     time.sleep(0.005)
                 [assembling] = [n for n in os.listdir(local) if stagesave.is_temporary(n)]
-                assert assembling.startswith(".checkpoint_2.") and assembling.endswith(".stagesave-tmp")
+                assert assembling.startswith(".checkpoint_2.") and assembling.endswith(
+                    ".stagesave-tmp"
+                )
                 assert visible(local) == ["checkpoint_0", "checkpoint_1"]
                 gate.set()
             ckpt.wait()
@@ -214,7 +228,11 @@ def test_local_tier_saves_are_assembled_beside_their_folder(s3_url, s3_options, 
         uploads = ckpt.wait_uploads()
     # The local tier's listing showed each folder only once committed, and otherwise only
     # stagesave's dot-named temporaries (gone now); nothing of stagesave's beside the local tier.
-    assert {n for n in watcher.seen if not stagesave.is_temporary(n)} == {"checkpoint_0", "checkpoint_1", "checkpoint_2"}
+    assert {n for n in watcher.seen if not stagesave.is_temporary(n)} == {
+        "checkpoint_0",
+        "checkpoint_1",
+        "checkpoint_2",
+    }
     assert sorted(os.listdir(local)) == ["checkpoint_1", "checkpoint_2"]
     assert sorted(os.listdir(tmp_path)) == ["nvme"]
     assert uploads and all(u.error is None for u in uploads)
@@ -224,7 +242,10 @@ def test_local_tier_saves_are_assembled_beside_their_folder(s3_url, s3_options, 
     assert sorted(os.listdir(local / "checkpoint_2")) == FILES
     assert _files(fs, f"{s3_url}/checkpoint_2") == FILES
     for name in FILES:  # the remote copy, byte for byte
-        assert fs.cat_file(f"{s3_url}/checkpoint_2/{name}") == (local / "checkpoint_2" / name).read_bytes(), name
+        assert (
+            fs.cat_file(f"{s3_url}/checkpoint_2/{name}")
+            == (local / "checkpoint_2" / name).read_bytes()
+        ), name
     _carrier(f"{s3_url}/checkpoint_2", storage_options=s3_options)
     sa.disable(acc)
     shutil.rmtree(local)  # resume from the remote tier

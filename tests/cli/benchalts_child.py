@@ -17,7 +17,7 @@ import time
 import torch
 
 # the alternatives themselves, one save each in a fresh process (what `bench` runs in rounds)
-from stagesave.cli._alternatives import available_alternatives
+from stagesave.cli.alternatives import available_alternatives
 from stagesave.cli._bench_state import synthetic_state
 
 

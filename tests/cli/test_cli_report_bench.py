@@ -316,7 +316,7 @@ def test_a_failing_alternative_is_named_and_leaves_nothing(tmp_path, capsys):
     import argparse
 
     # one bench round with a broken alternative (the command cannot be made to run one)
-    from stagesave.cli._alternatives import Alternative
+    from stagesave.cli.alternatives import Alternative
     from stagesave.cli._bench_round import BenchTarget, Timing, measure_round
     from stagesave.cli._common import CliError, Env
 

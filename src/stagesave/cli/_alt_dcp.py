@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ._alternatives import Session
+from .alternatives import Session
 
 __all__ = ["DcpAsync", "gloo_unavailable", "pinned_unavailable"]
 

@@ -31,12 +31,12 @@ from rich.table import Table
 from rich.text import Text
 
 from ..stores.targets import is_url
-from ._alternatives import Alternative, available_alternatives, mem_available_bytes
 from ._bench_round import BenchTarget, Timing, measure_round
 from ._bench_state import TrainLoop, state_bytes, state_tensors, synthetic_state
 from ._common import CliError, Env, literal
 from ._floors import copy_floor_s, disk_floor_s
 from ._units import fmt_bytes, fmt_duration, fmt_rate, parse_size
+from .alternatives import Alternative, available_alternatives, mem_available_bytes
 
 __all__ = ["DEFAULT_ALTERNATIVES", "add_parser", "run"]
 

@@ -16,9 +16,9 @@ from typing import Any
 
 from ..stores import posix as fsops
 from ..stores.targets import is_url
-from ._alternatives import Alternative, Session
 from ._bench_state import TrainLoop
 from ._common import CliError, Env
+from .alternatives import Alternative, Session
 
 __all__ = ["SAVE_TIMEOUT_S", "BenchTarget", "Timing", "measure_round"]
 

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import IO, Any, cast
 
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.utils.serialization import config as _torch_save_config
@@ -29,6 +28,7 @@ from torch.utils.serialization import config as _torch_save_config
 from ..errors import UnsupportedObjectError
 from ..saving.plan import FileImage, StorageSlot, _SparseReader, _SparseSink
 from ._format import ITEM_ALIGNMENT, RANK_FILE_KIND
+from ._metadata import StorageInfo
 
 __all__ = ["RankImage", "SkeletonCache", "layout_rank_file"]
 
@@ -181,7 +181,7 @@ def layout_rank_file(
                 length = len(blob)
         results.append(
             WriteResult(index=item.index, size_in_bytes=length,
-                        storage_data=_StorageInfo(file_name, base, length))
+                        storage_data=StorageInfo(file_name, base, length))
         )
         pos = base + length
     image = FileImage(

@@ -2,8 +2,9 @@
 
 The items a rank asks of one file are sorted by offset and grouped into *windows* of whole
 checksum chunks (at most ``window_bytes``, at least one item), so that every chunk an item
-touches is read and checked once. A window's chunks are read and checked against the proof's
-digests in parallel on the I/O threads; only then are its items handed to DCP's planner, on the
+touches is read and checked once. A window's chunks are read in parallel on the I/O threads and
+checked by the core's chunk verifier (:func:`stagesave.restore.proof.chunk_problems`, the one
+every load and ``verify()`` uses); only then are its items handed to DCP's planner, on the
 caller's thread (unpickling and tensor copies never run on the I/O threads).
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import io
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -20,9 +21,9 @@ from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
 from ..errors import IntegrityError
-from ..ondisk.checksum import digest
-from ..ondisk.manifest import FileEntry
+from ..ondisk.manifest import FileEntry, Manifest
 from ..ondisk.names import DEFAULT_CHUNK_BYTES
+from ..restore.proof import chunk_problems
 from ..restore.verify import raise_if_corrupt
 from ..safety import safe_torch_load
 from ..stores.base import Reader
@@ -80,26 +81,43 @@ def read_window(
         IntegrityError: a chunk's digest differs, or the file is shorter than it should be.
     """
     out = memoryview(bytearray(length))
-    step = entry.chunk_bytes if entry is not None else DEFAULT_CHUNK_BYTES
-    path = reader.where
+
+    def read(at: int, n: int) -> memoryview:
+        got = reader.readinto(at, out[at - lo : at - lo + n])
+        return out[at - lo : at - lo + got]
+
+    if entry is None:
+        problems = _read_plain(reader, lo, length, read, pool)
+    else:  # a window is whole chunks of the file (``lo`` on a chunk's start)
+        first = lo // entry.chunk_bytes
+        indices = range(first, -(-(lo + length) // entry.chunk_bytes))
+        problems = chunk_problems(reader, Manifest([entry], 0), _parallel(pool, indices),
+                                  read=read, indices=indices)
+    raise_if_corrupt(problems, reader.where.rpartition("/")[0])
+    return out
+
+
+def _read_plain(
+    reader: Reader, lo: int, length: int, read: Callable[[int, int], memoryview],
+    pool: cf.Executor | None,
+) -> list[str]:
+    """Read ``[lo, lo + length)`` without a proof (``verify=False``), in parallel pieces; the
+    problems (a file shorter than its metadata says)."""
 
     def one(off: int) -> str | None:
-        n = min(step, length - off)
-        got = reader.readinto(lo + off, out[off : off + n])
-        if got != n:
-            return f"{path}: truncated at byte {lo + off + got}"
-        if entry is not None:
-            i = (lo + off) // entry.chunk_bytes
-            if digest(entry.algorithm, out[off : off + n]) != entry.chunks[i]:
-                a, b = entry.chunk_range(i)
-                return f"{path}: checksum mismatch in bytes [{a}, {b}) (chunk {i})"
-        return None
+        n = min(DEFAULT_CHUNK_BYTES, length - off)
+        got = len(read(lo + off, n))
+        return f"{reader.where}: truncated at byte {lo + off + got}" if got != n else None
 
-    offsets = range(0, length, step)
-    parallel = pool is not None and len(offsets) > 1
-    results = pool.map(one, offsets) if parallel and pool is not None else map(one, offsets)
-    raise_if_corrupt([p for p in results if p], path.rpartition("/")[0])
-    return out
+    offsets = range(0, length, DEFAULT_CHUNK_BYTES)
+    executor = _parallel(pool, offsets)
+    results = executor.map(one, offsets) if executor is not None else map(one, offsets)
+    return [p for p in results if p]
+
+
+def _parallel(pool: cf.Executor | None, work: range) -> cf.Executor | None:
+    """``pool`` when there is more than one piece of work for it."""
+    return pool if len(work) > 1 else None
 
 
 def deliver(

@@ -17,7 +17,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from ..errors import ManifestError
@@ -286,10 +286,13 @@ def _safetensors_proof(reader: Reader, name: str) -> FileProof:
 def chunk_problems(
     reader: Reader, manifest: Manifest, pool: cf.Executor | None = None,
     read: Callable[[int, int], memoryview | bytes] | None = None,
+    indices: Iterable[int] | None = None,
 ) -> list[str]:
     """Recompute every chunk digest of the (single) file ``manifest`` proves; the problems.
 
-    ``read(lo, n)`` overrides how bytes are read (a load that already holds them in memory).
+    ``read(lo, n)`` overrides how bytes are read (a load that already holds them in memory, a
+    sharded load reading into its window); ``indices``: the chunks to check (default: all of
+    them; a sharded load checks the chunks of one window at a time).
     """
     entry = manifest.files[0]
     where = reader.where
@@ -310,6 +313,7 @@ def chunk_problems(
             return f"{where}: checksum mismatch in bytes [{lo}, {hi}) (chunk {i})"
         return None
 
-    indices = range(len(entry.chunks))
+    if indices is None:
+        indices = range(len(entry.chunks))
     results = pool.map(check, indices) if pool is not None else map(check, indices)
     return [r for r in results if r]

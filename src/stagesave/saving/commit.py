@@ -301,8 +301,3 @@ def commit_link(link: str, target: str) -> None:
         raise
     crash_point("after_rename")
     fsops.fsync_dir(directory)
-
-
-#: Transitional: the old private name, still imported by ``stagesave.accelerate``'s assembly
-#: while that moves into the core (issue 19). Remove once nothing imports it.
-_rename_into_place = rename_into_place
