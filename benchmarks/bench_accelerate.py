@@ -48,7 +48,9 @@ def build_accelerator(param_gib: float, width: int) -> tuple[Any, Any, Any, int]
 
 
 def folder_bytes(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(top, n)) for top, _, names in os.walk(path) for n in names)
+    return sum(
+        os.path.getsize(os.path.join(top, n)) for top, _, names in os.walk(path) for n in names
+    )
 
 
 def fsync_folder(path: str) -> None:
@@ -70,7 +72,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import stagesave.accelerate
     from accelerate import Accelerator
 
-    base = args.dir or tempfile.mkdtemp(prefix="bench-accelerate-", dir="/work" if os.path.isdir("/work") else None)
+    base = args.dir or tempfile.mkdtemp(
+        prefix="bench-accelerate-", dir="/work" if os.path.isdir("/work") else None
+    )
     os.makedirs(base, exist_ok=True)
     accelerator, _, _, params = build_accelerator(args.param_gib, args.width)
     ckpt = stagesave.accelerate.AcceleratorCheckpointer(accelerator, max_pending=1)
@@ -131,23 +135,39 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--param-gib", type=float, default=1.0, help="GiB of fp32 parameters (AdamW adds 2x)")
+    ap.add_argument(
+        "--param-gib", type=float, default=1.0, help="GiB of fp32 parameters (AdamW adds 2x)"
+    )
     ap.add_argument("--width", type=int, default=4096, help="width of each square linear layer")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1, help="unmeasured saves of each kind first")
-    ap.add_argument("--dir", default=None, help="directory on the disk to test (default: a temp dir)")
+    ap.add_argument(
+        "--dir", default=None, help="directory on the disk to test (default: a temp dir)"
+    )
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args(argv)
     out = run(args)
     med = out["median_s"]
     gib = out["checkpoint_bytes"] / 2**30
-    print(f"{out['parameters']:,} parameters, checkpoint folder {gib:.3f} GiB, {args.repeats} repeats (median)")
+    print(
+        f"{out['parameters']:,} parameters, checkpoint folder {gib:.3f} GiB, {args.repeats} "
+        "repeats (median)"
+    )
     print("| save_state | blocking (s) | until durable (s) |")
     print("|---|---|---|")
-    print(f"| Accelerate | {med['accelerate_blocking']:.3f} | {med['accelerate_durable']:.3f} (+fsync) |")
-    print(f"| stagesave  | {med['stagesave_blocking']:.3f} | {med['stagesave_commit']:.3f} (committed) |")
-    print(f"blocking reduction: {out['blocking_reduction_x']:.1f}x "
-          f"(stagesave blocking = plan {med['stagesave_plan']:.3f} s + staging copy {med['stagesave_stage']:.3f} s + rest)")
+    print(
+        f"| Accelerate | {med['accelerate_blocking']:.3f} | {med['accelerate_durable']:.3f} "
+        "(+fsync) |"
+    )
+    print(
+        f"| stagesave  | {med['stagesave_blocking']:.3f} | {med['stagesave_commit']:.3f} "
+        "(committed) |"
+    )
+    print(
+        f"blocking reduction: {out['blocking_reduction_x']:.1f}x "
+        f"(stagesave blocking = plan {med['stagesave_plan']:.3f} s + staging copy "
+        f"{med['stagesave_stage']:.3f} s + rest)"
+    )
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(out, f, indent=2)

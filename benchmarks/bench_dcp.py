@@ -71,8 +71,14 @@ def shard_state(total_bytes: int, rank: int, world: int) -> tuple[dict[str, Any]
                                   stride=torch.empty(shape, device="meta").stride())
 
     model = {k: shard(tuple(v.shape)) for k, v in template["state_dict"].items()}
-    optim = {k: {"step": torch.tensor(100.0), "exp_avg": shard(tuple(v.shape)), "exp_avg_sq": shard(tuple(v.shape))}
-             for k, v in template["state_dict"].items()}
+    optim = {
+        k: {
+            "step": torch.tensor(100.0),
+            "exp_avg": shard(tuple(v.shape)),
+            "exp_avg_sq": shard(tuple(v.shape)),
+        }
+        for k, v in template["state_dict"].items()
+    }
     return {"model": model, "optim": optim, "epoch": 3}, local_bytes
 
 
@@ -123,16 +129,20 @@ def _run_rank(rank: int, world: int, args: argparse.Namespace, base: str) -> dic
             if rep:
                 results[m].append({"blocking_s": blocking, "done_s": done, "folder_bytes": size})
     writer.close()
-    return {"local_bytes": local_bytes, "results": results,
-            "stagesave_layout_and_copy_s": statistics.median(copies[1:]) if len(copies) > 1 else None}
+    return {
+        "local_bytes": local_bytes,
+        "results": results,
+        "stagesave_layout_and_copy_s": statistics.median(copies[1:]) if len(copies) > 1 else None,
+    }
 
 
 def _child(rank: int, world: int, args: argparse.Namespace, base: str, out: str) -> None:
     warnings.simplefilter("ignore")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     try:
-        dist.init_process_group("gloo", init_method=f"file://{os.path.join(base, 'rdzv')}", rank=rank,
-                                world_size=world)
+        dist.init_process_group(
+            "gloo", init_method=f"file://{os.path.join(base, 'rdzv')}", rank=rank, world_size=world
+        )
         report = _run_rank(rank, world, args, base)
     except BaseException:  # noqa: BLE001 - reported by the launcher
         report = {"error": traceback.format_exc()}
@@ -161,54 +171,91 @@ def run_world(world: int, args: argparse.Namespace) -> dict[str, Any]:
     finally:
         shutil.rmtree(base, ignore_errors=True)
         shutil.rmtree(out, ignore_errors=True)
-    summary: dict[str, Any] = {"ranks": world, "local_mib": [r["local_bytes"] / 2**20 for r in reports], "methods": {}}
+    summary: dict[str, Any] = {
+        "ranks": world,
+        "local_mib": [r["local_bytes"] / 2**20 for r in reports],
+        "methods": {},
+    }
     for m in reports[0]["results"]:
-        per_rep = list(zip(*(r["results"][m] for r in reports)))  # one tuple of rank records per repeat
+        # one tuple of rank records per repeat
+        per_rep = list(zip(*(r["results"][m] for r in reports)))
         slowest_block = [max(x["blocking_s"] for x in rep) for rep in per_rep]
         slowest_done = [max(x["done_s"] for x in rep) for rep in per_rep]
         sizes = [rep[0]["folder_bytes"] for rep in per_rep]
         summary["methods"][m] = {
             "blocking_s_slowest_rank": statistics.median(slowest_block),
-            "blocking_s_per_rank": [statistics.median(x["blocking_s"] for x in rank_records)
-                                    for rank_records in zip(*per_rep)],
+            "blocking_s_per_rank": [
+                statistics.median(x["blocking_s"] for x in rank_records)
+                for rank_records in zip(*per_rep)
+            ],
             "done_s": statistics.median(slowest_done),
-            "aggregate_mib_s": statistics.median(s / d / 2**20 for s, d in zip(sizes, slowest_done)),
+            "aggregate_mib_s": statistics.median(
+                s / d / 2**20 for s, d in zip(sizes, slowest_done)
+            ),
             "folder_mib": statistics.median(sizes) / 2**20,
         }
-    summary["stagesave_layout_and_copy_s_per_rank"] = [r["stagesave_layout_and_copy_s"] for r in reports]
+    summary["stagesave_layout_and_copy_s_per_rank"] = [
+        r["stagesave_layout_and_copy_s"] for r in reports
+    ]
     return summary
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--total-mib", type=float, default=1024.0, help="size of the global state")
     ap.add_argument("--ranks", default="1,2,4")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--dir", default=None, help="where checkpoints are written (default: the temp dir)")
+    ap.add_argument(
+        "--dir", default=None, help="where checkpoints are written (default: the temp dir)"
+    )
     ap.add_argument("--with-sync", action="store_true", help="also time DCP's synchronous dcp.save")
     ap.add_argument("--json", default=None, help="write the results here too")
     args = ap.parse_args()
-    floor_s = common.raw_write_floor_s(args.dir or tempfile.gettempdir(), int(args.total_mib * 2**20))
+    floor_s = common.raw_write_floor_s(
+        args.dir or tempfile.gettempdir(), int(args.total_mib * 2**20)
+    )
     floor = args.total_mib / floor_s
-    print(f"state {args.total_mib:.0f} MiB in total; disk floor (dd, O_DIRECT + fsync) {floor:.0f} MiB/s; "
-          f"{os.cpu_count()} CPUs; torch {torch.__version__}")
+    print(
+        f"state {args.total_mib:.0f} MiB in total; disk floor (dd, O_DIRECT + fsync) {floor:.0f} "
+        f"MiB/s; {os.cpu_count()} CPUs; torch {torch.__version__}"
+    )
     rows = []
     for world in (int(x) for x in args.ranks.split(",")):
         s = run_world(world, args)
         rows.append(s)
         print(f"\n{world} rank(s), {s['local_mib'][0]:.0f} MiB per rank")
-        print(f"{'method':<16}{'blocking (slowest rank)':>25}{'blocking per rank':>30}{'done':>9}{'aggregate':>13}")
+        print(
+            f"{'method':<16}{'blocking (slowest rank)':>25}{'blocking per rank':>30}"
+            f"{'done':>9}{'aggregate':>13}"
+        )
         for m, r in s["methods"].items():
             per_rank = " ".join(f"{b:.2f}" for b in r["blocking_s_per_rank"])
-            print(f"{m:<16}{r['blocking_s_slowest_rank']:>23.3f} s{per_rank:>30}{r['done_s']:>7.2f} s"
-                  f"{r['aggregate_mib_s']:>8.0f} MiB/s")
+            print(
+                f"{m:<16}{r['blocking_s_slowest_rank']:>23.3f} s{per_rank:>30}{r['done_s']:>7.2f} s"
+                f"{r['aggregate_mib_s']:>8.0f} MiB/s"
+            )
         copy = " ".join(f"{c:.3f}" for c in s["stagesave_layout_and_copy_s_per_rank"])
-        print(f"  stagesave's own share of its blocking time (layout + staging copy) per rank: {copy} s;"
-              " the rest is DCP's planning and its exchanges of plans and results")
+        print(
+            f"  stagesave's own share of its blocking time (layout + staging copy) per rank: "
+            f"{copy} s;"
+            " the rest is DCP's planning and its exchanges of plans and results"
+        )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"total_mib": args.total_mib, "disk_floor_mib_s": floor, "cpus": os.cpu_count(),
-                       "torch": torch.__version__, "repeats": args.repeats, "worlds": rows}, f, indent=1)
+            json.dump(
+                {
+                    "total_mib": args.total_mib,
+                    "disk_floor_mib_s": floor,
+                    "cpus": os.cpu_count(),
+                    "torch": torch.__version__,
+                    "repeats": args.repeats,
+                    "worlds": rows,
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

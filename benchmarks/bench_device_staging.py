@@ -61,7 +61,9 @@ def copy_floor_s(tensors: list[torch.Tensor], dst: torch.Tensor) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--dir", required=True)
     ap.add_argument("--gib", type=float, default=2.0)
     ap.add_argument("--repeats", type=int, default=5)
@@ -76,13 +78,19 @@ def main() -> None:
     device_dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     kvikio = gpudirect_kvikio()
     modes = ["host", "device, bounce"] + (["device, kvikio"] if kvikio is not None else [])
-    results: dict[str, list[tuple[float, float]]] = {m: [] for m in [*modes, "D2H floor", "D2D floor"]}
+    results: dict[str, list[tuple[float, float]]] = {
+        m: [] for m in [*modes, "D2H floor", "D2D floor"]
+    }
     real_kvikio = checkpointer_mod.gpudirect_kvikio
     for r in range(args.repeats + 1):  # the first round allocates the buffers
         for mode in modes[r % len(modes):] + modes[: r % len(modes)]:
-            checkpointer_mod.gpudirect_kvikio = real_kvikio if mode == "device, kvikio" else (lambda: None)
+            checkpointer_mod.gpudirect_kvikio = (
+                real_kvikio if mode == "device, kvikio" else (lambda: None)
+            )
             try:
-                with Checkpointer(args.dir, device_staging=mode != "host", max_pending=1, keep_last=1) as ck:
+                with Checkpointer(
+                    args.dir, device_staging=mode != "host", max_pending=1, keep_last=1
+                ) as ck:
                     for i in range(2):  # the second save reuses the buffer
                         tel = ck.save(state, f"bench-{i}.pt").result()
             finally:
@@ -93,8 +101,15 @@ def main() -> None:
             results["D2H floor"].append((copy_floor_s(tensors, pinned), 0.0))
             results["D2D floor"].append((copy_floor_s(tensors, device_dst), 0.0))
     d2h = statistics.median(x for x, _ in results["D2H floor"])
-    print(f"\n{args.gib:g} GiB on {torch.cuda.get_device_name()}, {args.repeats} rounds, kvikio "
-          f"{'using GPUDirect Storage' if kvikio is not None else 'not installed or in compatibility mode'}; medians:\n")
+    gds = (
+        "using GPUDirect Storage"
+        if kvikio is not None
+        else "not installed or in compatibility mode"
+    )
+    print(
+        f"\n{args.gib:g} GiB on {torch.cuda.get_device_name()}, {args.repeats} rounds, kvikio "
+        f"{gds}; medians:\n"
+    )
     print("| mode | blocking s | × D2H copy floor | time to commit s |\n|---|---|---|---|")
     for mode, xs in results.items():
         b = statistics.median(x for x, _ in xs)

@@ -42,7 +42,8 @@ _CHILD = textwrap.dedent(
         with stagesave.Checkpointer(root) as ck:
             have = len(ck.list())
             for i in range(have, n):
-                ck.save({{"step": i, "w": torch.full((16,), float(i))}}, f"step={{i:06d}}.ckpt").result()
+                ck.save({{"step": i, "w": torch.full((16,), float(i))}},
+                        f"step={{i:06d}}.ckpt").result()
         out["make_s"] = time.perf_counter() - t0
     elif what == "latest":
         t0 = time.perf_counter()
@@ -86,8 +87,12 @@ _CHILD = textwrap.dedent(
 
 def _run(paths: list[str], root: str, what: str, n: int) -> dict[str, object]:
     code = _CHILD.format(paths=paths)
-    done = subprocess.run([sys.executable, "-c", code, root, what, str(n)], capture_output=True, text=True,
-                          check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", code, root, what, str(n)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if done.returncode != 0:
         raise SystemExit(f"child failed ({what}, {n}):\n{done.stderr[-3000:]}")
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
@@ -97,19 +102,27 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--counts", type=int, nargs="+", default=[250, 2000, 10000])
     ap.add_argument("--src", help="another checkout to measure (its src/ and integrations/)")
-    ap.add_argument("--dir", help="where to create the checkpoints (default: a temporary directory)")
-    ap.add_argument("--repeat", type=int, default=3, help="fresh-process measurements per count (median)")
+    ap.add_argument(
+        "--dir", help="where to create the checkpoints (default: a temporary directory)"
+    )
+    ap.add_argument(
+        "--repeat", type=int, default=3, help="fresh-process measurements per count (median)"
+    )
     args = ap.parse_args()
     paths: list[str] = []
     if args.src:
-        # the checkout's package layout (pyproject maps stagesave.{lightning,accelerate} too; the core suffices)
+        # the checkout's package layout (pyproject maps stagesave.{lightning,accelerate} too; the
+        # core suffices)
         paths = [os.path.join(args.src, "src")]
     base = args.dir or tempfile.mkdtemp(prefix="stagesave-discovery-")
     root = os.path.join(base, "ckpt")
     os.makedirs(root, exist_ok=True)
     label = args.src or "this checkout"
     print(f"# discovery at N checkpoints ({label}); medians of {args.repeat} fresh processes")
-    print("| N | latest() | list() | keep_last save: retention | save to commit | (creating N saves) |")
+    print(
+        "| N | latest() | list() | keep_last save: retention | save to commit | (creating N saves) "
+        "|"
+    )
     print("|---|---|---|---|---|---|")
     for n in sorted(args.counts):
         t0 = time.perf_counter()
@@ -117,10 +130,15 @@ def main() -> None:
         rows = [_run(paths, root, "latest", n) for _ in range(args.repeat)]
         assert all(r["listed"] == n for r in rows), rows
         ret = [_run(paths, root, "retain", n) for _ in range(args.repeat)]
-        med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
-        print(f"| {n} | {med([r['latest_s'] for r in rows]):.3f} s | {med([r['list_s'] for r in rows]):.3f} s "
-              f"| {med([r['retention_s'] for r in ret]):.3f} s | {med([r['save_to_commit_s'] for r in ret]):.3f} s "
-              f"| {made['make_s']:.0f} s, {time.perf_counter() - t0:.0f} s in all |", flush=True)
+        med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731, RUF100
+        print(
+            f"| {n} | {med([r['latest_s'] for r in rows]):.3f} s "
+            f"| {med([r['list_s'] for r in rows]):.3f} s "
+            f"| {med([r['retention_s'] for r in ret]):.3f} s "
+            f"| {med([r['save_to_commit_s'] for r in ret]):.3f} s "
+            f"| {made['make_s']:.0f} s, {time.perf_counter() - t0:.0f} s in all |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -29,9 +29,9 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-import common  # noqa: E402
+import common  # noqa: E402, RUF100 - after the sys.path insertion
 
-import stagesave  # noqa: E402
+import stagesave  # noqa: E402, RUF100 - after the sys.path insertion
 
 Starter = Callable[[Any, str], tuple[float, Callable[[], bool]]]
 
@@ -116,7 +116,8 @@ ALTERNATIVES: dict[str, Callable[[], Starter]] = {
     "lightning AsyncCheckpointIO": make_lightning_async,
     "dcp.async_save (thread)": make_dcp_async,
     "stagesave checksum_in=background": lambda: make_stagesave(checksum_in="background"),
-    "stagesave checksum_in=staging": lambda: make_stagesave(checksum_in="staging"),  # the default on CPU
+    # the default on CPU
+    "stagesave checksum_in=staging": lambda: make_stagesave(checksum_in="staging"),
 }
 
 
@@ -142,13 +143,18 @@ def main() -> None:
     ap.add_argument("--dir", default=None)
     ap.add_argument("--alternatives", default=",".join(ALTERNATIVES))
     args = ap.parse_args()
-    base = args.dir or tempfile.mkdtemp(prefix="stagesave-interf-", dir="/work" if os.path.isdir("/work") else None)
+    base = args.dir or tempfile.mkdtemp(
+        prefix="stagesave-interf-", dir="/work" if os.path.isdir("/work") else None
+    )
     state = common.transformer_state(int(args.gib * (1 << 30)))
     nbytes = common.state_bytes(state)
     floor = common.copy_floor_s(state)
     loop = Loop()
     names = [n for n in args.alternatives.split(",") if n]
-    print(f"state {nbytes / 2**30:.2f} GiB; copy floor {floor:.3f} s; torch threads {torch.get_num_threads()}")
+    print(
+        f"state {nbytes / 2**30:.2f} GiB; copy floor {floor:.3f} s; torch threads "
+        f"{torch.get_num_threads()}"
+    )
     results: dict[str, list[dict[str, float]]] = {n: [] for n in names}
     baselines: dict[str, list[float]] = {n: [] for n in names}
     starters = {n: ALTERNATIVES[n]() for n in names}
@@ -169,12 +175,18 @@ def main() -> None:
     for s in starters.values():
         if hasattr(s, "close"):
             s.close()
-    print("\n| alternative | loop baseline ms/it | blocking s | lost per save s | lost / copy floor | mean step x | p99 step x |")
+    print(
+        "\n| alternative | loop baseline ms/it | blocking s | lost per save s | lost / copy floor "
+        "| mean step x | p99 step x |"
+    )
     print("|---|---|---|---|---|---|---|")
     for n in names:
         med = {k: statistics.median([x[k] for x in results[n]]) for k in results[n][0]}
-        print(f"| {n} | {statistics.median(baselines[n]) * 1e3:.1f} | {med['blocking']:.3f} | {med['lost']:.3f} | "
-              f"{med['lost'] / floor:.2f} | {med['meanx']:.2f} | {med['p99x']:.2f} |")
+        print(
+            f"| {n} | {statistics.median(baselines[n]) * 1e3:.1f} | {med['blocking']:.3f} | "
+            f"{med['lost']:.3f} | {med['lost'] / floor:.2f} | {med['meanx']:.2f} | "
+            f"{med['p99x']:.2f} |"
+        )
     shutil.rmtree(base, ignore_errors=True)
 
 

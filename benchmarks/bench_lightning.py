@@ -27,7 +27,8 @@ Modes run in interleaved rounds (``--repeats``), the wall times are medians over
 
 Usage::
 
-    python benchmarks/bench_lightning.py --state-gib 2 --steps 200 --every 20 --repeats 3   # full size
+    python benchmarks/bench_lightning.py --state-gib 2 --steps 200 --every 20 --repeats 3   # full
+    size
     python benchmarks/bench_lightning.py --state-gib 0.25 --steps 40 --every 10 --repeats 1  # smoke
 
 Checkpoints go to a temporary directory under ``--dir`` (default: the system temp dir) that is
@@ -71,12 +72,16 @@ def run_one(mode: str, args: argparse.Namespace, out: Path) -> None:
             self.inner = inner
             self.blocking: list[float] = []
 
-        def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        def save_checkpoint(
+            self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None
+        ) -> None:
             t0 = time.perf_counter()
             self.inner.save_checkpoint(checkpoint, path, storage_options)
             self.blocking.append(time.perf_counter() - t0)
 
-        def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: Any = None) -> Any:
+        def load_checkpoint(
+            self, path: Any, map_location: Any = None, weights_only: Any = None
+        ) -> Any:
             return self.inner.load_checkpoint(path, map_location, weights_only)
 
         def remove_checkpoint(self, path: Any) -> None:
@@ -90,11 +95,17 @@ def run_one(mode: str, args: argparse.Namespace, out: Path) -> None:
     class Bench(LightningModule):
         def __init__(self, state_bytes: int, hidden: int, batch: int) -> None:
             super().__init__()
-            self.net = nn.Sequential(nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, hidden),
-                                     nn.GELU(), nn.Linear(hidden, hidden))
+            self.net = nn.Sequential(
+                nn.Linear(hidden, hidden),
+                nn.GELU(),
+                nn.Linear(hidden, hidden),
+                nn.GELU(),
+                nn.Linear(hidden, hidden),
+            )
             self.x = torch.randn(batch, hidden)
             chunk = 64 * 2**20 // 4
-            left = max(0, state_bytes - sum(p.numel() * 4 for p in self.parameters()) * 3)  # + Adam moments
+            # + Adam moments
+            left = max(0, state_bytes - sum(p.numel() * 4 for p in self.parameters()) * 3)
             g = torch.Generator().manual_seed(0)
             i = 0
             while left > 0:  # the frozen block: in the checkpoint, not in the compute
@@ -136,16 +147,29 @@ def run_one(mode: str, args: argparse.Namespace, out: Path) -> None:
         elif mode == "async":
             inner = AsyncCheckpointIO(TorchCheckpointIO())
         else:
-            inner = StagedCheckpointIO(checksum_in="staging" if mode == "staged-hash-in-staging" else "background")
+            inner = StagedCheckpointIO(
+                checksum_in="staging" if mode == "staged-hash-in-staging" else "background"
+            )
         io = Timed(inner)
         plugins = [io]
     steps = StepTimes()
     callbacks: list[Any] = [steps]
     if mode != "none":
-        callbacks.append(ModelCheckpoint(dirpath=workdir, every_n_train_steps=args.every, save_top_k=1))
-    trainer = Trainer(accelerator="cpu", devices=1, max_steps=args.steps, plugins=plugins or None,
-                      callbacks=callbacks, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                      enable_checkpointing=mode != "none", num_sanity_val_steps=0)
+        callbacks.append(
+            ModelCheckpoint(dirpath=workdir, every_n_train_steps=args.every, save_top_k=1)
+        )
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=args.steps,
+        plugins=plugins or None,
+        callbacks=callbacks,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=mode != "none",
+        num_sanity_val_steps=0,
+    )
     loader = [0] * args.steps
     try:
         t0 = time.perf_counter()
@@ -197,7 +221,8 @@ def table(results: dict[str, dict[str, Any]]) -> str:
     lines = [
         (
             "| mode | saves | blocking per save, median (max) | training time lost per save | "
-            "same, in-run estimate | total wall time | vs no checkpoints | p99 step / median step (none) |"
+            "same, in-run estimate | total wall time | vs no checkpoints | p99 step / median step "
+            "(none) |"
         ),
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -205,17 +230,21 @@ def table(results: dict[str, dict[str, Any]]) -> str:
     for mode, r in results.items():
         n = r["saves"]
         lost = (r["wall_s"] - base["wall_s"]) / n if n else 0.0
-        blocking = f"{statistics.median(r['blocking']):.3f} s ({max(r['blocking']):.3f})" if n else "-"
+        blocking = (
+            f"{statistics.median(r['blocking']):.3f} s ({max(r['blocking']):.3f})" if n else "-"
+        )
         in_run = r["excess_s"] / (n or n_saves)  # none: its noise, spread over as many saves
         lines.append(
-            f"| {mode} | {n:g} | {blocking} | {lost:.3f} s | {in_run:.3f} s | {r['wall_s']:.2f} s | "
-            f"{r['wall_s'] / base['wall_s']:.2f}x | {pct(r['steps'], 0.99) / base_step:.1f}x |"
+            f"| {mode} | {n:g} | {blocking} | {lost:.3f} s | {in_run:.3f} s | {r['wall_s']:.2f} s "
+            f"| {r['wall_s'] / base['wall_s']:.2f}x | {pct(r['steps'], 0.99) / base_step:.1f}x |"
         )
     return "\n".join(lines)
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--state-gib", type=float, default=2.0, help="checkpoint size in GiB")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--every", type=int, default=20, help="checkpoint every N steps")
@@ -223,8 +252,12 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds (median wall time)")
-    ap.add_argument("--dir", default=None, help="where the checkpoints are written (a temp dir inside)")
-    ap.add_argument("--markdown", type=Path, default=None, help="append the results table to this file")
+    ap.add_argument(
+        "--dir", default=None, help="where the checkpoints are written (a temp dir inside)"
+    )
+    ap.add_argument(
+        "--markdown", type=Path, default=None, help="append the results table to this file"
+    )
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -244,25 +277,44 @@ def main() -> int:
         for rnd in range(args.repeats):
             for mode in modes:
                 out = Path(tmp) / f"{mode}-{rnd}.json"
-                cmd = [sys.executable, __file__, "--child", mode, "--out", str(out),
-                       "--state-gib", str(args.state_gib), "--steps", str(args.steps), "--every", str(args.every),
-                       "--hidden", str(args.hidden), "--batch", str(args.batch)]
+                cmd = [
+                    sys.executable,
+                    __file__,
+                    "--child",
+                    mode,
+                    "--out",
+                    str(out),
+                    "--state-gib",
+                    str(args.state_gib),
+                    "--steps",
+                    str(args.steps),
+                    "--every",
+                    str(args.every),
+                    "--hidden",
+                    str(args.hidden),
+                    "--batch",
+                    str(args.batch),
+                ]
                 cmd += ["--dir", args.dir] if args.dir else []
                 print(f"round {rnd + 1}/{args.repeats}: {mode} ...", end=" ", flush=True)
-                proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, check=False)
+                proc = subprocess.run(
+                    cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, check=False
+                )
                 if proc.returncode != 0:
                     print(f"failed:\n{proc.stderr[-4000:]}", file=sys.stderr)
-                    raise SystemExit(f"bench_lightning: the {mode} run failed (exit {proc.returncode})")
+                    raise SystemExit(
+                        f"bench_lightning: the {mode} run failed (exit {proc.returncode})"
+                    )
                 r = json.loads(out.read_text())
                 runs[mode].append(r)
                 print(f"wall {r['wall_s']:.2f} s, {len(r['blocking'])} saves", flush=True)
     results = {m: aggregate(rs) for m, rs in runs.items()}
     size = max(r["checkpoint_bytes"] for r in results.values())
     header = (
-        f"`{' '.join(['python', 'benchmarks/bench_lightning.py'] + sys.argv[1:])}` on {platform.node()} "
-        f"({os.cpu_count()} CPUs, torch threads {results['none']['threads']}, "
-        f"{time.strftime('%Y-%m-%d %H:%M')}): {args.steps} steps, a checkpoint every {args.every} steps, "
-        f"median of {args.repeats} interleaved rounds, "
+        f"`{' '.join(['python', 'benchmarks/bench_lightning.py'] + sys.argv[1:])}` on "
+        f"{platform.node()} ({os.cpu_count()} CPUs, torch threads {results['none']['threads']}, "
+        f"{time.strftime('%Y-%m-%d %H:%M')}): {args.steps} steps, a checkpoint every {args.every} "
+        f"steps, median of {args.repeats} interleaved rounds, "
         f"{size / 2**30:.2f} GiB per checkpoint, median step without checkpoints "
         f"{1000 * statistics.median(results['none']['steps']):.1f} ms."
     )

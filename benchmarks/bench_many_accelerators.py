@@ -14,7 +14,8 @@ threads are 0 after each and RSS stays within about one state of the first itera
 
 Usage::
 
-    python benchmarks/bench_many_accelerators.py [--n 20] [--state-mib 64] [--steps 2] [--dir D] [--json OUT] [--trim]
+    python benchmarks/bench_many_accelerators.py [--n 20] [--state-mib 64] [--steps 2] [--dir D]
+    [--json OUT] [--trim]
 
 ``--trim`` calls glibc's ``malloc_trim(0)`` before each RSS reading: what remains is memory still
 in use, without the freed heap pages glibc keeps for reuse (freed tensors of a few MiB come from
@@ -95,10 +96,16 @@ def one_run(project: str, state_mib: float, steps: int, width: int) -> dict[str,
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--n", type=int, default=20, help="Accelerators, one after the other")
-    p.add_argument("--state-mib", type=float, default=64.0, help="checkpointed state per Accelerator")
-    p.add_argument("--steps", type=int, default=2, help="training steps (each followed by save_state)")
+    p.add_argument(
+        "--state-mib", type=float, default=64.0, help="checkpointed state per Accelerator"
+    )
+    p.add_argument(
+        "--steps", type=int, default=2, help="training steps (each followed by save_state)"
+    )
     p.add_argument("--width", type=int, default=1024, help="width of the square linear layers")
-    p.add_argument("--dir", default=None, help="where the project folders go (default: a temporary dir)")
+    p.add_argument(
+        "--dir", default=None, help="where the project folders go (default: a temporary dir)"
+    )
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
     p.add_argument("--trim", action="store_true", help="malloc_trim(0) before each RSS reading")
     args = p.parse_args(argv)
@@ -107,9 +114,16 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     base = args.dir or tempfile.mkdtemp(prefix="bench-many-acc-")
     rows = []
-    print(f"stagesave from {os.path.dirname(stagesave.__file__)}; torch {torch.__version__}; "
-          f"{args.n} Accelerators, {args.steps} save_state each, state ~{args.state_mib:.0f} MiB", flush=True)
-    print(f"{'#':>3} {'threads':>7} {'RSS MiB':>8} {'vs #0':>7} {'blocked ms':>10} {'end_training s':>14}", flush=True)
+    print(
+        f"stagesave from {os.path.dirname(stagesave.__file__)}; torch {torch.__version__}; "
+        f"{args.n} Accelerators, {args.steps} save_state each, state ~{args.state_mib:.0f} MiB",
+        flush=True,
+    )
+    print(
+        f"{'#':>3} {'threads':>7} {'RSS MiB':>8} {'vs #0':>7} {'blocked ms':>10} "
+        f"{'end_training s':>14}",
+        flush=True,
+    )
     try:
         for i in range(args.n):
             project = os.path.join(base, f"run{i}")
@@ -119,18 +133,30 @@ def main(argv: list[str] | None = None) -> int:
                 malloc_trim()
             threads = stagesave_threads()
             rss = rss_mib()
-            row = {"i": i, "threads": len(threads), "thread_names": threads, "rss_mib": round(rss, 1), **run}
+            row = {
+                "i": i,
+                "threads": len(threads),
+                "thread_names": threads,
+                "rss_mib": round(rss, 1),
+                **run,
+            }
             rows.append(row)
             growth = rss - rows[0]["rss_mib"]
-            print(f"{i:>3} {len(threads):>7} {rss:>8.0f} {growth:>+7.0f} "
-                  f"{1e3 * max(run['blocked_s']):>10.1f} {run['end_training_s']:>14.2f}", flush=True)
+            print(
+                f"{i:>3} {len(threads):>7} {rss:>8.0f} {growth:>+7.0f} "
+                f"{1e3 * max(run['blocked_s']):>10.1f} {run['end_training_s']:>14.2f}",
+                flush=True,
+            )
     finally:
         if args.dir is None:
             shutil.rmtree(base, ignore_errors=True)
     first, last = rows[0], rows[-1]
-    print(f"state {first['state_mib']:.0f} MiB; threads after #0: {first['threads']}, after #{last['i']}: "
-          f"{last['threads']} (max {max(r['threads'] for r in rows)}); RSS #0 {first['rss_mib']:.0f} MiB -> "
-          f"#{last['i']} {last['rss_mib']:.0f} MiB (max {max(r['rss_mib'] for r in rows):.0f})")
+    print(
+        f"state {first['state_mib']:.0f} MiB; threads after #0: {first['threads']}, after "
+        f"#{last['i']}: {last['threads']} (max {max(r['threads'] for r in rows)}); RSS #0 "
+        f"{first['rss_mib']:.0f} MiB -> #{last['i']} {last['rss_mib']:.0f} MiB (max "
+        f"{max(r['rss_mib'] for r in rows):.0f})"
+    )
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"argv": sys.argv, "rows": rows}, f, indent=1)

@@ -49,8 +49,13 @@ def run(io: str, runs: int, path: Path | None) -> dict[str, Any]:
     if path is not None:
         env["PYTHONPATH"] = f"{path}{os.pathsep}{env.get('PYTHONPATH', '')}"
     with tempfile.TemporaryDirectory(prefix="many-trainers-") as d:
-        out = subprocess.run([sys.executable, str(CHILD), "--runs", str(runs), "--io", io, "--dir", d],
-                             capture_output=True, text=True, env=env, check=False)
+        out = subprocess.run(
+            [sys.executable, str(CHILD), "--runs", str(runs), "--io", io, "--dir", d],
+            capture_output=True,
+            text=True,
+            env=env,
+            check=False,
+        )
     if out.returncode != 0:
         raise SystemExit(f"{io} failed:\n{out.stderr[-4000:]}")
     result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
@@ -62,30 +67,49 @@ def row(name: str, r: dict[str, Any]) -> str:
     rss, threads, secs = r["rss"], r["threads"], r["seconds"]
     n = len(rss)
     per = (rss[-1] - rss[0]) / max(1, n - 1) / mib
-    return (f"| {name} | {n} | {threads[0]} | {threads[-1]} | {max(threads)} | {rss[0] / mib:,.0f} | "
-            f"{rss[-1] / mib:,.0f} | {(max(rss) - rss[0]) / mib:,.0f} | {per:,.1f} | "
-            f"{sum(secs) / n:.2f} |")
+    return (
+        f"| {name} | {n} | {threads[0]} | {threads[-1]} | {max(threads)} | {rss[0] / mib:,.0f} | "
+        f"{rss[-1] / mib:,.0f} | {(max(rss) - rss[0]) / mib:,.0f} | {per:,.1f} | "
+        f"{sum(secs) / n:.2f} |"
+    )
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--runs", type=int, default=100)
     p.add_argument("--before", help="a git revision to compare with (its plugin, same child)")
-    p.add_argument("--before-runs", type=int, default=30, help="trainers for --before (it may leak GiBs)")
+    p.add_argument(
+        "--before-runs", type=int, default=30, help="trainers for --before (it may leak GiBs)"
+    )
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "many-trainers.md")
     a = p.parse_args()
-    rows = [("TorchCheckpointIO", run("torch", a.runs, None)), ("StagedCheckpointIO", run("staged", a.runs, None))]
+    rows = [
+        ("TorchCheckpointIO", run("torch", a.runs, None)),
+        ("StagedCheckpointIO", run("staged", a.runs, None)),
+    ]
     if a.before:
         with tempfile.TemporaryDirectory(prefix="stagesave-before-") as d:
-            rows.append((f"StagedCheckpointIO @ {a.before}", run("staged", a.before_runs, checkout_of(a.before, Path(d)))))
+            rows.append(
+                (
+                    f"StagedCheckpointIO @ {a.before}",
+                    run("staged", a.before_runs, checkout_of(a.before, Path(d))),
+                )
+            )
     state = rows[0][1]["state_bytes"] / 2**20
     lines = [
-        (f"Trainers fitted one after another in one process, each with a {state:.0f} MiB state "
-        "(ModelCheckpoint every step, top-1, plus a save after fit); threads = live `stagesave-*` threads, "
-        "RSS in MiB after each trainer (glibc mmap threshold fixed at 1 MiB)."),
+        (
+            f"Trainers fitted one after another in one process, each with a {state:.0f} MiB state "
+            "(ModelCheckpoint every step, top-1, plus a save after fit); threads = live "
+            "`stagesave-*` threads, RSS in MiB after each trainer (glibc mmap threshold fixed at 1 "
+            "MiB)."
+        ),
         "",
-        ("| IO | trainers | threads after 1st | after last | max | RSS after 1st | after last | max growth "
-        "| growth per trainer | s per trainer |"),
+        (
+            "| IO | trainers | threads after 1st | after last | max | RSS after 1st | after last | "
+            "max growth | growth per trainer | s per trainer |"
+        ),
         "|---|---|---|---|---|---|---|---|---|---|",
         *(row(name, r) for name, r in rows),
         "",

@@ -179,8 +179,11 @@ def run_child(name: str, gib: float, saves: int, directory: str) -> Result:
             wait_done(last_done)
         after.append(rss())
         if (i + 1) % 10 == 0 or i == 0:
-            print(f"  [{name}] save {i + 1}/{saves}: RSS {after[-1] / MIB:.0f} MiB, peak {peak_rss() / MIB:.0f} MiB, "
-                  f"{time.perf_counter() - t_start:.0f} s", flush=True)
+            print(
+                f"  [{name}] save {i + 1}/{saves}: RSS {after[-1] / MIB:.0f} MiB, "
+                f"peak {peak_rss() / MIB:.0f} MiB, {time.perf_counter() - t_start:.0f} s",
+                flush=True,
+            )
     wait_done(last_done)
     close()
     drained = rss()
@@ -204,34 +207,46 @@ def run_alternative(name: str, args: argparse.Namespace, directory: str) -> Resu
 
 def table(results: list[Result]) -> str:
     rows = [
-        ("| alternative | in flight | state MiB | RSS before 1st save | peak | after save 1 | after save N "
-         "| growth 1→N | growth 3→N | drained | budget | peak ≤ budget | median blocking s | wall s |"),
+        (
+            "| alternative | in flight | state MiB | RSS before 1st save | peak | after save 1 | "
+            "after save N | growth 1→N | growth 3→N | drained | budget | peak ≤ budget | median "
+            "blocking s | wall s |"
+        ),
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         blocking = sorted(r.blocking_s)[len(r.blocking_s) // 2]
         rows.append(
-            f"| {r.name} | {r.in_flight} | {r.state_bytes / MIB:.0f} | {r.rss_before / MIB:.0f} | {r.peak / MIB:.0f} "
-            f"| {r.rss_after[0] / MIB:.0f} | {r.rss_after[-1] / MIB:.0f} "
-            f"| {(r.rss_after[-1] - r.rss_after[0]) / MIB:+.0f} | {(r.rss_after[-1] - r.rss_after[min(2, len(r.rss_after) - 1)]) / MIB:+.0f} "
-            f"| {r.rss_drained / MIB:.0f} | {r.budget / MIB:.0f} "
-            f"| {'pass' if r.peak <= r.budget else 'FAIL'} | {blocking:.3f} | {r.wall_s:.0f} |"
+            f"| {r.name} | {r.in_flight} | {r.state_bytes / MIB:.0f} | {r.rss_before / MIB:.0f} | "
+            f"{r.peak / MIB:.0f} | {r.rss_after[0] / MIB:.0f} | {r.rss_after[-1] / MIB:.0f} "
+            f"| {(r.rss_after[-1] - r.rss_after[0]) / MIB:+.0f} "
+            f"| {(r.rss_after[-1] - r.rss_after[min(2, len(r.rss_after) - 1)]) / MIB:+.0f} "
+            f"| {r.rss_drained / MIB:.0f} | "
+            f"{r.budget / MIB:.0f} | {'pass' if r.peak <= r.budget else 'FAIL'} | {blocking:.3f} | "
+            f"{r.wall_s:.0f} |"
         )
     return "\n".join(rows)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--gib", type=float, default=0.5, help="state size in GiB (default 0.5)")
-    ap.add_argument("--saves", type=int, default=50, help="consecutive saves per alternative (default 50)")
+    ap.add_argument(
+        "--saves", type=int, default=50, help="consecutive saves per alternative (default 50)"
+    )
     ap.add_argument("--alternatives", default=",".join(ALTERNATIVES), help="comma-separated names")
-    ap.add_argument("--dir", default=None, help="directory to write to (default: a temp dir under /work)")
+    ap.add_argument(
+        "--dir", default=None, help="directory to write to (default: a temp dir under /work)"
+    )
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--json", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     if args.child is not None:
-        warnings.filterwarnings("ignore", category=UserWarning)  # DCP's single-process/overwrite notes
+        # DCP's single-process/overwrite notes
+        warnings.filterwarnings("ignore", category=UserWarning)
         result = run_child(args.child, args.gib, args.saves, args.dir)
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(asdict(result), f)
@@ -240,13 +255,18 @@ def main() -> None:
     for n in names:
         if n not in ALTERNATIVES:
             ap.error(f"unknown alternative {n!r}; known: {', '.join(ALTERNATIVES)}")
-    base = args.dir or tempfile.mkdtemp(prefix="stagesave-mem-", dir="/work" if os.path.isdir("/work") else None)
+    base = args.dir or tempfile.mkdtemp(
+        prefix="stagesave-mem-", dir="/work" if os.path.isdir("/work") else None
+    )
     results = []
     try:
         for k, n in enumerate(names, 1):
             d = os.path.join(base, f"alt{k}")
             os.makedirs(d, exist_ok=True)
-            print(f"[{k}/{len(names)}] {n}: {args.saves} saves of {args.gib} GiB in a fresh process", flush=True)
+            print(
+                f"[{k}/{len(names)}] {n}: {args.saves} saves of {args.gib} GiB in a fresh process",
+                flush=True,
+            )
             results.append(run_alternative(n, args, d))
             shutil.rmtree(d, ignore_errors=True)
     finally:

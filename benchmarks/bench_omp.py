@@ -10,7 +10,8 @@ background thread is alive but idle after it did its one piece of work (it waits
 it uses no CPU); and after that thread has exited. Scenarios:
 
 - ``control``: no thread at all (the noise between three measurements);
-- ``torch op (tiny)``: the thread ran ``torch.ones(8).add_(1)`` (too small to open a parallel region);
+- ``torch op (tiny)``: the thread ran ``torch.ones(8).add_(1)`` (too small to open a parallel
+region);
 - ``torch op (parallel)``: the thread ran one elementwise op on 4 Mi floats (an OpenMP region);
 - ``torch op (parallel) + OMP_WAIT_POLICY=active``: the same, with libgomp told to spin;
 - ``numpy/bytes + xxhash``: the thread copied 256 MiB with numpy and as bytes and hashed it with
@@ -145,7 +146,9 @@ def run_child(scenario: str, seconds: float) -> dict[str, float | str]:
 
         state = common.transformer_state(128 << 20, d_model=512)
         ck = stagesave.Checkpointer(max_pending=1)
-        with tempfile.TemporaryDirectory(prefix="stagesave-omp-", dir="/work" if os.path.isdir("/work") else None) as d:
+        with tempfile.TemporaryDirectory(
+            prefix="stagesave-omp-", dir="/work" if os.path.isdir("/work") else None
+        ) as d:
             for i in range(3):
                 ck.save(state, os.path.join(d, f"s{i}.ckpt")).result()
             alive = loop.baseline(seconds)
@@ -164,15 +167,24 @@ def run_scenario(scenario: str, seconds: float) -> dict[str, float | str]:
     env = dict(os.environ)
     if scenario.endswith("OMP_WAIT_POLICY=active"):
         env["OMP_WAIT_POLICY"] = "active"
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", scenario, "--seconds", str(seconds)],
-                         check=True, env=env, stdout=subprocess.PIPE, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--child", scenario, "--seconds", str(seconds)],
+        check=True,
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    ).stdout
     row: dict[str, float | str] = json.loads(out.strip().splitlines()[-1])
     return row
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seconds", type=float, default=3.0, help="seconds per loop measurement (default 3)")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--seconds", type=float, default=3.0, help="seconds per loop measurement (default 3)"
+    )
     ap.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated names")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -186,18 +198,30 @@ def main() -> None:
     import torch
 
     backend = torch.__config__.parallel_info().strip().splitlines()[-1]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs; {backend}; "
-          f"OpenMP runtimes loaded: {', '.join(openmp_runtimes()) or 'none'}", flush=True)
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs; "
+        f"{backend}; OpenMP runtimes loaded: {', '.join(openmp_runtimes()) or 'none'}",
+        flush=True,
+    )
     rows = []
     for k, n in enumerate(names, 1):
         print(f"[{k}/{len(names)}] {n}", flush=True)
         rows.append(run_scenario(n, args.seconds))
-    print(f"\nloop ms/it (median over {args.seconds:g} s), each scenario in a fresh process; ratio = ms/it / initial\n")
-    print("| background | initial ms/it | thread alive (idle) ms/it | ratio | thread exited ms/it | ratio |")
+    print(
+        f"\nloop ms/it (median over {args.seconds:g} s), each scenario in a fresh process; "
+        "ratio = ms/it / initial\n"
+    )
+    print(
+        "| background | initial ms/it | thread alive (idle) ms/it | ratio | thread exited ms/it | "
+        "ratio |"
+    )
     print("|---|---|---|---|---|---|")
     for r in rows:
         i, a, e = float(r["initial"]), float(r["alive"]), float(r["after"])
-        print(f"| {r['scenario']} | {i * 1e3:.1f} | {a * 1e3:.1f} | {a / i:.2f} | {e * 1e3:.1f} | {e / i:.2f} |")
+        print(
+            f"| {r['scenario']} | {i * 1e3:.1f} | {a * 1e3:.1f} | {a / i:.2f} | {e * 1e3:.1f} "
+            f"| {e / i:.2f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ cyclic collector several times, and a full collection visits every object of the
 training process holds millions (modules, datasets, tokenizers), simulated here by ``--objects``
 small dicts kept alive. Both variants plan the same state, interleaved, ``--repeats`` times:
 
-- ``collector on``: ``stagesave.saving.plan._plan_torch_file`` (the plan as it was before the pause);
+- ``collector on``: ``stagesave.saving.plan._plan_torch_file`` (the plan as it was before the
+pause);
 - ``collector paused``: ``stagesave.saving.plan.plan_torch_file`` (``gc_paused`` around it).
 
 The states are ``common.transformer_state`` layouts with the tensor counts of the 2 GiB and
@@ -28,6 +29,7 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 import common
 
+# _plan_torch_file: the same plan without the collector pause, the variant compared here
 from stagesave.saving.plan import _plan_torch_file, plan_torch_file
 
 GIB = 1 << 30
@@ -40,9 +42,13 @@ def timed(fn, state) -> float:  # type: ignore[no-untyped-def]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--repeats", type=int, default=30)
-    ap.add_argument("--objects", default="0,2000000", help="Python objects kept alive beside the state")
+    ap.add_argument(
+        "--objects", default="0,2000000", help="Python objects kept alive beside the state"
+    )
     ap.add_argument("--markdown", default=None, help="append the table to this file")
     args = ap.parse_args()
     rows = []
@@ -62,13 +68,18 @@ def main() -> None:
                 off.append(timed(plan_torch_file, state))
             for name, xs in (("collector on", on), ("collector paused", off)):
                 q = statistics.quantiles(xs, n=20)
-                rows.append(f"| {tensors} | {objects:,} | {name} | {statistics.median(xs) * 1e3:.1f} | "
-                            f"{q[-1] * 1e3:.1f} | {max(xs) * 1e3:.1f} |")
+                rows.append(
+                    f"| {tensors} | {objects:,} | {name} | {statistics.median(xs) * 1e3:.1f} | "
+                    f"{q[-1] * 1e3:.1f} | {max(xs) * 1e3:.1f} |"
+                )
             print(rows[-2] + "\n" + rows[-1], flush=True)
-    text = (f"\n`python benchmarks/bench_plan.py --repeats {args.repeats} --objects {args.objects}` "
-            f"({time.strftime('%Y-%m-%d %H:%M')}), ms per plan:\n\n"
-            "| tensors | objects alive | plan | median | p95 | max |\n|---|---|---|---|---|---|\n"
-            + "\n".join(rows) + "\n")
+    text = (
+        f"\n`python benchmarks/bench_plan.py --repeats {args.repeats} --objects {args.objects}` "
+        f"({time.strftime('%Y-%m-%d %H:%M')}), ms per plan:\n\n"
+        "| tensors | objects alive | plan | median | p95 | max |\n|---|---|---|---|---|---|\n"
+        + "\n".join(rows)
+        + "\n"
+    )
     print(text)
     if args.markdown:
         with open(args.markdown, "a") as f:

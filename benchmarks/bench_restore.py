@@ -66,7 +66,8 @@ _CHILD = textwrap.dedent(
                 end = min(size, start + request)
                 off = start
                 while off < end:
-                    n = os.preadv(fd, [memoryview(buf)[: max(4096, (end - off + 4095) // 4096 * 4096)]], off)
+                    want = max(4096, (end - off + 4095) // 4096 * 4096)
+                    n = os.preadv(fd, [memoryview(buf)[:want]], off)
                     if n <= 0:
                         break
                     off += n
@@ -98,8 +99,15 @@ _CHILD = textwrap.dedent(
     """
 )
 
-VARIANTS = ["floor_seq", "floor_direct", "floor_parallel", "load_verify", "load_noverify", "torch_load",
-            "torch_load_mmap"]
+VARIANTS = [
+    "floor_seq",
+    "floor_direct",
+    "floor_parallel",
+    "load_verify",
+    "load_noverify",
+    "torch_load",
+    "torch_load_mmap",
+]
 LABELS = {
     "floor_seq": "floor: sequential 1 MiB reads",
     "floor_direct": "floor: O_DIRECT 64 MiB, 1 thread",
@@ -112,15 +120,21 @@ LABELS = {
 
 
 def run_child(variant: str, ours: str, theirs: str, threads: int) -> float:
-    r = subprocess.run([sys.executable, "-c", _CHILD, variant, ours, theirs, str(threads)], capture_output=True,
-                       text=True, check=False)
+    r = subprocess.run(
+        [sys.executable, "-c", _CHILD, variant, ours, theirs, str(threads)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if r.returncode:
         raise RuntimeError(f"{variant} failed:\n{r.stderr}")
     return float(json.loads(r.stdout.strip().splitlines()[-1])["s"])
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--dir", default=None)
     ap.add_argument("--gib", type=float, nargs="+", default=[0.5, 2.0])
     ap.add_argument("--rounds", type=int, default=3)
@@ -132,7 +146,9 @@ def main() -> None:
     results: dict[str, dict[str, list[float]]] = {}
     try:
         for gib in args.gib:
-            state = common.transformer_state(int(gib * (1 << 30)), d_model=common.d_model_for(int(gib * (1 << 30))))
+            state = common.transformer_state(
+                int(gib * (1 << 30)), d_model=common.d_model_for(int(gib * (1 << 30)))
+            )
             ours, theirs = os.path.join(base, "ours.ckpt"), os.path.join(base, "theirs.pt")
             with stagesave.Checkpointer() as ck:
                 ck.save(state, ours).result()
@@ -151,7 +167,11 @@ def main() -> None:
             floor = min(statistics.median(runs[v]) for v in VARIANTS if v.startswith("floor"))
             for variant in VARIANTS:
                 med = statistics.median(runs[variant])
-                print(f"{key:22} {LABELS[variant]:38} {med:7.3f} s  {med / floor:5.2f}x the read floor", flush=True)
+                print(
+                    f"{key:22} {LABELS[variant]:38} {med:7.3f} s  {med / floor:5.2f}x the read "
+                    "floor",
+                    flush=True,
+                )
             os.unlink(ours)
             os.unlink(theirs)
     finally:

@@ -35,9 +35,9 @@ import tempfile
 import textwrap
 
 sys.path.insert(0, os.path.dirname(__file__))
-import common  # noqa: E402
+import common  # noqa: E402, RUF100 - after the sys.path insertion
 
-import stagesave  # noqa: E402
+import stagesave  # noqa: E402, RUF100 - after the sys.path insertion
 
 _CHILD = textwrap.dedent(
     """
@@ -72,12 +72,19 @@ _CHILD = textwrap.dedent(
             elif isinstance(x, dict):
                 stack.extend(x.values())
         t3 = time.perf_counter()
-    print(json.dumps({"choose_s": t1 - t0, "load_s": t2 - t1, "touch_s": t3 - t2, "total_s": t3 - t0}))
+    print(json.dumps({"choose_s": t1 - t0, "load_s": t2 - t1, "touch_s": t3 - t2,
+                      "total_s": t3 - t0}))
     """
 )
 
-VARIANTS = ["latest_noverify+load", "latest+load", "resume_from+load", "latest+load_unshared", "load_verify",
-            "load_noverify"]
+VARIANTS = [
+    "latest_noverify+load",
+    "latest+load",
+    "resume_from+load",
+    "latest+load_unshared",
+    "load_verify",
+    "load_noverify",
+]
 LABELS = {
     "latest_noverify+load": "latest(verify=False) + load",
     "latest+load": "latest() + load (shared)",
@@ -90,18 +97,29 @@ LABELS = {
 
 def run_child(root: str, variant: str) -> dict[str, float]:
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    r = subprocess.run([sys.executable, "-c", _CHILD, root, variant], capture_output=True, text=True, env=env,
-                       check=False)
+    r = subprocess.run(
+        [sys.executable, "-c", _CHILD, root, variant],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
     if r.returncode:
         raise RuntimeError(f"{variant} failed:\n{r.stderr}")
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dir", default=None, help="where to write the checkpoints (default: a temporary dir)")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--dir", default=None, help="where to write the checkpoints (default: a temporary dir)"
+    )
     ap.add_argument("--gib", type=float, nargs="+", default=[0.5, 2.0])
-    ap.add_argument("--rounds", type=int, default=3, help="runs per variant and cache state (median reported)")
+    ap.add_argument(
+        "--rounds", type=int, default=3, help="runs per variant and cache state (median reported)"
+    )
     ap.add_argument("--json", default=None, help="also write the figures here")
     ap.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS)
     args = ap.parse_args()
@@ -134,9 +152,12 @@ def main() -> None:
                             runs.setdefault(k, []).append(v)
                     results[key][f"{cache}/{variant}"] = runs
                     med = {k: statistics.median(v) for k, v in runs.items()}
-                    print(f"{key} {cache:4} {LABELS[variant]:30} choose {med['choose_s']:6.3f} s  "
-                          f"load {med['load_s']:6.3f} s  touch {med['touch_s']:6.3f} s  "
-                          f"total {med['total_s']:6.3f} s  (min total {min(runs['total_s']):.3f})", flush=True)
+                    print(
+                        f"{key} {cache:4} {LABELS[variant]:30} choose {med['choose_s']:6.3f} s  "
+                        f"load {med['load_s']:6.3f} s  touch {med['touch_s']:6.3f} s  "
+                        f"total {med['total_s']:6.3f} s  (min total {min(runs['total_s']):.3f})",
+                        flush=True,
+                    )
             shutil.rmtree(root, ignore_errors=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)

@@ -64,7 +64,9 @@ def _cpu(pid: int | None) -> float:
     return float(t.user + t.system)
 
 
-def _run_stagesave(state: Any, url: str, options: dict[str, Any], args: argparse.Namespace) -> dict[str, float]:
+def _run_stagesave(
+    state: Any, url: str, options: dict[str, Any], args: argparse.Namespace
+) -> dict[str, float]:
     import stagesave
     from stagesave.stores.s3 import S3Store
 
@@ -79,7 +81,9 @@ def _run_stagesave(state: Any, url: str, options: dict[str, Any], args: argparse
     return {"wall_s": wall, "blocking_s": tel.blocking_s, "bytes": tel.bytes}
 
 
-def _run_torch_s3fs(state: Any, url: str, options: dict[str, Any], args: argparse.Namespace) -> dict[str, float]:
+def _run_torch_s3fs(
+    state: Any, url: str, options: dict[str, Any], args: argparse.Namespace
+) -> dict[str, float]:
     import s3fs
 
     fs = s3fs.S3FileSystem(**options, skip_instance_cache=True)
@@ -90,7 +94,9 @@ def _run_torch_s3fs(state: Any, url: str, options: dict[str, Any], args: argpars
     return {"wall_s": wall, "blocking_s": wall, "bytes": fs.info(url)["size"]}
 
 
-def _run_pipe(state: Any, url: str, options: dict[str, Any], args: argparse.Namespace) -> dict[str, float]:
+def _run_pipe(
+    state: Any, url: str, options: dict[str, Any], args: argparse.Namespace
+) -> dict[str, float]:
     import s3fs
 
     fs = s3fs.S3FileSystem(**options, skip_instance_cache=True)
@@ -101,7 +107,12 @@ def _run_pipe(state: Any, url: str, options: dict[str, Any], args: argparse.Name
     t1 = time.perf_counter()
     fs.pipe(url, data)
     wall = time.perf_counter() - t0
-    return {"wall_s": wall, "blocking_s": wall, "pipe_s": time.perf_counter() - t1, "bytes": len(data)}
+    return {
+        "wall_s": wall,
+        "blocking_s": wall,
+        "pipe_s": time.perf_counter() - t1,
+        "bytes": len(data),
+    }
 
 
 METHODS: dict[str, Callable[..., dict[str, float]]] = {
@@ -112,7 +123,9 @@ METHODS: dict[str, Callable[..., dict[str, float]]] = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--size-mib", type=int, default=1024, help="state size (default 1024 = ~1 GiB)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--connections", type=int, default=16, help="stagesave max_connections")
@@ -127,7 +140,10 @@ def main(argv: list[str] | None = None) -> int:
         client.create_bucket(Bucket=bucket)
         options = server.options()
         state = transformer_state(args.size_mib << 20)
-        print(f"state: {state_bytes(state) / 2**20:.0f} MiB of tensors; server {server.endpoint}", file=sys.stderr)
+        print(
+            f"state: {state_bytes(state) / 2**20:.0f} MiB of tensors; server {server.endpoint}",
+            file=sys.stderr,
+        )
         names = list(METHODS)
         results: dict[str, list[dict[str, float]]] = {n: [] for n in names}
         for r in range(args.repeats):
@@ -140,7 +156,10 @@ def main(argv: list[str] | None = None) -> int:
                 res["server_cpu_s"] = _cpu(server.pid) - s0 if server.pid else float("nan")
                 res["mib_per_s"] = res["bytes"] / 2**20 / res["wall_s"]
                 results[name].append(res)
-                print(f"repeat {r} {name}: {res['mib_per_s']:.0f} MiB/s ({res['wall_s']:.2f} s)", file=sys.stderr)
+                print(
+                    f"repeat {r} {name}: {res['mib_per_s']:.0f} MiB/s ({res['wall_s']:.2f} s)",
+                    file=sys.stderr,
+                )
                 bucket_key = url.split("/", 3)[3]
                 client.delete_object(Bucket=bucket, Key=bucket_key)
                 for o in client.list_objects_v2(Bucket=bucket).get("Contents", []):
@@ -149,14 +168,22 @@ def main(argv: list[str] | None = None) -> int:
         stop()
 
     base = statistics.median(x["mib_per_s"] for x in results["torch.save -> s3fs file"])
-    print(f"\n| method | throughput MiB/s (median of {args.repeats}) | wall s | blocking s | client CPU s | server CPU s | vs torch.save->s3fs |")
+    print(
+        f"\n| method | throughput MiB/s (median of {args.repeats}) | wall s | blocking s "
+        "| client CPU s | server CPU s | vs torch.save->s3fs |"
+    )
     print("|---|---|---|---|---|---|---|")
     for name in names:
         rs = results[name]
         med = statistics.median(x["mib_per_s"] for x in rs)
-        extra = f" (pipe alone {statistics.median(x['pipe_s'] for x in rs):.2f} s)" if name == "s3fs.pipe" else ""
+        extra = (
+            f" (pipe alone {statistics.median(x['pipe_s'] for x in rs):.2f} s)"
+            if name == "s3fs.pipe"
+            else ""
+        )
         print(
-            f"| {name} | {med:.0f} ({min(x['mib_per_s'] for x in rs):.0f}–{max(x['mib_per_s'] for x in rs):.0f}) "
+            f"| {name} | {med:.0f} ({min(x['mib_per_s'] for x in rs):.0f}–"
+            f"{max(x['mib_per_s'] for x in rs):.0f}) "
             f"| {statistics.median(x['wall_s'] for x in rs):.2f}{extra} "
             f"| {statistics.median(x['blocking_s'] for x in rs):.2f} "
             f"| {statistics.median(x['client_cpu_s'] for x in rs):.2f} "

@@ -6,7 +6,8 @@ Usage:
     python benchmarks/bench_shapes.py --state my_checkpoint.pt   # your own state (torch.load-able)
 
 For each shape, in one process: the **copy floor** (every tensor copied into its warm twin with
-``copy_``, median of 5), then ``save()``'s **blocking** time (median of ``--saves`` saves after 2 warm-ups,
+``copy_``, median of 5), then ``save()``'s **blocking** time (median of ``--saves`` saves after 2
+warm-ups,
 each on a fresh step counter as a training loop has, each save finished before the next) with
 the fast planner and with ``torch.save``'s layout (``--planners``), interleaved; the **first
 save** of a new ``Checkpointer`` with nothing planned before (layout cache emptied); and
@@ -44,20 +45,36 @@ def adam_state(total_bytes: int, n_tensors: int, *, weights: bool = True) -> dic
     n = max(1, n_tensors // groups)
     numel = max(1, total_bytes // (n * groups) // 4)
     g = torch.Generator().manual_seed(0)
-    model = {f"layers.{i}.weight": torch.randn(numel, generator=g) for i in range(n)} if weights else {}
-    state = {i: {"exp_avg": torch.randn(numel, generator=g), "exp_avg_sq": torch.rand(numel, generator=g)}
-             for i in range(n)}
-    return {"state_dict": model, "optimizer": {"state": state, "param_groups": [{"lr": 1e-4, "params": list(range(n))}]},
-            "epoch": 0, "global_step": 0}
+    model = (
+        {f"layers.{i}.weight": torch.randn(numel, generator=g) for i in range(n)} if weights else {}
+    )
+    state = {
+        i: {
+            "exp_avg": torch.randn(numel, generator=g),
+            "exp_avg_sq": torch.rand(numel, generator=g),
+        }
+        for i in range(n)
+    }
+    return {
+        "state_dict": model,
+        "optimizer": {"state": state, "param_groups": [{"lr": 1e-4, "params": list(range(n))}]},
+        "epoch": 0,
+        "global_step": 0,
+    }
 
 
 SHAPES: dict[str, tuple[str, Callable[[], dict[str, Any]]]] = {
-    "tiny": ("4 KiB in 1 tensor (the fixed cost per save)", lambda: {"w": torch.randn(1024), "global_step": 0}),
+    "tiny": (
+        "4 KiB in 1 tensor (the fixed cost per save)",
+        lambda: {"w": torch.randn(1024), "global_step": 0},
+    ),
     "s200": ("50 MiB in 200 tensors (a small model)", lambda: adam_state(50 << 20, 200)),
     "s252": ("0.38 GiB in 252 tensors", lambda: adam_state(int(0.38 * (1 << 30)), 252)),
     "s8000": ("0.5 GiB in 8,000 tensors", lambda: adam_state(1 << 29, 8000)),
-    "s100k": ("0.25 GiB in 100,000 tensors (50,000 Adam moment pairs)",
-              lambda: adam_state(1 << 28, 100_000, weights=False)),
+    "s100k": (
+        "0.25 GiB in 100,000 tensors (50,000 Adam moment pairs)",
+        lambda: adam_state(1 << 28, 100_000, weights=False),
+    ),
     "t2g": ("2 GiB transformer, 672 tensors", lambda: common.transformer_state(2 << 30)),
     "t8g": ("8 GiB transformer, 2,736 tensors", lambda: common.transformer_state(8 << 30)),
 }
@@ -72,7 +89,7 @@ def _bump(state: Any, step: int) -> None:
 def _planner(name: str) -> None:
     """Select the planner for the next saves (the benchmark's A/B switch)."""
     _fastplan.fast_path_enabled()
-    _fastplan._checked = name == "fast"  # noqa: SLF001 - the benchmark compares both planners
+    _fastplan._checked = name == "fast"  # noqa: SLF001, RUF100 - the benchmark compares both planners
 
 
 def twin_copy_s(state: Any, repeats: int = 5) -> list[float]:
@@ -92,7 +109,10 @@ def twin_copy_s(state: Any, repeats: int = 5) -> list[float]:
 
 
 def measure(state: Any, directory: str, saves: int, planners: list[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {"bytes": common.state_bytes(state), "tensors": len(common.tensors_of(state))}
+    out: dict[str, Any] = {
+        "bytes": common.state_bytes(state),
+        "tensors": len(common.tensors_of(state)),
+    }
     out["floor_s"] = twin_copy_s(state)
     # The first save of a run: a new Checkpointer, nothing planned before.
     for name in planners:
@@ -105,7 +125,10 @@ def measure(state: Any, directory: str, saves: int, planners: list[str]) -> dict
             out[f"first_{name}_s"] = time.perf_counter() - t0
             handle.result()
         shutil.rmtree(root, ignore_errors=True)
-    cks = {name: stagesave.Checkpointer(os.path.join(directory, name), keep_last=2) for name in planners}
+    cks = {
+        name: stagesave.Checkpointer(os.path.join(directory, name), keep_last=2)
+        for name in planners
+    }
     try:
         step = 0
         for name in planners:  # two warm-up saves each
@@ -145,9 +168,13 @@ def measure(state: Any, directory: str, saves: int, planners: list[str]) -> dict
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--shapes", nargs="+", default=DEFAULT, choices=list(SHAPES))
-    ap.add_argument("--state", default=None, help="measure this torch.load-able state instead of the shapes")
+    ap.add_argument(
+        "--state", default=None, help="measure this torch.load-able state instead of the shapes"
+    )
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     ap.add_argument("--saves", type=int, default=5)
     ap.add_argument("--planners", nargs="+", default=["fast", "torch"], choices=["fast", "torch"])
@@ -157,12 +184,21 @@ def main() -> None:
     results: dict[str, Any] = {}
     todo: list[tuple[str, str, Callable[[], Any]]]
     if args.state:
-        todo = [("state", args.state, lambda: torch.load(args.state, map_location="cpu", weights_only=False))]
+        todo = [
+            (
+                "state",
+                args.state,
+                lambda: torch.load(args.state, map_location="cpu", weights_only=False),
+            )
+        ]
     else:
         todo = [(k, *SHAPES[k]) for k in args.shapes]
     med = statistics.median
-    print(f"{'shape':<58} {'floor':>8} " + " ".join(f"{'blocking ' + p:>15} {'ratio':>6}" for p in args.planners)
-          + f" {'first':>8} {'first/steady':>12} {'torch.save':>10}")
+    print(
+        f"{'shape':<58} {'floor':>8} "
+        + " ".join(f"{'blocking ' + p:>15} {'ratio':>6}" for p in args.planners)
+        + f" {'first':>8} {'first/steady':>12} {'torch.save':>10}"
+    )
     try:
         for key, label, make in todo:
             state = make()
@@ -175,8 +211,13 @@ def main() -> None:
                 cells.append(f"{b * 1e3:13.1f}ms {b / floor:6.2f}")
             steady = med(r[f"blocking_{args.planners[0]}_s"])
             first = r[f"first_{args.planners[0]}_s"]
-            print(f"{label:<58} {floor * 1e3:6.1f}ms " + " ".join(cells)
-                  + f" {first * 1e3:6.1f}ms {first / steady:12.2f} {med(r['torch_save_s']) * 1e3:8.1f}ms", flush=True)
+            print(
+                f"{label:<58} {floor * 1e3:6.1f}ms "
+                + " ".join(cells)
+                + f" {first * 1e3:6.1f}ms {first / steady:12.2f} "
+                f"{med(r['torch_save_s']) * 1e3:8.1f}ms",
+                flush=True,
+            )
             del state
     finally:
         shutil.rmtree(base, ignore_errors=True)

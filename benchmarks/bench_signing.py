@@ -33,7 +33,9 @@ def state(mib: int, tensors: int) -> dict[str, torch.Tensor]:
     return {f"t{i}": torch.randn(per) for i in range(tensors)}
 
 
-def one(cfg: tuple[str, bool], st: dict[str, torch.Tensor], root: str, name: str) -> dict[str, float]:
+def one(
+    cfg: tuple[str, bool], st: dict[str, torch.Tensor], root: str, name: str
+) -> dict[str, float]:
     checksum, signed = cfg
     signing.configure([KEY] if signed else None)
     try:
@@ -84,7 +86,9 @@ def proof_hmac_cost(st: dict[str, torch.Tensor], root: str) -> tuple[float, floa
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--mib", type=int, default=512)
     p.add_argument("--tensors", type=int, default=256)
     p.add_argument("--rounds", type=int, default=5)
@@ -98,13 +102,18 @@ def main() -> None:
             for label, cfg in CONFIGS.items():
                 runs[label].append(one(cfg, st, root, "x.ckpt"))
         sign_s, check_s, size = proof_hmac_cost(st, root)
-    print(f"state {args.mib} MiB in {args.tensors} tensors, {args.rounds} interleaved rounds, medians; "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(
+        f"state {args.mib} MiB in {args.tensors} tensors, {args.rounds} interleaved rounds, "
+        f"medians; torch {torch.__version__}, {torch.get_num_threads()} threads"
+    )
     print("| configuration | save() blocking | save to commit | verified load |")
     print("|---|---|---|---|")
     for label, rs in runs.items():
         med = {k: statistics.median(r[k] for r in rs) for k in ("blocking", "commit", "load")}
-        print(f"| {label} | {med['blocking'] * 1e3:,.0f} ms | {med['commit'] * 1e3:,.0f} ms | {med['load'] * 1e3:,.0f} ms |")
+        print(
+            f"| {label} | {med['blocking'] * 1e3:,.0f} ms | {med['commit'] * 1e3:,.0f} ms | "
+            f"{med['load'] * 1e3:,.0f} ms |"
+        )
     print(f"\nthe HMAC alone, on this state's proof ({size:,} bytes): sign {sign_s * 1e6:,.0f} us, "
           f"check {check_s * 1e6:,.0f} us")
 

@@ -1,6 +1,7 @@
 """How big should the piece be that one staging thread copies before hashing it?
 
-``stagesave.saving.stage.stage_and_hash`` copies a host-memory state into the staging buffer and hashes
+``stagesave.saving.stage.stage_and_hash`` copies a host-memory state into the staging buffer and
+hashes
 every byte right after copying it, a sub-chunk at a time, so that the hash reads the bytes from
 the core's cache instead of memory. The sub-chunk must fit that cache together with the source it
 was read from. This runs the real ``stage_and_hash`` on a ``common.transformer_state`` of
@@ -31,7 +32,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import common
 
 import stagesave.saving.stage as stage_mod
-from stagesave.cli._floors import copy_floor_s
+from stagesave.cli._floors import copy_floor_s  # the CLI bench's floor: the reference here
 from stagesave.saving.buffers import HostBuffer
 from stagesave.saving.plan import plan_torch_file
 
@@ -39,12 +40,18 @@ GIB = 1 << 30
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--gib", type=float, default=2.0)
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--sizes", default="1024,512,256,128", help="sub-chunk sizes in KiB")
-    ap.add_argument("--threads", type=int, default=2, help="staging threads (stagesave uses the cores)")
-    ap.add_argument("--dir", default=None, help="save through a Checkpointer into this folder instead")
+    ap.add_argument(
+        "--threads", type=int, default=2, help="staging threads (stagesave uses the cores)"
+    )
+    ap.add_argument(
+        "--dir", default=None, help="save through a Checkpointer into this folder instead"
+    )
     ap.add_argument("--markdown", default=None, help="append the table to this file")
     args = ap.parse_args()
     if args.dir:
@@ -63,7 +70,9 @@ def main() -> None:
     def fused(sub: int) -> None:
         stage_mod.SUB_CHUNK = sub
         try:
-            stage_mod.stage_and_hash(image, buf, 0, algorithm="xxh3_128", chunk_bytes=32 << 20, pool=pool)
+            stage_mod.stage_and_hash(
+                image, buf, 0, algorithm="xxh3_128", chunk_bytes=32 << 20, pool=pool
+            )
         finally:
             stage_mod.SUB_CHUNK = default
 
@@ -73,7 +82,9 @@ def main() -> None:
     cases: dict[str, object] = {"copy floor": lambda: copy_floor_s(tensors, repeats=1),
                                 "stage_image (copy, no hash)": staged}
     for kib in [int(x) for x in args.sizes.split(",")]:
-        label = f"stage_and_hash, {kib} KiB" + (" (this machine's default)" if kib << 10 == default else "")
+        label = f"stage_and_hash, {kib} KiB" + (
+            " (this machine's default)" if kib << 10 == default else ""
+        )
         cases[label] = functools.partial(fused, kib << 10)
     names = list(cases)
     times: dict[str, list[float]] = {k: [] for k in names}
@@ -94,14 +105,21 @@ def main() -> None:
     rows = []
     for name in names:
         xs, rs = times[name], ratios[name]
-        rows.append(f"| {name} | {statistics.median(xs) * 1e3:.1f} ({min(xs) * 1e3:.1f}–{max(xs) * 1e3:.1f}) | "
-                    f"{statistics.median(rs):.2f} ({min(rs):.2f}–{max(rs):.2f}) |")
-    text = (f"\n`python benchmarks/bench_stage_subchunk.py --gib {args.gib:g} --repeats {args.repeats} "
-            f"--sizes {args.sizes}` ({time.strftime('%Y-%m-%d %H:%M')}; {len(tensors)} tensors, "
-            f"{image.size / GIB:.2f} GiB image, {args.threads} threads, L2 per core "
-            f"{(stage_mod._l2_cache_bytes() or 0) >> 10} KiB):\n\n"
-            "| staging | ms, median (min–max) | × copy floor, median of the rounds (min–max) |\n|---|---|---|\n"
-            + "\n".join(rows) + "\n")
+        rows.append(
+            f"| {name} | {statistics.median(xs) * 1e3:.1f} "
+            f"({min(xs) * 1e3:.1f}–{max(xs) * 1e3:.1f}) | "
+            f"{statistics.median(rs):.2f} ({min(rs):.2f}–{max(rs):.2f}) |"
+        )
+    text = (
+        f"\n`python benchmarks/bench_stage_subchunk.py --gib {args.gib:g} --repeats {args.repeats} "
+        f"--sizes {args.sizes}` ({time.strftime('%Y-%m-%d %H:%M')}; {len(tensors)} tensors, "
+        f"{image.size / GIB:.2f} GiB image, {args.threads} threads, L2 per core "
+        f"{(stage_mod._l2_cache_bytes() or 0) >> 10} KiB):\n\n"
+        "| staging | ms, median (min–max) | × copy floor, median of the rounds (min–max) "
+        "|\n|---|---|---|\n"
+        + "\n".join(rows)
+        + "\n"
+    )
     print(text)
     if args.markdown:
         with open(args.markdown, "a") as f:
@@ -130,17 +148,24 @@ def checkpointer_rounds(args: argparse.Namespace) -> None:
                     stage_mod.SUB_CHUNK = default
                 floor = copy_floor_s(tensors)
                 if r:
-                    got[sub].append((tel.plan_s / floor, tel.stage_s / floor, tel.blocking_s / floor))
+                    got[sub].append(
+                        (tel.plan_s / floor, tel.stage_s / floor, tel.blocking_s / floor)
+                    )
     rows = []
     for sub in sizes:
         med = [statistics.median(x[i] for x in got[sub]) for i in range(3)]
         mark = " (this machine's default)" if sub == default else ""
         rows.append(f"| {sub >> 10} KiB{mark} | {med[0]:.2f} | {med[1]:.2f} | {med[2]:.2f} |")
-    text = (f"\n`python benchmarks/bench_stage_subchunk.py --gib {args.gib:g} --repeats {args.repeats} "
-            f"--sizes {args.sizes} --dir DIR` ({time.strftime('%Y-%m-%d %H:%M')}; {len(tensors)} tensors, "
-            "a Checkpointer's own telemetry, medians of the rounds):\n\n"
-            "| sub-chunk | plan × copy floor | staging × copy floor | blocking × copy floor |\n|---|---|---|---|\n"
-            + "\n".join(rows) + "\n")
+    text = (
+        f"\n`python benchmarks/bench_stage_subchunk.py --gib {args.gib:g} --repeats {args.repeats} "
+        f"--sizes {args.sizes} --dir DIR` ({time.strftime('%Y-%m-%d %H:%M')}; {len(tensors)} "
+        "tensors, "
+        "a Checkpointer's own telemetry, medians of the rounds):\n\n"
+        "| sub-chunk | plan × copy floor | staging × copy floor | blocking × copy floor "
+        "|\n|---|---|---|---|\n"
+        + "\n".join(rows)
+        + "\n"
+    )
     print(text)
     if args.markdown:
         with open(args.markdown, "a") as f:

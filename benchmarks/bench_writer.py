@@ -94,7 +94,9 @@ def write_image(path: str, view: memoryview, size: int, mode: str, pool: cf.Exec
     ``sync_file_range`` and dropped from the page cache with ``posix_fadvise``). Each chunk is
     hashed (xxh3_128) and then written by one of ``pool``'s threads.
     """
-    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{secrets.token_hex(4)}.tmp")
+    tmp = os.path.join(
+        os.path.dirname(path), f".{os.path.basename(path)}.{secrets.token_hex(4)}.tmp"
+    )
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
     fd = os.open(tmp, flags | (_O_DIRECT if mode == "direct" else 0), 0o644)
     sfr = _sync_file_range() if mode == "dontneed" else None
@@ -187,7 +189,11 @@ def process_cpu_s(pid: int) -> float:
 
 
 def threads_named(prefix: str) -> list[int]:
-    return [t.native_id for t in threading.enumerate() if t.name.startswith(prefix) and t.native_id is not None]
+    return [
+        t.native_id
+        for t in threading.enumerate()
+        if t.name.startswith(prefix) and t.native_id is not None
+    ]
 
 
 # ------------------------------------------------------------------ writers (training process)
@@ -203,7 +209,8 @@ class Layout:
         self.size = off
 
     def stage(self, target: Any) -> None:
-        """Copy every tensor into the uint8 tensor ``target`` (torch splits large copies over threads)."""
+        """Copy every tensor into the uint8 tensor ``target`` (torch splits large copies over
+        threads)."""
         import torch
 
         for t, off in zip(self.tensors, self.offsets):
@@ -290,8 +297,12 @@ class ThreadWriter(Writer):
         self.mode = mode
         self.name = f"thread {mode}"
         self.staged = _private_staging(state)
-        self.job = cf.ThreadPoolExecutor(1, thread_name_prefix=f"proto-{mode}-job", initializer=lower_priority)
-        self.pool = cf.ThreadPoolExecutor(THREADS, thread_name_prefix=f"proto-{mode}-io", initializer=lower_priority)
+        self.job = cf.ThreadPoolExecutor(
+            1, thread_name_prefix=f"proto-{mode}-job", initializer=lower_priority
+        )
+        self.pool = cf.ThreadPoolExecutor(
+            THREADS, thread_name_prefix=f"proto-{mode}-io", initializer=lower_priority
+        )
         self._ticks: dict[int, int] = {}
         self.digests: list[str] = []
 
@@ -396,7 +407,9 @@ def verify(path: str, digests: list[str]) -> None:
     with open(path, "rb") as f:
         got = [xxhash.xxh3_128_hexdigest(c) for c in iter(lambda: f.read(CHUNK), b"")]
     if got != digests:
-        raise AssertionError(f"{path}: {len(got)} chunks read back do not match the {len(digests)} written")
+        raise AssertionError(
+            f"{path}: {len(got)} chunks read back do not match the {len(digests)} written"
+        )
 
 
 def clear(directory: str) -> None:
@@ -418,17 +431,25 @@ def one_save(loop: Any, w: Writer, state: Any, path: str, baseline_s: float) -> 
     cpu = w.cpu_s() - c0
     time.sleep(1.0)
     after_ms = loop.baseline(baseline_s) * 1e3
-    return Sample(m["blocking"], m["window"], m["lost"], m["meanx"], m["p99x"], cpu, before_ms, after_ms)
+    return Sample(
+        m["blocking"], m["window"], m["lost"], m["meanx"], m["p99x"], cpu, before_ms, after_ms
+    )
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--gib", type=float, default=2.0, help="state size in GiB (default 2)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--alternatives", default=",".join(FACTORIES), help="comma-separated names")
-    ap.add_argument("--dir", default=None, help="directory to write to (default: a temp dir under /work)")
+    ap.add_argument(
+        "--dir", default=None, help="directory to write to (default: a temp dir under /work)"
+    )
     ap.add_argument("--baseline-s", type=float, default=2.0, help="seconds per loop baseline")
-    ap.add_argument("--verify", action="store_true", help="read every prototype file back and check it")
+    ap.add_argument(
+        "--verify", action="store_true", help="read every prototype file back and check it"
+    )
     args = ap.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import bench_interference as bi
@@ -439,14 +460,19 @@ def main() -> None:
     for n in names:
         if n not in FACTORIES:
             ap.error(f"unknown alternative {n!r}; known: {', '.join(FACTORIES)}")
-    base = args.dir or tempfile.mkdtemp(prefix="stagesave-writer-", dir="/work" if os.path.isdir("/work") else None)
+    base = args.dir or tempfile.mkdtemp(
+        prefix="stagesave-writer-", dir="/work" if os.path.isdir("/work") else None
+    )
     state = common.transformer_state(int(args.gib * (1 << 30)))
     nbytes = common.state_bytes(state)
     floor = common.copy_floor_s(state)
     raw = common.raw_write_floor_s(base, nbytes)
     loop = bi.Loop()
-    print(f"state {nbytes / 2**30:.2f} GiB; copy floor {floor:.3f} s; dd O_DIRECT floor {raw:.2f} s "
-          f"({nbytes / raw / 1e6:.0f} MB/s); torch threads {torch.get_num_threads()}", flush=True)
+    print(
+        f"state {nbytes / 2**30:.2f} GiB; copy floor {floor:.3f} s; dd O_DIRECT floor {raw:.2f} s "
+        f"({nbytes / raw / 1e6:.0f} MB/s); torch threads {torch.get_num_threads()}",
+        flush=True,
+    )
     writers = {n: FACTORIES[n](state) for n in names}
     results: dict[str, list[Sample]] = {n: [] for n in names}
     loop_start_ms = loop.baseline(args.baseline_s) * 1e3
@@ -470,11 +496,15 @@ def main() -> None:
         if args.dir is None:
             shutil.rmtree(base, ignore_errors=True)
     loop_end_ms = loop.baseline(args.baseline_s) * 1e3
-    print(f"\nloop ms/it at the start {loop_start_ms:.1f}, at the end {loop_end_ms:.1f}; "
-          f"copy floor {floor:.3f} s; dd O_DIRECT floor {raw:.2f} s for {nbytes / 2**30:.2f} GiB; medians of "
-          f"{args.repeats}\n")
-    print("| writer | loop ms/it before | after | blocking s | background s | lost per save s | lost / copy floor "
-          "| mean step x | p99 step x | writer CPU s |")
+    print(
+        f"\nloop ms/it at the start {loop_start_ms:.1f}, at the end {loop_end_ms:.1f}; "
+        f"copy floor {floor:.3f} s; dd O_DIRECT floor {raw:.2f} s for {nbytes / 2**30:.2f} GiB; "
+        f"medians of {args.repeats}\n"
+    )
+    print(
+        "| writer | loop ms/it before | after | blocking s | background s | lost per save s | lost "
+        "/ copy floor | mean step x | p99 step x | writer CPU s |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for n in names:
         xs = results[n]
@@ -482,9 +512,12 @@ def main() -> None:
         def med(k: str, xs: list[Sample] = xs) -> float:
             return float(statistics.median(float(getattr(x, k)) for x in xs))
 
-        print(f"| {n} | {med('before_ms'):.1f} | {med('after_ms'):.1f} | {med('blocking'):.3f} | {med('window'):.2f} "
-              f"| {med('lost'):.3f} (min {min(x.lost for x in xs):.3f}, max {max(x.lost for x in xs):.3f}) "
-              f"| {med('lost') / floor:.2f} | {med('meanx'):.2f} | {med('p99x'):.2f} | {med('cpu_s'):.2f} |")
+        print(
+            f"| {n} | {med('before_ms'):.1f} | {med('after_ms'):.1f} | {med('blocking'):.3f} | "
+            f"{med('window'):.2f} | {med('lost'):.3f} (min {min(x.lost for x in xs):.3f}, max "
+            f"{max(x.lost for x in xs):.3f}) | {med('lost') / floor:.2f} | {med('meanx'):.2f} | "
+            f"{med('p99x'):.2f} | {med('cpu_s'):.2f} |"
+        )
 
 
 if __name__ == "__main__":

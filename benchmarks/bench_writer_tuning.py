@@ -50,7 +50,9 @@ def main() -> None:
     res: dict[str, list[dict[str, float]]] = {k: [] for k in [*VARIANTS, "raw write", "copy floor"]}
 
     def raw_start(_state: Any, path: str) -> tuple[float, Callable[[], bool]]:
-        p = subprocess.Popen([sys.executable, RAW_WRITE, path, str(nbytes)], stdout=subprocess.DEVNULL)
+        p = subprocess.Popen(
+            [sys.executable, RAW_WRITE, path, str(nbytes)], stdout=subprocess.DEVNULL
+        )
         return 0.0, lambda: p.poll() is not None
 
     for ck in cks.values():  # allocate and touch each buffer before measuring
@@ -66,7 +68,10 @@ def main() -> None:
             if name == "raw write":
                 start = raw_start
             else:
-                def start(s: Any, path: str, ck: stagesave.Checkpointer = cks[name]) -> tuple[float, Callable[[], bool]]:
+
+                def start(
+                    s: Any, path: str, ck: stagesave.Checkpointer = cks[name]
+                ) -> tuple[float, Callable[[], bool]]:
                     t0 = time.perf_counter()
                     h = ck.save(s, path)
                     return time.perf_counter() - t0, h.done

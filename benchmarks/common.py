@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+# the floors the CLI's bench reports: the benchmarks measure against the same references
 from stagesave.cli import _floors
 
 
@@ -28,11 +29,18 @@ def transformer_state(total_bytes: int, *, d_model: int = 1024) -> dict[str, Any
     for i in range(layers):
         p = f"layers.{i}."
         shapes = {
-            "attn.qkv.weight": (3 * d_model, d_model), "attn.qkv.bias": (3 * d_model,),
-            "attn.out.weight": (d_model, d_model), "attn.out.bias": (d_model,),
-            "mlp.up.weight": (4 * d_model, d_model), "mlp.up.bias": (4 * d_model,),
-            "mlp.down.weight": (d_model, 4 * d_model), "mlp.down.bias": (d_model,),
-            "ln1.weight": (d_model,), "ln1.bias": (d_model,), "ln2.weight": (d_model,), "ln2.bias": (d_model,),
+            "attn.qkv.weight": (3 * d_model, d_model),
+            "attn.qkv.bias": (3 * d_model,),
+            "attn.out.weight": (d_model, d_model),
+            "attn.out.bias": (d_model,),
+            "mlp.up.weight": (4 * d_model, d_model),
+            "mlp.up.bias": (4 * d_model,),
+            "mlp.down.weight": (d_model, 4 * d_model),
+            "mlp.down.bias": (d_model,),
+            "ln1.weight": (d_model,),
+            "ln1.bias": (d_model,),
+            "ln2.weight": (d_model,),
+            "ln2.bias": (d_model,),
         }
         for name, shape in shapes.items():
             model[p + name] = torch.randn(shape, generator=g)
@@ -43,8 +51,14 @@ def transformer_state(total_bytes: int, *, d_model: int = 1024) -> dict[str, Any
     }
     return {
         "state_dict": model,
-        "optimizer_states": [{"state": opt_state, "param_groups": [{"lr": 1e-4, "betas": (0.9, 0.999),
-                                                                    "params": list(range(len(model)))}]}],
+        "optimizer_states": [
+            {
+                "state": opt_state,
+                "param_groups": [
+                    {"lr": 1e-4, "betas": (0.9, 0.999), "params": list(range(len(model)))}
+                ],
+            }
+        ],
         "epoch": 3,
         "global_step": 1000,
         "hyper_parameters": {"d_model": d_model, "layers": layers, "name": "bench"},
@@ -103,8 +117,19 @@ def raw_write_floor_s(directory: str, nbytes: int) -> float:
     bs = 64 * 1024 * 1024
     count = max(1, (nbytes + bs - 1) // bs)
     t0 = time.perf_counter()
-    subprocess.run(["dd", "if=/dev/zero", f"of={path}", f"bs={bs}", f"count={count}", "oflag=direct",
-                    "conv=fsync", "status=none"], check=True)
+    subprocess.run(
+        [
+            "dd",
+            "if=/dev/zero",
+            f"of={path}",
+            f"bs={bs}",
+            f"count={count}",
+            "oflag=direct",
+            "conv=fsync",
+            "status=none",
+        ],
+        check=True,
+    )
     dt = time.perf_counter() - t0
     os.unlink(path)
     return dt * nbytes / (count * bs)
