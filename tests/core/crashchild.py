@@ -8,7 +8,7 @@ import sys
 import torch
 
 import stagesave
-from stagesave._crash import ENV_VAR
+from stagesave._crash import ENV_VAR  # fault injection: arms a named crash point in this child
 from stagesave.formats import Safetensors
 
 
@@ -22,19 +22,23 @@ def save_step(root: str, step: int, mode: str, crash: str | None) -> None:
     if mode in ("file_device", "dir_device"):
         # device staging's save path (device buffer, bounce writes) with host memory standing
         # in for the GPU, which this machine does not have
-        import stagesave.saving.jobs as jobs_mod  # device staging without a GPU: the device is the host
+        # device staging without a GPU: the device is the host
+        import stagesave.saving.jobs as jobs_mod
         import stagesave.saving.staging as staging_mod
 
         staging_mod.device_of = lambda images, store: torch.device("cpu")  # type: ignore[assignment]
         jobs_mod.gpudirect_kvikio = lambda: None  # type: ignore[assignment]
-    with stagesave.Checkpointer(root, chunk_bytes=1 << 20, keep_last=2, device_staging=mode.endswith("_device")) as ck:
+    with stagesave.Checkpointer(
+        root, chunk_bytes=1 << 20, keep_last=2, device_staging=mode.endswith("_device")
+    ) as ck:
         if mode in ("file", "file_device"):
             ck.save(state, "last.ckpt").result()
             ck.save(state, f"step{step}.ckpt").result()
         else:
             name = "current" if mode in ("dir_replace", "dir_device") else f"checkpoint_{step}"
-            ck.save_dir({"model.safetensors": Safetensors({"w": state["w"]}), "optimizer.bin": state},
-                        name).result()
+            ck.save_dir(
+                {"model.safetensors": Safetensors({"w": state["w"]}), "optimizer.bin": state}, name
+            ).result()
     sys.stdout.flush()
 
 

@@ -13,7 +13,9 @@ def assert_same(a: Any, b: Any, path: str = "state") -> None:
     """Same structure, same types, bitwise-equal tensors and arrays."""
     assert type(a) is type(b), f"{path}: {type(a).__name__} != {type(b).__name__}"
     if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{tuple(a.shape)} != {b.dtype}{tuple(b.shape)}"
+        assert a.dtype == b.dtype and a.shape == b.shape, (
+            f"{path}: {a.dtype}{tuple(a.shape)} != {b.dtype}{tuple(b.shape)}"
+        )
         assert a.stride() == b.stride(), f"{path}: stride {a.stride()} != {b.stride()}"
         assert a.device == b.device, f"{path}: device {a.device} != {b.device}"
         if a.numel():
@@ -35,10 +37,10 @@ def assert_same(a: Any, b: Any, path: str = "state") -> None:
     elif dataclasses.is_dataclass(a):
         for f in dataclasses.fields(a):
             assert_same(getattr(a, f.name), getattr(b, f.name), f"{path}.{f.name}")
-    elif isinstance(a, float) and a != a:
-        assert b != b, f"{path}: NaN expected"
+    elif isinstance(a, float) and a != a:  # noqa: PLR0124 - the NaN test
+        assert b != b, f"{path}: NaN expected"  # noqa: PLR0124 - the NaN test
     else:
         assert a == b, f"{path}: {a!r} != {b!r}"
 
 
-from proofkit import format1_checkpoint, rewrite_proof  # noqa: E402,F401 - shared with other suites
+from proofkit import format1_checkpoint, rewrite_proof  # noqa: E402, F401, RUF100 - shared with other suites

@@ -23,9 +23,17 @@ from stagesave.errors import (
 
 def _mount_tmpfs(path, options):
     path.mkdir(parents=True, exist_ok=True)
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, text=True)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()}); needs root in a sandbox that allows mounts")
+        pytest.skip(
+            f"cannot mount a tmpfs here ({r.stderr.strip()}); needs root in a sandbox that allows "
+            "mounts"
+        )
 
 
 @pytest.fixture
@@ -63,7 +71,10 @@ def test_disk_full_at_save_time_keeps_previous(small_fs):
         assert isinstance(ei.value, OSError)
         assert torch.equal(ck.load("good.ckpt")["w"], torch.ones(1000))
         ck.save({"w": torch.zeros(10)}, "after.ckpt").result()  # works once it fits
-    assert sorted(p.name for p in small_fs.iterdir() if not p.name.endswith(".json")) == ["after.ckpt", "good.ckpt"]
+    assert sorted(p.name for p in small_fs.iterdir() if not p.name.endswith(".json")) == [
+        "after.ckpt",
+        "good.ckpt",
+    ]
 
 
 def test_disk_full_during_background_write_surfaces_and_leaves_no_debris(small_fs):
@@ -112,7 +123,7 @@ def test_permission_denied_as_unprivileged_user(tmp_path):
     if os.getuid() != 0:
         pytest.skip("needs root to switch to an unprivileged user")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "HOME": "/tmp"})
+                       env={**os.environ, "HOME": "/tmp"}, check=False)
     assert r.returncode == 3, r.stderr
     assert "CheckpointPermissionError" in r.stdout and "permission" in r.stdout.lower()
 
@@ -185,16 +196,15 @@ def test_background_error_surfaces_once_via_next_save_wait_and_close(tmp_path):
 def test_close_raises_undelivered_failure_but_context_manager_never_masks(tmp_path):
     victim = tmp_path / "v"
     victim.mkdir()
-    with pytest.raises(KeyError, match="user error"):
-        with stagesave.Checkpointer(victim) as ck:
-            gate = threading.Event()
-            ck.save({"a": 1}, "warm.ckpt").result()
-            ck.pipeline.queue.submit(gate.wait)
-            ck.save({"a": 2}, "x.ckpt")
-            victim.rename(tmp_path / "gone")
-            victim.write_text("not a directory")
-            gate.set()
-            raise KeyError("user error")
+    with pytest.raises(KeyError, match="user error"), stagesave.Checkpointer(victim) as ck:
+        gate = threading.Event()
+        ck.save({"a": 1}, "warm.ckpt").result()
+        ck.pipeline.queue.submit(gate.wait)
+        ck.save({"a": 2}, "x.ckpt")
+        victim.rename(tmp_path / "gone")
+        victim.write_text("not a directory")
+        gate.set()
+        raise KeyError("user error")
 
 
 @pytest.mark.parametrize(("metadata", "message"), [
@@ -203,9 +213,11 @@ def test_close_raises_undelivered_failure_but_context_manager_never_masks(tmp_pa
     ("not a dict", "must be a dict"),
 ])
 def test_metadata_a_reader_would_refuse_is_refused_at_save(tmp_path, metadata, message):
-    with stagesave.Checkpointer(tmp_path) as ck:
-        with pytest.raises(UnsupportedObjectError, match=message):
-            ck.save({"w": torch.ones(2)}, "a.ckpt", metadata=metadata)
+    with (
+        stagesave.Checkpointer(tmp_path) as ck,
+        pytest.raises(UnsupportedObjectError, match=message),
+    ):
+        ck.save({"w": torch.ones(2)}, "a.ckpt", metadata=metadata)
     assert os.listdir(tmp_path) == []
 
 
@@ -218,6 +230,10 @@ def test_metadata_nested_deeper_than_a_reader_accepts_is_refused_at_save(tmp_pat
     with stagesave.Checkpointer(tmp_path) as ck:
         with pytest.raises(UnsupportedObjectError, match="nests deeper than 100 levels"):
             ck.save({"w": torch.ones(2)}, "a.ckpt", metadata={"deep": deep})
-        ck.save({"w": torch.ones(2)}, "b.ckpt", metadata={"ok": {"a": [1, 2, {"b": None}]}}).result()
+        ck.save(
+            {"w": torch.ones(2)}, "b.ckpt", metadata={"ok": {"a": [1, 2, {"b": None}]}}
+        ).result()
     assert os.listdir(tmp_path) == ["b.ckpt"]
-    assert stagesave.verify(tmp_path / "b.ckpt").manifest.metadata == {"ok": {"a": [1, 2, {"b": None}]}}  # type: ignore[union-attr]
+    assert stagesave.verify(tmp_path / "b.ckpt").manifest.metadata == {  # type: ignore[union-attr]
+        "ok": {"a": [1, 2, {"b": None}]}
+    }

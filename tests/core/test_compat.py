@@ -1,4 +1,5 @@
-"""No lock-in: stagesave files are plain torch files, and plain torch files load through stagesave."""
+"""No lock-in: stagesave files are plain torch files, and plain torch files load through
+stagesave."""
 
 from __future__ import annotations
 
@@ -17,7 +18,10 @@ def test_plain_torch_load_and_mmap_read_stagesave_files(ckpt_dir):
     for mmap in (False, True):
         out = torch.load(ckpt_dir / "a.ckpt", weights_only=True, mmap=mmap)
         assert_same(out, state)
-        assert out["model"]["emb"].untyped_storage().data_ptr() == out["model"]["head"].untyped_storage().data_ptr()
+        assert (
+            out["model"]["emb"].untyped_storage().data_ptr()
+            == out["model"]["head"].untyped_storage().data_ptr()
+        )
 
 
 def test_plain_torch_save_files_load_through_stagesave(ckpt_dir):

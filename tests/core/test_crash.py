@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import stagesave
-from stagesave._crash import CRASH_POINTS
+from stagesave._crash import CRASH_POINTS  # fault injection: every named crash point is tested
 
 _ctx = multiprocessing.get_context("forkserver")
 _ctx.set_forkserver_preload(["torch", "stagesave", "crashchild"])
@@ -39,7 +39,11 @@ def _check_invariant(root, expect_steps):
         best = ck.latest(verify=True)
         assert best is not None
         assert ck.verify(best.path).status == "verified"
-        loaded_step = (ck.load(best.path) if not best.is_dir else ck.load(os.path.join(best.path, "optimizer.bin")))["step"]
+        loaded_step = (
+            ck.load(best.path)
+            if not best.is_dir
+            else ck.load(os.path.join(best.path, "optimizer.bin"))
+        )["step"]
         assert loaded_step in expect_steps, (loaded_step, expect_steps)
         for info in ck.list():
             assert info.status in ("committed",), (info.name, info.status, info.problems)
@@ -48,7 +52,9 @@ def _check_invariant(root, expect_steps):
 
 
 @pytest.mark.parametrize("mode", ["file", "file_device", "dir", "dir_replace", "dir_device"])
-@pytest.mark.parametrize("point", [p for p in CRASH_POINTS if p != "during_upload" and not p.startswith("dcp_")])
+@pytest.mark.parametrize(
+    "point", [p for p in CRASH_POINTS if p != "during_upload" and not p.startswith("dcp_")]
+)
 def test_sigkill_at_every_crash_point(tmp_path, mode, point):
     assert _run(tmp_path, 1, mode) == 0
     code = _run(tmp_path, 2, mode, crash=point)

@@ -1,4 +1,5 @@
-"""Device staging (``Checkpointer(device_staging=True)``): the image in device memory, written from there.
+"""Device staging (``Checkpointer(device_staging=True)``): the image in device memory, written from
+there.
 
 On a machine without CUDA the layout and write code runs with host memory standing in for the
 device (the same functions, a CPU "device" buffer, the bounce-buffer writer); the tests marked
@@ -90,11 +91,19 @@ def _host_file(tmp_path, image, chunk, algorithm="crc32"):
 @pytest.mark.parametrize("direct_io", [True, False])
 @pytest.mark.parametrize("chunk_pages", [1, 3, 16])
 @pytest.mark.parametrize("algorithm", ["crc32", "blake3"])
-def test_device_image_written_through_the_bounce_buffer_is_the_host_file(tmp_path, direct_io, chunk_pages, algorithm):
+def test_device_image_written_through_the_bounce_buffer_is_the_host_file(
+    tmp_path, direct_io, chunk_pages, algorithm
+):
     """Two passes over device memory (CRCs, then fill-in + hash + write) give byte for byte the
     file the host path writes, which loads back equal and verifies."""
-    state = {"w": torch.randn(300, 77), "b": torch.arange(5000, dtype=torch.int16), "step": 12,
-             "t": torch.randn(64, 64).t(), "meta": torch.empty(10, device="meta"), "nested": {"x": [1.5, "a"]}}
+    state = {
+        "w": torch.randn(300, 77),
+        "b": torch.arange(5000, dtype=torch.int16),
+        "step": 12,
+        "t": torch.randn(64, 64).t(),
+        "meta": torch.empty(10, device="meta"),
+        "nested": {"x": [1.5, "a"]},
+    }
     image = plan_torch_file(state)
     buf = _device_buffer(image, 0xEE)
     stage_on_device(image, buf)
@@ -102,22 +111,35 @@ def test_device_image_written_through_the_bounce_buffer_is_the_host_file(tmp_pat
     store = LocalStore(str(tmp_path / "dev"), direct_io=direct_io)
     stats = WriteStats()
     with cf.ThreadPoolExecutor(3) as pool:
-        written = write_device_data(store, FileToWrite("x.pt", image, None, device_data=buf.tensor),
-                                    algorithm=algorithm, chunk_bytes=chunk, pool=pool, stats=stats, kvikio=None)
+        written = write_device_data(
+            store,
+            FileToWrite("x.pt", image, None, device_data=buf.tensor),
+            algorithm=algorithm,
+            chunk_bytes=chunk,
+            pool=pool,
+            stats=stats,
+            kvikio=None,
+        )
     assert not (tmp_path / "dev" / "x.pt").exists()  # only the temporary so far
     _sealed(store, written, stats)
     data = (tmp_path / "dev" / "x.pt").read_bytes()
     assert data == _host_file(tmp_path, image, chunk, algorithm)
     assert stats.write_s > 0
     out = torch.load(tmp_path / "dev" / "x.pt", weights_only=True)
-    assert torch.equal(out["w"], state["w"]) and torch.equal(out["b"], state["b"]) and out["step"] == 12
+    assert (
+        torch.equal(out["w"], state["w"])
+        and torch.equal(out["b"], state["b"])
+        and out["step"] == 12
+    )
     assert torch.equal(out["t"], state["t"]) and out["nested"] == {"x": [1.5, "a"]}
     assert zipfile.ZipFile(tmp_path / "dev" / "x.pt").testzip() is None
     assert stagesave.verify(tmp_path / "dev" / "x.pt").status == "verified"
     assert sorted(os.listdir(tmp_path / "dev")) == ["x.pt"]  # no temporary left
 
 
-def test_a_failing_device_write_leaves_no_temporary_and_no_write_after_the_abort(tmp_path, monkeypatch):
+def test_a_failing_device_write_leaves_no_temporary_and_no_write_after_the_abort(
+    tmp_path, monkeypatch
+):
     """ENOSPC from the second chunk's write (injected at ``_fsops.pwrite``, as tests/faults does):
     the error comes out, every other chunk's write has ended before the temporary is removed."""
     import errno
@@ -151,8 +173,15 @@ def test_a_failing_device_write_leaves_no_temporary_and_no_write_after_the_abort
 
     monkeypatch.setattr(_fsops, "unlink", unlink)
     with cf.ThreadPoolExecutor(4) as pool, pytest.raises(OSError, match="No space left on device"):
-        write_device_data(store, FileToWrite("x.pt", image, None, device_data=buf.tensor),
-                          algorithm="crc32", chunk_bytes=256 << 10, pool=pool, stats=WriteStats(), kvikio=None)
+        write_device_data(
+            store,
+            FileToWrite("x.pt", image, None, device_data=buf.tensor),
+            algorithm="crc32",
+            chunk_bytes=256 << 10,
+            pool=pool,
+            stats=WriteStats(),
+            kvikio=None,
+        )
     assert aborted.is_set() and os.listdir(tmp_path) == []
     assert len(calls) > 2 and not any(calls)  # no write started after the abort
 
@@ -210,7 +239,10 @@ def test_gpudirect_write_path_with_kvikio_contract(tmp_path, short):
     covered = image.covered
     with cf.ThreadPoolExecutor(2) as pool:
         if short:
-            with pytest.raises(OSError, match=f"short GPUDirect Storage write: {covered - short} of {covered} bytes"):
+            with pytest.raises(
+                OSError,
+                match=f"short GPUDirect Storage write: {covered - short} of {covered} bytes",
+            ):
                 write_device_data(store, f, algorithm="crc32", chunk_bytes=65536, pool=pool,
                                   stats=WriteStats(), kvikio=kvikio)
             assert os.listdir(tmp_path / "dev") == []  # the temporary is gone
@@ -247,7 +279,9 @@ def test_checkpointer_device_path_end_to_end_with_host_memory_as_the_device(tmp_
                         lambda images, store: CPU if isinstance(store, LocalStore) else None)
     monkeypatch.setattr(jobs_mod, "gpudirect_kvikio", lambda: None)
     w = torch.randn(512, 1024)
-    with stagesave.Checkpointer(tmp_path, device_staging=True, keep_last=2, chunk_bytes=1 << 20) as ck:
+    with stagesave.Checkpointer(
+        tmp_path, device_staging=True, keep_last=2, chunk_bytes=1 << 20
+    ) as ck:
         for step in range(4):
             before = w.clone()
             h = ck.save({"w": w, "step": step}, f"s{step}.pt")
@@ -284,7 +318,9 @@ def test_save_dir_device_path_end_to_end_with_host_memory_as_the_device(tmp_path
     got = load_file(folder / "model.safetensors")
     assert torch.equal(got["b"], weights["b"]) and float(got["a"].abs().sum()) > 0
     opt = torch.load(folder / "optimizer.bin", weights_only=True)
-    assert torch.equal(opt["state"][0]["exp_avg"], optim["state"][0]["exp_avg"]) and opt["lr"] == 0.1
+    assert (
+        torch.equal(opt["state"][0]["exp_avg"], optim["state"][0]["exp_avg"]) and opt["lr"] == 0.1
+    )
     assert torch.load(folder / "scheduler.bin", weights_only=True) == {"last_epoch": 3}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint_0"]  # no staging folder left
 
@@ -304,8 +340,11 @@ def test_no_room_on_the_device_stages_in_host_memory_and_warns_once(tmp_path, mo
     monkeypatch.setattr(HostBuffer, "on_device", staticmethod(no_room))
     w = torch.randn(1000)
     with stagesave.Checkpointer(tmp_path, device_staging=True) as ck:
-        with pytest.warns(RuntimeWarning, match=r"device_staging: no room on cpu for a 0\.00 GiB staging "
-                                                r"buffer \(CUDA out of memory\..*staging in host memory instead"):
+        with pytest.warns(
+            RuntimeWarning,
+            match=r"device_staging: no room on cpu for a 0\.00 GiB staging "
+            r"buffer \(CUDA out of memory\..*staging in host memory instead",
+        ):
             first = ck.save({"w": w}, "a.pt")
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # only once
@@ -325,8 +364,10 @@ def test_no_room_on_the_device_stages_in_host_memory_and_warns_once(tmp_path, mo
 @pytest.mark.parametrize("use_kvikio", [False, True])
 def test_cuda_state_staged_on_the_device_round_trips(ckpt_dir, monkeypatch, use_kvikio):
     if use_kvikio and gpudirect_kvikio() is None:
-        pytest.skip("kvikio is not installed (pip install kvikio-cu12) or in its compatibility mode: "
-                    "GPUDirect Storage path untested")
+        pytest.skip(
+            "kvikio is not installed (pip install kvikio-cu12) or in its compatibility mode: "
+            "GPUDirect Storage path untested"
+        )
     if not use_kvikio:
         monkeypatch.setattr(jobs_mod, "gpudirect_kvikio", lambda: None)
     w = torch.randn(4096, 4096, device="cuda")  # 64 MiB

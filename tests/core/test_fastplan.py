@@ -26,8 +26,19 @@ from stagesave.saving import fastplan as _fastplan
 from stagesave.saving import ziplayout as _ziplayout
 from stagesave.saving.plan import plan_torch_file
 
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-          torch.int8, torch.uint8, torch.bool, torch.complex64]
+DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+]
 
 
 def _tensor(draw: Any) -> torch.Tensor:
@@ -56,12 +67,24 @@ def states(draw: Any) -> Any:
         if choice <= 4:
             if shared and draw(st.booleans()):
                 base = draw(st.sampled_from(shared))
-                return base if draw(st.booleans()) or base.dim() == 0 else base.reshape(-1)[: max(0, base.numel() - 1)]
+                return (
+                    base
+                    if draw(st.booleans()) or base.dim() == 0
+                    else base.reshape(-1)[: max(0, base.numel() - 1)]
+                )
             t = _tensor(draw)
             shared.append(t)
             return t
-        return draw(st.one_of(st.integers(-2**40, 2**40), st.floats(allow_nan=False), st.text(max_size=5),
-                              st.none(), st.booleans(), st.binary(max_size=4)))
+        return draw(
+            st.one_of(
+                st.integers(-(2**40), 2**40),
+                st.floats(allow_nan=False),
+                st.text(max_size=5),
+                st.none(),
+                st.booleans(),
+                st.binary(max_size=4),
+            )
+        )
 
     def node(depth: int) -> Any:
         if depth >= 3 or draw(st.integers(0, 3)) == 0:
@@ -73,7 +96,9 @@ def states(draw: Any) -> Any:
         if kind == "tuple":
             return tuple(items)
         keys = [f"k{i}" if draw(st.booleans()) else i for i in range(len(items))]
-        return dict(zip(keys, items)) if kind == "dict" else collections.OrderedDict(zip(keys, items))
+        return (
+            dict(zip(keys, items)) if kind == "dict" else collections.OrderedDict(zip(keys, items))
+        )
 
     return {"state": node(0), "step": draw(st.integers(0, 10**6))}
 
@@ -104,8 +129,15 @@ def test_a_state_of_many_tensors_and_an_optimizer_state_dict() -> None:
     model(torch.ones(4, 8)).sum().backward()
     opt.step()
     _fastplan.fast_path_enabled()
-    _same({"model": model.state_dict(), "params": list(model.parameters()), "optim": opt.state_dict(),
-           "np": np.arange(3), "epoch": 2})
+    _same(
+        {
+            "model": model.state_dict(),
+            "params": list(model.parameters()),
+            "optim": opt.state_dict(),
+            "np": np.arange(3),
+            "epoch": 2,
+        }
+    )
 
 
 @dataclasses.dataclass
@@ -157,7 +189,9 @@ class _Sub(torch.Tensor):
     pytest.param(lambda: _with_attribute(torch.ones(2)), id="attribute"),
     pytest.param(lambda: torch.ones(2, dtype=torch.complex64).conj(), id="conj"),
 ])
-def test_what_only_torch_save_lays_out_is_declined_and_planned_by_torch(make: Any, ckpt_dir: str) -> None:
+def test_what_only_torch_save_lays_out_is_declined_and_planned_by_torch(
+    make: Any, ckpt_dir: str
+) -> None:
     _fastplan.fast_path_enabled()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -165,7 +199,8 @@ def test_what_only_torch_save_lays_out_is_declined_and_planned_by_torch(make: An
         state = {"x": obj, "w": torch.ones(3)}
         assert _fastplan.plan_fast(state) is None
         image = _fastplan.plan(state)
-        assert image.zip is not None and image.size > image.covered  # torch's layout (its CD included)
+        # torch's layout (its CD included)
+        assert image.zip is not None and image.size > image.covered
         with stagesave.Checkpointer(ckpt_dir) as ck:
             ck.save(state, "declined.ckpt").result()
             assert ck.verify("declined.ckpt").status == "verified"
@@ -174,7 +209,10 @@ def test_what_only_torch_save_lays_out_is_declined_and_planned_by_torch(make: An
 def test_a_quantized_tensor_is_declined_and_refused_as_before(ckpt_dir: str) -> None:
     state = {"q": torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.qint8)}
     assert _fastplan.plan_fast(state) is None
-    with stagesave.Checkpointer(ckpt_dir) as ck, pytest.raises(stagesave.UnsupportedObjectError, match="qtensor"):
+    with (
+        stagesave.Checkpointer(ckpt_dir) as ck,
+        pytest.raises(stagesave.UnsupportedObjectError, match="qtensor"),
+    ):
         ck.save(state, "q.ckpt")
 
 
@@ -187,15 +225,22 @@ def test_two_dtypes_over_one_storage_get_torch_saves_error(ckpt_dir: str) -> Non
     base = torch.zeros(4, dtype=torch.int32)
     state = {"a": base, "b": base.view(torch.float32)}
     assert _fastplan.plan_fast(state) is None
-    with stagesave.Checkpointer(ckpt_dir) as ck, pytest.raises(stagesave.UnsupportedObjectError,
-                                                               match="view the same data as different types"):
+    with (
+        stagesave.Checkpointer(ckpt_dir) as ck,
+        pytest.raises(
+            stagesave.UnsupportedObjectError, match="view the same data as different types"
+        ),
+    ):
         ck.save(state, "x.ckpt")
 
 
 def test_an_unpicklable_value_is_named_by_the_torch_path(ckpt_dir: str) -> None:
     state = {"w": torch.ones(2), "bad": lambda: 1}
     assert _fastplan.plan_fast(state) is None
-    with stagesave.Checkpointer(ckpt_dir) as ck, pytest.raises(stagesave.UnsupportedObjectError, match="bad"):
+    with (
+        stagesave.Checkpointer(ckpt_dir) as ck,
+        pytest.raises(stagesave.UnsupportedObjectError, match="bad"),
+    ):
         ck.save(state, "x.ckpt")
 
 
@@ -205,7 +250,13 @@ def test_zip64_records_past_4_gib_are_laid_out_as_torch_does() -> None:
     extras, compared piece by piece."""
     _fastplan.fast_path_enabled()
     big, big2 = torch.empty(5 << 30, dtype=torch.uint8), torch.empty(5 << 30, dtype=torch.uint8)
-    state = {"a": torch.ones(3), "big": big, "b": torch.zeros(2, dtype=torch.int64), "big2": big2, "step": 7}
+    state = {
+        "a": torch.ones(3),
+        "big": big,
+        "b": torch.zeros(2, dtype=torch.int64),
+        "big2": big2,
+        "step": 7,
+    }
     ours = _fastplan.plan_fast(state)
     theirs = plan_torch_file(state)
     assert ours is not None and ours.zip is not None and theirs.zip is not None
@@ -227,7 +278,10 @@ def test_zip64_records_past_4_gib_are_laid_out_as_torch_does() -> None:
         rec = image.zip.record(".data/serialization_id")
         for start in sorted(out):
             b = bytearray(out[start])
-            for lo, n in ((image.id_offset, len(image.serialization_id)), (rec.descriptor_crc_at, 4)):
+            for lo, n in (
+                (image.id_offset, len(image.serialization_id)),
+                (rec.descriptor_crc_at, 4),
+            ):
                 if start <= lo < start + len(b):
                     b[lo - start : lo - start + n] = bytes(n)
             out[start] = bytes(b)
@@ -256,14 +310,20 @@ def test_files_of_the_fast_path_load_everywhere(ckpt_dir: str) -> None:
         loaded = ck.load("fast.ckpt")
     path = f"{ckpt_dir}/fast.ckpt"
     for kwargs in ({"weights_only": False}, {"weights_only": True, "mmap": True}):
-        with torch.serialization.safe_globals([np.core.multiarray._reconstruct, np.ndarray, np.dtype,
-                                               type(np.dtype(np.int64))]):
+        with torch.serialization.safe_globals(
+            [np.core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.int64))]
+        ):
             other = torch.load(path, **kwargs)  # type: ignore[arg-type]
         for got in (loaded, other):
             assert torch.equal(got["model"]["weight"], model.weight.detach())
-            assert isinstance(got["param"], torch.nn.Parameter) and torch.equal(got["param"], model.weight)
+            assert isinstance(got["param"], torch.nn.Parameter) and torch.equal(
+                got["param"], model.weight
+            )
             assert torch.equal(got["view"], model.weight[1:].detach())
-            assert got["view"].untyped_storage().data_ptr() == got["param"].untyped_storage().data_ptr()
+            assert (
+                got["view"].untyped_storage().data_ptr()
+                == got["param"].untyped_storage().data_ptr()
+            )
             assert got["step"] == 11 and got["name"] == "run" and got["np"].tolist() == [0, 1, 2]
     assert pickle.loads(pickle.dumps(loaded["step"])) == 11
 
@@ -293,14 +353,19 @@ def test_nothing_planned_stays_behind_once_the_last_checkpointer_closes(ckpt_dir
     assert not _ziplayout._layouts
 
 
-def test_stagesave_planner_torch_forces_torch_saves_layout(monkeypatch: pytest.MonkeyPatch, ckpt_dir: str) -> None:
+def test_stagesave_planner_torch_forces_torch_saves_layout(
+    monkeypatch: pytest.MonkeyPatch, ckpt_dir: str
+) -> None:
     state = {"w": torch.ones(3), "step": 1}
-    assert _fastplan.plan(state).size == _fastplan.plan(state).covered  # ours: no central directory staged
+    # ours: no central directory staged
+    assert _fastplan.plan(state).size == _fastplan.plan(state).covered
     monkeypatch.setenv("STAGESAVE_PLANNER", "torch")
     assert _fastplan.plan(state).size > _fastplan.plan(state).covered  # torch's: its CD included
     with stagesave.Checkpointer(ckpt_dir) as ck:
         ck.save(state, "t.ckpt").result()
         assert ck.verify("t.ckpt").status == "verified"
         monkeypatch.setenv("STAGESAVE_PLANNER", "fastest")
-        with pytest.raises(ValueError, match="STAGESAVE_PLANNER must be 'auto' or 'torch', got 'fastest'"):
+        with pytest.raises(
+            ValueError, match="STAGESAVE_PLANNER must be 'auto' or 'torch', got 'fastest'"
+        ):
             ck.save(state, "u.ckpt")

@@ -1,4 +1,5 @@
-"""Checkpoints served by a plain HTTP server (no ranges, no sizes in its listing) load and verify."""
+"""Checkpoints served by a plain HTTP server (no ranges, no sizes in its listing) load and
+verify."""
 
 from __future__ import annotations
 

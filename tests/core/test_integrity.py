@@ -26,7 +26,9 @@ def _two_checkpoints(root):
     return root / "step2.ckpt"
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(data=st.data())
 def test_any_flipped_byte_is_detected_and_latest_falls_back(tmp_path_factory, data):
     root = tmp_path_factory.mktemp("flip")
@@ -70,7 +72,11 @@ def test_missing_file_leaves_debris_manifest_ignored(tmp_path):
 
 
 def _manifest_of(path):
-    [m] = [p for p in path.parent.iterdir() if p.name.startswith(path.name + ".") and p.name.endswith(".stagesave.json")]
+    [m] = [
+        p
+        for p in path.parent.iterdir()
+        if p.name.startswith(path.name + ".") and p.name.endswith(".stagesave.json")
+    ]
     return m
 
 
@@ -229,7 +235,11 @@ def test_proof_validation_rejects_hostile_fields(tmp_path, field, value, message
         ("chunk_bytes", 0, "chunk_bytes"),
         ("algorithm", "md5", "unknown checksum algorithm"),
         ("storages", [{"key": "0", "offset": 10, "nbytes": 1 << 40}], "outside the file"),
-        ("storages", [{"key": "0", "offset": 0, "nbytes": 100}, {"key": "1", "offset": 50, "nbytes": 10}], "overlap"),
+        (
+            "storages",
+            [{"key": "0", "offset": 0, "nbytes": 100}, {"key": "1", "offset": 50, "nbytes": 10}],
+            "overlap",
+        ),
     ],
 )
 def test_format1_manifest_validation_rejects_hostile_fields(tmp_path, field, value, message):
@@ -271,7 +281,9 @@ def test_malicious_pickle_is_refused_and_creates_nothing(tmp_path):
     path = tmp_path / "evil.ckpt"
     torch.save({"w": torch.ones(1), "x": _Payload(str(target))}, path)  # a plain file, no manifest
     assert not target.exists()
-    with pytest.raises(UnsafeCheckpointError, match=r"builtins\.open|io\.open|open.*trusted=True") as ei:
+    with pytest.raises(
+        UnsafeCheckpointError, match=r"builtins\.open|io\.open|open.*trusted=True"
+    ) as ei:
         stagesave.load(path)
     assert isinstance(ei.value, pickle.UnpicklingError)
     assert "stagesave.allow_globals" in str(ei.value) and "trusted=True" in str(ei.value)
@@ -298,7 +310,9 @@ class Hyper:
 
 def test_allow_globals_extends_the_allow_list(tmp_path):
     stagesave.save({"h": Hyper(0.1, "x")}, tmp_path / "c.ckpt")
-    with pytest.raises(UnsafeCheckpointError, match=r"test_integrity\.Hyper.*allow_globals\(Hyper\)"):
+    with pytest.raises(
+        UnsafeCheckpointError, match=r"test_integrity\.Hyper.*allow_globals\(Hyper\)"
+    ):
         stagesave.load(tmp_path / "c.ckpt")
     assert stagesave.load(tmp_path / "c.ckpt", safe_globals=[Hyper])["h"] == Hyper(0.1, "x")
     stagesave.allow_globals(Hyper)
@@ -337,7 +351,12 @@ def test_damaged_pickle_of_a_plain_file_is_an_integrity_error_not_unsafe(tmp_pat
     with zipfile.ZipFile(path) as z:
         info = next(i for i in z.infolist() if i.filename.endswith("data.pkl"))
     h = info.header_offset  # the local header's own name/extra lengths (torch pads with an extra)
-    start = h + 30 + int.from_bytes(raw[h + 26 : h + 28], "little") + int.from_bytes(raw[h + 28 : h + 30], "little")
+    start = (
+        h
+        + 30
+        + int.from_bytes(raw[h + 26 : h + 28], "little")
+        + int.from_bytes(raw[h + 28 : h + 30], "little")
+    )
     raw[start + 2 : start + 12] = b"\xff" * 10  # the pickle's first opcodes become garbage
     path.write_bytes(bytes(raw))
     with pytest.raises(IntegrityError, match="damaged"):

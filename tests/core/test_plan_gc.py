@@ -6,6 +6,7 @@ import gc
 
 import torch
 
+# _plan_torch_file: the same plan without the collector pause, to compare with
 from stagesave.saving.plan import _plan_torch_file, gc_paused, plan_torch_file
 
 
@@ -35,7 +36,8 @@ def test_no_collection_runs_while_planning():
         unpaused = len(starts)
         starts.clear()
         image = plan_torch_file(state)
-        during_plan = len(starts)  # only around the pause: entering and leaving it allocates a little
+        # only around the pause: entering and leaving it allocates a little
+        during_plan = len(starts)
         starts.clear()
         [{"x": [i]} for i in range(1000)]  # the collector is back on afterwards
         after = len(starts)

@@ -39,8 +39,12 @@ def _flip_tensor_byte(path) -> None:
 
 def _dead_pid() -> int:
     """The pid of a process that has exited (what a crash leaves in an aside folder's name)."""
-    r = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
-                       check=True)
+    r = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return int(r.stdout)
 
 
@@ -54,19 +58,34 @@ def _crash_between_renames(root, folder: str) -> str:
 
 def _mount_tmpfs(path, options):
     path.mkdir(parents=True, exist_ok=True)
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, text=True)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()}); needs root in a sandbox that allows mounts")
+        pytest.skip(
+            f"cannot mount a tmpfs here ({r.stderr.strip()}); needs root in a sandbox that allows "
+            "mounts"
+        )
 
 
 # ---------------------------------------------------------------------------- resume selection
-def test_latest_skips_a_newest_checkpoint_with_flipped_bytes_and_resume_loads_the_previous(ckpt_dir):
+def test_latest_skips_a_newest_checkpoint_with_flipped_bytes_and_resume_loads_the_previous(
+    ckpt_dir,
+):
     with stagesave.Checkpointer(ckpt_dir) as ck:
         ck.save({"step": 1, "w": torch.full((1000,), 1.0)}, "step-1.ckpt").result()
         ck.save({"step": 2, "w": torch.full((1000,), 2.0)}, "step-2.ckpt").result()
     _flip_tensor_byte(ckpt_dir / "step-2.ckpt")
-    for latest in (lambda: stagesave.latest(ckpt_dir), lambda: stagesave.Checkpointer(ckpt_dir).latest()):
-        with pytest.warns(UserWarning, match=r"skipping checkpoint .*step-2\.ckpt: .*checksum mismatch"):
+    for latest in (
+        lambda: stagesave.latest(ckpt_dir),
+        lambda: stagesave.Checkpointer(ckpt_dir).latest(),
+    ):
+        with pytest.warns(
+            UserWarning, match=r"skipping checkpoint .*step-2\.ckpt: .*checksum mismatch"
+        ):
             info = latest()
         assert info is not None and info.name == "step-1.ckpt" and info.status == "verified"
         assert stagesave.load(info.path)["step"] == 1  # the README's resume: load(latest(dir))
@@ -82,7 +101,8 @@ def test_latest_skips_a_newest_checkpoint_with_flipped_bytes_and_resume_loads_th
 def test_a_file_without_a_proof_that_is_not_a_torch_file_is_never_chosen(ckpt_dir, verify):
     with stagesave.Checkpointer(ckpt_dir) as ck:
         ck.save({"step": 1}, "step-1.ckpt").result()
-    (ckpt_dir / "zz-garbage.ckpt").write_bytes(b"garbage " * 100)  # plain files order below format 2
+    # plain files order below format 2
+    (ckpt_dir / "zz-garbage.ckpt").write_bytes(b"garbage " * 100)
     with zipfile.ZipFile(ckpt_dir / "notes.pt", "w") as z:  # a zip, but no torch archive
         z.writestr("readme.txt", "not a checkpoint")
     (ckpt_dir / "trunc.pth").write_bytes(b"PK\x03\x04" + b"\0" * 200)  # a torn zip
@@ -95,7 +115,9 @@ def test_a_file_without_a_proof_that_is_not_a_torch_file_is_never_chosen(ckpt_di
         assert f"skipping checkpoint {ckpt_dir / name}" in said, said
 
 
-def test_a_plain_torch_file_is_offered_unverified_below_any_proven_one_and_a_damaged_one_is_skipped(ckpt_dir):
+def test_a_plain_torch_file_is_offered_unverified_below_any_proven_one_and_a_damaged_one_is_skipped(
+    ckpt_dir,
+):
     torch.save({"step": 7, "w": torch.arange(4000.0)}, ckpt_dir / "plain-a.pt")
     torch.save({"step": 8, "w": torch.arange(4000.0)}, ckpt_dir / "plain-b.pt")
     os.utime(ckpt_dir / "plain-a.pt", (1, 1))  # plain files order by mtime: b is the newer
@@ -122,7 +144,9 @@ def test_a_plain_torch_file_is_offered_unverified_below_any_proven_one_and_a_dam
         assert stagesave.latest(ckpt_dir, verify=verify).name == "proven.ckpt"
 
 
-def test_the_load_after_a_verifying_latest_hashes_nothing_again_unless_the_file_changed(ckpt_dir, monkeypatch):
+def test_the_load_after_a_verifying_latest_hashes_nothing_again_unless_the_file_changed(
+    ckpt_dir, monkeypatch
+):
     calls = []
     real = proof_mod.chunk_problems  # counts the chunk hashing of the one verifier
 
@@ -195,7 +219,9 @@ def test_read_only_root_whose_only_copy_is_an_aside_folder(tmp_path):
                 assert info is not None and info.path == str(mnt / aside), info
             assert [c.name for c in stagesave.list_checkpoints(mnt)] == [aside]
             assert stagesave.load(mnt / aside / "model.bin")["step"] == 5
-        assert not [w for w in caught if "repair" in str(w.message) or "read-only" in str(w.message)]
+        assert not [
+            w for w in caught if "repair" in str(w.message) or "read-only" in str(w.message)
+        ]
         # A save there fails at save() time with the family's error, the aside folder untouched.
         with stagesave.Checkpointer(mnt) as ck, pytest.raises(CheckpointPermissionError):
             ck.save({"step": 6}, "new.ckpt")
@@ -217,14 +243,21 @@ def test_permission_denied_root_whose_only_copy_is_an_aside_folder():
         subprocess.run(["chmod", "-R", "a-w,a+rX", root], check=True)
         code = (
             "import os, sys, warnings, torch, stagesave\n"
-            "os.setgid(65534); os.setuid(65534)  # everything imported first: ~root is not readable\n"
-            "warnings.simplefilter('ignore')\n"
+            "os.setgid(65534); os.setuid(65534)  # everything imported first: ~root is not "
+            "readable\nwarnings.simplefilter('ignore')\n"
             f"info = stagesave.latest({root!r})\n"
-            "print(info.name, info.status, stagesave.load(os.path.join(info.path, 'model.bin'))['step'])\n"
+            "print(info.name, info.status, stagesave.load(os.path.join(info.path, "
+            "'model.bin'))['step'])\n"
             f"print(len(stagesave.list_checkpoints({root!r})))\n"
         )
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                           env={**os.environ, "HOME": "/tmp"})
+        r = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "HOME": "/tmp"},
+            check=False,
+        )
         assert r.returncode == 0, r.stderr
         assert r.stdout.split() == [aside, "verified", "5", "1"]
         assert os.listdir(root) == [aside]
@@ -276,17 +309,26 @@ def test_reading_through_a_link_out_of_the_root_raises_the_family_error(tmp_path
         assert ck.latest() is None  # never followed, never offered
 
 
-def test_a_folder_replaced_while_latest_verifies_it_is_verified_again_not_skipped(ckpt_dir, monkeypatch):
+def test_a_folder_replaced_while_latest_verifies_it_is_verified_again_not_skipped(
+    ckpt_dir, monkeypatch
+):
     with stagesave.Checkpointer(ckpt_dir) as ck:
-        ck.save_dir({"model.bin": {"step": 1, "w": torch.ones(1000)}, "extra.bin": {"n": 1}}, "checkpoint").result()
+        ck.save_dir(
+            {"model.bin": {"step": 1, "w": torch.ones(1000)}, "extra.bin": {"n": 1}}, "checkpoint"
+        ).result()
     real = verify_mod.check_file  # fault injection: a replacement between the proof and the bytes
     replaced = []
 
     def replace_once(reader, manifest, io, reuse):
         if not replaced:  # another writer replaces the folder between its proof and its bytes
             with stagesave.Checkpointer(ckpt_dir) as other:
-                other.save_dir({"model.bin": {"step": 2, "w": torch.full((1000,), 2.0)}, "extra.bin": {"n": 2}},
-                               "checkpoint").result()
+                other.save_dir(
+                    {
+                        "model.bin": {"step": 2, "w": torch.full((1000,), 2.0)},
+                        "extra.bin": {"n": 2},
+                    },
+                    "checkpoint",
+                ).result()
             replaced.append(True)
         return real(reader, manifest, io, reuse)
 
@@ -304,17 +346,24 @@ warnings.simplefilter("ignore")
 import torch, stagesave
 step = int(sys.argv[2])
 with stagesave.Checkpointer(sys.argv[1]) as ck:
-    ck.save_dir({"model.bin": {"step": step, "w": torch.full((3000,), float(step))}, "extra.bin": {"n": step}},
+    ck.save_dir({"model.bin": {"step": step, "w": torch.full((3000,), float(step))},
+                 "extra.bin": {"n": step}},
                 "checkpoint").result()
 """
 
 
-def test_a_folder_listed_just_before_a_replacement_and_proved_just_after_is_verified_again(ckpt_dir, monkeypatch):
+def test_a_folder_listed_just_before_a_replacement_and_proved_just_after_is_verified_again(
+    ckpt_dir, monkeypatch
+):
     """The listing of a folder's files and the proof they are judged against come from two
     saves when another process replaces the folder between the two reads (sizes then disagree
     with the proof): the folder is judged again, never reported as damaged or skipped."""
     def state(step: int) -> dict:
-        return {"model.bin": {"step": step, "w": torch.full((1000,), float(step))}, "extra.bin": {"n": step}}
+        return {
+            "model.bin": {"step": step, "w": torch.full((1000,), float(step))},
+            "extra.bin": {"n": step},
+        }
+
     # (the other process saves 3000 floats: every file of the folder changes size)
 
     with stagesave.Checkpointer(ckpt_dir) as ck:
@@ -327,7 +376,9 @@ def test_a_folder_listed_just_before_a_replacement_and_proved_just_after_is_veri
         if armed and armed[-1] > 0 and directory.endswith("checkpoint"):
             armed[-1] -= 1  # another process replaces the folder right after this listing
             step = 10 ** 12 + len(armed)  # other sizes than step 1
-            subprocess.run([sys.executable, "-c", _REPLACE_FOLDER, str(ckpt_dir), str(step)], check=True)
+            subprocess.run(
+                [sys.executable, "-c", _REPLACE_FOLDER, str(ckpt_dir), str(step)], check=True
+            )
         return listing
 
     monkeypatch.setattr(folders_mod, "list_tree", list_then_replace)
@@ -336,15 +387,25 @@ def test_a_folder_listed_just_before_a_replacement_and_proved_just_after_is_veri
         armed.append(1)
         checked = stagesave.verify(ckpt_dir / "checkpoint")
         assert armed == [0] and checked.status == "verified", checked.problems
-        assert checked.manifest.metadata == stagesave.verify(ckpt_dir / "checkpoint").manifest.metadata
+        assert (
+            checked.manifest.metadata == stagesave.verify(ckpt_dir / "checkpoint").manifest.metadata
+        )
         armed.append(1)
         info = stagesave.latest(ckpt_dir)
-    assert armed == [0, 0] and info is not None and info.name == "checkpoint" and info.status == "verified"
+    assert (
+        armed == [0, 0]
+        and info is not None
+        and info.name == "checkpoint"
+        and info.status == "verified"
+    )
     assert stagesave.load(ckpt_dir / "checkpoint" / "model.bin")["step"] == 10 ** 12 + 2
 
 
-# ---------------------------------------------------------------------------- resume_from (a caller's "newest")
-def test_resume_from_keeps_an_intact_choice_and_replaces_a_damaged_one_by_the_newest_intact(ckpt_dir):
+# ---------------------------------------------------------------------------- resume_from (a
+# caller's "newest")
+def test_resume_from_keeps_an_intact_choice_and_replaces_a_damaged_one_by_the_newest_intact(
+    ckpt_dir,
+):
     with stagesave.Checkpointer(ckpt_dir) as ck:
         for step in range(3):
             ck.save({"w": torch.full((64,), float(step))}, f"step={step}.ckpt")
@@ -359,10 +420,14 @@ def test_resume_from_keeps_an_intact_choice_and_replaces_a_damaged_one_by_the_ne
             chosen = ck.resume_from(last)
         assert chosen == os.path.join(ckpt_dir, "step=2.ckpt")
         messages = [str(w.message) for w in record]
-        assert any(m.startswith(f"skipping checkpoint {last}: ") and "checksum mismatch" in m for m in messages)
+        assert any(
+            m.startswith(f"skipping checkpoint {last}: ") and "checksum mismatch" in m
+            for m in messages
+        )
         assert any(m.startswith(f"resuming from {chosen} instead of {last}") for m in messages)
         assert torch.equal(ck.load(chosen)["w"], torch.full((64,), 2.0))
-        # Without verification the flipped byte goes unseen (only the proof is read), as in latest().
+        # Without verification the flipped byte goes unseen (only the proof is read), as in
+        # latest().
         assert ck.resume_from(last, verify=False) == last
 
 
@@ -375,4 +440,6 @@ def test_resume_from_with_nothing_loadable_is_none_and_a_missing_choice_falls_ba
             assert ck.resume_from(last) is None
         ck.save({"w": torch.zeros(64)}, "a.ckpt")
         with pytest.warns(UserWarning, match=r"gone\.ckpt: it does not exist"):
-            assert ck.resume_from(os.path.join(ckpt_dir, "gone.ckpt")) == os.path.join(ckpt_dir, "a.ckpt")
+            assert ck.resume_from(os.path.join(ckpt_dir, "gone.ckpt")) == os.path.join(
+                ckpt_dir, "a.ckpt"
+            )

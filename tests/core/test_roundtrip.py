@@ -18,9 +18,23 @@ from hypothesis import strategies as st
 import stagesave
 
 SERIALIZABLE_DTYPES = [
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
-] + [getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64") if hasattr(torch, n)]
+    torch.float64,
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+] + [
+    getattr(torch, n)
+    for n in ("float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64")
+    if hasattr(torch, n)
+]
 
 
 class Point(NamedTuple):
@@ -37,8 +51,13 @@ class Config:
 
 def _tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    raw = torch.randint(0, 256, (int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size(),),
-                        dtype=torch.uint8, generator=g)
+    raw = torch.randint(
+        0,
+        256,
+        (int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size(),),
+        dtype=torch.uint8,
+        generator=g,
+    )
     t = raw.view(dtype).reshape(shape) if raw.numel() else torch.empty(shape, dtype=dtype)
     if dtype == torch.bool:
         t = raw.reshape(shape) % 2 == 1 if raw.numel() else torch.empty(shape, dtype=torch.bool)
@@ -87,7 +106,10 @@ def test_tied_weights_and_views_keep_sharing(ckpt_dir):
     emb = torch.randn(10, 4)
     state = {"embed": emb, "lm_head": emb, "row": emb[3], "t": emb.t(), "strided": emb[::2, 1:]}
     stagesave.save(state, ckpt_dir / "tied.ckpt")
-    for loaded in (stagesave.load(ckpt_dir / "tied.ckpt"), stagesave.load(ckpt_dir / "tied.ckpt", mmap=False)):
+    for loaded in (
+        stagesave.load(ckpt_dir / "tied.ckpt"),
+        stagesave.load(ckpt_dir / "tied.ckpt", mmap=False),
+    ):
         assert_same(loaded, state)
         ptr = loaded["embed"].untyped_storage().data_ptr()
         for k in ("lm_head", "row", "t", "strided"):
@@ -102,7 +124,9 @@ def test_bytes_equal_to_what_torch_save_loads(ckpt_dir):
     buf = io.BytesIO()
     torch.save(state, buf)
     buf.seek(0)
-    assert_same(torch.load(ckpt_dir / "x.ckpt", weights_only=True), torch.load(buf, weights_only=True))
+    assert_same(
+        torch.load(ckpt_dir / "x.ckpt", weights_only=True), torch.load(buf, weights_only=True)
+    )
 
 
 def test_load_to_requested_device_and_meta(ckpt_dir):
@@ -115,7 +139,9 @@ def test_load_to_requested_device_and_meta(ckpt_dir):
 
 
 # ----------------------------------------------------------------------------- property test
-dtypes = st.sampled_from([torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.uint8, torch.float16])
+dtypes = st.sampled_from(
+    [torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.uint8, torch.float16]
+)
 shapes = st.lists(st.integers(0, 5), min_size=0, max_size=3).map(tuple)
 
 
@@ -152,12 +178,22 @@ states = st.recursive(
 )
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(state=states, alias=st.booleans())
 def test_property_random_states_round_trip(tmp_path, state, alias):
     if alias:  # add aliases of the first tensor found
-        found = [v for v in (state.values() if isinstance(state, dict) else [state]) if isinstance(v, torch.Tensor)]
-        state = {"s": state, "alias": found[0] if found else torch.ones(1), "again": found[0] if found else None}
+        found = [
+            v
+            for v in (state.values() if isinstance(state, dict) else [state])
+            if isinstance(v, torch.Tensor)
+        ]
+        state = {
+            "s": state,
+            "alias": found[0] if found else torch.ones(1),
+            "again": found[0] if found else None,
+        }
     path = tmp_path / f"p{os.getpid()}.ckpt"
     with stagesave.Checkpointer() as ck:
         ck.save(state, path).result()

@@ -40,9 +40,11 @@ def proof_of(path: object) -> dict[str, object]:
         seen.update(doc)
         return json.dumps(doc, separators=(",", ":")).encode()
 
-    data = open(path, "rb").read()  # type: ignore[call-overload]
+    with open(path, "rb") as f:  # type: ignore[call-overload]
+        data = f.read()
     rewrite_proof(path, grab)  # rewrites the same bytes: nothing changes
-    assert open(path, "rb").read() == data  # type: ignore[call-overload]
+    with open(path, "rb") as f:  # type: ignore[call-overload]
+        assert f.read() == data
     return seen
 
 
@@ -109,8 +111,8 @@ def test_bytes_changed_and_reproved_keep_no_valid_signature(tmp_path):
     signing.configure([KEY])
     stagesave.save(state(1), tmp_path / "a.ckpt")
     doc = proof_of(tmp_path / "a.ckpt")
-    data = bytearray(open(tmp_path / "a.ckpt", "rb").read())
-    key, offset, nbytes = doc["storages"][0]  # type: ignore[index]
+    data = bytearray((tmp_path / "a.ckpt").read_bytes())
+    _key, offset, _nbytes = doc["storages"][0]  # type: ignore[index]
     data[offset] ^= 0xFF
     chunk = doc["chunk_bytes"]
     covered = doc["covered"]

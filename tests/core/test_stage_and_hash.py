@@ -24,7 +24,10 @@ from stagesave.saving.stage import crc_image, on_host, stage_and_crc, stage_imag
 def _reference_crcs(view: memoryview, image, chunk: int) -> tuple[list[int], list[int]]:
     """CRC-32s computed the slow, obvious way (zlib over each range)."""
     data = bytes(view[: image.size])
-    chunks = [zlib.crc32(data[lo : min(image.covered, lo + chunk)]) for lo in range(0, image.covered, chunk)]
+    chunks = [
+        zlib.crc32(data[lo : min(image.covered, lo + chunk)])
+        for lo in range(0, image.covered, chunk)
+    ]
     slots = [zlib.crc32(data[s.offset : s.offset + s.nbytes]) for s in image.slots]
     return chunks, slots
 
@@ -40,7 +43,10 @@ def _garbage_buffer(nbytes: int, fill: int) -> HostBuffer:
 @st.composite
 def states(draw: st.DrawFn) -> dict[str, object]:
     n = draw(st.integers(0, 12))
-    state: dict[str, object] = {"step": draw(st.integers(0, 10**6)), "name": draw(st.text(max_size=20))}
+    state: dict[str, object] = {
+        "step": draw(st.integers(0, 10**6)),
+        "name": draw(st.text(max_size=20)),
+    }
     for i in range(n):
         numel = draw(st.sampled_from([0, 1, 3, 1000, 4097, 70_000, 300_001]))
         dtype = draw(st.sampled_from(_DTYPES))
@@ -72,10 +78,14 @@ def test_fused_staging_matches_copy_then_crc(state, chunk_pages, sub_pages, base
     try:
         with cf.ThreadPoolExecutor(3) as pool:
             crcs = stage_and_crc(image, fused, base, chunk_bytes=chunk, pool=pool)
-            again = crc_image(image, fused.view[base : base + image.size], chunk_bytes=chunk, pool=pool)
+            again = crc_image(
+                image, fused.view[base : base + image.size], chunk_bytes=chunk, pool=pool
+            )
     finally:
         stage_mod.SUB_CHUNK = old
-    assert bytes(fused.view[base : base + image.size]) == bytes(reference.view[base : base + image.size])
+    assert bytes(fused.view[base : base + image.size]) == bytes(
+        reference.view[base : base + image.size]
+    )
     assert bytes(fused.view[:base]) == bytes([0x5C]) * base  # nothing before base touched
     assert crcs.chunks == chunks and crcs.slots == slots
     assert again.chunks == chunks and again.slots == slots
@@ -100,13 +110,17 @@ def test_fused_staging_of_a_safetensors_image_loads_back_equal():
 def test_fused_staging_refuses_device_state():
     image = plan_torch_file({"t": torch.ones(3)})
     s = image.slots[0]
-    image.slots[0] = StorageSlot(s.key, s.offset, s.nbytes, torch.empty(12, dtype=torch.uint8, device="meta"))
+    image.slots[0] = StorageSlot(
+        s.key, s.offset, s.nbytes, torch.empty(12, dtype=torch.uint8, device="meta")
+    )
     assert on_host(image)  # meta has no bytes: still host-only
     fake = type("FakeDevice", (), {"device": torch.device("cuda", 0), "is_cpu": False})()
     image.slots[0] = StorageSlot(s.key, s.offset, s.nbytes, fake)
     assert not on_host(image)
     with pytest.raises(ValueError, match="host memory"):
-        stage_and_crc(image, _garbage_buffer(image.size, 0), chunk_bytes=4096, pool=cf.ThreadPoolExecutor(1))
+        stage_and_crc(
+            image, _garbage_buffer(image.size, 0), chunk_bytes=4096, pool=cf.ThreadPoolExecutor(1)
+        )
 
 
 @pytest.mark.parametrize(("l2", "expected"), [

@@ -105,13 +105,19 @@ def test_keep_last_keeps_the_newest_by_sequence(ckpt_dir):
 
 def test_handle_and_telemetry(ckpt_dir):
     seen = []
-    with stagesave.Checkpointer(ckpt_dir, telemetry_callback=seen.append, telemetry_jsonl=True) as ck:
+    with stagesave.Checkpointer(
+        ckpt_dir, telemetry_callback=seen.append, telemetry_jsonl=True
+    ) as ck:
         h = ck.save({"t": torch.randn(1000)}, "t.ckpt")
         tel = h.result(timeout=30)
         assert h.done()
     assert seen == [tel]
     assert tel.bytes > 4000 and tel.tensor_bytes == 4000 and tel.blocking_s > 0 and tel.write_s > 0
-    assert tel.time_to_commit_s >= tel.blocking_s and tel.committed_at is not None and tel.error is None
+    assert (
+        tel.time_to_commit_s >= tel.blocking_s
+        and tel.committed_at is not None
+        and tel.error is None
+    )
     lines = (ckpt_dir / "stagesave-telemetry.jsonl").read_text().splitlines()
     assert len(lines) == 1 and '"bytes": ' in lines[0]
 
@@ -178,18 +184,25 @@ def test_host_state_is_hashed_before_save_returns_by_default(ckpt_dir, checksum_
         assert ck.verify("w.ckpt").status == "verified"
 
 
-@pytest.mark.parametrize(("checksum_in", "host", "device_pending"),
-                         [("auto", True, False), ("staging", True, True), ("background", False, False)])
+@pytest.mark.parametrize(
+    ("checksum_in", "host", "device_pending"),
+    [("auto", True, False), ("staging", True, True), ("background", False, False)],
+)
 def test_where_checksums_are_computed(ckpt_dir, checksum_in, host, device_pending):
     """"auto" leaves hashing to the writers while a device-to-host copy is still in flight, and
     for states of many small tensors (private: the choice itself is not observable otherwise)."""
     from stagesave.saving.fastplan import plan
 
-    big, small = plan({"t": torch.zeros(1 << 20)}), plan({str(i): torch.zeros(16) for i in range(100)})
+    big, small = (
+        plan({"t": torch.zeros(1 << 20)}),
+        plan({str(i): torch.zeros(16) for i in range(100)}),
+    )
     with stagesave.Checkpointer(ckpt_dir, checksum_in=checksum_in) as ck:
         assert ck.stager.hash_while_staging(device_copy_pending=False, image=big) is host
         assert ck.stager.hash_while_staging(device_copy_pending=True, image=big) is device_pending
-        assert ck.stager.hash_while_staging(device_copy_pending=False, image=small) is (checksum_in == "staging")
+        assert ck.stager.hash_while_staging(device_copy_pending=False, image=small) is (
+            checksum_in == "staging"
+        )
 
 
 def test_many_small_tensors_hashed_in_the_background_verify(ckpt_dir):
@@ -298,7 +311,11 @@ def test_a_checkpointer_dropped_without_close_gives_its_threads_and_buffers_back
     ck = stagesave.Checkpointer(ckpt_dir)
     ck.save({"w": torch.ones(1 << 16)}, "a.ckpt").result(timeout=60)
     ours = [t for t in threading.enumerate() if t.ident not in before]
-    assert sorted(t.name.rstrip("_0123456789") for t in ours) == ["stagesave-hash", "stagesave-io", "stagesave-writer"]
+    assert sorted(t.name.rstrip("_0123456789") for t in ours) == [
+        "stagesave-hash",
+        "stagesave-io",
+        "stagesave-writer",
+    ]
     pool = ck.memory.host
     assert pool.total_bytes() > 0
     gone = weakref.ref(ck)
@@ -334,13 +351,14 @@ def test_flush_on_sigterm_commits_pending_saves_then_dies_of_sigterm(tmp_path):
         "os.kill(os.getpid(), signal.SIGTERM)\n"
         "import time; time.sleep(30)\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], timeout=120)
+    r = subprocess.run([sys.executable, "-c", code], timeout=120, check=False)
     assert r.returncode == -signal.SIGTERM
     assert stagesave.verify(tmp_path / "t.ckpt").status == "verified"
 
 
 def test_closing_joins_the_hashing_threads_and_none_start_afterwards(ckpt_dir):
-    """close() joins the threads that hash after the copy; a save racing close() cannot restart them."""
+    """close() joins the threads that hash after the copy; a save racing close() cannot restart
+    them."""
     ck = stagesave.Checkpointer(ckpt_dir)
     ck.save({"t": torch.randn(100_000)}, "h.ckpt").result()
     hashing = [t for t in ck.stager.threads._threads if t.is_alive()]
