@@ -13,7 +13,8 @@ import pytest
 
 def pytest_configure(config):  # type: ignore[no-untyped-def]
     config.addinivalue_line(
-        "markers", "fault_class(name): count this test as one trial of that fault class in the summary"
+        "markers",
+        "fault_class(name): count this test as one trial of that fault class in the summary",
     )
 
 

@@ -36,7 +36,8 @@ from stagesave.stores import posix as _fsops
 
 __all__ = ["FSOPS", "MODES", "Call", "Op", "PowerLossModel", "Recorder"]
 
-#: Functions of ``stagesave.stores.posix`` made of others of it (their parts are recorded, not them).
+#: Functions of ``stagesave.stores.posix`` made of others of it (their parts are recorded, not
+# them).
 COMPOSITE = ("fsync_dir",)
 #: Every other function of ``stagesave.stores.posix`` (all of them are wrapped).
 FSOPS = tuple(n for n in _fsops.__all__ if n not in COMPOSITE)
@@ -213,13 +214,17 @@ class Recorder:
                     offset = self._pos.get(fd, 0)
                     self._pos[fd] = offset + result
                 raw = bytes(memoryview(data).cast("B")[:result])
-                self._log(Op("pwrite", call.path, fd=fd, offset=offset, length=result, data=raw, t_ns=t))
+                self._log(
+                    Op("pwrite", call.path, fd=fd, offset=offset, length=result, data=raw, t_ns=t)
+                )
             elif name == "fsync":
                 self._log(Op("fsync", call.path, fd=args[0], is_dir=call.is_dir, t_ns=t))
             elif name == "ftruncate":
                 self._log(Op("ftruncate", call.path, fd=args[0], length=args[1], t_ns=t))
             elif name == "posix_fallocate":
-                self._log(Op("fallocate", call.path, fd=args[0], offset=args[1], length=args[2], t_ns=t))
+                self._log(
+                    Op("fallocate", call.path, fd=args[0], offset=args[1], length=args[2], t_ns=t)
+                )
             elif name == "posix_fadvise":
                 self._log(Op("fadvise", call.path, fd=args[0], t_ns=t))
             elif name in ("replace", "rename"):
@@ -231,7 +236,9 @@ class Recorder:
             elif name == "unlink":
                 self._log(Op("unlink", call.path, t_ns=t))
             elif name == "symlink":  # symlink(target, path): the path is the second argument
-                self._log(Op("symlink", os.path.abspath(args[1]), data=os.fsencode(args[0]), t_ns=t))
+                self._log(
+                    Op("symlink", os.path.abspath(args[1]), data=os.fsencode(args[0]), t_ns=t)
+                )
             elif name == "makedirs":
                 for p in pre:
                     self._log(Op("mkdir", p, t_ns=t))
@@ -333,7 +340,9 @@ class PowerLossModel:
 
     def _snapshot(self, path: str) -> int:
         if os.path.isdir(path) and not os.path.islink(path):
-            entries = {name: self._snapshot(os.path.join(path, name)) for name in sorted(os.listdir(path))}
+            entries = {
+                name: self._snapshot(os.path.join(path, name)) for name in sorted(os.listdir(path))
+            }
             return self._new(_Dir(dict(entries), dict(entries)))
         if os.path.islink(path):
             return self._new(_Link(os.fsencode(os.readlink(path))))
@@ -425,7 +434,9 @@ class PowerLossModel:
         self.applied += 1
 
     # ------------------------------------------------------------------ power loss
-    def materialize(self, dest: str | os.PathLike[str], mode: str, rng: random.Random | None = None) -> None:
+    def materialize(
+        self, dest: str | os.PathLike[str], mode: str, rng: random.Random | None = None
+    ) -> None:
         """Write the tree a power loss now would leave (see the module docstring) into ``dest``."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}")
@@ -479,6 +490,8 @@ def rename_to(ops: list[Op], start: int, end: int, dst: str) -> int:
     """Index of the rename onto ``dst`` (or exchange with it) in ``ops[start:end]`` (-1 if none)."""
     for i in range(start, end):
         op = ops[i]
-        if (op.kind == "rename" and op.dst == dst) or (op.kind == "exchange" and dst in (op.path, op.dst)):
+        if (op.kind == "rename" and op.dst == dst) or (
+            op.kind == "exchange" and dst in (op.path, op.dst)
+        ):
             return i
     return -1

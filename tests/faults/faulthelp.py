@@ -11,7 +11,15 @@ import torch
 import stagesave
 from stagesave.formats import Safetensors
 
-__all__ = ["blocked_on_a_lock", "debris", "dir_state", "file_state", "latest_name", "lock_waiters", "tree"]
+__all__ = [
+    "blocked_on_a_lock",
+    "debris",
+    "dir_state",
+    "file_state",
+    "latest_name",
+    "lock_waiters",
+    "tree",
+]
 
 
 def file_state(step: int, n: int = 4000) -> dict[str, Any]:

@@ -80,7 +80,9 @@ def same_state(a: Any, b: Any) -> bool:
         return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
                 and torch.equal(_raw(a), _raw(b)))
     if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
+        return (
+            isinstance(b, dict) and a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
+        )
     return type(a) is type(b) and a == b
 
 
@@ -111,12 +113,16 @@ def _aside_problem(root: str, name: str) -> str | None:
     return None
 
 
-def _load_matches(ck: stagesave.Checkpointer, info: stagesave.CheckpointInfo, v: Version) -> str | None:
+def _load_matches(
+    ck: stagesave.Checkpointer, info: stagesave.CheckpointInfo, v: Version
+) -> str | None:
     """Load what ``info`` names (verifying) and compare with ``v.state``; a problem or None."""
     try:
         if not v.is_dir:
             loaded = ck.load(info.path)
-            return None if same_state(v.state, loaded) else f"{info.name} loads other values than {v}"
+            return (
+                None if same_state(v.state, loaded) else f"{info.name} loads other values than {v}"
+            )
         from safetensors.torch import load_file
 
         for leaf, content in v.state.items():
@@ -155,7 +161,9 @@ def check_invariant(root: str, versions: list[Version], k: int, mode: str) -> li
                 problems.append(f"latest(): {offered_aside}")
             if info is not None and got is None:
                 unpublished = _identify(root, info.name, versions)
-                what = f"the uncommitted {unpublished}" if unpublished else "bytes of no saved version"
+                what = (
+                    f"the uncommitted {unpublished}" if unpublished else "bytes of no saved version"
+                )
                 problems.append(f"latest() is {info.name} holding {what}")
             elif mode == "durable" and got is not floor:
                 problems.append(f"latest() is {got} but the newest committed checkpoint is {floor}")
@@ -171,7 +179,9 @@ def check_invariant(root: str, versions: list[Version], k: int, mode: str) -> li
                     problems.append(bad)
             for other in ck.list():
                 if other.valid and _identify(root, other.name, published) is None:
-                    problems.append(f"list() offers {other.name} ({other.status}) holding no published version")
+                    problems.append(
+                        f"list() offers {other.name} ({other.status}) holding no published version"
+                    )
                 if other.valid and _aside_problem(root, other.name):
                     problems.append(f"list(): {_aside_problem(root, other.name)}")
     return problems

@@ -28,7 +28,10 @@ def file_state(step: int) -> dict[str, object]:
 def folder_state(step: int) -> dict[str, object]:
     return {
         "model.safetensors": Safetensors({"w": torch.full((N // 2,), float(step))}),
-        "optimizer.bin": {"step": step, "m": torch.full((N // 4,), float(step), dtype=torch.float64)},
+        "optimizer.bin": {
+            "step": step,
+            "m": torch.full((N // 4,), float(step), dtype=torch.float64),
+        },
     }
 
 
@@ -36,7 +39,9 @@ def _consistent(state: dict[str, object], key: str) -> int:
     """The step a loaded state says it is, after checking every value agrees with it."""
     step = int(state["step"])  # type: ignore[arg-type]
     t = state[key]
-    assert isinstance(t, torch.Tensor) and bool((t == float(step)).all()), f"{key} does not hold step {step}"
+    assert isinstance(t, torch.Tensor) and bool((t == float(step)).all()), (
+        f"{key} does not hold step {step}"
+    )
     return step
 
 

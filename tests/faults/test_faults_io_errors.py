@@ -58,7 +58,9 @@ def _fault_then_recover(root, *, is_dir: bool, name: str, op: str, err: int, nth
                 error = ei.value
         assert len(fired) == 1, f"the fault never fired: the save made fewer than {nth} {op} calls"
         message = str(error)
-        assert str(root / name) in message and ("saving checkpoint" in message or "cannot write" in message)
+        assert str(root / name) in message and (
+            "saving checkpoint" in message or "cannot write" in message
+        )
         assert (_NO_SPACE if err in (errno.ENOSPC, errno.EDQUOT) else os.strerror(err)) in message
         assert error.errno == err
         assert debris(root) == []
@@ -72,7 +74,8 @@ def _fault_then_recover(root, *, is_dir: bool, name: str, op: str, err: int, nth
 
 
 def _fsyncs_of_a_clean_save(root, is_dir: bool, name: str, op: str = "fsync") -> list[str]:
-    """Every ``op`` call the same save makes without a fault, described (file or folder, and which)."""
+    """Every ``op`` call the same save makes without a fault, described (file or folder, and
+    which)."""
     root.mkdir()
     calls: list[str] = []
     with stagesave.Checkpointer(root, chunk_bytes=8192) as ck:
@@ -89,7 +92,9 @@ def _describe(root, call: Call) -> str:
     return f"{'folder' if call.is_dir else 'file'} {rel}"
 
 
-@pytest.mark.parametrize(("is_dir", "name"), SAVES, ids=[f"{'dir' if d else 'file'}-{n}" for d, n in SAVES])
+@pytest.mark.parametrize(
+    ("is_dir", "name"), SAVES, ids=[f"{'dir' if d else 'file'}-{n}" for d, n in SAVES]
+)
 def test_eio_from_every_fsync_of_a_save(tmp_path, is_dir, name):
     """EIO at each fsync the protocol makes (data, proof, every directory; whichever thread):
     fatal, reported, never retried, the previous checkpoint kept, the next save fine."""
@@ -102,7 +107,9 @@ def test_eio_from_every_fsync_of_a_save(tmp_path, is_dir, name):
         root = tmp_path / f"eio-{nth}"
         root.mkdir()
         try:
-            fired = _fault_then_recover(root, is_dir=is_dir, name=name, op="fsync", err=errno.EIO, nth=nth)
+            fired = _fault_then_recover(
+                root, is_dir=is_dir, name=name, op="fsync", err=errno.EIO, nth=nth
+            )
             assert _describe(root, fired) == what, (fired, what)
         except (AssertionError, pytest.fail.Exception) as exc:
             violations.append(f"EIO at fsync #{nth} ({what}): {exc}")
@@ -116,8 +123,14 @@ def test_eio_from_every_fsync_of_a_save(tmp_path, is_dir, name):
 @pytest.mark.parametrize("nth", [1, 3])
 def test_error_in_the_middle_of_the_background_write(tmp_path, is_dir, err, nth):
     """pwrite fails (disk full, quota, I/O error) while the writer threads are mid-file."""
-    _fault_then_recover(tmp_path, is_dir=is_dir, name="next" if is_dir else "next.ckpt", op="pwrite",
-                        err=err, nth=nth)
+    _fault_then_recover(
+        tmp_path,
+        is_dir=is_dir,
+        name="next" if is_dir else "next.ckpt",
+        op="pwrite",
+        err=err,
+        nth=nth,
+    )
 
 
 @pytest.mark.fault_class(ENOSPC_CLASS)
@@ -135,7 +148,9 @@ def test_enospc_from_the_proof_write(tmp_path):
     pwrites = _fsyncs_of_a_clean_save(tmp_path / "clean", False, "next.ckpt", op="pwrite")
     root = tmp_path / "fault"
     root.mkdir()
-    _fault_then_recover(root, is_dir=False, name="next.ckpt", op="pwrite", err=errno.ENOSPC, nth=len(pwrites))
+    _fault_then_recover(
+        root, is_dir=False, name="next.ckpt", op="pwrite", err=errno.ENOSPC, nth=len(pwrites)
+    )
 
 
 def test_fallocate_unsupported_is_not_an_error(tmp_path):

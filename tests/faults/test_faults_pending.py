@@ -164,7 +164,8 @@ class Stepper:
     def __init__(self, rec: Recorder) -> None:
         self._at = threading.Event()
         self._go = threading.Event()
-        self._one = threading.Lock()  # the I/O threads write chunks in parallel: one stops at a time
+        # the I/O threads write chunks in parallel: one stops at a time
+        self._one = threading.Lock()
         self._current: list[Call] = []
         rec.add_hook(self._hold)
 
@@ -257,7 +258,11 @@ def test_reader_at_every_step_of_a_pending_overwrite_sees_old_or_new(tmp_path):
             while (call := stepper.next_call(h)) is not None:
                 if same_process is None:  # as an evaluation callback or a fresh Trainer would
                     t, box = _in_thread(lambda: _read_file(root))
-                    same_process = (t, box, _settled(t.is_alive, os.getpid(), lock_waiters(os.getpid()), t))
+                    same_process = (
+                        t,
+                        box,
+                        _settled(t.is_alive, os.getpid(), lock_waiters(os.getpid()), t),
+                    )
                 r = ReaderProcess(root)
                 readers.append((call, r, r.settled()))
                 stepper.release()
@@ -274,7 +279,9 @@ def test_reader_at_every_step_of_a_pending_overwrite_sees_old_or_new(tmp_path):
     assert same_process is not None
     t, box, settled = same_process
     t.join(60)
-    assert not settled, "a Checkpointer of the writer's process read without waiting for its pending save"
+    assert not settled, (
+        "a Checkpointer of the writer's process read without waiting for its pending save"
+    )
     assert box == {"result": 2}, box
 
 
@@ -302,8 +309,11 @@ def _into_place(root: str):  # type: ignore[no-untyped-def]
     """The call that puts the staged folder under the checkpoint's name: the second rename of
     a replacement by renames, or the atomic exchange of the two folders."""
     final = os.path.join(root, "checkpoint")
-    return lambda c: (c.name in ("rename", "exchange") and ".stagesave-tmp" in os.path.basename(c.path)
-                      and os.path.abspath(c.args[1]) == final)
+    return lambda c: (
+        c.name in ("rename", "exchange")
+        and ".stagesave-tmp" in os.path.basename(c.path)
+        and os.path.abspath(c.args[1]) == final
+    )
 
 
 class ReaderProcess:
@@ -396,7 +406,8 @@ def test_latest_in_the_same_process_during_a_folder_replacement(tmp_path, how):
                 rec.fail("exchange", errno.EINVAL, every=True)
             gate = Gate(rec, _into_place(root))
             h = ck.save_dir(dir_state(2), "checkpoint")
-            gate.reached()  # the old folder is aside (or about to be exchanged), the new one not in place
+            # the old folder is aside (or about to be exchanged), the new one not in place
+            gate.reached()
             t, box = _in_thread(lambda: latest_name(root))  # e.g. an evaluation callback
             try:
                 settled = _settled(t.is_alive, os.getpid(), thread=t)
@@ -449,10 +460,16 @@ class _ClosesItsCheckpointer:
 
 @pytest.mark.fault_class("save after close")
 @pytest.mark.parametrize("kind", ["file", "folder"])
-@pytest.mark.parametrize(("checksum_in", "message"), [
-    ("staging", "this Checkpointer is closed"),  # refused when the copy wants its hashing threads
-    ("background", r"the Checkpointer was closed while .* was being staged; it was not written"),  # at the queue
-])
+@pytest.mark.parametrize(
+    ("checksum_in", "message"),
+    [
+        # refused when the copy wants its hashing threads
+        ("staging", "this Checkpointer is closed"),
+        # at the queue
+        ("background",
+         r"the Checkpointer was closed while .* was being staged; it was not written"),
+    ],
+)
 def test_close_racing_a_save_being_staged_refuses_it_cleanly(tmp_path, kind, checksum_in, message):
     ck = stagesave.Checkpointer(tmp_path, checksum_in=checksum_in)
     state = {"w": torch.ones(1000), "closer": _ClosesItsCheckpointer(ck)}
@@ -462,7 +479,8 @@ def test_close_racing_a_save_being_staged_refuses_it_cleanly(tmp_path, kind, che
         else:
             ck.save_dir({"optimizer.bin": state}, "c")
     assert os.listdir(tmp_path) == []
-    assert ck.memory.host.in_use() == 0 and ck.memory.host.total_bytes() == 0  # the staging buffer was given back and freed
+    # the staging buffer was given back and freed
+    assert ck.memory.host.in_use() == 0 and ck.memory.host.total_bytes() == 0
     assert ck.pending() == 0  # and the process-wide view shows nothing pending on the path
     assert _inflight.pending(str(tmp_path / ("a.ckpt" if kind == "file" else "c"))) == []
     ck.close()  # and it stays closed, quietly
@@ -485,7 +503,9 @@ def test_max_pending_keeps_host_memory_within_budget_over_100_saves(tmp_path):
 
     gc.collect()
     base = proc.memory_info().rss  # before the checkpointer holds any buffer
-    with stagesave.Checkpointer(tmp_path, max_pending=max_pending, keep_last=2, chunk_bytes=4 << 20) as ck:
+    with stagesave.Checkpointer(
+        tmp_path, max_pending=max_pending, keep_last=2, chunk_bytes=4 << 20
+    ) as ck:
         with Recorder(tmp_path) as rec:
             rec.recording = False  # only slow the disk down; the log is not needed
 
@@ -514,8 +534,13 @@ def test_max_pending_keeps_host_memory_within_budget_over_100_saves(tmp_path):
     peak = max(samples + [base])
     # Resident: the pages of max_pending staging buffers the images touch, plus allocator slack.
     budget = max_pending * image + (16 << 20)
-    print(f"peak {(peak - base) / 2**20:.1f} MiB above start; growth 20->99: {(rss_at[99] - rss_at[20]) / 2**20:.1f} MiB; waited {waited:.2f} s")
-    assert peak - base <= budget, f"peak RSS {peak - base >> 20} MiB above start, budget {budget >> 20} MiB"
+    print(
+        f"peak {(peak - base) / 2**20:.1f} MiB above start; "
+        f"growth 20->99: {(rss_at[99] - rss_at[20]) / 2**20:.1f} MiB; waited {waited:.2f} s"
+    )
+    assert peak - base <= budget, (
+        f"peak RSS {peak - base >> 20} MiB above start, budget {budget >> 20} MiB"
+    )
     assert rss_at[99] - rss_at[20] <= 8 << 20, "RSS grows from save to save"
     assert waited > 0  # the disk was slower than the caller: back-pressure really acted
     with stagesave.Checkpointer(tmp_path) as ck:

@@ -43,14 +43,26 @@ SCENARIOS = [
     Scenario("file-keep-last", ("step3.ckpt",), baseline=("step1.ckpt", "step2.ckpt"), keep_last=2),
     Scenario("dir-first-save", ("checkpoint_1",), is_dir=True),
     Scenario("dir-overwrite", ("checkpoint",), baseline=("checkpoint",), is_dir=True),
-    Scenario("dir-overwrite-by-renames", ("checkpoint",), baseline=("checkpoint",), is_dir=True,
-             no_exchange=True),
-    Scenario("dir-keep-last", ("checkpoint_3",), baseline=("checkpoint_1", "checkpoint_2"), is_dir=True,
-             keep_last=2),
+    Scenario(
+        "dir-overwrite-by-renames",
+        ("checkpoint",),
+        baseline=("checkpoint",),
+        is_dir=True,
+        no_exchange=True,
+    ),
+    Scenario(
+        "dir-keep-last",
+        ("checkpoint_3",),
+        baseline=("checkpoint_1", "checkpoint_2"),
+        is_dir=True,
+        keep_last=2,
+    ),
 ]
 SLOW_SCENARIOS = [
     Scenario("file-sequence", ("s1.ckpt", "s2.ckpt", "s3.ckpt", "s4.ckpt"), keep_last=2),
-    Scenario("file-overwrite-sequence", ("last.ckpt", "last.ckpt", "last.ckpt"), baseline=("last.ckpt",)),
+    Scenario(
+        "file-overwrite-sequence", ("last.ckpt", "last.ckpt", "last.ckpt"), baseline=("last.ckpt",)
+    ),
     Scenario("dir-sequence", ("c1", "c2", "c1", "c3"), is_dir=True, keep_last=2),
 ]
 INTO_NEW_DIRECTORY = [
@@ -71,7 +83,9 @@ def run_scenario(tmp_path, sc: Scenario) -> tuple[Recorder, PowerLossModel, list
     root = os.path.join(base, sc.subdir) if sc.subdir else str(base)
     versions: list[Version] = []
     rec = Recorder(base)  # logs only while installed (``with rec``)
-    with stagesave.Checkpointer(root, chunk_bytes=CHUNK, keep_last=sc.keep_last, io_threads=3) as ck:
+    with stagesave.Checkpointer(
+        root, chunk_bytes=CHUNK, keep_last=sc.keep_last, io_threads=3
+    ) as ck:
 
         def one(name: str) -> tuple[int, int]:
             order = len(versions) + 1
@@ -81,7 +95,9 @@ def run_scenario(tmp_path, sc: Scenario) -> tuple[Recorder, PowerLossModel, list
                 ck.save_dir(state, name).result()
             else:
                 ck.save(state, name).result()
-            versions.append(Version(name, order, read_version_files(root, name, sc.is_dir), state, sc.is_dir))
+            versions.append(
+                Version(name, order, read_version_files(root, name, sc.is_dir), state, sc.is_dir)
+            )
             return start, len(rec.ops)
 
         for name in sc.baseline:
@@ -123,8 +139,14 @@ def replay(tmp_path, sc: Scenario, seeds: int, mutate=None) -> tuple[int, list[s
             model.materialize(scratch, mode, rng if seed is not None else None)
             problems = check_invariant(os.path.join(scratch, rel_root), versions, k, mode)
             trials += 1
-            where = f"after op {k} ({rec.ops[k].kind} {os.path.basename(rec.ops[k].path)})" if k >= 0 else "before any op"
-            violations += [f"{sc.name} {mode}{'' if seed is None else seed} {where}: {p}" for p in problems]
+            where = (
+                f"after op {k} ({rec.ops[k].kind} {os.path.basename(rec.ops[k].path)})"
+                if k >= 0
+                else "before any op"
+            )
+            violations += [
+                f"{sc.name} {mode}{'' if seed is None else seed} {where}: {p}" for p in problems
+            ]
     shutil.rmtree(scratch, ignore_errors=True)
     return trials, violations
 
@@ -138,7 +160,9 @@ def test_power_loss_after_every_operation(tmp_path, sc):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sc", SCENARIOS + INTO_NEW_DIRECTORY + SLOW_SCENARIOS, ids=lambda s: s.name)
+@pytest.mark.parametrize(
+    "sc", SCENARIOS + INTO_NEW_DIRECTORY + SLOW_SCENARIOS, ids=lambda s: s.name
+)
 def test_power_loss_exhaustive(tmp_path, sc):
     trials, violations = replay(tmp_path, sc, seeds=24)
     faultstats.record("power loss at every op (recording fs)", trials, len(violations))
@@ -162,12 +186,16 @@ def _drop_fsync(of_dirs: bool):
     return mutate
 
 
-@pytest.mark.parametrize("of_dirs", [False, True], ids=["without-file-fsync", "without-directory-fsync"])
+@pytest.mark.parametrize(
+    "of_dirs", [False, True], ids=["without-file-fsync", "without-directory-fsync"]
+)
 def test_the_check_fails_on_a_protocol_that_skips_fsync(tmp_path, of_dirs):
     """The same replay over a log whose file (or directory) fsyncs are taken out finds losses."""
     trials, violations = replay(tmp_path, SCENARIOS[1], seeds=0, mutate=_drop_fsync(of_dirs))
     assert trials > 20
-    assert any("newest committed checkpoint is <last.ckpt #2>" in v for v in violations), violations[:5]
+    assert any("newest committed checkpoint is <last.ckpt #2>" in v for v in violations), (
+        violations[:5]
+    )
 
 
 def test_model_drops_what_was_not_fsynced(tmp_path):
@@ -193,7 +221,9 @@ def test_model_drops_what_was_not_fsynced(tmp_path):
     assert (base / "g").read_bytes() == b"aXY"  # while the live file has them all
 
 
-def _replay_four_views(tmp_path, model: PowerLossModel, ops, seed: str, check) -> tuple[int, list[str]]:
+def _replay_four_views(
+    tmp_path, model: PowerLossModel, ops, seed: str, check
+) -> tuple[int, list[str]]:
     """For every op index k and the views durable, eager and two random ones: materialize the
     tree a power loss after op k leaves and ``check(tree, k, mode)`` it (a problem or None)."""
     rng = random.Random(seed)
@@ -208,7 +238,9 @@ def _replay_four_views(tmp_path, model: PowerLossModel, ops, seed: str, check) -
             trials += 1
             problem = check(scratch, k, mode)
             if problem:
-                violations.append(f"after op {k} ({ops[k].kind if k >= 0 else '-'}) {mode}{view}: {problem}")
+                violations.append(
+                    f"after op {k} ({ops[k].kind if k >= 0 else '-'}) {mode}{view}: {problem}"
+                )
     shutil.rmtree(scratch, ignore_errors=True)
     return trials, violations
 
@@ -266,6 +298,7 @@ def test_power_loss_during_an_export(tmp_path, replace):
     or a whole copy that verifies on its own; once its directory fsync happened, the new one."""
     from faulthelp import file_state as state_of
 
+    # the export command's body, run in this process so that the recorder sees its operations
     from stagesave.cli._common import Env
     from stagesave.cli._export import export
 

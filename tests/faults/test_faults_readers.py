@@ -27,7 +27,9 @@ CHILD = os.path.join(os.path.dirname(__file__), "rwchild.py")
 SECONDS = float(os.environ.get("STAGESAVE_RW_SECONDS", "10"))
 
 
-def _start(role: str, root: str, seconds: float, options: dict[str, object], *extra: str) -> subprocess.Popen[str]:
+def _start(
+    role: str, root: str, seconds: float, options: dict[str, object], *extra: str
+) -> subprocess.Popen[str]:
     env = dict(os.environ, STAGESAVE_RW_OPTIONS=json.dumps(options))
     return subprocess.Popen([sys.executable, CHILD, role, root, str(seconds), *extra], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -47,7 +49,9 @@ def _readers_while_replaced(root: str, seconds: float, options: dict[str, object
     got = _result(reader)
     wrote = _result(writer)
     counts = got["counts"]
-    faultstats.record("readers while another process replaces (loads)", sum(counts.values()), got["n_errors"])
+    faultstats.record(
+        "readers while another process replaces (loads)", sum(counts.values()), got["n_errors"]
+    )
     assert got["n_errors"] == 0, got["errors"]
     assert wrote["saves"] >= 10, wrote  # really replaced, again and again
     assert min(counts.values()) >= 5, counts  # every kind of read really happened
@@ -82,7 +86,10 @@ def test_two_processes_saving_the_same_name_on_s3(s3_url, s3_options):
         a = _start("saver", s3_url, 2.0, s3_options, f"A{r}")
         b = _start("saver", s3_url, 2.0, s3_options, f"B{r}")
         ra, rb = _result(a), _result(b)
-        assert ra["saves"] > 0 and rb["saves"] > 0 and not ra["failures"] and not rb["failures"], (ra, rb)
+        assert ra["saves"] > 0 and rb["saves"] > 0 and not ra["failures"] and not rb["failures"], (
+            ra,
+            rb,
+        )
         with stagesave.Checkpointer(s3_url, storage_options=s3_options) as ck:
             info = ck.verify("last.ckpt")
             assert info.status == "verified", info.problems

@@ -1,10 +1,12 @@
-"""Hostile checkpoints: traversal in manifests, symlinks out of the root, fuzzed safetensors headers.
+"""Hostile checkpoints: traversal in manifests, symlinks out of the root, fuzzed safetensors
+headers.
 
 What is read is proven with an audit hook (``sys.addaudithook``): every ``open`` made through
 Python (``open``, ``io.open``, ``os.open``, in any thread; stagesave reads every file that way, and
 torch.load opens its file that way too) is recorded while a hostile checkpoint is listed,
 verified and loaded, and none may touch a path outside the checkpoint root. (Opens made inside
-native code, e.g. by the safetensors library, are not audited; those tests do not rely on them.) Malicious pickles and fuzzed manifests are tested in
+native code, e.g. by the safetensors library, are not audited; those tests do not rely on them.)
+Malicious pickles and fuzzed manifests are tested in
 ``tests/core/test_integrity.py``; gc and symlinks in ``tests/cli/test_cli_gc.py``.
 """
 
@@ -39,7 +41,12 @@ _auditing = threading.Event()
 
 
 def _audit(event: str, args: tuple) -> None:  # type: ignore[type-arg]
-    if _auditing.is_set() and event == "open" and args and isinstance(args[0], (str, bytes, os.PathLike)):
+    if (
+        _auditing.is_set()
+        and event == "open"
+        and args
+        and isinstance(args[0], (str, bytes, os.PathLike))
+    ):
         _opened.append(os.path.abspath(os.fsdecode(args[0])))
 
 
@@ -63,7 +70,9 @@ def _outside(paths: list[str], root: str, base: str) -> list[str]:
     out = []
     for p in paths:
         real = os.path.realpath(p)
-        under_base = os.path.commonpath([real, base]) == base or os.path.commonpath([p, base]) == base
+        under_base = (
+            os.path.commonpath([real, base]) == base or os.path.commonpath([p, base]) == base
+        )
         if under_base and os.path.commonpath([real, root]) != root:
             out.append(p)
     return out
@@ -80,7 +89,8 @@ def test_the_audit_hook_sees_opens_by_torch_and_by_threads(tmp_path):
     assert opened.count(str(tmp_path / "t.pt")) >= 2
 
 
-# ---------------------------------------------------------------------------- traversal in manifests
+# ---------------------------------------------------------------------------- traversal in
+# manifests
 HOSTILE_NAMES = [
     "../outside/secret.bin",
     "a/../../outside/secret.bin",
@@ -259,23 +269,37 @@ def _resign(folder, data: bytes) -> None:
         step, algorithm = doc["chunk_bytes"], doc["algorithm"]
         f = doc["folder"]
         f["members"] = [m for m in f["members"] if m[0] != "model.safetensors"]
-        f["listed"] = [e for e in f["listed"] if e["name"] != "model.safetensors"] + [{
-            "name": "model.safetensors", "size": len(data), "algorithm": algorithm, "chunk_bytes": step,
-            "chunks": [digest(algorithm, data[i : i + step]) for i in range(0, len(data), step)],
-            "kind": "raw", "serialization_id": None, "id_offset": None, "storages": [],
-        }]
+        f["listed"] = [e for e in f["listed"] if e["name"] != "model.safetensors"] + [
+            {
+                "name": "model.safetensors",
+                "size": len(data),
+                "algorithm": algorithm,
+                "chunk_bytes": step,
+                "chunks": [
+                    digest(algorithm, data[i : i + step]) for i in range(0, len(data), step)
+                ],
+                "kind": "raw",
+                "serialization_id": None,
+                "id_offset": None,
+                "storages": [],
+            }
+        ]
 
     rewrite_proof(carrier_of(folder), mutate)
 
 
 _INT = st.integers(-(1 << 64), 1 << 65) | st.integers(0, 20000)
-_ENTRY = st.fixed_dictionaries({
-    "dtype": st.sampled_from(["F32", "F64", "I8", "BOOL", "U8", "F8_E4M3", "XX", ""]) | st.integers(),
-    "shape": st.lists(_INT, max_size=4) | st.just("x"),
-    "data_offsets": st.lists(_INT, min_size=0, max_size=3),
-})
-_HEADER = st.dictionaries(st.text(max_size=6), _ENTRY | st.none() | st.text(max_size=5), max_size=4).map(
-    lambda d: json.dumps(d).encode())
+_ENTRY = st.fixed_dictionaries(
+    {
+        "dtype": st.sampled_from(["F32", "F64", "I8", "BOOL", "U8", "F8_E4M3", "XX", ""])
+        | st.integers(),
+        "shape": st.lists(_INT, max_size=4) | st.just("x"),
+        "data_offsets": st.lists(_INT, min_size=0, max_size=3),
+    }
+)
+_HEADER = st.dictionaries(
+    st.text(max_size=6), _ENTRY | st.none() | st.text(max_size=5), max_size=4
+).map(lambda d: json.dumps(d).encode())
 
 
 @st.composite
@@ -301,10 +325,15 @@ def fuzzed(draw, original: bytes) -> bytes:
 _fuzz_runs = {"examples": 0, "refused": 0, "loaded": 0, "peak": 0}
 
 
-@settings(max_examples=150, deadline=2000, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                    HealthCheck.too_slow])
+@settings(
+    max_examples=150,
+    deadline=2000,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(data=st.data())
-def test_fuzzed_safetensors_header_fails_cleanly_in_bounded_time_and_memory(committed_folder, tmp_path_factory, data):
+def test_fuzzed_safetensors_header_fails_cleanly_in_bounded_time_and_memory(
+    committed_folder, tmp_path_factory, data
+):
     from safetensors.torch import load_file
 
     original = (committed_folder / "model.safetensors").read_bytes()

@@ -118,7 +118,9 @@ def _judge(root: str, outcomes: dict[str, str | None]) -> list[str]:
             best = ck.latest(verify=True)
     step = state["step"]
     if info.seq is None or info.seq <= 1:
-        problems.append(f"last.ckpt has sequence number {info.seq}, not above the old checkpoint's 1")
+        problems.append(
+            f"last.ckpt has sequence number {info.seq}, not above the old checkpoint's 1"
+        )
     if not torch.equal(state["w"], file_state(step)["w"]):
         problems.append(f"last.ckpt of step {step} holds other values")
     winner = {2: "A", 3: "B"}.get(step)

@@ -79,9 +79,17 @@ def dtype(spec: str, endian: str = "<", **state: Any) -> bytes:
 
 def array(shape: tuple[int, ...], dtype_ops: bytes, data: bytes, *, module: str = _MA) -> bytes:
     """An array exactly as numpy pickles it: _reconstruct(ndarray, (0,), b'b'), then BUILD."""
-    return (glob(module, "_reconstruct") + glob("numpy", "ndarray") + num(0) + TUPLE1 + raw(b"b")
-            + TUPLE3 + REDUCE + tup(num(1), tup(*(num(n) for n in shape)), dtype_ops, FALSE, raw(data))
-            + BUILD)
+    return (
+        glob(module, "_reconstruct")
+        + glob("numpy", "ndarray")
+        + num(0)
+        + TUPLE1
+        + raw(b"b")
+        + TUPLE3
+        + REDUCE
+        + tup(num(1), tup(*(num(n) for n in shape)), dtype_ops, FALSE, raw(data))
+        + BUILD
+    )
 
 
 def program(value: bytes) -> bytes:
@@ -110,40 +118,90 @@ HOSTILE: dict[str, bytes] = {
     "subarray_dtype_of_objects_from_string": array((1,), dtype_reduce("(2,)O"), POINTERS),
     # dtype.__setstate__: a void dtype given an object field through its state
     "structured_dtype_with_object_field_via_setstate": array(
-        (1,), dtype_reduce("V16") + dtype_state(names=tup(text("a")), fields=b"}" + text("a") + tup(
-            dtype_reduce("O8"), num(0)) + b"s", elsize=16, align=8, flags=63) + BUILD, POINTERS),
+        (1,),
+        dtype_reduce("V16")
+        + dtype_state(
+            names=tup(text("a")),
+            fields=b"}" + text("a") + tup(dtype_reduce("O8"), num(0)) + b"s",
+            elsize=16,
+            align=8,
+            flags=63,
+        )
+        + BUILD,
+        POINTERS,
+    ),
     # dtype.__setstate__: flags claiming references on a void dtype
     "void_dtype_with_object_flags_via_setstate": array(
-        (2,), dtype_reduce("V8") + dtype_state(elsize=8, align=1, flags=63) + BUILD, POINTERS),
+        (2,), dtype_reduce("V8") + dtype_state(elsize=8, align=1, flags=63) + BUILD, POINTERS
+    ),
     # dtype.__setstate__ after an array was made: the item size grows under the array
     "dtype_setstate_after_use_grows_item_size": (
-        dtype_reduce("V1") + dtype_state(elsize=1, align=1) + BUILD + b"q\x01"
-        + tup(array((1,), b"h\x01", b"\x00"), b"h\x01" + dtype_state(elsize=1 << 24, align=1) + BUILD)),
+        dtype_reduce("V1")
+        + dtype_state(elsize=1, align=1)
+        + BUILD
+        + b"q\x01"
+        + tup(
+            array((1,), b"h\x01", b"\x00"), b"h\x01" + dtype_state(elsize=1 << 24, align=1) + BUILD
+        )
+    ),
     # numpy.dtypes classes called by the file
-    "dtypes_ObjectDType_reduce": array((2,), glob("numpy.dtypes", "ObjectDType") + EMPTY_TUPLE + REDUCE, POINTERS),
-    "dtypes_ObjectDType_newobj": array((2,), glob("numpy.dtypes", "ObjectDType") + EMPTY_TUPLE + b"\x81", POINTERS),
+    "dtypes_ObjectDType_reduce": array(
+        (2,), glob("numpy.dtypes", "ObjectDType") + EMPTY_TUPLE + REDUCE, POINTERS
+    ),
+    "dtypes_ObjectDType_newobj": array(
+        (2,), glob("numpy.dtypes", "ObjectDType") + EMPTY_TUPLE + b"\x81", POINTERS
+    ),
     "StringDType_from_raw_bytes": array((1,), dtype("T", "|"), POINTERS),
     # _reconstruct asked for an object array directly
     "reconstruct_object_typecode": (
-        glob(_MA, "_reconstruct") + glob("numpy", "ndarray") + num(2) + TUPLE1 + raw(b"O") + TUPLE3 + REDUCE),
-    "reconstruct_old_module_name": array((2,), dtype_reduce("O8"), POINTERS, module="numpy.core.multiarray"),
+        glob(_MA, "_reconstruct")
+        + glob("numpy", "ndarray")
+        + num(2)
+        + TUPLE1
+        + raw(b"O")
+        + TUPLE3
+        + REDUCE
+    ),
+    "reconstruct_old_module_name": array(
+        (2,), dtype_reduce("O8"), POINTERS, module="numpy.core.multiarray"
+    ),
     # scalar(): an object scalar, and a void scalar with an object field, from raw bytes
-    "scalar_of_object_dtype": glob(_MA, "scalar") + dtype_reduce("O8") + raw(b"A" * 8) + TUPLE2 + REDUCE,
+    "scalar_of_object_dtype": glob(_MA, "scalar")
+    + dtype_reduce("O8")
+    + raw(b"A" * 8)
+    + TUPLE2
+    + REDUCE,
     "scalar_of_structured_object_dtype": (
-        glob(_MA, "scalar") + dtype_reduce("O,O") + raw(POINTERS) + TUPLE2 + REDUCE),
+        glob(_MA, "scalar") + dtype_reduce("O,O") + raw(POINTERS) + TUPLE2 + REDUCE
+    ),
     # ndarray.__setstate__ twice, the second time after a tensor shares the first buffer
     "array_setstate_twice_under_a_shared_tensor": (
-        array((4,), dtype("f4"), b"\x00" * 16) + b"q\x01"
-        + tup(glob("torch._utils", "_rebuild_device_tensor_from_numpy") + tup(
-            b"h\x01", glob("torch", "float32"), text("cpu"), FALSE) + REDUCE,
-            b"h\x01" + tup(num(1), tup(num(1 << 20)), dtype("f4"), FALSE, raw(b"\x00" * 8)) + BUILD)),
+        array((4,), dtype("f4"), b"\x00" * 16)
+        + b"q\x01"
+        + tup(
+            glob("torch._utils", "_rebuild_device_tensor_from_numpy")
+            + tup(b"h\x01", glob("torch", "float32"), text("cpu"), FALSE)
+            + REDUCE,
+            b"h\x01" + tup(num(1), tup(num(1 << 20)), dtype("f4"), FALSE, raw(b"\x00" * 8)) + BUILD,
+        )
+    ),
     # torch's tensor-subclass rebuild calls its first argument: make it call numpy.dtype('O')
-    "rebuild_from_type_v2_calls_numpy": array((2,), glob("torch._tensor", "_rebuild_from_type_v2") + tup(
-        glob("numpy", "dtype"), glob("numpy.dtypes", "ObjectDType"), tup(text("O")),
-        dtype_state(flags=63)) + REDUCE, POINTERS),
+    "rebuild_from_type_v2_calls_numpy": array(
+        (2,),
+        glob("torch._tensor", "_rebuild_from_type_v2")
+        + tup(
+            glob("numpy", "dtype"),
+            glob("numpy.dtypes", "ObjectDType"),
+            tup(text("O")),
+            dtype_state(flags=63),
+        )
+        + REDUCE,
+        POINTERS,
+    ),
     # numpy.ndarray called by the file: an array over another object's memory
     "ndarray_called_directly": (
-        glob("numpy", "ndarray") + tup(tup(num(2)), dtype("f8"), raw(POINTERS)) + REDUCE),
+        glob("numpy", "ndarray") + tup(tup(num(2)), dtype("f8"), raw(POINTERS)) + REDUCE
+    ),
     # an allocation bomb through builtins (not a pointer, but the loader must not run it)
     "bytearray_of_a_huge_length": glob("builtins", "bytearray") + num(1 << 28) + TUPLE1 + REDUCE,
 }
@@ -287,7 +345,11 @@ class _PointerArray:
     """Pickles as numpy's own array pickle, with the object dtype above and raw bytes as data."""
 
     def __reduce__(self) -> Any:
-        return (_multiarray._reconstruct, (np.ndarray, (0,), b"b"), (1, (2,), _ObjectDtype(), False, POINTERS))
+        return (
+            _multiarray._reconstruct,
+            (np.ndarray, (0,), b"b"),
+            (1, (2,), _ObjectDtype(), False, POINTERS),
+        )
 
 
 @pytest.mark.fault_class("hostile pickle: numpy object/pointer routes")
@@ -315,20 +377,39 @@ LEGIT: list[Any] = [
     np.array([1, 2], dtype="timedelta64[s]"),
     np.zeros(2, dtype=[("a", "<f4"), ("b", "i1", (2,))]),
     np.zeros(2, dtype=np.dtype([("a", "<f4"), ("b", "i1", (2,))], align=True)),
-    np.zeros(1, dtype=np.dtype({"names": ["x"], "formats": ["u1"], "offsets": [4], "titles": ["T"], "itemsize": 8})),
+    np.zeros(
+        1,
+        dtype=np.dtype(
+            {"names": ["x"], "formats": ["u1"], "offsets": [4], "titles": ["T"], "itemsize": 8}
+        ),
+    ),
     np.zeros(3, dtype="V5"),
-    np.array(["", ""]), np.zeros((2, 0)),
-    np.float64(1.5), np.int8(-3), np.bool_(True), np.datetime64("2020-01-01"), np.str_("s"), np.str_(""),
-    np.bytes_(b""), np.void(b"\x01\x02"),
-    np.dtype("f8"), np.dtype(">u2"), np.dtype(("f8", (2, 3))),
+    np.array(["", ""]),
+    np.zeros((2, 0)),
+    np.float64(1.5),
+    np.int8(-3),
+    np.bool_(True),
+    np.datetime64("2020-01-01"),
+    np.str_("s"),
+    np.str_(""),
+    np.bytes_(b""),
+    np.void(b"\x01\x02"),
+    np.dtype("f8"),
+    np.dtype(">u2"),
+    np.dtype(("f8", (2, 3))),
     np.random.get_state(),
 ]
 
 
 def _same(a: Any, b: Any) -> bool:
     if isinstance(a, np.ndarray):
-        return (type(b) is np.ndarray and a.dtype == b.dtype and a.shape == b.shape
-                and a.tobytes(order="A") == b.tobytes(order="A") and a.flags.f_contiguous == b.flags.f_contiguous)
+        return (
+            type(b) is np.ndarray
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and a.tobytes(order="A") == b.tobytes(order="A")
+            and a.flags.f_contiguous == b.flags.f_contiguous
+        )
     if isinstance(a, np.generic):
         return type(a) is type(b) and a.dtype == b.dtype and a.tobytes() == b.tobytes()
     if isinstance(a, tuple):
@@ -355,18 +436,61 @@ def test_numeric_numpy_arrays_and_scalars_still_load_bytes_equal(tmp_path, kind)
 # ---------------------------------------------------------------------------- the fuzz
 #: the allow-listed globals (and a few refused ones) the fuzz names
 _FUZZ_GLOBALS = [
-    ("numpy", "dtype"), ("numpy", "ndarray"), (_MA, "_reconstruct"), (_MA, "scalar"),
-    ("numpy.core.multiarray", "_reconstruct"), ("numpy.core.multiarray", "scalar"),
-    ("numpy.dtypes", "ObjectDType"), ("numpy.dtypes", "Float64DType"), ("numpy.dtypes", "StringDType"),
-    ("numpy.dtypes", "VoidDType"), ("builtins", "bytes"), ("builtins", "bytearray"), ("builtins", "set"),
-    ("builtins", "complex"), ("_codecs", "encode"), ("collections", "OrderedDict"), ("collections", "Counter"),
-    ("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_device_tensor_from_numpy"),
-    ("torch._utils", "_rebuild_parameter"), ("torch._tensor", "_rebuild_from_type_v2"), ("torch", "Tensor"),
-    ("torch", "Size"), ("torch", "float32"), ("torch", "device"), ("torch.nn.parameter", "Parameter"),
-    ("builtins", "eval"), ("numpy", "frombuffer"),
+    ("numpy", "dtype"),
+    ("numpy", "ndarray"),
+    (_MA, "_reconstruct"),
+    (_MA, "scalar"),
+    ("numpy.core.multiarray", "_reconstruct"),
+    ("numpy.core.multiarray", "scalar"),
+    ("numpy.dtypes", "ObjectDType"),
+    ("numpy.dtypes", "Float64DType"),
+    ("numpy.dtypes", "StringDType"),
+    ("numpy.dtypes", "VoidDType"),
+    ("builtins", "bytes"),
+    ("builtins", "bytearray"),
+    ("builtins", "set"),
+    ("builtins", "complex"),
+    ("_codecs", "encode"),
+    ("collections", "OrderedDict"),
+    ("collections", "Counter"),
+    ("torch._utils", "_rebuild_tensor_v2"),
+    ("torch._utils", "_rebuild_device_tensor_from_numpy"),
+    ("torch._utils", "_rebuild_parameter"),
+    ("torch._tensor", "_rebuild_from_type_v2"),
+    ("torch", "Tensor"),
+    ("torch", "Size"),
+    ("torch", "float32"),
+    ("torch", "device"),
+    ("torch.nn.parameter", "Parameter"),
+    ("builtins", "eval"),
+    ("numpy", "frombuffer"),
 ]
-_FUZZ_TEXT = ["O8", "O", "f8", "<f4", "V8", "V16", "T", "U3", "S2", "M8", "f8,O", "(2,)O", "i1,i1", "b",
-              "latin1", "utf-8", "zlib", "<", "|", ">", "cpu", "a", "storage", "\x00"]
+_FUZZ_TEXT = [
+    "O8",
+    "O",
+    "f8",
+    "<f4",
+    "V8",
+    "V16",
+    "T",
+    "U3",
+    "S2",
+    "M8",
+    "f8,O",
+    "(2,)O",
+    "i1,i1",
+    "b",
+    "latin1",
+    "utf-8",
+    "zlib",
+    "<",
+    "|",
+    ">",
+    "cpu",
+    "a",
+    "storage",
+    "\x00",
+]
 
 
 def _fuzz_programs() -> Any:
@@ -374,23 +498,51 @@ def _fuzz_programs() -> Any:
 
     glob_ = st.sampled_from(_FUZZ_GLOBALS).map(lambda g: glob(*g))
     small = st.one_of(
-        st.integers(-3, 300).map(num), st.sampled_from(_FUZZ_TEXT).map(text),
-        st.binary(max_size=24).map(raw), st.sampled_from([NONE, TRUE, FALSE, EMPTY_TUPLE, b"]", b"}", b"\x8f"]),
+        st.integers(-3, 300).map(num),
+        st.sampled_from(_FUZZ_TEXT).map(text),
+        st.binary(max_size=24).map(raw),
+        st.sampled_from([NONE, TRUE, FALSE, EMPTY_TUPLE, b"]", b"}", b"\x8f"]),
         st.floats(allow_nan=True).map(lambda f: b"G" + struct.pack(">d", f)),
-        st.integers(0, 2**70).map(lambda n: b"\x8a" + bytes([len(pickle.encode_long(n))]) + pickle.encode_long(n)),
+        st.integers(0, 2**70).map(
+            lambda n: b"\x8a" + bytes([len(pickle.encode_long(n))]) + pickle.encode_long(n)
+        ),
     )
     # whole numpy constructions, legit and hostile, so the fuzz gets past the first checks
     made = st.one_of(
-        st.tuples(st.sampled_from(_FUZZ_TEXT), st.sampled_from(["<", "|", ">"])).map(lambda t: dtype(*t)),
+        st.tuples(st.sampled_from(_FUZZ_TEXT), st.sampled_from(["<", "|", ">"])).map(
+            lambda t: dtype(*t)
+        ),
         st.sampled_from(_FUZZ_TEXT).map(dtype_reduce),
-        st.tuples(st.lists(st.integers(0, 3), max_size=3), st.sampled_from(["f8", "O", "V2", "i1,i1", "U1"]),
-                  st.binary(max_size=48)).map(lambda t: array(tuple(t[0]), dtype(t[1], "|"), t[2])),
+        st.tuples(
+            st.lists(st.integers(0, 3), max_size=3),
+            st.sampled_from(["f8", "O", "V2", "i1,i1", "U1"]),
+            st.binary(max_size=48),
+        ).map(lambda t: array(tuple(t[0]), dtype(t[1], "|"), t[2])),
         st.sampled_from(list(HOSTILE.values())),
     )
     op = st.one_of(
-        glob_, small, made, st.sampled_from([MARK, TUPLE, TUPLE1, TUPLE2, TUPLE3, REDUCE, BUILD, b"\x81",
-                                              b"a", b"e", b"s", b"u", b"Q"]),
-        st.integers(0, 4).map(lambda i: b"q" + bytes([i])), st.integers(0, 4).map(lambda i: b"h" + bytes([i])),
+        glob_,
+        small,
+        made,
+        st.sampled_from(
+            [
+                MARK,
+                TUPLE,
+                TUPLE1,
+                TUPLE2,
+                TUPLE3,
+                REDUCE,
+                BUILD,
+                b"\x81",
+                b"a",
+                b"e",
+                b"s",
+                b"u",
+                b"Q",
+            ]
+        ),
+        st.integers(0, 4).map(lambda i: b"q" + bytes([i])),
+        st.integers(0, 4).map(lambda i: b"h" + bytes([i])),
     )
     return st.lists(op, max_size=24).map(lambda ops: b"\x80\x02" + b"".join(ops) + b".")
 
@@ -403,8 +555,28 @@ def _allowed_leaf(x: Any) -> bool:
         from torch._weights_only_unpickler import _get_allowed_globals
 
         _TABLE.extend([*_get_allowed_globals().values(), *stagesave.allowed_globals()])
-    plain = (type(None), bool, int, float, complex, str, bytes, bytearray, torch.Tensor, torch.Size,
-             torch.dtype, torch.device, torch.layout, np.ndarray, np.generic, np.dtype, dict, list, tuple, set)
+    plain = (
+        type(None),
+        bool,
+        int,
+        float,
+        complex,
+        str,
+        bytes,
+        bytearray,
+        torch.Tensor,
+        torch.Size,
+        torch.dtype,
+        torch.device,
+        torch.layout,
+        np.ndarray,
+        np.generic,
+        np.dtype,
+        dict,
+        list,
+        tuple,
+        set,
+    )
     if isinstance(x, plain) or (isinstance(x, type) and issubclass(x, (np.dtype, np.ndarray))):
         return True  # numpy's classes come back as inert values when a file names them
     return any(x is v for v in _TABLE)
@@ -479,7 +651,11 @@ def _run_fuzz(tmp_path: Any, examples: int, timeout: float) -> None:
         pytest.fail(f"the fuzz child died or hung (exit {p.exitcode}) on {example!r}")
     stats = got[1]
     violations = int(got[0] != "ok")
-    faultstats.record("fuzz: pickles over the allow-list (no crash/hang/object array)", stats["examples"], violations)
+    faultstats.record(
+        "fuzz: pickles over the allow-list (no crash/hang/object array)",
+        stats["examples"],
+        violations,
+    )
     assert got[0] == "ok", got[2]
     assert stats["slowest"] < 10, f"one example took {stats['slowest']:.1f}s"
     print(json.dumps(stats))
@@ -496,7 +672,9 @@ def test_fuzz_pickles_over_the_allow_list_exhaustive(tmp_path):
 
 
 @pytest.mark.fault_class("hostile pickle: numpy object/pointer routes")
-def test_with_torch_forcing_weights_only_loads_work_and_hostile_files_are_refused(tmp_path, monkeypatch):
+def test_with_torch_forcing_weights_only_loads_work_and_hostile_files_are_refused(
+    tmp_path, monkeypatch
+):
     """TORCH_FORCE_WEIGHTS_ONLY_LOAD=1 makes torch refuse stagesave's own unpickler: loads then go
     through torch's weights_only unpickler, which still refuses the pointer file."""
     monkeypatch.setenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "1")
