@@ -11,7 +11,6 @@ import os
 import sys
 import time
 import types
-import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -29,7 +28,6 @@ from .saving.fastplan import fast_path_enabled, plan
 from .saving.pipeline import Pipeline
 from .saving.plan_folder import plan_folder
 from .saving.staging import Stager
-from .saving.ziplayout import forget_layouts
 from .stores.base import Store
 from .stores.targets import StoreResolver
 from .telemetry import SaveTelemetry, SinkOption, TelemetryCallback, TelemetrySink
@@ -85,14 +83,8 @@ class Checkpointer:
         self.telemetry_sink = sink = TelemetrySink(telemetry_callback, telemetry_jsonl)
         self.pipeline = Pipeline(io_threads, sink.emit)
         self.targets = StoreResolver(root, storage_options=storage_options, direct_io=direct_io)
-        attach = getattr(self.targets.root, "attach_telemetry", None)
-        if attach is not None:  # a tiered root: its remote commits reach the same callback/JSONL
-            attach(sink.emit)
-        # Dropped without close(): its threads and buffers go with it (not at exit, where
-        # every live Checkpointer is closed, its pending saves committed first).
-        parts = (self.pipeline, self.stager, self.memory)
-        weakref.finalize(self, lifecycle.release_unclosed, *parts).atexit = False
-        lifecycle.register(self)
+        sink.attach(self.targets.root)  # a tiered root's remote commits report there too
+        lifecycle.register(self, (self.pipeline, self.stager, self.memory))
         fast_path_enabled()  # the once-per-process check of the planner, before the first save
 
     @property
@@ -117,7 +109,7 @@ class Checkpointer:
         """
         self.pipeline.check_usable()
         t_start = time.perf_counter()
-        store, name = self._target(path)
+        store, name = validate.target(self.targets, path)
         tel = SaveTelemetry(path=store.describe(name), started_at=time.time())
         if hasattr(store, "attach_telemetry"):
             tel.tier = "local"
@@ -151,7 +143,7 @@ class Checkpointer:
         self.pipeline.check_usable()
         t_start = time.perf_counter()
         validate.check_folder_names(files)
-        store, dname = self._target(directory)
+        store, dname = validate.target(self.targets, directory)
         tel = SaveTelemetry(path=store.describe(dname), started_at=time.time())
         meta = validate.checked_metadata(metadata)
         planned = plan_folder(files, meta, algorithm=self.checksum, chunk_bytes=self.chunk_bytes)
@@ -165,12 +157,6 @@ class Checkpointer:
         return self.pipeline.submit(jobs.folder_job(
             SaveHandle(tel.path, tel), store, dname, staged, settings=self, meta=meta,
             t_start=t_start, staging_dir=where, nested=list(nested)))
-
-    def _target(self, path: str | os.PathLike[str]) -> tuple[Store, str]:
-        """``(store, name)`` of a save's target, refused now if it can never be committed."""
-        store, name = self.targets.split(path)
-        validate.check_target(store, name)
-        return store, name
 
     def remove(self, path: str | os.PathLike[str]) -> SaveHandle:
         """Delete a checkpoint after every save submitted before this call (by any Checkpointer
@@ -249,9 +235,8 @@ class Checkpointer:
         self.pipeline.settle(store)
         return scan(store, settle=True)
 
-    def latest(
-        self, root: str | os.PathLike[str] | None = None, *, verify: bool = True
-    ) -> CheckpointInfo | None:
+    def latest(self, root: str | os.PathLike[str] | None = None, *,
+               verify: bool = True) -> CheckpointInfo | None:
         """The newest checkpoint in ``root`` that a resume can load (``None`` if there is none).
 
         Candidates are tried newest first; one that fails is skipped with a warning naming it
@@ -266,9 +251,8 @@ class Checkpointer:
         Raises:
             CheckpointError: the directory cannot be listed.
         """
-        return latest_in(
-            self.targets.dir_store(root), verify, self.pipeline.io_pool, self.pipeline.settle
-        )
+        store = self.targets.dir_store(root)
+        return latest_in(store, verify, self.pipeline.io_pool, self.pipeline.settle)
 
     def resume_from(self, path: str | os.PathLike[str], *, verify: bool = True) -> str | None:
         """What a resume pointed at ``path`` as *the newest checkpoint* should load.
@@ -294,11 +278,7 @@ class Checkpointer:
             try:
                 self.pipeline.stop(timeout)
             finally:
-                lifecycle.release_closed(
-                    self, self.pipeline, self.stager, self.memory, self.targets
-                )
-                if lifecycle.unregister(self):  # the last one: nothing planned stays behind
-                    forget_layouts()
+                lifecycle.release_closed(self, self.stager, self.memory, self.targets)
         self.pipeline.raise_failures()
 
     def __enter__(self) -> Checkpointer:  # noqa: PYI034 - Self needs Python 3.11

@@ -63,6 +63,12 @@ class TelemetrySink:
     def __init__(self, callback: TelemetryCallback | None, jsonl: bool | str) -> None:
         self.callback, self.jsonl = callback, jsonl
 
+    def attach(self, store: Any) -> None:
+        """Have ``store`` (a tiered store: its remote commits) report here too."""
+        attach = getattr(store, "attach_telemetry", None)
+        if attach is not None:
+            attach(self.emit)
+
     def emit(self, tel: SaveTelemetry) -> None:
         if self.callback is not None:
             try:

@@ -34,8 +34,6 @@ worker threads to passive waiting and slow training while the thread lives; not 
 
 from __future__ import annotations
 
-import json
-import mmap
 import os
 import threading
 import time
@@ -43,36 +41,31 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._crash import crash_point
-from ..errors import CheckpointError, CommitTimeoutError, ManifestError
-from ..ondisk.checksum import digest
-from ..ondisk.manifest import FileEntry, FolderProof, Manifest, Member, dumps
-from ..ondisk.names import DIR_MANIFEST, is_temporary
-from ..restore.discovery import next_seq
+from ..errors import CheckpointError, CommitTimeoutError
+from ..ondisk.manifest import FolderProof, Member, dumps
 from ..restore.proof import peek
 from ..saving.plan import FileImage
-from ..saving.publish import remove_tree, rename_into_place, restore_aside
+from ..saving.publish import remove_tree
 from ..saving.stage import ImageCrcs
 from ..saving.write import FileToWrite, WriteStats, write_data
-from ..stores import posix as fsops
 from ..stores.base import Store
 from ._format import (
     MAX_MARKER_BYTES,
     METADATA_FILE,
-    METADATA_KIND,
     failure_marker,
-    marker_rank,
     rank_file,
     rank_marker,
 )
 
 __all__ = [
-    "CommitTimeoutError", "MetadataSlot", "SavePlanData", "abandon", "abandoned", "commit",
-    "discard_if_abandoned", "gave_up_error", "take_lease", "wait_for_commit", "write_rank",
+    "FINISH_GRACE_S", "POLL_MAX", "POLL_MIN", "CommitTimeoutError", "MetadataSlot",
+    "SavePlanData", "abandoned", "committed", "discard_if_abandoned", "gave_up_error", "join",
+    "member_proof", "report_failure", "sleep", "wait_for_commit", "write_rank",
 ]
 
-#: Polling the store starts this fast and slows down to ``_POLL_MAX`` (seconds).
-_POLL_MIN = 0.005
-_POLL_MAX = 0.25
+#: Polling the store starts this fast and slows down to ``POLL_MAX`` (seconds).
+POLL_MIN = 0.005
+POLL_MAX = 0.25
 #: Once every rank's part is durable, DCP's finish() (the metadata) is due within moments; a
 #: coordinator whose dcp.save raised after the writes never calls it.
 FINISH_GRACE_S = 60.0
@@ -143,16 +136,16 @@ class MetadataSlot:
         return self._value
 
 
-def _join(parent: str, leaf: str) -> str:
+def join(parent: str, leaf: str) -> str:
     return f"{parent}/{leaf}" if parent else leaf
 
 
-def _sleep(delay: float) -> float:
+def sleep(delay: float) -> float:
     time.sleep(delay)
-    return min(_POLL_MAX, delay * 1.5)
+    return min(POLL_MAX, delay * 1.5)
 
 
-def _member_proof(spec: SavePlanData) -> dict[str, Any]:
+def member_proof(spec: SavePlanData) -> dict[str, Any]:
     return FolderProof(spec.save_id, METADATA_FILE).to_doc(False)
 
 
@@ -172,13 +165,13 @@ def write_rank(
     """Write this rank's file into the staging folder with its proof, publish it, then its
     marker."""
     f = FileToWrite(
-        _join(spec.staging, spec.file_name), image, view, crcs, entry_name=spec.file_name
+        join(spec.staging, spec.file_name), image, view, crcs, entry_name=spec.file_name
     )
     written = write_data(
         store, f, algorithm=algorithm, chunk_bytes=chunk_bytes, pool=pool, stats=stats
     )
     try:
-        written.seal(seq=None, created_ns=spec.created_ns, metadata={}, folder=_member_proof(spec),
+        written.seal(seq=None, created_ns=spec.created_ns, metadata={}, folder=member_proof(spec),
                      summary_folder=(spec.save_id, METADATA_FILE))
         written.finish(stats)
         written.publish()
@@ -190,7 +183,7 @@ def write_rank(
     marker = {"save": spec.save_id, "rank": spec.rank, "name": member.name, "size": member.size,
               "proof_crc": member.proof_crc}
     store.put_atomic(
-        _join(spec.markers, rank_marker(spec.rank, os.getpid(), spec.save_id)), dumps(marker)
+        join(spec.markers, rank_marker(spec.rank, os.getpid(), spec.save_id)), dumps(marker)
     )
     crash_point("dcp_after_marker")
     return member
@@ -199,275 +192,16 @@ def write_rank(
 def report_failure(store: Store, spec: SavePlanData, error: BaseException) -> None:
     """Tell the coordinator this rank's part failed, so it gives up now (best effort)."""
     try:
-        store.put_atomic(_join(spec.markers, failure_marker(spec.rank, os.getpid(), spec.save_id)),
+        store.put_atomic(join(spec.markers, failure_marker(spec.rank, os.getpid(), spec.save_id)),
                          str(error).encode()[:MAX_MARKER_BYTES])
     except Exception:  # noqa: BLE001, S110 - the coordinator still gives up at its deadline
-        pass
-
-
-# ----------------------------------------------------------------------------- coordinator
-def clear_old_carrier(store: Store, target: str) -> None:
-    """Object stores, before any rank writes into ``target``: remove the old folder's carrier
-    (format 2 ``.metadata`` and a format-1 manifest), so that the old folder, about to be
-    overwritten file by file, is never taken for valid."""
-    store.delete(_join(target, METADATA_FILE))
-    store.delete(_join(target, DIR_MANIFEST))
-
-
-def _scan_markers(store: Store, spec: SavePlanData, what: str) -> dict[int, str]:
-    """The markers present now, by rank; raise at once if a rank reported a failure."""
-    found: dict[int, str] = {}
-    for info in store.list(spec.markers):
-        leaf = info.name.rpartition("/")[2]
-        parsed = marker_rank(leaf, spec.save_id)
-        if parsed is None:
-            continue
-        rank, failed = parsed
-        if failed:
-            reason = store.read_range(info.name, 0, MAX_MARKER_BYTES).decode(errors="replace")
-            raise CheckpointError(f"{what}: rank {rank} failed to write its part ({reason}); "
-                                  "the save was not committed")
-        found[rank] = info.name
-    return found
-
-
-def _wait_for_ranks(
-    store: Store, spec: SavePlanData, slot: MetadataSlot, deadline: float, what: str
-) -> tuple[dict[int, str], bytes]:
-    """Poll until every rank's marker is there and DCP handed over the metadata.
-
-    Gives up at once when a rank reports a failure or the save is abandoned; at ``deadline``
-    when a rank never finishes; and ``FINISH_GRACE_S`` after the last marker when the metadata
-    never comes (``dcp.save`` raised after the writes, e.g. a lost peer during its gathers).
-    """
-    delay = _POLL_MIN
-    all_there_since: float | None = None
-    while True:
-        found = _scan_markers(store, spec, what)
-        complete = all(r in found for r in range(spec.world_size))
-        if not slot.pending:
-            metadata = slot.wait(deadline, what)  # raises at once if the save was abandoned
-            if complete:
-                return found, metadata
-        elif complete:
-            all_there_since = all_there_since if all_there_since is not None else time.monotonic()
-            if time.monotonic() - all_there_since > FINISH_GRACE_S:
-                raise CheckpointError(
-                    f"{what}: every rank wrote its part but dcp.save never reached finish() on the "
-                    "coordinator (it raised); the save was not committed"
-                )
-        now = time.monotonic()
-        if now >= deadline:
-            missing = [r for r in range(spec.world_size) if r not in found]
-            if not missing:
-                slot.wait(now, what)  # raises the metadata timeout
-            shown = ", ".join(map(str, missing[:16])) + (" ..." if len(missing) > 16 else "")
-            raise CommitTimeoutError(
-                f"{what}: rank(s) {shown} did not finish writing their part before the commit "
-                "deadline (killed, hung or too slow; raise commit_timeout for slow storage); "
-                "the save was not committed and the previous checkpoint stays the latest"
-            )
-        delay = _sleep(delay)
-
-
-def _parse_marker(data: bytes, where: str, spec: SavePlanData, rank: int) -> Member:
-    """A rank's marker, checked: it must describe this save's file of that rank.
-
-    Raises:
-        ManifestError: it does not.
-    """
-    try:
-        doc = json.loads(data) if len(data) <= MAX_MARKER_BYTES else None
-    except (ValueError, RecursionError):
-        doc = None
-    name = rank_file(rank)
-    ok = (
-        isinstance(doc, dict)
-        and doc.get("save") == spec.save_id
-        and doc.get("rank") == rank
-        and doc.get("name") == name
-        and all(
-            isinstance(doc.get(k), int) and not isinstance(doc.get(k), bool)
-            for k in ("size", "proof_crc")
-        )
-        and 0 <= doc["size"]
-        and 0 <= doc["proof_crc"] <= 0xFFFFFFFF
-    )
-    if not ok:
-        raise ManifestError(
-            f"the marker of rank {rank} ({where}) does not describe this save's file {name}"
-        )
-    assert isinstance(doc, dict)
-    return Member(name, doc["size"], doc["proof_crc"])
-
-
-def _read_markers(store: Store, spec: SavePlanData, found: dict[int, str]) -> list[Member]:
-    return [
-        _parse_marker(
-            store.read_range(found[r], 0, MAX_MARKER_BYTES + 1), store.describe(found[r]), spec, r
-        )
-        for r in range(spec.world_size)
-    ]
-
-
-def _list_extras(
-    store: Store, spec: SavePlanData, members: list[Member], *, algorithm: str, chunk_bytes: int,
-) -> list[FileEntry]:
-    """POSIX: files something else put into the staging folder before the commit (Lightning's
-    ``meta.pt``) become part of the checkpoint, listed in its proof with their checksums; stray
-    temporaries are removed (the staging folder is this save's alone)."""
-    ours = {m.name for m in members} | {METADATA_FILE}
-    listed = []
-    for info in store.list(spec.staging):
-        leaf = info.name.rpartition("/")[2]
-        if leaf in ours:
-            continue
-        if is_temporary(leaf):
-            store.delete(info.name)
-            continue
-        with store.open(info.name) as reader:
-            size = reader.size
-            chunks = []
-            for lo in range(0, size, chunk_bytes):
-                data = reader.read(lo, min(chunk_bytes, size - lo))
-                if len(data) != min(chunk_bytes, size - lo):
-                    raise CheckpointError(
-                        f"{reader.where} changed while it was being added to the checkpoint"
-                    )
-                chunks.append(digest(algorithm, data))
-        listed.append(FileEntry(leaf, size, algorithm, chunk_bytes, tuple(chunks), kind="raw"))
-    return listed
-
-
-def _clear_stale(store: Store, spec: SavePlanData, members: list[Member]) -> None:
-    """Object stores: remove files of older saves in the target that this save did not write."""
-    keep = {m.name for m in members}
-    for info in store.list(spec.target):
-        if info.name.rpartition("/")[2] not in keep:
-            store.delete(info.name)
-
-
-def _metadata_file(spec: SavePlanData, data: bytes) -> FileToWrite:
-    """``.metadata`` as a file to write: the pickle in page-aligned memory (O_DIRECT can take
-    it; the anonymous map is freed with the last view of it)."""
-    mem = mmap.mmap(-1, -(-max(len(data), 1) // mmap.PAGESIZE) * mmap.PAGESIZE)
-    mem[: len(data)] = data
-    image = FileImage(
-        size=len(data),
-        pieces=[(0, data)],
-        slots=[],
-        serialization_id="",
-        id_offset=0,
-        kind=METADATA_KIND,
-    )
-    return FileToWrite(
-        _join(spec.staging, METADATA_FILE), image, memoryview(mem), entry_name=METADATA_FILE
-    )
-
-
-def commit(
-    store: Store,
-    spec: SavePlanData,
-    slot: MetadataSlot,
-    metadata: dict[str, Any],
-    *,
-    algorithm: str,
-    chunk_bytes: int,
-    pool: Any,
-    stats: WriteStats,
-    deadline: float,
-    what: str,
-) -> Manifest:
-    """Wait for every rank, then write ``.metadata`` (the carrier) last and publish the folder.
-
-    Returns the carrier's manifest (the folder's proof).
-    """
-    found, data = _wait_for_ranks(store, spec, slot, deadline, what)
-    members = _read_markers(store, spec, found)
-    crash_point("dcp_before_metadata")
-    listed: list[FileEntry] = []
-    if spec.renames:
-        for name in found.values():  # temporaries never enter a committed folder
-            store.delete(name)
-        listed = _list_extras(store, spec, members, algorithm=algorithm, chunk_bytes=chunk_bytes)
-    else:
-        _clear_stale(store, spec, members)
-    f = _metadata_file(spec, data)
-    written = write_data(
-        store, f, algorithm=algorithm, chunk_bytes=chunk_bytes, pool=pool, stats=stats
-    )
-    try:
-        with store.commit_lock(spec.target):
-            if spec.renames:
-                restore_aside(store, spec.parent)
-            seq = next_seq(store, spec.parent)
-            folder = FolderProof(spec.save_id, METADATA_FILE, members, listed).to_doc(True)
-            manifest = written.seal(
-                seq=seq,
-                created_ns=spec.created_ns,
-                metadata=metadata,
-                folder=folder,
-                summary_folder=(spec.save_id, METADATA_FILE),
-            )
-            written.finish(stats)
-            written.publish()
-            crash_point("dcp_after_metadata")
-            if spec.renames:
-                src, dst = store.local_path(spec.staging), store.local_path(spec.target)
-                assert src is not None and dst is not None
-                fsops.fsync_dir(src)  # the markers' removal, durable before the folder appears
-                rename_into_place(store, src, dst, spec.target)
-            else:
-                crash_point("after_rename")
-                crash_point("after_commit")
-    except BaseException:
-        written.abort()
-        raise
-    store.folder_committed(spec.target)
-    if not spec.renames:
-        for name in found.values():
-            _quietly_delete(store, name)
-    _quietly_delete(store, spec.lease)  # only now: the commit is visible
-    return manifest
-
-
-def _quietly_delete(store: Store, name: str) -> None:
-    try:
-        store.delete(name)
-    except Exception:  # noqa: BLE001, S110 - debris only; gc removes it
-        pass
-
-
-def take_lease(store: Store, spec: SavePlanData) -> None:
-    """The coordinator, before the plans (and so any write) go out: hold the save's lease."""
-    store.put_atomic(spec.lease, spec.save_id.encode())
-
-
-def abandon(store: Store, spec: SavePlanData) -> None:
-    """After a failed save: give up the lease (the other ranks stop waiting), then remove what
-    the save wrote. POSIX: the staging folder. Object stores: the markers, and every file in the
-    target (the old folder lost its carrier before this save wrote: what is left is garbage
-    that would be listed as a corrupt checkpoint). A rank still writing removes what it writes
-    after this once it sees the lease gone (:func:`discard_if_abandoned`); the lease goes first
-    so that a rank whose write fails because its folder vanished knows why."""
-    _quietly_delete(store, spec.lease)
-    try:
-        if spec.renames:
-            remove_tree(store, spec.staging)
-        else:
-            for info in store.list(spec.markers):
-                if marker_rank(info.name.rpartition("/")[2], spec.save_id) is not None:
-                    _quietly_delete(store, info.name)
-            for info in store.list(spec.target):
-                _quietly_delete(store, info.name)
-    except Exception:  # noqa: BLE001, S110 - debris only; gc removes it
         pass
 
 
 # ----------------------------------------------------------------------------- other ranks
 def committed(store: Store, spec: SavePlanData) -> bool:
     """Whether the target's carrier is this save's (its summary names the save's token)."""
-    return _is_ours(store, _join(spec.target, METADATA_FILE), spec)
+    return _is_ours(store, join(spec.target, METADATA_FILE), spec)
 
 
 def abandoned(store: Store, spec: SavePlanData) -> bool:
@@ -491,10 +225,10 @@ def discard_if_abandoned(store: Store, spec: SavePlanData) -> bool:
         if spec.renames:
             remove_tree(store, spec.staging)
         else:  # what this rank wrote after the coordinator cleared up
-            if _is_ours(store, _join(spec.staging, spec.file_name), spec):
-                store.delete(_join(spec.staging, spec.file_name))
+            if _is_ours(store, join(spec.staging, spec.file_name), spec):
+                store.delete(join(spec.staging, spec.file_name))
             for marker in (rank_marker, failure_marker):
-                store.delete(_join(spec.markers, marker(spec.rank, os.getpid(), spec.save_id)))
+                store.delete(join(spec.markers, marker(spec.rank, os.getpid(), spec.save_id)))
     except Exception:  # noqa: BLE001, S110 - debris only; gc removes it
         pass
     return True
@@ -526,7 +260,7 @@ def _holds_lease(store: Store, spec: SavePlanData) -> bool:
 
 def wait_for_commit(store: Store, spec: SavePlanData, deadline: float, what: str) -> None:
     """Block until the coordinator committed this save; raise when it failed or timed out."""
-    delay = _POLL_MIN
+    delay = POLL_MIN
     while True:
         if committed(store, spec):
             return
@@ -540,4 +274,4 @@ def wait_for_commit(store: Store, spec: SavePlanData, deadline: float, what: str
                 f"{what}: the coordinator did not commit before the deadline (it may have died); "
                 "the save was not committed"
             )
-        delay = _sleep(delay)
+        delay = sleep(delay)

@@ -26,7 +26,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.utils.serialization import config as _torch_save_config
 
 from ..errors import UnsupportedObjectError
-from ..saving.plan import FileImage, StorageSlot, _SparseReader, _SparseSink
+from ..saving.image import FileImage, StorageSlot
+from ..saving.sparse import SparseReader, SparseSink
 from ._format import ITEM_ALIGNMENT, RANK_FILE_KIND
 from ._metadata import StorageInfo
 
@@ -47,11 +48,11 @@ def plan_skeleton(dtype: torch.dtype, shape: tuple[int, ...]) -> Skeleton:
     """Lay out the zip of a contiguous CPU tensor of ``dtype`` and ``shape`` (no data copied)."""
     # Never touched: only its structure is pickled, so a large one costs address space only.
     placeholder = torch.empty(shape, dtype=dtype)
-    sink = _SparseSink()
+    sink = SparseSink()
     alignment = _torch_save_config.patch({"save.storage_alignment": ITEM_ALIGNMENT})  # type: ignore[attr-defined]
     with alignment, torch.serialization.skip_data():
         torch.save(placeholder, cast(IO[bytes], sink))
-    reader = torch._C.PyTorchFileReader(cast(IO[bytes], _SparseReader(sink.end, sink.pieces)))
+    reader = torch._C.PyTorchFileReader(cast(IO[bytes], SparseReader(sink.end, sink.pieces)))
     records = [r for r in reader.get_all_records() if r.startswith("data/")]
     if len(records) != 1:
         raise UnsupportedObjectError(

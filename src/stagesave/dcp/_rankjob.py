@@ -20,13 +20,12 @@ from ..saving.retire import retain
 from ..saving.stage import ImageCrcs
 from ..saving.write import WriteStats
 from ..stores.base import Store
+from ._coordinator import abandon, commit
 from ._format import FORMAT_KEY, FORMAT_VALUE, SAVE_ID_KEY, WORLD_SIZE_KEY
 from ._protocol import (
     MetadataSlot,
     SavePlanData,
-    abandon,
     abandoned,
-    commit,
     discard_if_abandoned,
     gave_up_error,
     report_failure,

@@ -39,14 +39,12 @@ from ..handle import SaveHandle
 from ..ondisk.names import TMP_MARKER, check_target_name
 from ..stores.base import Store
 from ..telemetry import SaveTelemetry
+from ._coordinator import abandon, clear_old_carrier, take_lease
 from ._format import lease
 from ._protocol import (
     MetadataSlot,
     SavePlanData,
-    abandon,
-    clear_old_carrier,
     report_failure,
-    take_lease,
 )
 from ._rankfile import SkeletonCache, layout_rank_file
 from ._rankjob import RankJob, RankStaging

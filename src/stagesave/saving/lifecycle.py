@@ -17,6 +17,8 @@ import time
 import weakref
 from typing import Any, Protocol
 
+from .ziplayout import forget_layouts
+
 __all__ = [
     "close_all_at_exit", "flush_all", "flush_on_sigterm", "live", "register", "release_closed",
     "release_unclosed", "unregister",
@@ -33,8 +35,14 @@ class _Flushable(Protocol):
 _live: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
-def register(ckpt: _Flushable) -> None:
-    """Count ``ckpt`` among the live Checkpointers (until :func:`unregister` or collection)."""
+def register(ckpt: _Flushable, parts: tuple[Any, Any, Any]) -> None:
+    """Count ``ckpt`` among the live Checkpointers (until :func:`unregister` or collection).
+
+    Dropped without ``close()``, its ``parts`` (pipeline, stager, staging memory) are released
+    by a finalizer (not at exit, where every live Checkpointer is closed, its pending saves
+    committed first).
+    """
+    weakref.finalize(ckpt, release_unclosed, *parts).atexit = False
     _live.add(ckpt)
 
 
@@ -53,11 +61,14 @@ def release_unclosed(pipeline: Any, stager: Any, memory: Any) -> None:
     memory.close()
 
 
-def release_closed(ckpt: Any, pipeline: Any, stager: Any, memory: Any, targets: Any) -> None:
-    """After ``close()`` stopped the pipeline: free buffers, stores and copy threads."""
+def release_closed(ckpt: Any, stager: Any, memory: Any, targets: Any) -> None:
+    """After ``close()`` stopped the pipeline: free buffers, stores and copy threads, and
+    unregister ``ckpt`` (the last one: nothing planned stays behind)."""
     memory.close()
     targets.close()
     stager.close()
+    if unregister(ckpt):
+        forget_layouts()
 
 
 def live() -> list[Any]:

@@ -11,19 +11,17 @@ serialization pass.
 
 from __future__ import annotations
 
-import bisect
 import collections
 import contextlib
 import gc
-import io
 import pickle
 import secrets
 import threading
 import time
 import types
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, fields, is_dataclass
-from typing import IO, Any, NamedTuple, cast
+from collections.abc import Iterator, Mapping
+from dataclasses import fields, is_dataclass
+from typing import IO, Any, cast
 
 import torch
 
@@ -37,224 +35,12 @@ from ..errors import UnsupportedObjectError
 from ..ondisk.checksum import crc32
 from ..ondisk.names import ALIGNMENT
 from ..ondisk.torchzip import TorchZip, ZipFormatError, parse_torch_zip
+from .image import MAX_INDEXED_TENSORS, FileImage, StorageSlot, TensorEntry
+from .sparse import SparseReader, SparseSink
 
-__all__ = ["FileImage", "StorageSlot", "TensorEntry", "plan_torch_file"]
-
-#: Cap on how many tensors the manifest's index names (beyond it the index is truncated).
-MAX_INDEXED_TENSORS = 200_000
-
-
-class StorageSlot:
-    """Bytes of the state (a flat uint8 view of a storage or tensor) and where they go.
-
-    Planners give either ``source`` (the bytes as a flat uint8 tensor) or ``storage`` (a whole
-    storage: its byte view is made only if someone asks for :attr:`source`; host staging copies
-    from :attr:`address` and never needs it).
-    """
-
-    __slots__ = ("_address", "_device_type", "_source", "_storage", "key", "nbytes", "offset")
-
-    def __init__(self, key: str, offset: int, nbytes: int, source: torch.Tensor | None = None, *,
-                 storage: torch.UntypedStorage | None = None, device_type: str | None = None,
-                 address: int | None = None) -> None:
-        if (source is None) == (storage is None):
-            raise TypeError("StorageSlot needs a source or a storage")
-        self.key, self.offset, self.nbytes = key, offset, nbytes
-        self._source, self._storage = source, storage
-        self._device_type = device_type
-        self._address = address  # the storage's host address, when the planner knows it
-
-    @property
-    def source(self) -> torch.Tensor:
-        if self._source is None:
-            assert self._storage is not None
-            self._source = byte_view(self._storage)
-        return self._source
-
-    @property
-    def device_type(self) -> str:
-        kind = self._device_type
-        if kind is None:
-            if self._source is not None:
-                kind = "cpu" if self._source.is_cpu else self._source.device.type
-            else:
-                assert self._storage is not None
-                kind = self._storage.device.type
-            self._device_type = kind
-        return kind
-
-    def host_address(self) -> int | None:
-        """Where the bytes start in host memory, when they are one contiguous run there."""
-        if self._source is None:
-            if self._address is not None:
-                return self._address
-            assert self._storage is not None
-            return int(self._storage.data_ptr()) if self.device_type == "cpu" else None
-        src = self._source
-        if src.is_cpu and src.is_contiguous() and src.numel() * src.element_size() >= self.nbytes:
-            return int(src.data_ptr())
-        return None
-
-    def __repr__(self) -> str:
-        return (f"StorageSlot(key={self.key!r}, offset={self.offset}, nbytes={self.nbytes}, "
-                f"device={self.device_type})")
+__all__ = ["FileImage", "StorageSlot", "TensorEntry", "gc_paused", "plan_torch_file"]
 
 
-class TensorEntry(NamedTuple):
-    """A named tensor of the state, for the manifest's index (a named tuple: made once per
-    tensor per save, so it is cheap to make)."""
-
-    name: str
-    storage_key: str
-    dtype: str
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    storage_offset: int
-
-
-@dataclass
-class FileImage:
-    """Everything needed to produce the file bytes without pickling again.
-
-    The staging buffer receives ``[0, size)``; the file keeps ``[0, covered)`` of it (a torch
-    file's own central directory is replaced by the format-2 tail) and the proof's chunks cover
-    exactly that range.
-    """
-
-    size: int
-    #: The bytes that are not tensor data, at their offsets (memoryviews where a planner shares
-    # them).
-    pieces: Sequence[tuple[int, bytes | memoryview]]
-    slots: list[StorageSlot]
-    serialization_id: str
-    id_offset: int
-    tensors: list[TensorEntry] = field(default_factory=list)
-    #: "torch", "safetensors", "dcp" (a sharded rank file), "dcp-metadata" or "raw".
-    kind: str = "torch"
-    #: torch files: the archive (records, central directory), for the CRCs and the tail.
-    zip: TorchZip | None = None
-    #: Per slot: where its zip record's CRC goes (data descriptor), -1 when it has no record.
-    crc_fields: list[int] = field(default_factory=list)
-    #: safetensors files: the region of the header reserved for the proof (hashed as spaces).
-    blank: tuple[int, int] | None = None
-    #: The pieces and slots cover ``[0, size)`` without a gap (nothing to zero when staging).
-    gapless: bool = False
-
-    @property
-    def tensor_bytes(self) -> int:
-        return sum(s.nbytes for s in self.slots)
-
-    @property
-    def covered(self) -> int:
-        """End of the bytes the file keeps from the image (and the proof's chunks cover)."""
-        return self.zip.cd_start if self.zip is not None else self.size
-
-    def devices(self) -> set[str]:
-        return {s.device_type for s in self.slots}
-
-
-def byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
-    """A flat uint8 tensor over a whole storage (no copy)."""
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-
-
-class _SparseSink(io.RawIOBase):
-    """A write-only file that keeps written pieces and only remembers the extent of skipped ones."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.pos = 0
-        self.end = 0
-        self.pieces: list[tuple[int, bytes]] = []
-
-    def writable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def write(self, b: Any) -> int:
-        data = bytes(b)
-        if data:
-            self.pieces.append((self.pos, data))
-        self.pos += len(data)
-        self.end = max(self.end, self.pos)
-        return len(data)
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        if whence == io.SEEK_SET:
-            self.pos = offset
-        elif whence == io.SEEK_CUR:
-            self.pos += offset
-        else:
-            self.pos = self.end + offset
-        self.end = max(self.end, self.pos)
-        return self.pos
-
-    def tell(self) -> int:
-        return self.pos
-
-    def coalesced(self) -> list[tuple[int, bytes]]:
-        """The pieces sorted, with contiguous runs joined (fewer, larger copies when staging)."""
-        out: list[tuple[int, bytes]] = []
-        run_start, run = -1, []
-        end = -1
-        for off, data in sorted(self.pieces, key=lambda p: p[0]):
-            if off == end:
-                run.append(data)
-            else:
-                if run:
-                    out.append((run_start, b"".join(run)))
-                run_start, run = off, [data]
-            end = off + len(data)
-        if run:
-            out.append((run_start, b"".join(run)))
-        return out
-
-
-class _SparseReader(io.RawIOBase):
-    """Reads the sparse skeleton as if it were the file (zeros where tensor bytes will go)."""
-
-    def __init__(self, size: int, pieces: list[tuple[int, bytes]]) -> None:
-        super().__init__()
-        self.size = size
-        self.pieces = pieces  # sorted, non-overlapping
-        self.starts = [off for off, _ in pieces]
-        self.pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence]
-        self.pos = base + offset
-        return self.pos
-
-    def tell(self) -> int:
-        return self.pos
-
-    def readinto(self, b: Any) -> int:
-        view = memoryview(b).cast("B")
-        n = max(0, min(len(view), self.size - self.pos))
-        start, stop = self.pos, self.pos + n
-        view[:n] = bytes(n)
-        i = max(0, bisect.bisect_right(self.starts, start) - 1)
-        while i < len(self.pieces) and self.pieces[i][0] < stop:
-            off, data = self.pieces[i]
-            lo, hi = max(off, start), min(off + len(data), stop)
-            if lo < hi:
-                view[lo - start : hi - start] = data[lo - off : hi - off]
-            i += 1
-        self.pos = stop
-        return n
-
-
-#: Types whose objects torch's ``persistent_id`` never names (it names storages only): the
-#: pickler asks about every object it meets, so these skip torch's check (exact types only;
-#: subclasses still go through it).
 _NEVER_PERSISTENT = frozenset(
     {
         int,
@@ -431,7 +217,7 @@ def plan_torch_file(state: Any) -> FileImage:
 
 def _plan_torch_file(state: Any) -> FileImage:
     found: dict[str, torch.UntypedStorage] = {}
-    sink = _SparseSink()
+    sink = SparseSink()
     aligned = (_torch_save_config.patch({"save.storage_alignment": ALIGNMENT})  # type: ignore[attr-defined]
                if _torch_save_config is not None else contextlib.nullcontext())
     with aligned:
@@ -450,7 +236,7 @@ def _plan_torch_file(state: Any) -> FileImage:
             ) from exc
 
     pieces = sink.coalesced()
-    reader = torch._C.PyTorchFileReader(cast(IO[bytes], _SparseReader(sink.end, pieces)))
+    reader = torch._C.PyTorchFileReader(cast(IO[bytes], SparseReader(sink.end, pieces)))
     slots = []
     for key, storage in found.items():
         offset = int(reader.get_record_offset(f"data/{key}"))  # type: ignore[attr-defined]
@@ -484,7 +270,7 @@ def _archive(
 
     Returns the archive, where each slot's CRC goes, and the pieces with the id record's CRC.
     """
-    sparse = _SparseReader(size, pieces)
+    sparse = SparseReader(size, pieces)
 
     def read(offset: int, n: int) -> bytes:
         sparse.seek(offset)

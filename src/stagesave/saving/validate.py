@@ -12,11 +12,12 @@ from ..ondisk.manifest import MAX_DEPTH, plain_json
 from ..ondisk.names import ALIGNMENT, TMP_MARKER, check_target_name
 from ..stores.base import Store, check_name
 from ..stores.local import makedirs_durable
+from ..stores.targets import StoreResolver
 from .plan import FileImage
 
 __all__ = [
     "check_folder_names", "check_folder_writable", "check_inside_root", "check_options",
-    "check_same_filesystem", "check_target", "checked_metadata",
+    "check_same_filesystem", "checked_metadata", "target",
 ]
 
 
@@ -97,15 +98,18 @@ def check_options(*, keep_last: int | None, io_threads: int, chunk_bytes: int) -
         )
 
 
-def check_target(store: Store, name: str) -> None:
-    """Refuse a save's target that could never be committed or read back.
+def target(targets: StoreResolver, path: str | os.PathLike[str]) -> tuple[Store, str]:
+    """``(store, name)`` of a save's target, refused now if it could never be committed or
+    read back.
 
     Raises:
         ValueError: a temporary's or reserved name. CheckpointPermissionError: a directory
             linked outside the root.
     """
+    store, name = targets.split(path)
     check_target_name(name)
     check_inside_root(store, name)
+    return store, name
 
 
 def check_folder_names(files: dict[str, Any]) -> None:

@@ -21,81 +21,25 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from typing import Any
 
 from .._crash import crash_point
-from ..ondisk.checksum import crc32, crc32_patch, digest
-from ..ondisk.manifest import FileEntry, Manifest, StorageRecord, Summary, dumps, proof_doc
-from ..ondisk.names import ALIGNMENT, INDEX_RECORD, PROOF_RECORD
+from ..ondisk.checksum import crc32_patch, digest
+from ..ondisk.manifest import FileEntry, StorageRecord, dumps, proof_doc
+from ..ondisk.names import ALIGNMENT
 from ..ondisk.signing import current as signing_keys
 from ..ondisk.signing import sign_doc
-from ..ondisk.torchzip import build_tail, footer
 from ..stores.base import PendingWrite, Store
+from .files import TRAILER_KINDS, FileToWrite, WriteStats, run_all
 from .plan import FileImage
+from .seal import Written, blank_fill, proof_value
 from .stage import ImageCrcs, crc_image
 
 __all__ = [
-    "TRAILER_KINDS",
-    "FileToWrite",
-    "WriteStats",
-    "Written",
-    "blank_fill",
-    "fill_crcs",
-    "late_end",
-    "proof_value",
-    "run_all",
-    "write_data",
+    "TRAILER_KINDS", "FileToWrite", "WriteStats", "Written", "blank_fill", "fill_crcs", "late_end",
+    "proof_value", "run_all", "write_data",
 ]
-
-T = TypeVar("T")
-
-#: Kinds whose proof is a trailer after the data (their readers ignore trailing bytes).
-TRAILER_KINDS = frozenset({"dcp", "dcp-metadata"})
-
-
-@dataclass
-class FileToWrite:
-    """A staged file: ``view`` holds the image (host memory) unless ``device_data`` does."""
-
-    name: str
-    image: FileImage
-    view: memoryview | None
-    crcs: ImageCrcs | None = None
-    #: With device staging: the image in device memory (a uint8 tensor), instead of ``view``.
-    device_data: Any = None
-    #: Name inside its folder (default: the last part of ``name``).
-    entry_name: str | None = None
-
-
-@dataclass
-class WriteStats:
-    write_s: float = 0.0
-    checksum_s: float = 0.0
-    fsync_s: float = 0.0
-    direct_io: bool | None = None
-
-
-def run_all(pool: cf.Executor, fn: Callable[[int], T], n: int) -> list[T]:
-    """``[fn(0), ..., fn(n - 1)]`` on ``pool``; on failure, raise the first error in order only
-    after every call has ended (``Executor.map`` would leave started calls running behind the
-    caller's cleanup: writes into a closed or reused descriptor)."""
-    futures: list[cf.Future[T]] = []
-    try:
-        for i in range(n):
-            futures.append(pool.submit(fn, i))
-    except BaseException:  # e.g. the pool shut down meanwhile: let the submitted ones end first
-        for f in futures:
-            f.cancel()
-        cf.wait(futures)
-        raise
-    done, _ = cf.wait(futures, return_when=cf.FIRST_EXCEPTION)
-    if any(f.exception() is not None for f in done):
-        for f in futures:
-            f.cancel()  # those not started yet
-        cf.wait(futures)
-    return [f.result() for f in futures]
 
 
 def late_end(image: FileImage) -> int:
@@ -135,168 +79,6 @@ def fill_crcs(image: FileImage, view: memoryview, crcs: ImageCrcs) -> list[tuple
             crcs.chunks[c] = crc32_patch(crcs.chunks[c], min(cb, image.covered - c * cb),
                                          at + b - c * cb, old[b : b + 1], new[b : b + 1])
     return written
-
-
-def blank_fill(length: int) -> bytes:
-    """What a reserved proof place holds while the chunks are hashed (and for verifying them)."""
-    return b" " * length
-
-
-def proof_value(proof: bytes, length: int) -> bytes:
-    """The proof as a JSON string value, padded with spaces to exactly ``length`` bytes.
-
-    Raises:
-        ValueError: it does not fit (the reservation was computed too small: a bug).
-    """
-    value = json.dumps(proof.decode()).encode()[1:-1]  # escaped, without the quotes
-    if len(value) > length:
-        raise ValueError(f"the proof needs {len(value)} bytes, {length} were reserved")
-    return value + b" " * (length - len(value))
-
-
-class Written:
-    """A file whose data is written and durable; :meth:`seal` adds its proof."""
-
-    def __init__(
-        self,
-        store: Store,
-        f: FileToWrite,
-        pending: PendingWrite,
-        entry: FileEntry,
-        cd: bytes | None,
-        write_late: Callable[[bytes], None],
-        head: Callable[[], bytes],
-    ) -> None:
-        self.store = store
-        self.name = f.name
-        self.image = f.image
-        self.pending = pending
-        self.entry = entry
-        self.cd = cd
-        self._write_late = write_late
-        self._head = head
-        self.proof: bytes = b""
-        self.length = entry.size
-        #: Set by :meth:`seal`: the file's manifest as committed.
-        self.manifest: Manifest | None = None
-
-    @property
-    def proof_crc(self) -> int:
-        return crc32(self.proof)
-
-    def seal(
-        self, *, seq: int | None, created_ns: int, metadata: dict[str, Any],
-        folder: dict[str, Any] | None = None, summary_folder: tuple[str, str] | None = None,
-        tensors: Sequence[dict[str, Any]] = (), telemetry: dict[str, Any] | None = None,
-    ) -> Manifest:
-        """Write the proof (never before every digest is known). Returns the file's manifest.
-
-        Args:
-            seq: The save's sequence number (``None`` for a folder's members: the carrier's counts).
-            created_ns: Wall-clock time of the save, for display.
-            metadata: The user's metadata.
-            folder: The folder section of the proof (``None`` outside folders).
-            summary_folder: ``(token, carrier name)`` for the summary of a folder's file.
-            tensors: The tensor index (torch files).
-            telemetry: The save's telemetry so far (torch files).
-        """
-        kind = self.image.kind
-        entry = self.entry
-        crash_point("before_proof")
-        if kind == "raw":
-            self.manifest = Manifest(
-                files=[entry], created_ns=created_ns, metadata=metadata, schema=2, seq=seq
-            )
-            return self.manifest
-        zip_digests = None
-        index = b""
-        if kind == "torch":
-            assert self.image.zip is not None and self.cd is not None
-            index = dumps({"tensors": list(tensors), "telemetry": telemetry or {}})
-            zip_digests = {
-                "cd": digest(entry.algorithm, self.cd),
-                "index": digest(entry.algorithm, index),
-            }
-        self.proof = dumps(
-            sign_doc(
-                proof_doc(
-                    entry,
-                    seq=seq,
-                    created_ns=created_ns,
-                    metadata=metadata,
-                    folder=folder,
-                    zip_digests=zip_digests,
-                ),
-                signing_keys(),
-            )
-        )
-        token, carrier = summary_folder if summary_folder is not None else (None, None)
-
-        def summary(proof_at: int) -> bytes:
-            return Summary(
-                kind, seq, created_ns, proof_at, len(self.proof), crc32(self.proof), token, carrier
-            ).to_bytes()
-
-        if kind == "torch":
-            zip_ = self.image.zip
-            assert zip_ is not None and self.cd is not None
-            index_name = f"{zip_.prefix}/{INDEX_RECORD}".encode()
-            proof_at = (
-                zip_.cd_start
-                + 30
-                + len(index_name)
-                + len(index)
-                + 30
-                + len(f"{zip_.prefix}/{PROOF_RECORD}")
-            )
-            tail, offsets = build_tail(
-                zip_,
-                self.cd,
-                [(INDEX_RECORD, index), (PROOF_RECORD, self.proof)],
-                summary(proof_at),
-                crc32=crc32,
-            )
-            assert offsets[1] == proof_at
-            self._tail(tail)
-        elif kind in TRAILER_KINDS:
-            s = summary(entry.end)
-            self._tail(self.proof + s + footer(s, crc32))
-        elif kind == "safetensors":
-            assert self.image.blank is not None
-            at, length = self.image.blank
-            head = bytearray(self._head())
-            head[at : at + length] = proof_value(self.proof, length)
-            self._write_late(bytes(head))
-        else:
-            raise ValueError(f"no proof for files of kind {kind!r}")
-        crash_point("after_proof")
-        manifest = Manifest(
-            files=[entry],
-            created_ns=created_ns,
-            tensors=list(tensors),
-            metadata=metadata,
-            telemetry=telemetry or {},
-            schema=2,
-            seq=seq,
-        )
-        self.manifest = manifest
-        return manifest
-
-    def _tail(self, tail: bytes) -> None:
-        self.pending.write_tail(tail)
-        self.length = self.entry.end + len(tail)
-
-    def finish(self, stats: WriteStats) -> None:
-        """Make the proof durable (the data already is)."""
-        f0 = time.perf_counter()
-        self.pending.finish()
-        stats.fsync_s += time.perf_counter() - f0
-
-    def publish(self) -> None:
-        self.pending.publish()
-
-    def abort(self) -> None:
-        self.pending.abort()
 
 
 def flush_data(pending: PendingWrite, stats: WriteStats) -> None:
