@@ -23,7 +23,9 @@ def ckpt_dir(tmp_path):
 
 def pytest_collection_modifyitems(config, items):
     if not torch.cuda.is_available():
-        skip = pytest.mark.skip(reason="needs a CUDA device; this machine has none (GPU path untested here)")
+        skip = pytest.mark.skip(
+            reason="needs a CUDA device; this machine has none (GPU path untested here)"
+        )
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)

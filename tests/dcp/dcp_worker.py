@@ -62,7 +62,9 @@ def fsdp_save(rank: int, world: int, out: str) -> dict[str, Any]:
     handle = sdcp.save({"model": msd, "optim": osd, "step": 2}, "step-2", writer=writer)
     result["returned_s"] = time.perf_counter() - t0
     result["save"] = _tel(handle.result(120))
-    full_m, full_o = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    full_m, full_o = get_state_dict(
+        model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
     if rank == 0:
         torch.save({"model": full_m, "optim": full_o}, os.path.join(out, "ref.pt"))
 
@@ -70,9 +72,13 @@ def fsdp_save(rank: int, world: int, out: str) -> dict[str, Any]:
     rep = replicated_state()
     writer2 = sdcp.StagedStorageWriter(checkpointer=writer.checkpointer)
     root = os.path.join(out, "rep")
-    result["rep_default"] = _tel(sdcp.save(rep, os.path.join(root, "default"), writer=writer2).result(120))
+    result["rep_default"] = _tel(
+        sdcp.save(rep, os.path.join(root, "default"), writer=writer2).result(120)
+    )
     planner = sdcp.SplitReplicatedPlanner(split_bytes=256 * 1024)
-    result["rep_split"] = _tel(sdcp.save(rep, os.path.join(root, "split"), writer=writer2, planner=planner).result(120))
+    result["rep_split"] = _tel(
+        sdcp.save(rep, os.path.join(root, "split"), writer=writer2, planner=planner).result(120)
+    )
     writer.close()
     return result
 
@@ -91,7 +97,9 @@ def fsdp_load(rank: int, world: int, out: str) -> dict[str, Any]:
     state = {"model": msd, "optim": osd, "step": 0}
     sdcp.load(state, os.path.join(out, "ckpt", "step-2"))
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    full_m, full_o = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    full_m, full_o = get_state_dict(
+        model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
     rep = replicated_state()
     zeros = {
         "emb": torch.zeros_like(rep["emb"]),
@@ -184,8 +192,11 @@ def coordinator_fails(rank: int, world: int, out: str) -> dict[str, Any]:
     commit, learn it from the store (staging folder gone, or the abort marker on object stores)."""
     mesh = init_device_mesh("cpu", (world,))
     objects = os.environ.get("OBJECT_STORE") == "1"
-    root: Any = FsspecStore(f"file://{os.path.join(out, 'ckpt')}", {"auto_mkdir": True}) if objects \
+    root: Any = (
+        FsspecStore(f"file://{os.path.join(out, 'ckpt')}", {"auto_mkdir": True})
+        if objects
         else os.path.join(out, "ckpt")
+    )
     writer = sdcp.StagedStorageWriter(root=root, commit_timeout=120)
     result: dict[str, Any] = {}
     # 1. Staging fails on the coordinator (a meta tensor has no bytes): its commit job never
@@ -198,7 +209,9 @@ def coordinator_fails(rank: int, world: int, out: str) -> dict[str, Any]:
         dcp.save(state, checkpoint_id="step-0", storage_writer=writer)
     except BaseException:  # noqa: BLE001, S110 - DCP re-raises rank 0's error on every rank
         pass
-    result["staging"] = _outcome(writer.last_handle) if rank == 1 and writer.last_handle is not None else None
+    result["staging"] = (
+        _outcome(writer.last_handle) if rank == 1 and writer.last_handle is not None else None
+    )
     result["staging_seconds"] = time.monotonic() - t0
     # 2. The coordinator's background write fails (disk full).
     if rank == 0:
@@ -227,7 +240,8 @@ def crash_replace(rank: int, world: int, out: str) -> dict[str, Any]:
     sdcp.save({"w": torch.zeros(4), "step": 0}, "step-0", writer=writer).result(60)
     sdcp.save(a, "last", writer=writer).result(60)
     ckpt.keep_last = 1
-    if os.environ.get("NO_EXCHANGE") == "1":  # a filesystem without RENAME_EXCHANGE: old folder aside first
+    # a filesystem without RENAME_EXCHANGE: old folder aside first
+    if os.environ.get("NO_EXCHANGE") == "1":
         from stagesave.stores import posix as _fsops
 
         def no_exchange(a: str, b: str) -> None:
@@ -278,12 +292,26 @@ def failed_write(rank: int, world: int, out: str) -> dict[str, Any]:
     return result
 
 
-SCENARIOS = {f.__name__: f for f in (fsdp_save, fsdp_load, killed_save, object_store_save, failed_write,
-                                     coordinator_fails, crash_replace)}
+SCENARIOS = {
+    f.__name__: f
+    for f in (
+        fsdp_save,
+        fsdp_load,
+        killed_save,
+        object_store_save,
+        failed_write,
+        coordinator_fails,
+        crash_replace,
+    )
+}
 
 
 def _child(scenario: str, rank: int, world: int, out: str, env: dict[str, str]) -> None:
-    log = os.open(os.path.join(out, f"{scenario}-rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    log = os.open(
+        os.path.join(out, f"{scenario}-rank{rank}.log"),
+        os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+        0o644,
+    )
     os.dup2(log, 1)  # never write into the launcher's answer channel
     os.dup2(log, 2)
     os.environ.update(env)
@@ -291,8 +319,12 @@ def _child(scenario: str, rank: int, world: int, out: str, env: dict[str, str]) 
     torch.set_num_threads(1)
     path = os.path.join(out, f"{scenario}-rank{rank}.json")
     try:
-        dist.init_process_group("gloo", init_method=f"file://{os.path.join(out, scenario + '.rdzv')}",
-                                rank=rank, world_size=world)
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{os.path.join(out, scenario + '.rdzv')}",
+            rank=rank,
+            world_size=world,
+        )
         result = SCENARIOS[scenario](rank, world, out)
         result["ok"] = True
     except BaseException:  # noqa: BLE001 - reported to the test
@@ -304,10 +336,15 @@ def _child(scenario: str, rank: int, world: int, out: str, env: dict[str, str]) 
     os._exit(0 if result["ok"] else 1)  # never hang in teardown of a group with a dead peer
 
 
-def launch(scenario: str, world: int, out: str, env: dict[str, str] | None = None, timeout: float = 240.0) -> list[Any]:
+def launch(
+    scenario: str, world: int, out: str, env: dict[str, str] | None = None, timeout: float = 240.0
+) -> list[Any]:
     """Fork ``world`` ranks running ``scenario``; every rank's exit code (or "timeout")."""
     ctx = multiprocessing.get_context("fork")
-    procs = [ctx.Process(target=_child, args=(scenario, r, world, out, dict(env or {}))) for r in range(world)]
+    procs = [
+        ctx.Process(target=_child, args=(scenario, r, world, out, dict(env or {})))
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout
@@ -331,7 +368,9 @@ def serve() -> int:
     for line in sys.stdin:
         req = json.loads(line)
         try:
-            codes = launch(req["scenario"], req["world"], req["out"], req.get("env"), req.get("timeout", 240.0))
+            codes = launch(
+                req["scenario"], req["world"], req["out"], req.get("env"), req.get("timeout", 240.0)
+            )
             answer: dict[str, Any] = {"exit_codes": codes}
         except Exception:  # noqa: BLE001 - reported to the test
             answer = {"error": traceback.format_exc()}

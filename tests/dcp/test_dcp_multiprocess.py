@@ -24,8 +24,8 @@ from dcp_run import Run
 import stagesave
 import stagesave.dcp as sdcp
 from stagesave import LocalStore
-from stagesave._crash import CRASH_POINTS
-from stagesave.dcp._metadata import load_metadata
+from stagesave._crash import CRASH_POINTS  # fault injection: each crash point must be covered
+from stagesave.dcp._metadata import load_metadata  # reads .metadata to inspect what was stored
 from stagesave.restore.gc import collect_garbage, find_debris
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -48,17 +48,32 @@ def test_fsdp2_save_on_four_ranks_commits_one_folder(fsdp_saved):
     assert sorted(os.listdir(folder)) == names
     save_id = carrier.metadata["dcp_save_id"]
     assert carrier.folder.token == save_id
-    assert carrier.metadata["dcp_world_size"] == 4 and carrier.metadata["format"] == "torch.distributed.checkpoint"
+    assert (
+        carrier.metadata["dcp_world_size"] == 4
+        and carrier.metadata["format"] == "torch.distributed.checkpoint"
+    )
     for member in carrier.folder.members:  # every rank file proves itself, pinned by the carrier
         own = proof(folder / member.name)
         assert own.manifest is not None and own.summary is not None, own.problems
-        assert own.summary.folder == save_id and own.summary.carrier == ".metadata" and own.summary.seq is None
-        assert own.proof_crc == member.proof_crc and (folder / member.name).stat().st_size == member.size
+        assert (
+            own.summary.folder == save_id
+            and own.summary.carrier == ".metadata"
+            and own.summary.seq is None
+        )
+        assert (
+            own.proof_crc == member.proof_crc
+            and (folder / member.name).stat().st_size == member.size
+        )
     md = load_metadata((folder / ".metadata").read_bytes(), "test")
     assert set(md.state_dict_metadata) >= {"model.0.weight", "optim.state.4.bias.exp_avg_sq"}
     assert md.storage_meta is not None and md.storage_meta.save_id == save_id
     latest = stagesave.latest(root)  # verifies by default: every rank file matched its proof
-    assert latest is not None and latest.name == "step-2" and latest.is_dir and latest.status == "verified"
+    assert (
+        latest is not None
+        and latest.name == "step-2"
+        and latest.is_dir
+        and latest.status == "verified"
+    )
     cheap = stagesave.latest(root, verify=False)
     assert cheap is not None and cheap.name == "step-2" and cheap.status == "committed"
     assert stagesave.verify(folder).status == "verified"
@@ -118,7 +133,9 @@ def test_export_to_one_plain_file(fsdp_saved, tmp_path, capsys):
 
 def test_replicated_state_is_written_once_and_split_across_ranks(fsdp_saved):
     state = replicated_state()
-    tensor_bytes = state["emb"].nbytes + sum(t.nbytes for t in state["blocks"].values()) + state["bias"].nbytes
+    tensor_bytes = (
+        state["emb"].nbytes + sum(t.nbytes for t in state["blocks"].values()) + state["bias"].nbytes
+    )
     default = rank_file_sizes(str(fsdp_saved.out / "rep" / "default"))
     split = rank_file_sizes(str(fsdp_saved.out / "rep" / "split"))
     # Four replicas, one copy on storage: 4x would mean every replica wrote every byte.
@@ -148,7 +165,10 @@ def test_rank_killed_during_save_leaves_no_commit(launcher, tmp_path, victim, po
         assert report["outcome"] == "CommitTimeoutError"
         assert "close" not in report  # the failure was delivered once, by the handle
         if victim == 1:
-            assert "rank(s) 1 did not finish writing their part before the commit deadline" in report["message"]
+            assert (
+                "rank(s) 1 did not finish writing their part before the commit deadline"
+                in report["message"]
+            )
         else:
             assert "the coordinator did not commit before the deadline" in report["message"]
     else:  # the victim died inside dcp.save's own collectives: dcp.save raised, or the handle
@@ -160,13 +180,20 @@ def test_rank_killed_during_save_leaves_no_commit(launcher, tmp_path, victim, po
     assert [c.name for c in listed] == ["step-1"] and not (root / "step-2").exists()
     latest = stagesave.latest(root, verify=True)
     assert latest is not None and latest.name == "step-1" and latest.status == "verified"
-    assert_same(sdcp.to_state_dict(latest.path), torch.load(tmp_path / "ref-a.pt", weights_only=True))
+    assert_same(
+        sdcp.to_state_dict(latest.path), torch.load(tmp_path / "ref-a.pt", weights_only=True)
+    )
     debris, kept = find_debris(LocalStore(str(root)))
     assert kept == []
     if victim == 1 and gated == "1":
         assert debris == []  # the coordinator removed the staging folder when it gave up
-    for d in debris:  # anything left is a temporary of a dead writer (staging folder, lease), which gc removes
-        assert d.kind in ("temporary-dir", "temporary") and d.action == "remove" and d.name.startswith(".step-2.")
+    # anything left is a temporary of a dead writer (staging folder, lease), which gc removes
+    for d in debris:
+        assert (
+            d.kind in ("temporary-dir", "temporary")
+            and d.action == "remove"
+            and d.name.startswith(".step-2.")
+        )
 
 
 def test_a_rank_that_fails_makes_everyone_give_up_without_waiting(launcher, tmp_path):
@@ -178,11 +205,16 @@ def test_a_rank_that_fails_makes_everyone_give_up_without_waiting(launcher, tmp_
     assert coordinator["dcp_save_raised"] and failed["dcp_save_raised"]
     staging = coordinator["staging"]
     assert staging["error_type"] == "CheckpointError"
-    assert "rank 1 failed to write its part (cannot save bad: it is a tensor on the meta device" in staging["message"]
+    assert (
+        "rank 1 failed to write its part (cannot save bad: it is a tensor on the meta device"
+        in staging["message"]
+    )
     # The background write failed on rank 1: both handles fail, the coordinator's at once.
     write = coordinator["write"]
     assert write["error_type"] == "CheckpointError"
-    assert "rank 1 failed to write its part ([Errno 28] No space left on device)" in write["message"]
+    assert (
+        "rank 1 failed to write its part ([Errno 28] No space left on device)" in write["message"]
+    )
     assert failed["write"]["error_type"] == "StorageError"
     assert "no space left on the device" in failed["write"]["message"]
     assert stagesave.latest(tmp_path / "ckpt") is None and os.listdir(tmp_path / "ckpt") == []
@@ -196,7 +228,11 @@ def test_object_store_protocol_on_two_ranks(launcher, tmp_path):
     assert sorted(os.listdir(folder)) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     # The markers were in a hidden prefix beside the folder, and are gone with the commit.
     leftovers = [os.path.join(d, f) for d, _, files in os.walk(tmp_path / "objects") for f in files]
-    assert sorted(os.path.relpath(p, folder) for p in leftovers) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert sorted(os.path.relpath(p, folder) for p in leftovers) == [
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ]
     latest = stagesave.latest(tmp_path / "objects", verify=True)
     assert latest is not None and latest.name == "last" and latest.status == "verified"
 
@@ -207,24 +243,47 @@ def test_object_store_protocol_on_two_ranks(launcher, tmp_path):
 #: moved aside first; ``after_aside`` exists only there: ``latest()`` offers the aside folder
 #: where it lies, and the next save or ``stagesave gc`` puts it back).
 _REPLACE_POINTS = [
-    ("before_data", "A"), ("mid_data", "A"), ("after_data", "A"), ("after_data_fsync", "A"),
-    ("before_proof", "A"), ("after_proof", "A"), ("dcp_before_marker", "A"), ("dcp_after_marker", "A"),
-    ("dcp_before_metadata", "A"), ("before_data:2", "A"), ("after_data_fsync:2", "A"), ("before_proof:2", "A"),
-    ("after_proof:2", "A"), ("dcp_after_metadata", "A"), ("no-exchange/after_aside", "A"), ("after_rename", "B"),
-    ("no-exchange/after_rename", "B"), ("after_commit", "B"), ("during_retention", "B"),
+    ("before_data", "A"),
+    ("mid_data", "A"),
+    ("after_data", "A"),
+    ("after_data_fsync", "A"),
+    ("before_proof", "A"),
+    ("after_proof", "A"),
+    ("dcp_before_marker", "A"),
+    ("dcp_after_marker", "A"),
+    ("dcp_before_metadata", "A"),
+    ("before_data:2", "A"),
+    ("after_data_fsync:2", "A"),
+    ("before_proof:2", "A"),
+    ("after_proof:2", "A"),
+    ("dcp_after_metadata", "A"),
+    ("no-exchange/after_aside", "A"),
+    ("after_rename", "B"),
+    ("no-exchange/after_rename", "B"),
+    ("after_commit", "B"),
+    ("during_retention", "B"),
 ]
 
 
 def test_every_crash_point_of_the_protocol_is_covered():
     covered = {p.rpartition("/")[2].partition(":")[0] for p, _ in _REPLACE_POINTS}
     obsolete = {"dcp_before_manifest", "dcp_after_manifest"}  # format 1 only; no longer reached
-    assert set(CRASH_POINTS) - covered - obsolete == {"during_upload"}  # uploads: the tiered stores' tests
+    # uploads: the tiered stores' tests
+    assert set(CRASH_POINTS) - covered - obsolete == {"during_upload"}
 
 
 @pytest.mark.parametrize(("point", "expect"), _REPLACE_POINTS, ids=[p for p, _ in _REPLACE_POINTS])
-def test_sigkill_while_replacing_a_folder_leaves_the_old_or_the_new_never_a_mix(launcher, tmp_path, point, expect):
+def test_sigkill_while_replacing_a_folder_leaves_the_old_or_the_new_never_a_mix(
+    launcher, tmp_path, point, expect
+):
     variant, _, kill_at = point.rpartition("/")
-    run = launcher("crash_replace", 1, tmp_path, KILL_AT=kill_at, NO_EXCHANGE=str(int(variant == "no-exchange")))
+    run = launcher(
+        "crash_replace",
+        1,
+        tmp_path,
+        KILL_AT=kill_at,
+        NO_EXCHANGE=str(int(variant == "no-exchange")),
+    )
     assert run.exit_codes == [-9], f"{point} was not reached: {run.ranks}\n{run.log()}"
     states = torch.load(tmp_path / "states.pt", weights_only=True)
     root = tmp_path / "ckpt"
@@ -241,10 +300,17 @@ def test_sigkill_while_replacing_a_folder_leaves_the_old_or_the_new_never_a_mix(
         # Killed between the two renames: the old folder, aside, is the only copy of ``last``.
         # It is offered where it lies (whole and verified), with the one warning that says so.
         assert len(aside) == 1 and not (root / "last").exists(), before
-        assert [str(w.message) for w in caught if "stagesave-aside: the only copy" in str(w.message)] \
-            == [str(w.message) for w in caught] and len(caught) == 1, [str(w.message) for w in caught]
-        assert latest is not None and latest.name == aside[0] and latest.status == "verified", latest
-        assert_same(sdcp.to_state_dict(root / aside[0]), states[expect], f"the aside folder after a crash at {point}")
+        assert [
+            str(w.message) for w in caught if "stagesave-aside: the only copy" in str(w.message)
+        ] == [str(w.message) for w in caught] and len(caught) == 1, [str(w.message) for w in caught]
+        assert latest is not None and latest.name == aside[0] and latest.status == "verified", (
+            latest
+        )
+        assert_same(
+            sdcp.to_state_dict(root / aside[0]),
+            states[expect],
+            f"the aside folder after a crash at {point}",
+        )
         assert [c.name for c in listed] == [aside[0], *others]
     else:
         assert [str(w.message) for w in caught] == []  # nothing corrupt is even listed
@@ -256,10 +322,15 @@ def test_sigkill_while_replacing_a_folder_leaves_the_old_or_the_new_never_a_mix(
     # folder aside: gc removes the one and removes or moves back the other (so would the next save).
     debris, kept = find_debris(LocalStore(str(root)))
     assert kept == []
-    expected_aside = {"no-exchange/after_aside": ["restore"], "no-exchange/after_rename": ["remove"]}.get(point, [])
+    expected_aside = {
+        "no-exchange/after_aside": ["restore"],
+        "no-exchange/after_rename": ["remove"],
+    }.get(point, [])
     assert [d.action for d in debris if d.kind == "aside-dir"] == expected_aside, debris
     for d in debris:
-        assert (d.action == "remove" and d.kind in ("temporary", "temporary-dir")) or d.kind == "aside-dir", d
+        assert (
+            d.action == "remove" and d.kind in ("temporary", "temporary-dir")
+        ) or d.kind == "aside-dir", d
     report = collect_garbage(LocalStore(str(root)))
     assert report.errors == [] and len(report.done) == len(debris), report
     assert find_debris(LocalStore(str(root))) == ([], [])
@@ -269,7 +340,8 @@ def test_sigkill_while_replacing_a_folder_leaves_the_old_or_the_new_never_a_mix(
         latest = stagesave.latest(root, verify=True)
         listed = stagesave.list_checkpoints(root)
     assert latest is not None and latest.name == "last" and latest.status == "verified", latest
-    assert sorted(os.listdir(root / "last")) == [".metadata", "__0_0.distcp"]  # DCP's files, nothing else
+    # DCP's files, nothing else
+    assert sorted(os.listdir(root / "last")) == [".metadata", "__0_0.distcp"]
     assert_same(sdcp.to_state_dict(root / "last"), states[expect], f"last after a crash at {point}")
     got = {"w": torch.zeros(512, 256), "step": 0}
     dcp.load(got, checkpoint_id=str(root / "last"))  # torch's own reader agrees
@@ -285,16 +357,25 @@ def test_the_other_ranks_learn_at_once_that_the_coordinator_gave_up(launcher, tm
     run = launcher("coordinator_fails", 2, tmp_path, OBJECT_STORE=str(int(objects)))
     run.ok()
     coordinator, other = run.ranks
-    assert coordinator["error_type"] == "StorageError" and "no space left on the device" in coordinator["message"]
+    assert (
+        coordinator["error_type"] == "StorageError"
+        and "no space left on the device" in coordinator["message"]
+    )
     # Not at its 120 s deadline (CommitTimeoutError): the store told it.
     assert other["error_type"] == "CheckpointError", other
-    assert "the coordinator gave up on this save (see its error); it was not committed" in other["message"]
+    assert (
+        "the coordinator gave up on this save (see its error); it was not committed"
+        in other["message"]
+    )
     assert other["seconds"] < 60
     # Staging failed on the coordinator: its lease went with dcp.save's failure, and rank 1's
     # part (written, or refused by then) does not wait for a commit that cannot come.
     staging = other["staging"]
     assert staging is not None and staging["error_type"] == "CheckpointError", staging
-    assert "the coordinator gave up on this save" in staging["message"] and other["staging_seconds"] < 60
+    assert (
+        "the coordinator gave up on this save" in staging["message"]
+        and other["staging_seconds"] < 60
+    )
     root = tmp_path / "ckpt"
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing corrupt is even listed

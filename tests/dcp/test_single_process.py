@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Stora
 import stagesave
 import stagesave.dcp as sdcp
 import stagesave.dcp._rankjob as writer_module  # faults wrap write_rank where the rank job calls it
-from stagesave.dcp._metadata import load_metadata
+from stagesave.dcp._metadata import load_metadata  # reads .metadata to inspect what was stored
 from stagesave.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -76,8 +76,12 @@ def zeros_like_state(state: dict[str, Any]) -> dict[str, Any]:
 
 def expected(state: dict[str, Any]) -> dict[str, Any]:
     """What a load yields: every tensor as a plain contiguous copy, other leaves as they were."""
-    return {k: expected(v) if isinstance(v, dict) else (v.contiguous().clone() if isinstance(v, torch.Tensor) else v)
-            for k, v in state.items()}
+    return {
+        k: expected(v)
+        if isinstance(v, dict)
+        else (v.contiguous().clone() if isinstance(v, torch.Tensor) else v)
+        for k, v in state.items()
+    }
 
 
 @pytest.fixture
@@ -145,7 +149,11 @@ def test_save_returns_after_staging_and_later_changes_do_not_leak(writer, root, 
     assert tel.bytes == (root / "step-1" / "__0_0.distcp").stat().st_size
     # The staged bytes are the file's data; its proof follows them.
     rank = proof(root / "step-1" / "__0_0.distcp")
-    assert rank.summary is not None and 4000 < rank.summary.proof_offset < tel.bytes and tel.tensor_bytes == 4000
+    assert (
+        rank.summary is not None
+        and 4000 < rank.summary.proof_offset < tel.bytes
+        and tel.tensor_bytes == 4000
+    )
     loaded = {"w": torch.zeros(1000), "step": 0}
     sdcp.load(loaded, root / "step-1")
     assert torch.equal(loaded["w"], torch.arange(1000, dtype=torch.float32)) and loaded["step"] == 1
@@ -161,34 +169,61 @@ def test_cuda_state_is_staged_on_a_side_stream_into_pinned_memory(writer, root):
     w.add_(1)  # on the current stream: ordered after the staging copy, never seen by the save
     handle.result(60)
     assert writer.checkpointer.memory.host.pinned
-    got = {"w": torch.zeros(1024, 1024, device=dev), "v": torch.zeros(5, dtype=torch.long, device=dev), "step": 0}
+    got = {
+        "w": torch.zeros(1024, 1024, device=dev),
+        "v": torch.zeros(5, dtype=torch.long, device=dev),
+        "step": 0,
+    }
     sdcp.load(got, root / "gpu")
     assert got["w"].device.type == "cuda" and torch.equal(got["w"], ref_w)
     assert torch.equal(got["v"], ref_v) and got["step"] == 3
 
 
-def test_folder_holds_what_filesystemwriter_writes_and_each_file_carries_its_proof(writer, root, tmp_path):
+def test_folder_holds_what_filesystemwriter_writes_and_each_file_carries_its_proof(
+    writer, root, tmp_path
+):
     state = {"a": torch.randn(3, 3), "b": torch.randn(5), "n": 1}
     folder = saved(writer, state, "s")
     dcp.save(state, checkpoint_id=str(tmp_path / "plain"))  # torch's own FileSystemWriter
-    assert sorted(os.listdir(folder)) == sorted(os.listdir(tmp_path / "plain")) == [".metadata", "__0_0.distcp"]
+    assert (
+        sorted(os.listdir(folder))
+        == sorted(os.listdir(tmp_path / "plain"))
+        == [".metadata", "__0_0.distcp"]
+    )
     assert sorted(os.listdir(root)) == ["s"]  # no staging folder, no marker beside it
 
     raw_md = (folder / ".metadata").read_bytes()
     md = pickle.loads(raw_md)  # what FileSystemReader does: the proof after the pickle is ignored
-    assert isinstance(md, Metadata) and load_metadata(raw_md, "test").storage_data == md.storage_data
+    assert (
+        isinstance(md, Metadata) and load_metadata(raw_md, "test").storage_data == md.storage_data
+    )
 
     carrier = folder_proof(folder)  # .metadata carries the folder's proof
     assert carrier.files[0].kind == "dcp-metadata" and carrier.seq == 1
-    assert carrier.folder is not None and carrier.folder.carrier == ".metadata" and carrier.folder.listed == []
+    assert (
+        carrier.folder is not None
+        and carrier.folder.carrier == ".metadata"
+        and carrier.folder.listed == []
+    )
     save_id = carrier.metadata["dcp_save_id"]
-    assert carrier.folder.token == save_id and md.storage_meta is not None and md.storage_meta.save_id == save_id
-    assert carrier.metadata["dcp_world_size"] == 1 and carrier.metadata["format"] == "torch.distributed.checkpoint"
+    assert (
+        carrier.folder.token == save_id
+        and md.storage_meta is not None
+        and md.storage_meta.save_id == save_id
+    )
+    assert (
+        carrier.metadata["dcp_world_size"] == 1
+        and carrier.metadata["format"] == "torch.distributed.checkpoint"
+    )
     assert carrier.files[0].end < len(raw_md)  # the proof follows the pickle
 
     rank = proof(folder / "__0_0.distcp")  # the rank file carries its own, pinned by the carrier
     assert rank.manifest is not None and rank.summary is not None
-    assert rank.manifest.files[0].kind == "dcp" and rank.manifest.seq is None and rank.summary.seq is None
+    assert (
+        rank.manifest.files[0].kind == "dcp"
+        and rank.manifest.seq is None
+        and rank.summary.seq is None
+    )
     assert rank.summary.folder == save_id and rank.summary.carrier == ".metadata"
     assert [(m.name, m.size, m.proof_crc) for m in carrier.folder.members] == [
         ("__0_0.distcp", (folder / "__0_0.distcp").stat().st_size, rank.proof_crc)]
@@ -199,9 +234,11 @@ def test_folder_holds_what_filesystemwriter_writes_and_each_file_carries_its_pro
         assert info.relative_path == "__0_0.distcp" and info.offset % 64 == 0
         ends.append(info.offset + info.length)
         if index.fqn != "n":
-            assert data[info.offset : info.offset + 4] == b"PK\x03\x04"  # a torch.save zip per tensor
+            # a torch.save zip per tensor
+            assert data[info.offset : info.offset + 4] == b"PK\x03\x04"
     assert min(i.offset for i in md.storage_data.values()) == 0  # no header before the first item
-    assert rank.manifest.files[0].end == max(ends) == rank.summary.proof_offset  # the proof follows the last item
+    # the proof follows the last item
+    assert rank.manifest.files[0].end == max(ends) == rank.summary.proof_offset
 
     second = folder_proof(saved(writer, state, "t"))
     assert second.seq == 2 and second.folder is not None and second.folder.token != save_id
@@ -222,7 +259,11 @@ def test_split_replicated_planner_stores_row_blocks(writer):
     folder = saved(writer, {"w": w, "b": torch.ones(2)}, "split", planner=planner)
     md = load_metadata((folder / ".metadata").read_bytes(), "test")
     chunks = md.state_dict_metadata["w"].chunks  # type: ignore[union-attr]
-    assert [(tuple(c.offsets), tuple(c.sizes)) for c in chunks] == [((0, 0), (4, 4)), ((4, 0), (3, 4)), ((7, 0), (3, 4))]
+    assert [(tuple(c.offsets), tuple(c.sizes)) for c in chunks] == [
+        ((0, 0), (4, 4)),
+        ((4, 0), (3, 4)),
+        ((7, 0), (3, 4)),
+    ]
     got = {"w": torch.zeros(10, 4), "b": torch.zeros(2)}
     dcp.load(got, checkpoint_id=str(folder))  # torch's reader reassembles the blocks
     assert torch.equal(got["w"], w)
@@ -259,7 +300,9 @@ def test_tiered_store_uploads_the_committed_folder(tmp_path):
     ckpt = stagesave.Checkpointer(tier)
     w = sdcp.StagedStorageWriter(checkpointer=ckpt)
     for step in (1, 2):
-        sdcp.save({"w": torch.full((100, 10), float(step)), "step": step}, f"step-{step}", writer=w).result(30)
+        sdcp.save(
+            {"w": torch.full((100, 10), float(step)), "step": step}, f"step-{step}", writer=w
+        ).result(30)
     uploads = tier.wait_uploads(60)
     assert [u.error for u in uploads] == [None, None]
     assert sorted(os.listdir(tmp_path / "remote" / "step-2")) == [".metadata", "__0_0.distcp"]
@@ -286,7 +329,9 @@ def test_flipped_byte_in_a_rank_file_is_caught(two_saves, root):
     md = load_metadata((b / ".metadata").read_bytes(), "test")
     info = md.storage_data[MetadataIndex("w", torch.Size([0, 0]))]
     flip(b / "__0_0.distcp", info.offset + info.length - 100)  # inside the tensor's bytes
-    with pytest.raises(IntegrityError, match=r"__0_0\.distcp: checksum mismatch in bytes \[0, \d+\) \(chunk 0\)"):
+    with pytest.raises(
+        IntegrityError, match=r"__0_0\.distcp: checksum mismatch in bytes \[0, \d+\) \(chunk 0\)"
+    ):
         sdcp.load({"w": torch.zeros(256, 64), "step": 0}, b)
     assert stagesave.verify(b).status == "corrupt"
     with pytest.warns(UserWarning, match="skipping checkpoint .*step-2"):
@@ -316,12 +361,16 @@ def test_truncated_and_stale_rank_files_are_refused(two_saves, writer, root):
             saved(writer, {"w": torch.randn(256, 64), "step": 1}, "step-1")
     assert (a / "__0_0.distcp").stat().st_size == (b / "__0_0.distcp").stat().st_size
     shutil.copy(a / "__0_0.distcp", b / "__0_0.distcp")
-    with pytest.raises(IntegrityError, match=r"__0_0\.distcp belongs to another save than its folder"):
+    with pytest.raises(
+        IntegrityError, match=r"__0_0\.distcp belongs to another save than its folder"
+    ):
         sdcp.load({"w": torch.zeros(256, 64), "step": 0}, b)
     assert stagesave.verify(b).status == "corrupt"
     with open(a / "__0_0.distcp", "r+b") as f:
         f.truncate(1000)
-    with pytest.raises(IntegrityError, match=r"__0_0\.distcp is 1000 bytes, its folder's proof says \d+"):
+    with pytest.raises(
+        IntegrityError, match=r"__0_0\.distcp is 1000 bytes, its folder's proof says \d+"
+    ):
         sdcp.load({"w": torch.zeros(256, 64), "step": 0}, a)
     # Neither is chosen: step-1's rank file is truncated, step-2's belongs to another save (its
     # summary names another token: caught by a listing, without reading the data)
@@ -334,7 +383,9 @@ def test_truncated_and_stale_rank_files_are_refused(two_saves, writer, root):
 def test_a_file_the_proof_does_not_list_makes_the_folder_invalid(two_saves):
     _, b = two_saves
     (b / "notes.txt").write_text("added after the commit")
-    with pytest.raises(IntegrityError, match=r"notes\.txt is not part of the checkpoint its proof describes"):
+    with pytest.raises(
+        IntegrityError, match=r"notes\.txt is not part of the checkpoint its proof describes"
+    ):
         sdcp.load({"w": torch.zeros(256, 64), "step": 0}, b)
     assert stagesave.verify(b).status == "corrupt"
     (b / "notes.txt").unlink()
@@ -361,7 +412,9 @@ def test_the_newest_is_the_highest_sequence_number_not_the_newest_clock(writer, 
 def test_folder_without_manifest_needs_verify_false(tmp_path):
     state = {"w": torch.randn(5, 5), "step": 4}
     dcp.save(state, checkpoint_id=str(tmp_path / "plain"))  # torch's FileSystemWriter
-    with pytest.raises(IntegrityError, match="has no stagesave proof, so it cannot be proven complete"):
+    with pytest.raises(
+        IntegrityError, match="has no stagesave proof, so it cannot be proven complete"
+    ):
         sdcp.load({"w": torch.zeros(5, 5), "step": 0}, tmp_path / "plain")
     got = {"w": torch.zeros(5, 5), "step": 0}
     sdcp.load(got, tmp_path / "plain", reader=sdcp.StagedStorageReader(verify=False))
@@ -383,9 +436,14 @@ class Hyper:
 
 def test_unsafe_items_need_an_allow_list_entry_or_trust(writer):
     folder = saved(writer, {"w": torch.ones(2), "hyper": Hyper(0.1)}, "h")
-    with pytest.raises(UnsafeCheckpointError, match=r"needs the global .*Hyper.*allow_globals\(Hyper\)"):
+    with pytest.raises(
+        UnsafeCheckpointError, match=r"needs the global .*Hyper.*allow_globals\(Hyper\)"
+    ):
         sdcp.load({"w": torch.zeros(2), "hyper": None}, folder)
-    for reader in (sdcp.StagedStorageReader(safe_globals=[Hyper]), sdcp.StagedStorageReader(trusted=True)):
+    for reader in (
+        sdcp.StagedStorageReader(safe_globals=[Hyper]),
+        sdcp.StagedStorageReader(trusted=True),
+    ):
         got: dict[str, Any] = {"w": torch.zeros(2), "hyper": None}
         sdcp.load(got, folder, reader=reader)
         assert got["hyper"] == Hyper(0.1)
@@ -397,8 +455,12 @@ class _Evil:
 
 
 def test_metadata_unpickler_refuses_code():
-    evil = pickle.dumps(Metadata(state_dict_metadata={}, storage_meta=StorageMeta(modules=[_Evil()])))  # type: ignore[list-item]
-    with pytest.raises(UnsafeCheckpointError, match=r"needs posix\.system, which is not one of the classes"):
+    evil = pickle.dumps(  # type: ignore[list-item]
+        Metadata(state_dict_metadata={}, storage_meta=StorageMeta(modules=[_Evil()]))
+    )
+    with pytest.raises(
+        UnsafeCheckpointError, match=r"needs posix\.system, which is not one of the classes"
+    ):
         load_metadata(evil, "x/.metadata")
     with pytest.raises(ManifestError, match="not a readable DCP metadata pickle"):
         load_metadata(b"not a pickle", "x/.metadata")
@@ -413,7 +475,9 @@ def test_storage_data_cannot_point_outside_the_folder(tmp_path):
     index = next(iter(md.storage_data))
     md.storage_data[index] = _StorageInfo("../../etc/passwd", 0, 10)
     (folder / ".metadata").write_bytes(pickle.dumps(md))
-    with pytest.raises(ManifestError, match=r"points outside the folder \('\.\./\.\./etc/passwd'\)"):
+    with pytest.raises(
+        ManifestError, match=r"points outside the folder \('\.\./\.\./etc/passwd'\)"
+    ):
         sdcp.load({"w": torch.zeros(3)}, folder, reader=sdcp.StagedStorageReader(verify=False))
 
 
@@ -436,8 +500,15 @@ def test_background_failure_is_delivered_and_nothing_is_committed(writer, root, 
 
 def test_misuse_is_refused_with_the_reason(writer, root):
     with pytest.raises(ValueError, match="needs dcp.save\\(use_collectives=True\\)"):
-        dcp.save({"w": torch.ones(2)}, checkpoint_id=str(root / "a"), storage_writer=writer, use_collectives=False)
-    response = dcp.async_save({"w": torch.ones(2)}, checkpoint_id=str(root / "b"), storage_writer=writer)
+        dcp.save(
+            {"w": torch.ones(2)},
+            checkpoint_id=str(root / "a"),
+            storage_writer=writer,
+            use_collectives=False,
+        )
+    response = dcp.async_save(
+        {"w": torch.ones(2)}, checkpoint_id=str(root / "b"), storage_writer=writer
+    )
     with pytest.raises(CheckpointException, match="meant for dcp.save, not dcp.async_save"):
         response.result(60)  # type: ignore[union-attr]
     planner = DefaultSavePlanner(enable_plan_caching=True)
@@ -447,12 +518,15 @@ def test_misuse_is_refused_with_the_reason(writer, root):
         sdcp.save({"w": torch.ones(2)}, "c2", writer=writer, planner=planner)
     with pytest.raises(ValueError, match="got a checkpointer and checkpointer options"):
         sdcp.StagedStorageWriter(checkpointer=writer.checkpointer, keep_last=2)
-    assert issubclass(sdcp.CommitTimeoutError, CheckpointError) and issubclass(sdcp.CommitTimeoutError, TimeoutError)
+    assert issubclass(sdcp.CommitTimeoutError, CheckpointError) and issubclass(
+        sdcp.CommitTimeoutError, TimeoutError
+    )
 
 
 # ------------------------------------------------------------------ format 1 and other layouts
 def _format1_folder(folder: Path, state: dict[str, Any], chunk_bytes: int = 4096) -> None:
-    """A sharded folder as stagesave 1.x committed it: DCP's files plus ``checkpoint.stagesave.json``
+    """A sharded folder as stagesave 1.x committed it: DCP's files plus
+    ``checkpoint.stagesave.json``
     (every file with its size and the xxh3-128 digests of its chunks), written last."""
     from stagesave.ondisk.checksum import digest
     from stagesave.ondisk.manifest import FileEntry, Manifest
@@ -461,10 +535,14 @@ def _format1_folder(folder: Path, state: dict[str, Any], chunk_bytes: int = 4096
     entries = []
     for name in sorted(os.listdir(folder)):
         data = (folder / name).read_bytes()
-        chunks = tuple(digest("xxh3_128", data[i : i + chunk_bytes]) for i in range(0, len(data), chunk_bytes))
+        chunks = tuple(
+            digest("xxh3_128", data[i : i + chunk_bytes]) for i in range(0, len(data), chunk_bytes)
+        )
         entries.append(FileEntry(name, len(data), "xxh3_128", chunk_bytes, chunks,
                                  "dcp-metadata" if name == ".metadata" else "dcp"))
-    manifest = Manifest(entries, 1_700_000_000_000_000_000, metadata={"format": "torch.distributed.checkpoint"})
+    manifest = Manifest(
+        entries, 1_700_000_000_000_000_000, metadata={"format": "torch.distributed.checkpoint"}
+    )
     (folder / "checkpoint.stagesave.json").write_bytes(manifest.to_json())
 
 
@@ -472,21 +550,38 @@ def test_format1_folders_still_list_verify_and_load(writer, root):
     state = {"w": torch.randn(128, 64), "step": 7}
     _format1_folder(root / "old", state)
     info = stagesave.latest(root)  # verifies by default, format-1 folders too
-    assert info is not None and info.name == "old" and info.format == 1 and info.is_dir and info.status == "verified"
+    assert (
+        info is not None
+        and info.name == "old"
+        and info.format == 1
+        and info.is_dir
+        and info.status == "verified"
+    )
     cheap = stagesave.latest(root, verify=False)
-    assert cheap is not None and cheap.name == "old" and cheap.format == 1 and cheap.status == "committed"
+    assert (
+        cheap is not None
+        and cheap.name == "old"
+        and cheap.format == 1
+        and cheap.status == "committed"
+    )
     assert stagesave.verify(root / "old").status == "verified"
     got = {"w": torch.zeros(128, 64), "step": 0}
     sdcp.load(got, root / "old")
     assert torch.equal(got["w"], state["w"]) and got["step"] == 7
-    # A format-2 save in the same root is newer than any format-1 checkpoint, whatever the clocks say.
+    # A format-2 save in the same root is newer than any format-1 checkpoint, whatever the clocks
+    # say.
     saved(writer, {"w": torch.ones(2)}, "new")
-    assert [(c.name, c.format) for c in stagesave.list_checkpoints(root)] == [("new", 2), ("old", 1)]
+    assert [(c.name, c.format) for c in stagesave.list_checkpoints(root)] == [
+        ("new", 2),
+        ("old", 1),
+    ]
     # Chunks are still checked against the format-1 manifest before DCP sees a byte.
     md = load_metadata((root / "old" / ".metadata").read_bytes(), "test")
     info_w = md.storage_data[MetadataIndex("w", torch.Size([0, 0]))]
     flip(root / "old" / info_w.relative_path, info_w.offset + info_w.length - 10)
-    with pytest.raises(IntegrityError, match=r"\.distcp: checksum mismatch in bytes \[\d+, \d+\) \(chunk \d+\)"):
+    with pytest.raises(
+        IntegrityError, match=r"\.distcp: checksum mismatch in bytes \[\d+, \d+\) \(chunk \d+\)"
+    ):
         sdcp.load({"w": torch.zeros(128, 64), "step": 0}, root / "old")
     assert stagesave.verify(root / "old").status == "corrupt"
 
@@ -509,7 +604,10 @@ def test_object_store_commit_rewrites_in_place_and_leaves_nothing_else(tmp_path)
         # A file the next save will not write (e.g. the part of a rank that the new world lacks).
         fs.pipe_file("/dcp-objects/last/__3_0.distcp", b"left by an older save of four ranks")
         sdcp.save({"w": torch.ones(64, 8), "step": 2}, "last", writer=w).result(30)
-    assert sorted(p.rpartition("/")[2] for p in fs.find("/dcp-objects")) == [".metadata", "__0_0.distcp"]
+    assert sorted(p.rpartition("/")[2] for p in fs.find("/dcp-objects")) == [
+        ".metadata",
+        "__0_0.distcp",
+    ]
     info = stagesave.latest(url)
     # The old carrier was gone before the new one took its number: the only checkpoint, seq 1.
     assert info is not None and info.name == "last" and info.status == "verified" and info.seq == 1
@@ -547,12 +645,16 @@ def test_files_put_into_the_staging_folder_are_proven_with_it(root):
     assert sorted(os.listdir(folder)) == [".metadata", "__0_0.distcp", "meta.pt"]
     carrier = folder_proof(folder)
     assert carrier.folder is not None
-    assert [(e.name, e.size) for e in carrier.folder.listed] == [("meta.pt", (folder / "meta.pt").stat().st_size)]
+    assert [(e.name, e.size) for e in carrier.folder.listed] == [
+        ("meta.pt", (folder / "meta.pt").stat().st_size)
+    ]
     assert torch.load(folder / "meta.pt", weights_only=True) == {"epoch": 4}
     assert stagesave.verify(folder).status == "verified"
     flip(folder / "meta.pt", 40)
     checked = stagesave.verify(folder)
-    assert checked.status == "corrupt" and any("meta.pt: checksum mismatch" in p for p in checked.problems)
+    assert checked.status == "corrupt" and any(
+        "meta.pt: checksum mismatch" in p for p in checked.problems
+    )
 
 
 _REPLACER = """
@@ -565,7 +667,8 @@ with sdcp.StagedStorageWriter(root=root, commit_timeout=60, chunk_bytes=256 * 10
     step, end = 0, None
     while end is None or time.monotonic() < end:
         step += 1
-        sdcp.save({"w": torch.full((1024, 1024), float(step)), "step": step}, "last", writer=w).result(60)
+        sdcp.save({"w": torch.full((1024, 1024), float(step)), "step": step}, "last",
+                  writer=w).result(60)
         if end is None:
             open(root + "/ready", "w").close()
             end = time.monotonic() + seconds
@@ -579,11 +682,15 @@ def test_loads_while_another_process_replaces_the_folder_never_fail(root):
     import time
 
     root.mkdir(parents=True)
-    proc = subprocess.Popen([sys.executable, "-c", _REPLACER, str(root), "6"], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _REPLACER, str(root), "6"], stdout=subprocess.PIPE, text=True
+    )
     try:
         deadline = time.monotonic() + 60
         while not (root / "ready").exists():
-            assert proc.poll() is None and time.monotonic() < deadline, "the replacing process did not start"
+            assert proc.poll() is None and time.monotonic() < deadline, (
+                "the replacing process did not start"
+            )
             time.sleep(0.05)
         loads, errors = 0, []
         while proc.poll() is None:
@@ -598,7 +705,9 @@ def test_loads_while_another_process_replaces_the_folder_never_fail(root):
             except Exception as exc:  # noqa: BLE001 - counted: there must be none
                 errors.append(f"{type(exc).__name__}: {exc}")
             else:  # one save's tensor and step, never a mix
-                assert got["step"] >= 1 and torch.equal(got["w"], torch.full((1024, 1024), float(got["step"])))
+                assert got["step"] >= 1 and torch.equal(
+                    got["w"], torch.full((1024, 1024), float(got["step"]))
+                )
             loads += 1
         saves = int(proc.communicate(timeout=60)[0])
     finally:
@@ -608,12 +717,19 @@ def test_loads_while_another_process_replaces_the_folder_never_fail(root):
     assert errors == [] and loads >= 10, (loads, errors[:3])
 
 
-@pytest.mark.parametrize(("checksum", "checksum_in"), [("crc32", "background"), ("sha256", "staging"),
-                                                      ("xxh3_128", "background")])
+@pytest.mark.parametrize(
+    ("checksum", "checksum_in"),
+    [("crc32", "background"), ("sha256", "staging"), ("xxh3_128", "background")],
+)
 def test_every_checksum_and_where_it_is_computed(root, checksum, checksum_in):
     state = {"w": torch.randn(300, 200), "step": 5}
-    with sdcp.StagedStorageWriter(root=root, commit_timeout=30, checksum=checksum, checksum_in=checksum_in,
-                                  chunk_bytes=64 * 1024) as w:
+    with sdcp.StagedStorageWriter(
+        root=root,
+        commit_timeout=30,
+        checksum=checksum,
+        checksum_in=checksum_in,
+        chunk_bytes=64 * 1024,
+    ) as w:
         sdcp.save(state, "s", writer=w).result(30)
     carrier = folder_proof(root / "s")
     rank = proof(root / "s" / "__0_0.distcp")
@@ -626,5 +742,8 @@ def test_every_checksum_and_where_it_is_computed(root, checksum, checksum_in):
     md = load_metadata((root / "s" / ".metadata").read_bytes(), "test")
     info = md.storage_data[MetadataIndex("w", torch.Size([0, 0]))]
     flip(root / "s" / "__0_0.distcp", info.offset + info.length - 1)
-    with pytest.raises(IntegrityError, match=r"__0_0\.distcp: checksum mismatch in bytes \[\d+, \d+\) \(chunk \d+\)"):
+    with pytest.raises(
+        IntegrityError,
+        match=r"__0_0\.distcp: checksum mismatch in bytes \[\d+, \d+\) \(chunk \d+\)",
+    ):
         sdcp.load({"w": torch.zeros(300, 200), "step": 0}, root / "s")

@@ -23,19 +23,56 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
 PYTHON = sys.executable
-TINY_LM = ["--max-steps", "6", "--every", "2", "--batch-size", "4", "--seq-len", "16", "--d-model", "16",
-           "--layers", "1", "--sample", "0"]
-TINY_COST = ["--rounds", "1", "--state-gib", "0.002", "--layers", "2", "--saves", "2", "--every", "2", "--batch-size", "2"]
-ROWS = {"torch": "TorchCheckpointIO (Lightning's default)", "stagesave": "StagedCheckpointIO (stagesave)"}
+TINY_LM = [
+    "--max-steps",
+    "6",
+    "--every",
+    "2",
+    "--batch-size",
+    "4",
+    "--seq-len",
+    "16",
+    "--d-model",
+    "16",
+    "--layers",
+    "1",
+    "--sample",
+    "0",
+]
+TINY_COST = [
+    "--rounds",
+    "1",
+    "--state-gib",
+    "0.002",
+    "--layers",
+    "2",
+    "--saves",
+    "2",
+    "--every",
+    "2",
+    "--batch-size",
+    "2",
+]
+ROWS = {
+    "torch": "TorchCheckpointIO (Lightning's default)",
+    "stagesave": "StagedCheckpointIO (stagesave)",
+}
 SECONDS = r"(-?\d+\.\d+) s"
 
 
 @pytest.fixture(scope="module", autouse=True)
-def cost_comparison(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[subprocess.Popen[str], Path]]:
+def cost_comparison(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[subprocess.Popen[str], Path]]:
     """The tiny comparison, started before the first test of this module and reaped after."""
     out = tmp_path_factory.mktemp("cost") / "ckpt"
-    proc = subprocess.Popen([PYTHON, str(EXAMPLES / "compare_checkpoint_cost.py"), "--dir", str(out), *TINY_COST],
-                            cwd=out.parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [PYTHON, str(EXAMPLES / "compare_checkpoint_cost.py"), "--dir", str(out), *TINY_COST],
+        cwd=out.parent,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     yield proc, out
     if proc.poll() is None:
         proc.kill()
@@ -43,7 +80,9 @@ def cost_comparison(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[
 
 
 def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([PYTHON, *args], cwd=cwd, capture_output=True, text=True, timeout=180, check=False)
+    return subprocess.run(
+        [PYTHON, *args], cwd=cwd, capture_output=True, text=True, timeout=180, check=False
+    )
 
 
 def _fail(proc: subprocess.CompletedProcess[str]) -> str:
@@ -70,8 +109,14 @@ def test_example_telemetry_spans_the_crash_and_stagesave_report_reads_it(tmp_pat
     assert all(d["committed_at"] and not d["error"] and d["blocking_s"] > 0 for d in lines)
 
     png = tmp_path / "timeline.png"
-    report = subprocess.run([PYTHON, "-m", "stagesave", "report", str(run), "--json", "--png", str(png)],
-                            cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
+    report = subprocess.run(
+        [PYTHON, "-m", "stagesave", "report", str(run), "--json", "--png", str(png)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert report.returncode == 0, _fail(report)
     summary = json.loads(report.stdout)
     assert summary["saves"] == len(lines) and summary["failed"] == 0
@@ -81,7 +126,9 @@ def test_example_telemetry_spans_the_crash_and_stagesave_report_reads_it(tmp_pat
 
 def _row(stdout: str, label: str) -> list[float]:
     line = next(ln for ln in stdout.splitlines() if ln.startswith(label))
-    return [float(x) for x in re.findall(SECONDS, line)] + [float(re.findall(r"(\d+\.\d+) GiB$", line)[0])]
+    return [float(x) for x in re.findall(SECONDS, line)] + [
+        float(re.findall(r"(\d+\.\d+) GiB$", line)[0])
+    ]
 
 
 def test_cost_comparison_prints_a_table_of_both_ios(
@@ -94,7 +141,15 @@ def test_cost_comparison_prints_a_table_of_both_ios(
     assert not out.exists()  # the checkpoints are removed at the end
 
     header = next(ln for ln in proc.stdout.splitlines() if ln.startswith("checkpointing"))
-    assert header.split()[1:] == ["blocked/save", "lost/save", "total", "lost", "fit", "peak", "RSS"]
+    assert header.split()[1:] == [
+        "blocked/save",
+        "lost/save",
+        "total",
+        "lost",
+        "fit",
+        "peak",
+        "RSS",
+    ]
     fit, rss = _row(proc.stdout, "no checkpoints")
     assert fit > 0 and rss > 0
     for kind, label in ROWS.items():

@@ -101,10 +101,12 @@ def test_failed_publish_keeps_the_previous_checkpoint(proxy, make_store, s3_url,
 def test_access_denied_surfaces_at_once(proxy, make_store, s3_url, s3_server, op):
     proxy.add(Fault(op, "status", times=-1, status=403, code="AccessDenied"))
     state = small_state() if op == "PutObject" else big_state()
-    with stagesave.Checkpointer(make_store(s3_url, proxy.endpoint)) as ckpt:
-        with pytest.raises(stagesave.CheckpointPermissionError,
-                           match=f"S3 {op} .* refused \\(AccessDenied"):
-            ckpt.save(state, "a.ckpt").result()
+    with (
+        stagesave.Checkpointer(make_store(s3_url, proxy.endpoint)) as ckpt,
+        pytest.raises(stagesave.CheckpointPermissionError,
+                      match=f"S3 {op} .* refused \\(AccessDenied"),
+    ):
+        ckpt.save(state, "a.ckpt").result()
     # each part tried once, never again
     assert proxy.requests[op] <= (3 if op == "UploadPart" else 1)
     assert object_names(s3_server, s3_url) == []
@@ -158,9 +160,11 @@ def test_reads_dropped_mid_body_are_retried(proxy, make_store, s3_url):
 def test_an_unreachable_server_fails_clearly_after_the_budget(proxy, make_store, s3_url):
     store = make_store(s3_url, proxy.endpoint, retry=RetryPolicy(max_attempts=3, base_delay_s=0.01))
     proxy.down = True
-    with stagesave.Checkpointer(store) as ckpt:
-        with pytest.raises(stagesave.StorageError, match="after 3 attempts"):
-            ckpt.save(small_state(), "a.ckpt").result()
+    with (
+        stagesave.Checkpointer(store) as ckpt,
+        pytest.raises(stagesave.StorageError, match="after 3 attempts"),
+    ):
+        ckpt.save(small_state(), "a.ckpt").result()
 
 
 @pytest.mark.parametrize("times", [1, 3], ids=["once", "on-every-read-of-one-listing"])

@@ -117,9 +117,11 @@ def test_credentials_never_reach_proofs_errors_or_telemetry(
     # the proof is inside the file
     manifest = s3_server.client().get_object(Bucket=bucket, Key=f"{prefix}/a.ckpt")["Body"].read()
     wrong = dict(s3_options, secret="not-the-secret-" + s3_options["secret"][:6])
-    with stagesave.Checkpointer(make_store(s3_url, options=wrong)) as ckpt:
-        with pytest.raises(stagesave.CheckpointPermissionError) as err:
-            ckpt.save(small_state(), "b.ckpt").result()
+    with (
+        stagesave.Checkpointer(make_store(s3_url, options=wrong)) as ckpt,
+        pytest.raises(stagesave.CheckpointPermissionError) as err,
+    ):
+        ckpt.save(small_state(), "b.ckpt").result()
     texts = [manifest.decode("latin-1"), str(err.value), repr(err.value),
              json.dumps([t.to_dict() for t in seen])]
     for text in texts:
@@ -143,9 +145,11 @@ def test_missing_bucket_fails_the_save_at_once(proxy, make_store):
 
 def test_access_denied_is_not_retried(proxy, make_store, s3_server, s3_url):
     store = make_store(s3_url, proxy.endpoint, options=s3_server.options(read_only=True))
-    with stagesave.Checkpointer(store) as ckpt:
-        with pytest.raises(stagesave.CheckpointPermissionError, match="AccessDenied.*not retried"):
-            ckpt.save(big_state(), "a.ckpt").result()
+    with (
+        stagesave.Checkpointer(store) as ckpt,
+        pytest.raises(stagesave.CheckpointPermissionError, match="AccessDenied.*not retried"),
+    ):
+        ckpt.save(big_state(), "a.ckpt").result()
     assert proxy.requests["CreateMultipartUpload"] == 1
     assert proxy.requests["UploadPart"] == 0 and proxy.requests["PutObject"] == 0
     assert object_names(s3_server, s3_url) == []

@@ -30,7 +30,9 @@ pytestmark = pytest.mark.s3
 @pytest.fixture
 def store(tmp_path, proxy, make_store, s3_url) -> Iterator[TieredStore]:
     """A TieredStore over ``tmp_path/local`` and ``s3_url`` through the fault proxy."""
-    remote = make_store(s3_url, proxy.endpoint, retry=RetryPolicy(max_attempts=2, base_delay_s=0.01))
+    remote = make_store(
+        s3_url, proxy.endpoint, retry=RetryPolicy(max_attempts=2, base_delay_s=0.01)
+    )
     tiered = TieredStore(LocalStore(str(tmp_path / "local")), remote, remote_retry_after_s=0.0)
     yield tiered
     tiered.close()
@@ -42,13 +44,17 @@ def _remote_bytes(s3_server, url: str, name: str) -> bytes:
 
 
 def _assert_uploaded(s3_server, s3_url: str, local: Path, folder: str) -> None:
-    """Every file of the local committed folder is on the remote tier, byte for byte, and nothing else."""
+    """Every file of the local committed folder is on the remote tier, byte for byte, and nothing
+    else."""
     names = sorted(os.listdir(local / folder))
     bucket, prefix = split_url(s3_url)
     listed = s3_server.client().list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/{folder}/")
     assert sorted(o["Key"].rpartition("/")[2] for o in listed.get("Contents", [])) == names
     for name in names:
-        assert _remote_bytes(s3_server, s3_url, f"{folder}/{name}") == (local / folder / name).read_bytes(), name
+        assert (
+            _remote_bytes(s3_server, s3_url, f"{folder}/{name}")
+            == (local / folder / name).read_bytes()
+        ), name
 
 
 def _wait_for(predicate, what: str, timeout: float = 30.0) -> None:
@@ -98,7 +104,9 @@ def test_folder_is_assembled_in_staging_dir_committed_locally_then_uploaded(
             handle = ckpt.save_dir(files2, "checkpoint_2", staging_dir=staging)
             _wait_for(lambda: os.listdir(staging) != [], "the staging folder")
             [assembling] = os.listdir(staging)
-            assert assembling.startswith(f"checkpoint_2.{os.getpid()}-") and assembling.endswith(".stagesave-tmp")
+            assert assembling.startswith(f"checkpoint_2.{os.getpid()}-") and assembling.endswith(
+                ".stagesave-tmp"
+            )
             assert os.listdir(local) == ["checkpoint_1"]  # the half-written folder is elsewhere
             gate.set()
             tel = handle.result(timeout=60)
@@ -147,8 +155,12 @@ def test_a_failure_mid_write_leaves_no_debris_and_the_previous_checkpoint_on_bot
     with stagesave.Checkpointer(store) as ckpt:
         ckpt.save_dir(old, "checkpoint_1", staging_dir=staging).result(timeout=60)
         assert [u.error for u in store.wait_uploads(timeout=60)] == [None]
-        remote_before = {n: _remote_bytes(s3_server, s3_url, n) for n in object_names(s3_server, s3_url)}
-        local_before = {n: (local / "checkpoint_1" / n).read_bytes() for n in os.listdir(local / "checkpoint_1")}
+        remote_before = {
+            n: _remote_bytes(s3_server, s3_url, n) for n in object_names(s3_server, s3_url)
+        }
+        local_before = {
+            n: (local / "checkpoint_1" / n).read_bytes() for n in os.listdir(local / "checkpoint_1")
+        }
         # A new save replacing checkpoint_1: its first file is written and published in the
         # staging folder, then the big one fails in the kernel (file size limit: EFBIG).
         new = {"a_small.bin": small_state(7), "model.bin": big_state(7, mib=12)}
@@ -158,12 +170,16 @@ def test_a_failure_mid_write_leaves_no_debris_and_the_previous_checkpoint_on_bot
                 handle.result(timeout=60)
         assert os.listdir(staging) == []  # no staging debris
         assert os.listdir(local) == ["checkpoint_1"]
-        assert {n: (local / "checkpoint_1" / n).read_bytes() for n in os.listdir(local / "checkpoint_1")} == local_before
+        assert {
+            n: (local / "checkpoint_1" / n).read_bytes() for n in os.listdir(local / "checkpoint_1")
+        } == local_before
         assert ckpt.verify("checkpoint_1").status == "verified"
         assert torch.equal(ckpt.load("checkpoint_1/model.bin")["w"], old["model.bin"]["w"])
         assert store.wait_uploads(timeout=60) == []  # nothing was committed, nothing uploaded
         assert store.pending_uploads() == []
-    assert {n: _remote_bytes(s3_server, s3_url, n) for n in object_names(s3_server, s3_url)} == remote_before
+    assert {
+        n: _remote_bytes(s3_server, s3_url, n) for n in object_names(s3_server, s3_url)
+    } == remote_before
     assert open_uploads(s3_server, s3_url) == []
     remote = stagesave.verify(f"{s3_url}/checkpoint_1", storage_options=s3_options)
     assert remote.status == "verified"
@@ -173,20 +189,36 @@ def test_remote_down_commits_locally_without_debris_and_uploads_after_the_next_s
         store, proxy, tmp_path, s3_server, s3_url):
     local, staging = tmp_path / "local", tmp_path / "staging"
     with stagesave.Checkpointer(store) as ckpt:
-        ckpt.save_dir({"model.bin": small_state(1)}, "checkpoint_1", staging_dir=staging).result(timeout=60)
+        ckpt.save_dir({"model.bin": small_state(1)}, "checkpoint_1", staging_dir=staging).result(
+            timeout=60
+        )
         store.wait_uploads(timeout=60)
-        remote_before = {n: _remote_bytes(s3_server, s3_url, n) for n in object_names(s3_server, s3_url)}
+        remote_before = {
+            n: _remote_bytes(s3_server, s3_url, n) for n in object_names(s3_server, s3_url)
+        }
         proxy.down = True
-        ckpt.save_dir({"model.bin": small_state(2)}, "checkpoint_2", staging_dir=staging).result(timeout=60)
+        ckpt.save_dir({"model.bin": small_state(2)}, "checkpoint_2", staging_dir=staging).result(
+            timeout=60
+        )
         [failed] = store.wait_uploads(timeout=60)
         assert "local checkpoint is committed" in failed.error
         assert store.pending_uploads() == ["checkpoint_2"]
-        assert sorted(os.listdir(local)) == ["checkpoint_1", "checkpoint_2"] and os.listdir(staging) == []
-        assert {n: _remote_bytes(s3_server, s3_url, n) for n in object_names(s3_server, s3_url)} == remote_before
+        assert (
+            sorted(os.listdir(local)) == ["checkpoint_1", "checkpoint_2"]
+            and os.listdir(staging) == []
+        )
+        assert {
+            n: _remote_bytes(s3_server, s3_url, n) for n in object_names(s3_server, s3_url)
+        } == remote_before
         proxy.down = False
-        ckpt.save_dir({"model.bin": small_state(3)}, "checkpoint_3", staging_dir=staging).result(timeout=60)
+        ckpt.save_dir({"model.bin": small_state(3)}, "checkpoint_3", staging_dir=staging).result(
+            timeout=60
+        )
         uploads = store.wait_uploads(timeout=60)
-    assert [(u.path.rpartition("/")[2], u.error) for u in uploads] == [("checkpoint_3", None), ("checkpoint_2", None)]
+    assert [(u.path.rpartition("/")[2], u.error) for u in uploads] == [
+        ("checkpoint_3", None),
+        ("checkpoint_2", None),
+    ]
     for folder in ("checkpoint_1", "checkpoint_2", "checkpoint_3"):
         _assert_uploaded(s3_server, s3_url, local, folder)
     assert os.listdir(staging) == []
@@ -198,7 +230,10 @@ def test_staging_dir_on_another_filesystem_is_refused_at_save_time(store, tmp_pa
         pytest.skip("needs /dev/shm on another filesystem than the temporary directory")
     try:
         with stagesave.Checkpointer(store) as ckpt:
-            with pytest.raises(ValueError, match="is on another filesystem than .*local: the finished folder is renamed"):
+            with pytest.raises(
+                ValueError,
+                match="is on another filesystem than .*local: the finished folder is renamed",
+            ):
                 ckpt.save_dir({"model.bin": small_state(1)}, "checkpoint_1", staging_dir=other)
             assert ckpt.pending() == 0
         assert os.listdir(tmp_path / "local") == [] and os.listdir(other) == []
