@@ -49,7 +49,8 @@ def private_imports() -> list[str]:
             if isinstance(node, ast.ImportFrom):
                 for alias in node.names:
                     if alias.name.startswith("_") and not alias.name.startswith("__"):
-                        found.append(f"{rel(p)}: from {'.' * node.level}{node.module or ''} import {alias.name}")
+                        module = "." * node.level + (node.module or "")
+                        found.append(f"{rel(p)}: from {module} import {alias.name}")
     return found
 
 
@@ -66,8 +67,9 @@ def runtime_errors() -> list[str]:
 
 
 def tool_count(cmd: list[str]) -> int:
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True).stdout
-    return sum(1 for line in out.splitlines() if re.match(r"^\S+\.py:\d+:(\d+:)? (error:|[A-Z]+\d+)", line))
+    out = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True).stdout
+    finding = re.compile(r"^\S+\.py:\d+:(\d+:)? (error:|[A-Z]+\d+)")
+    return sum(1 for line in out.splitlines() if finding.match(line))
 
 
 class PathTracer:

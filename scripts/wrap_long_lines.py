@@ -22,7 +22,7 @@ PREFIX = re.compile(r"^(\s*)([rRbBuUfF]{0,2})(\"|')")
 
 def long_lines(paths: list[str]) -> dict[Path, list[int]]:
     out = subprocess.run([".venv/bin/ruff", "check", "--select", "E501", "--output-format=concise",
-                          *paths], capture_output=True, text=True).stdout
+                          *paths], check=False, capture_output=True, text=True).stdout
     found: dict[Path, list[int]] = {}
     for line in out.splitlines():
         m = re.match(r"^(\S+\.py):(\d+):\d+: E501", line)
@@ -45,17 +45,25 @@ def classify(source: str) -> tuple[set[int], dict[int, int], set[int]]:
     lone: set[int] = set()
     tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
     by_line: dict[int, list[tokenize.TokenInfo]] = {}
+    previous = None
     for tok in tokens:
-        if tok.type == tokenize.STRING and tok.start[0] != tok.end[0]:
+        # only docstrings (a string that is a statement of its own): an assigned triple-quoted
+        # string may be code run elsewhere, whose lines must not move
+        if tok.type == tokenize.STRING and tok.start[0] != tok.end[0] and (
+                previous is None or previous.type in (tokenize.INDENT, tokenize.NEWLINE,
+                                                      tokenize.DEDENT, tokenize.NL)):
             inside.update(range(tok.start[0] + 1, tok.end[0] + 1))
             inside.add(tok.start[0])
+        if tok.type not in (tokenize.COMMENT,):
+            previous = tok
         if tok.type == tokenize.COMMENT:
             comment_at[tok.start[0]] = tok.start[1]
         by_line.setdefault(tok.start[0], []).append(tok)
     for n, toks in by_line.items():
         kinds = [t for t in toks if t.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT,
                                                    tokenize.DEDENT, tokenize.COMMENT)]
-        strings = [t for t in kinds if t.type in (tokenize.STRING, getattr(tokenize, "FSTRING_START", -1))]
+        string_types = (tokenize.STRING, getattr(tokenize, "FSTRING_START", -1))
+        strings = [t for t in kinds if t.type in string_types]
         if len(strings) == 1 and kinds[0] is strings[0] and toks[0].start[0] == toks[-1].end[0]:
             rest = [t for t in kinds if t.type == tokenize.OP]
             if all(t.string in (",", ")", "(") for t in rest) and kinds[0].type == tokenize.STRING:
@@ -109,8 +117,10 @@ def fix_file(path: Path, numbers: list[int]) -> bool:
             if cut <= body_start:
                 continue
             head, tail = text[: cut + 1], text[cut + 1:]
-            if prefix.lower().count("f") and ("{" in head[body_start:]) != ("}" in head[body_start:]):
-                continue  # would split a replacement field
+            if "f" in prefix.lower():
+                fields = head[body_start:].replace("{{", "").replace("}}", "")
+                if fields.count("{") != fields.count("}"):
+                    continue  # would split a replacement field
             if head.count("\\") % 2:
                 continue
             tail_prefix = prefix if "f" not in prefix.lower() or "{" in tail else prefix.replace(
@@ -121,7 +131,8 @@ def fix_file(path: Path, numbers: list[int]) -> bool:
                 # flow the rest into the next literal of the same kind (re-split later if long)
                 body = nxt[len(indent) + len(prefix) + 1:]
                 lines[i] = f"{head}{quote}\n"
-                lines[i + 1] = f"{indent}{prefix}{quote}{tail[:-1] if tail.endswith(quote) else tail}{body}"
+                rest = tail[:-1] if tail.endswith(quote) else tail
+                lines[i + 1] = f"{indent}{prefix}{quote}{rest}{body}"
                 if not tail.endswith(quote):
                     lines[i] = f"{head}{quote}\n{indent}{tail_prefix}{quote}{tail}\n"
             else:

@@ -13,12 +13,13 @@ the staging buffers, and sends the saves' telemetry to the same callback.
 The folder holds exactly Lightning's files: ``.metadata`` (the carrier of the folder's proof,
 stagesave's format 2, ``docs/format.md``), one ``__<rank>_0.distcp`` per rank (each with its own
 proof) and ``meta.pt``. ``meta.pt`` is the plain ``torch.save`` file Lightning writes; the
-coordinator writes it durably into the folder while the folder is still being assembled (DCP's
-global planning step, before any rank writes), and the commit lists it, with its checksums, in
-the folder's proof: the rename that makes the folder visible publishes it too, a committed
-folder always has it, and a failure to write it fails the save on every rank before anything is
-staged. It is small and written synchronously; the shards are the large part. The folder's proof
-also records ``framework``, ``epoch`` and ``global_step``, like every Lightning checkpoint's.
+coordinator's writer (``extra_files``, in the core) writes it durably into the folder while the
+folder is still being assembled (DCP's global planning step, before any rank writes), and the
+commit lists it, with its checksums, in the folder's proof: the rename that makes the folder
+visible publishes it too, a committed folder always has it, and a failure to write it fails the
+save on every rank before anything is staged. It is small and written synchronously; the shards
+are the large part. The folder's proof also records ``framework``, ``epoch`` and
+``global_step``, like every Lightning checkpoint's.
 
 Lightning's own strategies load these folders without stagesave; loading here checks every
 byte against the folder's proof and unpickles with stagesave's allow-list. Plain Lightning
@@ -30,7 +31,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -50,7 +51,6 @@ from stagesave.dcp import StagedStorageReader, StagedStorageWriter
 from stagesave.errors import UsageError
 from stagesave.restore.discovery import folder_entries, resolve_dir, verify_entry
 from stagesave.saving.plan import plan_torch_file
-from stagesave.stores import posix as fsops
 
 from ._options import LIGHTNING_SAFE_GLOBALS, lightning_metadata
 from ._plugin import StagedCheckpointIO
@@ -60,18 +60,6 @@ __all__ = ["META_FILE", "ShardedCheckpoints"]
 #: Lightning's name for the non-tensor part of a sharded checkpoint, inside the folder
 #: (``lightning.fabric.utilities.load._METADATA_FILENAME``).
 META_FILE = "meta.pt"
-
-
-def _staging_folder(target: str, plans: Sequence[SavePlan]) -> str:
-    """The hidden folder the ranks assemble ``target`` in, as the writer planned it."""
-    staging = getattr(plans[0].storage_data, "staging", None) if plans else None
-    if not isinstance(staging, str) or not getattr(plans[0].storage_data, "renames", False):
-        raise UsageError(
-            "stagesave.lightning cannot place meta.pt: this stagesave.dcp writer did not plan a "
-            "staging folder beside the target (a local directory is required for Lightning's "
-            "sharded checkpoints)"
-        )
-    return os.path.join(os.path.dirname(target), staging.rpartition("/")[2])
 
 
 def _stagesave_cause(exc: CheckpointException) -> BaseException:
@@ -99,13 +87,6 @@ def _meta_bytes(meta: dict[str, Any]) -> bytes:
     return out.getvalue()
 
 
-def _write_meta(meta: dict[str, Any], folder: str) -> None:
-    """Write ``meta.pt`` into the folder being assembled: complete and durable when this returns
-    (a temporary, fsync, rename, directory fsync, through stagesave's filesystem seam)."""
-    data = _meta_bytes(meta)
-    LocalStore(os.path.dirname(folder)).put_atomic(f"{os.path.basename(folder)}/{META_FILE}", data)
-
-
 class _ShardWriter(StagedStorageWriter):
     """A ``StagedStorageWriter`` whose coordinator also puts ``meta.pt`` into the folder."""
 
@@ -114,17 +95,11 @@ class _ShardWriter(StagedStorageWriter):
         self.meta: dict[str, Any] | None = None
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        plans = super().prepare_global_plan(plans)
         if self.meta is None:
             raise UsageError("stagesave.lightning: a sharded save without Lightning's metadata")
-        folder = _staging_folder(os.path.abspath(os.fspath(self.path or "")), plans)
-        try:
-            _write_meta(self.meta, folder)
-        except BaseException:
-            # No rank has written yet (that comes after this plan): the folder is ours alone.
-            fsops.rmtree(folder)
-            raise
-        return plans
+        # the coordinator's stagesave.dcp writer commits it with the folder, in its proof
+        self.extra_files = {META_FILE: _meta_bytes(self.meta)}
+        return super().prepare_global_plan(plans)
 
 
 def _meta_problems(store: LocalStore, info: CheckpointInfo) -> list[str]:

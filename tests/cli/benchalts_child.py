@@ -16,9 +16,10 @@ import time
 
 import torch
 
+from stagesave.cli._bench_state import synthetic_state
+
 # the alternatives themselves, one save each in a fresh process (what `bench` runs in rounds)
 from stagesave.cli.alternatives import available_alternatives
-from stagesave.cli._bench_state import synthetic_state
 
 
 def equal(a, b) -> bool:  # type: ignore[no-untyped-def]

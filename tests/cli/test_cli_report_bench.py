@@ -315,10 +315,11 @@ class _Broken:
 def test_a_failing_alternative_is_named_and_leaves_nothing(tmp_path, capsys):
     import argparse
 
-    # one bench round with a broken alternative (the command cannot be made to run one)
-    from stagesave.cli.alternatives import Alternative
     from stagesave.cli._bench_round import BenchTarget, Timing, measure_round
     from stagesave.cli._common import CliError, Env
+
+    # one bench round with a broken alternative (the command cannot be made to run one)
+    from stagesave.cli.alternatives import Alternative
 
     env = Env()
     target = BenchTarget(env, str(tmp_path))

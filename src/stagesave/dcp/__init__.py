@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as _dcp_save
 
 from ..errors import CheckpointError
 from ..handle import SaveHandle
+from ._coordinator import check_extra_files
 from ._planner import SplitReplicatedPlanner
 from ._protocol import CommitTimeoutError
 from ._reader import StagedStorageReader
@@ -87,6 +88,7 @@ def save(
     """
     own = writer is None
     w = StagedStorageWriter() if writer is None else writer
+    check_extra_files(w.extra_files)  # a bad name is a ValueError now, not DCP's wrapped one
     try:
         try:
             _dcp_save(state_dict, checkpoint_id=path, storage_writer=w, planner=planner,

@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from .._crash import crash_point
-from ..errors import CheckpointError, CommitTimeoutError, ManifestError
+from ..errors import CheckpointError, CommitTimeoutError, ManifestError, as_checkpoint_error
 from ..ondisk.checksum import digest
 from ..ondisk.manifest import FileEntry, FolderProof, Manifest, Member
 from ..ondisk.names import DIR_MANIFEST, is_temporary
@@ -19,7 +19,7 @@ from ..saving.plan import FileImage
 from ..saving.publish import remove_tree, rename_into_place, restore_aside
 from ..saving.write import FileToWrite, WriteStats, write_data
 from ..stores import posix as fsops
-from ..stores.base import Store
+from ..stores.base import Store, check_name
 from ._format import (
     MAX_MARKER_BYTES,
     METADATA_FILE,
@@ -36,7 +36,9 @@ from ._protocol import (
     sleep,
 )
 
-__all__ = ["abandon", "clear_old_carrier", "commit", "take_lease"]
+__all__ = [
+    "abandon", "check_extra_files", "clear_old_carrier", "commit", "put_extra_files", "take_lease",
+]
 
 
 # ----------------------------------------------------------------------------- coordinator
@@ -142,6 +144,52 @@ def _read_markers(store: Store, spec: SavePlanData, found: dict[int, str]) -> li
         )
         for r in range(spec.world_size)
     ]
+
+
+def check_extra_files(files: dict[str, bytes]) -> None:
+    """Refuse extra files that could not be files of their own in a DCP folder.
+
+    Raises:
+        ValueError: the name, and why.
+    """
+    for name in files:
+        try:
+            check_name(name)
+        except ValueError as exc:
+            raise ValueError(f"extra file {name!r}: {exc}") from exc
+        if "/" in name or name == METADATA_FILE or name.endswith(".distcp") or is_temporary(name):
+            raise ValueError(f"extra file {name!r}: not a plain file name of its own in a DCP "
+                             "folder")
+
+
+def put_extra_files(
+    store: Store, staging: str, files: dict[str, bytes], *, local: bool, what: str,
+) -> None:
+    """Put the caller's extra files into the folder being assembled, each complete and durable
+    when this returns (before any rank writes: the commit lists them in the folder's proof).
+
+    On failure the folder, still this coordinator's alone, is removed (local) or the files
+    written so far are (object stores), and the save fails before anything was staged.
+
+    Raises:
+        ValueError: a name that is not a plain file name or is one of DCP's.
+        CheckpointError: a file could not be written.
+    """
+    check_extra_files(files)
+    written = []
+    try:
+        for name, data in files.items():
+            store.put_atomic(join(staging, name), bytes(data))
+            written.append(join(staging, name))
+    except BaseException as exc:
+        if local:
+            remove_tree(store, staging)
+        else:
+            for name in written:
+                _quietly_delete(store, name)
+        if isinstance(exc, Exception):
+            raise as_checkpoint_error(exc, f"cannot write the extra files of {what}") from exc
+        raise
 
 
 def _list_extras(

@@ -39,7 +39,13 @@ from ..handle import SaveHandle
 from ..ondisk.names import TMP_MARKER, check_target_name
 from ..stores.base import Store
 from ..telemetry import SaveTelemetry
-from ._coordinator import abandon, clear_old_carrier, take_lease
+from ._coordinator import (
+    abandon,
+    check_extra_files,
+    clear_old_carrier,
+    put_extra_files,
+    take_lease,
+)
 from ._format import lease
 from ._protocol import (
     MetadataSlot,
@@ -94,6 +100,10 @@ class StagedStorageWriter(StorageWriter):
         commit_timeout: Seconds the coordinator waits for every rank's part after writing its
             own (and the other ranks wait for the commit) before the save fails.
         metadata: Stored in the folder's proof of every save (e.g. ``{"step": 100}``).
+        extra_files: Small files (name -> bytes) the coordinator puts into the folder of the next
+            save besides DCP's (Lightning's ``meta.pt``): written durably before any rank
+            writes, listed with their checksums in the folder's proof, published with the
+            folder. Consumed by that save (set it again for the next).
         **options: :class:`~stagesave.Checkpointer` arguments for the private checkpointer.
 
     Raises:
@@ -107,6 +117,7 @@ class StagedStorageWriter(StorageWriter):
         checkpointer: Checkpointer | None = None,
         commit_timeout: float = DEFAULT_COMMIT_TIMEOUT,
         metadata: dict[str, Any] | None = None,
+        extra_files: dict[str, bytes] | None = None,
         **options: Any,
     ) -> None:
         super().__init__()
@@ -122,6 +133,8 @@ class StagedStorageWriter(StorageWriter):
         self.path = path
         self.commit_timeout = float(commit_timeout)
         self.metadata: dict[str, Any] = dict(metadata or {})
+        self.extra_files: dict[str, bytes] = dict(extra_files or {})
+        check_extra_files(self.extra_files)
         self.last_handle: SaveHandle | None = None
         self._skeletons = SkeletonCache()
         self._save: _Save | None = None
@@ -163,6 +176,7 @@ class StagedStorageWriter(StorageWriter):
             raise ValueError(
                 "no checkpoint folder: pass checkpoint_id= to dcp.save or path= to the writer"
             )
+        check_extra_files(self.extra_files)
         self.abandon("a new dcp.save started before the previous one reached finish() (it raised)")
         self._ckpt.pipeline.check_usable()
         store, name = self._ckpt.targets.split(self.path)
@@ -207,6 +221,8 @@ class StagedStorageWriter(StorageWriter):
         self._unowned = (s.store, specs[0])
         if not local:
             clear_old_carrier(s.store, s.name)
+        extra, self.extra_files = self.extra_files, {}
+        put_extra_files(s.store, staging, extra, local=local, what=s.telemetry.path)
         return [dataclasses.replace(plan, storage_data=spec) for plan, spec in zip(plans, specs)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
