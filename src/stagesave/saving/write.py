@@ -1,6 +1,6 @@
 """Writing one file of format 2: its data, then its proof.
 
-A staged image is written in two steps, so that the commit protocol (``_commit.py``) can put the
+A staged image is written in two steps, so that the commit protocol (``commit.py``) can put the
 proof in place at the right moment:
 
 1. :func:`write_data` fills in the zip CRC of every storage record (computed while staging, or
