@@ -180,7 +180,7 @@ class ImageCrcs:
     """CRC-32s of a staged image: of every slot (its zip record's CRC) and of every chunk.
 
     Chunk ``i`` covers ``[i * chunk_bytes, (i + 1) * chunk_bytes)`` of ``[0, image.covered)``, as
-    staged: before the zip CRC fields are filled in (:func:`stagesave.saving.write.fill_crcs` updates
+    staged: before the zip CRC fields are filled in (:func:`.write.fill_crcs` updates
     the chunk CRCs for them).
     """
 

@@ -25,12 +25,10 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
-import ctypes
 import errno
 import functools
 import importlib
 import mmap
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -43,7 +41,7 @@ from ..ondisk.names import ALIGNMENT
 from ..stores import posix as fsops
 from ..stores.base import Store
 from ..stores.local import LocalStore
-from .buffers import HostBuffer
+from .buffers import Bounces, HostBuffer
 from .plan import FileImage
 from .stage import crc_image
 from .write import FileToWrite, WriteStats, Written, entry_of, flush_data, late_end, run_all
@@ -196,46 +194,6 @@ def stage_on_device(image: FileImage, buf: HostBuffer, base: int = 0) -> Callabl
     return wait
 
 
-class _Bounces:
-    """One pinned (or page-aligned) host buffer and one CUDA stream per writer thread."""
-
-    def __init__(self, nbytes: int, device: torch.device) -> None:
-        self.nbytes = nbytes
-        self.device = device
-        self.local = threading.local()
-        self.all: list[HostBuffer] = []
-        self.lock = threading.Lock()
-
-    def get(self) -> tuple[HostBuffer, torch.cuda.Stream | None]:
-        mine = getattr(self.local, "mine", None)
-        if mine is None:
-            cuda = self.device.type == "cuda"
-            buf = HostBuffer.allocate(self.nbytes, pinned=cuda)
-            stream = torch.cuda.Stream(device=self.device) if cuda else None  # type: ignore[no-untyped-call]
-            mine = self.local.mine = (buf, stream)
-            with self.lock:
-                self.all.append(buf)
-        return mine
-
-    def to_host(self, src: torch.Tensor) -> memoryview:
-        """Copy ``src`` (uint8, contiguous) into this thread's bounce buffer; its bytes."""
-        buf, stream = self.get()
-        n = src.numel()
-        if stream is None:  # host memory (tests, or a CPU "device"): no torch op off-thread
-            ctypes.memmove(buf.tensor.data_ptr(), src.data_ptr(), n)
-        else:
-            with torch.cuda.stream(stream):
-                buf.tensor[:n].copy_(src, non_blocking=True)
-            stream.synchronize()
-        return buf.view[:n]
-
-    def close(self) -> None:
-        with self.lock:
-            bufs, self.all = self.all, []
-        for b in bufs:
-            b.release_memory()
-
-
 @contextlib.contextmanager
 def _cufile(kvikio: Any, path: str) -> Iterator[Any]:
     f = kvikio.CuFile(path, "r+")
@@ -267,7 +225,7 @@ def write_device_data(
         )
     t0 = time.perf_counter()
     span = (chunk_bytes + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
-    bounces = _Bounces(span, data.device)
+    bounces = Bounces(span, data.device)
     try:
         h0 = time.perf_counter()
         crcs = crc_image(image, chunk_bytes=chunk_bytes, pool=pool,
