@@ -42,15 +42,23 @@ def line_counts() -> dict[str, int]:
 
 
 def private_imports() -> list[str]:
+    """Private names (``_x``, not modules of the importing package) that a product module
+    imports from another stagesave module; third-party private names are counted apart."""
     found = []
     for p in product_files():
         tree = ast.parse(p.read_text(encoding="utf-8"))
         for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom):
-                for alias in node.names:
-                    if alias.name.startswith("_") and not alias.name.startswith("__"):
-                        module = "." * node.level + (node.module or "")
-                        found.append(f"{rel(p)}: from {module} import {alias.name}")
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            ours = node.level > 0 or (node.module or "").startswith("stagesave")
+            for alias in node.names:
+                if not alias.name.startswith("_") or alias.name.startswith("__"):
+                    continue
+                module = "." * node.level + (node.module or "")
+                if ours and node.module is None:
+                    continue  # ``from . import _module``: a private module of its own package
+                kind = "ours" if ours else "third-party"
+                found.append(f"{kind}: {rel(p)}: from {module} import {alias.name}")
     return found
 
 
@@ -94,8 +102,10 @@ class PathTracer:
         stops = [name for s in self.seq.values() for name in s]
         counts = collections.Counter(stops)
         most, n = counts.most_common(1)[0] if counts else ("", 0)
+        hub = next((k for k in counts if k.endswith("stagesave/checkpointer.py")), "")
         return {"stops": len(stops), "files": len(counts), "most_entered": most,
-                "re_entries": max(0, n - 1)}
+                "re_entries": max(0, n - 1), "checkpointer_entries": counts.get(hub, 0),
+                "top": counts.most_common(4)}
 
 
 def trace(run: Any) -> dict[str, Any]:
@@ -154,7 +164,8 @@ def main() -> None:
         "modules_over_400": sum(1 for k, v in lines.items() if v > 400),
         "adapters": adapters,
         "save_path": save_path(),
-        "private_imports": len(private_imports()),
+        "private_imports": sum(1 for x in private_imports() if x.startswith("ours")),
+        "third_party_private_imports": sum(1 for x in private_imports() if x.startswith("third")),
         "runtime_errors": len(runtime_errors()),
         "ruff": tool_count([".venv/bin/ruff", "check", "--output-format=concise", *src_targets]),
         "ruff_E501": tool_count([".venv/bin/ruff", "check", "--output-format=concise",
