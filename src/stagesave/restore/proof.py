@@ -284,19 +284,25 @@ def _safetensors_proof(reader: Reader, name: str) -> FileProof:
 
 
 def chunk_problems(
-    reader: Reader, manifest: Manifest, pool: cf.Executor | None = None,
+    reader: Reader | None, manifest: Manifest, pool: cf.Executor | None = None,
     read: Callable[[int, int], memoryview | bytes] | None = None,
-    indices: Iterable[int] | None = None,
+    indices: Iterable[int] | None = None, *, where: str | None = None,
 ) -> list[str]:
     """Recompute every chunk digest of the (single) file ``manifest`` proves; the problems.
 
-    ``read(lo, n)`` overrides how bytes are read (a load that already holds them in memory, a
-    sharded load reading into its window); ``indices``: the chunks to check (default: all of
-    them; a sharded load checks the chunks of one window at a time).
+    The one chunk verifier: loads, ``verify()``, ``latest()``, the CLI, the sharded reader and
+    copies to another tier all check chunks here. ``read(lo, n)`` overrides how bytes are read
+    (bytes already in memory, a sharded load's window; then ``reader`` may be ``None`` and
+    ``where`` names the file in messages); ``indices``: the chunks to check (default: all).
     """
     entry = manifest.files[0]
-    where = reader.where
-    get = read or reader.read
+    if reader is not None:
+        where = where or reader.where
+        get = read or reader.read
+    elif read is None or where is None:
+        raise TypeError("chunk_problems needs a reader, or read= and where=")
+    else:
+        get = read
     blank = entry.blank
 
     def check(i: int) -> str | None:

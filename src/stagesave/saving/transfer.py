@@ -15,12 +15,12 @@ from collections.abc import Callable
 
 from .._crash import crash_point
 from ..errors import IntegrityError
-from ..ondisk.checksum import digest
-from ..ondisk.manifest import FileEntry
+from ..ondisk.manifest import FileEntry, Manifest
 from ..ondisk.names import (
     TMP_MARKER,
 )
 from ..restore.discovery import CheckpointInfo
+from ..restore.proof import chunk_problems
 from ..stores import posix as fsops
 from ..stores.base import Store
 from .publish import clear_for_rewrite, join_name, parent_of, remove_tree, rename_into_place
@@ -49,26 +49,14 @@ def copy_file(
     """
     t0 = time.perf_counter()
     size = len(data)
-    cb = entry.chunk_bytes
-
-    def check(i: int) -> None:
-        lo, hi = i * cb, min(entry.end, (i + 1) * cb)
-        chunk = data[lo:hi]
-        if entry.blank is not None and lo < entry.blank[0] + entry.blank[1] and entry.blank[0] < hi:
-            b = bytearray(chunk)
-            a, z = max(lo, entry.blank[0]), min(hi, entry.blank[0] + entry.blank[1])
-            b[a - lo : z - lo] = b" " * (z - a)
-            chunk = memoryview(bytes(b))
-        if digest(entry.algorithm, chunk) != entry.chunks[i]:
-            raise IntegrityError(
-                f"the local copy of {name} no longer matches its proof (bytes [{lo}, {hi}) "
-                f"differ): it was not copied to {dst.describe(name)}. The local disk may be "
-                "failing."
-            )
-
-    run_all(
-        pool, check, len(entry.chunks)
-    )  # before any byte goes out: a copy that rotted never does
+    # before any byte goes out: a copy that rotted never does
+    problems = chunk_problems(None, Manifest([entry], 0), pool,
+                              read=lambda lo, n: data[lo : lo + n], where=name)
+    if problems:
+        raise IntegrityError(
+            f"the local copy of {name} no longer matches its proof ({problems[0]}): it was not "
+            f"copied to {dst.describe(name)}. The local disk may be failing."
+        )
     step = _COPY_SPAN
     pending = dst.begin_write(name, data, size)
     try:
