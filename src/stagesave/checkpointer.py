@@ -24,10 +24,10 @@ from .restore.select import latest_in, resume_choice
 from .restore.verify import verify_checkpoint
 from .saving import jobs, lifecycle, validate
 from .saving.buffers import StagingMemory
-from .saving.fastplan import fast_path_enabled, plan
 from .saving.pipeline import Pipeline
 from .saving.plan_folder import plan_folder
 from .saving.staging import Stager
+from .saving.steady import PlanCache
 from .stores.base import Store
 from .stores.targets import StoreResolver
 from .telemetry import SaveTelemetry, SinkOption, TelemetryCallback, TelemetrySink
@@ -80,12 +80,12 @@ class Checkpointer:
         self.memory = StagingMemory(max_pending, pinned)
         self.stager = Stager(self.memory, checksum_in=checksum_in, chunk_bytes=chunk_bytes,
                              device_staging=device_staging)
+        self.plans = PlanCache()  # the last plan, reused while the structure stays the same
         self.telemetry_sink = sink = TelemetrySink(telemetry_callback, telemetry_jsonl)
         self.pipeline = Pipeline(io_threads, sink.emit)
         self.targets = StoreResolver(root, storage_options=storage_options, direct_io=direct_io)
         sink.attach(self.targets.root)  # a tiered root's remote commits report there too
         lifecycle.register(self, (self.pipeline, self.stager, self.memory))
-        fast_path_enabled()  # the once-per-process check of the planner, before the first save
 
     @property
     def checksum(self) -> str:
@@ -114,7 +114,7 @@ class Checkpointer:
         if hasattr(store, "attach_telemetry"):
             tel.tier = "local"
         meta = validate.checked_metadata(metadata)
-        image = plan(state)
+        image = self.plans.plan(state)
         tel.plan_s = time.perf_counter() - t_start
         store.check_writable(name, image.size)
         staged = self.stager.stage([(name, image)], store, tel, algorithm=self.checksum,
@@ -278,6 +278,7 @@ class Checkpointer:
             try:
                 self.pipeline.stop(timeout)
             finally:
+                self.plans.forget()
                 lifecycle.release_closed(self, self.stager, self.memory, self.targets)
         self.pipeline.raise_failures()
 

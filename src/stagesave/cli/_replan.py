@@ -15,12 +15,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..formats import Safetensors
-from ..ondisk.checksum import DIGEST_HEX_LEN, crc32
+from ..ondisk.checksum import crc32
 from ..ondisk.manifest import FileEntry, StorageRecord
 from ..ondisk.names import ALIGNMENT, PROOF_KEY
 from ..ondisk.torchzip import TorchZip, ZipFormatError, parse_torch_zip
 from ..saving.buffers import HostBuffer
 from ..saving.plan import FileImage, StorageSlot, TensorEntry
+from ..saving.plan_folder import folder_bound
 from ..saving.stage import stage_image
 from ..saving.write import FileToWrite, proof_room
 
@@ -155,30 +156,10 @@ def folder_rooms(
 ) -> dict[str, Any]:
     """The proof room of each safetensors file of a folder (mirrors ``Checkpointer._plan_folder``):
     the carrier's must hold the folder's list of files, the others only their own proof."""
-    hex_len = DIGEST_HEX_LEN[algorithm]
     planned = {n: im for n, im, _ in files if im is not None}
     st = [n for n, im, _ in files if im is None]
     st_carrier = st[0] if st and not any(im.kind == "torch" for im in planned.values()) else None
-    bound = {
-        "token": "f" * 32,
-        "carrier": "x" * 255,
-        "members": [[n, 1 << 50, 0xFFFFFFFF] for n, _, _ in files],
-        "listed": [
-            {
-                "name": n,
-                "size": 1 << 50,
-                "algorithm": algorithm,
-                "chunk_bytes": chunk_bytes,
-                "chunks": ["f" * hex_len] * ((im.size + chunk_bytes - 1) // chunk_bytes + 1),
-                "kind": "raw",
-                "serialization_id": None,
-                "id_offset": None,
-                "storages": [],
-            }
-            for n, im in planned.items()
-            if im.kind == "raw"
-        ],
-    }
+    bound = folder_bound([n for n, _, _ in files], planned, algorithm, chunk_bytes)
     rooms = {}
     for n in st:
         carrier = n == st_carrier

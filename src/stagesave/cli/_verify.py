@@ -18,6 +18,7 @@ from ..errors import CheckpointNotFoundError, UnsafeCheckpointError
 from ..ondisk.manifest import Manifest
 from ..restore.discovery import CheckpointInfo, folder_entries, resolve_dir, resolve_reader
 from ..restore.proof import chunk_problems
+from ..restore.verify import folder_files_problems
 from ..stores.base import Reader, Store
 from ._common import CliError, Env
 from ._found import find_rows, folder_files, is_folder_checkpoint, resolve_target
@@ -93,22 +94,8 @@ def _verify_folder(
         return info.status, list(info.problems)
     entries, problems = folder_entries(store, info)
     with env.progress(f"verifying {ci.name}", info.size) as advance:
-        for fname, own, listed in entries:
-            full = f"{ci.name}/{fname}"
-            try:
-                with store.open(full) as reader:
-                    if own is not None:
-                        problems += _check(reader, own, pool, advance)
-                    elif listed is not None:
-                        if reader.size != listed.size:
-                            problems.append(
-                                f"{reader.where} is {reader.size} bytes, its folder's proof says "
-                                f"{listed.size}"
-                            )
-                        else:
-                            problems += _check(reader, Manifest([listed], 0), pool, advance)
-            except OSError as exc:
-                problems.append(f"{store.describe(full)}: {exc.strerror or exc}")
+        problems += folder_files_problems(
+            store, ci.name, entries, lambda reader, proof: _check(reader, proof, pool, advance))
     return ("corrupt" if problems else "verified"), problems
 
 

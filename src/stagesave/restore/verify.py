@@ -25,12 +25,12 @@ from ..stores.base import Reader, Store
 from . import proof
 from .info import CheckpointInfo, replaced
 from .resolve_file import resolve_reader
-from .resolve_folder import folder_entries, resolve_dir
+from .resolve_folder import FolderEntry, folder_entries, resolve_dir
 from .verified_memo import remember_verified, verified_before
 
 __all__ = [
-    "IoThreads", "check_chunks", "check_file", "is_folder", "open_reader", "raise_if_corrupt",
-    "replaced", "verify_checkpoint", "verify_entry",
+    "IoThreads", "check_chunks", "check_file", "folder_files_problems", "is_folder",
+    "open_reader", "raise_if_corrupt", "replaced", "verify_checkpoint", "verify_entry",
 ]
 
 #: The I/O threads of the Checkpointer a read runs for (created on first use).
@@ -153,21 +153,8 @@ def _verify_folder(
     if info.status != "committed" or info.manifest is None:
         return info
     entries, problems = folder_entries(store, info)
-    for fname, own, listed in entries:
-        full = f"{name}/{fname}"
-        try:
-            with store.open(full) as reader:
-                if own is not None:
-                    problems += check_file(reader, own, io, reuse)
-                elif listed is not None:
-                    if reader.size != listed.size:
-                        problems.append(
-                            f"{reader.where} is {reader.size} bytes, its proof says {listed.size}"
-                        )
-                    else:
-                        problems += check_chunks(reader, Manifest([listed], 0), io)
-        except OSError as exc:
-            problems.append(f"{store.describe(full)}: {exc.strerror or exc}")
+    problems += folder_files_problems(
+        store, name, entries, lambda reader, proof: check_file(reader, proof, io, reuse))
     folder = info.manifest.folder
     for sub in folder.nested if folder is not None else ():
         inner = verify_checkpoint(store, f"{name}/{sub}", io)
@@ -176,6 +163,31 @@ def _verify_folder(
     info.problems = problems
     info.status = "corrupt" if problems else "verified"
     return info
+
+
+def folder_files_problems(
+    store: Store, name: str, entries: list[FolderEntry],
+    check: Callable[[Reader, Manifest], list[str]],
+) -> list[str]:
+    """Every file of folder ``name`` (its ``entries``, :func:`.resolve_folder.folder_entries`)
+    checked by ``check(reader, proof)``: against its own proof, or the one its folder's proof
+    lists for it (after its size)."""
+    problems: list[str] = []
+    for fname, own, listed in entries:
+        full = f"{name}/{fname}"
+        try:
+            with store.open(full) as reader:
+                if own is not None:
+                    problems += check(reader, own)
+                elif listed is not None:
+                    if reader.size != listed.size:
+                        problems.append(f"{reader.where} is {reader.size} bytes, its folder's "
+                                        f"proof says {listed.size}")
+                    else:
+                        problems += check(reader, Manifest([listed], 0))
+        except OSError as exc:
+            problems.append(f"{store.describe(full)}: {exc.strerror or exc}")
+    return problems
 
 
 def check_file(reader: Reader, manifest: Any, io: IoThreads, reuse: bool) -> list[str]:

@@ -41,6 +41,9 @@ class HostBuffer:
     view: memoryview
     tensor: torch.Tensor
     _mmap: mmap.mmap | None = field(default=None, repr=False)
+    #: ``(base, size, frame)``: the static pieces of ``frame`` sit at ``base`` from the last
+    #: staging (see :attr:`.image.FileImage.static`); ``None``: nothing known.
+    holds: tuple[int, int, object] | None = field(default=None, repr=False)
 
     @classmethod
     def allocate(cls, capacity: int, pinned: bool) -> HostBuffer:

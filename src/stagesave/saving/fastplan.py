@@ -31,7 +31,7 @@ import io
 import os
 import struct
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import fields, is_dataclass
 from typing import Any
 
@@ -45,13 +45,17 @@ from .torch_pickler import STORAGE_CLASS, TorchPickler, Unsupported
 from .ziplayout import (
     PREFIX,
     Constants,
+    Layout,
     cached_layout,
     cd_entry,
     central_directory,
     lay_out_head,
 )
 
-__all__ = ["fast_path_enabled", "plan", "plan_fast", "same_layout"]
+__all__ = [
+    "Framed", "constants", "fast_path_enabled", "image_of", "index", "plan", "plan_fast",
+    "planner_setting", "same_layout",
+]
 
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
@@ -77,6 +81,11 @@ def fast_path_enabled() -> bool:
                 except Exception:  # noqa: BLE001 - any surprise means: let torch lay files out
                     _checked = False
     return bool(_checked)
+
+
+def constants() -> Constants | None:
+    """What torch writes into its small records (``None`` until the probe ran, or if it failed)."""
+    return _constants if _checked else None
 
 
 def _learn_constants() -> Constants:
@@ -164,7 +173,7 @@ def same_layout(a: FileImage, b: FileImage) -> bool:
 PLANNER_ENV = "STAGESAVE_PLANNER"
 
 
-def _planner_setting() -> str:
+def planner_setting() -> str:
     """``STAGESAVE_PLANNER``: ``auto`` (default: this module where it can) or ``torch`` (always
     ``torch.save``'s layout, the escape hatch should the two ever disagree).
 
@@ -184,7 +193,7 @@ def plan(state: Any) -> FileImage:
         UnsupportedObjectError: something in the state cannot be pickled; the message names it.
         ValueError: ``STAGESAVE_PLANNER`` holds something other than ``auto`` or ``torch``.
     """
-    if _planner_setting() == "auto" and fast_path_enabled():
+    if planner_setting() == "auto" and fast_path_enabled():
         image = plan_fast(state)
         if image is not None:
             return image
@@ -211,19 +220,56 @@ def plan_fast(state: Any, *, probe: bool = False) -> FileImage | None:
 
 
 def _image(constants: Constants, pkl: bytes, pickler: TorchPickler, state: Any) -> FileImage:
-    head_records, head, head_crcs = lay_out_head(constants, pkl)
     sizes = tuple(int(s.nbytes()) for s in pickler.storages)
+
+    def slots(layout: Layout) -> list[StorageSlot]:
+        return [
+            StorageSlot(
+                key, rec.data_offset, rec.size, storage=storage, device_type=device,
+                address=address,
+            )
+            for key, rec, storage, device, address in zip(
+                layout.keys, layout.storage_records, pickler.storages, pickler.devices,
+                pickler.addresses,
+            )
+        ]
+
+    return image_of(constants, pkl, sizes, slots, index(state, pickler))[0]
+
+
+Framed = tuple[Layout, bytes, list[int]]
+
+
+def image_of(
+    constants: Constants,
+    pkl: bytes,
+    sizes: tuple[int, ...],
+    slots_for: Callable[[Layout], list[StorageSlot]],
+    tensors: list[TensorEntry],
+    frame: Framed | None = None,
+) -> tuple[FileImage, Framed]:
+    """The image of a torch file whose pickle is ``pkl`` and whose storages have ``sizes``.
+
+    ``slots_for(layout)`` makes the slots for the storage records of ``layout``; ``frame``: the
+    layout (with its central directory) a caller already holds for these sizes, used when the
+    head still ends where it did. Returns the image and the frame it used.
+    """
+    head_records, head, head_crcs = lay_out_head(constants, pkl)
     # The first storage's header starts where the head ends (no gap: torch writes records back to
     # back).
-    layout, storage_cd, storage_cd_at = cached_layout(constants, len(head), sizes)
+    if frame is None or frame[0].start != len(head):
+        frame = cached_layout(constants, len(head), sizes)
+    layout, storage_cd, storage_cd_at = frame
     sid = unique_id(constants.id_length).encode()
     tail_records, tail, cd_start = layout.tail(sid)
     pieces: list[tuple[int, bytes | memoryview]]
     if layout.pieces:
         first = layout.pieces[0][1]
-        pieces = [(0, head + first)] + layout.pieces[1:] + [(layout.after, tail)]
+        pieces = [(0, head + first), *layout.pieces[1:], (layout.after, tail)]
+        static: tuple[object, int, int] | None = (layout, 1, len(pieces) - 1)
     else:
         pieces = [(0, head + tail)]
+        static = None
     head_cd, _ = central_directory(head_records, head_crcs)
     tail_cd, _ = central_directory(tail_records, {tail_records[0].name: crc32(constants.version),
                                                    tail_records[1].name: crc32(sid)})
@@ -239,30 +285,20 @@ def _image(constants: Constants, pkl: bytes, pickler: TorchPickler, state: Any) 
         zip_records.append(ZipRecord(r.name, r.header_offset, r.data_offset, r.size, r.crc_at, at))
         at += len(cd_entry(r.name.encode(), 0, r.header_offset, r.size))
     zip_ = TorchZip(PREFIX, tuple(zip_records), cd_start, cd, True)
-    slots = [
-        StorageSlot(
-            key, rec.data_offset, rec.size, storage=storage, device_type=device, address=address
-        )
-        for key, rec, storage, device, address in zip(
-            layout.keys,
-            layout.storage_records,
-            pickler.storages,
-            pickler.devices,
-            pickler.addresses,
-        )
-    ]
-    return FileImage(
+    image = FileImage(
         size=cd_start,
         pieces=pieces,
-        slots=slots,
+        slots=slots_for(layout),
         serialization_id=sid.decode(),
         id_offset=tail_records[1].data_offset,
-        tensors=_index(state, pickler),
+        tensors=tensors,
         kind="torch",
         zip=zip_,
         crc_fields=layout.crc_fields,
         gapless=True,
+        static=static,
     )
+    return image, frame
 
 
 _DTYPE_NAMES = {dtype: str(dtype).removeprefix("torch.") for dtype in STORAGE_CLASS}
@@ -271,7 +307,7 @@ _DTYPE_NAMES = {dtype: str(dtype).removeprefix("torch.") for dtype in STORAGE_CL
 _ATOMS = frozenset({int, float, str, bool, type(None), bytes, complex})
 
 
-def _index(state: Any, pickler: TorchPickler) -> list[TensorEntry]:
+def index(state: Any, pickler: TorchPickler) -> list[TensorEntry]:
     """The manifest's index, as :func:`stagesave.saving.plan.index_tensors` builds it (same names,
     order, depth limit and cap), from what the pickler recorded about each tensor."""
     out: list[TensorEntry] = []

@@ -4,6 +4,7 @@ writer writes that buffer as the file."""
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -17,6 +18,7 @@ except ImportError:
     _torch_save_config = None  # type: ignore[assignment]
 
 from ..ondisk.torchzip import TorchZip
+from .host_copy import HostCopies
 
 __all__ = ["MAX_INDEXED_TENSORS", "FileImage", "StorageSlot", "TensorEntry", "byte_view"]
 
@@ -29,7 +31,8 @@ class StorageSlot:
 
     Planners give either ``source`` (the bytes as a flat uint8 tensor) or ``storage`` (a whole
     storage: its byte view is made only if someone asks for :attr:`source`; host staging copies
-    from :attr:`address` and never needs it).
+    from :attr:`address` and never needs it). A reused plan (:mod:`.steady`) gives only the host
+    ``address``: its slots outlive the save that checked them and must not keep the state alive.
     """
 
     __slots__ = ("_address", "_device_type", "_source", "_storage", "key", "nbytes", "offset")
@@ -37,8 +40,10 @@ class StorageSlot:
     def __init__(self, key: str, offset: int, nbytes: int, source: torch.Tensor | None = None, *,
                  storage: torch.UntypedStorage | None = None, device_type: str | None = None,
                  address: int | None = None) -> None:
-        if (source is None) == (storage is None):
-            raise TypeError("StorageSlot needs a source or a storage")
+        if source is not None and storage is not None:
+            raise TypeError("StorageSlot needs a source or a storage, not both")
+        if source is None and storage is None and (address is None or device_type != "cpu"):
+            raise TypeError("StorageSlot needs a source, a storage or a host address")
         self.key, self.offset, self.nbytes = key, offset, nbytes
         self._source, self._storage = source, storage
         self._device_type = device_type
@@ -47,7 +52,9 @@ class StorageSlot:
     @property
     def source(self) -> torch.Tensor:
         if self._source is None:
-            assert self._storage is not None
+            if self._storage is None:  # a reused plan's slot: the address was checked this save
+                assert self._address is not None
+                return _at_address(self._address, self.nbytes)
             self._source = byte_view(self._storage)
         return self._source
 
@@ -119,6 +126,12 @@ class FileImage:
     blank: tuple[int, int] | None = None
     #: The pieces and slots cover ``[0, size)`` without a gap (nothing to zero when staging).
     gapless: bool = False
+    #: ``(frame, lo, hi)``: ``pieces[lo:hi]`` are the same bytes at the same offsets in every
+    #: image that names the same ``frame`` object, so a buffer still holding them from an earlier
+    #: save need not receive them again (:func:`.stage.stage_image`).
+    static: tuple[object, int, int] | None = None
+    #: The host copies of a reused plan (:mod:`.steady`: addresses checked for this save).
+    copies: HostCopies | None = None
 
     @property
     def tensor_bytes(self) -> int:
@@ -131,6 +144,14 @@ class FileImage:
 
     def devices(self) -> set[str]:
         return {s.device_type for s in self.slots}
+
+
+def _at_address(address: int, nbytes: int) -> torch.Tensor:
+    """A flat uint8 tensor over ``nbytes`` of host memory at ``address`` (no copy; valid while
+    that memory is)."""
+    if not nbytes:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer((ctypes.c_char * nbytes).from_address(address), dtype=torch.uint8)
 
 
 def byte_view(storage: torch.UntypedStorage) -> torch.Tensor:

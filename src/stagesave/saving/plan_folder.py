@@ -7,6 +7,7 @@ the list of every file of the folder.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from ..formats import Safetensors, plan_file
@@ -14,7 +15,7 @@ from ..ondisk.checksum import DIGEST_HEX_LEN
 from .plan import FileImage
 from .write import proof_room
 
-__all__ = ["plan_folder"]
+__all__ = ["folder_bound", "plan_folder"]
 
 
 def plan_folder(
@@ -37,7 +38,7 @@ def plan_folder(
             k for k, c in files.items() if isinstance(c, Safetensors)
         )
         folder = (
-            _folder_bound(files, planned, algorithm, chunk_bytes)
+            folder_bound(files, planned, algorithm, chunk_bytes)
             if carrier
             else {"token": "f" * 32, "carrier": "x" * 255}
         )
@@ -61,8 +62,8 @@ def plan_folder(
     return [(n, planned[n]) for n in files]
 
 
-def _folder_bound(
-    files: dict[str, Any],
+def folder_bound(
+    files: Iterable[str],
     planned: dict[str, FileImage],
     algorithm: str,
     chunk_bytes: int,

@@ -34,6 +34,7 @@ import torch
 
 from ..ondisk.checksum import crc32, crc32_combine
 from .buffers import HostBuffer
+from .host_copy import HostCopies, copy_in
 from .plan import FileImage
 
 __all__ = ["ImageCrcs", "crc_image", "on_host", "stage_and_crc", "stage_image"]
@@ -113,9 +114,19 @@ def _fill_skeleton(image: FileImage, buf: HostBuffer, base: int) -> None:
     Meta tensors have no bytes: their slots are zeroed too.
     """
     view = buf.view[base : base + image.size]
+    held, buf.holds = buf.holds, None
     if image.gapless:
-        for off, data in image.pieces:
+        pieces = image.pieces
+        static = image.static
+        if static is not None and held == (base, image.size, static[0]):
+            # The buffer still holds this frame's static pieces (the descriptors' CRC fields
+            # from the last save are overwritten before the write, see write.fill_crcs).
+            _, lo, hi = static
+            pieces = [*pieces[:lo], *pieces[hi:]]
+        for off, data in pieces:
             view[off : off + len(data)] = data
+        if static is not None:
+            buf.holds = (base, image.size, static[0])
         return
     dst_all = buf.tensor[base : base + image.size]
     spans = sorted([(off, off + len(data)) for off, data in image.pieces]
@@ -132,24 +143,36 @@ def _fill_skeleton(image: FileImage, buf: HostBuffer, base: int) -> None:
         view[off : off + len(data)] = data
 
 
-def stage_image(image: FileImage, buf: HostBuffer, base: int = 0) -> Callable[[], None] | None:
+def stage_image(image: FileImage, buf: HostBuffer, base: int = 0, *,
+                pool: cf.Executor | None = None, workers: int = 0) -> Callable[[], None] | None:
     """Copy ``image`` into ``buf[base : base + image.size]``.
+
+    ``pool`` (``workers`` threads): copy threads that share large host copies with this thread.
 
     Returns:
         ``None`` when the bytes are in place; otherwise a callable that blocks until pending
         device-to-host copies have landed (the writer calls it before reading the buffer).
     """
     _fill_skeleton(image, buf, base)
-    dst_all = buf.tensor[base : base + image.size]
+    view = buf.view[base : base + image.size]
     dst_address = buf.tensor.data_ptr() + base
-    side: torch.cuda.Stream | None = None
+    if image.copies is not None:  # a reused plan's, checked by its planner
+        copy_in(view, dst_address, image.copies, pool, workers)
+        return None
+    copies = HostCopies()
+    others = []
     for slot in image.slots:
         if slot.nbytes == 0 or slot.device_type == "meta":
             continue
         address = slot.host_address()
-        if address is not None:  # one memmove, no tensor made for it (GIL released meanwhile)
-            ctypes.memmove(dst_address + slot.offset, address, slot.nbytes)
-            continue
+        if address is not None:  # memmove, no tensor made for it (GIL released meanwhile)
+            copies.add(slot.offset, address, slot.nbytes)
+        else:
+            others.append(slot)
+    copy_in(view, dst_address, copies, pool, workers)
+    dst_all = buf.tensor[base : base + image.size]
+    side: torch.cuda.Stream | None = None
+    for slot in others:
         src = slot.source
         dst = dst_all[slot.offset : slot.offset + slot.nbytes]
         if src.device.type == "cuda":

@@ -95,6 +95,7 @@ class Stager:
         self.chunk_bytes = chunk_bytes
         self.device_staging = device_staging
         self.threads: cf.ThreadPoolExecutor | None = None
+        self.workers = max(1, torch.get_num_threads())  # copy threads (made on first use)
         self._lock = threading.Lock()
         self._closed = False
 
@@ -189,7 +190,7 @@ class Stager:
                 )
                 tel.checksum_s += crcs.seconds
             else:
-                stage_image(image, buf, base)
+                stage_image(image, buf, base, pool=self.copy_threads(), workers=self.workers)
         else:
             wait_device = stage_image(image, buf, base)
             pending = wait_device is not None
@@ -223,7 +224,7 @@ class Stager:
                 )
             if self.threads is None:
                 self.threads = cf.ThreadPoolExecutor(
-                    max(1, torch.get_num_threads()), thread_name_prefix="stagesave-hash"
+                    self.workers, thread_name_prefix="stagesave-hash"
                 )
             return self.threads
 

@@ -1,0 +1,162 @@
+"""A planned pickle cut where its volatile leaves sit, and the leaves of each save spliced in.
+
+Pickle writes an exact ``int``, ``float``, ``bool`` or ``None`` self-contained and never
+memoised, so the bytes around such a leaf do not depend on its value. The template of a state is
+the pickle of a copy of it in which each leaf is a marker that pickles to a unique persistent id
+(a float whose first bytes are a per-process magic, then the leaf's number); cutting at the
+markers gives the pieces, and each save splices its own values in, encoded as pickle encodes
+them (:func:`encode`, checked against ``pickle`` by the tests).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import pickle
+import struct
+from typing import Any
+
+from .torch_pickler import TorchPickler
+from .walk import VOLATILE
+
+__all__ = ["MAX_LEAVES", "MarkingPickler", "Spliced", "cut", "encode", "marked"]
+
+_OrderedDict = collections.OrderedDict
+_MAGIC = b"\x41" + os.urandom(4)  # a finite double's first bytes: markers are plain floats
+MAX_LEAVES = 1 << 24  # three bytes of index after the magic
+
+
+class _Marker:
+    __slots__ = ("pid",)
+
+    def __init__(self, index: int) -> None:
+        self.pid: float = struct.unpack(">d", _MAGIC + index.to_bytes(3, "big"))[0]
+
+
+class MarkingPickler(TorchPickler):
+    def persistent_id(self, obj: Any) -> Any:
+        if type(obj) is _Marker:
+            return obj.pid
+        return super().persistent_id(obj)
+
+
+def marked(state: Any) -> Any:
+    """A copy of ``state``'s containers with every volatile leaf replaced by a marker numbered in
+    walk order (tensors, strings and other objects are the same objects)."""
+    count = 0
+
+    def copy(obj: Any) -> Any:
+        nonlocal count
+        kind = type(obj)
+        if kind in VOLATILE:
+            count += 1
+            return _Marker(count - 1)
+        if kind is dict:
+            return {k: copy(v) for k, v in obj.items()}
+        if kind is list:
+            return [copy(v) for v in obj]
+        if kind is tuple:
+            return tuple([copy(v) for v in obj])
+        if kind is _OrderedDict:
+            out = _OrderedDict((k, copy(v)) for k, v in obj.items())
+            if obj.__dict__:
+                out.__dict__.update(copy(obj.__dict__))
+            return out
+        return obj
+
+    return copy(state)
+
+
+def cut(pkl: bytes, n_leaves: int) -> tuple[list[bytes], list[int]] | None:
+    """The pickle's pieces between markers and the leaf each marker stands for (byte order);
+    ``None`` if the markers are not each found exactly once."""
+    needle = b"G" + _MAGIC
+    pieces, order = [], []
+    pos = 0
+    while True:
+        at = pkl.find(needle, pos)
+        if at < 0:
+            break
+        if pkl[at + 9 : at + 10] != b"Q":
+            return None
+        pieces.append(pkl[pos:at])
+        order.append(int.from_bytes(pkl[at + 6 : at + 9], "big"))
+        pos = at + 10
+    pieces.append(pkl[pos:])
+    if sorted(order) != list(range(n_leaves)):
+        return None
+    return pieces, order
+
+
+_INT1, _INT2, _INT4 = struct.Struct("<B"), struct.Struct("<H"), struct.Struct("<i")
+_FLOAT = struct.Struct(">d")
+
+
+def encode(value: Any) -> bytes:
+    """``value`` (an int, float, bool or None) as pickle protocol 2 writes it."""
+    kind = type(value)
+    if kind is int:
+        if 0 <= value < 0x100:
+            return b"K" + _INT1.pack(value)
+        if 0 <= value < 0x10000:
+            return b"M" + _INT2.pack(value)
+        if -0x80000000 <= value < 0x80000000:
+            return b"J" + _INT4.pack(value)
+        return pickle.dumps(value, 2)[2:-1]
+    if kind is float:
+        return b"G" + _FLOAT.pack(value)
+    if value is None:
+        return b"N"
+    return b"\x88" if value else b"\x89"
+
+
+class Spliced:
+    """A template's pickle with its leaves spliced in, kept between saves: a save whose leaves
+    are the last save's (same types, equal values) reuses its bytes; otherwise only the leaves
+    that changed are encoded again (a state may hold tens of thousands, e.g. the parameter
+    numbers of an optimizer's groups). Floats are encoded again unless they are the very same
+    objects (``0.0 == -0.0``, but pickle tells them apart)."""
+
+    _STEP = 512  # leaves compared per slice before looking at single ones
+
+    def __init__(self, pieces: list[bytes], order: list[int]) -> None:
+        self.parts: list[bytes] = [pieces[0]]
+        for i in range(len(order)):
+            self.parts += (b"", pieces[i + 1])
+        self.at = [0] * len(order)  # leaf -> its encoding's index in parts
+        for j, leaf in enumerate(order):
+            self.at[leaf] = 2 * j + 1
+        self.leaves: list[Any] | None = None
+        self.types: list[type] = []
+        self.floats: list[int] = []  # where the float leaves are
+        self.pkl = b""
+
+    def pickle(self, leaves: list[Any]) -> bytes:
+        types = list(map(type, leaves))
+        old = self.leaves
+        changed: Any
+        if old is None or types != self.types:
+            changed = range(len(leaves))
+            self.floats = [i for i, kind in enumerate(types) if kind is float]
+        else:
+            changed = [i for i in self.floats if leaves[i] is not old[i]]
+            if leaves != old:
+                changed = sorted(set(changed).union(self._unequal(leaves, old)))
+            if not changed:
+                self.leaves = leaves
+                return self.pkl
+        parts, at = list(self.parts), self.at  # the last save's image keeps its pickle
+        for i in changed:
+            parts[at[i]] = encode(leaves[i])
+        self.parts, self.leaves, self.types = parts, leaves, types
+        self.pkl = b"".join(parts)
+        return self.pkl
+
+    def _unequal(self, leaves: list[Any], old: list[Any]) -> list[int]:
+        step = self._STEP
+        out = []
+        for a in range(0, len(leaves), step):
+            b = min(a + step, len(leaves))
+            if leaves[a:b] != old[a:b]:
+                out += [i for i in range(a, b) if leaves[i] != old[i]]
+        return out

@@ -1,0 +1,276 @@
+"""The steady state: a plan reused while the structure of the state stays the same.
+
+A training loop saves the same structure again and again: the same keys, the same tensors at
+the same addresses with the same shapes, only the bytes inside the tensors and a few numbers
+(the step, the epoch, a learning rate) differ. Planning from scratch costs ~10 µs per tensor
+(:mod:`.fastplan`), which dominates the save of a state of thousands of small tensors. A
+:class:`PlanCache` plans the first save as usual and keeps a **template** of it:
+
+* the pickle, cut where each volatile leaf (an exact ``int``, ``float``, ``bool`` or ``None``)
+  sits, so that each save splices its own values in (:mod:`.splice`);
+* the image of the file around the pickle (records, central directory, slots, the index) and
+  the host copies of the storages.
+
+A later save walks the state once (:mod:`.walk`) and reuses the template when the structure is
+the same. Storage sizes, aliasing (which tensors share a storage) and each storage's address
+follow from the tensors' data addresses: when only addresses changed (new tensors over new
+storages, as copies made at each save have), the storages are looked at again, their sizes and
+sharing checked, and the template is kept with the new addresses. Anything else (a new key, a
+new shape, a shared container, a tensor torch pickles differently, a state the walk does not
+understand) plans from scratch and makes a new template. The template holds no tensor: only
+addresses, used only after the walk of the save at hand found them again.
+
+Tests compare the spliced file with ``torch.save``'s layout after every kind of change.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import threading
+from typing import Any
+
+from .fastplan import (
+    Framed,
+    constants,
+    fast_path_enabled,
+    image_of,
+    index,
+    plan,
+    planner_setting,
+)
+from .host_copy import BIG, HostCopies
+from .image import FileImage, StorageSlot, TensorEntry
+from .plan import gc_paused, plan_torch_file
+from .splice import MAX_LEAVES, MarkingPickler, Spliced, cut, marked
+from .torch_pickler import ELEMENT_SIZE, TorchPickler
+from .walk import Walked, walk
+from .ziplayout import Constants, Layout
+
+__all__ = ["PlanCache", "Template"]
+
+
+def _memory(address: int, nbytes: int) -> memoryview:
+    return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
+
+
+class Template:
+    """A planned state's pickle, cut at its leaves, and its image around it.
+
+    Holds no tensor: only addresses (and views of host memory at them, used only after the
+    addresses were checked again).
+    """
+
+    def __init__(self, walked: Walked, pieces: list[bytes], order: list[int],
+                 pickler: TorchPickler, tensors: list[TensorEntry]) -> None:
+        self.structure = walked.structure
+        self.addresses = walked.addresses
+        self.n_containers = len(walked.containers)
+        # With no two tensors at one address, the same addresses again mean no tensor object
+        # appears twice (the template's tensors were distinct objects).
+        self.shared_addresses = len(set(self.addresses)) != len(self.addresses)
+        self.spliced = Spliced(pieces, order)
+        self.index = tensors
+        self.sizes = tuple(int(s.nbytes()) for s in pickler.storages)
+        keys = {storage._cdata: k for k, storage in enumerate(pickler.storages)}
+        #: per tensor (walk order): its storage's key and the bytes from the storage's start
+        self.key_of: list[int] = []
+        self.delta: list[int] = []
+        reach = [0] * len(self.sizes)  # per storage: the end of the furthest tensor over it
+        for t in walked.tensors:
+            k = keys[t.untyped_storage()._cdata]
+            esize = ELEMENT_SIZE[t.dtype]
+            self.key_of.append(k)
+            offset = int(t.storage_offset())
+            self.delta.append(offset * esize)
+            if t.numel():
+                end = offset + 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+                reach[k] = max(reach[k], int(end) * esize)
+        #: storages not covered to their end by the tensors over them: sizes checked each save
+        self.loose = [(i, k) for i, k in enumerate(self.key_of) if reach[k] < self.sizes[k]]
+        #: per storage: its host address (every tensor is in host memory: see _new_template)
+        self.starts = [a or 0 for a in pickler.addresses]
+        self.frame: Framed | None = None
+        self.layout: Layout | None = None
+        self.slots: list[StorageSlot] = []
+        self.copies = HostCopies()
+        self.where: list[int | None] = []  # per storage: its entry in copies.small or .big
+
+    def slots_for(self, layout: Layout) -> list[StorageSlot]:
+        """The slots of ``layout``'s storage records at the storages' addresses (made once per
+        layout; :meth:`image` pairs them with :attr:`copies`)."""
+        if self.layout is not layout:
+            self.layout = layout
+            self.slots = [
+                StorageSlot(key, rec.data_offset, rec.size, device_type="cpu", address=address)
+                for key, rec, address in zip(layout.keys, layout.storage_records, self.starts)
+            ]
+            self.copies = HostCopies()
+            self.where = [None] * len(self.slots)
+            for k, slot in enumerate(self.slots):
+                self._place(k, slot)
+        return self.slots
+
+    def _place(self, k: int, slot: StorageSlot) -> None:
+        """Put storage ``k``'s copy into :attr:`copies` (where it was, if it was)."""
+        n, address, at = slot.nbytes, self.starts[k], self.where[k]
+        if not n:
+            return
+        if n >= BIG:
+            big = self.copies.big
+            if at is None:
+                self.where[k], at = len(big), len(big)
+                big.append((0, 0, 0))
+            big[at] = (slot.offset, address, n)
+        else:
+            small = self.copies.small
+            if at is None:
+                self.where[k], at = len(small), len(small)
+                small.append((0, memoryview(b"")))
+            small[at] = (slot.offset, _memory(address, n))
+
+    def matches(self, walked: Walked) -> bool:
+        """Whether ``walked`` has this template's structure (updating the storages' addresses
+        when only those changed)."""
+        if walked.structure != self.structure:
+            return False
+        if len(set(walked.containers)) != self.n_containers:
+            return False  # a container shared where the template had two equal ones
+        tensors = walked.tensors
+        for i, k in self.loose:
+            if tensors[i].untyped_storage().nbytes() != self.sizes[k]:
+                return False
+        if walked.addresses != self.addresses:
+            return self._moved(walked, walked.addresses)
+        # one tensor object twice: the pickle would name it once
+        return not self.shared_addresses or len(set(map(id, tensors))) == len(tensors)
+
+    def _moved(self, walked: Walked, addresses: list[int]) -> bool:
+        """Tensors over new storages: the same aliasing, storages of the same sizes."""
+        if len(set(map(id, walked.tensors))) != len(walked.tensors):
+            return False  # one tensor object twice (the pickle would name it once)
+        starts = list(self.starts)
+        changed: set[int] = set()
+        seen: dict[int, int] = {}
+        sizes, key_of, delta, tensors = self.sizes, self.key_of, self.delta, walked.tensors
+        for i, (new, old) in enumerate(zip(addresses, self.addresses)):
+            k = key_of[i]
+            if not sizes[k]:
+                continue  # an empty storage: no bytes, no address to agree on
+            start = new - delta[i]
+            if seen.setdefault(k, start) != start:
+                return False  # tensors of one storage no longer share it
+            if new != old:
+                t = tensors[i]
+                storage = t.untyped_storage()
+                if not t.is_cpu or storage.nbytes() != sizes[k] or storage.data_ptr() != start:
+                    return False
+                starts[k] = start
+                changed.add(k)
+        used = [a for k, a in enumerate(starts) if sizes[k]]
+        if len(set(used)) != len(used):
+            return False  # two storages became one
+        self.addresses, self.starts = addresses, starts
+        if self.layout is not None:  # new lists: images of earlier saves keep theirs
+            self.slots = list(self.slots)
+            self.copies = HostCopies(list(self.copies.small), [], list(self.copies.big))
+            for k in changed:
+                old_slot = self.slots[k]
+                self.slots[k] = StorageSlot(old_slot.key, old_slot.offset, old_slot.nbytes,
+                                            device_type="cpu", address=starts[k])
+                self._place(k, self.slots[k])
+        return True
+
+    def image(self, walked: Walked, consts: Constants) -> FileImage:
+        """The image of the state ``walked`` saw (which :meth:`matches` this template)."""
+        pkl = self.spliced.pickle(walked.leaves)
+        image, self.frame = image_of(consts, pkl, self.sizes, self.slots_for, self.index,
+                                     self.frame)
+        image.copies = self.copies
+        return image
+
+
+# ---------------------------------------------------------------------------- the cache
+class PlanCache:
+    """One Checkpointer's last template (see the module's docstring)."""
+
+    def __init__(self) -> None:
+        fast_path_enabled()  # the once-per-process check of the planner, before the first save
+        self._template: Template | None = None
+        self._refused: list[Any] | None = None  # a structure no template can stand for
+        self._lock = threading.Lock()
+
+    def plan(self, state: Any) -> FileImage:
+        """The file image of ``state``, reusing the last plan when the structure is the same.
+
+        Raises:
+            UnsupportedObjectError: something in the state cannot be pickled; the message names it.
+            ValueError: ``STAGESAVE_PLANNER`` holds something other than ``auto`` or ``torch``.
+        """
+        if planner_setting() != "auto" or not fast_path_enabled():
+            return plan_torch_file(state)
+        if not self._lock.acquire(blocking=False):  # another thread of this Checkpointer saves
+            return plan(state)
+        try:
+            with gc_paused():
+                return self._plan(state)
+        finally:
+            self._lock.release()
+
+    def forget(self) -> None:
+        """Drop the template (its addresses and views of host memory)."""
+        self._template = None
+
+    def _plan(self, state: Any) -> FileImage:
+        consts = constants()
+        try:
+            walked: Walked | None = walk(state)
+        except Exception:  # noqa: BLE001 - _Different, RecursionError, an unpicklable object
+            walked = None
+        template = self._template
+        if walked is not None and template is not None and consts is not None and _agrees(
+                template, walked):
+            return template.image(walked, consts)
+        self._template = None
+        if walked is not None and consts is not None and not _agrees(self._refused, walked):
+            made = self._new_template(state, walked, consts)
+            if made is not None:
+                return made
+            self._refused = walked.structure
+        return plan(state)
+
+
+    def _new_template(self, state: Any, walked: Walked, consts: Constants) -> FileImage | None:
+        """Plan ``state`` from a marked copy, keep the template, return the image (``None``: no
+        template can stand for it)."""
+        tensors = walked.tensors
+        if (len(walked.leaves) >= MAX_LEAVES or not all(t.is_cpu for t in tensors)
+                or len(set(walked.containers)) != len(walked.containers)
+                or len(set(map(id, tensors))) != len(tensors)):
+            return None
+        buf = io.BytesIO()
+        pickler = MarkingPickler(buf)
+        try:
+            pickler.dump(marked(state))
+        except Exception:  # noqa: BLE001 - Unsupported, or pickling fails: torch.save names why
+            return None
+        found = cut(buf.getvalue(), len(walked.leaves))
+        if found is None or len(pickler.storages) != len(
+            {t.untyped_storage()._cdata for t in tensors}
+        ):
+            return None
+        pieces, order = found
+        template = Template(walked, pieces, order, pickler, index(state, pickler))
+        self._template = template
+        return template.image(walked, consts)
+
+
+def _agrees(known: Template | list[Any] | None, walked: Walked) -> bool:
+    """Whether ``walked`` matches a template (or equals a refused structure); ``False`` when the
+    comparison itself fails (a key whose ``==`` is not a bool, such as a tensor's)."""
+    try:
+        if isinstance(known, Template):
+            return known.matches(walked)
+        return known is not None and walked.structure == known
+    except Exception:  # noqa: BLE001 - plan from scratch, which names real problems
+        return False

@@ -1,0 +1,137 @@
+"""The walk of a state that a reused plan (:mod:`.steady`) compares with its template.
+
+One pass over the state records its **structure**: the type and keys of every container, every
+tensor's type, shape, stride, storage offset, dtype and ``requires_grad``, every ``str`` by
+value, every other object by its pickle; and every tensor's data address, the tensors, the
+*volatile leaves* (exact ``int``, ``float``, ``bool``, ``None``: the values a template splices
+in, :mod:`.splice`) and the ids of the containers.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["VOLATILE", "Different", "Walked", "walk"]
+
+_Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
+_OrderedDict = collections.OrderedDict
+VOLATILE = frozenset({int, float, bool, type(None)})
+_LEAF = object()  # where a volatile leaf sits in a structure
+
+
+class Different(Exception):
+    """The state holds something a template cannot stand for."""
+
+
+@dataclass
+class Walked:
+    """One save's view of its state, in walk order: its structure (a tensor stands in it by its
+    type, shape, stride, storage offset, dtype and ``requires_grad``), the tensors' data
+    addresses, the tensors, the volatile leaves, the ids of the containers."""
+
+    structure: list[Any]
+    addresses: list[int]
+    tensors: list[torch.Tensor]
+    leaves: list[Any]
+    containers: list[int]  # ids of the dicts, lists, non-empty tuples
+
+
+def _standalone(obj: Any) -> bytes:
+    """``obj`` pickled on its own (an object the walk does not look into), refusing tensors."""
+    buf = io.BytesIO()
+    _Refusing(buf, protocol=2).dump(obj)
+    return buf.getvalue()
+
+
+class _Refusing(pickle.Pickler):
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, (_Tensor, torch.UntypedStorage, torch.storage.TypedStorage)):
+            raise Different("a tensor inside an object the walk does not look into")
+        return NotImplemented
+
+
+def walk(state: Any) -> Walked:
+    """The structure of ``state`` as a template compares it.
+
+    One pass, each tensor's attributes read together while its object is in cache (reading
+    them attribute by attribute over all tensors cost ~25% more for 100,000 tensors), the
+    tensors of a container handled inline (no call per tensor).
+
+    Raises:
+        Different: a tensor with Python attributes or hooks, or an object the walk does not
+            look into holds a tensor.
+        RecursionError: it is too deep (or holds itself).
+    """
+    structure: list[Any] = []
+    addresses: list[int] = []
+    tensors: list[torch.Tensor] = []
+    leaves: list[Any] = []
+    containers: list[int] = []
+    note, note_address, note_tensor = structure.append, addresses.append, tensors.append
+    note_leaf, note_container = leaves.append, containers.append
+    plain, volatile, leaf = _Tensor, VOLATILE, _LEAF
+
+    def each(values: Any) -> None:
+        for value in values:
+            kind = type(value)
+            if kind is plain:
+                if value.__dict__ or value._backward_hooks:
+                    raise Different("a tensor with attributes or hooks")
+                note((value.shape, value.stride(), value.storage_offset(), value.dtype,
+                      value.requires_grad))
+                note_address(value.data_ptr())
+                note_tensor(value)
+            elif kind in volatile:
+                note(leaf)
+                note_leaf(value)
+            elif kind is str:
+                note(value)
+            else:
+                visit(value, kind)
+
+    def visit(obj: Any, kind: type) -> None:
+        if kind is dict:
+            note_container(id(obj))
+            keys = tuple(obj)
+            # keys compare by value; 1, 1.0 and True are equal but pickle differently
+            note((dict, keys) if not keys or type(keys[0]) is str
+                 else (dict, keys, tuple(map(type, keys))))
+            each(obj.values())
+        elif kind is list:
+            note_container(id(obj))
+            note((list, len(obj)))
+            each(obj)
+        elif kind is tuple:
+            if obj:
+                note_container(id(obj))
+            note((tuple, len(obj)))
+            each(obj)
+        elif kind is _OrderedDict:
+            note_container(id(obj))
+            keys = tuple(obj)
+            extra = obj.__dict__
+            note((_OrderedDict, keys, tuple(map(type, keys)), bool(extra)))
+            each(obj.values())
+            if extra:
+                visit(extra, dict)
+        elif kind is _Parameter:
+            if obj.__dict__ or obj._backward_hooks:
+                raise Different("a parameter with attributes or hooks")
+            note((_Parameter, obj.shape, obj.stride(), obj.storage_offset(), obj.dtype,
+                  obj.requires_grad))
+            note_address(obj.data_ptr())
+            note_tensor(obj)
+        elif kind is plain or kind in volatile or kind is str:
+            each((obj,))
+        else:
+            note((kind, _standalone(obj)))
+
+    visit(state, type(state))
+    return Walked(structure, addresses, tensors, leaves, containers)
