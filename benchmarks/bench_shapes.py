@@ -7,12 +7,13 @@ Usage:
 
 For each shape, in one process: the **copy floor** (every tensor copied into its warm twin with
 ``copy_``, median of 5), then ``save()``'s **blocking** time (median of ``--saves`` saves after 2
-warm-ups,
-each on a fresh step counter as a training loop has, each save finished before the next) with
-the fast planner and with ``torch.save``'s layout (``--planners``), interleaved; the **first
-save** of a new ``Checkpointer`` with nothing planned before (layout cache emptied); and
-``torch.save`` into the page cache (median of 3). Ratios are to the floor measured in the same
-run. ``--json`` writes every sample.
+warm-ups, each on a fresh step counter as a training loop has, each save finished before the
+next) per planner (``--planners``, interleaved): ``steady`` (the default: the last plan reused
+while the structure is the same), ``fast`` (stagesave's planner from scratch at every save, as
+before) and ``torch`` (``torch.save``'s layout); the **first save** of a new ``Checkpointer``
+with nothing planned before (layout cache emptied); and ``torch.save`` into the page cache
+(median of 3). ``--checksum-in`` sets the Checkpointers' option. Ratios are to the floor
+measured in the same run. ``--json`` writes every sample.
 """
 
 from __future__ import annotations
@@ -86,10 +87,15 @@ def _bump(state: Any, step: int) -> None:
         state["global_step"] = step
 
 
-def _planner(name: str) -> None:
-    """Select the planner for the next saves (the benchmark's A/B switch)."""
+def _planner(name: str, ck: stagesave.Checkpointer | None = None) -> None:
+    """Select the planner for the next save (the benchmark's A/B switch): ``steady`` (the
+    default: the last plan reused while the structure is the same), ``fast`` (stagesave's
+    planner from scratch at every save, as before issue 20's steady plans), ``torch``
+    (``torch.save``'s layout)."""
     _fastplan.fast_path_enabled()
-    _fastplan._checked = name == "fast"  # noqa: SLF001, RUF100 - the benchmark compares both planners
+    _fastplan._checked = name != "torch"  # noqa: SLF001, RUF100 - the benchmark compares planners
+    if name == "fast" and ck is not None:
+        ck.plans.forget()
 
 
 def twin_copy_s(state: Any, repeats: int = 5) -> list[float]:
@@ -108,7 +114,9 @@ def twin_copy_s(state: Any, repeats: int = 5) -> list[float]:
     return out
 
 
-def measure(state: Any, directory: str, saves: int, planners: list[str]) -> dict[str, Any]:
+def measure(
+    state: Any, directory: str, saves: int, planners: list[str], checksum_in: str = "auto"
+) -> dict[str, Any]:
     out: dict[str, Any] = {
         "bytes": common.state_bytes(state),
         "tensors": len(common.tensors_of(state)),
@@ -119,21 +127,23 @@ def measure(state: Any, directory: str, saves: int, planners: list[str]) -> dict
         _planner(name)
         _ziplayout.forget_layouts()
         root = os.path.join(directory, f"first-{name}")
-        with stagesave.Checkpointer(root, keep_last=1) as ck:
+        with stagesave.Checkpointer(root, keep_last=1, checksum_in=checksum_in) as ck:
             t0 = time.perf_counter()
             handle = ck.save(state, "first.ckpt")
             out[f"first_{name}_s"] = time.perf_counter() - t0
             handle.result()
         shutil.rmtree(root, ignore_errors=True)
     cks = {
-        name: stagesave.Checkpointer(os.path.join(directory, name), keep_last=2)
+        name: stagesave.Checkpointer(
+            os.path.join(directory, name), keep_last=2, checksum_in=checksum_in
+        )
         for name in planners
     }
     try:
         step = 0
         for name in planners:  # two warm-up saves each
-            _planner(name)
             for _ in range(2):
+                _planner(name, cks[name])
                 step += 1
                 _bump(state, step)
                 cks[name].save(state, f"step-{step}.ckpt").result()
@@ -141,7 +151,7 @@ def measure(state: Any, directory: str, saves: int, planners: list[str]) -> dict
         plan: dict[str, list[float]] = {name: [] for name in planners}
         for _ in range(saves):
             for name in planners:
-                _planner(name)
+                _planner(name, cks[name])
                 step += 1
                 _bump(state, step)
                 t0 = time.perf_counter()
@@ -155,7 +165,7 @@ def measure(state: Any, directory: str, saves: int, planners: list[str]) -> dict
     finally:
         for ck in cks.values():
             ck.close()
-        _planner("fast")
+        _planner("steady")
     torch_path = os.path.join(directory, "torch.pt")
     ts = []
     for _ in range(3):
@@ -177,7 +187,11 @@ def main() -> None:
     )
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     ap.add_argument("--saves", type=int, default=5)
-    ap.add_argument("--planners", nargs="+", default=["fast", "torch"], choices=["fast", "torch"])
+    ap.add_argument(
+        "--planners", nargs="+", default=["steady", "fast", "torch"],
+        choices=["steady", "fast", "torch"],
+    )
+    ap.add_argument("--checksum-in", default="auto", choices=["auto", "staging", "background"])
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     base = tempfile.mkdtemp(prefix="bench-shapes-", dir=args.dir)
@@ -202,7 +216,8 @@ def main() -> None:
     try:
         for key, label, make in todo:
             state = make()
-            r = measure(state, os.path.join(base, key), args.saves, args.planners)
+            r = measure(state, os.path.join(base, key), args.saves, args.planners,
+                        args.checksum_in)
             results[key] = {"label": label, **r}
             floor = med(r["floor_s"])
             cells = []

@@ -146,7 +146,8 @@ class Checkpointer:
         store, dname = validate.target(self.targets, directory)
         tel = SaveTelemetry(path=store.describe(dname), started_at=time.time())
         meta = validate.checked_metadata(metadata)
-        planned = plan_folder(files, meta, algorithm=self.checksum, chunk_bytes=self.chunk_bytes)
+        planned = plan_folder(files, meta, algorithm=self.checksum, chunk_bytes=self.chunk_bytes,
+                              plans=self.plans)
         tel.plan_s = time.perf_counter() - t_start
         validate.check_folder_writable(store, dname, [image for _, image in planned])
         where = None if staging_dir is None else os.fspath(staging_dir)

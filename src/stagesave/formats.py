@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,8 +30,10 @@ class Raw:
     data: bytes
 
 
-def plan_file(obj: Any, *, proof_room: ProofRoom | None = None) -> tuple[str, FileImage]:
-    """``(kind, image)`` for one file's content (``proof_room``: for safetensors files)."""
+def plan_file(obj: Any, *, proof_room: ProofRoom | None = None,
+              plan_torch: Callable[[Any], FileImage] = plan_torch_file) -> tuple[str, FileImage]:
+    """``(kind, image)`` for one file's content (``proof_room``: for safetensors files;
+    ``plan_torch``: what plans a torch state, e.g. a reused plan's cache)."""
     if isinstance(obj, Raw):
         data = bytes(obj.data)
         return "raw", FileImage(size=len(data), pieces=[(0, data)] if data else [], slots=[],
@@ -40,4 +42,4 @@ def plan_file(obj: Any, *, proof_room: ProofRoom | None = None) -> tuple[str, Fi
         return "safetensors", plan_safetensors_file(
             obj.tensors, obj.metadata, proof_room=proof_room
         )
-    return "torch", plan_torch_file(obj)
+    return "torch", plan_torch(obj)

@@ -356,3 +356,26 @@ def test_what_no_template_stands_for_is_planned_from_scratch_at_every_save(
     assert torch.load(os.path.join(ckpt_dir, "b.pt"), weights_only=False)["cfg"].lr == 0.2
     got = torch.load(os.path.join(ckpt_dir, "c.pt"), weights_only=False)
     assert got["w"].foo == "attribute"
+
+
+def test_the_files_of_folder_checkpoints_reuse_their_plans_by_name(ckpt_dir: Any) -> None:
+    state = base_state()
+    weights = {"w": torch.randn(4, 4)}
+    with stagesave.Checkpointer(ckpt_dir, keep_last=None) as ck:
+        for i in range(4):
+            state["global_step"] = i
+            state["model"]["w"].add_(1)
+            if i == 3:
+                _move(state)
+            ck.save_dir({"model.safetensors": Safetensors(weights), "optimizer.bin": state,
+                         "rng.pkl": {"step": i}}, f"ckpt-{i}").result()
+            if i == 0:
+                template = ck.plans.of("optimizer.bin")._template
+                assert template is not None
+            assert ck.plans.of("optimizer.bin")._template is template
+            ck.verify(f"ckpt-{i}")
+            path = os.path.join(ckpt_dir, f"ckpt-{i}", "optimizer.bin")
+            assert_same_state(torch.load(path, weights_only=False), state)
+            assert_file_is_what_torch_save_writes(path, state)
+            got = torch.load(os.path.join(ckpt_dir, f"ckpt-{i}", "rng.pkl"), weights_only=True)
+            assert got == {"step": i}

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 __all__ = ["BIG", "HostCopies", "copy_in"]
@@ -56,15 +56,20 @@ def _runs(moves: list[tuple[int, int, int]], parts: int) -> list[list[tuple[int,
     return runs
 
 
-def copy_in(view: memoryview, dst: int, copies: HostCopies, pool: cf.Executor | None,
-            workers: int) -> None:
+def copy_in(view: memoryview, dst: int, copies: HostCopies,
+            pool: Callable[[], cf.Executor] | None, workers: int) -> None:
     """Copy ``copies`` into ``view`` (whose first byte is at address ``dst``).
 
-    ``pool``: the copy threads (``workers`` of them) that share the large pieces with the
-    calling thread; ``None`` copies everything here.
+    ``pool``: gives the copy threads (``workers`` of them) that share the large pieces with the
+    calling thread, asked for only when there are large pieces; ``None`` copies everything here.
     """
-    runs = _runs(copies.big, workers + 1) if pool is not None and copies.big else [copies.big]
-    pending = [pool.submit(_memmoves, dst, run) for run in runs[1:]] if pool is not None else []
+    runs = [copies.big]
+    pending: list[cf.Future[None]] = []
+    if pool is not None and len(copies.big) > 1:
+        runs = _runs(copies.big, workers + 1)
+        if len(runs) > 1:
+            threads = pool()
+            pending = [threads.submit(_memmoves, dst, run) for run in runs[1:]]
     try:
         _memmoves(dst, runs[0])
         _memmoves(dst, copies.here)

@@ -12,7 +12,9 @@ from typing import Any
 
 from ..formats import Safetensors, plan_file
 from ..ondisk.checksum import DIGEST_HEX_LEN
+from .fastplan import plan
 from .plan import FileImage
+from .steady import PlanCache
 from .write import proof_room
 
 __all__ = ["folder_bound", "plan_folder"]
@@ -24,11 +26,16 @@ def plan_folder(
     *,
     algorithm: str,
     chunk_bytes: int,
+    plans: PlanCache | None = None,
 ) -> list[tuple[str, FileImage]]:
     """Plan every file of a folder; a safetensors file gets room for its proof (and, if it
-    will be the carrier, for the folder's list of files)."""
+    will be the carrier, for the folder's list of files). ``plans``: reuse the plans of earlier
+    folders' files of the same names (:meth:`.steady.PlanCache.of`)."""
     plain = {n: c for n, c in files.items() if not isinstance(c, Safetensors)}
-    planned = {n: plan_file(c)[1] for n, c in plain.items()}
+    planned = {
+        n: plan_file(c, plan_torch=plans.of(n).plan if plans is not None else plan)[1]
+        for n, c in plain.items()
+    }
     st_carrier = not any(im.kind in ("torch", "dcp", "dcp-metadata") for im in planned.values())
     for n, content in files.items():
         if n in planned:

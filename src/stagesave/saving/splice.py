@@ -16,28 +16,18 @@ import pickle
 import struct
 from typing import Any
 
-from .torch_pickler import TorchPickler
+from .torch_pickler import Mark
 from .walk import VOLATILE
 
-__all__ = ["MAX_LEAVES", "MarkingPickler", "Spliced", "cut", "encode", "marked"]
+__all__ = ["MAX_LEAVES", "Spliced", "cut", "encode", "marked"]
 
 _OrderedDict = collections.OrderedDict
 _MAGIC = b"\x41" + os.urandom(4)  # a finite double's first bytes: markers are plain floats
 MAX_LEAVES = 1 << 24  # three bytes of index after the magic
 
 
-class _Marker:
-    __slots__ = ("pid",)
-
-    def __init__(self, index: int) -> None:
-        self.pid: float = struct.unpack(">d", _MAGIC + index.to_bytes(3, "big"))[0]
-
-
-class MarkingPickler(TorchPickler):
-    def persistent_id(self, obj: Any) -> Any:
-        if type(obj) is _Marker:
-            return obj.pid
-        return super().persistent_id(obj)
+def _mark(index: int) -> Mark:
+    return Mark(struct.unpack(">d", _MAGIC + index.to_bytes(3, "big"))[0])
 
 
 def marked(state: Any) -> Any:
@@ -50,7 +40,7 @@ def marked(state: Any) -> Any:
         kind = type(obj)
         if kind in VOLATILE:
             count += 1
-            return _Marker(count - 1)
+            return _mark(count - 1)
         if kind is dict:
             return {k: copy(v) for k, v in obj.items()}
         if kind is list:

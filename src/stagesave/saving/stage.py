@@ -144,10 +144,11 @@ def _fill_skeleton(image: FileImage, buf: HostBuffer, base: int) -> None:
 
 
 def stage_image(image: FileImage, buf: HostBuffer, base: int = 0, *,
-                pool: cf.Executor | None = None, workers: int = 0) -> Callable[[], None] | None:
+                pool: Callable[[], cf.Executor] | None = None,
+                workers: int = 0) -> Callable[[], None] | None:
     """Copy ``image`` into ``buf[base : base + image.size]``.
 
-    ``pool`` (``workers`` threads): copy threads that share large host copies with this thread.
+    ``pool`` gives the copy threads (``workers``) that share large host copies with this thread.
 
     Returns:
         ``None`` when the bytes are in place; otherwise a callable that blocks until pending

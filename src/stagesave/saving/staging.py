@@ -190,7 +190,7 @@ class Stager:
                 )
                 tel.checksum_s += crcs.seconds
             else:
-                stage_image(image, buf, base, pool=self.copy_threads(), workers=self.workers)
+                stage_image(image, buf, base, pool=self.copy_threads, workers=self.workers)
         else:
             wait_device = stage_image(image, buf, base)
             pending = wait_device is not None

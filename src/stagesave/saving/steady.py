@@ -30,6 +30,8 @@ import io
 import threading
 from typing import Any
 
+from torch.nn import Parameter
+
 from .fastplan import (
     Framed,
     constants,
@@ -42,12 +44,15 @@ from .fastplan import (
 from .host_copy import BIG, HostCopies
 from .image import FileImage, StorageSlot, TensorEntry
 from .plan import gc_paused, plan_torch_file
-from .splice import MAX_LEAVES, MarkingPickler, Spliced, cut, marked
+from .splice import MAX_LEAVES, Spliced, cut, marked
 from .torch_pickler import ELEMENT_SIZE, TorchPickler
 from .walk import Walked, walk
 from .ziplayout import Constants, Layout
 
-__all__ = ["PlanCache", "Template"]
+__all__ = ["MAX_FILES", "PlanCache", "Template"]
+
+#: File names of folder checkpoints whose plans a Checkpointer keeps.
+MAX_FILES = 16
 
 
 def _memory(address: int, nbytes: int) -> memoryview:
@@ -72,20 +77,20 @@ class Template:
         self.spliced = Spliced(pieces, order)
         self.index = tensors
         self.sizes = tuple(int(s.nbytes()) for s in pickler.storages)
-        keys = {storage._cdata: k for k, storage in enumerate(pickler.storages)}
         #: per tensor (walk order): its storage's key and the bytes from the storage's start
         self.key_of: list[int] = []
         self.delta: list[int] = []
         reach = [0] * len(self.sizes)  # per storage: the end of the furthest tensor over it
-        for t in walked.tensors:
-            k = keys[t.untyped_storage()._cdata]
-            esize = ELEMENT_SIZE[t.dtype]
+        info, param_data = pickler.info, pickler.param_data
+        for t in walked.tensors:  # as the pickler saw them (no torch call per tensor here)
+            key, dtype, shape, stride, offset = info[
+                id(param_data[id(t)]) if type(t) is Parameter else id(t)]
+            k, esize = int(key), ELEMENT_SIZE[dtype]
             self.key_of.append(k)
-            offset = int(t.storage_offset())
             self.delta.append(offset * esize)
-            if t.numel():
-                end = offset + 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-                reach[k] = max(reach[k], int(end) * esize)
+            if all(shape):
+                end = offset + 1 + sum((n - 1) * s for n, s in zip(shape, stride))
+                reach[k] = max(reach[k], end * esize)
         #: storages not covered to their end by the tensors over them: sizes checked each save
         self.loose = [(i, k) for i, k in enumerate(self.key_of) if reach[k] < self.sizes[k]]
         #: per storage: its host address (every tensor is in host memory: see _new_template)
@@ -93,26 +98,34 @@ class Template:
         self.frame: Framed | None = None
         self.layout: Layout | None = None
         self.slots: list[StorageSlot] = []
-        self.copies = HostCopies()
+        self.copies: HostCopies | None = None
         self.where: list[int | None] = []  # per storage: its entry in copies.small or .big
 
     def slots_for(self, layout: Layout) -> list[StorageSlot]:
         """The slots of ``layout``'s storage records at the storages' addresses (made once per
-        layout; :meth:`image` pairs them with :attr:`copies`)."""
+        layout)."""
         if self.layout is not layout:
             self.layout = layout
             self.slots = [
                 StorageSlot(key, rec.data_offset, rec.size, device_type="cpu", address=address)
                 for key, rec, address in zip(layout.keys, layout.storage_records, self.starts)
             ]
+            self.copies = None
+        return self.slots
+
+    def _host_copies(self) -> HostCopies:
+        """The copies of :attr:`slots` (made on the second save: the first copies each storage
+        once anyway, views of host memory would cost it ~1 µs per storage more)."""
+        if self.copies is None:
             self.copies = HostCopies()
             self.where = [None] * len(self.slots)
             for k, slot in enumerate(self.slots):
                 self._place(k, slot)
-        return self.slots
+        return self.copies
 
     def _place(self, k: int, slot: StorageSlot) -> None:
         """Put storage ``k``'s copy into :attr:`copies` (where it was, if it was)."""
+        assert self.copies is not None
         n, address, at = slot.nbytes, self.starts[k], self.where[k]
         if not n:
             return
@@ -173,20 +186,25 @@ class Template:
         self.addresses, self.starts = addresses, starts
         if self.layout is not None:  # new lists: images of earlier saves keep theirs
             self.slots = list(self.slots)
-            self.copies = HostCopies(list(self.copies.small), [], list(self.copies.big))
+            copies = self.copies
+            if copies is not None:
+                self.copies = HostCopies(list(copies.small), [], list(copies.big))
             for k in changed:
                 old_slot = self.slots[k]
                 self.slots[k] = StorageSlot(old_slot.key, old_slot.offset, old_slot.nbytes,
                                             device_type="cpu", address=starts[k])
-                self._place(k, self.slots[k])
+                if copies is not None:
+                    self._place(k, self.slots[k])
         return True
 
     def image(self, walked: Walked, consts: Constants) -> FileImage:
         """The image of the state ``walked`` saw (which :meth:`matches` this template)."""
         pkl = self.spliced.pickle(walked.leaves)
+        first = self.layout is None
         image, self.frame = image_of(consts, pkl, self.sizes, self.slots_for, self.index,
                                      self.frame)
-        image.copies = self.copies
+        if not first:
+            image.copies = self._host_copies()
         return image
 
 
@@ -198,6 +216,7 @@ class PlanCache:
         fast_path_enabled()  # the once-per-process check of the planner, before the first save
         self._template: Template | None = None
         self._refused: list[Any] | None = None  # a structure no template can stand for
+        self._files: dict[str, PlanCache] = {}  # per file name of folder checkpoints
         self._lock = threading.Lock()
 
     def plan(self, state: Any) -> FileImage:
@@ -218,8 +237,18 @@ class PlanCache:
             self._lock.release()
 
     def forget(self) -> None:
-        """Drop the template (its addresses and views of host memory)."""
+        """Drop the templates (their addresses and views of host memory)."""
         self._template = None
+        self._files.clear()
+
+    def of(self, name: str) -> PlanCache:
+        """The cache of the files named ``name`` in folder checkpoints (the most recent
+        :data:`MAX_FILES` names are kept)."""
+        cache = self._files.pop(name, None) or PlanCache()
+        self._files[name] = cache  # the most recently used last
+        while len(self._files) > MAX_FILES:
+            del self._files[next(iter(self._files))]
+        return cache
 
     def _plan(self, state: Any) -> FileImage:
         consts = constants()
@@ -249,7 +278,7 @@ class PlanCache:
                 or len(set(map(id, tensors))) != len(tensors)):
             return None
         buf = io.BytesIO()
-        pickler = MarkingPickler(buf)
+        pickler = TorchPickler(buf)
         try:
             pickler.dump(marked(state))
         except Exception:  # noqa: BLE001 - Unsupported, or pickling fails: torch.save names why

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ELEMENT_SIZE", "STORAGE_CLASS", "TorchPickler", "Unsupported"]
+__all__ = ["ELEMENT_SIZE", "STORAGE_CLASS", "Mark", "TorchPickler", "Unsupported"]
 
 
 #: dtype -> the legacy storage class ``torch.save`` names in its persistent ids.
@@ -44,6 +44,16 @@ class _Ref:
         self.key, self.cls, self.location, self.numel = key, cls, location, numel
 
 
+class Mark:
+    """An object pickled as the persistent id ``pid`` (a float: its bytes can be found in the
+    pickle; :mod:`.splice` marks the places of leaves with these)."""
+
+    __slots__ = ("pid",)
+
+    def __init__(self, pid: float) -> None:
+        self.pid = pid
+
+
 class _NoHooks:
     """The empty ``OrderedDict`` torch passes as a tensor's hooks: pickled as one (same bytes),
     without building one and running its generic reduction for every tensor."""
@@ -70,9 +80,12 @@ class TorchPickler(pickle.Pickler):
         self.param_data: dict[int, torch.Tensor] = {}
 
     def persistent_id(self, obj: Any) -> Any:
-        if type(obj) is _Ref:
+        kind = type(obj)
+        if kind is _Ref:
             # A new tuple each time, as torch's; its key string is shared, as torch's.
             return ("storage", obj.cls, obj.key, obj.location, obj.numel)
+        if kind is Mark:
+            return obj.pid
         return None
 
     def reducer_override(self, obj: Any) -> Any:
