@@ -26,15 +26,12 @@ BIG = 64 << 10
 @dataclass
 class HostCopies:
     """What one image copies from host memory, offsets into the image: ``small`` as
-    ``(offset, bytes)`` (memoryviews of the source) or ``(offset, address, nbytes)`` in
-    ``here`` (both copied by the calling thread), ``big`` as ``(offset, address, nbytes)``."""
+    ``(offset, bytes)`` (memoryviews of the source, copied by the calling thread), ``big`` as
+    ``(offset, address, nbytes)``."""
 
     small: list[tuple[int, memoryview]] = field(default_factory=list)
-    here: list[tuple[int, int, int]] = field(default_factory=list)
     big: list[tuple[int, int, int]] = field(default_factory=list)
 
-    def add(self, offset: int, address: int, nbytes: int) -> None:
-        (self.big if nbytes >= BIG else self.here).append((offset, address, nbytes))
 
 
 def _memmoves(dst: int, moves: Sequence[tuple[int, int, int]]) -> None:
@@ -72,7 +69,6 @@ def copy_in(view: memoryview, dst: int, copies: HostCopies,
             pending = [threads.submit(_memmoves, dst, run) for run in runs[1:]]
     try:
         _memmoves(dst, runs[0])
-        _memmoves(dst, copies.here)
         for offset, data in copies.small:
             view[offset : offset + len(data)] = data
     finally:

@@ -14,6 +14,7 @@ import collections
 import os
 import pickle
 import struct
+from operator import is_
 from typing import Any
 
 from .torch_pickler import Mark
@@ -32,7 +33,8 @@ def _mark(index: int) -> Mark:
 
 def marked(state: Any) -> Any:
     """A copy of ``state``'s containers with every volatile leaf replaced by a marker numbered in
-    walk order (tensors, strings and other objects are the same objects)."""
+    walk order (tensors, strings, other objects and containers without a leaf inside are the
+    same objects)."""
     count = 0
 
     def copy(obj: Any) -> Any:
@@ -41,17 +43,18 @@ def marked(state: Any) -> Any:
         if kind in VOLATILE:
             count += 1
             return _mark(count - 1)
-        if kind is dict:
-            return {k: copy(v) for k, v in obj.items()}
-        if kind is list:
-            return [copy(v) for v in obj]
-        if kind is tuple:
-            return tuple([copy(v) for v in obj])
-        if kind is _OrderedDict:
-            out = _OrderedDict((k, copy(v)) for k, v in obj.items())
-            if obj.__dict__:
-                out.__dict__.update(copy(obj.__dict__))
+        if kind is dict or kind is _OrderedDict:
+            values = [copy(v) for v in obj.values()]
+            extra = copy(obj.__dict__) if kind is _OrderedDict and obj.__dict__ else None
+            if extra is None and all(map(is_, values, obj.values())):
+                return obj  # nothing marked inside: the very object (pickled the same)
+            out = kind(zip(obj.keys(), values))
+            if extra is not None:
+                out.__dict__.update(extra)
             return out
+        if kind is list or kind is tuple:
+            values = [copy(v) for v in obj]
+            return obj if all(map(is_, values, obj)) else kind(values)
         return obj
 
     return copy(state)

@@ -34,7 +34,7 @@ import torch
 
 from ..ondisk.checksum import crc32, crc32_combine
 from .buffers import HostBuffer
-from .host_copy import HostCopies, copy_in
+from .host_copy import BIG, HostCopies, copy_in
 from .plan import FileImage
 
 __all__ = ["ImageCrcs", "crc_image", "on_host", "stage_and_crc", "stage_image"]
@@ -162,14 +162,18 @@ def stage_image(image: FileImage, buf: HostBuffer, base: int = 0, *,
         return None
     copies = HostCopies()
     others = []
+    move = ctypes.memmove
     for slot in image.slots:
-        if slot.nbytes == 0 or slot.device_type == "meta":
+        n = slot.nbytes
+        if n == 0 or slot.device_type == "meta":
             continue
         address = slot.host_address()
-        if address is not None:  # memmove, no tensor made for it (GIL released meanwhile)
-            copies.add(slot.offset, address, slot.nbytes)
-        else:
+        if address is None:
             others.append(slot)
+        elif n < BIG:  # one memmove now (no object kept per slot: 100,000 would wake the GC)
+            move(dst_address + slot.offset, address, n)
+        else:
+            copies.big.append((slot.offset, address, n))
     copy_in(view, dst_address, copies, pool, workers)
     dst_all = buf.tensor[base : base + image.size]
     side: torch.cuda.Stream | None = None

@@ -77,22 +77,31 @@ class Template:
         self.spliced = Spliced(pieces, order)
         self.index = tensors
         self.sizes = tuple(int(s.nbytes()) for s in pickler.storages)
-        #: per tensor (walk order): its storage's key and the bytes from the storage's start
-        self.key_of: list[int] = []
-        self.delta: list[int] = []
-        reach = [0] * len(self.sizes)  # per storage: the end of the furthest tensor over it
         info, param_data = pickler.info, pickler.param_data
-        for t in walked.tensors:  # as the pickler saw them (no torch call per tensor here)
-            key, dtype, shape, stride, offset = info[
-                id(param_data[id(t)]) if type(t) is Parameter else id(t)]
-            k, esize = int(key), ELEMENT_SIZE[dtype]
-            self.key_of.append(k)
-            self.delta.append(offset * esize)
-            if all(shape):
+        facts = [  # as the pickler saw each tensor: (key, dtype, shape, stride, offset)
+            info[id(param_data[id(t)]) if type(t) is Parameter else id(t)]
+            for t in walked.tensors
+        ]
+        #: per tensor (walk order): its storage's key and the bytes from the storage's start
+        self.key_of = [int(f[0]) for f in facts]
+        self.delta = [f[4] * ELEMENT_SIZE[f[1]] for f in facts]
+        # per storage: the end of the furthest tensor over it (elements; one dtype per storage)
+        reach = [0] * len(self.sizes)
+        esize = [1] * len(self.sizes)
+        for k, (_, dtype, shape, stride, offset) in zip(self.key_of, facts):
+            if len(shape) == 1:
+                if not shape[0]:
+                    continue
+                end = offset + (shape[0] - 1) * stride[0] + 1
+            elif all(shape):
                 end = offset + 1 + sum((n - 1) * s for n, s in zip(shape, stride))
-                reach[k] = max(reach[k], end * esize)
+            else:
+                continue
+            if end > reach[k]:
+                reach[k], esize[k] = end, ELEMENT_SIZE[dtype]
         #: storages not covered to their end by the tensors over them: sizes checked each save
-        self.loose = [(i, k) for i, k in enumerate(self.key_of) if reach[k] < self.sizes[k]]
+        self.loose = [(i, k) for i, k in enumerate(self.key_of)
+                      if reach[k] * esize[k] < self.sizes[k]]
         #: per storage: its host address (every tensor is in host memory: see _new_template)
         self.starts = [a or 0 for a in pickler.addresses]
         self.frame: Framed | None = None
@@ -188,7 +197,7 @@ class Template:
             self.slots = list(self.slots)
             copies = self.copies
             if copies is not None:
-                self.copies = HostCopies(list(copies.small), [], list(copies.big))
+                self.copies = HostCopies(list(copies.small), list(copies.big))
             for k in changed:
                 old_slot = self.slots[k]
                 self.slots[k] = StorageSlot(old_slot.key, old_slot.offset, old_slot.nbytes,
