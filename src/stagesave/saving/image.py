@@ -132,10 +132,18 @@ class FileImage:
     static: tuple[object, int, int] | None = None
     #: The host copies of a reused plan (:mod:`.steady`: addresses checked for this save).
     copies: HostCopies | None = None
+    #: ``(tensor bytes, non-empty slots)`` when the planner knows them (a reused plan: not
+    #: summed over 100,000 slots again at every save).
+    counts: tuple[int, int] | None = None
 
     @property
     def tensor_bytes(self) -> int:
-        return sum(s.nbytes for s in self.slots)
+        return self.counts[0] if self.counts is not None else sum(s.nbytes for s in self.slots)
+
+    @property
+    def nonempty_slots(self) -> int:
+        return self.counts[1] if self.counts is not None else sum(1 for s in self.slots
+                                                                   if s.nbytes)
 
     @property
     def covered(self) -> int:

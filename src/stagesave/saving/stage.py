@@ -99,12 +99,14 @@ SERIAL_BELOW = 1 << 20
 def many_small_slots(image: FileImage) -> bool:
     """Whether ``image``'s slots average fewer than :data:`SERIAL_BELOW` bytes (its staging time
     goes into Python steps per slot rather than into moving bytes)."""
-    n = sum(1 for s in image.slots if s.nbytes)
+    n = image.nonempty_slots
     return n > 1 and image.covered // n < SERIAL_BELOW
 
 
 def on_host(image: FileImage) -> bool:
     """Whether every byte of ``image`` is in host memory (so :func:`stage_and_hash` applies)."""
+    if image.copies is not None:
+        return True  # a reused plan's: host memory only
     return all(s.device_type in ("cpu", "meta") for s in image.slots)
 
 

@@ -77,6 +77,7 @@ class Template:
         self.spliced = Spliced(pieces, order)
         self.index = tensors
         self.sizes = tuple(int(s.nbytes()) for s in pickler.storages)
+        self.counts = (sum(self.sizes), sum(1 for n in self.sizes if n))
         info, param_data = pickler.info, pickler.param_data
         facts = [  # as the pickler saw each tensor: (key, dtype, shape, stride, offset)
             info[id(param_data[id(t)]) if type(t) is Parameter else id(t)]
@@ -214,6 +215,7 @@ class Template:
                                      self.frame)
         if not first:
             image.copies = self._host_copies()
+        image.counts = self.counts
         return image
 
 
