@@ -199,3 +199,24 @@ def test_property_random_states_round_trip(tmp_path, state, alias):
         ck.save(state, path).result()
         assert_same(ck.load(path), state)
         assert_same(ck.load(path, mmap=False), state)
+
+
+def test_an_unverified_load_reads_the_whole_file_and_skips_only_the_checks(ckpt_dir):
+    """``verify=False`` prefetches the file with the same parallel chunked reads as a verified
+    load (many chunks here) and returns the same state; a flipped data byte then goes unnoticed,
+    which a verified load refuses."""
+    state = {"w": torch.randn(300_000), "b": torch.arange(70_000), "step": 5}
+    with stagesave.Checkpointer(ckpt_dir, chunk_bytes=64 << 10) as ck:
+        ck.save(state, "a.ckpt").result()
+        assert_same(ck.load("a.ckpt", verify=False), state)
+        path = os.path.join(ckpt_dir, "a.ckpt")
+        with open(path, "r+b") as f:
+            data = f.read()
+            offset = data.find(state["w"].numpy().tobytes()[:64]) + 100
+            assert offset > 100
+            f.seek(offset)
+            f.write(bytes([data[offset] ^ 0xFF]))
+        got = ck.load("a.ckpt", verify=False)
+        assert not torch.equal(got["w"], state["w"])
+        with pytest.raises(stagesave.IntegrityError):
+            ck.load("a.ckpt")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io as _bytesio
 import os
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -67,6 +68,8 @@ def _load_once(
             # load does not read and hash it again.
             if verify and manifest is not None and not verified_before(reader, manifest.files[0]):
                 raise_if_corrupt(check_chunks(reader, manifest, io), where)
+            elif not verify:
+                _prefetch(reader, io, chunk_bytes)
             use_mmap = reader.read(0, 4) == b"PK\x03\x04" if mmap is None else mmap
             # Load the very inode we verified, even if the name was replaced meanwhile.
             proc = f"/proc/self/fd/{fd}"
@@ -81,6 +84,23 @@ def _load_once(
             raise_if_corrupt(check_chunks(reader, manifest, io, view), where)
         return safe_torch_load(_bytesio.BytesIO(data), map_location=map_location, trusted=trusted,
                                safe_globals=globs, where=where)
+
+
+def _prefetch(reader: Reader, io: IoThreads, step: int) -> None:
+    """Bring the file into the page cache with large parallel reads, as verification does, so
+    that an unverified load (whose ``mmap`` would otherwise fault it in page by page while the
+    tensors are first touched) is never slower than a verified one. Each thread reads into a
+    scratch buffer of its own and drops the bytes."""
+    size = reader.size
+    local = threading.local()
+
+    def one(lo: int) -> None:
+        scratch = getattr(local, "scratch", None)
+        if scratch is None:
+            scratch = local.scratch = memoryview(bytearray(step))
+        reader.readinto(lo, scratch[: min(step, size - lo)])
+
+    list(io().map(one, range(0, size, step)))
 
 
 def _read_parallel(reader: Reader, view: memoryview, io: IoThreads, step: int) -> None:
