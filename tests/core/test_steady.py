@@ -379,3 +379,25 @@ def test_the_files_of_folder_checkpoints_reuse_their_plans_by_name(ckpt_dir: Any
             assert_file_is_what_torch_save_writes(path, state)
             got = torch.load(os.path.join(ckpt_dir, f"ckpt-{i}", "rng.pkl"), weights_only=True)
             assert got == {"step": i}
+
+
+def test_a_large_object_the_walk_does_not_look_into_is_not_pickled_twice(ckpt_dir: Any) -> None:
+    """A numpy array of 1 MiB (or any object pickling to more than 64 KiB) is not compared by
+    its pickle at every save: the state is planned from scratch each time, and saved right."""
+    import numpy as np
+
+    state: dict[str, Any] = {"w": torch.ones(3), "metrics": np.arange(1 << 17, dtype=np.float64),
+                             "notes": Config(0.5)}
+    with stagesave.Checkpointer(ckpt_dir) as ck:
+        for i in range(3):
+            state["metrics"][0] = i
+            ck.save(state, f"{i}.pt").result()
+            assert ck.plans._template is None
+            got = torch.load(os.path.join(ckpt_dir, f"{i}.pt"), weights_only=False)
+            assert got["metrics"][0] == i and got["metrics"].shape == (1 << 17,)
+        state["metrics"] = np.arange(10.0)  # small: compared by its pickle
+        ck.save(state, "3.pt").result()
+        assert ck.plans._template is not None
+        state["metrics"][0] = 42.0
+        ck.save(state, "4.pt").result()
+    assert torch.load(os.path.join(ckpt_dir, "4.pt"), weights_only=False)["metrics"][0] == 42.0

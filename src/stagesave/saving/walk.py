@@ -5,6 +5,11 @@ tensor's type, shape, stride, storage offset, dtype and ``requires_grad``, every
 value, every other object by its pickle; and every tensor's data address, the tensors, the
 *volatile leaves* (exact ``int``, ``float``, ``bool``, ``None``: the values a template splices
 in, :mod:`.splice`) and the ids of the containers.
+
+Keys compare by value, and by type too where a dict's first key is not a ``str`` (``1``,
+``1.0`` and ``True`` are equal but pickle differently); a dict whose first key is a ``str`` and
+whose later keys change only between equal values of other types (``1`` to ``True``) is not
+told apart.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["VOLATILE", "Different", "Walked", "walk"]
+__all__ = ["MAX_OPAQUE_BYTES", "VOLATILE", "Different", "Walked", "walk"]
 
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
@@ -43,10 +48,24 @@ class Walked:
     containers: list[int]  # ids of the dicts, lists, non-empty tuples
 
 
+#: An object the walk does not look into is compared by its own pickle up to this size; a larger
+#: one (a big numpy array) would cost a second pickling at every save: no template then.
+MAX_OPAQUE_BYTES = 64 << 10
+
+
 def _standalone(obj: Any) -> bytes:
-    """``obj`` pickled on its own (an object the walk does not look into), refusing tensors."""
+    """``obj`` pickled on its own (an object the walk does not look into), refusing tensors and
+    anything pickling to more than :data:`MAX_OPAQUE_BYTES`.
+
+    Its pickle says whether it changed, not which objects it shares with the rest of the state:
+    the template keeps the sharing it was planned with (values are what they pickle to).
+    """
+    if getattr(obj, "nbytes", 0) > MAX_OPAQUE_BYTES and type(obj).__module__ == "numpy":
+        raise Different("a large numpy array (compared by value at every save: no template)")
     buf = io.BytesIO()
     _Refusing(buf, protocol=2).dump(obj)
+    if buf.tell() > MAX_OPAQUE_BYTES:
+        raise Different("a large object the walk does not look into")
     return buf.getvalue()
 
 
