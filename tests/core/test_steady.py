@@ -330,16 +330,45 @@ def test_spliced_leaves_are_pickled_as_pickle_does(pair: tuple[Any, Any]) -> Non
 
 
 @given(st.one_of(st.integers(-(2**80), 2**80), st.floats(allow_nan=True), st.booleans(),
-                 st.none()))
+                 st.none(), st.text(), st.text(alphabet=st.characters(codec="utf-8"))))
 def test_a_leaf_is_encoded_as_pickle_protocol_2_encodes_it(value: Any) -> None:
     import pickle
 
-    assert encode(value) == pickle.dumps(value, 2)[2:-1]
+    want = pickle.dumps(value, 2)[2:-1]
+    if type(value) is str:
+        assert want[-2:] == b"q\x00"  # BINPUT 0: the template keeps the memo entry
+        want = want[:-2]
+    assert encode(value) == want
 
 
 class Config:
     def __init__(self, lr: float) -> None:
         self.lr = lr
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(st.lists(st.one_of(st.text(max_size=300), st.integers(-5, 5)), min_size=1, max_size=12),
+       st.lists(st.one_of(st.text(max_size=300), st.integers(-5, 5)), min_size=1, max_size=12))
+def test_string_values_are_spliced_in_and_load_as_they_were(
+        tmp_path_factory: Any, first: list[Any], second: list[Any]) -> None:
+    """Strings are volatile leaves too (a checkpoint's path changes at every save). The file
+    loads to the state's values and types; where no string is the very object of another, it
+    is byte for byte ``torch.save``'s (``torch.save`` writes a shared string once)."""
+    second = second[: len(first)] + first[len(second):]
+    second = [b if type(b) is type(a) else a for a, b in zip(first, second)]  # same structure
+    root = tmp_path_factory.mktemp("strings")
+    with stagesave.Checkpointer(root, keep_last=None) as ck:
+        for i, values in enumerate((first, second, first)):
+            state = {"w": torch.ones(2), "values": [copy.copy(v) for v in values],
+                     "paths": {"best": f"/ckpt/epoch={i}.ckpt"}}
+            ck.save(state, f"{i}.pt").result()
+            path = os.path.join(root, f"{i}.pt")
+            assert_same_state(torch.load(path, weights_only=True), state)
+            texts = [v for v in state["values"] if type(v) is str] + [state["paths"]["best"]]
+            if len({id(t) for t in texts}) == len(texts):  # no string object twice
+                assert_file_is_what_torch_save_writes(path, state)
+        assert ck.plans._template is not None
 
 
 def test_what_no_template_stands_for_is_planned_from_scratch_at_every_save(
@@ -401,3 +430,33 @@ def test_a_large_object_the_walk_does_not_look_into_is_not_pickled_twice(ckpt_di
         state["metrics"][0] = 42.0
         ck.save(state, "4.pt").result()
     assert torch.load(os.path.join(ckpt_dir, "4.pt"), weights_only=False)["metrics"][0] == 42.0
+
+
+def test_one_tensor_object_named_twice_keeps_the_plan_and_a_change_of_it_is_seen(
+        ckpt_dir: Any) -> None:
+    """Lightning's checkpoint names the monitored score tensor in two places: the template
+    keeps that one object once; two objects over the same storage instead (same address, same
+    shape) plan again, and back."""
+    score = torch.tensor(0.5)
+    state: dict[str, Any] = {"best": score, "top": {"a": score}, "w": torch.ones(3), "step": 0}
+    with stagesave.Checkpointer(ckpt_dir, keep_last=None) as ck:
+        ck.save(state, "a.pt").result()
+        template = ck.plans._template
+        assert template is not None
+        state["step"] = 1
+        ck.save(state, "b.pt").result()
+        assert ck.plans._template is template
+        state["top"]["a"] = score.view(())  # another object, same storage and address
+        ck.save(state, "c.pt").result()
+        state["top"]["a"] = state["best"]
+        ck.save(state, "d.pt").result()
+        state["best"] = torch.tensor(0.25)  # moved: a new score tensor in one of the places
+        ck.save(state, "e.pt").result()
+    for name, same in (("b.pt", True), ("c.pt", False), ("d.pt", True), ("e.pt", False)):
+        path = os.path.join(ckpt_dir, name)
+        got = torch.load(path, weights_only=True)
+        assert (got["best"] is got["top"]["a"]) is same, name
+        assert got["best"].untyped_storage().data_ptr() == got["top"]["a"].untyped_storage(
+        ).data_ptr() or name == "e.pt"
+    want = {"best": torch.tensor(0.25), "top": {"a": score}, "w": torch.ones(3), "step": 1}
+    assert_file_is_what_torch_save_writes(os.path.join(ckpt_dir, "e.pt"), want)

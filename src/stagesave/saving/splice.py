@@ -1,11 +1,16 @@
 """A planned pickle cut where its volatile leaves sit, and the leaves of each save spliced in.
 
 Pickle writes an exact ``int``, ``float``, ``bool`` or ``None`` self-contained and never
-memoised, so the bytes around such a leaf do not depend on its value. The template of a state is
-the pickle of a copy of it in which each leaf is a marker that pickles to a unique persistent id
-(a float whose first bytes are a per-process magic, then the leaf's number); cutting at the
-markers gives the pieces, and each save splices its own values in, encoded as pickle encodes
-them (:func:`encode`, checked against ``pickle`` by the tests).
+memoised, so the bytes around such a leaf do not depend on its value; a ``str`` is written whole
+then memoised once (``BINPUT``), whatever its text. The template of a state is the pickle of a
+copy of it in which each number is a marker that pickles to a unique persistent id (a float
+whose first bytes are a per-process magic, then the leaf's number) and each string a marker
+string of its own; cutting at the markers gives the pieces, and each save splices its own values
+in, encoded as pickle encodes them (:func:`encode`, checked against ``pickle`` by the tests).
+
+A string value that is the very object of another string of the state (a path used as a key
+and as a value) is written by ``torch.save`` once and referred to; a template writes it again
+(the file loads to equal strings, but is then not byte for byte ``torch.save``'s).
 """
 
 from __future__ import annotations
@@ -31,6 +36,17 @@ def _mark(index: int) -> Mark:
     return Mark(struct.unpack(">d", _MAGIC + index.to_bytes(3, "big"))[0])
 
 
+#: A string leaf's marker: a string of its own (memoised as the string it stands for is, so
+#: the memo numbers of everything after it are the same), found by its magic.
+_STR_PREFIX = "\x00" + _MAGIC.hex()
+_STR_MARK_LEN = len(_STR_PREFIX) + 8
+_STR_NEEDLE = b"X" + _STR_MARK_LEN.to_bytes(4, "little") + _STR_PREFIX.encode()
+
+
+def _str_mark(index: int) -> str:
+    return f"{_STR_PREFIX}{index:08x}"
+
+
 def marked(state: Any) -> Any:
     """A copy of ``state``'s containers with every volatile leaf replaced by a marker numbered in
     walk order (tensors, strings, other objects and containers without a leaf inside are the
@@ -43,6 +59,9 @@ def marked(state: Any) -> Any:
         if kind in VOLATILE:
             count += 1
             return _mark(count - 1)
+        if kind is str:
+            count += 1
+            return _str_mark(count - 1)
         if kind is dict or kind is _OrderedDict:
             values = [copy(v) for v in obj.values()]
             extra = copy(obj.__dict__) if kind is _OrderedDict and obj.__dict__ else None
@@ -62,19 +81,31 @@ def marked(state: Any) -> Any:
 
 def cut(pkl: bytes, n_leaves: int) -> tuple[list[bytes], list[int]] | None:
     """The pickle's pieces between markers and the leaf each marker stands for (byte order);
-    ``None`` if the markers are not each found exactly once."""
+    ``None`` if the markers are not each found exactly once. A number's marker is its whole
+    persistent id (``G`` + 8 bytes + ``Q``); a string's is its ``BINUNICODE`` opcode, length
+    and text (its ``BINPUT`` stays in the template)."""
+    found = []
     needle = b"G" + _MAGIC
-    pieces, order = [], []
-    pos = 0
-    while True:
-        at = pkl.find(needle, pos)
-        if at < 0:
-            break
+    at = pkl.find(needle)
+    while at >= 0:
         if pkl[at + 9 : at + 10] != b"Q":
             return None
-        pieces.append(pkl[pos:at])
-        order.append(int.from_bytes(pkl[at + 6 : at + 9], "big"))
-        pos = at + 10
+        found.append((at, at + 10, int.from_bytes(pkl[at + 6 : at + 9], "big")))
+        at = pkl.find(needle, at + 10)
+    at = pkl.find(_STR_NEEDLE)
+    while at >= 0:
+        end = at + 5 + _STR_MARK_LEN
+        found.append((at, end, int(pkl[end - 8 : end], 16)))
+        at = pkl.find(_STR_NEEDLE, end)
+    found.sort()
+    pieces, order = [], []
+    pos = 0
+    for start, end, index in found:
+        if start < pos:
+            return None
+        pieces.append(pkl[pos:start])
+        order.append(index)
+        pos = end
     pieces.append(pkl[pos:])
     if sorted(order) != list(range(n_leaves)):
         return None
@@ -86,8 +117,12 @@ _FLOAT = struct.Struct(">d")
 
 
 def encode(value: Any) -> bytes:
-    """``value`` (an int, float, bool or None) as pickle protocol 2 writes it."""
+    """``value`` (an int, float, bool, None or str) as pickle protocol 2 writes it (a string
+    without the ``BINPUT`` that memoises it: the template holds that)."""
     kind = type(value)
+    if kind is str:
+        data: bytes = value.encode("utf-8", "surrogatepass")
+        return b"X" + len(data).to_bytes(4, "little") + data
     if kind is int:
         if 0 <= value < 0x100:
             return b"K" + _INT1.pack(value)
@@ -95,7 +130,8 @@ def encode(value: Any) -> bytes:
             return b"M" + _INT2.pack(value)
         if -0x80000000 <= value < 0x80000000:
             return b"J" + _INT4.pack(value)
-        return pickle.dumps(value, 2)[2:-1]
+        big: bytes = pickle.dumps(value, 2)
+        return big[2:-1]
     if kind is float:
         return b"G" + _FLOAT.pack(value)
     if value is None:

@@ -6,8 +6,8 @@ the same addresses with the same shapes, only the bytes inside the tensors and a
 (:mod:`.fastplan`), which dominates the save of a state of thousands of small tensors. A
 :class:`PlanCache` plans the first save as usual and keeps a **template** of it:
 
-* the pickle, cut where each volatile leaf (an exact ``int``, ``float``, ``bool`` or ``None``)
-  sits, so that each save splices its own values in (:mod:`.splice`);
+* the pickle, cut where each volatile leaf (an exact ``int``, ``float``, ``bool``, ``None`` or
+  ``str`` value) sits, so that each save splices its own values in (:mod:`.splice`);
 * the image of the file around the pickle (records, central directory, slots, the index) and
   the host copies of the storages.
 
@@ -25,9 +25,11 @@ Tests compare the spliced file with ``torch.save``'s layout after every kind of 
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import io
 import threading
+from collections.abc import Iterable
 from typing import Any
 
 from torch.nn import Parameter
@@ -55,6 +57,12 @@ __all__ = ["MAX_FILES", "PlanCache", "Template"]
 MAX_FILES = 16
 
 
+def _identity(tensors: list[Any], positions: Iterable[int]) -> list[int]:
+    """For each of ``positions``, the first of them holding the same tensor object."""
+    first: dict[int, int] = {}
+    return [first.setdefault(id(tensors[i]), i) for i in positions]
+
+
 def _memory(address: int, nbytes: int) -> memoryview:
     return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
 
@@ -71,9 +79,11 @@ class Template:
         self.structure = walked.structure
         self.addresses = walked.addresses
         self.n_containers = len(walked.containers)
-        # With no two tensors at one address, the same addresses again mean no tensor object
-        # appears twice (the template's tensors were distinct objects).
-        self.shared_addresses = len(set(self.addresses)) != len(self.addresses)
+        # Which tensors are one object (the pickle names such a tensor once, then refers to it):
+        # the same object has the same address, so with the same addresses only the tensors
+        # at addresses held twice need their identities compared.
+        self.identity = _identity(walked.tensors, range(len(walked.tensors)))
+        self._note_shared()
         self.spliced = Spliced(pieces, order)
         self.index = tensors
         self.sizes = tuple(int(s.nbytes()) for s in pickler.storages)
@@ -165,13 +175,18 @@ class Template:
                 return False
         if walked.addresses != self.addresses:
             return self._moved(walked, walked.addresses)
-        # one tensor object twice: the pickle would name it once
-        return not self.shared_addresses or len(set(map(id, tensors))) == len(tensors)
+        return not self.shared or _identity(tensors, self.shared) == self.shared_identity
+
+    def _note_shared(self) -> None:
+        """The positions of tensors at an address another tensor has, and their identities."""
+        counts = collections.Counter(self.addresses)
+        self.shared = [i for i, a in enumerate(self.addresses) if counts[a] > 1]
+        self.shared_identity = [self.identity[i] for i in self.shared]
 
     def _moved(self, walked: Walked, addresses: list[int]) -> bool:
         """Tensors over new storages: the same aliasing, storages of the same sizes."""
-        if len(set(map(id, walked.tensors))) != len(walked.tensors):
-            return False  # one tensor object twice (the pickle would name it once)
+        if _identity(walked.tensors, range(len(walked.tensors))) != self.identity:
+            return False  # tensors that are one object now and two before, or the reverse
         starts = list(self.starts)
         changed: set[int] = set()
         seen: dict[int, int] = {}
@@ -194,6 +209,7 @@ class Template:
         if len(set(used)) != len(used):
             return False  # two storages became one
         self.addresses, self.starts = addresses, starts
+        self._note_shared()
         if self.layout is not None:  # new lists: images of earlier saves keep theirs
             self.slots = list(self.slots)
             copies = self.copies
@@ -285,8 +301,7 @@ class PlanCache:
         template can stand for it)."""
         tensors = walked.tensors
         if (len(walked.leaves) >= MAX_LEAVES or not all(t.is_cpu for t in tensors)
-                or len(set(walked.containers)) != len(walked.containers)
-                or len(set(map(id, tensors))) != len(tensors)):
+                or len(set(walked.containers)) != len(walked.containers)):
             return None
         buf = io.BytesIO()
         pickler = TorchPickler(buf)

@@ -1,10 +1,11 @@
 """The walk of a state that a reused plan (:mod:`.steady`) compares with its template.
 
 One pass over the state records its **structure**: the type and keys of every container, every
-tensor's type, shape, stride, storage offset, dtype and ``requires_grad``, every ``str`` by
-value, every other object by its pickle; and every tensor's data address, the tensors, the
-*volatile leaves* (exact ``int``, ``float``, ``bool``, ``None``: the values a template splices
-in, :mod:`.splice`) and the ids of the containers.
+tensor's type, shape, stride, storage offset, dtype and ``requires_grad``, every other object
+by its pickle; and every tensor's data address, the tensors, the *volatile leaves* (exact
+``int``, ``float``, ``bool``, ``None`` and ``str`` values: what a template splices in,
+:mod:`.splice`; a training loop changes the step, a learning rate, a checkpoint's path) and the
+ids of the containers.
 
 Keys compare by value, and by type too where a dict's first key is not a ``str`` (``1``,
 ``1.0`` and ``True`` are equal but pickle differently); a dict whose first key is a ``str`` and
@@ -28,7 +29,8 @@ _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
 _OrderedDict = collections.OrderedDict
 VOLATILE = frozenset({int, float, bool, type(None)})
-_LEAF = object()  # where a volatile leaf sits in a structure
+_LEAF = object()  # where a volatile number sits in a structure
+_TEXT = object()  # where a volatile string sits
 
 
 class Different(Exception):
@@ -95,7 +97,7 @@ def walk(state: Any) -> Walked:
     containers: list[int] = []
     note, note_address, note_tensor = structure.append, addresses.append, tensors.append
     note_leaf, note_container = leaves.append, containers.append
-    plain, volatile, leaf = _Tensor, VOLATILE, _LEAF
+    plain, volatile, leaf, text = _Tensor, VOLATILE, _LEAF, _TEXT
 
     def each(values: Any) -> None:
         for value in values:
@@ -110,8 +112,9 @@ def walk(state: Any) -> Walked:
             elif kind in volatile:
                 note(leaf)
                 note_leaf(value)
-            elif kind is str:
-                note(value)
+            elif kind is str:  # pickled whole and memoised, unlike a number: its own mark
+                note(text)
+                note_leaf(value)
             else:
                 visit(value, kind)
 
