@@ -408,6 +408,8 @@ def test_the_files_of_folder_checkpoints_reuse_their_plans_by_name(ckpt_dir: Any
             assert_file_is_what_torch_save_writes(path, state)
             got = torch.load(os.path.join(ckpt_dir, f"ckpt-{i}", "rng.pkl"), weights_only=True)
             assert got == {"step": i}
+    # closed: no template (no address, no view of host memory) is kept
+    assert ck.plans._template is None and not ck.plans._files
 
 
 def test_a_large_object_the_walk_does_not_look_into_is_not_pickled_twice(ckpt_dir: Any) -> None:

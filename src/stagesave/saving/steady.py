@@ -265,7 +265,7 @@ class PlanCache:
 
     def forget(self) -> None:
         """Drop the templates (their addresses and views of host memory)."""
-        self._template = None
+        self._template = self._refused = None
         self._files.clear()
 
     def of(self, name: str) -> PlanCache:
