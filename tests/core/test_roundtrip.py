@@ -220,3 +220,30 @@ def test_an_unverified_load_reads_the_whole_file_and_skips_only_the_checks(ckpt_
         assert not torch.equal(got["w"], state["w"])
         with pytest.raises(stagesave.IntegrityError):
             ck.load("a.ckpt")
+
+
+def test_a_verified_local_load_reads_the_file_once_into_the_memory_its_tensors_keep(ckpt_dir):
+    """The tensors of a verified load of a file of large tensors are views of one buffer the
+    file was read into (their distance in memory is their distance in the file), they are
+    writable, shared storages stay shared, and a flipped byte is still refused."""
+    w = torch.randn(512, 512)
+    state = {"w": w, "w_t": w.t(), "b": torch.arange(300_000, dtype=torch.int64),
+             "opt": {"lr": 0.5, "name": "adam"}}
+    with stagesave.Checkpointer(ckpt_dir) as ck:
+        ck.save(state, "a.ckpt").result()
+        got = ck.load("a.ckpt")
+        assert_same(got, state)
+        assert got["w"].untyped_storage().data_ptr() == got["w_t"].untyped_storage().data_ptr()
+        path = os.path.join(ckpt_dir, "a.ckpt")
+        with open(path, "rb") as f:
+            data = f.read()
+        at_w = data.find(w.numpy().tobytes()[:64])
+        at_b = data.find(state["b"].numpy().tobytes()[:64])
+        assert got["b"].data_ptr() - got["w"].data_ptr() == at_b - at_w
+        got["w"].add_(1)  # writable, and private to this load
+        assert torch.equal(ck.load("a.ckpt")["w"], w)
+        with open(path, "r+b") as f:
+            f.seek(at_b + 8)
+            f.write(b"\xff")
+        with pytest.raises(stagesave.IntegrityError, match="checksum mismatch"):
+            ck.load("a.ckpt")

@@ -18,7 +18,9 @@ from ..errors import IntegrityError, StorageError
 from ..safety import safe_torch_load
 from ..saving import inflight
 from ..stores.base import Reader, Store
+from . import image_load
 from .resolve_file import resolve_reader
+from .torch_load import torch_forces_weights_only
 from .verified_memo import verified_before
 from .verify import IoThreads, check_chunks, open_reader, raise_if_corrupt, replaced
 
@@ -66,6 +68,14 @@ def _load_once(
         if fd is not None:
             # Verified by this process a moment ago (latest()), the very inode unchanged: the
             # load does not read and hash it again.
+            if (verify and manifest is not None and mmap is None and not trusted
+                    and image_load.applies(manifest.files[0]) and not torch_forces_weights_only()
+                    and not verified_before(reader, manifest.files[0])):
+                # read once, into the memory the tensors keep, each chunk checked as it lands
+                image, problems = image_load.read_image(reader, fd, manifest, io(), where)
+                raise_if_corrupt(problems, where)
+                return safe_torch_load(image, map_location=map_location, trusted=False,
+                                       safe_globals=globs, where=where)
             if verify and manifest is not None and not verified_before(reader, manifest.files[0]):
                 raise_if_corrupt(check_chunks(reader, manifest, io), where)
             elif not verify:

@@ -21,9 +21,10 @@ import torch
 
 from ..errors import CheckpointError
 from .allowlist import Policy
+from .image_load import Image, unpickle_image
 from .numpy_pickles import is_numpy_object
 from .refusal import damaged, refused_global
-from .unpickle import PICKLE_MODULE
+from .unpickle import PICKLE_MODULE, Unpickler
 
 __all__ = ["torch_forces_weights_only", "torch_load"]
 
@@ -64,6 +65,9 @@ def _load(
             with torch.serialization.safe_globals(user):
                 return torch.load(source, map_location=map_location, mmap=mmap, weights_only=True)
         policy = Policy(globs, where)
+        if isinstance(source, Image):  # read and checked already: storages over its buffer
+            return unpickle_image(source, map_location, lambda f: Unpickler(
+                f, encoding="utf-8", stagesave_policy=policy))
         # torch reads the zip and the storages; every opcode of the pickle runs in Unpickler.
         return torch.load(source, map_location=map_location, mmap=mmap, weights_only=False,
                           pickle_module=PICKLE_MODULE, stagesave_policy=policy)

@@ -1,0 +1,138 @@
+"""A local load read straight into the memory its tensors keep, verified as it lands.
+
+``torch.load(mmap=True)`` after verification reads the file twice over the page cache: once to
+hash it (a copy into a scratch buffer), once more as the tensors are first touched (a fault per
+page). Here the proven bytes of a format-2 torch file are read once, with parallel ``O_DIRECT``
+reads of whole chunks into one page-aligned buffer, each chunk hashed while it is in cache; the
+pickle then runs in the safe unpickler with a ``persistent_load`` that hands out storages over
+that buffer (no second copy). Storage ids are checked against the file's proof: a known key, a
+size within its record.
+
+It applies to a verified load of a local file whose tensors fill most of it (the buffer stays
+alive as long as any tensor does, headers and padding included: a file of many tiny tensors,
+padded to pages, loads through ``torch.load`` instead), with ``mmap`` left to stagesave.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import io
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..ondisk.manifest import FileEntry, Manifest, StorageRecord
+from ..ondisk.names import ALIGNMENT
+from ..saving.buffers import HostBuffer
+from ..stores.base import Reader
+from .proof import chunk_problems
+from .refusal import BadPickle
+
+__all__ = ["Image", "applies", "read_image", "unpickle_image"]
+
+#: Tensors must fill at least this share of the file for the load to keep the file's buffer.
+MIN_TENSOR_SHARE = 0.8
+
+
+@dataclass
+class Image:
+    """A torch file's proven bytes in memory: where its pickle starts and its storages."""
+
+    view: memoryview
+    storages: dict[str, StorageRecord]
+    pickle_at: int
+    where: str
+
+
+def applies(entry: FileEntry) -> bool:
+    """Whether a verified load of this file reads it into one buffer (see the module)."""
+    tensors = sum(s.nbytes for s in entry.storages)
+    return (entry.kind == "torch" and entry.chunk_bytes % ALIGNMENT == 0 and tensors > 0
+            and tensors >= MIN_TENSOR_SHARE * entry.end)
+
+
+def _direct(fd: int) -> int | None:
+    """The same file opened again for ``O_DIRECT`` reads (``None``: not supported here)."""
+    try:
+        return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+    except (OSError, AttributeError):
+        return None
+
+
+def read_image(reader: Reader, fd: int, manifest: Manifest, pool: cf.Executor,
+               where: str) -> tuple[Image, list[str]]:
+    """Read and check every chunk of the file into one buffer; the image and the problems."""
+    entry = manifest.files[0]
+    end = entry.end
+    buf = HostBuffer.allocate((end + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT, pinned=False)
+    view = buf.view
+    direct = _direct(fd)
+
+    def read(lo: int, n: int) -> memoryview:
+        got = 0
+        if direct is not None and lo % ALIGNMENT == 0:
+            want = (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+            while got < n:
+                step = os.preadv(direct, [view[lo + got : lo + want]], lo + got)
+                if step <= 0:
+                    break
+                got += step
+            got = min(got, n)
+        else:
+            got = reader.readinto(lo, view[lo : lo + n])
+        return view[lo : lo + got]
+
+    try:
+        problems = chunk_problems(reader, manifest, pool, read=read)
+    finally:
+        if direct is not None:
+            os.close(direct)
+    head = bytes(view[:30])
+    if head[:4] != b"PK\x03\x04":
+        problems.append(f"{where}: not a zip archive at byte 0")
+    name_len, extra_len = int.from_bytes(head[26:28], "little"), int.from_bytes(head[28:30],
+                                                                                  "little")
+    image = Image(view[:end], {s.key: s for s in entry.storages}, 30 + name_len + extra_len,
+                  where)
+    return image, problems
+
+
+def unpickle_image(image: Image, map_location: Any, unpickler: Any) -> Any:
+    """Run ``unpickler`` (a class taking the pickle's stream) over the image's pickle, its
+    storages views of the image's buffer restored to ``map_location`` as ``torch.load`` does."""
+    restore = torch.serialization._get_restore_location(map_location)  # type: ignore[no-untyped-call]
+    loaded: dict[str, torch.storage.TypedStorage] = {}
+
+    def persistent_load(pid: Any) -> Any:
+        if type(pid) is not tuple or len(pid) != 5 or pid[0] != "storage":
+            raise BadPickle(f"unsupported persistent id {pid!r}"[:200])
+        _, storage_type, key, location, numel = pid
+        if type(key) is not str or type(location) is not str or type(numel) is not int:
+            raise BadPickle("a storage id of the wrong types")
+        if key in loaded:
+            return loaded[key]
+        dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
+        record = image.storages.get(key)
+        nbytes = numel * torch._utils._element_size(dtype)  # type: ignore[no-untyped-call]
+        if record is None or numel < 0 or nbytes > record.nbytes:
+            raise BadPickle(f"storage {key!r} is not in {image.where}'s proof, or larger")
+        if nbytes:
+            region = image.view[record.offset : record.offset + nbytes]
+            storage = torch.frombuffer(region, dtype=torch.uint8).untyped_storage()
+        else:
+            storage = torch.UntypedStorage(0)  # type: ignore[no-untyped-call]
+        typed = torch.storage.TypedStorage(  # type: ignore[no-untyped-call]
+            wrap_storage=restore(storage, location), dtype=dtype, _internal=True)
+        loaded[key] = typed
+        return typed
+
+    # the pickle ends before the first storage's record (torch writes data.pkl first)
+    first = min((r.offset for r in image.storages.values()), default=len(image.view))
+    stream = io.BytesIO(bytes(image.view[image.pickle_at : max(image.pickle_at, first)]))
+    up = unpickler(stream)
+    up.persistent_load = persistent_load
+    result = up.load()
+    torch._utils._validate_loaded_sparse_tensors()  # type: ignore[no-untyped-call]
+    return result
