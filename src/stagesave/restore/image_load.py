@@ -8,7 +8,8 @@ pickle then runs in the safe unpickler with a ``persistent_load`` that hands out
 that buffer (no second copy). Storage ids are checked against the file's proof: a known key, a
 size within its record.
 
-It applies to a verified load of a local file whose tensors fill most of it (the buffer stays
+An unverified load reads the same way without hashing. It applies to a local file whose
+tensors fill most of it (the buffer stays
 alive as long as any tensor does, headers and padding included: a file of many tiny tensors,
 padded to pages, loads through ``torch.load`` instead), with ``mmap`` left to stagesave.
 """
@@ -62,8 +63,9 @@ def _direct(fd: int) -> int | None:
 
 
 def read_image(reader: Reader, fd: int, manifest: Manifest, pool: cf.Executor,
-               where: str) -> tuple[Image, list[str]]:
-    """Read and check every chunk of the file into one buffer; the image and the problems."""
+               where: str, *, check: bool = True) -> tuple[Image, list[str]]:
+    """Read (and ``check``) every chunk of the file into one buffer; the image and the
+    problems (unchecked: only a file shorter than its proof says)."""
     entry = manifest.files[0]
     end = entry.end
     buf = HostBuffer.allocate((end + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT, pinned=False)
@@ -84,8 +86,16 @@ def read_image(reader: Reader, fd: int, manifest: Manifest, pool: cf.Executor,
             got = reader.readinto(lo, view[lo : lo + n])
         return view[lo : lo + got]
 
+    def read_only(i: int) -> str | None:
+        lo, hi = entry.chunk_range(i)
+        got = len(read(lo, hi - lo))
+        return None if got == hi - lo else f"{where}: truncated at byte {lo + got}"
+
     try:
-        problems = chunk_problems(reader, manifest, pool, read=read)
+        if check:
+            problems = chunk_problems(reader, manifest, pool, read=read)
+        else:
+            problems = [p for p in pool.map(read_only, range(len(entry.chunks))) if p]
     finally:
         if direct is not None:
             os.close(direct)

@@ -68,11 +68,12 @@ def _load_once(
         if fd is not None:
             # Verified by this process a moment ago (latest()), the very inode unchanged: the
             # load does not read and hash it again.
-            if (verify and manifest is not None and mmap is None and not trusted
+            if (manifest is not None and mmap is None and not trusted
                     and image_load.applies(manifest.files[0]) and not torch_forces_weights_only()
-                    and not verified_before(reader, manifest.files[0])):
+                    and not (verify and verified_before(reader, manifest.files[0]))):
                 # read once, into the memory the tensors keep, each chunk checked as it lands
-                image, problems = image_load.read_image(reader, fd, manifest, io(), where)
+                image, problems = image_load.read_image(reader, fd, manifest, io(), where,
+                                                        check=verify)
                 raise_if_corrupt(problems, where)
                 return safe_torch_load(image, map_location=map_location, trusted=False,
                                        safe_globals=globs, where=where)
