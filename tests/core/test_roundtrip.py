@@ -247,3 +247,29 @@ def test_a_verified_local_load_reads_the_file_once_into_the_memory_its_tensors_k
             f.write(b"\xff")
         with pytest.raises(stagesave.IntegrityError, match="checksum mismatch"):
             ck.load("a.ckpt")
+
+
+@pytest.mark.parametrize("tamper", ["unknown storage key", "storage larger than its record"])
+def test_a_pickle_naming_storages_its_proof_does_not_hold_is_refused_as_damaged(
+        ckpt_dir, tamper):
+    """The one-read load hands out storages over its buffer only as the file's proof lays them
+    out: an unverified load of a pickle whose persistent id names another key, or more bytes
+    than the record holds, is an IntegrityError (never a read past the record)."""
+    state = {"w": torch.ones(262_144)}  # 1 MiB: the file is mostly tensor bytes
+    with stagesave.Checkpointer(ckpt_dir) as ck:
+        ck.save(state, "a.ckpt").result()
+        path = os.path.join(ckpt_dir, "a.ckpt")
+        with open(path, "rb") as f:
+            data = bytearray(f.read())
+        if tamper == "unknown storage key":
+            old, new = b"X\x01\x00\x00\x000", b"X\x01\x00\x00\x00Z"
+        else:  # the numel after the location "cpu"
+            old = b"X\x03\x00\x00\x00cpuq\x06J" + (262_144).to_bytes(4, "little")
+            new = old[:-4] + (262_145).to_bytes(4, "little")
+        at = data.find(old)
+        assert at > 0, data[:400]
+        data[at : at + len(old)] = new
+        with open(path, "wb") as f:
+            f.write(data)
+        with pytest.raises(stagesave.IntegrityError, match="proof, or larger"):
+            ck.load("a.ckpt", verify=False)
