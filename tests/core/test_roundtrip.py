@@ -273,3 +273,20 @@ def test_a_pickle_naming_storages_its_proof_does_not_hold_is_refused_as_damaged(
             f.write(data)
         with pytest.raises(stagesave.IntegrityError, match="proof, or larger"):
             ck.load("a.ckpt", verify=False)
+
+
+def test_a_filesystem_refusing_direct_reads_still_loads_through_buffered_reads(
+        ckpt_dir, monkeypatch):
+    """tmpfs and some network filesystems refuse O_DIRECT reads (EINVAL); that cannot be caused
+    on this disk, so ``os.preadv`` is made to refuse: the one-read load reads buffered instead
+    and still checks every chunk."""
+    import errno
+
+    def refuse(*args, **kwargs):
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    state = {"w": torch.randn(262_144)}
+    with stagesave.Checkpointer(ckpt_dir, chunk_bytes=64 << 10) as ck:
+        ck.save(state, "a.ckpt").result()
+        monkeypatch.setattr(os, "preadv", refuse)
+        assert_same(ck.load("a.ckpt"), state)

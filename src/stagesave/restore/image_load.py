@@ -76,14 +76,17 @@ def read_image(reader: Reader, fd: int, manifest: Manifest, pool: cf.Executor,
         got = 0
         if direct is not None and lo % ALIGNMENT == 0:
             want = (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
-            while got < n:
-                step = os.preadv(direct, [view[lo + got : lo + want]], lo + got)
-                if step <= 0:
-                    break
-                got += step
+            try:
+                while got < n and got % ALIGNMENT == 0:
+                    step = os.preadv(direct, [view[lo + got : lo + want]], lo + got)
+                    if step <= 0:
+                        break
+                    got += step
+            except OSError:  # a filesystem that refuses this O_DIRECT read: read it buffered
+                got = got // ALIGNMENT * ALIGNMENT
             got = min(got, n)
-        else:
-            got = reader.readinto(lo, view[lo : lo + n])
+        if got < n:  # the rest (or all) buffered: a short O_DIRECT read, no O_DIRECT here
+            got += reader.readinto(lo + got, view[lo + got : lo + n])
         return view[lo : lo + got]
 
     def read_only(i: int) -> str | None:
