@@ -279,14 +279,27 @@ def test_a_filesystem_refusing_direct_reads_still_loads_through_buffered_reads(
         ckpt_dir, monkeypatch):
     """tmpfs and some network filesystems refuse O_DIRECT reads (EINVAL); that cannot be caused
     on this disk, so ``os.preadv`` is made to refuse: the one-read load reads buffered instead
-    and still checks every chunk."""
+    and still checks every chunk (a flipped byte is refused)."""
     import errno
+    import fcntl
 
-    def refuse(*args, **kwargs):
-        raise OSError(errno.EINVAL, "Invalid argument")
+    preadv = os.preadv
+
+    def refuse(fd, buffers, offset):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return preadv(fd, buffers, offset)
 
     state = {"w": torch.randn(262_144)}
     with stagesave.Checkpointer(ckpt_dir, chunk_bytes=64 << 10) as ck:
         ck.save(state, "a.ckpt").result()
         monkeypatch.setattr(os, "preadv", refuse)
         assert_same(ck.load("a.ckpt"), state)
+        path = os.path.join(ckpt_dir, "a.ckpt")
+        with open(path, "r+b") as f:
+            data = f.read()
+            at = data.find(state["w"].numpy().tobytes()[:64]) + 200_000
+            f.seek(at)
+            f.write(bytes([data[at] ^ 1]))
+        with pytest.raises(stagesave.IntegrityError, match="checksum mismatch"):
+            ck.load("a.ckpt")
