@@ -31,6 +31,7 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 import common
 
+import stagesave.saving.crc_pass as crc_mod
 import stagesave.saving.stage as stage_mod
 from stagesave.cli._floors import copy_floor_s  # the CLI bench's floor: the reference here
 from stagesave.saving.buffers import HostBuffer
@@ -65,16 +66,16 @@ def main() -> None:
     buf = HostBuffer.allocate(image.size, pinned=False)
     buf.tensor.fill_(0)  # touched once, as a pooled buffer is after its first save
     pool = cf.ThreadPoolExecutor(args.threads)
-    default = stage_mod.SUB_CHUNK
+    default = crc_mod.SUB_CHUNK
 
     def fused(sub: int) -> None:
-        stage_mod.SUB_CHUNK = sub
+        crc_mod.SUB_CHUNK = sub
         try:
-            stage_mod.stage_and_hash(
-                image, buf, 0, algorithm="xxh3_128", chunk_bytes=32 << 20, pool=pool
+            stage_mod.stage_and_crc(
+                image, buf, 0, chunk_bytes=32 << 20, pool=pool
             )
         finally:
-            stage_mod.SUB_CHUNK = default
+            crc_mod.SUB_CHUNK = default
 
     def staged() -> None:
         stage_mod.stage_image(image, buf)
@@ -114,7 +115,7 @@ def main() -> None:
         f"\n`python benchmarks/bench_stage_subchunk.py --gib {args.gib:g} --repeats {args.repeats} "
         f"--sizes {args.sizes}` ({time.strftime('%Y-%m-%d %H:%M')}; {len(tensors)} tensors, "
         f"{image.size / GIB:.2f} GiB image, {args.threads} threads, L2 per core "
-        f"{(stage_mod._l2_cache_bytes() or 0) >> 10} KiB):\n\n"
+        f"{(crc_mod._l2_cache_bytes() or 0) >> 10} KiB):\n\n"
         "| staging | ms, median (min–max) | × copy floor, median of the rounds (min–max) "
         "|\n|---|---|---|\n"
         + "\n".join(rows)
@@ -134,18 +135,18 @@ def checkpointer_rounds(args: argparse.Namespace) -> None:
     state = common.transformer_state(n, d_model=common.d_model_for(n))
     tensors = common.tensors_of(state)
     sizes = [int(x) << 10 for x in args.sizes.split(",")]
-    default = stage_mod.SUB_CHUNK
+    default = crc_mod.SUB_CHUNK
     got: dict[int, list[tuple[float, float, float]]] = {s: [] for s in sizes}
     with Checkpointer(args.dir, keep_last=1) as ck:
         for r in range(args.repeats + 1):  # the first round warms up (allocates the buffer)
             order = sizes[r % len(sizes):] + sizes[: r % len(sizes)]
             for sub in order:
-                stage_mod.SUB_CHUNK = sub
+                crc_mod.SUB_CHUNK = sub
                 try:
                     tel = ck.save(state, f"bench-{r}-{sub}.pt").telemetry
                     ck.wait()
                 finally:
-                    stage_mod.SUB_CHUNK = default
+                    crc_mod.SUB_CHUNK = default
                 floor = copy_floor_s(tensors)
                 if r:
                     got[sub].append(

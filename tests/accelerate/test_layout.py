@@ -79,7 +79,7 @@ def test_same_files_and_contents_as_accelerate(tmp_path, safe):
 def test_same_folder_through_device_staging(tmp_path, monkeypatch):
     """``device_staging=True``: the same files, staged through the device path (host memory
     standing in for the GPU, which this machine does not have) and written by its writer."""
-    import stagesave.saving.jobs as jobs_mod  # device staging without a GPU: the device is the host
+    import stagesave.saving.stage_device as device_mod  # device staging without a GPU
     import stagesave.saving.staging as staging_mod
     from stagesave.stores.local import LocalStore
 
@@ -88,7 +88,7 @@ def test_same_folder_through_device_staging(tmp_path, monkeypatch):
         "device_of",
         lambda images, store: torch.device("cpu") if isinstance(store, LocalStore) else None,
     )
-    monkeypatch.setattr(jobs_mod, "gpudirect_kvikio", lambda: None)
+    monkeypatch.setattr(device_mod, "gpudirect_kvikio", lambda: None)
     assert _device_staged_like_accelerate(tmp_path, Accelerator(cpu=True)).staged_on == "cpu"
 
 

@@ -23,11 +23,11 @@ def save_step(root: str, step: int, mode: str, crash: str | None) -> None:
         # device staging's save path (device buffer, bounce writes) with host memory standing
         # in for the GPU, which this machine does not have
         # device staging without a GPU: the device is the host
-        import stagesave.saving.jobs as jobs_mod
+        import stagesave.saving.stage_device as device_mod
         import stagesave.saving.staging as staging_mod
 
         staging_mod.device_of = lambda images, store: torch.device("cpu")  # type: ignore[assignment]
-        jobs_mod.gpudirect_kvikio = lambda: None  # type: ignore[assignment]
+        device_mod.gpudirect_kvikio = lambda: None  # type: ignore[assignment]
     with stagesave.Checkpointer(
         root, chunk_bytes=1 << 20, keep_last=2, device_staging=mode.endswith("_device")
     ) as ck:

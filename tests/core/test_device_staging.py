@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from test_stage_and_hash import states
 
 import stagesave
-import stagesave.saving.jobs as jobs_mod  # device staging without a GPU: the device is the host
+import stagesave.saving.stage_device as device_mod  # device staging without a GPU
 import stagesave.saving.staging as staging_mod
 from stagesave.saving.buffers import HostBuffer
 from stagesave.saving.plan import plan_torch_file
@@ -277,7 +277,7 @@ def test_checkpointer_device_path_end_to_end_with_host_memory_as_the_device(tmp_
     with host memory standing in for the device: no CUDA here, the code is the same."""
     monkeypatch.setattr(staging_mod, "device_of",
                         lambda images, store: CPU if isinstance(store, LocalStore) else None)
-    monkeypatch.setattr(jobs_mod, "gpudirect_kvikio", lambda: None)
+    monkeypatch.setattr(device_mod, "gpudirect_kvikio", lambda: None)
     w = torch.randn(512, 1024)
     with stagesave.Checkpointer(
         tmp_path, device_staging=True, keep_last=2, chunk_bytes=1 << 20
@@ -304,7 +304,7 @@ def test_save_dir_device_path_end_to_end_with_host_memory_as_the_device(tmp_path
 
     monkeypatch.setattr(staging_mod, "device_of",
                         lambda images, store: CPU if isinstance(store, LocalStore) else None)
-    monkeypatch.setattr(jobs_mod, "gpudirect_kvikio", lambda: None)
+    monkeypatch.setattr(device_mod, "gpudirect_kvikio", lambda: None)
     weights = {"a": torch.randn(300, 70), "b": torch.arange(4099, dtype=torch.int32)}
     optim = {"state": {0: {"exp_avg": torch.randn(300, 70), "step": torch.tensor(5.0)}}, "lr": 0.1}
     with stagesave.Checkpointer(tmp_path, device_staging=True, chunk_bytes=64 << 10) as ck:
@@ -369,7 +369,7 @@ def test_cuda_state_staged_on_the_device_round_trips(ckpt_dir, monkeypatch, use_
             "GPUDirect Storage path untested"
         )
     if not use_kvikio:
-        monkeypatch.setattr(jobs_mod, "gpudirect_kvikio", lambda: None)
+        monkeypatch.setattr(device_mod, "gpudirect_kvikio", lambda: None)
     w = torch.randn(4096, 4096, device="cuda")  # 64 MiB
     step = torch.tensor(7.0)  # a host tensor in the same state (Adam's step counters are)
     expected_w, expected_step = w.cpu(), step.clone()

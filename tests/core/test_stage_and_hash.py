@@ -14,7 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import stagesave.saving.stage as stage_mod
+import stagesave.saving.crc_pass as stage_mod
 from stagesave.saving.buffers import HostBuffer
 from stagesave.saving.plan import StorageSlot, plan_torch_file
 from stagesave.saving.plan_safetensors import plan_safetensors_file

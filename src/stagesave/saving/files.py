@@ -8,16 +8,31 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from .plan import FileImage
-from .stage import ImageCrcs
+from .image import FileImage
 
-__all__ = ["TRAILER_KINDS", "FileToWrite", "WriteStats", "run_all"]
+__all__ = ["TRAILER_KINDS", "FileToWrite", "ImageCrcs", "WriteStats", "run_all"]
 
 
 T = TypeVar("T")
 
 #: Kinds whose proof is a trailer after the data (their readers ignore trailing bytes).
 TRAILER_KINDS = frozenset({"dcp", "dcp-metadata"})
+
+
+@dataclass
+class ImageCrcs:
+    """CRC-32s of a staged image: of every slot (its zip record's CRC) and of every chunk.
+
+    Chunk ``i`` covers ``[i * chunk_bytes, (i + 1) * chunk_bytes)`` of ``[0, image.covered)``, as
+    staged: before the zip CRC fields are filled in (:func:`.write.fill_crcs` updates
+    the chunk CRCs for them).
+    """
+
+    slots: list[int]
+    chunks: list[int]
+    chunk_bytes: int
+    #: Seconds spent hashing (summed over the threads, divided by their number).
+    seconds: float = 0.0
 
 
 @dataclass

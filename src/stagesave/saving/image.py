@@ -7,18 +7,14 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
-
-import torch
-
-try:  # torch >= 2.7: records can be aligned to pages
-    from torch.utils.serialization import config as _torch_save_config
-# torch 2.6: records are 64-byte aligned (the whole image is still written in pages)
-except ImportError:
-    _torch_save_config = None  # type: ignore[assignment]
+from typing import TYPE_CHECKING, NamedTuple
 
 from ..ondisk.torchzip import TorchZip
-from .host_copy import HostCopies
+
+if TYPE_CHECKING:  # torch is imported where a tensor is made: a writer agent never imports it
+    import torch
+
+    from .host_copy import HostCopies
 
 __all__ = ["MAX_INDEXED_TENSORS", "FileImage", "StorageSlot", "TensorEntry", "byte_view"]
 
@@ -157,6 +153,8 @@ class FileImage:
 def _at_address(address: int, nbytes: int) -> torch.Tensor:
     """A flat uint8 tensor over ``nbytes`` of host memory at ``address`` (no copy; valid while
     that memory is)."""
+    import torch
+
     if not nbytes:
         return torch.empty(0, dtype=torch.uint8)
     return torch.frombuffer((ctypes.c_char * nbytes).from_address(address), dtype=torch.uint8)
@@ -164,6 +162,8 @@ def _at_address(address: int, nbytes: int) -> torch.Tensor:
 
 def byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
     """A flat uint8 tensor over a whole storage (no copy)."""
+    import torch
+
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 

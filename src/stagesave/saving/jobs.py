@@ -17,14 +17,27 @@ from . import inflight
 from .commit import commit_file, commit_folder
 from .pipeline import Job
 from .retire import remove_checkpoint, retain
-from .stage_device import gpudirect_kvikio, write_device_data
-from .staging import Staged
 from .write import FileToWrite, WriteStats, Written
 
 __all__ = ["Settings", "action_job", "file_job", "folder_job", "remove_job"]
 
 #: Telemetry fields known only after the commit: kept out of the manifest (written before it).
 _POST_COMMIT = ("path", "error", "commit_s", "time_to_commit_s", "committed_at", "tier")
+
+
+class Staged(Protocol):
+    """What a job writes: the staged files (``device``: the device holding them with
+    ``device_staging``, else ``None``), device copies to wait for, a buffer to give back."""
+
+    @property
+    def files(self) -> list[FileToWrite]: ...
+
+    @property
+    def device(self) -> Any: ...
+
+    def wait(self) -> None: ...
+
+    def give_back(self) -> None: ...
 
 
 class Settings(Protocol):
@@ -55,6 +68,8 @@ def _write_device(
     tel: SaveTelemetry,
 ) -> Written:
     """Write the data of a file staged in device memory (``device_staging``)."""
+    from .stage_device import gpudirect_kvikio, write_device_data  # torch: not in an agent
+
     assert isinstance(store, LocalStore)
     kvikio = gpudirect_kvikio()
     tel.gpudirect = kvikio is not None

@@ -31,10 +31,10 @@ from ..ondisk.names import ALIGNMENT
 from ..ondisk.signing import current as signing_keys
 from ..ondisk.signing import sign_doc
 from ..stores.base import PendingWrite, Store
-from .files import TRAILER_KINDS, FileToWrite, WriteStats, run_all
-from .plan import FileImage
+from .crc_pass import crc_image
+from .files import TRAILER_KINDS, FileToWrite, ImageCrcs, WriteStats, run_all
+from .image import FileImage
 from .seal import Written, blank_fill, proof_value
-from .stage import ImageCrcs, crc_image
 
 __all__ = [
     "TRAILER_KINDS", "FileToWrite", "WriteStats", "Written", "blank_fill", "fill_crcs", "late_end",
