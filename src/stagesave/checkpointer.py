@@ -14,6 +14,7 @@ import types
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from .agent.client import Writer
 from .handle import SaveHandle
 from .ondisk.checksum import CRYPTOGRAPHIC, DEFAULT_ALGORITHM, check_algorithm
 from .ondisk.names import DEFAULT_CHUNK_BYTES
@@ -34,8 +35,7 @@ from .telemetry import SaveTelemetry, SinkOption, TelemetryCallback, TelemetrySi
 
 __all__ = ["Checkpointer", "flush_all", "flush_on_sigterm"]
 
-flush_all = lifecycle.flush_all
-flush_on_sigterm = lifecycle.flush_on_sigterm
+flush_all, flush_on_sigterm = lifecycle.flush_all, lifecycle.flush_on_sigterm
 
 
 class Checkpointer:
@@ -56,6 +56,7 @@ class Checkpointer:
         pinned: Pin staging buffers (default: when CUDA is available).
         checksum_in: ``"staging"``, ``"background"`` or ``"auto"``: who hashes the chunks.
         device_staging: Stage a CUDA device's state in a reused buffer on that device.
+        writer: ``"thread"`` or ``"process"`` (a writer agent that outlives this process).
     """
 
     telemetry_callback = SinkOption()
@@ -68,7 +69,7 @@ class Checkpointer:
         storage_options: dict[str, Any] | None = None,
         telemetry_callback: TelemetryCallback | None = None, telemetry_jsonl: bool | str = False,
         safe_globals: Iterable[Any] = (), pinned: bool | None = None, checksum_in: str = "auto",
-        device_staging: bool = False,
+        device_staging: bool = False, writer: str | None = None,
     ) -> None:
         validate.check_options(keep_last=keep_last, io_threads=io_threads, chunk_bytes=chunk_bytes)
         self._checksum = check_algorithm(checksum)
@@ -77,7 +78,8 @@ class Checkpointer:
         self.safe_globals = list(safe_globals)
         self.checksum_in, self.device_staging = checksum_in, device_staging
         # The parts, public inside the package (stagesave.dcp runs on them too).
-        self.memory = StagingMemory(max_pending, pinned)
+        self.writer = Writer(writer, io_threads, device_staging)
+        self.memory = StagingMemory(max_pending, pinned, segments=self.writer.agent)
         self.stager = Stager(self.memory, checksum_in=checksum_in, chunk_bytes=chunk_bytes,
                              device_staging=device_staging)
         self.plans = PlanCache()  # the last plan, reused while the structure stays the same
@@ -85,7 +87,7 @@ class Checkpointer:
         self.pipeline = Pipeline(io_threads, sink.emit)
         self.targets = StoreResolver(root, storage_options=storage_options, direct_io=direct_io)
         sink.attach(self.targets.root)  # a tiered root's remote commits report there too
-        lifecycle.register(self, (self.pipeline, self.stager, self.memory))
+        lifecycle.register(self, (self.pipeline, self.stager, self.memory, self.writer))
 
     @property
     def checksum(self) -> str:
@@ -111,17 +113,17 @@ class Checkpointer:
         t_start = time.perf_counter()
         store, name = validate.target(self.targets, path)
         tel = SaveTelemetry(path=store.describe(name), started_at=time.time())
-        if hasattr(store, "attach_telemetry"):
-            tel.tier = "local"
+        tel.tier = "local" if hasattr(store, "attach_telemetry") else None
         meta = validate.checked_metadata(metadata)
         image = self.plans.plan(state)
         tel.plan_s = time.perf_counter() - t_start
         store.check_writable(name, image.size)
         staged = self.stager.stage([(name, image)], store, tel, algorithm=self.checksum,
                                    folder=False)
+        job = self.writer.route(jobs.file_job(SaveHandle(tel.path, tel), store, name, staged,
+                                              settings=self, meta=meta, t_start=t_start), self)
         tel.blocking_s = time.perf_counter() - t_start
-        return self.pipeline.submit(jobs.file_job(SaveHandle(tel.path, tel), store, name, staged,
-                                                  settings=self, meta=meta, t_start=t_start))
+        return self.pipeline.submit(job)
 
     def save_dir(self, files: dict[str, Any], directory: str | os.PathLike[str], *,
                  metadata: dict[str, Any] | None = None,
@@ -150,14 +152,13 @@ class Checkpointer:
                               plans=self.plans)
         tel.plan_s = time.perf_counter() - t_start
         validate.check_folder_writable(store, dname, [image for _, image in planned])
-        where = None if staging_dir is None else os.fspath(staging_dir)
-        if where is not None:
-            validate.check_same_filesystem(store, dname, where)
+        where = validate.check_same_filesystem(store, dname, staging_dir)
         staged = self.stager.stage(planned, store, tel, algorithm=self.checksum, folder=True)
-        tel.blocking_s = time.perf_counter() - t_start
-        return self.pipeline.submit(jobs.folder_job(
+        job = self.writer.route(jobs.folder_job(
             SaveHandle(tel.path, tel), store, dname, staged, settings=self, meta=meta,
-            t_start=t_start, staging_dir=where, nested=list(nested)))
+            t_start=t_start, staging_dir=where, nested=list(nested)), self)
+        tel.blocking_s = time.perf_counter() - t_start
+        return self.pipeline.submit(job)
 
     def remove(self, path: str | os.PathLike[str]) -> SaveHandle:
         """Delete a checkpoint after every save submitted before this call (by any Checkpointer
@@ -182,15 +183,13 @@ class Checkpointer:
     def wait(self, timeout: float | None = None) -> None:
         """Block until every submitted save and removal has finished (called by an action of
         this Checkpointer, it does not wait: what was queued before the action has finished).
-
         Raises:
             TimeoutError: still running after ``timeout`` seconds.
             CheckpointError: a background save failed and its error was not delivered yet.
         """
         self.pipeline.wait(timeout)
 
-    def pending(self) -> int:
-        """Number of saves and removals not finished yet."""
+    def pending(self) -> int:  # saves and removals not finished yet
         return self.pipeline.pending()
 
     def wait_quietly(self) -> None:
@@ -280,7 +279,8 @@ class Checkpointer:
                 self.pipeline.stop(timeout)
             finally:
                 self.plans.forget()
-                lifecycle.release_closed(self, self.stager, self.memory, self.targets)
+                lifecycle.release_closed(self, (self.writer, self.stager, self.memory,
+                                                self.targets), timeout)
         self.pipeline.raise_failures()
 
     def __enter__(self) -> Checkpointer:  # noqa: PYI034 - Self needs Python 3.11

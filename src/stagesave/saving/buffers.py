@@ -16,13 +16,16 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from ..errors import ClosedError
 from ..ondisk.names import ALIGNMENT
 
-__all__ = ["Bounces", "BufferPool", "HostBuffer", "Lease", "StagingMemory"]
+__all__ = [
+    "Bounces", "BufferPool", "HostBuffer", "Lease", "SegmentHooks", "StagingMemory",
+]
 
 #: Buffers grow in steps of this many bytes, so that slightly larger saves reuse them.
 GROWTH_STEP = 64 * 1024 * 1024
@@ -44,9 +47,27 @@ class HostBuffer:
     #: ``(base, size, frame)``: the static pieces of ``frame`` sit at ``base`` from the last
     #: staging (see :attr:`.image.FileImage.static`); ``None``: nothing known.
     holds: tuple[int, int, object] | None = field(default=None, repr=False)
+    #: The shared segment holding it (``writer="process"``), else ``None``.
+    segment: str | None = None
 
     @classmethod
-    def allocate(cls, capacity: int, pinned: bool) -> HostBuffer:
+    def allocate(cls, capacity: int, pinned: bool, shared: bool = False) -> HostBuffer:
+        """``shared``: in a new private shared-memory segment (:mod:`stagesave.agent.segments`)
+        that a writer agent maps too; pinned by registering it with CUDA."""
+        if shared:
+            from ..agent.segments import create_segment, remove_segment
+
+            path, mem = create_segment(capacity)
+            tensor = torch.frombuffer(mem, dtype=torch.uint8, count=capacity)
+            if pinned:
+                try:
+                    _host_register(tensor.data_ptr(), capacity)
+                except BaseException:
+                    del tensor
+                    mem.close()
+                    remove_segment(path)
+                    raise
+            return cls(capacity, pinned, memoryview(mem), tensor, mem, segment=path)
         if pinned:
             tensor = torch.empty(capacity, dtype=torch.uint8, pin_memory=True)
             view = tensor.numpy().data.cast("B")
@@ -63,6 +84,12 @@ class HostBuffer:
         return cls(capacity, False, memoryview(b""), tensor)
 
     def release_memory(self) -> None:
+        if self.segment is not None:
+            from ..agent.segments import remove_segment
+
+            if self.pinned:
+                _host_unregister(self.tensor.data_ptr())
+            remove_segment(self.segment)
         self.view.release()
         del self.tensor
         if self._mmap is not None:
@@ -72,13 +99,37 @@ class HostBuffer:
                 pass
 
 
+def _host_register(address: int, nbytes: int) -> None:
+    """Pin ``nbytes`` of host memory at ``address`` for CUDA (``cudaHostRegister``)."""
+    cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+    code = cudart.cudaHostRegister(address, nbytes, 0)
+    if int(code) != 0:
+        raise OSError(f"cudaHostRegister of a {nbytes}-byte staging segment failed: {code}")
+
+
+def _host_unregister(address: int) -> None:
+    cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+    cudart.cudaHostUnregister(address)
+
+
+class SegmentHooks(Protocol):
+    """Told about each shared segment a pool creates and removes (the writer agent)."""
+
+    def announce(self, path: str) -> None: ...
+
+    def forget(self, path: str) -> None: ...
+
+
 class BufferPool:
     """At most ``max_buffers`` host buffers, handed out one per in-flight save."""
 
     def __init__(
-        self, max_buffers: int, pinned: bool | None = None, device: torch.device | None = None
+        self, max_buffers: int, pinned: bool | None = None, device: torch.device | None = None,
+        segments: SegmentHooks | None = None,
     ) -> None:
-        """``device``: hand out buffers in that device's memory instead (see ``device_staging``)."""
+        """``device``: hand out buffers in that device's memory instead (see ``device_staging``);
+        ``segments``: host buffers in shared segments, announced to it."""
+        self.segments = segments
         if max_buffers < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_buffers}")
         self.max_buffers = max_buffers
@@ -126,12 +177,15 @@ class BufferPool:
                 old = None
             self._count += 1
         if old is not None:
-            old.release_memory()
+            self._free_memory(old)
         try:
             capacity = _round_up(need, GROWTH_STEP)
             if self.device is not None:
                 return HostBuffer.on_device(capacity, self.device), waited
-            return HostBuffer.allocate(capacity, self.pinned), waited
+            buf = HostBuffer.allocate(capacity, self.pinned, shared=self.segments is not None)
+            if self.segments is not None and buf.segment is not None:
+                self.segments.announce(buf.segment)
+            return buf, waited
         except BaseException:
             with self._cond:
                 self._count -= 1
@@ -143,7 +197,7 @@ class BufferPool:
         with self._cond:
             if self._closed:
                 self._count -= 1
-                buf.release_memory()
+                self._free_memory(buf)
             else:
                 self._free.append(buf)
             self._cond.notify()
@@ -164,7 +218,12 @@ class BufferPool:
             self._count -= len(free)
             self._cond.notify_all()
         for b in free:
-            b.release_memory()
+            self._free_memory(b)
+
+    def _free_memory(self, buf: HostBuffer) -> None:
+        if self.segments is not None and buf.segment is not None:
+            self.segments.forget(buf.segment)
+        buf.release_memory()
 
 
 class Lease:
@@ -192,8 +251,10 @@ class StagingMemory:
     would pay for at every save).
     """
 
-    def __init__(self, max_buffers: int, pinned: bool | None) -> None:
-        self.host = BufferPool(max_buffers, pinned)
+    def __init__(
+        self, max_buffers: int, pinned: bool | None, segments: SegmentHooks | None = None
+    ) -> None:
+        self.host = BufferPool(max_buffers, pinned, segments=segments)
         self.devices: dict[torch.device, BufferPool] = {}
         self._no_room: dict[torch.device, int] = {}  # smallest size that found no room
         self._warned = False

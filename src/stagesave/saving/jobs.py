@@ -7,6 +7,7 @@ import concurrent.futures as cf
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ..handle import SaveHandle
@@ -19,7 +20,7 @@ from .pipeline import Job
 from .retire import remove_checkpoint, retain
 from .write import FileToWrite, WriteStats, Written
 
-__all__ = ["Settings", "action_job", "file_job", "folder_job", "remove_job"]
+__all__ = ["SaveSpec", "Settings", "action_job", "file_job", "folder_job", "remove_job"]
 
 #: Telemetry fields known only after the commit: kept out of the manifest (written before it).
 _POST_COMMIT = ("path", "error", "commit_s", "time_to_commit_s", "committed_at", "tier")
@@ -38,6 +39,19 @@ class Staged(Protocol):
     def wait(self) -> None: ...
 
     def give_back(self) -> None: ...
+
+
+@dataclass
+class SaveSpec:
+    """What a save job writes, in values (a writer agent rebuilds the job from it)."""
+
+    kind: str  # "file" or "folder"
+    store: Store
+    name: str
+    meta: dict[str, Any]
+    t_start: float
+    staging_dir: str | None = None
+    nested: list[str] = field(default_factory=list)
 
 
 class Settings(Protocol):
@@ -128,7 +142,8 @@ def file_job(
         if settings.keep_last is not None:
             retain(store, name.rpartition("/")[0], settings.keep_last)
 
-    return Job(handle, f"saving checkpoint {tel.path}", commit, staged=staged, retire=retire)
+    return Job(handle, f"saving checkpoint {tel.path}", commit, staged=staged, retire=retire,
+               spec=SaveSpec("file", store, name, meta, t_start))
 
 
 def folder_job(
@@ -180,7 +195,8 @@ def folder_job(
             debris = staging_dir if staging_dir is not None and store.local_path("") else None
             retain(store, dname.rpartition("/")[0], settings.keep_last, debris_dir=debris)
 
-    return Job(handle, f"saving checkpoint {tel.path}", commit, staged=staged, retire=retire)
+    return Job(handle, f"saving checkpoint {tel.path}", commit, staged=staged, retire=retire,
+               spec=SaveSpec("folder", store, dname, meta, t_start, staging_dir, nested))
 
 
 def remove_job(handle: SaveHandle, store: Store, name: str) -> Job:

@@ -35,11 +35,11 @@ class _Flushable(Protocol):
 _live: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
-def register(ckpt: _Flushable, parts: tuple[Any, Any, Any]) -> None:
+def register(ckpt: _Flushable, parts: tuple[Any, Any, Any, Any]) -> None:
     """Count ``ckpt`` among the live Checkpointers (until :func:`unregister` or collection).
 
-    Dropped without ``close()``, its ``parts`` (pipeline, stager, staging memory) are released
-    by a finalizer (not at exit, where every live Checkpointer is closed, its pending saves
+    Dropped without ``close()``, its ``parts`` (pipeline, stager, staging memory, writer) are
+    released by a finalizer (not at exit, where every live Checkpointer is closed, its pending saves
     committed first).
     """
     weakref.finalize(ckpt, release_unclosed, *parts).atexit = False
@@ -52,18 +52,22 @@ def unregister(ckpt: _Flushable) -> bool:
     return not _live
 
 
-def release_unclosed(pipeline: Any, stager: Any, memory: Any) -> None:
+def release_unclosed(pipeline: Any, stager: Any, memory: Any, writer: Any) -> None:
     """Free the threads and buffers of a Checkpointer dropped without ``close()`` (its
     finalizer: these hold nothing that refers back to the Checkpointer, and one with jobs still
     queued is referenced by them, so it is collected idle only)."""
     pipeline.release()
+    writer.close()
     stager.close(wait=False)
     memory.close()
 
 
-def release_closed(ckpt: Any, stager: Any, memory: Any, targets: Any) -> None:
-    """After ``close()`` stopped the pipeline: free buffers, stores and copy threads, and
-    unregister ``ckpt`` (the last one: nothing planned stays behind)."""
+def release_closed(ckpt: Any, parts: tuple[Any, Any, Any, Any], timeout: float | None) -> None:
+    """After ``close()`` stopped the pipeline: stop the writer agent (``timeout``), free
+    buffers, stores and copy threads, and unregister ``ckpt`` (the last one: nothing planned
+    stays behind)."""
+    writer, stager, memory, targets = parts
+    writer.close(timeout)
     memory.close()
     targets.close()
     stager.close()

@@ -139,7 +139,7 @@ class Job:
     a commit; ``on_error`` may replace the error reported (and clean up) when a step failed.
     """
 
-    __slots__ = ("commit", "handle", "key", "on_error", "retire", "staged", "what")
+    __slots__ = ("commit", "handle", "key", "on_error", "retire", "spec", "staged", "what")
 
     def __init__(
         self,
@@ -151,8 +151,11 @@ class Job:
         retire: Callable[[], None] | None = None,
         on_error: Callable[[BaseException, BaseException], BaseException] | None = None,
         key: str | None = None,
+        spec: object = None,
     ) -> None:
+        """``spec``: what a save job writes, for a writer agent (:class:`.jobs.SaveSpec`)."""
         self.handle, self.what, self.commit = handle, what, commit
+        self.spec = spec
         self.staged, self.retire, self.on_error = staged, retire, on_error
         self.key = handle.path if key is None else key
 

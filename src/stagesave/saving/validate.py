@@ -21,9 +21,13 @@ __all__ = [
 ]
 
 
-def check_same_filesystem(store: Store, dname: str, staging_dir: str | os.PathLike[str]) -> None:
-    """Refuse a ``staging_dir`` the folder cannot be renamed from (the target's local parent:
-    a local root, or a tiered root's local tier)."""
+def check_same_filesystem(
+    store: Store, dname: str, staging_dir: str | os.PathLike[str] | None
+) -> str | None:
+    """``staging_dir`` as a string, refused if the folder cannot be renamed from it (the
+    target's local parent: a local root, or a tiered root's local tier)."""
+    if staging_dir is None:
+        return None
     target_parent = store.local_path(dname.rpartition("/")[0])
     if target_parent is None:
         raise ValueError(
@@ -35,6 +39,7 @@ def check_same_filesystem(store: Store, dname: str, staging_dir: str | os.PathLi
             f"staging_dir {os.fspath(staging_dir)} is on another filesystem than {target_parent}: "
             "the finished folder is renamed into place, which needs the same filesystem"
         )
+    return os.fspath(staging_dir)
 
 
 def checked_metadata(metadata: dict[str, Any] | None) -> dict[str, Any]:

@@ -1,0 +1,222 @@
+"""The writer agent: a process that writes, commits and retires the saves its trainer staged in
+shared memory, and finishes them if the trainer dies.
+
+Started by :class:`.client.AgentClient` with one end of a socket pair; imports no torch (the
+write-and-commit path is torch-free) and runs no torch op. It runs each order through the same
+job code as the in-process writer (:mod:`stagesave.saving.jobs`), in the order received, at a
+lower CPU priority. When its trainer is gone (the socket reaches its end, or the trainer's pid
+is no longer its parent) it finishes every order it was handed, keeps the segment of the newest
+committed file as a snapshot for a restart (:mod:`.segments`), removes the other segments it
+knows, and exits.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import mmap
+import os
+import queue
+import socket
+import sys
+import threading
+import time
+from typing import Any
+
+from ..errors import as_checkpoint_error
+from ..handle import SaveHandle
+from ..saving import jobs
+from ..saving.files import FileToWrite
+from ..saving.pipeline import BACKGROUND_NICE
+from ..telemetry import SaveTelemetry
+from . import segments, wire
+
+__all__ = ["main"]
+
+#: Seconds between checks that the trainer is still this process's parent.
+WATCH_S = 0.2
+
+_GONE = object()  # the trainer is gone: finish what was handed over, then leave
+_EXIT = object()  # the trainer asked this agent to exit (after what was handed over)
+
+
+class _Staged:
+    """An order's files over the shared segment, as the jobs expect staged files."""
+
+    device = None
+
+    def __init__(self, files: list[FileToWrite]) -> None:
+        self.files = files
+
+    def wait(self) -> None:
+        pass
+
+    def give_back(self) -> None:
+        pass
+
+
+class _Settings:
+    def __init__(self, order: wire.Order) -> None:
+        self.checksum = order.checksum
+        self.chunk_bytes = order.chunk_bytes
+        self.keep_last = order.keep_last
+
+
+class Agent:
+    """The state of one agent: its segments, its I/O threads, its newest committed file."""
+
+    def __init__(self, sock: socket.socket, trainer_pid: int, io_threads: int) -> None:
+        self.sock, self.trainer_pid = sock, trainer_pid
+        self.pool = cf.ThreadPoolExecutor(io_threads, thread_name_prefix="stagesave-agent-io")
+        self.maps: dict[str, mmap.mmap] = {}
+        self.known: set[str] = set()
+        self.inbox: queue.Queue[Any] = queue.Queue()
+        self.newest: wire.Reply | None = None
+        self.replying = True
+
+    # -------------------------------------------------------------- messages in
+    def read(self) -> None:
+        while True:
+            msg = wire.recv(self.sock)
+            if msg is None:
+                self.inbox.put(_GONE)
+                return
+            self.inbox.put(msg)
+
+    def watch(self) -> None:
+        """The trainer may die with its end of the socket still open (inherited by a forked
+        worker): its pid stops being this process's parent then."""
+        while os.getppid() == self.trainer_pid:
+            time.sleep(WATCH_S)
+        time.sleep(0.5)  # what it sent before dying is read by then
+        self.inbox.put(_GONE)
+
+    # -------------------------------------------------------------- work
+    def segment(self, path: str) -> mmap.mmap:
+        mem = self.maps.get(path)
+        if mem is None:
+            mem = self.maps[path] = segments.map_segment(path)
+            self.known.add(path)
+        return mem
+
+    def drop(self, path: str) -> None:
+        self.known.discard(path)
+        mem = self.maps.pop(path, None)
+        if mem is not None:
+            try:
+                mem.close()
+            except BufferError:
+                pass
+
+    def run(self, order: wire.Order) -> wire.Reply:
+        tel = SaveTelemetry(**order.telemetry)
+        handle = SaveHandle(tel.path, tel)
+        views: list[memoryview] = []
+        try:
+            whole = memoryview(self.segment(order.segment))
+            files = []
+            for of in order.files:
+                view = whole[of.offset : of.offset + of.image.size]
+                views.append(view)
+                files.append(FileToWrite(of.name, of.image, view, of.crcs, None, of.entry_name))
+            views.append(whole)
+            staged = _Staged(files)
+            settings = _Settings(order)
+            if order.kind == "file":
+                job = jobs.file_job(handle, order.store, order.name, staged, settings=settings,
+                                    meta=order.meta, t_start=order.t_start)
+            else:
+                job = jobs.folder_job(handle, order.store, order.name, staged,
+                                      settings=settings, meta=order.meta, t_start=order.t_start,
+                                      staging_dir=order.staging_dir, nested=order.nested)
+            job.commit(self.pool)
+            if job.retire is not None:
+                job.retire()
+        except BaseException as exc:  # noqa: BLE001 - sent back to the trainer
+            err = as_checkpoint_error(exc, f"saving checkpoint {tel.path} failed")
+            tel.error = str(err)
+            return wire.Reply(order.id, tel.to_dict(), (type(err).__name__, str(err)))
+        finally:
+            for v in views:
+                v.release()
+        committed = None
+        if order.kind == "file" and order.files[0].image.serialization_id:
+            image = order.files[0].image
+            committed = {"segment": order.segment, "path": tel.path,
+                         "offset": order.files[0].offset, "covered": image.covered,
+                         "length": tel.bytes, "serialization_id": image.serialization_id}
+        return wire.Reply(order.id, tel.to_dict(), None, committed)
+
+    def reply(self, reply: wire.Reply) -> None:
+        if not self.replying:
+            return
+        try:
+            wire.send(self.sock, reply)
+        except OSError:
+            self.replying = False  # the trainer is gone; keep writing what it handed over
+
+    def serve(self) -> None:
+        threading.Thread(target=self.read, daemon=True).start()
+        threading.Thread(target=self.watch, daemon=True).start()
+        while True:
+            msg = self.inbox.get()
+            if msg is _GONE:
+                self.finish_orphaned()
+                return
+            if isinstance(msg, wire.Order):
+                reply = self.run(msg)
+                if reply.committed is not None:
+                    self.newest = reply
+                self.reply(reply)
+            elif msg == ("exit",):
+                return
+            elif isinstance(msg, tuple) and len(msg) == 2 and msg[0] == "segment":
+                self.known.add(msg[1])
+            elif isinstance(msg, tuple) and len(msg) == 2 and msg[0] == "drop":
+                self.drop(msg[1])
+
+    def finish_orphaned(self) -> None:
+        """The trainer died: run every order still queued, keep the newest committed file's
+        segment as a snapshot, remove the other segments."""
+        self.replying = False
+        while True:
+            try:
+                msg = self.inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(msg, wire.Order):
+                reply = self.run(msg)
+                if reply.committed is not None:
+                    self.newest = reply
+        keep = self.newest.committed if self.newest is not None else None
+        if keep is not None and keep["segment"] not in self.known:
+            keep = None  # released by the trainer since (and removed by it)
+        for path in sorted(self.known):
+            if keep is not None and path == keep["segment"]:
+                continue
+            self.drop(path)
+            segments.remove_segment(path)
+        if keep is not None:
+            snap = segments.Snapshot(agent_pid=os.getpid(), created_ns=time.time_ns(), **keep)
+            try:
+                segments.write_snapshot(snap)
+            except OSError as exc:
+                print(f"stagesave agent: could not keep the snapshot: {exc}", file=sys.stderr)
+                segments.remove_segment(keep["segment"])
+
+
+def main() -> None:
+    """Entry point: ``argv`` = socket fd, trainer pid, I/O threads."""
+    fd, trainer_pid, io_threads = (int(a) for a in sys.argv[1:4])
+    try:
+        os.nice(BACKGROUND_NICE)
+    except OSError:
+        pass
+    sock = socket.socket(fileno=fd)
+    agent = Agent(sock, trainer_pid, io_threads)
+    try:
+        agent.serve()
+    finally:
+        agent.pool.shutdown(wait=True)
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(0)  # daemon reader threads may still block in recv
