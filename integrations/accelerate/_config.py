@@ -70,6 +70,9 @@ class Options:
         device_staging: Stage a GPU model's checkpoint in GPU memory (device-to-device copies)
             and write it from there, with GPUDirect Storage when kvikio is installed; costs one
             GPU buffer of the checkpoint's size per save in flight. Local destinations only.
+        writer: ``"process"``: a writer agent process writes and commits each save and
+            finishes every save handed to it if training dies; ``"thread"``: this process's
+            threads; ``None``: ``$STAGESAVE_WRITER``, else ``"thread"``.
         sync_outside_training: A ``save_state`` with no optimizer step of this Accelerator since
             the previous ``save_state``/``load_state`` (nothing to overlap it with: before
             training, after it, between evaluations) returns only once it is committed, and
@@ -94,6 +97,7 @@ class Options:
     local_tier: str | None = None
     keep_local: int | None = None
     device_staging: bool = False
+    writer: str | None = None
     sync_outside_training: bool = True
     telemetry_jsonl: bool | str = False
     trusted: bool = False
@@ -122,8 +126,12 @@ def is_switched_off(environ: Mapping[str, str] | None = None) -> bool:
 
 def _coerce(key: str, value: Any, where: str) -> Any:
     """Convert a value from the environment or a side file to the option's type."""
-    if key == "keep_local" and value in (None, ""):
+    if key in ("keep_local", "writer") and value in (None, ""):
         return None
+    if key == "writer":
+        if value not in ("thread", "process"):
+            raise ValueError(f"{where}: writer must be 'thread' or 'process', got {value!r}")
+        return value
     if key in ("max_pending", "io_threads", "keep_local"):
         try:
             number = int(value)

@@ -57,7 +57,7 @@ class Resources:
         ckpt = Checkpointer(
             root, max_pending=o.max_pending, checksum=o.checksum, keep_last=keep,
             io_threads=o.io_threads, direct_io=o.direct_io, storage_options=dict(o.storage_options),
-            device_staging=o.device_staging, telemetry_jsonl=self.telemetry,
+            device_staging=o.device_staging, telemetry_jsonl=self.telemetry, writer=o.writer,
         )
         if isinstance(self.telemetry, str):  # the core appends to the file, in a folder that exists
             makedirs_durable(os.path.dirname(os.path.abspath(self.telemetry)))

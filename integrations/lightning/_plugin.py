@@ -71,6 +71,9 @@ class StagedCheckpointIO(StagedExtras, CheckpointIO):
             and write it from there in the background, with GPUDirect Storage when kvikio is
             installed; costs one GPU buffer of the checkpoint's size per save in flight
             (``stagesave.Checkpointer``'s ``device_staging``). Local files only.
+        writer: ``"process"``: a writer agent process writes and commits each save, and
+            finishes every save handed to it if this process dies; ``"thread"``: this
+            process's threads; ``None`` (default): ``$STAGESAVE_WRITER``, else ``"thread"``.
     """
 
     def __init__(
@@ -88,8 +91,10 @@ class StagedCheckpointIO(StagedExtras, CheckpointIO):
         telemetry_jsonl: bool | str = False,
         safe_globals: Sequence[Any] = (),
         device_staging: bool = False,
+        writer: str | None = None,
     ) -> None:
         super().__init__()
+        self.writer = writer
         if not isinstance(device_staging, bool):
             raise TypeError(f"device_staging must be True or False, got {device_staging!r}")
         self.device_staging = device_staging
@@ -126,6 +131,7 @@ class StagedCheckpointIO(StagedExtras, CheckpointIO):
             checksum=self.checksum,
             checksum_in=self.checksum_in,
             device_staging=self.device_staging,
+            writer=self.writer,
             io_threads=self.io_threads,
             direct_io=self.direct_io,
             storage_options=self.storage_options,
