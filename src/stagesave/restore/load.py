@@ -18,7 +18,7 @@ from ..errors import IntegrityError, StorageError
 from ..safety import safe_torch_load
 from ..saving import inflight
 from ..stores.base import Reader, Store
-from . import image_load
+from . import from_memory, image_load
 from .resolve_file import resolve_reader
 from .torch_load import torch_forces_weights_only
 from .verified_memo import verified_before
@@ -64,6 +64,13 @@ def _load_once(
         if info.status == "corrupt":
             raise IntegrityError(f"checkpoint {where} is corrupt: {'; '.join(info.problems)}")
         manifest = info.manifest
+        if (manifest is not None and mmap is None and not trusted
+                and not torch_forces_weights_only()):
+            # a writer agent's snapshot of this very file, still in memory: no read at all
+            image = from_memory.snapshot_image(reader, manifest, io(), check=verify)
+            if image is not None:
+                return safe_torch_load(image, map_location=map_location, trusted=False,
+                                       safe_globals=globs, where=where)
         fd = reader.fileno()
         if fd is not None:
             # Verified by this process a moment ago (latest()), the very inode unchanged: the

@@ -22,7 +22,7 @@ from ..errors import (
 from ..ondisk.manifest import FileEntry, Manifest
 from ..saving import inflight
 from ..stores.base import Reader, Store
-from . import proof
+from . import from_memory, proof
 from .info import CheckpointInfo, replaced
 from .resolve_file import resolve_reader
 from .resolve_folder import FolderEntry, folder_entries, resolve_dir
@@ -191,11 +191,14 @@ def folder_files_problems(
 
 
 def check_file(reader: Reader, manifest: Any, io: IoThreads, reuse: bool) -> list[str]:
-    """Every chunk of one file checked (unless ``reuse`` and verified moments ago, unchanged);
-    a match is remembered for the load that follows."""
+    """Every chunk of one file checked (unless ``reuse`` and verified moments ago, unchanged,
+    or ``reuse`` and a writer agent's snapshot of it in memory matches it: the bytes the load
+    that follows uses); a match is remembered for the load that follows."""
     entry = manifest.files[0]
     if reuse and verified_before(reader, entry):
         return []
+    if reuse and from_memory.checked_snapshot(reader, manifest, io()) is not None:
+        return []  # a resume loads the agent's snapshot, whose bytes match this proof
     problems = check_chunks(reader, manifest, io)
     if not problems:
         remember_verified(reader, entry)
