@@ -3,6 +3,8 @@
 A test sets ``STAGESAVE_CRASH_AT=<point>[:<n>]`` in a child process; the n-th time (default the
 first) that the save protocol reaches that point, the process SIGKILLs itself, exactly as a power
 cut or an OOM kill would stop it. Without the variable a crash point costs one dict lookup.
+A writer agent (``writer="process"``) runs the protocol with ``STAGESAVE_AGENT_CRASH_AT`` as its
+``STAGESAVE_CRASH_AT`` (and never inherits the trainer's).
 """
 
 from __future__ import annotations
@@ -11,9 +13,10 @@ import os
 import signal
 import threading
 
-__all__ = ["CRASH_POINTS", "ENV_VAR", "crash_point"]
+__all__ = ["AGENT_ENV_VAR", "CRASH_POINTS", "ENV_VAR", "crash_point"]
 
 ENV_VAR = "STAGESAVE_CRASH_AT"
+AGENT_ENV_VAR = "STAGESAVE_AGENT_CRASH_AT"
 
 #: Every point the protocol passes, in order (tests iterate over this).
 CRASH_POINTS = (

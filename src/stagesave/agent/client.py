@@ -28,9 +28,13 @@ import warnings
 from typing import Any
 
 from .. import errors
+from .._crash import AGENT_ENV_VAR as AGENT_CRASH_ENV
+from .._crash import ENV_VAR as CRASH_ENV
 from ..errors import CheckpointError, UsageError
+from ..saving.files import FileToWrite
 from ..saving.jobs import SaveSpec
 from ..saving.pipeline import Job
+from ..saving.seal import blank_fill
 from ..stores.base import Store
 from ..stores.fsspec import FsspecStore
 from ..stores.local import LocalStore
@@ -101,6 +105,11 @@ class AgentClient:
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env = dict(os.environ, OMP_NUM_THREADS="1")
+        # fault injection (tests): the agent's crash point is its own variable, so that a
+        # trainer writing in-process after the agent's crash does not reach it too
+        env.pop(CRASH_ENV, None)
+        if os.environ.get(AGENT_CRASH_ENV):
+            env[CRASH_ENV] = os.environ[AGENT_CRASH_ENV]
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-c", _BOOT.format(path=package), str(theirs.fileno()),
@@ -234,6 +243,17 @@ def _error(name: str, message: str) -> CheckpointError:
     return errors.StorageError(message)
 
 
+def _as_staged(files: list[FileToWrite]) -> None:
+    """Undo what a dead agent may have written into the shared buffer (zip CRC fields, a
+    safetensors proof in its header): the proof's place back to spaces, the CRCs to be computed
+    again from the bytes as they are."""
+    for f in files:
+        blank = f.image.blank
+        if blank is not None and f.view is not None:
+            f.view[blank[0] : blank[0] + blank[1]] = blank_fill(blank[1])
+        f.crcs = None
+
+
 def _address(view: memoryview) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
@@ -264,7 +284,10 @@ class Writer:
         """
         agent, spec = self.agent, job.spec
         staged: Any = job.staged
-        if agent is None or agent.lost is not None or not isinstance(spec, SaveSpec):
+        if agent is None or not isinstance(spec, SaveSpec):
+            return job
+        if agent.lost is not None:
+            self._warn(f"stagesave: the writer agent {agent.lost}")
             return job
         lease: Any = getattr(staged, "lease", None)
         segment = None if lease is None else lease.buf.segment
@@ -292,6 +315,7 @@ class Writer:
             ticket.event.wait()
             if ticket.lost is not None:
                 self._warn(f"stagesave: the writer agent {ticket.lost}")
+                _as_staged(staged.files)
                 job.commit(pool)  # from the same shared buffer, in this process
                 if job.retire is not None:
                     job.retire()

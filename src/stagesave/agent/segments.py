@@ -17,10 +17,12 @@ import os
 import secrets
 import stat
 import tempfile
+import time
 from dataclasses import asdict, dataclass
 
 __all__ = [
-    "SEGMENT_SUFFIX", "Snapshot", "create_segment", "map_segment", "owned_segments",
+    "SEGMENT_SUFFIX", "Snapshot", "abandoned_segments", "create_segment", "map_segment",
+    "mapped_paths", "owned_segments",
     "read_snapshot", "remove_segment", "shm_dir", "write_snapshot",
 ]
 
@@ -93,6 +95,44 @@ def remove_segment(path: str) -> None:
             os.unlink(p)
         except FileNotFoundError:
             pass
+
+
+def mapped_paths() -> set[str]:
+    """Every file some process of this host maps (as far as ``/proc`` lets this user see)."""
+    seen: set[str] = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as f:
+                for line in f:
+                    parts = line.split(None, 5)
+                    if len(parts) == 6:
+                        seen.add(parts[5].strip().removesuffix(" (deleted)"))
+        except OSError:
+            continue
+    return seen
+
+
+def abandoned_segments(directory: str | None = None, min_age_s: float = 10.0
+                       ) -> list[tuple[str, int, str]]:
+    """This user's segments no process maps any more (a trainer and its agent both died, or a
+    snapshot no restart loaded): ``(path, bytes, what)`` for each, ``what`` being "snapshot of
+    <checkpoint>" or "segment". Segments younger than ``min_age_s`` are left alone (one may be
+    between its creation and its mapping)."""
+    in_use = mapped_paths()
+    now = time.time()
+    found = []
+    for path in owned_segments(directory):
+        try:
+            st = os.stat(path, follow_symlinks=False)
+        except OSError:
+            continue
+        if path in in_use or now - st.st_mtime < min_age_s:
+            continue
+        snap = read_snapshot(path)
+        found.append((path, st.st_size, f"snapshot of {snap.path}" if snap else "segment"))
+    return found
 
 
 def owned_segments(directory: str | None = None) -> list[str]:

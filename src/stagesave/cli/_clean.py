@@ -7,6 +7,7 @@ from typing import Any
 
 from rich.table import Table
 
+from ..agent.segments import abandoned_segments, remove_segment
 from ..restore.gc import collect_garbage
 from ._common import CliError, Env, literal
 from ._units import fmt_bytes, fmt_duration, parse_duration
@@ -27,7 +28,14 @@ def add_parser(sub: Any) -> None:
         "remove them. Nothing else is ever touched (a user's file that only looks similar is left "
         "alone) and symlinks are never followed. --dry-run only lists.",
     )
-    p.add_argument("root", metavar="ROOT")
+    p.add_argument("root", metavar="ROOT", nargs="?",
+                   help="checkpoint directory or URL (optional with --shm)")
+    p.add_argument(
+        "--shm", action="store_true",
+        help="also remove this user's shared-memory segments of writer agents (writer='process') "
+             "that no process maps any more: what a trainer and its agent both killed left, and "
+             "snapshots no restart loaded (in $STAGESAVE_SHM_DIR, default /dev/shm)",
+    )
     p.add_argument(
         "--dry-run", "-n", action="store_true", help="list what would be done, change nothing"
     )
@@ -48,11 +56,32 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=run)
 
 
+def _shm(env: Env, args: argparse.Namespace) -> None:
+    found = abandoned_segments()
+    for path, size, what in found:
+        if not args.dry_run:
+            remove_segment(path)
+        if not args.json:
+            env.out.print(f"{'would remove' if args.dry_run else 'removed'} {what} "
+                              f"{literal(path)} ({fmt_bytes(size)})")
+    if args.json and args.root is None:
+        env.print_json({"dry_run": args.dry_run,
+                        "segments": [{"path": p, "bytes": n, "what": w} for p, n, w in found]})
+    elif not found and not args.json:
+        env.out.print("no abandoned shared-memory segments")
+
+
 def run(env: Env, args: argparse.Namespace) -> int:
     try:
         older_than = parse_duration(args.older_than)
     except ValueError as exc:
         raise CliError(str(exc), 2) from exc
+    if args.shm:
+        _shm(env, args)
+    if args.root is None:
+        if not args.shm:
+            raise CliError("gc needs ROOT (or --shm)", 2)
+        return 0
     store = env.root(args.root)
     report = collect_garbage(
         store, dry_run=args.dry_run, older_than_s=older_than, check_pids=not args.no_pid_check,

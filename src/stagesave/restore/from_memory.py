@@ -54,7 +54,8 @@ def _mapped(snap: Snapshot) -> memoryview | None:
         mem = map_segment(snap.segment, private=True)
     except (OSError, ValueError) as exc:
         warnings.warn(f"stagesave: the snapshot {snap.segment} of {snap.path} cannot be mapped "
-                      f"({exc}); reading the checkpoint from storage", stacklevel=4)
+                      f"({exc}); reading the checkpoint from storage", RuntimeWarning,
+                      stacklevel=4)
         return None
     if len(mem) < snap.offset + snap.covered:
         mem.close()
@@ -81,7 +82,7 @@ def checked_snapshot(reader: Reader, manifest: Manifest, pool: cf.Executor
         if problems:
             warnings.warn(f"stagesave: the snapshot of {snap.path} in memory does not match the "
                           f"file's proof ({problems[0]}); it is removed and the checkpoint is "
-                          "read from storage", stacklevel=4)
+                          "read from storage", RuntimeWarning, stacklevel=4)
             remove_segment(snap.segment)
             return None
         with _lock:

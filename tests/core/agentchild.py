@@ -1,0 +1,48 @@
+"""Trainers run by the writer-agent crash tests in forked children (imported by the forkserver,
+not collected): they save with ``writer="process"`` and are SIGKILLed after a save returns."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from typing import Any
+
+import torch
+
+import stagesave
+from stagesave._crash import AGENT_ENV_VAR  # fault injection in the agent
+
+
+def state_of(step: int, seed: int) -> dict[str, Any]:
+    """The state a trial saves at ``step``: sizes vary with the seed, values name the step."""
+    rng = random.Random(seed * 1000 + step)
+    n = rng.randint(1, 6)
+    return {
+        "step": step,
+        "tensors": [torch.full((rng.randint(1, 400_000),), float(step * 10 + i))
+                    for i in range(n)],
+        "name": f"trial-{seed}-step-{step}",
+    }
+
+
+def save_then_die(root: str, shm: str, seed: int, saves: int, mode: str, conn: Any,
+                  agent_crash: str | None = None) -> None:
+    """Save ``saves`` checkpoints with a writer agent, telling the parent after each returned;
+    then SIGKILL this process: at once (``mode="after_return"``) or after a random moment of
+    the background write (``"during_write"``). ``agent_crash``: the crash point at which the
+    agent SIGKILLs itself (fault injection)."""
+    os.environ["STAGESAVE_SHM_DIR"] = shm
+    os.environ.pop(AGENT_ENV_VAR, None)
+    if agent_crash:
+        os.environ[AGENT_ENV_VAR] = agent_crash
+    rng = random.Random(seed)
+    ck = stagesave.Checkpointer(root, writer="process", chunk_bytes=1 << 20)
+    for step in range(saves):
+        ck.save(state_of(step, seed), f"step-{step:03d}.ckpt")
+        assert ck.writer.agent is not None
+        conn.send((step, ck.writer.agent.pid))
+    if mode == "during_write":
+        time.sleep(rng.uniform(0.0, 0.03))
+    os.kill(os.getpid(), signal.SIGKILL)
