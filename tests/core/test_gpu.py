@@ -46,3 +46,23 @@ def test_tensor_freed_after_save_is_still_saved_correctly(ckpt_dir):
         h.result()
         assert bool((ck.load("freed.ckpt")["w"] == 3.0).all())
         del junk
+
+
+def test_process_writer_segments_are_registered_pinned_and_unregistered(tmp_path, monkeypatch):
+    """writer="process": the shared segments are pinned with cudaHostRegister (fast
+    device-to-host copies), a CUDA state round-trips, and an in-place update right after save()
+    does not reach the checkpoint (the copy is complete before the agent is handed the order)."""
+    monkeypatch.setenv("STAGESAVE_SHM_DIR", str(tmp_path / "shm"))
+    (tmp_path / "shm").mkdir()
+    w = torch.randn(4096, 4096, device="cuda")
+    expected = w.cpu()
+    with stagesave.Checkpointer(tmp_path / "ck", writer="process") as ck:
+        h = ck.save({"w": w}, "g.ckpt")
+        w.mul_(0)
+        h.result(120)
+        (buf,) = ck.memory.host._free
+        assert buf.segment is not None and buf.pinned
+        assert buf.tensor.is_pinned()  # cudaHostRegister'ed memory counts as pinned
+        out = ck.load(tmp_path / "ck" / "g.ckpt", map_location="cuda")
+        assert out["w"].is_cuda and torch.equal(out["w"].cpu(), expected)
+    assert list((tmp_path / "shm").iterdir()) == []
