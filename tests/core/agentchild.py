@@ -46,3 +46,19 @@ def save_then_die(root: str, shm: str, seed: int, saves: int, mode: str, conn: A
     if mode == "during_write":
         time.sleep(rng.uniform(0.0, 0.03))
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def save_fork_then_die(root: str, shm: str, conn: Any) -> None:
+    """Save once, fork a child that keeps every descriptor open (a DataLoader worker started
+    with fork holds the agent's socket too), then SIGKILL this process."""
+    os.environ["STAGESAVE_SHM_DIR"] = shm
+    os.environ.pop(AGENT_ENV_VAR, None)
+    ck = stagesave.Checkpointer(root, writer="process")
+    ck.save(state_of(0, 3), "step-000.ckpt")
+    assert ck.writer.agent is not None
+    worker = os.fork()
+    if worker == 0:
+        time.sleep(60)
+        os._exit(0)
+    conn.send((ck.writer.agent.pid, worker))
+    os.kill(os.getpid(), signal.SIGKILL)

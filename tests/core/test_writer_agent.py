@@ -299,3 +299,23 @@ def test_process_writer_saves_files_and_folders_and_leaves_nothing(tmp_path, shm
     assert os.listdir(shm) == []
     time.sleep(0.2)
     assert {t.name for t in threading.enumerate()} <= before
+
+
+def test_agent_exits_when_its_trainer_dies_while_a_forked_worker_holds_the_socket(
+        tmp_path, shm):
+    """The end of the socket never comes while a forked worker keeps it open: the agent still
+    notices that its trainer is gone (its parent changed), commits and exits."""
+    root = tmp_path / "ck"
+    parent, child = _ctx.Pipe()
+    p = _ctx.Process(target=agentchild.save_fork_then_die, args=(str(root), str(shm), child))
+    p.start()
+    agent, worker = parent.recv()
+    p.join(60)
+    try:
+        assert p.exitcode == -signal.SIGKILL
+        assert _gone(agent, 10), "the agent outlived its trainer"
+        assert _gone(worker, 0.01) is False  # the worker still holds the socket
+        with stagesave.Checkpointer(root) as ck:
+            assert ck.verify(root / "step-000.ckpt").status == "verified"
+    finally:
+        os.kill(worker, signal.SIGKILL)
