@@ -90,17 +90,11 @@ def checked_snapshot(reader: Reader, manifest: Manifest, pool: cf.Executor
     return snap, view
 
 
-def snapshot_image(reader: Reader, manifest: Manifest, pool: cf.Executor, *,
-                   check: bool) -> Image | None:
+def snapshot_image(reader: Reader, manifest: Manifest, pool: cf.Executor) -> Image | None:
     """The image a load unpickles from the snapshot of ``reader``'s file (consumed), or
-    ``None``. ``check=False`` (``verify=False``): the snapshot must be of this very file (path,
-    length, serialization id), its bytes are not hashed."""
-    if check:
-        got = checked_snapshot(reader, manifest, pool)
-    else:
-        snap = find_snapshot(reader, manifest)
-        mapped = _mapped(snap) if snap is not None else None
-        got = (snap, mapped) if snap is not None and mapped is not None else None
+    ``None``. Its bytes are always matched against the proof, even for ``verify=False``: a
+    trainer killed while staging its next save into the same segment leaves it torn."""
+    got = checked_snapshot(reader, manifest, pool)
     if got is None:
         return None
     snap, view = got

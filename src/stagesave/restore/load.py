@@ -67,7 +67,7 @@ def _load_once(
         if (manifest is not None and mmap is None and not trusted
                 and not torch_forces_weights_only()):
             # a writer agent's snapshot of this very file, still in memory: no read at all
-            image = from_memory.snapshot_image(reader, manifest, io(), check=verify)
+            image = from_memory.snapshot_image(reader, manifest, io())
             if image is not None:
                 return safe_torch_load(image, map_location=map_location, trusted=False,
                                        safe_globals=globs, where=where)
