@@ -297,6 +297,8 @@ def test_process_writer_saves_files_and_folders_and_leaves_nothing(tmp_path, shm
     assert os.listdir(shm)  # its staging buffers, while it lives
     agent = ck.writer.agent
     assert agent is not None and agent.proc is not None
+    with open(f"/proc/{agent.pid}/maps") as f:
+        assert "libtorch" not in f.read()  # the agent never loaded torch: it cannot run its ops
     ck.close()
     assert agent.proc.poll() == 0  # exited by itself, after its orders
     assert os.listdir(shm) == []
