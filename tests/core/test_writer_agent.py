@@ -324,3 +324,50 @@ def test_agent_exits_when_its_trainer_dies_while_a_forked_worker_holds_the_socke
             assert ck.verify(root / "step-000.ckpt").status == "verified"
     finally:
         os.kill(worker, signal.SIGKILL)
+
+
+def test_orders_carry_only_what_changed_and_every_save_is_right(tmp_path, shm, monkeypatch):
+    """Orders send each file's layout as changes to the last one (a steady plan's lists are
+    not sent again): through a sequence of kept and changed structures, file and folder saves
+    interleaved, every checkpoint the agent commits verifies and loads as its state."""
+    root = tmp_path / "ck"
+    base = {f"layer{i}": torch.randn(16, 8) for i in range(400)}
+    states: list[dict[str, object]] = []
+    for step in range(3):  # the same structure: the layout is sent once
+        states.append({**base, "step": step, "lr": 0.1 / (step + 1), "best": f"s{step}.ckpt"})
+    moved = {k: v.clone() for k, v in base.items()}  # new storages of the same sizes
+    states.append({**moved, "step": 3, "lr": 0.01, "best": "x"})
+    states.append({**moved, "step": 4, "lr": 0.01, "best": "x", "extra": torch.ones(7)})
+    states.append({**moved, "layer0": torch.randn(10), "step": 5, "lr": 0.0, "best": ""})
+    states.append({**base, "step": 6, "lr": 0.5, "best": "again"})
+    import pickle
+
+    from stagesave.agent import wire
+
+    sent: list[int] = []
+    real_send = wire.send
+
+    def send(sock, message):  # observe the size of each file order on its way
+        if isinstance(message, wire.Order) and message.kind == "file":
+            sent.append(len(pickle.dumps(message.files[0].layout)))
+        real_send(sock, message)
+
+    monkeypatch.setattr(wire, "send", send)
+    with stagesave.Checkpointer(root, writer="process") as ck:
+        for i, state in enumerate(states):
+            ck.save(state, f"s{i}.ckpt")
+            ck.save_dir({"opt.bin": {"s": state["step"], "m": base["layer1"] * i},
+                         "model.safetensors": Safetensors({"w": base["layer2"] + i})}, f"d{i}")
+        ck.wait()
+        assert sent[1] * 3 < sent[0] and sent[2] * 3 < sent[0], sent  # the same structure
+        for i, state in enumerate(states):
+            assert ck.verify(root / f"s{i}.ckpt").status == "verified"
+            loaded = ck.load(root / f"s{i}.ckpt")
+            assert loaded.keys() == state.keys()
+            for k, v in state.items():
+                if isinstance(v, torch.Tensor):
+                    assert torch.equal(loaded[k], v), (i, k)
+                else:
+                    assert loaded[k] == v, (i, k)
+            assert ck.verify(root / f"d{i}").status == "verified"
+            assert ck.load(root / f"d{i}" / "opt.bin")["s"] == state["step"]

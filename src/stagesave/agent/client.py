@@ -32,6 +32,7 @@ from .._crash import AGENT_ENV_VAR as AGENT_CRASH_ENV
 from .._crash import ENV_VAR as CRASH_ENV
 from ..errors import CheckpointError, UsageError
 from ..saving.files import FileToWrite
+from ..saving.image import FileImage
 from ..saving.jobs import SaveSpec
 from ..saving.pipeline import Job
 from ..saving.seal import blank_fill
@@ -87,6 +88,7 @@ class AgentClient:
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._tickets: dict[int, _Ticket] = {}
+        self._codec = wire.LayoutCodec()
         self._next = 0
         self._lost: str | None = None
         self._closing = False
@@ -166,7 +168,7 @@ class AgentClient:
             t.lost = self._lost
             t.event.set()
 
-    def _send(self, message: object) -> None:
+    def _send(self, message: object, images: list[FileImage] | None = None) -> None:
         with self._lock:
             if self._lost is not None:
                 raise AgentLost(f"stagesave: the writer agent {self._lost}")
@@ -175,7 +177,10 @@ class AgentClient:
         sock = self._sock
         assert sock is not None
         try:
-            with self._send_lock:
+            with self._send_lock:  # layouts are encoded in the order the agent decodes them
+                if isinstance(message, wire.Order) and images is not None:
+                    for of, image in zip(message.files, images):
+                        of.layout = self._codec.encode(of.key, image)
                 wire.send(sock, message)
         except OSError as exc:
             self._mark_lost()
@@ -192,8 +197,9 @@ class AgentClient:
             with contextlib.suppress(AgentLost):
                 self._send(("drop", path))
 
-    def submit(self, order: wire.Order) -> _Ticket:
-        """Hand ``order`` over; once this returns, the save survives this process.
+    def submit(self, order: wire.Order, images: list[FileImage]) -> _Ticket:
+        """Hand ``order`` over, with the layout of each file's image; once this returns, the
+        save survives this process.
 
         Raises:
             AgentLost: the agent is gone (nothing was handed over).
@@ -204,7 +210,7 @@ class AgentClient:
             self._next += 1
             self._tickets[order.id] = ticket
         try:
-            self._send(order)
+            self._send(order, images)
         except AgentLost:
             with self._lock:
                 self._tickets.pop(order.id, None)
@@ -299,14 +305,14 @@ class Writer:
         base = _address(lease.buf.view)
         order = wire.Order(
             id=-1, kind=spec.kind, store=spec.store, name=spec.name, segment=segment,
-            files=[wire.OrderFile(f.name, wire.detach(f.image), _address(f.view) - base, f.crcs,
-                                  f.entry_name) for f in staged.files],
+            files=[wire.OrderFile(f.name, f.entry_name or "", {}, _address(f.view) - base,
+                                  f.crcs, f.entry_name) for f in staged.files],
             checksum=settings.checksum, chunk_bytes=settings.chunk_bytes,
             keep_last=settings.keep_last, meta=spec.meta, telemetry=tel.to_dict(),
             t_start=spec.t_start, staging_dir=spec.staging_dir, nested=list(spec.nested),
         )
         try:
-            ticket = agent.submit(order)
+            ticket = agent.submit(order, [f.image for f in staged.files])
         except AgentLost as exc:
             self._warn(str(exc))
             return job

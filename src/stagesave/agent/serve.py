@@ -71,6 +71,7 @@ class Agent:
         self.known: set[str] = set()
         self.inbox: queue.Queue[Any] = queue.Queue()
         self.newest: wire.Reply | None = None
+        self.codec = wire.LayoutCodec()
         self.replying = True
 
     # -------------------------------------------------------------- messages in
@@ -111,14 +112,16 @@ class Agent:
         tel = SaveTelemetry(**order.telemetry)
         handle = SaveHandle(tel.path, tel)
         views: list[memoryview] = []
+        files: list[FileToWrite] = []
         try:
+            # decoded first, whatever fails next: the codec follows every order the trainer sent
+            images = [self.codec.decode(of.key, of.layout) for of in order.files]
             whole = memoryview(self.segment(order.segment))
-            files = []
-            for of in order.files:
-                view = whole[of.offset : of.offset + of.image.size]
-                views.append(view)
-                files.append(FileToWrite(of.name, of.image, view, of.crcs, None, of.entry_name))
             views.append(whole)
+            for of, image in zip(order.files, images):
+                view = whole[of.offset : of.offset + image.size]
+                views.insert(0, view)
+                files.append(FileToWrite(of.name, image, view, of.crcs, None, of.entry_name))
             staged = _Staged(files)
             settings = _Settings(order)
             if order.kind == "file":
@@ -139,11 +142,11 @@ class Agent:
             for v in views:
                 v.release()
         committed = None
-        if order.kind == "file" and order.files[0].image.serialization_id:
-            image = order.files[0].image
+        first = files[0].image if files else None
+        if order.kind == "file" and first is not None and first.serialization_id:
             committed = {"segment": order.segment, "path": tel.path,
-                         "offset": order.files[0].offset, "covered": image.covered,
-                         "length": tel.bytes, "serialization_id": image.serialization_id}
+                         "offset": order.files[0].offset, "covered": first.covered,
+                         "length": tel.bytes, "serialization_id": first.serialization_id}
         return wire.Reply(order.id, tel.to_dict(), None, committed)
 
     def reply(self, reply: wire.Reply) -> None:
