@@ -273,6 +273,8 @@ def test_writer_option_is_checked(tmp_path, monkeypatch):
     monkeypatch.setenv("STAGESAVE_WRITER", "process")
     with stagesave.Checkpointer(tmp_path) as ck:
         assert ck.writer.mode == "process"
+    with stagesave.Checkpointer(tmp_path, device_staging=True) as ck:
+        assert ck.writer.mode == "thread"  # the environment's default yields to device staging
     with pytest.raises(stagesave.UsageError, match="device_staging"):
         stagesave.Checkpointer(tmp_path, writer="process", device_staging=True)
 
@@ -345,14 +347,14 @@ def test_orders_carry_only_what_changed_and_every_save_is_right(tmp_path, shm, m
     from stagesave.agent import wire
 
     sent: list[int] = []
-    real_send = wire.send
+    real_dumps = wire.dumps
 
-    def send(sock, message):  # observe the size of each file order on its way
+    def dumps(message):  # observe the size of each file order on its way
         if isinstance(message, wire.Order) and message.kind == "file":
             sent.append(len(pickle.dumps(message.files[0].layout)))
-        real_send(sock, message)
+        return real_dumps(message)
 
-    monkeypatch.setattr(wire, "send", send)
+    monkeypatch.setattr(wire, "dumps", dumps)
     with stagesave.Checkpointer(root, writer="process") as ck:
         for i, state in enumerate(states):
             ck.save(state, f"s{i}.ckpt")

@@ -19,6 +19,7 @@ import concurrent.futures as cf
 import contextlib
 import ctypes
 import os
+import pickle
 import socket
 import subprocess
 import sys
@@ -178,10 +179,16 @@ class AgentClient:
         assert sock is not None
         try:
             with self._send_lock:  # layouts are encoded in the order the agent decodes them
-                if isinstance(message, wire.Order) and images is not None:
-                    for of, image in zip(message.files, images):
-                        of.layout = self._codec.encode(of.key, image)
-                wire.send(sock, message)
+                before = dict(self._codec.last)
+                try:
+                    if isinstance(message, wire.Order) and images is not None:
+                        for of, image in zip(message.files, images):
+                            of.layout = self._codec.encode(of.key, image)
+                    data = wire.dumps(message)
+                except Exception:
+                    self._codec.last = before  # nothing was sent: the agent saw no change
+                    raise
+                wire.send_bytes(sock, data)
         except OSError as exc:
             self._mark_lost()
             raise AgentLost(f"stagesave: the writer agent {self._lost}") from exc
@@ -211,7 +218,7 @@ class AgentClient:
             self._tickets[order.id] = ticket
         try:
             self._send(order, images)
-        except AgentLost:
+        except BaseException:
             with self._lock:
                 self._tickets.pop(order.id, None)
             raise
@@ -265,8 +272,11 @@ def _address(view: memoryview) -> int:
 
 
 def _eligible(store: Store) -> bool:
-    """Stores an agent can rebuild from a pickle (local paths, S3, plain fsspec)."""
-    return type(store) in (LocalStore, S3Store, FsspecStore)
+    """Stores another process reaches the same way: local paths, S3, fsspec URLs (not
+    ``memory://``, which is this process's own)."""
+    if type(store) is FsspecStore:
+        return not store.url.startswith("memory://")
+    return type(store) in (LocalStore, S3Store)
 
 
 class Writer:
@@ -274,6 +284,8 @@ class Writer:
 
     def __init__(self, writer: str | None, io_threads: int, device_staging: bool) -> None:
         self.mode = writer_choice(writer)
+        if self.mode == "process" and device_staging and writer is None:
+            self.mode = "thread"  # $STAGESAVE_WRITER does not override an explicit option
         if self.mode == "process" and device_staging:
             raise UsageError(
                 "writer='process' cannot write device_staging saves (their bytes stay in GPU "
@@ -316,6 +328,10 @@ class Writer:
         except AgentLost as exc:
             self._warn(str(exc))
             return job
+        except (pickle.PicklingError, TypeError, AttributeError) as exc:
+            self._warn(f"stagesave: a save to {spec.store.describe(spec.name)} cannot be handed "
+                       f"to the writer agent ({type(exc).__name__}: {exc})", lost=False)
+            return job
 
         def commit(pool: cf.Executor) -> None:
             ticket.event.wait()
@@ -337,15 +353,14 @@ class Writer:
         return Job(job.handle, job.what, commit, staged=job.staged, on_error=job.on_error,
                    key=job.key)
 
-    def _warn(self, why: str) -> None:
+    def _warn(self, why: str, *, lost: bool = True) -> None:
         if self._warned:
             return
         self._warned = True
-        warnings.warn(
-            f"{why}; its saves not yet committed are written by this process from the same "
-            "shared buffer, and so are later saves (as with writer='thread')",
-            RuntimeWarning, stacklevel=2,
-        )
+        then = ("its saves not yet committed are written by this process from the same shared "
+                "buffer, and so are later saves (as with writer='thread')" if lost else
+                "such saves are written by this process (as with writer='thread')")
+        warnings.warn(f"{why}; {then}", RuntimeWarning, stacklevel=2)
 
     def close(self, timeout: float | None = None) -> None:
         if self.agent is not None:

@@ -21,14 +21,23 @@ from ..saving.files import ImageCrcs
 from ..saving.image import FileImage, StorageSlot
 from ..stores.base import Store
 
-__all__ = ["LayoutCodec", "Order", "OrderFile", "Reply", "recv", "send"]
+__all__ = [
+    "LayoutCodec", "Order", "OrderFile", "Reply", "dumps", "recv", "send", "send_bytes",
+]
 
 _LEN = struct.Struct("<Q")
 
 
-def send(sock: socket.socket, message: object) -> None:
-    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+def dumps(message: object) -> bytes:
+    return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def send_bytes(sock: socket.socket, data: bytes) -> None:
     sock.sendall(_LEN.pack(len(data)) + data)
+
+
+def send(sock: socket.socket, message: object) -> None:
+    send_bytes(sock, dumps(message))
 
 
 def recv(sock: socket.socket) -> Any:

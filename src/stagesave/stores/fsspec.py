@@ -71,12 +71,17 @@ class FsspecStore(Store):
     """A root URL on any fsspec filesystem."""
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+        self._made_with = (url, dict(storage_options or {}))
         self.fs, self.root = _filesystem(url, dict(storage_options or {}))
         protocol = url.split("://", 1)[0]
         if "://" in self.root:  # filesystems whose paths are URLs themselves (http)
             self.url = self.root
         else:
             self.url = f"{protocol}://{self.root.lstrip('/')}" if protocol != "memory" else f"memory://{self.root}"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled as the arguments it was made with (a writer agent makes its own)."""
+        return (FsspecStore, self._made_with)
 
     def _path(self, name: str) -> str:
         return posixpath.join(self.root, check_name(name))

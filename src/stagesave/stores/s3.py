@@ -89,6 +89,9 @@ class S3Store(Store):
         read_timeout: float = 60.0,
     ) -> None:
         self.bucket, self.prefix = _parse_url(url)
+        #: How to make this store again in another process (a writer agent's).
+        self._made_with = (url, dict(storage_options or {}), max_connections, part_size,
+                           multipart_threshold, retry, connect_timeout, read_timeout)
         if max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {max_connections}")
         if not MIN_PART_BYTES <= part_size <= MAX_PART_BYTES:
@@ -108,6 +111,10 @@ class S3Store(Store):
         self._etags: dict[str, str] = {}
         self._lock = threading.Lock()
         self._bucket_checked = False
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled as the arguments it was made with (its connections stay here)."""
+        return (_remake, self._made_with)
 
     @property
     def retry(self) -> RetryPolicy:
@@ -365,3 +372,11 @@ class _PinnedReader(Reader):
     def readinto(self, offset: int, out: memoryview) -> int:
         n = min(len(out), max(0, self.size - offset))
         return self.store._read_pinned(self.name, offset, out[:n], self.etag) if n else 0
+
+
+def _remake(url: str, storage_options: dict[str, Any], max_connections: int, part_size: int,
+            multipart_threshold: int, retry: RetryPolicy | None, connect_timeout: float,
+            read_timeout: float) -> S3Store:
+    return S3Store(url, storage_options, max_connections=max_connections, part_size=part_size,
+                   multipart_threshold=multipart_threshold, retry=retry,
+                   connect_timeout=connect_timeout, read_timeout=read_timeout)
