@@ -118,6 +118,8 @@ ALTERNATIVES: dict[str, Callable[[], Starter]] = {
     "stagesave checksum_in=background": lambda: make_stagesave(checksum_in="background"),
     # the default on CPU
     "stagesave checksum_in=staging": lambda: make_stagesave(checksum_in="staging"),
+    # a writer agent process writes, commits and retires each save (issue 21)
+    "stagesave writer=process": lambda: make_stagesave(writer="process"),
 }
 
 

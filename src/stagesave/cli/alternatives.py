@@ -177,6 +177,10 @@ def _builtin() -> list[Alternative]:
         Alternative("stagesave checksum_in=background",
                     lambda base, options: StageSave(options, checksum_in="background"), 1.0,
                     True, True, "max_pending=1; the writer threads hash as they write", urls=True),
+        Alternative("stagesave writer=process",
+                    lambda base, options: StageSave(options, writer="process"), 1.0, True, True,
+                    "max_pending=1; a writer agent process writes from shared memory",
+                    urls=True),
     ]
 
 
