@@ -58,12 +58,14 @@ def test_regular_install_from_a_wheel(tmp_path):
         "stagesave/accelerate/__init__.py",
         "stagesave/dcp/__init__.py",
         "stagesave/cli/__init__.py",
+        "stagesave/agent/__init__.py",
+        "stagesave/agent/serve.py",
     ):
         assert expected in names, expected
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
     code = (
-        "import stagesave, stagesave.lightning, stagesave.accelerate; "
-        "print(stagesave.lightning.__file__)"
+        "import stagesave, stagesave.lightning, stagesave.accelerate, stagesave.agent.serve; "
+        "print(stagesave.lightning.__file__); print(stagesave.agent.serve.__file__)"
     )
     out = subprocess.run(
         [
@@ -79,4 +81,5 @@ def test_regular_install_from_a_wheel(tmp_path):
         check=False,
     )
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip().startswith(str(tmp_path / "site"))
+    for line in out.stdout.split():
+        assert line.startswith(str(tmp_path / "site")), line

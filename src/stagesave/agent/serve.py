@@ -24,6 +24,7 @@ from typing import Any
 
 from ..errors import as_checkpoint_error
 from ..handle import SaveHandle
+from ..ondisk.names import ALIGNMENT
 from ..saving import jobs
 from ..saving.files import FileToWrite
 from ..saving.pipeline import BACKGROUND_NICE
@@ -119,7 +120,10 @@ class Agent:
             whole = memoryview(self.segment(order.segment))
             views.append(whole)
             for of, image in zip(order.files, images):
-                view = whole[of.offset : of.offset + image.size]
+                # whole pages, as the in-process writer has them: O_DIRECT needs aligned
+                # lengths (a folder's files each start on a page of their own)
+                end = of.offset + (image.size + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+                view = whole[of.offset : min(len(whole), end)]
                 views.insert(0, view)
                 files.append(FileToWrite(of.name, image, view, of.crcs, None, of.entry_name))
             staged = _Staged(files)
