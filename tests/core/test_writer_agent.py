@@ -389,3 +389,28 @@ def test_the_agent_writes_with_o_direct_where_the_thread_writer_does(tmp_path, s
             folder = ck.save_dir({"a.bin": state, "b.bin": {"x": torch.ones(3)}}, "d").result(60)
             assert folder.direct_io == got[writer]
     assert got["process"] == got["thread"]
+
+
+def test_a_full_shared_memory_filesystem_falls_back_to_private_staging(tmp_path, monkeypatch):
+    """A container's small /dev/shm: the segment cannot be made (a real ENOSPC from a 2 MiB
+    tmpfs); the save stages in private memory and is written by this process, one warning."""
+    small = tmp_path / "small-shm"
+    small.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(small)],
+                       capture_output=True, text=True, check=False)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()}): needs root and mounts")
+    monkeypatch.setenv("STAGESAVE_SHM_DIR", str(small))
+    try:
+        state = {"w": torch.randn(4_000_000)}  # 16 MB: no room for its segment
+        with stagesave.Checkpointer(tmp_path / "ck", writer="process") as ck:
+            with pytest.warns(RuntimeWarning, match="no shared-memory segment of 64 MiB"):
+                ck.save(state, "a.ckpt")
+            ck.wait()
+            state["w"].add_(1)
+            ck.save(state, "b.ckpt").result(60)  # quietly, the same way
+            assert torch.equal(ck.load(tmp_path / "ck" / "b.ckpt")["w"], state["w"])
+            assert ck.verify(tmp_path / "ck" / "a.ckpt").status == "verified"
+        assert os.listdir(small) == []
+    finally:
+        subprocess.run(["umount", "-l", str(small)], check=False)

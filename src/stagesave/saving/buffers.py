@@ -130,6 +130,7 @@ class BufferPool:
         """``device``: hand out buffers in that device's memory instead (see ``device_staging``);
         ``segments``: host buffers in shared segments, announced to it."""
         self.segments = segments
+        self._warned_shared = False
         if max_buffers < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_buffers}")
         self.max_buffers = max_buffers
@@ -182,7 +183,7 @@ class BufferPool:
             capacity = _round_up(need, GROWTH_STEP)
             if self.device is not None:
                 return HostBuffer.on_device(capacity, self.device), waited
-            buf = HostBuffer.allocate(capacity, self.pinned, shared=self.segments is not None)
+            buf = self._allocate(capacity)
             if self.segments is not None and buf.segment is not None:
                 self.segments.announce(buf.segment)
             return buf, waited
@@ -191,6 +192,23 @@ class BufferPool:
                 self._count -= 1
                 self._cond.notify()
             raise
+
+    def _allocate(self, capacity: int) -> HostBuffer:
+        if self.segments is None:
+            return HostBuffer.allocate(capacity, self.pinned)
+        try:
+            return HostBuffer.allocate(capacity, self.pinned, shared=True)
+        except OSError as exc:  # no room in the RAM filesystem (a container's 64 MiB /dev/shm)
+            if not self._warned_shared:
+                self._warned_shared = True
+                warnings.warn(
+                    f"stagesave: no shared-memory segment of {capacity / 2**20:.0f} MiB for the "
+                    f"writer agent ({exc}); saves that need one stage in private memory and are "
+                    "written by this process, as with writer='thread' (give the RAM filesystem "
+                    "more room: docker run --shm-size, or set STAGESAVE_SHM_DIR)",
+                    RuntimeWarning, stacklevel=5,
+                )
+            return HostBuffer.allocate(capacity, self.pinned)
 
     def release(self, buf: HostBuffer) -> None:
         """Give a buffer back for reuse."""
