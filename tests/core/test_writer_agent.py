@@ -414,3 +414,19 @@ def test_a_full_shared_memory_filesystem_falls_back_to_private_staging(tmp_path,
         assert os.listdir(small) == []
     finally:
         subprocess.run(["umount", "-l", str(small)], check=False)
+
+
+def test_a_jobs_sigterm_does_not_stop_the_agent(tmp_path, shm):
+    """SLURM or a preemption sends SIGTERM to every process of the job: the agent leaves it to
+    the trainer (whose flush commits through it) and keeps serving."""
+    with stagesave.Checkpointer(tmp_path, writer="process") as ck:
+        ck.save({"x": torch.ones(4)}, "a.ckpt").result(60)
+        agent = ck.writer.agent
+        assert agent is not None and agent.pid is not None
+        os.kill(agent.pid, signal.SIGTERM)
+        os.kill(agent.pid, signal.SIGINT)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no fallback: the agent still writes
+            ck.save({"x": torch.full((4,), 2.0)}, "b.ckpt").result(60)
+        assert agent.lost is None and agent.proc is not None and agent.proc.poll() is None
+    assert torch.equal(stagesave.load(tmp_path / "b.ckpt")["x"], torch.full((4,), 2.0))

@@ -16,6 +16,7 @@ import concurrent.futures as cf
 import mmap
 import os
 import queue
+import signal
 import socket
 import sys
 import threading
@@ -214,6 +215,10 @@ class Agent:
 def main() -> None:
     """Entry point: ``argv`` = socket fd, trainer pid, I/O threads."""
     fd, trainer_pid, io_threads = (int(a) for a in sys.argv[1:4])
+    # A job's SIGTERM (SLURM, a preemption) reaches every process of the job: the agent lets the
+    # trainer handle it and finishes what it was handed; it exits when its trainer is gone.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         os.nice(BACKGROUND_NICE)
     except OSError:
