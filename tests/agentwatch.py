@@ -50,9 +50,3 @@ def assert_only_snapshot_of(shm: Path, checkpoint: str | None) -> None:
     assert snap is not None, f"{segment} has no valid snapshot description"
     assert snap.path == checkpoint, (snap.path, checkpoint)
 
-
-def clear(shm: Path) -> None:
-    """Remove whatever a test left in its shared-memory folder."""
-    if shm.is_dir():
-        for p in shm.iterdir():
-            p.unlink(missing_ok=True)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +14,19 @@ sys.path.insert(0, os.path.dirname(__file__))
 pytest_plugins = ["s3server"]
 
 torch.manual_seed(0)
+
+
+@pytest.fixture
+def shm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """This test's folder for writer agents' shared-memory segments (``STAGESAVE_SHM_DIR``,
+    inherited by its children), with ``STAGESAVE_WRITER`` unset; emptied at the end."""
+    d = tmp_path / "shm"
+    d.mkdir()
+    monkeypatch.setenv("STAGESAVE_SHM_DIR", str(d))
+    monkeypatch.delenv("STAGESAVE_WRITER", raising=False)
+    yield d
+    for p in d.iterdir():
+        p.unlink(missing_ok=True)
 
 
 @pytest.fixture

@@ -15,7 +15,6 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,23 +24,12 @@ from _child_accel_agent import MARKER, Marker
 from accel_helpers import assert_same, build, snapshot, visible
 from accelerate import Accelerator
 from accelerate.utils import ProjectConfiguration
-from agentwatch import assert_only_snapshot_of, clear, exited
+from agentwatch import assert_only_snapshot_of, exited
 
 import stagesave
 
 HERE = Path(__file__).resolve().parent
 CHILD = HERE / "_child_accel_agent.py"
-
-
-@pytest.fixture
-def shm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """This test's shared-memory folder (the child's and this process's), emptied at the end."""
-    d = tmp_path / "shm"
-    d.mkdir()
-    monkeypatch.setenv("STAGESAVE_SHM_DIR", str(d))
-    monkeypatch.delenv("STAGESAVE_WRITER", raising=False)
-    yield d
-    clear(d)
 
 
 def _run_child(project: Path, shm: Path, kill_after: int, choice: str,

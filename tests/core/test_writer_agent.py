@@ -22,6 +22,7 @@ from pathlib import Path
 import agentchild
 import pytest
 import torch
+from agentwatch import exited
 
 import stagesave
 from stagesave._crash import AGENT_ENV_VAR  # fault injection: the agent's crash point
@@ -36,31 +37,6 @@ from stagesave.formats import Safetensors
 
 _ctx = multiprocessing.get_context("forkserver")
 _ctx.set_forkserver_preload(["torch", "stagesave", "agentchild"])
-
-
-@pytest.fixture
-def shm(tmp_path, monkeypatch):
-    d = tmp_path / "shm"
-    d.mkdir()
-    monkeypatch.setenv("STAGESAVE_SHM_DIR", str(d))
-    return d
-
-
-def _gone(pid: int, timeout: float = 60.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                if f.read().rpartition(b")")[2].split()[0] == b"Z":
-                    return True
-        except OSError:
-            return True
-        time.sleep(0.02)
-    return False
 
 
 def _assert_state(loaded, step, seed):
@@ -88,7 +64,7 @@ def _trial(root: Path, shm: Path, seed: int, mode: str) -> tuple[list[int], int]
         returned.append(step)
     p.join(60)
     assert p.exitcode == -signal.SIGKILL, p.exitcode
-    assert agent > 0 and _gone(agent), "the agent did not exit after its trainer died"
+    assert agent > 0 and exited(agent), "the agent did not exit after its trainer died"
     return returned, agent
 
 
@@ -152,7 +128,7 @@ def test_agent_dead_while_idle_next_save_falls_back(tmp_path, shm):
         agent = ck.writer.agent
         assert agent is not None and agent.pid is not None
         os.kill(agent.pid, signal.SIGKILL)
-        assert _gone(agent.pid, 10)
+        assert exited(agent.pid, 10)
         with pytest.warns(RuntimeWarning, match="writer agent"):
             ck.save({"x": torch.full((10,), 2.0)}, "two.ckpt").result(60)
         assert torch.equal(ck.load(tmp_path / "two.ckpt")["x"], torch.full((10,), 2.0))
@@ -177,7 +153,7 @@ def test_trainer_and_agent_both_killed_gc_removes_what_they_left(tmp_path, shm):
         except EOFError:
             break
     p.join(60)
-    assert p.exitcode == -signal.SIGKILL and pids and _gone(pids[-1])
+    assert p.exitcode == -signal.SIGKILL and pids and exited(pids[-1])
     with stagesave.Checkpointer(root) as ck:
         best = ck.latest()
         assert best is not None and best.path == str(root / "step-000.ckpt")
@@ -320,8 +296,8 @@ def test_agent_exits_when_its_trainer_dies_while_a_forked_worker_holds_the_socke
     p.join(60)
     try:
         assert p.exitcode == -signal.SIGKILL
-        assert _gone(agent, 10), "the agent outlived its trainer"
-        assert _gone(worker, 0.01) is False  # the worker still holds the socket
+        assert exited(agent, 10), "the agent outlived its trainer"
+        assert exited(worker, 0.01) is False  # the worker still holds the socket
         with stagesave.Checkpointer(root) as ck:
             assert ck.verify(root / "step-000.ckpt").status == "verified"
     finally:

@@ -10,12 +10,11 @@ file's snapshot in shared memory, and a new ``Trainer`` must resume from that ne
 from __future__ import annotations
 
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from agentwatch import assert_only_snapshot_of, clear, exited
+from agentwatch import assert_only_snapshot_of, exited
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning_helpers import (
     HERE,
@@ -32,17 +31,6 @@ import stagesave
 
 CHILD = HERE / "_child_writer_agent.py"
 MARKER = 1 << 21  # the child's marker tensor: this many float32 elements, filled with the step
-
-
-@pytest.fixture
-def shm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """This test's shared-memory folder (the child's and this process's), emptied at the end."""
-    d = tmp_path / "shm"
-    d.mkdir()
-    monkeypatch.setenv("STAGESAVE_SHM_DIR", str(d))
-    monkeypatch.delenv("STAGESAVE_WRITER", raising=False)
-    yield d
-    clear(d)
 
 
 class Probe(Callback):

@@ -14,14 +14,13 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from _child_s3_agent import state_of
-from agentwatch import assert_only_snapshot_of, clear, exited
+from agentwatch import assert_only_snapshot_of, exited
 from s3help import object_names, open_uploads
 
 import stagesave
@@ -29,17 +28,6 @@ import stagesave
 pytestmark = pytest.mark.s3
 
 CHILD = Path(__file__).resolve().parent / "_child_s3_agent.py"
-
-
-@pytest.fixture
-def shm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """This test's shared-memory folder (the child's and this process's), emptied at the end."""
-    d = tmp_path / "shm"
-    d.mkdir()
-    monkeypatch.setenv("STAGESAVE_SHM_DIR", str(d))
-    monkeypatch.delenv("STAGESAVE_WRITER", raising=False)
-    yield d
-    clear(d)
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,8 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 
+from ..stores import posix as fsops
+
 __all__ = [
     "SEGMENT_SUFFIX", "Snapshot", "abandoned_segments", "create_segment", "map_segment",
     "mapped_paths", "owned_segments",
@@ -49,11 +51,12 @@ def create_segment(capacity: int) -> tuple[str, mmap.mmap]:
         OSError: the RAM filesystem has no room or cannot be written.
     """
     path = os.path.join(shm_dir(), f"{_prefix()}{secrets.token_hex(16)}{SEGMENT_SUFFIX}")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    fd = fsops.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                    0o600)
     try:
-        os.ftruncate(fd, capacity)
+        fsops.ftruncate(fd, capacity)
         # reserve the pages now: a full /dev/shm fails here with ENOSPC, not with SIGBUS later
-        os.posix_fallocate(fd, 0, capacity)
+        fsops.posix_fallocate(fd, 0, capacity)
         mem = mmap.mmap(fd, capacity, flags=mmap.MAP_SHARED)
     except BaseException:
         os.close(fd)
@@ -92,7 +95,7 @@ def remove_segment(path: str) -> None:
     """Remove a segment and its snapshot description, if there (mappings stay valid)."""
     for p in (path, path + ".json"):
         try:
-            os.unlink(p)
+            fsops.unlink(p)
         except FileNotFoundError:
             pass
 
@@ -170,10 +173,11 @@ def write_snapshot(snap: Snapshot) -> None:
     """Describe ``snap`` beside its segment (written to a temporary, then renamed)."""
     final = snap.segment + ".json"
     tmp = f"{final}.{secrets.token_hex(4)}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    fd = fsops.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                    0o600)
     with os.fdopen(fd, "w") as f:
         json.dump(asdict(snap), f)
-    os.rename(tmp, final)
+    fsops.rename(tmp, final)
 
 
 def read_snapshot(segment: str) -> Snapshot | None:
