@@ -16,9 +16,11 @@ Run it, crash it, run it again::
     # 2 CPU processes (gloo): --multi_gpu makes accelerate start torchrun, even without GPUs
     accelerate launch --multi_gpu --num_processes 2 examples/accelerate_finetune.py --crash-after-step 30
 
-At the kill, the checkpoint of that step was staged but maybe not committed yet: then it never
-appears, and the next run resumes from the one before (every folder under
-``<output>/checkpoints`` is complete and verified), replays the lost steps and ends with exactly
+At the kill, the checkpoint of that step was staged but maybe not committed yet. stagesave's
+writer agent (the default ``writer="process"``, another process) finishes and commits it anyway,
+and the next run resumes from that very step; with ``writer="thread"`` it dies with the trainer,
+never appears, and the next run resumes from the one before and replays the lost steps. Every
+folder under ``<output>/checkpoints`` is complete and verified, and the run ends with exactly
 the weights of a run that never crashed: the last line prints their SHA-256 so you can compare.
 
 The ``save_state()`` calls inside the loop return once the state is staged; the run ends with

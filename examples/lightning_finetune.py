@@ -14,9 +14,12 @@ Run it, crash it, run it again::
     # the same command without --crash-after-step resumes from the newest valid checkpoint
     python examples/lightning_finetune.py --dir runs/lm
 
-At the kill, the checkpoint of that step was staged but maybe not committed: it is then never
-seen, and the run resumes from the one before, replays the lost steps and ends with exactly the
-weights of a run that never crashed (data order, dropout and optimizer state are all restored).
+At the kill, the checkpoint of that step was staged but maybe not committed yet. stagesave's
+writer agent (the default ``writer="process"``, another process) finishes and commits it anyway,
+so the next run resumes from that very step (from the agent's copy still in memory when it can).
+With ``writer="thread"`` it dies with the trainer, is never seen, and the run resumes from the
+one before and replays the lost steps. Either way the run ends with exactly the weights of a run
+that never crashed (data order, dropout and optimizer state are all restored).
 The last line prints the SHA-256 of the final weights so that runs can be compared.
 """
 

@@ -30,6 +30,16 @@ def shm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
 
 
 @pytest.fixture
+def thread_writer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``STAGESAVE_WRITER=thread`` for this test and its children: for tests that inject a fault
+    into the write path of the training process itself (a named crash point, a wrapped POSIX
+    call, a writer gate, a patched device copy), which the default writer agent, another
+    process, would not reach. The agent's own faults are tested in test_writer_agent.py and
+    the framework ``*_writer_agent`` tests."""
+    monkeypatch.setenv("STAGESAVE_WRITER", "thread")
+
+
+@pytest.fixture
 def ckpt_dir(tmp_path):
     d = tmp_path / "ckpt"
     d.mkdir()

@@ -72,7 +72,8 @@ class Options:
             GPU buffer of the checkpoint's size per save in flight. Local destinations only.
         writer: ``"process"``: a writer agent process writes and commits each save and
             finishes every save handed to it if training dies; ``"thread"``: this process's
-            threads; ``None``: ``$STAGESAVE_WRITER``, else ``"thread"``.
+            threads; ``None``: ``$STAGESAVE_WRITER``, else ``"process"`` (``"thread"`` with
+            ``device_staging``).
         sync_outside_training: A ``save_state`` with no optimizer step of this Accelerator since
             the previous ``save_state``/``load_state`` (nothing to overlap it with: before
             training, after it, between evaluations) returns only once it is committed, and

@@ -73,7 +73,8 @@ class StagedCheckpointIO(StagedExtras, CheckpointIO):
             (``stagesave.Checkpointer``'s ``device_staging``). Local files only.
         writer: ``"process"``: a writer agent process writes and commits each save, and
             finishes every save handed to it if this process dies; ``"thread"``: this
-            process's threads; ``None`` (default): ``$STAGESAVE_WRITER``, else ``"thread"``.
+            process's threads; ``None`` (default): ``$STAGESAVE_WRITER``, else ``"process"``
+            (``"thread"`` with ``device_staging``).
     """
 
     def __init__(

@@ -56,7 +56,7 @@ class Checkpointer:
         pinned: Pin staging buffers (default: when CUDA is available).
         checksum_in: ``"staging"``, ``"background"`` or ``"auto"``: who hashes the chunks.
         device_staging: Stage a CUDA device's state in a reused buffer on that device.
-        writer: ``"thread"`` or ``"process"`` (a writer agent that outlives this process).
+        writer: ``"process"`` (default; a writer agent outliving this process) or ``"thread"``.
     """
 
     telemetry_callback = SinkOption()

@@ -393,7 +393,7 @@ def crash(rank: int, out: str, result: dict[str, Any], save: Any) -> None:
 
     acc = accelerator(os.path.join(out, "crash"))
     run = build(acc)
-    ckpt = sa.enable(acc)
+    ckpt = sa.enable(acc, writer="thread")  # the crash point is in this process's writer
     train(acc, run, 1)
     acc.save_state()
     ckpt.wait()
@@ -642,6 +642,7 @@ def _single(out: str, point: str) -> None:
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         os.environ.pop(var, None)
     os.environ["STAGESAVE_CRASH_AT"] = point
+    os.environ["STAGESAVE_WRITER"] = "thread"  # the crash point is in this process's writer
     torch.set_num_threads(1)
     code = 0
     try:

@@ -234,6 +234,7 @@ def _only_committed_folders(root) -> None:
 
 
 @pytest.mark.parametrize("point", ["third-file-of-third-save", "carrier-proof-before-rename"])
+@pytest.mark.usefixtures("thread_writer")  # the crash point is in the trainer's own writer
 def test_sigkill_mid_save_resumes_from_previous_and_retention_kept_it(worker_runs, point):
     # dist_worker.py trained with total_limit=1 and was SIGKILLed during its third save.
     assert worker_runs.exit[f"crash-{point}"] == -9

@@ -251,6 +251,7 @@ def crash_saves(scenarios: list[tuple[Any, ...]]) -> list[int]:
     without ``RENAME_EXCHANGE``, simulated: the folder is replaced by two renames).
     """
     env = {k: v for k, v in os.environ.items() if k != "STAGESAVE_CRASH_AT"}
+    env["STAGESAVE_WRITER"] = "thread"  # the crash points are in this process's writer
     r = subprocess.run([sys.executable, "-c", _CRASH_DRIVER, json.dumps(scenarios)], env=env,
                        capture_output=True, text=True, timeout=300, check=False)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -106,6 +106,7 @@ def test_export_and_adopt_on_s3(cli, s3_ckpts, s3_server, tmp_path):
     assert r.code == 1 and "already carries its own stagesave proof" in r.err
 
 
+@pytest.mark.usefixtures("thread_writer")  # the crash point is in the trainer's own writer
 def test_gc_on_s3_aborts_uploads_of_crashed_saves(cli, cli_s3, s3_server):
     url, opts, storage = cli_s3
     # killed with the whole file uploaded and sealed, before completing the upload (its publish)

@@ -62,3 +62,19 @@ def save_fork_then_die(root: str, shm: str, conn: Any) -> None:
         os._exit(0)
     conn.send((ck.writer.agent.pid, worker))
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def save_behind_an_action_then_die(root: str, shm: str, conn: Any) -> None:
+    """Save step 0; queue an action that never ends (a slow removal, a callback) and behind it
+    step 1; tell the parent once step 1's ``save()`` returned, then SIGKILL this process: step
+    1's order is held by the agent (this process's writer never reached it)."""
+    os.environ["STAGESAVE_SHM_DIR"] = shm
+    os.environ.pop(AGENT_ENV_VAR, None)
+    ck = stagesave.Checkpointer(root, writer="process")
+    ck.save(state_of(0, 5), "step-000.ckpt").result()
+    ck.run_after(lambda: time.sleep(3600), description="stuck action")
+    ck.save(state_of(1, 5), "step-001.ckpt")
+    assert ck.writer.agent is not None
+    conn.send(ck.writer.agent.pid)
+    time.sleep(0.3)
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -28,8 +28,9 @@ def save_step(root: str, step: int, mode: str, crash: str | None) -> None:
 
         staging_mod.device_of = lambda images, store: torch.device("cpu")  # type: ignore[assignment]
         device_mod.gpudirect_kvikio = lambda: None  # type: ignore[assignment]
-    with stagesave.Checkpointer(
-        root, chunk_bytes=1 << 20, keep_last=2, device_staging=mode.endswith("_device")
+    with stagesave.Checkpointer(  # the crash points are in this process's writer
+        root, chunk_bytes=1 << 20, keep_last=2, device_staging=mode.endswith("_device"),
+        writer="thread",
     ) as ck:
         if mode in ("file", "file_device"):
             ck.save(state, "last.ckpt").result()
@@ -45,7 +46,7 @@ def save_step(root: str, step: int, mode: str, crash: str | None) -> None:
 def save_loop(root: str, start: int, conn) -> None:  # type: ignore[no-untyped-def]
     """Save forever, telling the parent after each submitted save."""
     os.environ.pop(ENV_VAR, None)
-    with stagesave.Checkpointer(root, keep_last=3, chunk_bytes=1 << 20) as ck:
+    with stagesave.Checkpointer(root, keep_last=3, chunk_bytes=1 << 20, writer="thread") as ck:
         for step in range(start, start + 1000):
             ck.save({"step": step, "w": torch.full((500_000,), float(step))}, f"s{step:05d}.ckpt")
             conn.send(step)

@@ -18,6 +18,8 @@ import torch
 import stagesave
 from stagesave._crash import CRASH_POINTS  # fault injection: every named crash point is tested
 
+pytestmark = pytest.mark.usefixtures("thread_writer")  # faults injected in this process
+
 _ctx = multiprocessing.get_context("forkserver")
 _ctx.set_forkserver_preload(["torch", "stagesave", "crashchild"])
 

@@ -303,29 +303,43 @@ def test_an_action_that_reads_lists_and_waits_does_not_wait_for_itself(ckpt_dir)
                     "module latest": "a.ckpt", "other": ["a.ckpt"]}, seen
 
 
-def test_a_checkpointer_dropped_without_close_gives_its_threads_and_buffers_back(ckpt_dir):
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_a_checkpointer_dropped_without_close_gives_its_threads_and_buffers_back(
+    ckpt_dir, shm, writer
+):
+    """Dropped unclosed: its threads end, its buffers (and shared segments) are freed, and with
+    the writer agent (the default) the agent process exits."""
     import gc
     import weakref
 
+    from agentwatch import exited
+
     before = {t.ident for t in threading.enumerate()}
-    ck = stagesave.Checkpointer(ckpt_dir)
+    ck = stagesave.Checkpointer(ckpt_dir, writer=writer)
     ck.save({"w": torch.ones(1 << 16)}, "a.ckpt").result(timeout=60)
     ours = [t for t in threading.enumerate() if t.ident not in before]
-    assert sorted(t.name.rstrip("_0123456789") for t in ours) == [
-        "stagesave-hash",
-        "stagesave-io",
-        "stagesave-writer",
-    ]
+    assert sorted(t.name.rstrip("_0123456789") for t in ours) == (
+        # the agent writes: this process's I/O threads are not started
+        ["stagesave-agent-replies", "stagesave-hash", "stagesave-writer"] if writer == "process"
+        else ["stagesave-hash", "stagesave-io", "stagesave-writer"]
+    )
+    agent = ck.writer.agent
+    pid = agent.pid if agent is not None else None
+    assert (pid is not None) == (writer == "process")
+    assert len(list(shm.iterdir())) == (1 if writer == "process" else 0)
     pool = ck.memory.host
     assert pool.total_bytes() > 0
     gone = weakref.ref(ck)
-    del ck
+    del ck, agent
     gc.collect()
     assert gone() is None, "an idle Checkpointer is still referenced"
     for t in ours:
         t.join(10)
     assert [t.name for t in ours if t.is_alive()] == []
     assert pool.total_bytes() == 0
+    if pid is not None:
+        assert exited(pid, 10)
+    assert list(shm.iterdir()) == []
     assert stagesave.load(ckpt_dir / "a.ckpt")["w"].shape == (1 << 16,)
 
 
@@ -449,6 +463,7 @@ def test_dot_names_are_saved_listed_and_latest(ckpt_dir):
         assert [c.name for c in ck.list()] == [".hidden.ckpt", "a.ckpt"]
 
 
+@pytest.mark.usefixtures("thread_writer")  # the clock is patched in this process only
 def test_the_clock_stepping_back_changes_no_order(ckpt_dir, monkeypatch):
     """Newest is the sequence number, never the wall clock: with the clock stepped back an hour
     after the first save, latest() is still the last save and keep_last removes the oldest."""

@@ -246,9 +246,17 @@ def test_writer_option_is_checked(tmp_path, monkeypatch):
     monkeypatch.setenv("STAGESAVE_WRITER", "agent")
     with pytest.raises(ValueError, match=r"\$STAGESAVE_WRITER must be"):
         stagesave.Checkpointer(tmp_path)
+    monkeypatch.delenv("STAGESAVE_WRITER")
+    with stagesave.Checkpointer(tmp_path) as ck:
+        assert ck.writer.mode == "process" and not ck.writer.explicit  # the default
+    with stagesave.Checkpointer(tmp_path, device_staging=True) as ck:
+        assert ck.writer.mode == "thread"  # the default yields to device staging
+    monkeypatch.setenv("STAGESAVE_WRITER", "thread")
+    with stagesave.Checkpointer(tmp_path) as ck:
+        assert ck.writer.mode == "thread" and ck.writer.agent is None
     monkeypatch.setenv("STAGESAVE_WRITER", "process")
     with stagesave.Checkpointer(tmp_path) as ck:
-        assert ck.writer.mode == "process"
+        assert ck.writer.mode == "process" and ck.writer.explicit
     with stagesave.Checkpointer(tmp_path, device_staging=True) as ck:
         assert ck.writer.mode == "thread"  # the environment's default yields to device staging
     with pytest.raises(stagesave.UsageError, match="device_staging"):
@@ -388,8 +396,57 @@ def test_a_full_shared_memory_filesystem_falls_back_to_private_staging(tmp_path,
             assert torch.equal(ck.load(tmp_path / "ck" / "b.ckpt")["w"], state["w"])
             assert ck.verify(tmp_path / "ck" / "a.ckpt").status == "verified"
         assert os.listdir(small) == []
+        # the writer agent not asked for (the default): the same fallback, without a warning
+        monkeypatch.delenv("STAGESAVE_WRITER", raising=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with stagesave.Checkpointer(tmp_path / "ck2") as ck:
+                assert ck.writer.mode == "process" and not ck.writer.explicit
+                ck.save(state, "c.ckpt").result(60)
+                assert torch.equal(ck.load(tmp_path / "ck2" / "c.ckpt")["w"], state["w"])
+        assert os.listdir(small) == []
     finally:
         subprocess.run(["umount", "-l", str(small)], check=False)
+
+
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_a_save_queued_behind_a_removal_of_its_name_is_committed_after_it(tmp_path, shm,
+                                                                          writer):
+    """Removals and actions queued before a save run before it is committed, with either
+    writer: the agent runs an order only when this process's writer reaches its job (else a
+    removal of the same name, still queued, would delete the new checkpoint)."""
+    gate = threading.Event()
+    with stagesave.Checkpointer(tmp_path, writer=writer) as ck:
+        ck.save({"v": torch.ones(1000)}, "a.ckpt").result(60)
+        ck.run_after(lambda: gate.wait(60), description="gate")
+        ck.remove("a.ckpt")
+        h = ck.save({"v": torch.full((1000,), 2.0)}, "a.ckpt")
+        time.sleep(0.5)  # an agent that did not wait would have committed it by now
+        assert torch.equal(torch.load(tmp_path / "a.ckpt")["v"], torch.ones(1000))
+        gate.set()
+        h.result(60)
+        assert torch.equal(ck.load("a.ckpt")["v"], torch.full((1000,), 2.0))
+
+
+def test_a_save_held_behind_an_action_is_committed_when_the_trainer_dies(tmp_path, shm):
+    """The trainer is SIGKILLed while its writer is stuck in an action queued before a save
+    whose ``save()`` returned: the agent held that order, and commits it once the trainer is
+    gone."""
+    root = tmp_path / "ck"
+    parent, child = _ctx.Pipe()
+    p = _ctx.Process(target=agentchild.save_behind_an_action_then_die,
+                     args=(str(root), str(shm), child))
+    p.start()
+    child.close()
+    agent = parent.recv()
+    p.join(60)
+    assert p.exitcode == -signal.SIGKILL
+    assert exited(agent), "the agent did not exit after its trainer died"
+    with stagesave.Checkpointer(root, writer="thread") as ck:
+        best = ck.latest(verify=True)
+        assert best is not None and best.name == "step-001.ckpt"
+        _assert_state(ck.load(best.path), 1, 5)
+        assert ck.verify(root / "step-000.ckpt").status == "verified"
 
 
 def test_a_jobs_sigterm_does_not_stop_the_agent(tmp_path, shm):

@@ -69,7 +69,8 @@ def writer_server(conn: Any) -> None:
             job.update(root=root, name=name, seen=set())
             outcome: str | None = None
             try:
-                with stagesave.Checkpointer(root, chunk_bytes=8192) as ck:
+                # the hooks see this process's calls: its own writer
+                with stagesave.Checkpointer(root, chunk_bytes=8192, writer="thread") as ck:
                     ck.save(file_state(step), name).result(timeout=120)
             except stagesave.CheckpointError as exc:
                 outcome = f"{type(exc).__name__}: {exc}"
@@ -113,7 +114,7 @@ def exit_with_pending_save(root: str, how: str, conn: Any) -> None:
     rec.__enter__()  # stays installed until the process is gone
     if how == "sigterm-handler":
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    ck = stagesave.Checkpointer(root, chunk_bytes=64 * 1024, io_threads=2)
+    ck = stagesave.Checkpointer(root, chunk_bytes=64 * 1024, io_threads=2, writer="thread")
     ck.save(file_state(2, 300_000), "last.ckpt")
     conn.send("submitted")
     if how in ("return", "failing-save"):

@@ -22,6 +22,8 @@ import pytest
 import torch
 from faulthelp import debris, file_state, latest_name
 
+pytestmark = pytest.mark.usefixtures("thread_writer")  # faults injected in this process
+
 _ctx = multiprocessing.get_context("forkserver")
 _ctx.set_forkserver_preload(["torch", "stagesave", "faultchild"])
 

@@ -26,6 +26,8 @@ from faulthelp import debris, dir_state, file_state, latest_name
 import stagesave
 from stagesave.errors import StorageError
 
+pytestmark = pytest.mark.usefixtures("thread_writer")  # faults injected in this process
+
 EIO_CLASS = "EIO from fsync (injected)"
 ENOSPC_CLASS = "ENOSPC mid-write / fallocate (injected)"
 _NO_SPACE = "no space left on the device"

@@ -29,6 +29,8 @@ import stagesave
 from stagesave.errors import CheckpointError, CheckpointNotFoundError, ClosedError
 from stagesave.saving import inflight as _inflight
 
+pytestmark = pytest.mark.usefixtures("thread_writer")  # faults injected in this process
+
 _ctx = multiprocessing.get_context("forkserver")
 _ctx.set_forkserver_preload(["torch", "stagesave", "faultchild"])
 

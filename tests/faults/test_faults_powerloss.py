@@ -23,6 +23,8 @@ from invariant import Version, check_invariant, read_version_files
 
 import stagesave
 
+pytestmark = pytest.mark.usefixtures("thread_writer")  # faults injected in this process
+
 CHUNK = 8192
 
 

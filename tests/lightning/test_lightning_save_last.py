@@ -221,7 +221,8 @@ def test_sigkill_after_each_commit_rename_leaves_last_on_a_committed_checkpoint(
     # left: each rename consumed its own), last.ckpt names the newest checkpoint whose link
     # update ran, that checkpoint verifies, and ckpt_path="last" resumes from it.
     proc = run_python([str(HERE / "_child_crash_link.py"), str(tmp_path)],
-                      env={"STAGESAVE_CRASH_AT": f"after_rename:{n}"})
+                      # the crash point is in the trainer's own writer
+                      env={"STAGESAVE_CRASH_AT": f"after_rename:{n}", "STAGESAVE_WRITER": "thread"})
     assert proc.returncode == -signal.SIGKILL, proc.stdout[-2000:] + proc.stderr[-4000:]
     d = tmp_path / "ckpt"
     linked = 2 * (n // 2)  # the step last.ckpt was moved to (0: not made yet)

@@ -200,6 +200,7 @@ _KILLED_CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.usefixtures("thread_writer")  # the crash point is in the trainer's own writer
 def test_upload_of_a_killed_process_is_found_and_aborted(s3_server, s3_url, make_store):
     env = dict(os.environ, STAGESAVE_CRASH_AT="mid_data")
     proc = subprocess.run(

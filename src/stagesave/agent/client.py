@@ -32,6 +32,7 @@ from .. import errors
 from .._crash import AGENT_ENV_VAR as AGENT_CRASH_ENV
 from .._crash import ENV_VAR as CRASH_ENV
 from ..errors import CheckpointError, UsageError
+from ..ondisk.signing import current as signing_keys
 from ..saving.files import FileToWrite
 from ..saving.image import FileImage
 from ..saving.jobs import SaveSpec
@@ -58,8 +59,8 @@ _BOOT = (
 
 
 def writer_choice(writer: str | None) -> str:
-    """``writer``, else ``$STAGESAVE_WRITER``, else ``"thread"``; checked."""
-    chosen = writer if writer is not None else os.environ.get(_ENV, "thread")
+    """``writer``, else ``$STAGESAVE_WRITER``, else ``"process"``; checked."""
+    chosen = writer if writer is not None else os.environ.get(_ENV, "process")
     if chosen not in WRITERS:
         source = "writer" if writer is not None else f"${_ENV}"
         raise ValueError(f"{source} must be 'thread' or 'process', got {chosen!r}")
@@ -71,9 +72,10 @@ class AgentLost(CheckpointError):
 
 
 class _Ticket:
-    __slots__ = ("event", "lost", "reply")
+    __slots__ = ("event", "id", "lost", "reply")
 
     def __init__(self) -> None:
+        self.id = -1
         self.event = threading.Event()
         self.reply: wire.Reply | None = None
         self.lost: str | None = None
@@ -82,8 +84,11 @@ class _Ticket:
 class AgentClient:
     """One writer agent: started on first use, stopped by :meth:`close`."""
 
-    def __init__(self, io_threads: int) -> None:
+    def __init__(self, io_threads: int, quiet: bool = False) -> None:
+        """``quiet``: the writer was not asked for (the default), so no warning when a segment
+        cannot be had (the save is staged in private memory and written in the trainer)."""
         self.io_threads = io_threads
+        self.quiet = quiet
         self.proc: subprocess.Popen[bytes] | None = None
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
@@ -213,7 +218,7 @@ class AgentClient:
         """
         ticket = _Ticket()
         with self._lock:
-            order.id = self._next
+            order.id = ticket.id = self._next
             self._next += 1
             self._tickets[order.id] = ticket
         try:
@@ -223,6 +228,13 @@ class AgentClient:
                 self._tickets.pop(order.id, None)
             raise
         return ticket
+
+    def go(self, ticket: _Ticket) -> None:
+        """The trainer's writer reached this order's job: the agent may run it now (its commit
+        keeps its place among this process's removals and actions). A lost agent is noticed by
+        the ticket."""
+        with contextlib.suppress(AgentLost):
+            self._send(("go", ticket.id))
 
     def close(self, timeout: float | None = None) -> None:
         """Ask the agent to exit after its orders; wait for it (killed after ``timeout``)."""
@@ -284,14 +296,19 @@ class Writer:
 
     def __init__(self, writer: str | None, io_threads: int, device_staging: bool) -> None:
         self.mode = writer_choice(writer)
+        #: Asked for by the option or ``$STAGESAVE_WRITER`` rather than the default: only then
+        #: does a save that cannot go to the agent (no room for a segment, an order that cannot
+        #: be pickled) warn. An agent that dies always warns.
+        self.explicit = writer is not None or _ENV in os.environ
         if self.mode == "process" and device_staging and writer is None:
-            self.mode = "thread"  # $STAGESAVE_WRITER does not override an explicit option
+            self.mode = "thread"  # the default and $STAGESAVE_WRITER yield to an explicit option
         if self.mode == "process" and device_staging:
             raise UsageError(
                 "writer='process' cannot write device_staging saves (their bytes stay in GPU "
                 "memory, which no other process can read): choose one of the two"
             )
-        self.agent = AgentClient(io_threads) if self.mode == "process" else None
+        self.agent = (AgentClient(io_threads, quiet=not self.explicit)
+                      if self.mode == "process" else None)
         self._warned = False
 
     def route(self, job: Job, settings: Any) -> Job:
@@ -322,6 +339,7 @@ class Writer:
             checksum=settings.checksum, chunk_bytes=settings.chunk_bytes,
             keep_last=settings.keep_last, meta=spec.meta, telemetry=tel.to_dict(),
             t_start=spec.t_start, staging_dir=spec.staging_dir, nested=list(spec.nested),
+            signing=signing_keys(),
         )
         try:
             ticket = agent.submit(order, [f.image for f in staged.files])
@@ -334,6 +352,7 @@ class Writer:
             return job
 
         def commit(pool: cf.Executor) -> None:
+            agent.go(ticket)
             ticket.event.wait()
             if ticket.lost is not None:
                 self._warn(f"stagesave: the writer agent {ticket.lost}")
@@ -354,7 +373,7 @@ class Writer:
                    key=job.key)
 
     def _warn(self, why: str, *, lost: bool = True) -> None:
-        if self._warned:
+        if self._warned or (not lost and not self.explicit):
             return
         self._warned = True
         then = ("its saves not yet committed are written by this process from the same shared "

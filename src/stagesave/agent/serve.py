@@ -3,11 +3,14 @@ shared memory, and finishes them if the trainer dies.
 
 Started by :class:`.client.AgentClient` with one end of a socket pair; imports no torch (the
 write-and-commit path is torch-free) and runs no torch op. It runs each order through the same
-job code as the in-process writer (:mod:`stagesave.saving.jobs`), in the order received, at a
-lower CPU priority. When its trainer is gone (the socket reaches its end, or the trainer's pid
-is no longer its parent) it finishes every order it was handed, keeps the segment of the newest
-committed file as a snapshot for a restart (:mod:`.segments`), removes the other segments it
-knows, and exits.
+job code as the in-process writer (:mod:`stagesave.saving.jobs`), at a lower CPU priority.
+An order is decoded when it arrives and run when the trainer's writer thread reaches its job
+(``("go", id)``), so that the agent's commits keep their place among the trainer's other jobs
+(removals, actions queued before a save run before it is committed, as with the in-process
+writer). When its trainer is gone (the socket reaches its end, or the trainer's pid is no
+longer its parent) it runs every order it was handed, in the order received, keeps the
+segment of the newest committed file as a snapshot for a restart (:mod:`.segments`), removes
+the other segments it knows, and exits.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any
 
 from ..errors import as_checkpoint_error
 from ..handle import SaveHandle
+from ..ondisk import signing
 from ..ondisk.names import ALIGNMENT
 from ..saving import jobs
 from ..saving.files import FileToWrite
@@ -56,6 +60,14 @@ class _Staged:
         pass
 
 
+class _Admitted:
+    """An order as it arrived: its files' layouts decoded (or why they could not be)."""
+
+    def __init__(self, order: wire.Order, images: list[Any] | None,
+                 error: BaseException | None) -> None:
+        self.order, self.images, self.error = order, images, error
+
+
 class _Settings:
     def __init__(self, order: wire.Order) -> None:
         self.checksum = order.checksum
@@ -75,6 +87,7 @@ class Agent:
         self.newest: wire.Reply | None = None
         self.codec = wire.LayoutCodec()
         self.replying = True
+        self.held: dict[int, _Admitted] = {}  # arrived, not yet reached by the trainer
 
     # -------------------------------------------------------------- messages in
     def read(self) -> None:
@@ -110,14 +123,41 @@ class Agent:
             except BufferError:
                 pass
 
-    def run(self, order: wire.Order) -> wire.Reply:
+    def admit(self, order: wire.Order) -> None:
+        """Decode ``order``'s layouts now, in arrival order (the codec follows every order the
+        trainer sent, whatever fails later), and hold it until the trainer reaches its job."""
+        try:
+            images = [self.codec.decode(of.key, of.layout) for of in order.files]
+            self.held[order.id] = _Admitted(order, images, None)
+        except BaseException as exc:  # noqa: BLE001 - reported when the order runs
+            self.held[order.id] = _Admitted(order, None, exc)
+
+    def run_held(self, order_id: int | None = None) -> None:
+        """Run the held order ``order_id`` (``None``: every held order, in arrival order)."""
+        ids = list(self.held) if order_id is None else [order_id]
+        for i in ids:
+            admitted = self.held.pop(i, None)
+            if admitted is None:
+                continue
+            reply = self.run(admitted)
+            if reply.committed is not None:
+                self.newest = reply
+            self.reply(reply)
+
+    def run(self, admitted: _Admitted) -> wire.Reply:
+        order = admitted.order
         tel = SaveTelemetry(**order.telemetry)
         handle = SaveHandle(tel.path, tel)
         views: list[memoryview] = []
         files: list[FileToWrite] = []
         try:
-            # decoded first, whatever fails next: the codec follows every order the trainer sent
-            images = [self.codec.decode(of.key, of.layout) for of in order.files]
+            if admitted.error is not None:
+                raise admitted.error
+            images = admitted.images
+            assert images is not None
+            keys = order.signing  # the trainer's keys sign the proofs it asked for
+            signing.configure(list(keys.keys) if keys is not None else [],
+                              require=keys.require if keys is not None else False)
             whole = memoryview(self.segment(order.segment))
             views.append(whole)
             for of, image in zip(order.files, images):
@@ -171,11 +211,11 @@ class Agent:
                 self.finish_orphaned()
                 return
             if isinstance(msg, wire.Order):
-                reply = self.run(msg)
-                if reply.committed is not None:
-                    self.newest = reply
-                self.reply(reply)
+                self.admit(msg)
+            elif isinstance(msg, tuple) and len(msg) == 2 and msg[0] == "go":
+                self.run_held(msg[1])
             elif msg == ("exit",):
+                self.run_held()  # the trainer reached them all before asking (or gave up)
                 return
             elif isinstance(msg, tuple) and len(msg) == 2 and msg[0] == "segment":
                 self.known.add(msg[1])
@@ -183,8 +223,9 @@ class Agent:
                 self.drop(msg[1])
 
     def finish_orphaned(self) -> None:
-        """The trainer died: run every order still queued, keep the newest committed file's
-        segment as a snapshot, remove the other segments."""
+        """The trainer died: run every order it handed over (held or still in the inbox), in
+        the order received, keep the newest committed file's segment as a snapshot, remove the
+        other segments."""
         self.replying = False
         while True:
             try:
@@ -192,9 +233,10 @@ class Agent:
             except queue.Empty:
                 break
             if isinstance(msg, wire.Order):
-                reply = self.run(msg)
-                if reply.committed is not None:
-                    self.newest = reply
+                self.admit(msg)
+            elif isinstance(msg, tuple) and len(msg) == 2 and msg[0] == "segment":
+                self.known.add(msg[1])
+        self.run_held()
         keep = self.newest.committed if self.newest is not None else None
         if keep is not None and keep["segment"] not in self.known:
             keep = None  # released by the trainer since (and removed by it)

@@ -199,6 +199,8 @@ class Order:
     t_start: float
     staging_dir: str | None = None
     nested: list[str] = field(default_factory=list)
+    #: The trainer's signing keys in force (``stagesave.ondisk.signing.Keys``; ``None``: unsigned)
+    signing: Any = None
 
 
 @dataclass

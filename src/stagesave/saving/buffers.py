@@ -113,7 +113,13 @@ def _host_unregister(address: int) -> None:
 
 
 class SegmentHooks(Protocol):
-    """Told about each shared segment a pool creates and removes (the writer agent)."""
+    """Told about each shared segment a pool creates and removes (the writer agent).
+
+    ``quiet``: no warning when a segment cannot be created (the writer agent is the default,
+    not asked for).
+    """
+
+    quiet: bool
 
     def announce(self, path: str) -> None: ...
 
@@ -199,7 +205,7 @@ class BufferPool:
         try:
             return HostBuffer.allocate(capacity, self.pinned, shared=True)
         except OSError as exc:  # no room in the RAM filesystem (a container's 64 MiB /dev/shm)
-            if not self._warned_shared:
+            if not self._warned_shared and not self.segments.quiet:
                 self._warned_shared = True
                 warnings.warn(
                     f"stagesave: no shared-memory segment of {capacity / 2**20:.0f} MiB for the "
