@@ -15,6 +15,36 @@ pytest_plugins = ["s3server"]
 
 torch.manual_seed(0)
 
+_SHM_ENV = "STAGESAVE_SHM_DIR"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The writer agents of the whole run (the default writer) keep their shared-memory
+    segments in a folder of this run inside /dev/shm (a RAM filesystem, as in production),
+    inherited by every child: a trainer a test SIGKILLs leaves its agent's snapshot there, not
+    in /dev/shm itself. Removed at the end of the run. Tests that check what an agent leaves
+    use the ``shm`` fixture (a folder of their own)."""
+    if os.environ.get(_SHM_ENV):
+        return  # the caller chose where
+    import tempfile
+
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    d = tempfile.mkdtemp(prefix="stagesave-tests-", dir=base)
+    os.environ[_SHM_ENV] = d
+    config.stash[_shm_key] = d
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    d = config.stash.get(_shm_key, None)
+    if d is not None:
+        import shutil
+
+        shutil.rmtree(d, ignore_errors=True)
+        os.environ.pop(_SHM_ENV, None)
+
+
+_shm_key = pytest.StashKey[str]()
+
 
 @pytest.fixture
 def shm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:

@@ -210,6 +210,7 @@ def test_every_alternative_really_saves_the_state(tmp_path):
         "stagesave checksum_in=staging",
         "stagesave checksum_in=background",
         "stagesave writer=process",
+        "stagesave writer=thread",
         "lightning AsyncCheckpointIO",
         "accelerate save_state",
     }  # contributed by the integrations

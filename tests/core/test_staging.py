@@ -352,7 +352,11 @@ def test_link_inside_the_root_loads_and_verifies_as_its_target(ckpt_dir):
     assert torch.equal(stagesave.load(ckpt_dir / "last.ckpt")["w"], torch.ones(3))
 
 
-def test_flush_on_sigterm_commits_pending_saves_then_dies_of_sigterm(tmp_path):
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_flush_on_sigterm_commits_pending_saves_then_dies_of_sigterm(tmp_path, shm, writer):
+    """The save commits, the process still dies of SIGTERM, and with the writer agent (the
+    default) the agent exits keeping nothing in shared memory (the process ended on purpose:
+    no snapshot)."""
     import signal
     import subprocess
     import sys
@@ -360,14 +364,23 @@ def test_flush_on_sigterm_commits_pending_saves_then_dies_of_sigterm(tmp_path):
     code = (
         "import os, signal, stagesave, torch\n"
         "stagesave.flush_on_sigterm(timeout=60)\n"
-        f"ck = stagesave.Checkpointer({str(tmp_path)!r})\n"
+        f"ck = stagesave.Checkpointer({str(tmp_path)!r}, writer={writer!r})\n"
         "ck.save({'a': torch.arange(1 << 22)}, 't.ckpt')\n"
+        "print(ck.writer.agent.pid if ck.writer.agent else 0, flush=True)\n"
         "os.kill(os.getpid(), signal.SIGTERM)\n"
         "import time; time.sleep(30)\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], timeout=120, check=False)
-    assert r.returncode == -signal.SIGTERM
+    r = subprocess.run([sys.executable, "-c", code], timeout=120, check=False,
+                       capture_output=True, text=True)
+    assert r.returncode == -signal.SIGTERM, r.stderr[-2000:]
     assert stagesave.verify(tmp_path / "t.ckpt").status == "verified"
+    agent = int(r.stdout.split()[0])
+    assert (agent > 0) == (writer == "process")
+    if agent:
+        from agentwatch import exited
+
+        assert exited(agent, 10)
+    assert list(shm.iterdir()) == []
 
 
 def test_closing_joins_the_hashing_threads_and_none_start_afterwards(ckpt_dir):

@@ -168,8 +168,8 @@ def _builtin() -> list[Alternative]:
                     1.0, True, True, "daemon process; reused pinned shared-memory stager",
                     pinned_unavailable),
         Alternative("stagesave", lambda base, options: StageSave(options), 1.0, True, True,
-                    "max_pending=1, default options (host state: hashed in the staging copy)",
-                    urls=True),
+                    "max_pending=1, default options (a writer agent process; host state: "
+                    "hashed in the staging copy)", urls=True),
         Alternative("stagesave checksum_in=staging",
                     lambda base, options: StageSave(options, checksum_in="staging"), 1.0, True,
                     True, "max_pending=1; hashed in the staging copy: the default for host state",
@@ -179,8 +179,11 @@ def _builtin() -> list[Alternative]:
                     True, True, "max_pending=1; the writer threads hash as they write", urls=True),
         Alternative("stagesave writer=process",
                     lambda base, options: StageSave(options, writer="process"), 1.0, True, True,
-                    "max_pending=1; a writer agent process writes from shared memory",
-                    urls=True),
+                    "max_pending=1; a writer agent process writes from shared memory (the "
+                    "default)", urls=True),
+        Alternative("stagesave writer=thread",
+                    lambda base, options: StageSave(options, writer="thread"), 1.0, True, True,
+                    "max_pending=1; this process's threads write (no writer agent)", urls=True),
     ]
 
 

@@ -107,7 +107,8 @@ def flush_on_sigterm(timeout: float = 60.0) -> None:
 
     For loops outside a framework that handles SIGTERM itself (schedulers send it before a
     kill). The previous handler runs afterwards; with the default one the process then dies of
-    SIGTERM as it would have. Call it from the main thread.
+    SIGTERM as it would have; its Checkpointers are closed first (the saves are committed), so
+    their writer agents exit and keep no snapshot in memory. Call it from the main thread.
     """
     previous = signal.getsignal(signal.SIGTERM)
 
@@ -117,6 +118,7 @@ def flush_on_sigterm(timeout: float = 60.0) -> None:
         if callable(previous):
             previous(signum, frame)
         elif previous != signal.SIG_IGN:
+            close_all_at_exit()  # committed above: only the agents and buffers are left
             os.kill(os.getpid(), signum)
 
     signal.signal(signal.SIGTERM, handler)
