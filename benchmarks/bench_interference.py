@@ -116,10 +116,12 @@ ALTERNATIVES: dict[str, Callable[[], Starter]] = {
     "lightning AsyncCheckpointIO": make_lightning_async,
     "dcp.async_save (thread)": make_dcp_async,
     "stagesave checksum_in=background": lambda: make_stagesave(checksum_in="background"),
-    # the default on CPU
+    # the default checksum placement on CPU
     "stagesave checksum_in=staging": lambda: make_stagesave(checksum_in="staging"),
-    # a writer agent process writes, commits and retires each save (issue 21)
+    # a writer agent process writes, commits and retires each save (issue 21; the default)
     "stagesave writer=process": lambda: make_stagesave(writer="process"),
+    # this process's threads write (the default before issue 21)
+    "stagesave writer=thread": lambda: make_stagesave(writer="thread"),
 }
 
 
