@@ -196,3 +196,30 @@ def test_latest_verifies_again_a_file_replaced_while_it_reads_it(
         assert len(replaced) == times
         assert info is not None and info.name == "last.ckpt" and info.status == "verified"
         _roundtrip_ok(ckpt, "last.ckpt", small_state(times + 1))
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_load_from_s3_keeps_the_memory_it_read_each_chunk_into(proxy, make_store, s3_url,
+                                                                   verify):
+    """One pass: the object's chunks are fetched into one buffer and the tensors are views of
+    it (the distances between their storages are those between their records in the file: no
+    second copy into separate storages), equal to what was saved; a flipped byte on the way
+    down is caught in the same pass when verifying."""
+    state = {"a": torch.randn(300_000), "b": torch.arange(200_000, dtype=torch.int64),
+             "c": torch.randn(50, 70).t(), "step": 7}
+    with stagesave.Checkpointer(make_store(s3_url, proxy.endpoint), chunk_bytes=1 << 20) as ck:
+        ck.save(state, "v.ckpt").result()
+        manifest = ck.verify("v.ckpt").manifest
+        assert manifest is not None
+        offsets = sorted(r.offset for r in manifest.files[0].storages)
+        got = ck.load("v.ckpt", verify=verify)
+        for k in ("a", "b", "c"):
+            assert torch.equal(got[k], state[k]) and got[k].stride() == state[k].stride()
+        assert got["step"] == 7
+        ptrs = sorted(got[k].untyped_storage().data_ptr() for k in ("a", "b", "c"))
+        assert [p - ptrs[0] for p in ptrs] == [o - offsets[0] for o in offsets]
+        if verify:
+            proxy.add(Fault("GetObject", "flip_response", times=-1, flip_offset=100_000,
+                            path_suffix="/v.ckpt"))
+            with pytest.raises(stagesave.IntegrityError, match="checksum mismatch"):
+                ck.load("v.ckpt")

@@ -1,4 +1,4 @@
-"""A local load read straight into the memory its tensors keep, verified as it lands.
+"""A load read straight into the memory its tensors keep, verified as it lands.
 
 ``torch.load(mmap=True)`` after verification reads the file twice over the page cache: once to
 hash it (a copy into a scratch buffer), once more as the tensors are first touched (a fault per
@@ -8,8 +8,9 @@ pickle then runs in the safe unpickler with a ``persistent_load`` that hands out
 that buffer (no second copy). Storage ids are checked against the file's proof: a known key, a
 size within its record.
 
-An unverified load reads the same way without hashing. It applies to a local file whose
-tensors fill most of it (the buffer stays
+An unverified load reads the same way without hashing. Files in other stores (S3, fsspec)
+are read the same way through their reader, each chunk hashed as it lands. It applies to a
+file whose tensors fill most of it (the buffer stays
 alive as long as any tensor does, headers and padding included: a file of many tiny tensors,
 padded to pages, loads through ``torch.load`` instead), with ``mmap`` left to stagesave.
 """
@@ -62,15 +63,19 @@ def _direct(fd: int) -> int | None:
         return None
 
 
-def read_image(reader: Reader, fd: int, manifest: Manifest, pool: cf.Executor,
+def read_image(reader: Reader, fd: int | None, manifest: Manifest, pool: cf.Executor,
                where: str, *, check: bool = True) -> tuple[Image, list[str]]:
     """Read (and ``check``) every chunk of the file into one buffer; the image and the
-    problems (unchecked: only a file shorter than its proof says)."""
+    problems (unchecked: only a file shorter than its proof says).
+
+    ``fd``: the local file's descriptor (its chunks are read with ``O_DIRECT`` where allowed);
+    ``None`` for other stores, whose reader fills each chunk (S3: concurrent ranged GETs of
+    the one object version the reader is pinned to)."""
     entry = manifest.files[0]
     end = entry.end
     buf = HostBuffer.allocate((end + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT, pinned=False)
     view = buf.view
-    direct = _direct(fd)
+    direct = _direct(fd) if fd is not None else None
 
     def read(lo: int, n: int) -> memoryview:
         got = 0

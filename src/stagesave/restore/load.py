@@ -3,7 +3,8 @@
 The proof and the bytes come from one open file (or one pinned object version), so a name
 replaced while it is read never mixes two saves. Local files are verified through the open
 descriptor and loaded from the very inode that was checked (``/proc/self/fd``), with ``mmap``
-for zip files; other stores are read in parallel into memory, verified there, and loaded from it.
+for zip files; other stores are read in parallel into memory, each chunk verified as it lands,
+and loaded from it (a format-2 torch file's tensors keep that memory: no second copy).
 """
 
 from __future__ import annotations
@@ -95,6 +96,15 @@ def _load_once(
             source = proc if os.path.exists(proc) else local
             return safe_torch_load(source, map_location=map_location, mmap=use_mmap,
                                    trusted=trusted, safe_globals=globs, where=where)
+        if (manifest is not None and mmap is None and not trusted
+                and image_load.applies(manifest.files[0]) and not torch_forces_weights_only()):
+            # one pass: each chunk fetched (concurrent ranged GETs on S3) into the memory the
+            # tensors keep and hashed as it lands; no second copy into torch.load's storages
+            image, problems = image_load.read_image(reader, None, manifest, io(), where,
+                                                    check=verify)
+            raise_if_corrupt(problems, where)
+            return safe_torch_load(image, map_location=map_location, trusted=False,
+                                   safe_globals=globs, where=where)
         data = bytearray(reader.size)
         view = memoryview(data)
         _read_parallel(reader, view, io, chunk_bytes)
