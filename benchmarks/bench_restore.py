@@ -1,8 +1,10 @@
 """Restore time against the read floor, cold (issue 22's baseline).
 
 Usage: python benchmarks/bench_restore.py --gib 0.5 2 --rounds 3 [--dir /path/on/the/disk]
+       python benchmarks/bench_restore.py --gib --shapes s8000 s100k   # bench_shapes's states
 
-For each size, a transformer-like state is saved twice, by stagesave and by ``torch.save``. Every
+For each size, a transformer-like state (and each of ``--shapes``, the states of
+``bench_shapes.py``) is saved twice, by stagesave and by ``torch.save``. Every
 measurement runs in a fresh process after the page cache is dropped (root only; otherwise every
 figure is warm and the script says so), and ends once every tensor's bytes were touched (a load
 with ``mmap`` reads pages only then). Figures are medians over ``--rounds``:
@@ -17,6 +19,7 @@ with ``mmap`` reads pages only then). Figures are medians over ``--rounds``:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -25,8 +28,11 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+from collections.abc import Callable
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
+import bench_shapes
 import common
 
 import stagesave
@@ -137,6 +143,8 @@ def main() -> None:
     )
     ap.add_argument("--dir", default=None)
     ap.add_argument("--gib", type=float, nargs="+", default=[0.5, 2.0])
+    ap.add_argument("--shapes", nargs="*", default=[], choices=list(bench_shapes.SHAPES),
+                    help="also these states of bench_shapes.py (many-tensor shapes)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=4)
     ap.add_argument("--json", default=None)
@@ -145,10 +153,13 @@ def main() -> None:
     cold = common.drop_caches()
     results: dict[str, dict[str, list[float]]] = {}
     try:
-        for gib in args.gib:
-            state = common.transformer_state(
-                int(gib * (1 << 30)), d_model=common.d_model_for(int(gib * (1 << 30)))
-            )
+        builders: list[Callable[[], Any]] = [
+            functools.partial(common.transformer_state, int(gib * (1 << 30)),
+                              d_model=common.d_model_for(int(gib * (1 << 30))))
+            for gib in args.gib
+        ] + [bench_shapes.SHAPES[name][1] for name in args.shapes]
+        for build in builders:
+            state = build()
             ours, theirs = os.path.join(base, "ours.ckpt"), os.path.join(base, "theirs.pt")
             with stagesave.Checkpointer() as ck:
                 ck.save(state, ours).result()

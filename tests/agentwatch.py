@@ -34,6 +34,24 @@ def exited(pid: int, timeout: float = 60.0) -> bool:
     return False
 
 
+def agents_of(trainer_pid: int) -> list[int]:
+    """The live writer agents that process ``trainer_pid`` started (an agent's command line
+    names its trainer's pid), also once that trainer is gone."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if (len(argv) >= 5 and argv[1] == b"-c" and b"stagesave.agent.serve" in argv[2]
+                and argv[4] == str(trainer_pid).encode()):
+            found.append(int(entry))
+    return found
+
+
 def assert_only_snapshot_of(shm: Path, checkpoint: str | None) -> None:
     """``shm`` holds exactly the agent's snapshot of ``checkpoint`` (its segment and the
     segment's description), or nothing at all when ``checkpoint`` is ``None`` (folder

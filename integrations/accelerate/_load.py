@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from stagesave import Checkpointer
+from stagesave.restore import kept_images
 from stagesave.restore.download import discard_download, download_folder
 
 from . import _dist
@@ -69,6 +70,15 @@ def load_everywhere(
     Raises:
         Whatever ``choose`` raised on rank 0 (on every process), or ``read`` raised here.
     """
+    # what rank 0's choice verifies is kept in memory for the read that follows, not read twice
+    with kept_images.keeping():
+        return _load_everywhere(accelerator, choose, read, fsdp, storage_options, trusted)
+
+
+def _load_everywhere(
+    accelerator: Any, choose: Callable[[], LoadPlan], read: Callable[[str], None], fsdp: bool,
+    storage_options: Mapping[str, Any], trusted: bool,
+) -> LoadPlan:
     acc = accelerator
     world, rank = int(acc.num_processes), int(acc.process_index)
     _dist.barrier(world)  # every writer's saves are committed before anyone chooses

@@ -10,7 +10,9 @@ replaces these two module attributes, once, with dispatchers. On a thread inside
 is refused with :class:`~stagesave.IntegrityError`), and they unpickle with
 :func:`stagesave.safety.safe_torch_load`: stagesave's safe unpickler with its allow-list
 (extended by :func:`stagesave.allow_globals`), or the full unpickler when the user said
-``trusted=True``. On every other thread, and outside :func:`guarded`, they are
+``trusted=True``; a file the choice of the checkpoint verified moments ago, unchanged, is
+unpickled from the bytes that verification read (:mod:`stagesave.restore.kept_images`), not
+read again. On every other thread, and outside :func:`guarded`, they are
 Accelerate's own functions, unchanged (``disable()`` has nothing to undo).
 
 Accelerate catches every error while it restores RNG states (and only logs "Could not load
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from stagesave.errors import CheckpointError, IntegrityError, UnsafeCheckpointError
+from stagesave.restore import kept_images
 from stagesave.safety import safe_torch_load
 
 __all__ = ["Guard", "guarded"]
@@ -130,8 +133,12 @@ def _load(f: Any, map_location: Any = None, **kwargs: Any) -> Any:
         )
     try:
         where = guard.admit(f)
-        return safe_torch_load(f, map_location=map_location, mmap=bool(kwargs.get("mmap", False)),
-                               trusted=guard.trusted, where=where)
+        mmap = bool(kwargs.get("mmap", False))
+        # the bytes the choice of this checkpoint verified moments ago, kept in memory
+        kept = (kept_images.take(f) if isinstance(f, (str, os.PathLike)) and not mmap
+                and not guard.trusted else None)
+        return safe_torch_load(kept if kept is not None else f, map_location=map_location,
+                               mmap=mmap, trusted=guard.trusted, where=where)
     except UnsafeCheckpointError as exc:
         raise guard.note(UnsafeCheckpointError(f"{exc}{_TRUST_HINT}")) from exc
     except CheckpointError as exc:

@@ -625,14 +625,29 @@ def _listing(folder: str) -> list[str]:
 
 def _fork(target: Any, *args: Any) -> Any:
     """Run ``target(*args)`` in a forked child; its exit code (``"timeout"`` after 300 s)."""
+    return _fork_pid(target, *args)[0]
+
+
+def _fork_pid(target: Any, *args: Any) -> tuple[Any, int]:
+    """:func:`_fork`, and the child's pid."""
     p = multiprocessing.get_context("fork").Process(target=target, args=args)
     p.start()
     p.join(300)
     if p.exitcode is None:
         p.kill()
         p.join()
-        return "timeout"
-    return p.exitcode
+        return "timeout", p.pid or 0
+    return p.exitcode, p.pid or 0
+
+
+def _agents_done(trainer_pid: int) -> None:
+    """Wait until the writer agents of the killed ``trainer_pid`` have committed what they were
+    handed and exited (a save that returned before the kill is committed by its agent then)."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from agentwatch import agents_of, exited
+
+    for agent in agents_of(trainer_pid):
+        assert exited(agent), f"the writer agent {agent} of {trainer_pid} did not exit"
 
 
 def _single(out: str, point: str) -> None:
@@ -663,8 +678,9 @@ def main(out: str) -> None:
         os.makedirs(folder)
         codes[f"crash-{name}"] = _fork(_single, folder, point)
     for name, (folder, extra) in EXAMPLE_RUNS.items():
-        codes[name] = _fork(_example, out, name, folder, extra)
+        codes[name], pid = _fork_pid(_example, out, name, folder, extra)
         if name == "example-crash":  # what the kill left, before the resume changes it
+            _agents_done(pid)
             codes["example-crash-left"] = _listing(os.path.join(out, folder, "checkpoints"))
     codes["example2_crash-left"] = _listing(os.path.join(out, "run2", "checkpoints"))
     with open(os.path.join(out, "exit.json"), "w") as f:

@@ -69,13 +69,18 @@ def _check_telemetry(out: str, saves: int) -> None:
 
 
 def _check_kill_and_resume(
-    left: list[str], out: str, resumed_stdout: str, resumed_code: int
+    left: list[str], out: str, resumed_stdout: str, resumed_code: int,
+    every_returned_save: bool = False,
 ) -> None:
     # Saves of steps 4 and 8 were submitted; each is there only if it committed before the kill
     # (the background may lag on a busy machine), never half-written; an unfinished one left its
     # temporary beside it (a dot-name that stagesave's listing and load_state never take).
+    # ``every_returned_save``: ``left`` was listed once the killed run's writer agents (the
+    # default writer) exited, and they commit every save that returned before the kill.
     committed, _ = _split(left)
     assert committed in ([], ["checkpoint_0"], ["checkpoint_0", "checkpoint_1"]), left
+    if every_returned_save:
+        assert committed == ["checkpoint_0", "checkpoint_1"], left
     assert resumed_code == 0, resumed_stdout[-3000:]
     if committed:
         k = len(committed) - 1
@@ -111,6 +116,7 @@ def test_one_process_crash_and_resume_ends_with_the_uninterrupted_weights(worker
         str(out / "run1"),
         logs["example-resume"],
         codes["example-resume"],
+        every_returned_save=True,
     )
     with open(out / "reference" / "result.json", encoding="utf-8") as f:
         expected = json.load(f)

@@ -359,3 +359,34 @@ def test_a_file_added_to_a_committed_folder_makes_it_invalid(tmp_path):
     assert "notes.txt" not in os.listdir(tmp_path / "checkpoints" / "checkpoint_1")
     assert stagesave.verify(tmp_path / "checkpoints" / "checkpoint_1").status == "verified"
     sa.disable(acc)
+
+
+def _storages(tensors):
+    return sorted({t.untyped_storage().data_ptr() for t in tensors if t.untyped_storage().nbytes()})
+
+
+def test_load_state_unpickles_the_optimizer_from_the_bytes_its_choice_verified(tmp_path):
+    """Read once: verifying the chosen folder reads optimizer.bin into one buffer (each chunk
+    hashed as it lands) and Accelerate's load unpickles it from there, not from the file again:
+    the loaded moments' storages lie as far apart as their records in the file. The state is
+    equal to what was saved, and nothing stays kept after load_state."""
+    from stagesave.restore import kept_images
+
+    acc = _auto(tmp_path)
+    run = build(acc, width=256)
+    sa.enable(acc)
+    train(acc, run, 2)
+    before = snapshot(acc, run)
+    acc.save_state()
+    train(acc, run, 2)
+    acc.load_state()
+    assert_same(before, snapshot(acc, run))
+    optimizer_bin = tmp_path / "checkpoints" / "checkpoint_0" / "optimizer.bin"
+    info = stagesave.Checkpointer().verify(str(optimizer_bin))
+    assert info.manifest is not None
+    offsets = sorted(r.offset for r in info.manifest.files[0].storages if r.nbytes)
+    state = run["opts"][0].optimizer.state
+    ptrs = _storages(t for s in state.values() for t in s.values() if torch.is_tensor(t))
+    assert len(ptrs) == len(offsets) > 2
+    assert [p - ptrs[0] for p in ptrs] == [o - offsets[0] for o in offsets]
+    assert kept_images._scopes == []

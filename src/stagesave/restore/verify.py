@@ -22,7 +22,7 @@ from ..errors import (
 from ..ondisk.manifest import FileEntry, Manifest
 from ..saving import inflight
 from ..stores.base import Reader, Store
-from . import from_memory, proof
+from . import from_memory, kept_images, proof
 from .info import CheckpointInfo, replaced
 from .resolve_file import resolve_reader
 from .resolve_folder import FolderEntry, folder_entries, resolve_dir
@@ -193,13 +193,15 @@ def folder_files_problems(
 def check_file(reader: Reader, manifest: Any, io: IoThreads, reuse: bool) -> list[str]:
     """Every chunk of one file checked (unless ``reuse`` and verified moments ago, unchanged,
     or ``reuse`` and a writer agent's snapshot of it in memory matches it: the bytes the load
-    that follows uses); a match is remembered for the load that follows."""
+    that follows uses); a match is remembered for the load that follows, and inside
+    :func:`.kept_images.keeping` its bytes are kept for that load."""
     entry = manifest.files[0]
     if reuse and verified_before(reader, entry):
         return []
     if reuse and from_memory.checked_snapshot(reader, manifest, io()) is not None:
         return []  # a resume loads the agent's snapshot, whose bytes match this proof
-    problems = check_chunks(reader, manifest, io)
+    kept = kept_images.keep_while_checking(reader, manifest, io())
+    problems = check_chunks(reader, manifest, io) if kept is None else kept
     if not problems:
         remember_verified(reader, entry)
     return problems

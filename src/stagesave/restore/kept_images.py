@@ -1,0 +1,89 @@
+"""Images a verification read, kept for the load that follows it in the same scope.
+
+A resume verifies a checkpoint before anything of it is loaded (a corrupt one must not be half
+loaded), then loads it. Inside :func:`keeping`, verifying a local torch file that
+:func:`.image_load.applies` to reads it into the memory its tensors will keep (parallel
+``O_DIRECT`` reads, each chunk hashed as it lands) and keeps that image; the load that follows
+(:func:`take`, by path) unpickles from it instead of reading the file a second time. The image is
+handed out only while the file is the very inode that was verified, unchanged (the identity of
+:mod:`.verified_memo`), at most once, and everything not taken is dropped when the scope ends:
+a scope holds memory only between a verification and its load.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import os
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from ..ondisk.manifest import Manifest
+from ..stores.base import Reader
+
+if TYPE_CHECKING:  # image_load imports torch, which a writer agent never does
+    from .image_load import Image
+
+__all__ = ["keep_while_checking", "keeping", "take"]
+
+_lock = threading.Lock()
+#: Open scopes (nested or on several threads): path -> (file identity, image).
+_scopes: list[dict[str, tuple[tuple[int, ...], Image]]] = []
+
+
+@contextlib.contextmanager
+def keeping() -> Iterator[None]:
+    """Within the block, verifications keep the images they read for :func:`take`."""
+    scope: dict[str, tuple[tuple[int, ...], Image]] = {}
+    with _lock:
+        _scopes.append(scope)
+    try:
+        yield
+    finally:
+        with _lock:
+            _scopes.remove(scope)
+        scope.clear()
+
+
+def _identity(st: os.stat_result) -> tuple[int, ...]:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def keep_while_checking(reader: Reader, manifest: Manifest,
+                        pool: cf.Executor) -> list[str] | None:
+    """Check every chunk of ``reader``'s file by reading it into an image kept for the load;
+    the problems, or ``None`` when no scope is open or the file does not qualify (the caller
+    checks it as usual)."""
+    with _lock:
+        scope = _scopes[-1] if _scopes else None
+    fd = reader.fileno()
+    if scope is None or fd is None:
+        return None
+    from . import image_load  # a scope is open only in a process that loads (torch imported)
+
+    if not image_load.applies(manifest.files[0]):
+        return None
+    image, problems = image_load.read_image(reader, fd, manifest, pool, reader.where)
+    if not problems:
+        proc = f"/proc/self/fd/{fd}"
+        path = os.path.realpath(proc if os.path.exists(proc) else reader.where)
+        with _lock:
+            scope[path] = (_identity(os.fstat(fd)), image)
+    return problems
+
+
+def take(path: str | os.PathLike[str]) -> Image | None:
+    """The image kept for the file at ``path``, if it is still the inode that was verified,
+    unchanged; given out once."""
+    real = os.path.realpath(path)
+    try:
+        ident = _identity(os.stat(real))
+    except OSError:
+        return None
+    with _lock:
+        for scope in reversed(_scopes):
+            kept = scope.pop(real, None)
+            if kept is not None:
+                return kept[1] if kept[0] == ident else None
+    return None
