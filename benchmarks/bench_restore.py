@@ -142,7 +142,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--dir", default=None)
-    ap.add_argument("--gib", type=float, nargs="+", default=[0.5, 2.0])
+    ap.add_argument("--gib", type=float, nargs="*", default=[0.5, 2.0])
     ap.add_argument("--shapes", nargs="*", default=[], choices=list(bench_shapes.SHAPES),
                     help="also these states of bench_shapes.py (many-tensor shapes)")
     ap.add_argument("--rounds", type=int, default=3)

@@ -9,10 +9,12 @@ that buffer (no second copy). Storage ids are checked against the file's proof: 
 size within its record.
 
 An unverified load reads the same way without hashing. Files in other stores (S3, fsspec)
-are read the same way through their reader, each chunk hashed as it lands. It applies to a
-file whose tensors fill most of it (the buffer stays
-alive as long as any tensor does, headers and padding included: a file of many tiny tensors,
-padded to pages, loads through ``torch.load`` instead), with ``mmap`` left to stagesave.
+are read the same way through their reader, each chunk hashed as it lands. It applies to every
+format-2 torch file, with ``mmap`` left to stagesave. The buffer stays alive as long as any
+tensor does, headers and padding included; where tensors fill less than
+:data:`MIN_TENSOR_SHARE` of the file (many small tensors, each padded to a page), their bytes
+are first packed into a buffer of their own (one copy in memory, after the checks), so that a
+load never keeps more memory than its tensors.
 """
 
 from __future__ import annotations
@@ -34,8 +36,14 @@ from .refusal import BadPickle
 
 __all__ = ["Image", "applies", "read_image", "unpickle_image"]
 
-#: Tensors must fill at least this share of the file for the load to keep the file's buffer.
+#: Tensors must fill at least this share of the file for the load to keep the file's buffer
+#: (else they are packed into one of their own).
 MIN_TENSOR_SHARE = 0.8
+#: From this many storages a file verified moments ago is still loaded through an image (its
+#: unpickling costs a fraction of ``torch.load``'s per storage); below, ``torch.load`` maps it.
+MANY_STORAGES = 1024
+#: Where packed storages start (torch's own alignment of records in a zip).
+_PACK_ALIGN = 64
 
 
 @dataclass
@@ -46,13 +54,16 @@ class Image:
     storages: dict[str, StorageRecord]
     pickle_at: int
     where: str
+    #: the pickle's bytes, when ``view`` holds only the storages (packed)
+    pickle: bytes | None = None
 
 
 def applies(entry: FileEntry) -> bool:
     """Whether a verified load of this file reads it into one buffer (see the module)."""
     tensors = sum(s.nbytes for s in entry.storages)
     return (entry.kind == "torch" and entry.chunk_bytes % ALIGNMENT == 0 and tensors > 0
-            and tensors >= MIN_TENSOR_SHARE * entry.end)
+            # under a fake-tensor mode torch.load makes storage-less tensors; so does the load
+            and torch._guards.detect_fake_mode(None) is None)
 
 
 def _direct(fd: int) -> int | None:
@@ -114,7 +125,28 @@ def read_image(reader: Reader, fd: int | None, manifest: Manifest, pool: cf.Exec
                                                                                   "little")
     image = Image(view[:end], {s.key: s for s in entry.storages}, 30 + name_len + extra_len,
                   where)
+    if not problems and sum(s.nbytes for s in entry.storages) < MIN_TENSOR_SHARE * end:
+        image = _packed(image)
     return image, problems
+
+
+def _packed(image: Image) -> Image:
+    """The image with its storages copied into a buffer of their own (each at a multiple of
+    :data:`_PACK_ALIGN`) and its pickle kept aside: the file's buffer can go."""
+    records = sorted(image.storages.values(), key=lambda r: r.offset)
+    placed: dict[str, StorageRecord] = {}
+    at = 0
+    for r in records:
+        placed[r.key] = StorageRecord(r.key, at, r.nbytes)
+        at += (r.nbytes + _PACK_ALIGN - 1) // _PACK_ALIGN * _PACK_ALIGN
+    buf = HostBuffer.allocate(max(at, 1), pinned=False)
+    dst, src = buf.view, image.view
+    for r in records:
+        lo = placed[r.key].offset
+        dst[lo : lo + r.nbytes] = src[r.offset : r.offset + r.nbytes]
+    first = records[0].offset if records else len(src)
+    pickle = bytes(src[image.pickle_at : max(image.pickle_at, first)])
+    return Image(dst[:max(at, 1)], placed, 0, image.where, pickle)
 
 
 def unpickle_image(image: Image, map_location: Any, unpickler: Any) -> Any:
@@ -122,6 +154,8 @@ def unpickle_image(image: Image, map_location: Any, unpickler: Any) -> Any:
     storages views of the image's buffer restored to ``map_location`` as ``torch.load`` does."""
     restore = torch.serialization._get_restore_location(map_location)  # type: ignore[no-untyped-call]
     loaded: dict[str, torch.storage.TypedStorage] = {}
+    # torch's restore of a CPU storage onto the CPU is the storage itself: not asked per tensor
+    on_cpu = map_location is None or str(map_location) == "cpu"
 
     def persistent_load(pid: Any) -> Any:
         if type(pid) is not tuple or len(pid) != 5 or pid[0] != "storage":
@@ -142,13 +176,17 @@ def unpickle_image(image: Image, map_location: Any, unpickler: Any) -> Any:
         else:
             storage = torch.UntypedStorage(0)  # type: ignore[no-untyped-call]
         typed = torch.storage.TypedStorage(  # type: ignore[no-untyped-call]
-            wrap_storage=restore(storage, location), dtype=dtype, _internal=True)
+            wrap_storage=storage if on_cpu and location == "cpu" else restore(storage, location),
+            dtype=dtype, _internal=True)
         loaded[key] = typed
         return typed
 
     # the pickle ends before the first storage's record (torch writes data.pkl first)
-    first = min((r.offset for r in image.storages.values()), default=len(image.view))
-    stream = io.BytesIO(bytes(image.view[image.pickle_at : max(image.pickle_at, first)]))
+    if image.pickle is not None:
+        stream = io.BytesIO(image.pickle)
+    else:
+        first = min((r.offset for r in image.storages.values()), default=len(image.view))
+        stream = io.BytesIO(bytes(image.view[image.pickle_at : max(image.pickle_at, first)]))
     up = unpickler(stream)
     up.persistent_load = persistent_load
     result = up.load()

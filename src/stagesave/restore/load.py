@@ -77,14 +77,23 @@ def _load_once(
             # Verified by this process a moment ago (latest()), the very inode unchanged: the
             # load does not read and hash it again.
             if (manifest is not None and mmap is None and not trusted
-                    and image_load.applies(manifest.files[0]) and not torch_forces_weights_only()
-                    and not (verify and verified_before(reader, manifest.files[0]))):
-                # read once, into the memory the tensors keep, each chunk checked as it lands
-                image, problems = image_load.read_image(reader, fd, manifest, io(), where,
-                                                        check=verify)
-                raise_if_corrupt(problems, where)
-                return safe_torch_load(image, map_location=map_location, trusted=False,
-                                       safe_globals=globs, where=where)
+                    and image_load.applies(manifest.files[0]) and not torch_forces_weights_only()):
+                entry = manifest.files[0]
+                if not (verify and verified_before(reader, entry)):
+                    # read once, into the memory the tensors keep, each chunk checked as it lands
+                    image, problems = image_load.read_image(reader, fd, manifest, io(), where,
+                                                            check=verify)
+                    raise_if_corrupt(problems, where)
+                    return safe_torch_load(image, map_location=map_location, trusted=False,
+                                           safe_globals=globs, where=where)
+                if len(entry.storages) >= image_load.MANY_STORAGES:
+                    # verified a moment ago (so in the page cache): copied from there, unchecked;
+                    # torch.load would spend ~50 us per storage on its own
+                    image, problems = image_load.read_image(reader, None, manifest, io(), where,
+                                                            check=False)
+                    raise_if_corrupt(problems, where)
+                    return safe_torch_load(image, map_location=map_location, trusted=False,
+                                           safe_globals=globs, where=where)
             if verify and manifest is not None and not verified_before(reader, manifest.files[0]):
                 raise_if_corrupt(check_chunks(reader, manifest, io), where)
             elif not verify:

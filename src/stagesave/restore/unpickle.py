@@ -31,7 +31,31 @@ _OP = {name: getattr(pickle, name)[0] for name in (
     "GLOBAL", "LONG1", "LONG_BINGET", "LONG_BINPUT", "MARK", "NEWFALSE", "NEWOBJ", "NEWTRUE",
     "NONE", "PROTO", "REDUCE", "SETITEM", "SETITEMS", "SHORT_BINSTRING", "STOP", "TUPLE",
     "TUPLE1", "TUPLE2", "TUPLE3")}
+#: The opcodes in the order the loop tests them (most frequent in torch states first).
+_BY_FREQUENCY = tuple(_OP[name] for name in (
+    "BINPUT", "BINGET", "LONG_BINPUT", "LONG_BINGET", "BININT1", "BININT2", "BININT", "MARK",
+    "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "BINUNICODE", "REDUCE", "EMPTY_TUPLE", "NEWFALSE",
+    "NEWTRUE", "NONE", "BINPERSID", "GLOBAL", "SETITEMS", "SETITEM", "EMPTY_DICT", "EMPTY_LIST",
+    "APPENDS", "APPEND", "BUILD", "NEWOBJ", "BINFLOAT", "SHORT_BINSTRING", "LONG1", "EMPTY_SET",
+    "PROTO", "STOP"))
 _BLOCKED_MODULES = frozenset({"sys", "os", "posix", "nt"})
+
+
+_REBUILD_V2 = torch._utils._rebuild_tensor_v2
+
+
+def _rebuild_v2(storage: Any, storage_offset: Any, size: Any, stride: Any, requires_grad: Any,
+                backward_hooks: Any, metadata: Any = None) -> torch.Tensor:
+    """``torch._utils._rebuild_tensor_v2`` when no fake-tensor mode is active: the same tensor
+    and attributes, without the fake-mode lookups torch makes for every tensor (a third of a
+    many-tensor load's time)."""
+    t = torch.empty((0,), dtype=storage.dtype, device=storage._untyped_storage.device)
+    t.set_(storage._untyped_storage, storage_offset, size, stride)
+    t.requires_grad = requires_grad
+    if metadata:
+        torch._utils.set_tensor_metadata(t, metadata)  # type: ignore[no-untyped-call]
+    t._backward_hooks = backward_hooks
+    return t
 
 
 def _free(items: Iterable[Any]) -> None:
@@ -50,6 +74,10 @@ class Unpickler:
         self.policy = stagesave_policy
         self.vetted: dict[int, np.dtype[Any]] = {}
         self.memo: dict[int, Any] = {}
+        #: a numpy placeholder was made (then what is used is checked against it)
+        self.pending = False
+        #: torch's tensor rebuild without its fake-mode lookups (no fake mode: checked per load)
+        self.plain_rebuild = False
 
     def persistent_load(self, pid: Any) -> Any:  # replaced by torch with its storage reader
         raise BadPickle("unsupported persistent id encountered")
@@ -61,9 +89,14 @@ class Unpickler:
         route = self.policy.routes.get(id(func))
         try:
             if route is not None:
-                return route(self, args)
+                made = route(self, args)
+                if type(made) is Pending:
+                    self.pending = True
+                return made
             if id(func) not in self.policy.callable_ids:
                 raise BadPickle(f"Trying to call reduce for unrecognized function {func!r}")
+            if func is _REBUILD_V2 and self.plain_rebuild:
+                return _rebuild_v2(*args)
             result = func(*args)
         except (CheckpointError, pickle.UnpicklingError):
             raise
@@ -141,21 +174,131 @@ class Unpickler:
         return inst
 
     def load(self) -> Any:  # one branch per opcode, as pickle's own loop
+        # The opcodes as locals, most frequent first (a torch state is mostly memo puts and
+        # gets, marks, tuples, small ints and strings): a tensor costs a few dozen opcodes, and
+        # a state may hold 100,000 tensors. ``self.pending``: a numpy placeholder exists, so
+        # what is used must be checked against it (``_free``); none exists in most states.
         self.metastack: list[list[Any]] = []
         stack: list[Any] = []
         self.stack = stack
         read = self.read
-        op = _OP
+        memo = self.memo
+        self.plain_rebuild = torch._guards.detect_fake_mode(None) is None
+        (BINPUT, BINGET, LONG_BINPUT, LONG_BINGET, BININT1, BININT2, BININT, MARK, TUPLE,
+         TUPLE1, TUPLE2, TUPLE3, BINUNICODE, REDUCE, EMPTY_TUPLE, NEWFALSE, NEWTRUE, NONE,
+         BINPERSID, GLOBAL, SETITEMS, SETITEM, EMPTY_DICT, EMPTY_LIST, APPENDS, APPEND, BUILD,
+         NEWOBJ, BINFLOAT, SHORT_BINSTRING, LONG1, EMPTY_SET, PROTO, STOP) = _BY_FREQUENCY
         while True:
             key = read(1)
             if not key:
                 raise EOFError
             k = key[0]
-            if k == op["GLOBAL"]:
+            if k == BINPUT or k == LONG_BINPUT:
+                i = read(1)[0] if k == BINPUT else unpack("<I", read(4))[0]
+                memo[i] = top = stack[-1]
+                if type(top) is Pending:
+                    top.memo_slots.append(i)
+            elif k == BINGET or k == LONG_BINGET:
+                i = read(1)[0] if k == BINGET else unpack("<I", read(4))[0]
+                stack.append(memo[i])
+            elif k == BININT1:
+                stack.append(read(1)[0])
+            elif k == MARK:
+                self.metastack.append(stack)
+                stack = self.stack = []
+            elif k == TUPLE:
+                items = self._pop_mark()
+                stack = self.stack
+                if self.pending:
+                    _free(items)
+                stack.append(tuple(items))
+            elif k == TUPLE1 or k == TUPLE2 or k == TUPLE3:
+                n = 1 + k - TUPLE1
+                if len(stack) < n:
+                    raise BadPickle("stack underflow")
+                items = stack[-n:]
+                if self.pending:
+                    _free(items)
+                stack[-n:] = [tuple(items)]
+            elif k == BINUNICODE:
+                (n,) = unpack("<I", read(4))
+                data = read(n)
+                if len(data) != n:
+                    raise EOFError
+                stack.append(str(data, "utf-8", "surrogatepass"))
+            elif k == REDUCE:
+                args = stack.pop()
+                if self.pending:
+                    _free([stack[-1]])
+                stack[-1] = self.call(stack[-1], args)
+            elif k == EMPTY_TUPLE:
+                stack.append(())
+            elif k == NEWFALSE:
+                stack.append(False)
+            elif k == NEWTRUE:
+                stack.append(True)
+            elif k == NONE:
+                stack.append(None)
+            elif k == BININT2:
+                stack.append(unpack("<H", read(2))[0])
+            elif k == BININT:
+                stack.append(unpack("<i", read(4))[0])
+            elif k == BINPERSID:
+                pid = stack.pop()
+                if type(pid) is not tuple or not pid or pid[0] not in ("storage", b"storage"):
+                    raise BadPickle("a persistent id must be a tuple naming a storage")
+                if self.pending:
+                    _free(pid)
+                try:
+                    stack.append(self.persistent_load(pid))
+                except (CheckpointError, pickle.UnpicklingError, RuntimeError):
+                    raise  # torch's own words on the zip, the storage, the device
+                except Exception as exc:
+                    raise BadPickle(f"persistent id {pid!r:.200} is malformed: "
+                                    f"{type(exc).__name__}: {exc}") from exc
+            elif k == GLOBAL:
                 stack.append(self.global_())
-            elif k == op["NEWOBJ"]:
+            elif k == SETITEMS:
+                items = self._pop_mark()
+                stack = self.stack
+                if self.pending:
+                    _free(items)
+                target = stack[-1]
+                self._check_mapping(target)
+                for i in range(0, len(items) - 1, 2):
+                    target[items[i]] = items[i + 1]
+            elif k == SETITEM:
+                v, key_ = stack.pop(), stack.pop()
+                if self.pending:
+                    _free((key_, v))
+                self._check_mapping(stack[-1])
+                stack[-1][key_] = v
+            elif k == EMPTY_DICT:
+                stack.append({})
+            elif k == EMPTY_LIST:
+                stack.append([])
+            elif k == APPENDS:
+                items = self._pop_mark()
+                stack = self.stack
+                if self.pending:
+                    _free(items)
+                if type(stack[-1]) is not list:
+                    raise BadPickle(f"Can only extend lists, but got {type(stack[-1]).__name__}")
+                stack[-1].extend(items)
+            elif k == APPEND:
+                item = stack.pop()
+                if self.pending:
+                    _free([item])
+                if type(stack[-1]) is not list:
+                    raise BadPickle(f"Can only append to lists, but got {type(stack[-1]).__name__}")
+                stack[-1].append(item)
+            elif k == BUILD:
+                state = stack.pop()
+                stack[-1] = self.build(stack[-1], state)
+            elif k == NEWOBJ:
                 args, cls = stack.pop(), stack.pop()
-                _free([cls])
+                if self.pending:
+                    _free([cls])
                 if type(args) is not tuple:
                     raise BadPickle("NEWOBJ arguments must be a tuple")
                 if cls is torch.nn.Parameter:
@@ -167,110 +310,19 @@ class Unpickler:
                 else:
                     raise BadPickle(f"Can only create new objects of allow-listed classes, "
                                     f"not {cls!r}")
-            elif k == op["REDUCE"]:
-                args = stack.pop()
-                _free([stack[-1]])
-                stack[-1] = self.call(stack[-1], args)
-            elif k == op["BUILD"]:
-                state = stack.pop()
-                stack[-1] = self.build(stack[-1], state)
-            elif k == op["APPEND"]:
-                item = stack.pop()
-                _free([item])
-                if type(stack[-1]) is not list:
-                    raise BadPickle(f"Can only append to lists, but got {type(stack[-1]).__name__}")
-                stack[-1].append(item)
-            elif k == op["APPENDS"]:
-                items = self._pop_mark()
-                stack = self.stack
-                _free(items)
-                if type(stack[-1]) is not list:
-                    raise BadPickle(f"Can only extend lists, but got {type(stack[-1]).__name__}")
-                stack[-1].extend(items)
-            elif k == op["SETITEM"]:
-                v, key_ = stack.pop(), stack.pop()
-                _free((key_, v))
-                self._check_mapping(stack[-1])
-                stack[-1][key_] = v
-            elif k == op["SETITEMS"]:
-                items = self._pop_mark()
-                stack = self.stack
-                _free(items)
-                self._check_mapping(stack[-1])
-                for i in range(0, len(items) - 1, 2):
-                    stack[-1][items[i]] = items[i + 1]
-            elif k == op["MARK"]:
-                self.metastack.append(stack)
-                stack = self.stack = []
-            elif k == op["TUPLE"]:
-                items = self._pop_mark()
-                stack = self.stack
-                _free(items)
-                stack.append(tuple(items))
-            elif k in (op["TUPLE1"], op["TUPLE2"], op["TUPLE3"]):
-                n = 1 + k - op["TUPLE1"]
-                if len(stack) < n:
-                    raise BadPickle("stack underflow")
-                items = stack[-n:]
-                _free(items)
-                stack[-n:] = [tuple(items)]
-            elif k == op["NONE"]:
-                stack.append(None)
-            elif k == op["NEWFALSE"]:
-                stack.append(False)
-            elif k == op["NEWTRUE"]:
-                stack.append(True)
-            elif k == op["EMPTY_TUPLE"]:
-                stack.append(())
-            elif k == op["EMPTY_LIST"]:
-                stack.append([])
-            elif k == op["EMPTY_DICT"]:
-                stack.append({})
-            elif k == op["EMPTY_SET"]:
-                stack.append(set())
-            elif k == op["BININT"]:
-                stack.append(unpack("<i", read(4))[0])
-            elif k == op["BININT1"]:
-                stack.append(read(1)[0])
-            elif k == op["BININT2"]:
-                stack.append(unpack("<H", read(2))[0])
-            elif k == op["BINFLOAT"]:
+            elif k == BINFLOAT:
                 stack.append(unpack(">d", read(8))[0])
-            elif k == op["BINUNICODE"]:
-                (n,) = unpack("<I", read(4))
-                data = read(n)
-                if len(data) != n:
-                    raise EOFError
-                stack.append(str(data, "utf-8", "surrogatepass"))
-            elif k == op["SHORT_BINSTRING"]:
+            elif k == SHORT_BINSTRING:
                 raw = read(read(1)[0])
                 stack.append(raw if self.encoding == "bytes"
                              else raw.decode(self.encoding, "strict"))
-            elif k == op["LONG1"]:
+            elif k == LONG1:
                 stack.append(pickle.decode_long(read(read(1)[0])))
-            elif k == op["BINPERSID"]:
-                pid = stack.pop()
-                if type(pid) is not tuple or not pid or pid[0] not in ("storage", b"storage"):
-                    raise BadPickle("a persistent id must be a tuple naming a storage")
-                _free(pid)
-                try:
-                    stack.append(self.persistent_load(pid))
-                except (CheckpointError, pickle.UnpicklingError, RuntimeError):
-                    raise  # torch's own words on the zip, the storage, the device
-                except Exception as exc:
-                    raise BadPickle(f"persistent id {pid!r:.200} is malformed: "
-                                    f"{type(exc).__name__}: {exc}") from exc
-            elif k in (op["BINGET"], op["LONG_BINGET"]):
-                i = read(1)[0] if k == op["BINGET"] else unpack("<I", read(4))[0]
-                stack.append(self.memo[i])
-            elif k in (op["BINPUT"], op["LONG_BINPUT"]):
-                i = read(1)[0] if k == op["BINPUT"] else unpack("<I", read(4))[0]
-                self.memo[i] = stack[-1]
-                if type(stack[-1]) is Pending:
-                    stack[-1].memo_slots.append(i)
-            elif k == op["PROTO"]:
+            elif k == EMPTY_SET:
+                stack.append(set())
+            elif k == PROTO:
                 read(1)
-            elif k == op["STOP"]:
+            elif k == STOP:
                 result = stack.pop()
                 _free([result])
                 return result

@@ -1,0 +1,94 @@
+"""Loading files of many small tensors (issue 22): read once and verified as it lands like any
+format-2 file, their storages packed into a buffer of their own (the file's page padding is not
+kept alive), and the safe unpickler's tensors exactly torch.load's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import stagesave
+from stagesave.restore import image_load
+from stagesave.restore.verified_memo import forget_verified
+
+
+def _many(n: int = 3000) -> dict[str, object]:
+    g = torch.Generator().manual_seed(1)
+    base = torch.randn(40, 30, generator=g)
+    return {
+        "moments": {f"m{i}": torch.randn(1 + i % 37, generator=g) for i in range(n)},
+        "empty": torch.empty(0),
+        "ints": torch.arange(10, dtype=torch.int16),
+        "view_a": base,
+        "view_b": base[5:, 3:].t(),  # shares base's storage, other offset and strides
+        "grad": torch.ones(3, requires_grad=True),
+        "conj": torch.complex(torch.ones(4), torch.arange(4.0)).conj(),
+        "step": 12,
+    }
+
+
+def _same(a: object, b: object) -> None:
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys()
+        for k in a:
+            _same(a[k], b[k])
+    elif isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor)
+        assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+        assert a.storage_offset() == b.storage_offset()
+        assert a.requires_grad == b.requires_grad and a.is_conj() == b.is_conj()
+        assert torch.equal(a.resolve_conj().detach(), b.resolve_conj().detach())
+    else:
+        assert a == b
+
+
+@pytest.mark.parametrize(("verify", "after_verify"), [(True, False), (False, False), (True, True)])
+def test_a_file_of_many_small_tensors_loads_into_a_packed_buffer(tmp_path, verify, after_verify):
+    state = _many()
+    path = str(tmp_path / "many.ckpt")
+    with stagesave.Checkpointer(writer="thread") as ck:
+        ck.save(state, path).result()
+        entry = ck.verify(path).manifest.files[0]
+        tensors = sum(r.nbytes for r in entry.storages)
+        assert tensors < image_load.MIN_TENSOR_SHARE * entry.end  # padding dominates the file
+        if not after_verify:
+            forget_verified()  # else: the load follows a verification of the same file
+        got = ck.load(path, verify=verify)
+    _same(state, got)
+    _same(torch.load(path, weights_only=True), got)  # the same objects as torch's own loader
+    assert got["view_a"].untyped_storage().data_ptr() == got["view_b"].untyped_storage().data_ptr()
+    # every storage in one buffer no larger than the tensors (each rounded to 64 bytes): the
+    # file's padding to pages is not what the tensors keep
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in [*got["moments"].values(), got["ints"], got["view_a"], got["grad"]]}
+    lo, hi = min(storages), max(p + n for p, n in storages.items())
+    assert hi - lo <= sum((n + 63) // 64 * 64 for n in storages.values()) + 64 * len(storages)
+    assert hi - lo < entry.end / 2
+
+
+def test_a_flipped_byte_in_a_many_tensor_file_is_caught(tmp_path):
+    path = str(tmp_path / "many.ckpt")
+    with stagesave.Checkpointer(writer="thread") as ck:
+        ck.save(_many(), path).result()
+        record = ck.verify(path).manifest.files[0].storages[100]
+    with open(path, "r+b") as f:
+        f.seek(record.offset)
+        b = f.read(1)
+        f.seek(record.offset)
+        f.write(bytes([b[0] ^ 1]))
+    with stagesave.Checkpointer() as ck, pytest.raises(stagesave.IntegrityError,
+                                                       match="checksum mismatch"):
+        ck.load(path)
+
+
+def test_under_a_fake_tensor_mode_the_load_makes_fake_tensors(tmp_path):
+    """Inside a fake-tensor mode the load makes storage-less fake tensors, as torch.load does
+    (no image is read; torch's own tensor rebuild runs)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    path = str(tmp_path / "small.ckpt")
+    with stagesave.Checkpointer(writer="thread") as ck:
+        ck.save({"w": torch.randn(8, 8)}, path).result()
+        with FakeTensorMode():
+            got = ck.load(path)
+    assert type(got["w"]).__name__ == "FakeTensor" and got["w"].shape == (8, 8)
