@@ -205,8 +205,8 @@ class Checkpointer:
         Waits for pending saves of the same path. The file is opened once: its proof and its
         bytes come from that one version, even if the name is replaced meanwhile. With
         ``verify`` (default) every byte is checked against the proof before anything is
-        unpickled. Local files load with ``mmap`` by default (copy-on-write pages of the
-        verified file).
+        unpickled. A stagesave torch file is read once into memory its tensors keep; other
+        local files load with ``mmap`` (copy-on-write pages of the verified file).
 
         Raises:
             CheckpointNotFoundError: no such file.
