@@ -54,6 +54,14 @@ def _server() -> tuple[Any, Callable[[], None]]:
     return started, lambda: s3server.stop_server(started.pid, started.workdir)
 
 
+def _bucket(server: Any, prefix: str) -> tuple[Any, str, dict[str, Any]]:
+    """A new bucket on ``server``: its boto3 client, the bucket's name, fsspec options."""
+    client = server.client()
+    bucket = f"{prefix}-{uuid.uuid4().hex[:8]}"
+    client.create_bucket(Bucket=bucket)
+    return client, bucket, server.options()
+
+
 def _cpu(pid: int | None) -> float:
     try:
         import psutil
@@ -135,10 +143,7 @@ def main(argv: list[str] | None = None) -> int:
 
     server, stop = _server()
     try:
-        client = server.client()
-        bucket = f"stagesave-bench-{uuid.uuid4().hex[:8]}"
-        client.create_bucket(Bucket=bucket)
-        options = server.options()
+        client, bucket, options = _bucket(server, "stagesave-bench")
         state = transformer_state(args.size_mib << 20)
         print(
             f"state: {state_bytes(state) / 2**20:.0f} MiB of tensors; server {server.endpoint}",

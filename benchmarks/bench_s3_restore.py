@@ -30,7 +30,6 @@ import os
 import statistics
 import sys
 import time
-import uuid
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -41,7 +40,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
-from bench_s3 import _cpu, _server
+from bench_s3 import _bucket, _cpu, _server
 from common import tensors_of, transformer_state
 
 import stagesave
@@ -71,10 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import s3fs
 
-        client = server.client()
-        bucket = f"stagesave-restore-{uuid.uuid4().hex[:8]}"
-        client.create_bucket(Bucket=bucket)
-        options = server.options()
+        client, bucket, options = _bucket(server, "stagesave-restore")
         state = transformer_state(args.size_mib << 20)
         want = _touch(state)
         root = f"s3://{bucket}/run"

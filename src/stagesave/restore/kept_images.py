@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from ..ondisk.manifest import Manifest
 from ..stores.base import Reader
+from .verified_memo import stat_identity
 
 if TYPE_CHECKING:  # image_load imports torch, which a writer agent never does
     from .image_load import Image
@@ -46,10 +47,6 @@ def keeping() -> Iterator[None]:
         scope.clear()
 
 
-def _identity(st: os.stat_result) -> tuple[int, ...]:
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-
-
 def keep_while_checking(reader: Reader, manifest: Manifest,
                         pool: cf.Executor) -> list[str] | None:
     """Check every chunk of ``reader``'s file by reading it into an image kept for the load;
@@ -69,7 +66,7 @@ def keep_while_checking(reader: Reader, manifest: Manifest,
         proc = f"/proc/self/fd/{fd}"
         path = os.path.realpath(proc if os.path.exists(proc) else reader.where)
         with _lock:
-            scope[path] = (_identity(os.fstat(fd)), image)
+            scope[path] = (stat_identity(os.fstat(fd)), image)
     return problems
 
 
@@ -78,7 +75,7 @@ def take(path: str | os.PathLike[str]) -> Image | None:
     unchanged; given out once."""
     real = os.path.realpath(path)
     try:
-        ident = _identity(os.stat(real))
+        ident = stat_identity(os.stat(real))
     except OSError:
         return None
     with _lock:

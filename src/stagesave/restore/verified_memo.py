@@ -16,7 +16,9 @@ from collections import OrderedDict
 from ..ondisk.manifest import FileEntry
 from ..stores.base import Reader
 
-__all__ = ["VERIFIED_TTL_S", "forget_verified", "remember_verified", "verified_before"]
+__all__ = [
+    "VERIFIED_TTL_S", "forget_verified", "remember_verified", "stat_identity", "verified_before",
+]
 
 #: How long a verification is reused by the load that follows it.
 VERIFIED_TTL_S = 600.0
@@ -25,12 +27,16 @@ _verified_lock = threading.Lock()
 _verified: OrderedDict[str, tuple[tuple[int, ...], FileEntry, float]] = OrderedDict()
 
 
+def stat_identity(st: os.stat_result) -> tuple[int, ...]:
+    """What tells one state of a file from another: inode, size, mtime and ctime."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
 def _identity(reader: Reader) -> tuple[int, ...] | None:
     fd = reader.fileno()
     if fd is None:
         return None  # not a local file: nothing stable to recognise it by
-    st = os.fstat(fd)
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    return stat_identity(os.fstat(fd))
 
 
 def remember_verified(reader: Reader, entry: FileEntry) -> None:
