@@ -323,40 +323,43 @@ def index(state: Any, pickler: TorchPickler) -> list[TensorEntry]:
             key, dtype, shape, stride, offset = got
             out.append(TensorEntry(name, key, _DTYPE_NAMES[dtype], shape, stride, offset))
 
-    def walk(obj: Any, prefix: str, depth: int) -> None:
-        if depth > 64:
-            return  # as deep as the index goes (a tensor there was added by its parent)
-        kind = type(obj)
-        items: Any
-        if (
-            kind is dict
-            or kind is _OrderedDict
-            or (kind is not _Tensor and isinstance(obj, Mapping))
-        ):
-            items = obj.items()
-        elif (
-            kind is list
-            or kind is tuple
-            or (kind is not _Tensor and isinstance(obj, (list, tuple)))
-        ):
-            items = enumerate(obj)
-        elif is_dataclass(obj) and not isinstance(obj, type):
-            items = [(f.name, getattr(obj, f.name)) for f in fields(obj)]
-        else:
-            return
-        for k, v in items:
-            vk = type(v)
-            if vk in _ATOMS:
-                continue
-            name = f"{prefix}.{k}" if prefix else str(k)
-            if vk is _Tensor or vk is _Parameter:
-                add(name, v, vk)
-            else:
-                walk(v, name, depth + 1)
-
     kind = type(state)
     if kind is _Tensor or kind is _Parameter:
         add("", state, kind)
     else:
-        walk(state, "", 0)
+        _index_walk(state, "", 0, add)
     return out
+
+
+def _index_walk(obj: Any, prefix: str, depth: int, add: Callable[[str, Any, type], None]) -> None:
+    # A module function, not a closure naming itself: such a closure is a reference cycle that
+    # would keep the pickler's tables alive until the cyclic collector runs (inside a save).
+    if depth > 64:
+        return  # as deep as the index goes (a tensor there was added by its parent)
+    kind = type(obj)
+    items: Any
+    if (
+        kind is dict
+        or kind is _OrderedDict
+        or (kind is not _Tensor and isinstance(obj, Mapping))
+    ):
+        items = obj.items()
+    elif (
+        kind is list
+        or kind is tuple
+        or (kind is not _Tensor and isinstance(obj, (list, tuple)))
+    ):
+        items = enumerate(obj)
+    elif is_dataclass(obj) and not isinstance(obj, type):
+        items = [(f.name, getattr(obj, f.name)) for f in fields(obj)]
+    else:
+        return
+    for k, v in items:
+        vk = type(v)
+        if vk in _ATOMS:
+            continue
+        name = f"{prefix}.{k}" if prefix else str(k)
+        if vk is _Tensor or vk is _Parameter:
+            add(name, v, vk)
+        else:
+            _index_walk(v, name, depth + 1, add)

@@ -51,32 +51,32 @@ def marked(state: Any) -> Any:
     """A copy of ``state``'s containers with every volatile leaf replaced by a marker numbered in
     walk order (tensors, strings, other objects and containers without a leaf inside are the
     same objects)."""
-    count = 0
+    return _marked(state, [0])
 
-    def copy(obj: Any) -> Any:
-        nonlocal count
-        kind = type(obj)
-        if kind in VOLATILE:
-            count += 1
-            return _mark(count - 1)
-        if kind is str:
-            count += 1
-            return _str_mark(count - 1)
-        if kind is dict or kind is _OrderedDict:
-            values = [copy(v) for v in obj.values()]
-            extra = copy(obj.__dict__) if kind is _OrderedDict and obj.__dict__ else None
-            if extra is None and all(map(is_, values, obj.values())):
-                return obj  # nothing marked inside: the very object (pickled the same)
-            out = kind(zip(obj.keys(), values))
-            if extra is not None:
-                out.__dict__.update(extra)
-            return out
-        if kind is list or kind is tuple:
-            values = [copy(v) for v in obj]
-            return obj if all(map(is_, values, obj)) else kind(values)
-        return obj
 
-    return copy(state)
+def _marked(obj: Any, count: list[int]) -> Any:
+    # A module function, not a closure naming itself: such a closure is a reference cycle that
+    # keeps everything it touched alive until the cyclic collector runs (inside a later save).
+    kind = type(obj)
+    if kind in VOLATILE:
+        count[0] += 1
+        return _mark(count[0] - 1)
+    if kind is str:
+        count[0] += 1
+        return _str_mark(count[0] - 1)
+    if kind is dict or kind is _OrderedDict:
+        values = [_marked(v, count) for v in obj.values()]
+        extra = _marked(obj.__dict__, count) if kind is _OrderedDict and obj.__dict__ else None
+        if extra is None and all(map(is_, values, obj.values())):
+            return obj  # nothing marked inside: the very object (pickled the same)
+        out = kind(zip(obj.keys(), values))
+        if extra is not None:
+            out.__dict__.update(extra)
+        return out
+    if kind is list or kind is tuple:
+        values = [_marked(v, count) for v in obj]
+        return obj if all(map(is_, values, obj)) else kind(values)
+    return obj
 
 
 def cut(pkl: bytes, n_leaves: int) -> tuple[list[bytes], list[int]] | None:
