@@ -34,7 +34,14 @@ def links_to(path: str) -> list[str]:
         entries = list(os.scandir(directory))
     except OSError:
         return []
-    return [e.path for e in entries if e.is_symlink() and os.path.realpath(e.path) == real]
+    return [e.path for e in entries if _links_to(e, real)]
+
+
+def _links_to(entry: os.DirEntry[str], real: str) -> bool:
+    try:  # an entry may vanish between the listing and this look (a link's own temporary)
+        return entry.is_symlink() and os.path.realpath(entry.path) == real
+    except OSError:
+        return False
 
 
 class LinkKeeper:
