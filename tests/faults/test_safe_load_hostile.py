@@ -28,6 +28,24 @@ import faultstats
 import numpy as np
 import pytest
 import torch
+from pickleasm import (
+    BUILD,
+    EMPTY_TUPLE,
+    FALSE,
+    MARK,
+    NONE,
+    REDUCE,
+    TRUE,
+    TUPLE,
+    TUPLE1,
+    TUPLE2,
+    TUPLE3,
+    glob,
+    num,
+    raw,
+    text,
+    tup,
+)
 
 import stagesave
 from stagesave.errors import CheckpointError
@@ -37,32 +55,6 @@ _multiarray: Any = importlib.import_module(_MA)
 
 
 # ---------------------------------------------------------------------------- pickle assembly
-def glob(module: str, name: str) -> bytes:
-    return b"c" + module.encode() + b"\n" + name.encode() + b"\n"
-
-
-def text(s: str) -> bytes:
-    b = s.encode("utf-8", "surrogatepass")
-    return b"X" + struct.pack("<I", len(b)) + b
-
-
-def num(n: int) -> bytes:
-    return b"J" + struct.pack("<i", n)
-
-
-def raw(data: bytes) -> bytes:
-    """bytes, as protocol 2 writes them: ``_codecs.encode(latin-1 text, 'latin1')``."""
-    return glob("_codecs", "encode") + text(data.decode("latin1")) + text("latin1") + b"\x86R"
-
-
-NONE, TRUE, FALSE, MARK, TUPLE, REDUCE, BUILD = b"N", b"\x88", b"\x89", b"(", b"t", b"R", b"b"
-TUPLE1, TUPLE2, TUPLE3, EMPTY_TUPLE = b"\x85", b"\x86", b"\x87", b")"
-
-
-def tup(*items: bytes) -> bytes:
-    return MARK + b"".join(items) + TUPLE
-
-
 def dtype_reduce(spec: str) -> bytes:
     return glob("numpy", "dtype") + text(spec) + FALSE + TRUE + TUPLE3 + REDUCE
 

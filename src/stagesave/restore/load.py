@@ -18,6 +18,7 @@ from typing import Any
 from ..errors import IntegrityError, StorageError
 from ..safety import safe_torch_load
 from ..saving import inflight
+from ..saving.plan import gc_paused
 from ..stores.base import Reader, Store
 from . import from_memory, image_load
 from .resolve_file import resolve_reader
@@ -46,8 +47,11 @@ def load_checkpoint(
     globs = list(safe_globals)
     for attempt in range(3):
         try:
-            return _load_once(store, name, where, io, chunk_bytes, map_location, verify, mmap,
-                              trusted, globs)
+            # a load makes a few objects per tensor (proof records, storages, tensors): with the
+            # collector running, its full passes over them took a third of a 100,000-tensor load
+            with gc_paused():
+                return _load_once(store, name, where, io, chunk_bytes, map_location, verify,
+                                  mmap, trusted, globs)
         except StorageError as exc:  # replaced while being read (S3): read the new version
             if not replaced(exc) or attempt == 2:
                 raise

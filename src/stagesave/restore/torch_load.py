@@ -4,7 +4,8 @@ Three ways to load, one choice per call: ``trusted`` runs torch's full unpickler
 ``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` makes torch refuse any ``pickle_module``, torch's own
 weights-only unpickler runs with the caller's non-numpy globals; otherwise torch reads the zip
 and the storages and every opcode of the pickle runs in stagesave's
-:class:`~stagesave.restore.unpickle.Unpickler`. Whatever fails is reported as a refused file
+:class:`~stagesave.restore.fast_unpickle.Unpickler` (the C unpickler over proxies first, the
+Python loop of :mod:`.unpickle` wherever that stops). Whatever fails is reported as a refused file
 (:class:`~stagesave.errors.UnsafeCheckpointError`) or a damaged one
 (:class:`~stagesave.errors.IntegrityError`), never as the unpickler's own exception.
 """
@@ -20,11 +21,12 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
+from ..saving.plan import gc_paused
 from .allowlist import Policy
+from .fast_unpickle import PICKLE_MODULE, Unpickler
 from .image_load import Image, unpickle_image
 from .numpy_pickles import is_numpy_object
 from .refusal import damaged, refused_global
-from .unpickle import PICKLE_MODULE, Unpickler
 
 __all__ = ["torch_forces_weights_only", "torch_load"]
 
@@ -37,7 +39,8 @@ def torch_load(
     """``torch.load`` of ``source`` with the allow-list ``globs`` (see
     :func:`stagesave.safety.safe_torch_load`, whose errors it raises)."""
     try:
-        return _load(source, map_location, mmap, trusted, globs, where)
+        with gc_paused():  # objects by the hundred thousand; see load.load_checkpoint
+            return _load(source, map_location, mmap, trusted, globs, where)
     except CheckpointError:
         raise
     except (EOFError, UnicodeDecodeError, MemoryError, RecursionError) as exc:

@@ -23,7 +23,7 @@ from .allowlist import Policy
 from .numpy_pickles import Pending, build_array, build_dtype
 from .refusal import BadPickle, refuse
 
-__all__ = ["PICKLE_MODULE", "Unpickler"]
+__all__ = ["Unpickler"]
 
 _OP = {name: getattr(pickle, name)[0] for name in (
     "APPEND", "APPENDS", "BINFLOAT", "BINGET", "BININT", "BININT1", "BININT2", "BINPERSID",
@@ -351,17 +351,3 @@ class Unpickler:
 
 _MISSING = object()
 
-
-def _pickle_load(file: Any, *, encoding: str = "bytes", stagesave_policy: Policy) -> Any:
-    return Unpickler(file, encoding=encoding, stagesave_policy=stagesave_policy).load()
-
-
-class _PickleModule:
-    """What ``torch.load(pickle_module=...)`` uses: our unpickler, torch's reading of the zip."""
-
-    Unpickler = Unpickler
-    load = staticmethod(_pickle_load)
-    __name__ = "stagesave.safety"
-
-
-PICKLE_MODULE = _PickleModule()

@@ -1,0 +1,232 @@
+"""A safe load's pickle run first by Python's C unpickler, which is handed nothing but proxies.
+
+The opcode loop of :class:`~.unpickle.Unpickler` is Python: ~1 µs per opcode, a few dozen
+opcodes per tensor, most of a load of 100,000 tensors. :class:`Unpickler` here runs the pickle
+first through ``_pickle.Unpickler`` (C) with a ``find_class`` that answers only a closed set of
+the allow-list's names, and with nothing callable, buildable or mutable from outside this module
+ever on its stack:
+
+* every global it answers is a **proxy**: calling one (``REDUCE``) runs the same checks and
+  routes as the Python loop (:meth:`.unpickle.Unpickler.call`); building one (``BUILD``) stops
+  the try; a proxy is no class, so ``NEWOBJ`` stops it too;
+* a storage class named in a persistent id is a marker, and each storage the file's
+  ``persistent_load`` hands out is wrapped (:class:`_Stored`): only the tensor rebuild takes
+  one, and a wrapper still referenced after the pickle ends (a storage the state holds bare, or
+  a hostile pickle reusing one) stops the try;
+* inert values (dtypes: no attributes, no state, not callable) are themselves.
+
+Everything else the C unpickler can do with such a stack is data: tuples, lists, dicts,
+strings, numbers, items set on the dicts and ``OrderedDict`` s it made, the state of a tensor
+set by torch's checked ``__setstate__`` (as ``_rebuild_tensor_v2`` sets it). Any global outside
+the set (numpy, tensor subclasses, the user's classes), any failure or refusal, stops the try
+and the pickle runs again, from its start, in the Python loop, which admits or refuses it with
+its own words: the C unpickler never decides that a file is refused or damaged. One difference
+remains, on data only: the C unpickler also reads the opcodes of pickle protocols 3 to 5 and
+the text opcodes (bytes, sets, frames, ``DUP``...) and ``OBJ``/``INST`` (a call, through a
+proxy, as ``REDUCE`` makes it), which torch never writes and the Python loop refuses as damage.
+A process where an extension code was registered with ``copyreg`` (answered from a cache,
+without ``find_class``) never tries it. ``STAGESAVE_FAST_UNPICKLE=0`` turns the first try off.
+"""
+
+from __future__ import annotations
+
+import copyreg
+import io
+import os
+import pickle
+import sys
+from typing import Any
+
+import torch
+from torch._utils import IMPORT_MAPPING, NAME_MAPPING
+
+from .allowlist import Policy
+from .unpickle import _BLOCKED_MODULES, _MISSING, _REBUILD_V2
+from .unpickle import Unpickler as LoopUnpickler
+
+__all__ = ["FAST_NAMES", "PICKLE_MODULE", "Unpickler", "fast_enabled"]
+
+#: The callables the C unpickler may reach (through proxies); any other global stops the try.
+FAST_NAMES = frozenset({
+    "torch._utils._rebuild_tensor_v2", "torch._utils._rebuild_parameter",
+    "collections.OrderedDict", "torch.device", "torch.Size", "_codecs.encode",
+})
+
+
+def fast_enabled() -> bool:
+    """Whether loads try the C unpickler first (``STAGESAVE_FAST_UNPICKLE``, default on)."""
+    return os.environ.get("STAGESAVE_FAST_UNPICKLE", "1").strip().lower() not in (
+        "0", "false", "no", "off")
+
+
+class _Stop(Exception):
+    """The C unpickler meets something only the Python loop may judge."""
+
+
+class _Inert:
+    """A base without attributes or state: ``BUILD`` of any of these stops the try."""
+
+    __slots__ = ()
+
+    def __setstate__(self, state: Any) -> None:
+        raise _Stop("BUILD of a proxy")
+
+
+class _Call(_Inert):
+    """An allow-listed callable, called only through the Python loop's checks."""
+
+    __slots__ = ("func", "loop")
+
+    def __init__(self, func: Any, loop: LoopUnpickler) -> None:
+        self.func, self.loop = func, loop
+
+    def __call__(self, *args: Any) -> Any:
+        for a in args:
+            if type(a) is _Stored:
+                raise _Stop("a storage passed to something other than the tensor rebuild")
+        return self.loop.call(self.func, args)
+
+
+class _Rebuild(_Call):
+    """``torch._utils._rebuild_tensor_v2``, the one callable that takes a storage."""
+
+    __slots__ = ()
+
+    def __call__(self, *args: Any) -> Any:
+        if not args or type(args[0]) is not _Stored:
+            raise _Stop("a tensor rebuilt from something other than a storage")
+        for a in args[1:]:
+            if type(a) is _Stored:
+                raise _Stop("a storage passed as a tensor's attribute")
+        return self.loop.call(self.func, (args[0].typed, *args[1:]))
+
+
+class _Kind(_Inert):
+    """A storage class, as a persistent id names it (not callable)."""
+
+    __slots__ = ("cls",)
+
+    def __init__(self, cls: Any) -> None:
+        self.cls = cls
+
+
+class _Stored(_Inert):
+    """A storage ``persistent_load`` made, until the tensor rebuild takes it."""
+
+    __slots__ = ("typed",)
+
+    def __init__(self, typed: Any) -> None:
+        self.typed = typed
+
+
+def _storage_class(obj: Any) -> bool:
+    """A storage class, or what torch's allow-list names one by (its ``StorageType``)."""
+    return type(obj) is torch.serialization.StorageType or isinstance(obj, type) and (
+        obj is torch.UntypedStorage or issubclass(obj, torch.storage.TypedStorage))
+
+
+def _inert(obj: Any) -> bool:
+    return (isinstance(obj, torch.dtype) and not callable(obj)
+            and not hasattr(obj, "__dict__") and not hasattr(obj, "__setstate__"))
+
+
+class _CUnpickler(pickle.Unpickler):  # _pickle.Unpickler: the opcode loop in C
+    def __init__(self, data: bytes, loop: LoopUnpickler, persistent: Any) -> None:
+        super().__init__(io.BytesIO(data), encoding=loop.encoding, fix_imports=False)
+        self.loop, self.persistent = loop, persistent
+        self.answers: dict[str, Any] = {}
+        self.made: list[_Stored] = []
+
+    def find_class(self, module: str, name: str) -> Any:
+        key = f"{module}.{name}"
+        found = self.answers.get(key, _MISSING)
+        if found is not _MISSING:
+            return found
+        if (module, name) in NAME_MAPPING:
+            module, name = NAME_MAPPING[(module, name)]
+        elif module in IMPORT_MAPPING:
+            module = IMPORT_MAPPING[module]
+        full = f"{module}.{name}"
+        obj = self.loop.policy.table.get(full, _MISSING)
+        if obj is _MISSING or module in _BLOCKED_MODULES:
+            raise _Stop(full)
+        if full in FAST_NAMES:
+            found = _Rebuild(obj, self.loop) if obj is _REBUILD_V2 else _Call(obj, self.loop)
+        elif _storage_class(obj):
+            found = _Kind(obj)
+        elif _inert(obj):
+            found = obj
+        else:
+            raise _Stop(full)
+        self.answers[key] = found
+        return found
+
+    def persistent_load(self, pid: Any) -> Any:
+        if type(pid) is not tuple or len(pid) != 5 or pid[0] != "storage" or type(
+                pid[1]) is not _Kind:
+            raise _Stop("a persistent id torch does not write")
+        stored = _Stored(self.persistent(("storage", pid[1].cls, *pid[2:])))
+        self.made.append(stored)
+        return stored
+
+
+def _run_fast(data: bytes, loop: LoopUnpickler, persistent: Any) -> Any:
+    up = _CUnpickler(data, loop, persistent)
+    result = up.load()
+    made, answers = up.made, up.answers
+    up.memo.clear()
+    del up
+    # each referenced by its list, the loop's name and getrefcount's argument, and nothing else:
+    # the state holds no wrapped storage, no proxy (a pickle that names a global and keeps it)
+    for stored in made:
+        if sys.getrefcount(stored) > 3:
+            raise _Stop("a storage the state holds other than inside a tensor")
+    for answer in answers.values():
+        if isinstance(answer, _Inert) and sys.getrefcount(answer) > 3:
+            raise _Stop("a global the state holds")
+    return result
+
+
+class Unpickler:
+    """The safe unpickler: the C unpickler over proxies first, the Python loop where it stops.
+
+    The interface of ``pickle.Unpickler`` that ``torch.load`` uses (``persistent_load`` set,
+    then ``load()``)."""
+
+    def __init__(self, file: Any, *, encoding: str = "bytes", stagesave_policy: Policy) -> None:
+        self.file = file
+        self.encoding = encoding
+        self.policy = stagesave_policy
+        self.persistent_load: Any = None
+
+    def load(self) -> Any:
+        loop = LoopUnpickler(self.file, encoding=self.encoding, stagesave_policy=self.policy)
+        if self.persistent_load is not None:
+            loop.persistent_load = self.persistent_load  # type: ignore[method-assign]
+        getvalue = getattr(self.file, "getvalue", None)
+        # an extension code registered with copyreg is answered from its cache without
+        # find_class once any unpickling used it: no first try in such a process
+        if (getvalue is not None and self.persistent_load is not None and fast_enabled()
+                and not copyreg._extension_registry):  # type: ignore[attr-defined]
+            start = self.file.tell()
+            loop.plain_rebuild = torch._guards.detect_fake_mode(None) is None
+            try:
+                return _run_fast(getvalue()[start:], loop, self.persistent_load)
+            except Exception:  # noqa: BLE001 - the Python loop judges it, in its own words
+                self.file.seek(start)
+        return loop.load()
+
+
+def _pickle_load(file: Any, *, encoding: str = "bytes", stagesave_policy: Policy) -> Any:
+    return Unpickler(file, encoding=encoding, stagesave_policy=stagesave_policy).load()
+
+
+class _PickleModule:
+    """What ``torch.load(pickle_module=...)`` uses: our unpickler, torch's reading of the zip."""
+
+    Unpickler = Unpickler
+    load = staticmethod(_pickle_load)
+    __name__ = "stagesave.safety"
+
+
+PICKLE_MODULE = _PickleModule()
