@@ -122,6 +122,9 @@ ALTERNATIVES: dict[str, Callable[[], Starter]] = {
     "stagesave writer=process": lambda: make_stagesave(writer="process"),
     # this process's threads write (the default before issue 21)
     "stagesave writer=thread": lambda: make_stagesave(writer="thread"),
+    # the thread writer hashing in its writers (background CRCs in this process)
+    "stagesave writer=thread checksum_in=background": lambda: make_stagesave(
+        writer="thread", checksum_in="background"),
 }
 
 
