@@ -41,7 +41,7 @@ import torch
 from torch._utils import IMPORT_MAPPING, NAME_MAPPING
 
 from .allowlist import Policy
-from .unpickle import _BLOCKED_MODULES, _MISSING, _REBUILD_V2
+from .unpickle import _BLOCKED_MODULES, _MISSING, _REBUILD_V2, _rebuild_v2
 from .unpickle import Unpickler as LoopUnpickler
 
 __all__ = ["FAST_NAMES", "PICKLE_MODULE", "Unpickler", "fast_enabled"]
@@ -87,6 +87,19 @@ class _Call(_Inert):
         return self.loop.call(self.func, args)
 
 
+class _Direct(_Call):
+    """An allow-listed callable without a route: what the Python loop's call comes to when it
+    succeeds (a failure stops the try, and the loop says it in its words)."""
+
+    __slots__ = ()
+
+    def __call__(self, *args: Any) -> Any:
+        for a in args:
+            if type(a) is _Stored:
+                raise _Stop("a storage passed to something other than the tensor rebuild")
+        return self.func(*args)
+
+
 class _Rebuild(_Call):
     """``torch._utils._rebuild_tensor_v2``, the one callable that takes a storage."""
 
@@ -98,6 +111,8 @@ class _Rebuild(_Call):
         for a in args[1:]:
             if type(a) is _Stored:
                 raise _Stop("a storage passed as a tensor's attribute")
+        if self.loop.plain_rebuild:  # what the loop's call runs, without its wrapping
+            return _rebuild_v2(args[0].typed, *args[1:])
         return self.loop.call(self.func, (args[0].typed, *args[1:]))
 
 
@@ -117,6 +132,11 @@ class _Stored(_Inert):
 
     def __init__(self, typed: Any) -> None:
         self.typed = typed
+
+
+def _sparse(func: Any) -> bool:
+    """A callable whose results the loop records for torch's check of sparse tensors."""
+    return func in torch._tensor_classes and "sparse" in func.__module__
 
 
 def _storage_class(obj: Any) -> bool:
@@ -151,7 +171,11 @@ class _CUnpickler(pickle.Unpickler):  # _pickle.Unpickler: the opcode loop in C
         if obj is _MISSING or module in _BLOCKED_MODULES:
             raise _Stop(full)
         if full in FAST_NAMES:
-            found = _Rebuild(obj, self.loop) if obj is _REBUILD_V2 else _Call(obj, self.loop)
+            policy = self.loop.policy
+            found = (_Rebuild(obj, self.loop) if obj is _REBUILD_V2
+                     else _Direct(obj, self.loop) if id(obj) in policy.callable_ids
+                     and id(obj) not in policy.routes and not _sparse(obj)
+                     else _Call(obj, self.loop))
         elif _storage_class(obj):
             found = _Kind(obj)
         elif _inert(obj):
