@@ -23,7 +23,7 @@ from .restore.discovery import CheckpointInfo, scan
 from .restore.load import load_checkpoint
 from .restore.select import latest_in, resume_choice
 from .restore.verify import verify_checkpoint
-from .saving import jobs, lifecycle, validate
+from .saving import jobs, lifecycle, plan, validate
 from .saving.buffers import StagingMemory
 from .saving.pipeline import Pipeline
 from .saving.plan_folder import plan_folder
@@ -93,11 +93,11 @@ class Checkpointer:
     def checksum(self) -> str:
         """The chunk checksum of the next save: the one chosen, or ``"blake3"`` while a signing
         key is in force and the one chosen is not cryptographic."""
-        if self._checksum not in CRYPTOGRAPHIC and signing_keys() is not None:
-            return "blake3"
-        return self._checksum
+        signed = self._checksum not in CRYPTOGRAPHIC and signing_keys() is not None
+        return "blake3" if signed else self._checksum
 
     # ------------------------------------------------------------------ saving
+    @plan.collector_paused
     def save(self, state: Any, path: str | os.PathLike[str], *,
              metadata: dict[str, Any] | None = None) -> SaveHandle:
         """Stage ``state`` and write it to ``path`` in the background.
@@ -125,6 +125,7 @@ class Checkpointer:
         tel.blocking_s = time.perf_counter() - t_start
         return self.pipeline.submit(job)
 
+    @plan.collector_paused
     def save_dir(self, files: dict[str, Any], directory: str | os.PathLike[str], *,
                  metadata: dict[str, Any] | None = None,
                  staging_dir: str | os.PathLike[str] | None = None,
@@ -288,12 +289,11 @@ class Checkpointer:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: types.TracebackType | None) -> None:
-        if exc_type is None:
-            self.close()
-            return
         try:
             self.close()
-        except Exception as close_exc:  # noqa: BLE001 - never mask the user's exception
+        except Exception as close_exc:  # never mask the user's exception
+            if exc_type is None:
+                raise
             print(f"stagesave: while handling another error: {close_exc}", file=sys.stderr)
 
     def __getstate__(self) -> dict[str, Any]:
