@@ -16,9 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..ondisk.torchzip import TorchZip
+from ..ondisk.torchzip import TorchZip, ZipRecord
 from ..saving.files import ImageCrcs
-from ..saving.image import FileImage, StorageSlot
+from ..saving.image import FileImage, StorageSlot, TensorEntry
 from ..stores.base import Store
 
 __all__ = [
@@ -106,6 +106,16 @@ class LayoutCodec:
         changed = [(i, new[i]) for i, s in enumerate(same) if not s]
         return ("patch", changed) if len(changed) * 4 < len(new) else ("full", new)
 
+    @staticmethod
+    def _plain_records(change: tuple[Any, ...]) -> tuple[Any, ...]:
+        """Zip records as plain tuples (a dataclass pickles through a Python call each: 0.2 s
+        for 100,000 records)."""
+        if change[0] == "full":
+            return ("full", tuple(map(_record_tuple, change[1])))
+        if change[0] == "patch":
+            return ("patch", [(i, _record_tuple(r)) for i, r in change[1]])
+        return change
+
     def _cd(self, key: tuple[str, str], new: bytes) -> tuple[Any, ...]:
         old = self.last.get(key)
         self.last[key] = new
@@ -124,17 +134,21 @@ class LayoutCodec:
             "gapless": image.gapless, "counts": (image.tensor_bytes, image.nonempty_slots),
             "slots": self._same_object(("slots", file_key), image.slots,
                                        lambda ss: [(s.key, s.offset, s.nbytes) for s in ss]),
-            "tensors": self._same_object(("tensors", file_key), image.tensors, list),
+            # plain tuples: a named tuple pickles through a Python call each
+            "tensors": self._same_object(("tensors", file_key), image.tensors,
+                                         lambda ts: list(map(tuple, ts))),
             "crc_fields": self._same_object(("crc_fields", file_key), image.crc_fields, list),
             "zip": None if z is None else (
-                z.prefix, z.cd_start, z.zip64, self._records(("records", file_key), z.records),
+                z.prefix, z.cd_start, z.zip64,
+                self._plain_records(self._records(("records", file_key), z.records)),
                 self._cd(("cd", file_key), z.cd)),
         }
 
     # ------------------------------------------------------------------ agent's side
-    def _apply(self, key: tuple[str, str], change: tuple[Any, ...]) -> Any:
+    def _apply(self, key: tuple[str, str], change: tuple[Any, ...],
+               make: Callable[[Any], Any] | None = None) -> Any:
         if change[0] == "full":
-            value = change[1]
+            value = change[1] if make is None else tuple(make(x) for x in change[1])
         elif change[0] == "same":
             value = self.last[key]
         elif isinstance(self.last[key], bytes):
@@ -145,7 +159,7 @@ class LayoutCodec:
         else:
             items = list(self.last[key])
             for i, item in change[1]:
-                items[i] = item
+                items[i] = item if make is None else make(item)
             value = tuple(items)
         self.last[key] = value
         return value
@@ -155,17 +169,23 @@ class LayoutCodec:
         zip_ = None
         if got["zip"] is not None:
             prefix, cd_start, zip64, records, cd = got["zip"]
-            zip_ = TorchZip(prefix, tuple(self._apply(("records", file_key), records)),
+            zip_ = TorchZip(prefix, tuple(self._apply(("records", file_key), records,
+                                                      lambda t: ZipRecord(*t))),
                             cd_start, self._apply(("cd", file_key), cd), zip64)
         slots = self._apply(("slots", file_key), got["slots"])
         return FileImage(
             size=got["size"], pieces=(),
             slots=[_detached_slot(k, o, n) for k, o, n in slots],
             serialization_id=got["serialization_id"], id_offset=got["id_offset"],
-            tensors=list(self._apply(("tensors", file_key), got["tensors"])), kind=got["kind"],
+            tensors=list(self._apply(("tensors", file_key), got["tensors"], TensorEntry._make)),
+            kind=got["kind"],
             zip=zip_, crc_fields=list(self._apply(("crc_fields", file_key), got["crc_fields"])),
             blank=got["blank"], gapless=got["gapless"], counts=got["counts"],
         )
+
+
+def _record_tuple(r: ZipRecord) -> tuple[Any, ...]:
+    return (r.name, r.header_offset, r.data_offset, r.size, r.descriptor_crc_at, r.cd_entry_at)
 
 
 @dataclass
