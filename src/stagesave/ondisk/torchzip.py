@@ -22,6 +22,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 __all__ = [
     "FOOTER_LEN",
@@ -51,9 +52,8 @@ class ZipFormatError(ValueError):
     """The bytes are not the zip this module expects (callers wrap it in their own error)."""
 
 
-@dataclass(frozen=True)
-class ZipRecord:
-    """One record of torch's archive."""
+class ZipRecord(NamedTuple):
+    """One record of torch's archive (a named tuple: a layout makes one per storage)."""
 
     name: str  # full name, with the archive prefix
     header_offset: int

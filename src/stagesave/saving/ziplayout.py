@@ -15,6 +15,7 @@ import collections
 import struct
 import threading
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..ondisk.checksum import crc32
 from ..ondisk.names import ALIGNMENT
@@ -37,6 +38,10 @@ _LH_SIG = 0x04034B50
 _CD_SIG = 0x02014B50
 _DD_SIG = 0x08074B50
 _U32 = 0xFFFFFFFF
+_LH = struct.Struct("<IHHHHHIIIHH")
+_CD = struct.Struct("<IHHHHHHIIIHHHHHII")
+_DD32 = struct.Struct("<IIII")
+_H = struct.Struct("<H")
 _FLAGS = 0x0808  # data descriptor follows; names are UTF-8
 PREFIX = "archive"
 
@@ -62,10 +67,8 @@ def _local_header_parts(name: bytes, offset: int, size: int) -> tuple[bytes, int
     start = offset + 30 + len(name) + len(z64) + 4
     pad = -start % ALIGNMENT
     extra_len = len(z64) + 4 + pad
-    fixed = struct.pack(
-        "<IHHHHHIIIHH", _LH_SIG, 0, _flags(size), 0, 0, 0, 0, 0, 0, len(name), extra_len
-    )
-    return fixed + name + z64 + b"FB" + struct.pack("<H", pad), pad
+    fixed = _LH.pack(_LH_SIG, 0, _flags(size), 0, 0, 0, 0, 0, 0, len(name), extra_len)
+    return fixed + name + z64 + b"FB" + _H.pack(pad), pad
 
 
 def _flags(size: int) -> int:
@@ -78,16 +81,15 @@ def data_descriptor(crc: int, offset: int, size: int) -> bytes:
         return b""
     if size >= _U32 or offset >= _U32:
         return struct.pack("<IIQQ", _DD_SIG, crc, size, size)
-    return struct.pack("<IIII", _DD_SIG, crc, size, size)
+    return _DD32.pack(_DD_SIG, crc, size, size)
 
 
 def cd_entry(name: bytes, crc: int, offset: int, size: int) -> bytes:
     big_size, big_offset = size >= _U32, offset >= _U32
     values = ([size, size] if big_size else []) + ([offset] if big_offset else [])
     extra = struct.pack(f"<HH{len(values)}Q", 0x0001, 8 * len(values), *values) if values else b""
-    return struct.pack(
-        "<IHHHHHHIIIHHHHHII", _CD_SIG, 0, 0, _flags(size), 0, 0, 0, crc, min(size, _U32),
-        min(size, _U32),
+    return _CD.pack(
+        _CD_SIG, 0, 0, _flags(size), 0, 0, 0, crc, min(size, _U32), min(size, _U32),
         len(name), len(extra), 0, 0, 0, 0, min(offset, _U32),
     ) + name + extra
 
@@ -101,8 +103,9 @@ class Constants:
     id_length: int
 
 
-@dataclass(frozen=True)
-class Record:
+class Record(NamedTuple):
+    """A record of the layout (a named tuple: one per storage)."""
+
     name: str
     header_offset: int
     data_offset: int
@@ -125,17 +128,28 @@ class Layout:
         pos = start
         # The small records before the storages are not part of ``start``: the head holds them.
         pending = b""
+        lh, h, dd, add_record, add_piece = _LH.pack, _H.pack, _DD32.pack, records.append, \
+            pieces.append
+        prefix = f"{PREFIX}/data/"
         for key, size in enumerate(sizes):
-            name = f"{PREFIX}/data/{key}".encode()
-            fixed, pad = _local_header_parts(name, pos, size)
+            text = f"{prefix}{key}"
+            name = text.encode()
+            if 0 < size < _U32 and pos < _U32:  # the common record, as _local_header_parts
+                pad = -(pos + 34 + len(name)) % ALIGNMENT
+                fixed = lh(_LH_SIG, 0, _FLAGS, 0, 0, 0, 0, 0, 0, len(name), 4 + pad) + name + \
+                    b"FB" + h(pad)
+            else:
+                fixed, pad = _local_header_parts(name, pos, size)
             header_len = len(fixed) + pad
-            records.append(Record(name.decode(), pos, pos + header_len, size,
-                                   pos + header_len + size + 4 if size else -1))
-            pieces.append((pos - len(pending), pending + fixed))
+            add_record(Record(text, pos, pos + header_len, size,
+                              pos + header_len + size + 4 if size else -1))
+            add_piece((pos - len(pending), pending + fixed))
             if pad:
-                pieces.append((pos + len(fixed), _ZPAD[:pad]))
+                add_piece((pos + len(fixed), _ZPAD[:pad]))
+            start = pos
             pos += header_len + size
-            pending = data_descriptor(0, records[-1].header_offset, size)
+            pending = (dd(_DD_SIG, 0, size, size) if 0 < size < _U32 and start < _U32
+                       else data_descriptor(0, start, size))
             pos += len(pending)
         self.storage_records = records
         self.keys = [str(k) for k in range(len(sizes))]
@@ -204,9 +218,16 @@ def lay_out_head(constants: Constants, pkl: bytes) -> tuple[list[Record], bytes,
 def central_directory(records: list[Record], crcs: dict[str, int]) -> tuple[bytes, list[int]]:
     out = bytearray()
     at = []
+    pack, get = _CD.pack, crcs.get
     for r in records:
         at.append(len(out))
-        out += cd_entry(r.name.encode(), crcs.get(r.name, 0), r.header_offset, r.size)
+        size, offset, name = r.size, r.header_offset, r.name.encode()
+        if 0 < size < _U32 and offset < _U32:  # the common entry, as cd_entry
+            out += pack(_CD_SIG, 0, 0, _FLAGS, 0, 0, 0, get(r.name, 0), size, size, len(name),
+                        0, 0, 0, 0, 0, offset)
+            out += name
+        else:
+            out += cd_entry(name, get(r.name, 0), offset, size)
     return bytes(out), at
 
 
