@@ -171,8 +171,30 @@ def telemetry(v: Any, where: str) -> dict[str, Any]:
 _TENSOR_FIELDS = frozenset({"name", "dtype", "shape", "stride", "storage_offset", "storage"})
 
 
+def _plain_tensor(t: Any) -> bool:
+    """Whether ``t`` is the common entry, valid at a glance: the six fields, of plain types,
+    within bounds (anything else is checked field by field, which names what is wrong)."""
+    if type(t) is not dict or len(t) != 6:
+        return False
+    name, dtype, shape, stride = t.get("name"), t.get("dtype"), t.get("shape"), t.get("stride")
+    offset, storage = t.get("storage_offset"), t.get("storage")
+    if not (type(name) is str and len(name) <= _MAX_TENSOR_NAME and type(dtype) is str
+            and len(dtype) <= 64 and type(storage) is str and len(storage) <= 64
+            and type(offset) is int and 0 <= offset <= MAX_NUMEL and type(shape) is list
+            and type(stride) is list and len(stride) == len(shape) <= MAX_RANK):
+        return False
+    numel = 1
+    for d in shape:
+        if type(d) is not int or not 0 <= d <= MAX_NUMEL:
+            return False
+        numel = min(numel * d, MAX_NUMEL + 1)
+    return numel <= MAX_NUMEL and all(type(d) is int and 0 <= d <= MAX_NUMEL for d in stride)
+
+
 def _tensor(t: Any, i: int, where: str) -> dict[str, Any]:
     """One entry of the tensor index: typed, its shape's rank and element count bounded."""
+    if _plain_tensor(t):
+        return t  # type: ignore[no-any-return]
     what = f"tensors[{i}]"
     if not isinstance(t, dict):
         raise fail(where, f"{what} is not an object")
@@ -239,7 +261,15 @@ def storages(raw: Any, size: int, where: str, compact: bool) -> tuple[StorageRec
     if not isinstance(raw, list) or len(raw) > MAX_ENTRIES:
         raise fail(where, "storages must be a list")
     out = []
+    record = StorageRecord
     for s in raw:
+        if compact and type(s) is list and len(s) == 3:  # the common record, valid at a glance
+            key, off, n = s
+            if (type(key) is str and len(key) <= 64 and type(off) is int and type(n) is int
+                    and 0 <= off <= MAX_FILE_BYTES and 0 <= n <= MAX_FILE_BYTES
+                    and off + n <= size):
+                out.append(record(key, off, n))
+                continue
         if compact:
             if not isinstance(s, list) or len(s) != 3:
                 raise fail(where, "a storage record is not [key, offset, nbytes]")
