@@ -16,7 +16,7 @@ def _state(n: int = 200) -> dict:
             "meta": [{"step": i, "name": f"layer{i}"} for i in range(n)]}
 
 
-def test_no_collection_runs_while_planning():
+def _count_collections(run: Any) -> int:
     starts: list[int] = []
 
     def callback(phase: str, info: dict) -> None:
@@ -27,29 +27,26 @@ def test_no_collection_runs_while_planning():
     gc.set_threshold(1, 1, 1)  # a collection at nearly every allocation, if the collector is on
     gc.callbacks.append(callback)
     try:
-        state = _state()
-        with gc_paused():
-            starts.clear()
-            [{"x": [i]} for i in range(1000)]
-            paused = len(starts)
-        starts.clear()
-        _plan_torch_file(state)  # the same plan without the pause
-        unpaused = len(starts)
-        starts.clear()
-        image = plan_torch_file(state)
-        # only around the pause: entering and leaving it allocates a little
-        during_plan = len(starts)
-        starts.clear()
-        [{"x": [i]} for i in range(1000)]  # the collector is back on afterwards
-        after = len(starts)
+        run()
     finally:
         gc.callbacks.remove(callback)
         gc.set_threshold(*old)
+    return len(starts)
+
+
+def test_no_collection_runs_while_planning():
+    state = _state()
+    with gc_paused():
+        paused = _count_collections(lambda: [{"x": [i]} for i in range(1000)])
+    unpaused = _count_collections(lambda: _plan_torch_file(state))  # the same plan, no pause
+    images: list[Any] = []
+    # only around the pause: entering and leaving it allocates a little
+    during_plan = _count_collections(lambda: images.append(plan_torch_file(state)))
+    after = _count_collections(lambda: [{"x": [i]} for i in range(1000)])  # back on afterwards
     assert paused == 0
     assert unpaused > 100 and during_plan <= 8, (unpaused, during_plan)
     assert after > 0 and gc.isenabled()
-    assert len(image.slots) == 200
-
+    assert len(images[0].slots) == 200
 
 def test_a_disabled_collector_stays_disabled():
     gc.disable()
@@ -128,24 +125,6 @@ def test_planning_leaves_no_garbage_for_the_collector():
     walked = _cyclic_garbage_of(lambda: walk(state))
     scratch = _cyclic_garbage_of(lambda: fastplan.plan(state))
     assert (first, steady, walked, scratch) == (0, 0, 0, 0)
-
-
-def _count_collections(run: Any) -> int:
-    starts: list[int] = []
-
-    def callback(phase: str, info: dict) -> None:
-        if phase == "start":
-            starts.append(info["generation"])
-
-    old = gc.get_threshold()
-    gc.set_threshold(1, 1, 1)  # a collection at nearly every allocation, if the collector is on
-    gc.callbacks.append(callback)
-    try:
-        run()
-    finally:
-        gc.callbacks.remove(callback)
-        gc.set_threshold(*old)
-    return len(starts)
 
 
 def test_a_whole_save_and_a_load_run_no_collection(tmp_path):

@@ -72,6 +72,13 @@ class _Inert:
         raise _Stop("BUILD of a proxy")
 
 
+def _no_storage(args: tuple[Any, ...]) -> None:
+    """Only the tensor rebuild takes a storage, as its first argument."""
+    for a in args:
+        if type(a) is _Stored:
+            raise _Stop("a storage passed to something other than the tensor rebuild")
+
+
 class _Call(_Inert):
     """An allow-listed callable, called only through the Python loop's checks."""
 
@@ -81,9 +88,7 @@ class _Call(_Inert):
         self.func, self.loop = func, loop
 
     def __call__(self, *args: Any) -> Any:
-        for a in args:
-            if type(a) is _Stored:
-                raise _Stop("a storage passed to something other than the tensor rebuild")
+        _no_storage(args)
         return self.loop.call(self.func, args)
 
 
@@ -94,9 +99,7 @@ class _Direct(_Call):
     __slots__ = ()
 
     def __call__(self, *args: Any) -> Any:
-        for a in args:
-            if type(a) is _Stored:
-                raise _Stop("a storage passed to something other than the tensor rebuild")
+        _no_storage(args)
         return self.func(*args)
 
 
@@ -108,9 +111,7 @@ class _Rebuild(_Call):
     def __call__(self, *args: Any) -> Any:
         if not args or type(args[0]) is not _Stored:
             raise _Stop("a tensor rebuilt from something other than a storage")
-        for a in args[1:]:
-            if type(a) is _Stored:
-                raise _Stop("a storage passed as a tensor's attribute")
+        _no_storage(args[1:])
         if self.loop.plain_rebuild:  # what the loop's call runs, without its wrapping
             return _rebuild_v2(args[0].typed, *args[1:])
         return self.loop.call(self.func, (args[0].typed, *args[1:]))
