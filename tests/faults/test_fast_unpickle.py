@@ -41,7 +41,8 @@ from pickleasm import (
 
 import stagesave
 from stagesave.errors import CheckpointError
-from stagesave.restore import unpickle
+from stagesave.ondisk.manifest import StorageRecord
+from stagesave.restore import image_load, unpickle
 from stagesave.safety import safe_torch_load
 
 # ---------------------------------------------------------------------------- pickle assembly
@@ -76,11 +77,25 @@ def zipped(pkl: bytes) -> bytes:
     return buf.getvalue()
 
 
-def outcome(data: bytes, monkeypatch: pytest.MonkeyPatch, fast: bool) -> tuple[str, Any]:
-    """What the safe load makes of ``data``: ("ok", value) or ("error", type and words)."""
+def imaged(pkl: bytes) -> image_load.Image:
+    """``pkl`` and the same two records as :func:`zipped`, as a verified load holds them in
+    memory (its storages are made by the image's own storage maker)."""
+    data = bytearray(torch.full((4,), 1.5).numpy().tobytes()
+                     + torch.full((4,), -2.0).numpy().tobytes())
+    records = {"0": StorageRecord("0", 0, 16), "1": StorageRecord("1", 16, 16)}
+    return image_load.Image(memoryview(data), records, 0, "probe", pickle=pkl)
+
+
+#: the two ways a pickle reaches the safe unpickler: torch's zip reader, a load's image
+SOURCES = {"zip": lambda pkl: io.BytesIO(zipped(pkl)), "image": imaged}
+
+
+def outcome(pkl: bytes, monkeypatch: pytest.MonkeyPatch, fast: bool,
+            source: str = "zip") -> tuple[str, Any]:
+    """What the safe load makes of ``pkl``: ("ok", value) or ("error", type and words)."""
     monkeypatch.setenv("STAGESAVE_FAST_UNPICKLE", "1" if fast else "0")
     try:
-        return "ok", safe_torch_load(io.BytesIO(data), where="probe")
+        return "ok", safe_torch_load(SOURCES[source](pkl), where="probe")
     except CheckpointError as exc:
         return "error", (type(exc).__name__, str(exc))
 
@@ -125,11 +140,12 @@ def plain_data(value: Any) -> bool:
     return True
 
 
-def agree(data: bytes, monkeypatch: pytest.MonkeyPatch) -> tuple[str, Any]:
+def agree(pkl: bytes, monkeypatch: pytest.MonkeyPatch, source: str = "zip") -> tuple[str, Any]:
     """The outcome with the first try, checked against the Python loop's: the same value, or
     the same error word for word; except that a pickle the Python loop calls damaged (not one
     torch writes) may load as plain data (the C unpickler's leniency, see the module)."""
-    slow, fast = outcome(data, monkeypatch, False), outcome(data, monkeypatch, True)
+    slow = outcome(pkl, monkeypatch, False, source)
+    fast = outcome(pkl, monkeypatch, True, source)
     if slow[0] == "ok":
         assert fast[0] == "ok" and same(slow[1], fast[1]), (slow, fast)
     elif fast[0] == "ok":
@@ -250,9 +266,10 @@ LOADED = {"bare global", "bare storage", "storage kept and used", "storage as an
 LENIENT = {"set an item of a tensor": torch.tensor([9.0, 1.5, 1.5, 1.5])}
 
 
+@pytest.mark.parametrize("source", sorted(SOURCES))
 @pytest.mark.parametrize("name", sorted(HOSTILE))
-def test_hostile_shapes_come_out_as_the_python_loop_judges_them(name, monkeypatch):
-    kind, value = agree(zipped(program(HOSTILE[name])), monkeypatch)
+def test_hostile_shapes_come_out_as_the_python_loop_judges_them(name, source, monkeypatch):
+    kind, value = agree(program(HOSTILE[name]), monkeypatch, source)
     if name in LENIENT:
         assert kind == "ok" and torch.equal(value, LENIENT[name])
     else:  # and in the Python loop's words (agree)
@@ -316,10 +333,10 @@ def _programs() -> Any:
 
 @settings(max_examples=1000, deadline=None, database=None,
           suppress_health_check=list(HealthCheck))
-@given(_programs())
-def test_any_program_comes_out_as_the_python_loop_makes_it(pkl):
+@given(_programs(), st.sampled_from(sorted(SOURCES)))
+def test_any_program_comes_out_as_the_python_loop_makes_it(pkl, source):
     with pytest.MonkeyPatch.context() as mp:
-        agree(zipped(pkl), mp)
+        agree(pkl, mp, source)
 
 
 def test_the_first_try_can_be_turned_off(monkeypatch, no_python_loop):
@@ -338,3 +355,24 @@ def test_an_ordered_dict_keeps_its_order_and_attributes(no_python_loop):
     got = safe_torch_load(io.BytesIO(zipped(program(body))), where="od")
     assert type(got) is OrderedDict and list(got) == ["b", "a"] and got._metadata == {}
     assert torch.equal(got["a"], torch.full((4,), 1.5))
+
+
+def test_an_images_tensors_are_made_over_its_own_bytes_without_the_python_loop(no_python_loop):
+    """A verified load's image: the C unpickler's rebuild makes each tensor over the image's
+    bytes (no typed storage per storage); a storage's first tensor and the ones after it are
+    plain tensors, not views of one another, sharing the storage as torch's load makes them."""
+    body = (b"]" + PUT0 + MARK + rebuild(pid()) + rebuild(pid("1"), 3)
+            + glob("torch._utils", "_rebuild_tensor_v2") + tup(
+                pid(), num(1), num(2) + TUPLE1, num(2) + TUPLE1, TRUE,
+                glob("collections", "OrderedDict") + EMPTY_TUPLE + REDUCE) + REDUCE
+            + b"e")
+    image = imaged(program(body))
+    first, other, strided = safe_torch_load(image, where="lean")
+    base = torch.frombuffer(image.view, dtype=torch.uint8).data_ptr()
+    assert torch.equal(first, torch.full((4,), 1.5)) and torch.equal(other, torch.full((3,), -2.0))
+    assert strided.stride() == (2,) and strided.storage_offset() == 1 and strided.requires_grad
+    assert first.untyped_storage().data_ptr() == strided.untyped_storage().data_ptr() == base
+    assert other.untyped_storage().data_ptr() == base + 16
+    assert first.untyped_storage().nbytes() == other.untyped_storage().nbytes() == 16
+    assert first._base is None and strided._base is None and not strided._is_view()
+    assert first._backward_hooks == OrderedDict() and strided._backward_hooks == OrderedDict()

@@ -41,6 +41,7 @@ import torch
 from torch._utils import IMPORT_MAPPING, NAME_MAPPING
 
 from .allowlist import Policy
+from .image_load import LeanStorage
 from .unpickle import _BLOCKED_MODULES, _MISSING, _REBUILD_V2, _rebuild_v2
 from .unpickle import Unpickler as LoopUnpickler
 
@@ -113,7 +114,12 @@ class _Rebuild(_Call):
             raise _Stop("a tensor rebuilt from something other than a storage")
         _no_storage(args[1:])
         if self.loop.plain_rebuild:  # what the loop's call runs, without its wrapping
+            lean = args[0].lean
+            if lean is not None and 6 <= len(args) <= 7:
+                return _rebuild_lean(lean, *args[1:])
             return _rebuild_v2(args[0].typed, *args[1:])
+        if args[0].lean is not None:
+            raise _Stop("a storage made for the plain rebuild")
         return self.loop.call(self.func, (args[0].typed, *args[1:]))
 
 
@@ -127,12 +133,25 @@ class _Kind(_Inert):
 
 
 class _Stored(_Inert):
-    """A storage ``persistent_load`` made, until the tensor rebuild takes it."""
+    """A storage ``persistent_load`` made, until the tensor rebuild takes it: torch's typed
+    storage, or an image's :class:`~.image_load.LeanStorage`."""
 
-    __slots__ = ("typed",)
+    __slots__ = ("lean", "typed")
 
-    def __init__(self, typed: Any) -> None:
-        self.typed = typed
+    def __init__(self, typed: Any, lean: LeanStorage | None = None) -> None:
+        self.typed, self.lean = typed, lean
+
+
+def _rebuild_lean(lean: LeanStorage, storage_offset: Any, size: Any, stride: Any,
+                  requires_grad: Any, backward_hooks: Any, metadata: Any = None) -> Any:
+    """:func:`~.unpickle._rebuild_v2` over an image's storage: the same tensor and attributes."""
+    t = lean.tensor(storage_offset, size, stride)
+    if requires_grad is not False:
+        t.requires_grad = requires_grad
+    if metadata:
+        torch._utils.set_tensor_metadata(t, metadata)  # type: ignore[no-untyped-call]
+    t._backward_hooks = backward_hooks
+    return t
 
 
 def _sparse(func: Any) -> bool:
@@ -155,6 +174,8 @@ class _CUnpickler(pickle.Unpickler):  # _pickle.Unpickler: the opcode loop in C
     def __init__(self, data: bytes, loop: LoopUnpickler, persistent: Any) -> None:
         super().__init__(io.BytesIO(data), encoding=loop.encoding, fix_imports=False)
         self.loop, self.persistent = loop, persistent
+        #: an image's maker of lean storages (:func:`.image_load.unpickle_image`), if any
+        self.lean = getattr(persistent, "lean", None)
         self.answers: dict[str, Any] = {}
         self.made: list[_Stored] = []
 
@@ -190,6 +211,12 @@ class _CUnpickler(pickle.Unpickler):  # _pickle.Unpickler: the opcode loop in C
         if type(pid) is not tuple or len(pid) != 5 or pid[0] != "storage" or type(
                 pid[1]) is not _Kind:
             raise _Stop("a persistent id torch does not write")
+        if self.lean is not None:
+            lean = self.lean(pid[1].cls, *pid[2:])
+            if lean is not None:
+                stored = _Stored(None, lean)
+                self.made.append(stored)
+                return stored
         stored = _Stored(self.persistent(("storage", pid[1].cls, *pid[2:])))
         self.made.append(stored)
         return stored
