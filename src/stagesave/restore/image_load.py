@@ -57,8 +57,10 @@ class Image:
     storages: dict[str, StorageRecord]
     pickle_at: int
     where: str
-    #: the pickle's bytes, when ``view`` holds only the storages (packed)
+    #: the pickle's bytes, when ``view`` holds only the storages (packed) or nothing (``memory``)
     pickle: bytes | None = None
+    #: each storage's bytes in a device's memory (:mod:`.device_load`), by key; ``view`` empty
+    memory: dict[str, torch.Tensor] | None = None
 
 
 def applies(entry: FileEntry) -> bool:
@@ -69,12 +71,35 @@ def applies(entry: FileEntry) -> bool:
             and torch._guards.detect_fake_mode(None) is None)
 
 
-def _direct(fd: int) -> int | None:
+def direct_reader(fd: int) -> int | None:
     """The same file opened again for ``O_DIRECT`` reads (``None``: not supported here)."""
     try:
         return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
     except (OSError, AttributeError):
         return None
+
+
+def read_chunk(reader: Reader, direct: int | None, lo: int, n: int, room: memoryview) -> int:
+    """Read ``n`` bytes of the file from ``lo`` into the start of ``room`` (page-aligned, at
+    least ``n`` rounded up to :data:`ALIGNMENT` long where ``direct`` is given); how many came.
+
+    ``direct``: a descriptor of the file opened for ``O_DIRECT`` (:func:`direct_reader`), used
+    for whole pages; the rest, or all where a filesystem refuses it, is read through ``reader``."""
+    got = 0
+    if direct is not None and lo % ALIGNMENT == 0:
+        want = (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+        try:
+            while got < n and got % ALIGNMENT == 0:
+                step = os.preadv(direct, [room[got:want]], lo + got)
+                if step <= 0:
+                    break
+                got += step
+        except OSError:  # a filesystem that refuses this O_DIRECT read: read it buffered
+            got = got // ALIGNMENT * ALIGNMENT
+        got = min(got, n)
+    if got < n:  # the rest (or all) buffered: a short O_DIRECT read, no O_DIRECT here
+        got += reader.readinto(lo + got, room[got:n])
+    return got
 
 
 def read_image(reader: Reader, fd: int | None, manifest: Manifest, pool: cf.Executor,
@@ -89,24 +114,10 @@ def read_image(reader: Reader, fd: int | None, manifest: Manifest, pool: cf.Exec
     end = entry.end
     buf = HostBuffer.allocate((end + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT, pinned=False)
     view = buf.view
-    direct = _direct(fd) if fd is not None else None
+    direct = direct_reader(fd) if fd is not None else None
 
     def read(lo: int, n: int) -> memoryview:
-        got = 0
-        if direct is not None and lo % ALIGNMENT == 0:
-            want = (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
-            try:
-                while got < n and got % ALIGNMENT == 0:
-                    step = os.preadv(direct, [view[lo + got : lo + want]], lo + got)
-                    if step <= 0:
-                        break
-                    got += step
-            except OSError:  # a filesystem that refuses this O_DIRECT read: read it buffered
-                got = got // ALIGNMENT * ALIGNMENT
-            got = min(got, n)
-        if got < n:  # the rest (or all) buffered: a short O_DIRECT read, no O_DIRECT here
-            got += reader.readinto(lo + got, view[lo + got : lo + n])
-        return view[lo : lo + got]
+        return view[lo : lo + read_chunk(reader, direct, lo, n, view[lo:])]
 
     def read_only(i: int) -> str | None:
         lo, hi = entry.chunk_range(i)
@@ -185,10 +196,17 @@ class LeanStorage:
 
     __slots__ = ("dtype", "spare", "untyped")
 
-    def __init__(self, whole: torch.Tensor) -> None:
-        self.spare: torch.Tensor | None = whole
-        self.untyped = whole.untyped_storage()
-        self.dtype = whole.dtype
+    def __init__(self, untyped: torch.UntypedStorage, dtype: torch.dtype,
+                 whole: torch.Tensor | None = None) -> None:
+        self.untyped, self.dtype = untyped, dtype
+        #: a tensor over all of the storage the first rebuild may take (``None``: none made)
+        self.spare = whole
+
+    @classmethod
+    def over(cls, data: memoryview, dtype: torch.dtype) -> LeanStorage:
+        """The storage of host bytes ``data`` (a whole number of ``dtype`` elements)."""
+        whole = torch.frombuffer(data, dtype=dtype)
+        return cls(whole.untyped_storage(), dtype, whole)
 
     def tensor(self, offset: Any, size: Any, stride: Any) -> torch.Tensor:
         """A new tensor over the storage (torch's checks: within the storage's bytes)."""
@@ -196,7 +214,8 @@ class LeanStorage:
         if whole is not None:
             self.spare = None
             return whole.as_strided_(size, stride, offset)
-        return torch.empty((0,), dtype=self.dtype).set_(self.untyped, offset, size, stride)
+        return torch.empty((0,), dtype=self.dtype, device=self.untyped.device).set_(
+            self.untyped, offset, size, stride)
 
 
 def unpickle_image(image: Image, map_location: Any, unpickler: Any) -> Any:
@@ -209,9 +228,12 @@ def unpickle_image(image: Image, map_location: Any, unpickler: Any) -> Any:
     on_cpu = map_location is None or str(map_location) == "cpu"
     kinds: dict[Any, tuple[torch.dtype, int]] = {}
 
+    memory = image.memory
+
     def region(storage_type: Any, key: Any, location: Any, numel: Any) -> tuple[
-            torch.dtype, memoryview | None]:
-        """The storage's dtype and bytes (``None``: it has none), its id checked."""
+            torch.dtype, Any]:
+        """The storage's dtype and bytes, its id checked: a memoryview of the image's buffer,
+        or a device tensor (``memory``); ``None``: it has none."""
         if type(key) is not str or type(location) is not str or type(numel) is not int:
             raise BadPickle("a storage id of the wrong types")
         kind = kinds.get(storage_type)
@@ -224,8 +246,13 @@ def unpickle_image(image: Image, map_location: Any, unpickler: Any) -> Any:
         nbytes = numel * size
         if record is None or numel < 0 or nbytes > record.nbytes:
             raise BadPickle(f"storage {key!r} is not in {image.where}'s proof, or larger")
+        if not nbytes:
+            return dtype, None
+        if memory is not None:
+            held = memory[key]
+            return dtype, held if nbytes == record.nbytes else held[:nbytes].clone()
         offset = record.offset
-        return dtype, image.view[offset : offset + nbytes] if nbytes else None
+        return dtype, image.view[offset : offset + nbytes]
 
     def persistent_load(pid: Any) -> Any:
         if type(pid) is not tuple or len(pid) != 5 or pid[0] != "storage":
@@ -234,27 +261,32 @@ def unpickle_image(image: Image, map_location: Any, unpickler: Any) -> Any:
         if type(key) is str and key in loaded:
             return loaded[key]
         dtype, data = region(storage_type, key, location, numel)
-        if data is not None:
-            storage = torch.frombuffer(data, dtype=torch.uint8).untyped_storage()
-        else:
+        if data is None:
             storage = torch.UntypedStorage(0)  # type: ignore[no-untyped-call]
+            there = on_cpu and location == "cpu"
+        elif memory is not None:  # already where map_location puts it
+            storage, there = data.untyped_storage(), True
+        else:
+            storage = torch.frombuffer(data, dtype=torch.uint8).untyped_storage()
+            there = on_cpu and location == "cpu"
         typed = torch.storage.TypedStorage(  # type: ignore[no-untyped-call]
-            wrap_storage=storage if on_cpu and location == "cpu" else restore(storage, location),
+            wrap_storage=storage if there else restore(storage, location),
             dtype=dtype, _internal=True)
         loaded[key] = typed
         return typed
 
     def lean(storage_type: Any, key: Any, location: Any, numel: Any) -> LeanStorage | None:
         """The storage as the C unpickler's tensor rebuild takes it (``None``: it needs
-        torch's typed storage: not on the CPU, or no bytes)."""
+        torch's typed storage: restored elsewhere, or no bytes)."""
         if type(key) is str and key in leans:
             return leans[key]
-        if not (on_cpu and location == "cpu"):
+        if memory is None and not (on_cpu and location == "cpu"):
             return None
         dtype, data = region(storage_type, key, location, numel)
         if data is None:
             return None
-        made = leans[key] = LeanStorage(torch.frombuffer(data, dtype=dtype))
+        made = leans[key] = (LeanStorage(data.untyped_storage(), dtype) if memory is not None
+                             else LeanStorage.over(data, dtype))
         return made
 
     persistent_load.lean = lean  # type: ignore[attr-defined]

@@ -16,11 +16,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import IntegrityError, StorageError
+from ..ondisk.manifest import Manifest
 from ..safety import safe_torch_load
 from ..saving import inflight
 from ..saving.plan import gc_paused
 from ..stores.base import Reader, Store
-from . import from_memory, image_load
+from . import device_load, from_memory, image_load
 from .resolve_file import resolve_reader
 from .torch_load import torch_forces_weights_only
 from .verified_memo import verified_before
@@ -85,8 +86,7 @@ def _load_once(
                 entry = manifest.files[0]
                 if not (verify and verified_before(reader, entry)):
                     # read once, into the memory the tensors keep, each chunk checked as it lands
-                    image, problems = image_load.read_image(reader, fd, manifest, io(), where,
-                                                            check=verify)
+                    image, problems = _read(reader, fd, manifest, io, where, verify, map_location)
                     raise_if_corrupt(problems, where)
                     return safe_torch_load(image, map_location=map_location, trusted=False,
                                            safe_globals=globs, where=where)
@@ -113,8 +113,7 @@ def _load_once(
                 and image_load.applies(manifest.files[0]) and not torch_forces_weights_only()):
             # one pass: each chunk fetched (concurrent ranged GETs on S3) into the memory the
             # tensors keep and hashed as it lands; no second copy into torch.load's storages
-            image, problems = image_load.read_image(reader, None, manifest, io(), where,
-                                                    check=verify)
+            image, problems = _read(reader, None, manifest, io, where, verify, map_location)
             raise_if_corrupt(problems, where)
             return safe_torch_load(image, map_location=map_location, trusted=False,
                                    safe_globals=globs, where=where)
@@ -125,6 +124,18 @@ def _load_once(
             raise_if_corrupt(check_chunks(reader, manifest, io, view), where)
         return safe_torch_load(_bytesio.BytesIO(data), map_location=map_location, trusted=trusted,
                                safe_globals=globs, where=where)
+
+
+def _read(reader: Reader, fd: int | None, manifest: Manifest, io: IoThreads, where: str,
+          check: bool, map_location: Any) -> tuple[image_load.Image, list[str]]:
+    """The file's image: in host memory, or, for one CUDA device, each storage straight into
+    its device memory through a ring of pinned chunks (:mod:`.device_load`)."""
+    device = device_load.target_device(map_location)
+    if device is not None:
+        pool = io()
+        return device_load.read_to_device(reader, fd, manifest, pool, where, device, check=check,
+                                          workers=getattr(pool, "_max_workers", 4))
+    return image_load.read_image(reader, fd, manifest, io(), where, check=check)
 
 
 def _prefetch(reader: Reader, io: IoThreads, step: int) -> None:
