@@ -17,6 +17,7 @@ import torch
 
 import stagesave
 from stagesave.restore import device_load, load
+from stagesave.restore.verified_memo import forget_verified
 from stagesave.safety import safe_torch_load
 from stagesave.stores.local import LocalStore
 
@@ -135,6 +136,7 @@ def test_a_load_onto_a_gpu_goes_through_pinned_slots(tmp_path, monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(device_load, "read_to_device", counted)
+    forget_verified()  # else the load follows _saved's verification of the same file
     with stagesave.Checkpointer(writer="thread") as ck:
         got = ck.load(path, map_location="cuda")
         plain = ck.load(path, verify=False, map_location="cuda:0")
@@ -155,6 +157,7 @@ def test_the_pinned_ring_survives_a_state_larger_than_itself(tmp_path, monkeypat
     path = str(tmp_path / "big.ckpt")
     with stagesave.Checkpointer(writer="thread", chunk_bytes=CHUNK) as ck:
         ck.save(state, path).result()
+        forget_verified()
         got = ck.load(path, map_location="cuda")
     for k, v in state.items():
         assert got[k].is_cuda and torch.equal(got[k].cpu(), v)

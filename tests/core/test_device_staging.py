@@ -396,3 +396,23 @@ def test_device_layout_on_cuda_matches_the_host_layout():
     assert wait is not None
     wait()
     assert bytes(buf.tensor[: image.size].cpu().numpy()) == _host_image(image, 0x11)
+
+
+@pytest.mark.gpu
+def test_many_small_device_tensors_are_staged_by_one_batched_copy(ckpt_dir):
+    """The device copies of a state of many small tensors (Adam moments of a mixture of experts,
+    scaled down) go in one ``_foreach_copy_`` and land byte for byte as the host layout."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    state = {f"e{i}": torch.randn(1 + i % 97, device="cuda", generator=g) for i in range(5000)}
+    state["half"] = torch.ones(3, device="cuda", dtype=torch.bfloat16)
+    state["view"] = state["e96"][2:]  # shares e96's storage
+    image = plan_torch_file(state)
+    buf = HostBuffer.on_device(image.size, torch.device("cuda"))
+    wait = stage_on_device(image, buf)
+    assert wait is not None
+    wait()
+    assert bytes(buf.tensor[: image.size].cpu().numpy()) == _host_image(image, 0x11)
+    with stagesave.Checkpointer(ckpt_dir, device_staging=True) as ck:
+        ck.save(state, "many.pt").result()
+        out = ck.load("many.pt", map_location="cpu")
+    assert all(torch.equal(out[k], v.cpu()) for k, v in state.items())

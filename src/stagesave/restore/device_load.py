@@ -29,6 +29,7 @@ import torch
 
 from ..ondisk.manifest import Manifest
 from ..ondisk.names import ALIGNMENT
+from ..saving.buffers import HostBuffer
 from ..stores.base import Reader
 from .image_load import Image, direct_reader, read_chunk
 from .proof import chunk_problems
@@ -57,11 +58,13 @@ def target_device(map_location: Any) -> torch.device | None:
 class _Slot:
     """One chunk's room in host memory, and the event after its last copies (CUDA)."""
 
-    __slots__ = ("done", "tensor", "view")
+    __slots__ = ("buffer", "done", "tensor", "view")
 
     def __init__(self, nbytes: int, pinned: bool) -> None:
-        self.tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
-        self.view = self.tensor.numpy().data.cast("B")
+        # page-aligned either way (O_DIRECT reads land in it): pinned memory from CUDA's host
+        # allocator, else an anonymous mapping
+        self.buffer = HostBuffer.allocate(nbytes, pinned=pinned)
+        self.tensor, self.view = self.buffer.tensor, self.buffer.view
         self.done: Any = None
 
 

@@ -170,13 +170,20 @@ def stage_on_device(image: FileImage, buf: HostBuffer, base: int = 0) -> Callabl
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             out.zero_()  # a reused buffer holds an older image: gaps must read as zeros
             keep = _upload_from_host(image, out)
+            targets, sources = [], []
             for slot in image.slots:
                 src = slot.source
                 if slot.nbytes == 0 or src.device.type in ("meta", "cpu"):
                     continue
-                out[slot.offset : slot.offset + slot.nbytes].copy_(src, non_blocking=True)
+                targets.append(out[slot.offset : slot.offset + slot.nbytes])
+                sources.append(src)
+            if sources:
+                # one call for all of them: torch groups same-dtype device copies into few
+                # kernels (one launch per storage was the cost of many small tensors)
+                torch._foreach_copy_(targets, sources, non_blocking=True)
                 if side is not None:
-                    src.record_stream(side)
+                    for src in sources:
+                        src.record_stream(side)
     except BaseException:
         if side is not None:
             side.synchronize()  # nothing queued may outlive the buffer
