@@ -1,6 +1,7 @@
 """Restore time against the read floor, cold (issue 22's baseline).
 
 Usage: python benchmarks/bench_restore.py --gib 0.5 2 --rounds 3 [--dir /path/on/the/disk]
+       python benchmarks/bench_restore.py --gib 2 --map-location cuda   # loads onto a GPU
        python benchmarks/bench_restore.py --gib --shapes s8000 s100k   # bench_shapes's states
 
 For each size, a transformer-like state (and each of ``--shapes``, the states of
@@ -43,6 +44,7 @@ _CHILD = textwrap.dedent(
     warnings.simplefilter("ignore")
     import torch, stagesave
     variant, ours, theirs, threads = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    where = sys.argv[5] or None  # map_location of every load ("": torch's default)
 
     def touch(state):
         total, stack = 0.0, [state]
@@ -96,11 +98,11 @@ _CHILD = textwrap.dedent(
         read_direct(ours, 8 << 20, threads)
     elif variant in ("load_verify", "load_noverify"):
         with stagesave.Checkpointer() as ck:
-            touch(ck.load(ours, verify=variant == "load_verify"))
+            touch(ck.load(ours, verify=variant == "load_verify", map_location=where))
     elif variant == "torch_load":
-        touch(torch.load(theirs, weights_only=True))
+        touch(torch.load(theirs, weights_only=True, map_location=where))
     elif variant == "torch_load_mmap":
-        touch(torch.load(theirs, weights_only=True, mmap=True))
+        touch(torch.load(theirs, weights_only=True, mmap=True, map_location=where))
     print(json.dumps({"s": time.perf_counter() - t0}))
     """
 )
@@ -125,9 +127,9 @@ LABELS = {
 }
 
 
-def run_child(variant: str, ours: str, theirs: str, threads: int) -> float:
+def run_child(variant: str, ours: str, theirs: str, threads: int, where: str = "") -> float:
     r = subprocess.run(
-        [sys.executable, "-c", _CHILD, variant, ours, theirs, str(threads)],
+        [sys.executable, "-c", _CHILD, variant, ours, theirs, str(threads), where],
         capture_output=True,
         text=True,
         check=False,
@@ -147,6 +149,8 @@ def main() -> None:
                     help="also these states of bench_shapes.py (many-tensor shapes)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=4)
+    ap.add_argument("--map-location", default="",
+                    help="map_location of every load, e.g. cuda (a GPU resume); default: none")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     base = tempfile.mkdtemp(prefix="bench-restore-", dir=args.dir)
@@ -173,7 +177,8 @@ def main() -> None:
             for _ in range(args.rounds):  # interleaved: every variant once per round
                 for variant in VARIANTS:
                     common.drop_caches()
-                    runs[variant].append(run_child(variant, ours, theirs, args.threads))
+                    runs[variant].append(run_child(variant, ours, theirs, args.threads,
+                                                       args.map_location))
             results[key] = runs
             floor = min(statistics.median(runs[v]) for v in VARIANTS if v.startswith("floor"))
             for variant in VARIANTS:
