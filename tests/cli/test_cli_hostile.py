@@ -226,6 +226,23 @@ def test_hostile_tensor_index_is_corrupt(cli, one, tmp_path, case):
     _assert_refused(cli, root, path, tmp_path, field)
 
 
+@pytest.mark.parametrize("case", sorted(_HOSTILE_INDEX))
+def test_a_load_that_parses_the_index_beside_its_reads_refuses_it_too(one, case, monkeypatch):
+    """A load parses a large index while its chunks are read (here: every index, whatever its
+    size); a rewritten one is refused before anything is handed out, verified or not."""
+    from stagesave.errors import IntegrityError
+    from stagesave.restore import proof
+
+    monkeypatch.setattr(proof, "PARSE_LATER_BYTES", 0)
+    _, path = one
+    mutate, field = _HOSTILE_INDEX[case]
+    rewrite_index(path, mutate)
+    for verify in (True, False):
+        with pytest.raises(IntegrityError, match="is corrupt") as caught:
+            stagesave.load(path, verify=verify)
+        assert field in str(caught.value), (verify, str(caught.value))
+
+
 def test_deep_metadata_is_corrupt(cli, one, tmp_path):
     root, path = one
     rewrite_proof(path, lambda doc: doc["metadata"].update(deep=_nested(150)))

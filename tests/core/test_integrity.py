@@ -116,6 +116,22 @@ def test_every_byte_of_the_tail_and_the_first_page_is_covered(tmp_path):
     assert stagesave.verify(newest).status == "verified"
 
 
+def test_a_load_refuses_a_damaged_tensor_index_without_parsing_it(tmp_path):
+    """A load does not parse the tensor index (it needs the storages only), but a changed byte
+    in it still makes the file corrupt: its digest is checked; ``verify`` parses it."""
+    path = tmp_path / "x.ckpt"
+    with stagesave.Checkpointer(tmp_path, writer="thread") as ck:
+        ck.save({"a": torch.ones(3), "b": {"c": torch.zeros(2)}}, path).result()
+        assert [t["name"] for t in ck.verify(path).manifest.tensors] == ["a", "b.c"]
+        raw = path.read_bytes()
+        at = raw.index(b'{"tensors":[{"name":"a"')
+        path.write_bytes(raw[: at + 21] + b"A" + raw[at + 22 :])
+        with pytest.raises(IntegrityError, match="its tensor index does not match its proof"):
+            ck.load(path)
+        path.write_bytes(raw)
+        assert torch.equal(ck.load(path)["a"], torch.ones(3))
+
+
 @pytest.mark.parametrize(
     "content, message",
     [

@@ -118,6 +118,9 @@ class Manifest:
     folder: FolderProof | None = None
     #: Format 2, torch files: digests of the central directory and the index record.
     zip_digests: dict[str, str] | None = None
+    #: A torch file's tensor index, its digest checked but not yet parsed (a load parses it
+    #: while it reads: see :mod:`stagesave.restore.index_check`); ``None``: parsed, or none.
+    pending_index: bytes | None = field(default=None, repr=False, compare=False)
 
     def file(self, name: str) -> FileEntry:
         for f in self.files:

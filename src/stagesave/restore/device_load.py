@@ -22,6 +22,7 @@ import concurrent.futures as cf
 import os
 import queue
 import threading
+from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
@@ -104,12 +105,14 @@ class _Copier:
 def read_to_device(
     reader: Reader, fd: int | None, manifest: Manifest, pool: cf.Executor, where: str,
     device: torch.device, *, check: bool = True, workers: int = 4,
+    meanwhile: Callable[[], None] | None = None,
 ) -> tuple[Image, list[str]]:
     """Read (and ``check``) every chunk of the file into ``device`` memory, storage by storage;
     the image (its pickle in host memory, its storages on the device) and the problems.
 
     ``fd``: the local file's descriptor (chunks read with ``O_DIRECT`` where allowed); ``None``
-    for other stores, whose reader fills each slot."""
+    for other stores, whose reader fills each slot. ``meanwhile`` runs on this thread while
+    the pool reads."""
     entry = manifest.files[0]
     records = sorted(entry.storages, key=lambda r: r.offset)
     memory = {r.key: torch.empty(r.nbytes, dtype=torch.uint8, device=device) for r in records}
@@ -159,7 +162,10 @@ def read_to_device(
             free.put(slot)
 
     try:
-        problems = [p for p in pool.map(one, range(len(entry.chunks))) if p]
+        done = pool.map(one, range(len(entry.chunks)))
+        if meanwhile is not None:
+            meanwhile()
+        problems = [p for p in done if p]
     finally:
         copier.finish()  # no slot or device buffer goes while a copy from or into it may run
         if direct is not None:

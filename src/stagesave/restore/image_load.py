@@ -25,6 +25,7 @@ import ctypes
 import io
 import mmap
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,13 +104,15 @@ def read_chunk(reader: Reader, direct: int | None, lo: int, n: int, room: memory
 
 
 def read_image(reader: Reader, fd: int | None, manifest: Manifest, pool: cf.Executor,
-               where: str, *, check: bool = True) -> tuple[Image, list[str]]:
+               where: str, *, check: bool = True,
+               meanwhile: Callable[[], None] | None = None) -> tuple[Image, list[str]]:
     """Read (and ``check``) every chunk of the file into one buffer; the image and the
     problems (unchecked: only a file shorter than its proof says).
 
     ``fd``: the local file's descriptor (its chunks are read with ``O_DIRECT`` where allowed);
     ``None`` for other stores, whose reader fills each chunk (S3: concurrent ranged GETs of
-    the one object version the reader is pinned to)."""
+    the one object version the reader is pinned to). ``meanwhile`` runs on this thread while
+    the pool reads."""
     entry = manifest.files[0]
     end = entry.end
     buf = HostBuffer.allocate((end + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT, pinned=False)
@@ -126,9 +129,12 @@ def read_image(reader: Reader, fd: int | None, manifest: Manifest, pool: cf.Exec
 
     try:
         if check:
-            problems = chunk_problems(reader, manifest, pool, read=read)
+            problems = chunk_problems(reader, manifest, pool, read=read, meanwhile=meanwhile)
         else:
-            problems = [p for p in pool.map(read_only, range(len(entry.chunks))) if p]
+            reads = pool.map(read_only, range(len(entry.chunks)))
+            if meanwhile is not None:
+                meanwhile()
+            problems = [p for p in reads if p]
     finally:
         if direct is not None:
             os.close(direct)

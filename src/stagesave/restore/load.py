@@ -12,7 +12,7 @@ from __future__ import annotations
 import io as _bytesio
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..errors import IntegrityError, StorageError
@@ -22,6 +22,7 @@ from ..saving import inflight
 from ..saving.plan import gc_paused
 from ..stores.base import Reader, Store
 from . import device_load, from_memory, image_load
+from .index_check import IndexCheck
 from .resolve_file import resolve_reader
 from .torch_load import torch_forces_weights_only
 from .verified_memo import verified_before
@@ -66,76 +67,95 @@ def _load_once(
     reader = open_reader(store, name, where)
     judged = reader.name
     with reader:
-        info = resolve_reader(store, judged, reader)
+        info = resolve_reader(store, judged, reader, index=False)  # parsed beside the load
         if info.status == "corrupt":
             raise IntegrityError(f"checkpoint {where} is corrupt: {'; '.join(info.problems)}")
-        manifest = info.manifest
-        if (manifest is not None and mmap is None and not trusted
-                and not torch_forces_weights_only()):
-            # a writer agent's snapshot of this very file, still in memory: no read at all
-            image = from_memory.snapshot_image(reader, manifest, io())
-            if image is not None:
-                return safe_torch_load(image, map_location=map_location, trusted=False,
-                                       safe_globals=globs, where=where)
-        fd = reader.fileno()
-        if fd is not None:
-            # Verified by this process a moment ago (latest()), the very inode unchanged: the
-            # load does not read and hash it again.
-            if (manifest is not None and mmap is None and not trusted
-                    and image_load.applies(manifest.files[0]) and not torch_forces_weights_only()):
-                entry = manifest.files[0]
-                if not (verify and verified_before(reader, entry)):
-                    # read once, into the memory the tensors keep, each chunk checked as it lands
-                    image, problems = _read(reader, fd, manifest, io, where, verify, map_location)
-                    raise_if_corrupt(problems, where)
-                    return safe_torch_load(image, map_location=map_location, trusted=False,
-                                           safe_globals=globs, where=where)
-                if len(entry.storages) >= image_load.MANY_STORAGES:
-                    # verified a moment ago (so in the page cache): copied from there, unchecked;
-                    # torch.load would spend ~50 us per storage on its own
-                    image, problems = image_load.read_image(reader, None, manifest, io(), where,
-                                                            check=False)
-                    raise_if_corrupt(problems, where)
-                    return safe_torch_load(image, map_location=map_location, trusted=False,
-                                           safe_globals=globs, where=where)
-            if verify and manifest is not None and not verified_before(reader, manifest.files[0]):
-                raise_if_corrupt(check_chunks(reader, manifest, io), where)
-            elif not verify:
-                _prefetch(reader, io, chunk_bytes)
-            use_mmap = reader.read(0, 4) == b"PK\x03\x04" if mmap is None else mmap
-            # Load the very inode we verified, even if the name was replaced meanwhile.
-            proc = f"/proc/self/fd/{fd}"
-            local = store.local_path(judged)
-            source = proc if os.path.exists(proc) else local
-            return safe_torch_load(source, map_location=map_location, mmap=use_mmap,
-                                   trusted=trusted, safe_globals=globs, where=where)
-        if (manifest is not None and mmap is None and not trusted
-                and image_load.applies(manifest.files[0]) and not torch_forces_weights_only()):
-            # one pass: each chunk fetched (concurrent ranged GETs on S3) into the memory the
-            # tensors keep and hashed as it lands; no second copy into torch.load's storages
-            image, problems = _read(reader, None, manifest, io, where, verify, map_location)
-            raise_if_corrupt(problems, where)
+        check = IndexCheck(info.manifest, where)
+        state = _load_checked(store, judged, reader, info.manifest, where, io, chunk_bytes,
+                              map_location, verify, mmap, trusted, globs, check)
+        check.raise_if_invalid()  # (parsed while the chunks were read, where they were)
+        return state
+
+
+def _load_checked(
+    store: Store, judged: str, reader: Reader, manifest: Manifest | None, where: str,
+    io: IoThreads, chunk_bytes: int, map_location: Any, verify: bool, mmap: bool | None,
+    trusted: bool, globs: list[Any], check: IndexCheck,
+) -> Any:
+    """The load of the file ``reader`` holds open, its proof read (``manifest``: ``None`` for a
+    file without one); ``check`` runs while chunks are read into an image."""
+    if (manifest is not None and mmap is None and not trusted
+            and not torch_forces_weights_only()):
+        # a writer agent's snapshot of this very file, still in memory: no read at all
+        image = from_memory.snapshot_image(reader, manifest, io())
+        if image is not None:
             return safe_torch_load(image, map_location=map_location, trusted=False,
                                    safe_globals=globs, where=where)
-        data = bytearray(reader.size)
-        view = memoryview(data)
-        _read_parallel(reader, view, io, chunk_bytes)
-        if verify and manifest is not None:
-            raise_if_corrupt(check_chunks(reader, manifest, io, view), where)
-        return safe_torch_load(_bytesio.BytesIO(data), map_location=map_location, trusted=trusted,
+    fd = reader.fileno()
+    if fd is not None:
+        # Verified by this process a moment ago (latest()), the very inode unchanged: the
+        # load does not read and hash it again.
+        if (manifest is not None and mmap is None and not trusted
+                and image_load.applies(manifest.files[0]) and not torch_forces_weights_only()):
+            entry = manifest.files[0]
+            if not (verify and verified_before(reader, entry)):
+                # read once, into the memory the tensors keep, each chunk checked as it lands
+                image, problems = _read(reader, fd, manifest, io, where, verify, map_location,
+                                     check.parse)
+                raise_if_corrupt(problems, where)
+                return safe_torch_load(image, map_location=map_location, trusted=False,
+                                       safe_globals=globs, where=where)
+            if len(entry.storages) >= image_load.MANY_STORAGES:
+                # verified a moment ago (so in the page cache): copied from there, unchecked;
+                # torch.load would spend ~50 us per storage on its own
+                image, problems = image_load.read_image(reader, None, manifest, io(), where,
+                                                        check=False)
+                raise_if_corrupt(problems, where)
+                return safe_torch_load(image, map_location=map_location, trusted=False,
+                                       safe_globals=globs, where=where)
+        if verify and manifest is not None and not verified_before(reader, manifest.files[0]):
+            raise_if_corrupt(check_chunks(reader, manifest, io), where)
+        elif not verify:
+            _prefetch(reader, io, chunk_bytes)
+        use_mmap = reader.read(0, 4) == b"PK\x03\x04" if mmap is None else mmap
+        # Load the very inode we verified, even if the name was replaced meanwhile.
+        proc = f"/proc/self/fd/{fd}"
+        local = store.local_path(judged)
+        source = proc if os.path.exists(proc) else local
+        return safe_torch_load(source, map_location=map_location, mmap=use_mmap,
+                               trusted=trusted, safe_globals=globs, where=where)
+    if (manifest is not None and mmap is None and not trusted
+            and image_load.applies(manifest.files[0]) and not torch_forces_weights_only()):
+        # one pass: each chunk fetched (concurrent ranged GETs on S3) into the memory the
+        # tensors keep and hashed as it lands; no second copy into torch.load's storages
+        image, problems = _read(reader, None, manifest, io, where, verify, map_location,
+                                 check.parse)
+        raise_if_corrupt(problems, where)
+        return safe_torch_load(image, map_location=map_location, trusted=False,
                                safe_globals=globs, where=where)
+    data = bytearray(reader.size)
+    view = memoryview(data)
+    _read_parallel(reader, view, io, chunk_bytes)
+    if verify and manifest is not None:
+        raise_if_corrupt(check_chunks(reader, manifest, io, view), where)
+    return safe_torch_load(_bytesio.BytesIO(data), map_location=map_location, trusted=trusted,
+                           safe_globals=globs, where=where)
 
 
 def _read(reader: Reader, fd: int | None, manifest: Manifest, io: IoThreads, where: str,
-          check: bool, map_location: Any) -> tuple[image_load.Image, list[str]]:
+          check: bool, map_location: Any, meanwhile: Callable[[], None],
+          ) -> tuple[image_load.Image, list[str]]:
     """The file's image: in host memory, or, for one CUDA device, each storage straight into
-    its device memory through a ring of pinned chunks (:mod:`.device_load`)."""
+    its device memory through a ring of pinned chunks (:mod:`.device_load`); ``meanwhile`` runs
+    on this thread while the I/O threads read."""
     device = device_load.target_device(map_location)
     if device is not None:
         pool = io()
         return device_load.read_to_device(reader, fd, manifest, pool, where, device, check=check,
-                                          workers=getattr(pool, "_max_workers", 4))
-    return image_load.read_image(reader, fd, manifest, io(), where, check=check)
+                                          workers=getattr(pool, "_max_workers", 4),
+                                          meanwhile=meanwhile)
+    return image_load.read_image(reader, fd, manifest, io(), where, check=check,
+                                 meanwhile=meanwhile)
 
 
 def _prefetch(reader: Reader, io: IoThreads, step: int) -> None:

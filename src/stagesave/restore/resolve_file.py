@@ -69,12 +69,15 @@ def _resolve(store: Store, name: str) -> CheckpointInfo:
 
 
 def resolve_reader(
-    store: Store, name: str, reader: Reader, sidecars: list[str] | None = None,
+    store: Store, name: str, reader: Reader, sidecars: list[str] | None = None, *,
+    index: bool = True,
 ) -> CheckpointInfo:
-    """:func:`resolve` through an open reader (the version that will be loaded or verified)."""
+    """:func:`resolve` through an open reader (the version that will be loaded or verified);
+    ``index=False``: a format-2 torch file's large tensor index is left for the caller to parse
+    (``manifest.pending_index``, see :func:`.proof.read_proof`)."""
     path = store.describe(name)
     base = name.rpartition("/")[2]
-    got = read_proof(reader, base)
+    got = read_proof(reader, base, index=index)
     if got.format == 2:
         return from_proof(store, name, path, reader, got)
     candidates = _sidecars(store, name) if sidecars is None else sidecars
