@@ -66,3 +66,35 @@ def test_process_writer_segments_are_registered_pinned_and_unregistered(tmp_path
         out = ck.load(tmp_path / "ck" / "g.ckpt", map_location="cuda")
         assert out["w"].is_cuda and torch.equal(out["w"].cpu(), expected)
     assert list((tmp_path / "shm").iterdir()) == []
+
+
+def test_many_small_cuda_tensors_round_trip_through_one_batched_copy(ckpt_dir):
+    """Host staging copies all of a device's storages in one ``_foreach_copy_``: a state of
+    many small tensors (with views and a bf16 one) lands byte for byte, and an in-place update
+    right after ``save()`` does not reach it."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    state = {f"m{i}": torch.randn(1 + i % 61, device="cuda", generator=g) for i in range(4000)}
+    state["half"] = torch.ones(5, device="cuda", dtype=torch.bfloat16)
+    state["view"] = state["m60"][3:]
+    expected = {k: v.cpu() for k, v in state.items()}
+    with stagesave.Checkpointer(ckpt_dir) as ck:
+        h = ck.save(state, "many.ckpt")
+        for v in state.values():
+            v.zero_()  # queued after the copies on the device's stream
+        h.result()
+        out = ck.load("many.ckpt", map_location="cpu")
+    assert all(torch.equal(out[k], v) for k, v in expected.items())
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_a_state_on_two_devices_waits_for_both(ckpt_dir):
+    a = torch.randn(4096, 1024, device="cuda:0")
+    b = torch.randn(4096, 1024, device="cuda:1")
+    expected = {"a": a.cpu(), "b": b.cpu()}
+    with stagesave.Checkpointer(ckpt_dir) as ck:
+        h = ck.save({"a": a, "b": b}, "two.ckpt")
+        a.mul_(0)
+        b.mul_(0)
+        h.result()
+        out = ck.load("two.ckpt", map_location="cpu")
+    assert torch.equal(out["a"], expected["a"]) and torch.equal(out["b"], expected["b"])

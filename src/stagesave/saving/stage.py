@@ -4,10 +4,10 @@ This is the only part of a save that the training loop waits for. The small piec
 the pickled structure) are copied as bytes. Then either
 
 * :func:`stage_image` copies each storage with torch, which splits large copies over its
-  intra-op threads; CUDA storages are copied with ``non_blocking=True`` on a side stream into
-  pinned memory; the caller's stream is made to wait for that stream (so the next in-place update
-  cannot race the copy) and the background writer waits on an event before it touches the bytes;
-  or
+  intra-op threads; CUDA storages are copied with ``non_blocking=True`` on a side stream of
+  their device into pinned memory, all of one device's in one ``_foreach_copy_``; the device's
+  current stream is made to wait for that stream (so the next in-place update cannot race the
+  copy) and the background writer waits on the events before it touches the bytes; or
 * :func:`stage_and_crc`, for state in host memory, copies *and* hashes: each hashing thread
   takes whole checksum chunks, copies them half an L2 cache at a time (``memmove``, GIL released)
   and CRCs each piece right after, while it is still in the core's cache. The CRCs give both the
@@ -24,6 +24,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import ctypes
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -114,31 +115,45 @@ def stage_image(image: FileImage, buf: HostBuffer, base: int = 0, *,
             copies.big.append((slot.offset, address, n))
     copy_in(view, dst_address, copies, pool, workers)
     dst_all = buf.tensor[base : base + image.size]
-    side: torch.cuda.Stream | None = None
+    on_device: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     for slot in others:
         src = slot.source
         dst = dst_all[slot.offset : slot.offset + slot.nbytes]
         if src.device.type == "cuda":
-            if side is None:
-                side = torch.cuda.Stream(device=src.device)  # type: ignore[no-untyped-call]
-                side.wait_stream(torch.cuda.current_stream(src.device))
-            with torch.cuda.stream(side):
-                dst.copy_(src, non_blocking=True)
-                src.record_stream(side)
+            targets, sources = on_device.setdefault(src.device, ([], []))
+            targets.append(dst)
+            sources.append(src)
         elif src.device.type == "cpu":
             dst.copy_(src)
         else:
             dst.copy_(src.cpu())
-    if side is None:
+    events = [_copy_from(device, *pairs) for device, pairs in on_device.items()]
+    if not events:
         return None
-    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-    event.record(side)
-    torch.cuda.current_stream(side.device).wait_stream(side)
 
     def wait_for_device() -> None:
-        event.synchronize()
+        for event in events:
+            event.synchronize()
 
     return wait_for_device
+
+
+def _copy_from(device: torch.device, targets: list[torch.Tensor],
+               sources: list[torch.Tensor]) -> Any:
+    """Queue the copies of ``sources`` (on CUDA ``device``) into ``targets`` (pinned host
+    memory) on a side stream of that device, in one call (one Python call per storage was the
+    cost of a state of many small tensors); the device's current stream then waits for them.
+    The event after the copies."""
+    side = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        torch._foreach_copy_(targets, sources, non_blocking=True)
+    for src in sources:
+        src.record_stream(side)
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    event.record(side)
+    torch.cuda.current_stream(device).wait_stream(side)
+    return event
 
 
 def _runs(image: FileImage, buf: HostBuffer, base: int) -> list[tuple[int, int, int]]:
