@@ -122,7 +122,10 @@ def twin_copy_s(state: Any, repeats: int = 5) -> list[float]:
     ``repeats`` times after one warm-up (past :data:`TWIN_LIMIT`, twins that share one warm
     1 GiB window: the same copies, at the same bandwidth, in bounded memory)."""
     tensors = [t.detach() for t in common.tensors_of(state)]
-    if sum(t.nbytes for t in tensors) > TWIN_LIMIT:
+    cuda = any(t.is_cuda for t in tensors)
+    if cuda:  # a GPU state: the floor is the copy into pinned host twins, waited for
+        twins = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+    elif sum(t.nbytes for t in tensors) > TWIN_LIMIT:
         twins = _window_twins([t.contiguous() if not t.is_contiguous() else t for t in tensors])
     else:
         twins = [t.clone() for t in tensors]
@@ -132,9 +135,23 @@ def twin_copy_s(state: Any, repeats: int = 5) -> list[float]:
     for _ in range(repeats):
         t0 = time.perf_counter()
         for a, b in zip(twins, tensors):
-            a.copy_(b)
+            a.copy_(b, non_blocking=cuda)
+        if cuda:
+            torch.cuda.synchronize()
         out.append(time.perf_counter() - t0)
     return out
+
+
+def to_device(state: Any, device: str) -> Any:
+    """``state`` with every tensor moved to ``device`` (tensors that shared a storage get one
+    each: ``Tensor.to`` copies them one by one)."""
+    if isinstance(state, torch.Tensor):
+        return state.to(device)
+    if isinstance(state, dict):
+        return type(state)((k, to_device(v, device)) for k, v in state.items())
+    if isinstance(state, (list, tuple)):
+        return type(state)(to_device(v, device) for v in state)
+    return state
 
 
 def measure(
@@ -215,6 +232,8 @@ def main() -> None:
         choices=["steady", "fast", "torch"],
     )
     ap.add_argument("--checksum-in", default="auto", choices=["auto", "staging", "background"])
+    ap.add_argument("--device", default="cpu",
+                    help="where the state lives, e.g. cuda (floor: copies into pinned twins)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     base = tempfile.mkdtemp(prefix="bench-shapes-", dir=args.dir)
@@ -238,7 +257,7 @@ def main() -> None:
     )
     try:
         for key, label, make in todo:
-            state = make()
+            state = make() if args.device == "cpu" else to_device(make(), args.device)
             r = measure(state, os.path.join(base, key), args.saves, args.planners,
                         args.checksum_in)
             results[key] = {"label": label, **r}
