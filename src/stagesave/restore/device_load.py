@@ -32,7 +32,7 @@ from ..ondisk.manifest import Manifest
 from ..ondisk.names import ALIGNMENT
 from ..saving.buffers import HostBuffer
 from ..stores.base import Reader
-from .image_load import Image, direct_reader, read_chunk
+from .image_load import Image, direct_reader, each_chunk, read_chunk
 from .proof import chunk_problems
 
 __all__ = ["RING_BYTES", "read_to_device", "target_device"]
@@ -162,10 +162,7 @@ def read_to_device(
             free.put(slot)
 
     try:
-        done = pool.map(one, range(len(entry.chunks)))
-        if meanwhile is not None:
-            meanwhile()
-        problems = [p for p in done if p]
+        problems = each_chunk(pool, one, len(entry.chunks), meanwhile)
     finally:
         copier.finish()  # no slot or device buffer goes while a copy from or into it may run
         if direct is not None:

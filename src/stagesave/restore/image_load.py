@@ -38,7 +38,7 @@ from ..stores.base import Reader
 from .proof import chunk_problems
 from .refusal import BadPickle
 
-__all__ = ["Image", "LeanStorage", "applies", "read_image", "unpickle_image"]
+__all__ = ["Image", "LeanStorage", "applies", "each_chunk", "read_image", "unpickle_image"]
 
 #: Tensors must fill at least this share of the file for the load to keep the file's buffer
 #: (else they are packed into one of their own).
@@ -103,6 +103,16 @@ def read_chunk(reader: Reader, direct: int | None, lo: int, n: int, room: memory
     return got
 
 
+def each_chunk(pool: cf.Executor, job: Callable[[int], str | None], n: int,
+               meanwhile: Callable[[], None] | None = None) -> list[str]:
+    """``job(i)`` for chunks ``0..n-1`` on ``pool``, ``meanwhile`` on this thread while they
+    run; the problems the jobs returned, in chunk order."""
+    done = pool.map(job, range(n))
+    if meanwhile is not None:
+        meanwhile()
+    return [p for p in done if p]
+
+
 def read_image(reader: Reader, fd: int | None, manifest: Manifest, pool: cf.Executor,
                where: str, *, check: bool = True,
                meanwhile: Callable[[], None] | None = None) -> tuple[Image, list[str]]:
@@ -131,10 +141,7 @@ def read_image(reader: Reader, fd: int | None, manifest: Manifest, pool: cf.Exec
         if check:
             problems = chunk_problems(reader, manifest, pool, read=read, meanwhile=meanwhile)
         else:
-            reads = pool.map(read_only, range(len(entry.chunks)))
-            if meanwhile is not None:
-                meanwhile()
-            problems = [p for p in reads if p]
+            problems = each_chunk(pool, read_only, len(entry.chunks), meanwhile)
     finally:
         if direct is not None:
             os.close(direct)
