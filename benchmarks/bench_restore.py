@@ -16,7 +16,8 @@ Figures are medians over ``--rounds``:
   with O_DIRECT in 64 MiB requests; and with O_DIRECT from ``--threads`` threads in 8 MiB
   and in 64 MiB aligned ranges (a load reads whole 32 MiB chunks: on this machine's disk the
   large ranges are faster, so a floor of 8 MiB ranges alone is beaten by the load). The **read
-  floor** is the fastest of the four, measured in the same run;
+  floor** is the fastest of the four, measured in the same run (each reading thread reuses one
+  buffer: no fresh memory to fault in, unlike any load);
 * ``Checkpointer.load`` with ``verify=True`` (the default) and ``verify=False``;
 * ``torch.load(weights_only=True)`` of the ``torch.save`` file, with and without ``mmap``.
 """
@@ -44,7 +45,7 @@ import stagesave
 
 _CHILD = textwrap.dedent(
     """
-    import concurrent.futures as cf, json, mmap, os, sys, time, warnings
+    import concurrent.futures as cf, json, mmap, os, sys, threading, time, warnings
     warnings.simplefilter("ignore")
     import torch, stagesave
     variant, ours, theirs, threads = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
@@ -73,8 +74,11 @@ _CHILD = textwrap.dedent(
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
         try:
             ranges = list(range(0, size, request))
+            scratch = threading.local()  # one buffer per thread, faulted in once
             def one(start):
-                buf = mmap.mmap(-1, request)
+                buf = getattr(scratch, "buf", None)
+                if buf is None:
+                    buf = scratch.buf = mmap.mmap(-1, request)
                 end = min(size, start + request)
                 off = start
                 while off < end:
@@ -83,7 +87,6 @@ _CHILD = textwrap.dedent(
                     if n <= 0:
                         break
                     off += n
-                buf.close()
             if workers == 1:
                 for s in ranges:
                     one(s)
@@ -139,15 +142,24 @@ LABELS = {
 }
 
 
-def run_child(variant: str, ours: str, theirs: str, threads: int, where: str = ""
-              ) -> tuple[float, float]:
-    """Seconds until the state was returned, and until every tensor's bytes were touched."""
-    r = subprocess.run(
-        [sys.executable, "-c", _CHILD, variant, ours, theirs, str(threads), where],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+def run_child(variant: str, ours: str, theirs: str, threads: int, where: str = "",
+              busy: bool = False) -> tuple[float, float]:
+    """Seconds until the state was returned, and until every tensor's bytes were touched.
+
+    ``busy``: a process spinning on one core runs beside the measurement (see ``--busy``)."""
+    spinner = (subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy
+               else None)
+    try:
+        r = subprocess.run(
+            [sys.executable, "-c", _CHILD, variant, ours, theirs, str(threads), where],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+    finally:
+        if spinner is not None:
+            spinner.kill()
+            spinner.wait()
     if r.returncode:
         raise RuntimeError(f"{variant} failed:\n{r.stderr}")
     out = json.loads(r.stdout.strip().splitlines()[-1])
@@ -166,6 +178,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=4)
     ap.add_argument("--map-location", default="",
                     help="map_location of every load, e.g. cuda (a GPU resume); default: none")
+    ap.add_argument("--busy", action="store_true",
+                    help="a process spinning on one core beside every measurement: on a VM "
+                         "whose idle vCPUs are slow to take I/O completions, the reads of a "
+                         "load that leaves the CPUs idle (verify=False) are slower than those "
+                         "of one that hashes")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     base = tempfile.mkdtemp(prefix="bench-restore-", dir=args.dir)
@@ -194,7 +211,7 @@ def main() -> None:
                 for variant in VARIANTS:
                     common.drop_caches()
                     back, touched = run_child(variant, ours, theirs, args.threads,
-                                              args.map_location)
+                                              args.map_location, args.busy)
                     returned[variant].append(back)
                     runs[variant].append(touched)
             results[key] = runs
