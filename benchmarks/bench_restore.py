@@ -10,7 +10,7 @@ measurement runs in a fresh process after the page cache is dropped (root only; 
 figure is warm and the script says so), and ends once every tensor's bytes were touched (a load
 with ``mmap`` reads pages only then): each load is reported both when it returned (a load
 without ``mmap`` has every byte in memory then) and once every tensor was touched (summed).
-Figures are medians over ``--rounds``:
+Figures are medians over ``--rounds`` (interleaved, the order rotated each round):
 
 * **floors** — the stagesave file's bytes read without parsing: sequentially in 1 MiB ``read``s;
   with O_DIRECT in 64 MiB requests; and with O_DIRECT from ``--threads`` threads in 8 MiB
@@ -207,8 +207,10 @@ def main() -> None:
             key = f"{os.path.getsize(ours) / (1 << 30):.2f} GiB, {n_tensors} tensors"
             runs: dict[str, list[float]] = {v: [] for v in VARIANTS}
             returned: dict[str, list[float]] = {v: [] for v in VARIANTS}
-            for _ in range(args.rounds):  # interleaved: every variant once per round
-                for variant in VARIANTS:
+            for r in range(args.rounds):  # interleaved: every variant once per round,
+                # each round starting one variant later (a variant does not always follow the
+                # same one: the disk's own cache below the VM may keep some of the last read)
+                for variant in VARIANTS[r % len(VARIANTS):] + VARIANTS[: r % len(VARIANTS)]:
                     common.drop_caches()
                     back, touched = run_child(variant, ours, theirs, args.threads,
                                               args.map_location, args.busy)
