@@ -14,8 +14,8 @@ Figures are medians over ``--rounds`` (interleaved, the order rotated each round
 
 * **floors** — the stagesave file's bytes read without parsing: sequentially in 1 MiB ``read``s;
   with O_DIRECT in 64 MiB requests; and with O_DIRECT from ``--threads`` threads in 8 MiB
-  and in 64 MiB aligned ranges (a load reads whole 32 MiB chunks: on this machine's disk the
-  large ranges are faster, so a floor of 8 MiB ranges alone is beaten by the load). The **read
+  and in 64 MiB aligned ranges (a load reads whole 32 MiB chunks; a floor of 8 MiB ranges
+  alone was beaten by the load). The **read
   floor** is the fastest of the four, measured in the same run (each reading thread reuses one
   buffer: no fresh memory to fault in, unlike any load);
 * ``Checkpointer.load`` with ``verify=True`` (the default) and ``verify=False``;
@@ -179,10 +179,9 @@ def main() -> None:
     ap.add_argument("--map-location", default="",
                     help="map_location of every load, e.g. cuda (a GPU resume); default: none")
     ap.add_argument("--busy", action="store_true",
-                    help="a process spinning on one core beside every measurement: on a VM "
-                         "whose idle vCPUs are slow to take I/O completions, the reads of a "
-                         "load that leaves the CPUs idle (verify=False) are slower than those "
-                         "of one that hashes")
+                    help="a process spinning on one core beside every measurement (on this "
+                         "project's VM a load that leaves the CPUs idle, verify=False, read "
+                         "slower than one that hashes, and faster with a core kept busy)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     base = tempfile.mkdtemp(prefix="bench-restore-", dir=args.dir)
