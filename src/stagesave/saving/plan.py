@@ -223,7 +223,8 @@ def _promote_survivors() -> None:
     would promote anyway after scanning them once or twice; the pause's garbage was freed by
     reference counting (saves and loads leave no cycles, ``tests/core/test_plan_gc.py``). The
     cost: young cyclic garbage of other code, from just before or during that pause, waits for
-    the next full collection; steady saves (a few dozen survivors) never promote. Skipped when
+    the next full collection; steady saves never promote (45 survivors at 8,000 tensors, 6,015
+    at 100,000; the second save of a structure, which builds its copy list, can). Skipped when
     the process froze objects itself (``gc.freeze``: unfreezing would undo that)."""
     if gc.get_count()[0] >= max(PROMOTE_FROM, 10 * gc.get_threshold()[0]) and (
             gc.get_freeze_count() == 0):
