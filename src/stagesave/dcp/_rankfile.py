@@ -5,10 +5,18 @@ reads it back with ``torch.load``; keeping exactly that format is what lets torc
 (and ``dcp_to_torch_save``) open a stagesave folder. Pickling every tensor on every save would
 cost the training loop a serialization pass, so the zip of a tensor is planned once per
 ``(dtype, shape)`` with ``torch.serialization.skip_data()`` (structure only, no tensor bytes) and
-cached; a save then only places cached skeletons at their offsets and lets the staging copy put
-each tensor's bytes where its record says. Items are 64-byte aligned (torch's own record
-alignment): a page-aligned layout would add ~28 KiB per small tensor and buys nothing here,
-since the writers write the whole image in large aligned chunks anyway.
+cached as two runs of bytes, the one before the tensor's data and the one after it. Items are
+64-byte aligned (torch's own record alignment): a page-aligned layout would add ~28 KiB per small
+tensor and buys nothing here, since the writers write the whole image in large aligned chunks
+anyway.
+
+The layout of a plan (:class:`RankLayout`: every byte that is not a tensor's data or a byte
+item's blob, where each item goes, its storage info) is kept by the writer and reused by the next
+save whose items are the same: the same indexes, each tensor of the same dtype and shape, each
+byte item (and each tensor torch serializes whole) of the same length. Such a save resolves its
+items, compares them with the layout and names each tensor's bytes; a staging buffer that still
+holds the layout's bytes from an earlier save does not receive them again
+(:attr:`.FileImage.static`).
 """
 
 from __future__ import annotations
@@ -31,17 +39,34 @@ from ..saving.sparse import SparseReader, SparseSink
 from ._format import ITEM_ALIGNMENT, RANK_FILE_KIND
 from ._metadata import StorageInfo
 
-__all__ = ["RankImage", "SkeletonCache", "layout_rank_file"]
+__all__ = ["RankImage", "RankLayout", "SkeletonCache", "layout_rank_file"]
+
+_Tensor = torch.Tensor
+_BYTE_IO = WriteItemType.BYTE_IO
 
 
 @dataclass(frozen=True)
 class Skeleton:
-    """The bytes of ``torch.save(torch.empty(shape, dtype=dtype))`` minus the tensor data."""
+    """The bytes of ``torch.save(torch.empty(shape, dtype=dtype))`` minus the tensor data:
+    ``head`` before the data, ``tail`` after it (``padded``: the tail and the zeros up to the
+    next item's aligned start)."""
 
     size: int
-    pieces: tuple[tuple[int, bytes], ...]
+    head: bytes
+    tail: bytes
+    padded: bytes
     data_offset: int
     nbytes: int
+
+
+def _cut(pieces: Sequence[tuple[int, bytes]], lo: int, hi: int) -> bytes:
+    """Bytes ``[lo, hi)`` of a sparse file made of ``pieces`` (zeros where none was written)."""
+    out = bytearray(hi - lo)
+    for off, data in pieces:
+        a, b = max(off, lo), min(off + len(data), hi)
+        if a < b:
+            out[a - lo : b - lo] = data[a - off : b - off]
+    return bytes(out)
 
 
 def plan_skeleton(dtype: torch.dtype, shape: tuple[int, ...]) -> Skeleton:
@@ -59,7 +84,16 @@ def plan_skeleton(dtype: torch.dtype, shape: tuple[int, ...]) -> Skeleton:
             f"torch.save of one tensor wrote {len(records)} storages; expected one"
         )
     offset = int(reader.get_record_offset(records[0]))  # type: ignore[attr-defined]
-    return Skeleton(sink.end, tuple(sink.pieces), offset, placeholder.nbytes)
+    nbytes = placeholder.nbytes
+    end = offset + nbytes
+    if any(off < end and off + len(data) > offset for off, data in sink.pieces):
+        raise UnsupportedObjectError(
+            "torch.save under skip_data wrote bytes where the tensor's data goes; this torch "
+            "version is not supported by stagesave's sharded writer"
+        )
+    tail = _cut(sink.pieces, end, sink.end)
+    return Skeleton(sink.end, _cut(sink.pieces, 0, offset), tail,
+                    tail + bytes(-sink.end % ITEM_ALIGNMENT), offset, nbytes)
 
 
 class SkeletonCache:
@@ -92,12 +126,37 @@ class SkeletonCache:
 
 
 @dataclass
+class RankLayout:
+    """Where everything of one plan goes in a rank file; reused while the plan is the same.
+
+    ``keys`` per item: ``(index, dtype, shape)`` for a tensor whose bytes are copied,
+    ``(index, length)`` for a blob (a byte item, or a tensor torch serializes whole).
+    """
+
+    file_name: str
+    keys: list[tuple[Any, ...]]
+    size: int
+    #: Every byte that is neither a tensor's data nor a blob: zip headers, pickles, padding.
+    static: list[tuple[int, bytes]]
+    #: Per item: where its data (a tensor) or its blob starts.
+    places: list[int]
+    infos: list[StorageInfo]
+    lengths: list[int]
+    tensor_bytes: int
+    nonempty: int
+
+
+@dataclass
 class RankImage:
     """The rank file as a :class:`FileImage` plus DCP's write results (offsets known now)."""
 
     image: FileImage
     results: list[WriteResult]
     tensor_bytes: int
+    layout: RankLayout
+    #: The tensors the image's slots name by address (contiguous copies made for the layout
+    #: among them): kept alive until the image is staged.
+    sources: list[Any]
 
 
 def _align(n: int) -> int:
@@ -107,7 +166,7 @@ def _align(n: int) -> int:
 def _fast_path(t: torch.Tensor) -> bool:
     """Whether ``t`` is a plain strided tensor whose bytes can be copied as they are."""
     return (
-        type(t) is torch.Tensor
+        type(t) is _Tensor
         and t.layout == torch.strided
         and not t.is_quantized
         and not t.is_nested
@@ -118,12 +177,12 @@ def _fast_path(t: torch.Tensor) -> bool:
 
 def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of a contiguous tensor's own elements (not its whole storage)."""
-    return t.reshape(-1).view(torch.uint8)
+    return t.detach().reshape(-1).view(torch.uint8)
 
 
 def _serialized(t: torch.Tensor) -> bytes:
     """The slow path, for tensors that are not plain strided ones: what FileSystemWriter writes."""
-    cpu = t.cpu()
+    cpu = t.detach().cpu()
     if cpu.untyped_storage().size() != cpu.nbytes:
         cpu = cpu.clone()
     out = io.BytesIO()
@@ -131,61 +190,123 @@ def _serialized(t: torch.Tensor) -> bytes:
     return out.getvalue()
 
 
+def _resolved(
+    items: Sequence[WriteItem], resolve: Callable[[WriteItem], Any]
+) -> tuple[list[tuple[Any, ...]], list[Any]]:
+    """Each item's layout key and what goes into the file: a contiguous tensor or a blob.
+
+    ``resolve`` is the planner's ``resolve_data``; it runs here, on the caller's thread, so
+    non-tensor items are serialized now (capturing their value at this instant).
+    """
+    keys: list[tuple[Any, ...]] = []
+    found: list[Any] = []
+    key, keep = keys.append, found.append
+    for item in items:
+        data = resolve(item)
+        if item.type == _BYTE_IO:
+            blob = bytes(cast(io.BytesIO, data).getbuffer())
+            key((item.index, len(blob)))
+            keep(blob)
+            continue
+        t = cast(torch.Tensor, data)
+        if t.is_meta:
+            raise UnsupportedObjectError(
+                f"cannot save {item.index.fqn}: it is a tensor on the meta device (no data); "
+                "materialize it before saving"
+            )
+        if _fast_path(t):
+            if not t.is_contiguous():
+                t = t.detach().contiguous()
+            key((item.index, t.dtype, t.shape))
+            keep(t)
+        else:
+            blob = _serialized(t)
+            key((item.index, len(blob)))
+            keep(blob)
+    return keys, found
+
+
+def _lay_out(
+    keys: list[tuple[Any, ...]], found: list[Any], file_name: str, cache: SkeletonCache
+) -> RankLayout:
+    """Place every item: the first at offset 0 (as in ``FileSystemWriter``'s files), each at
+    the next aligned offset, the proof after the last one."""
+    static: list[tuple[int, bytes]] = []
+    places: list[int] = []
+    infos: list[StorageInfo] = []
+    lengths: list[int] = []
+    tensor_bytes = nonempty = 0
+    pos = 0
+    last_tail: Skeleton | None = None  # the skeleton of the last item, when it is a tensor
+    for obj in found:
+        base = _align(pos)
+        if base > pos and last_tail is None:  # after a tensor, its padded tail covers this
+            static.append((pos, bytes(base - pos)))
+        if type(obj) is bytes:
+            places.append(base)
+            length = len(obj)
+            last_tail = None
+        else:
+            sk = cache.get(obj.dtype, tuple(obj.shape))
+            data_at = base + sk.data_offset
+            static.append((base, sk.head))
+            static.append((data_at + sk.nbytes, sk.padded))
+            places.append(data_at)
+            length = sk.size
+            tensor_bytes += sk.nbytes
+            nonempty += sk.nbytes > 0
+            last_tail = sk
+        infos.append(StorageInfo(file_name, base, length))
+        lengths.append(length)
+        pos = base + length
+    if last_tail is not None:  # the file ends with the last item: no padding after it
+        off, _ = static[-1]
+        static[-1] = (off, last_tail.tail)
+    static = [(off, data) for off, data in static if data]
+    return RankLayout(file_name, keys, pos, static, places, infos, lengths, tensor_bytes,
+                      nonempty)
+
+
 def layout_rank_file(
     items: Sequence[WriteItem],
     resolve: Callable[[WriteItem], Any],
     file_name: str,
     cache: SkeletonCache,
+    last: RankLayout | None = None,
 ) -> RankImage:
     """Place every item of a rank's plan in its data file; nothing is copied yet.
 
-    ``resolve`` is the planner's ``resolve_data``; it runs here, on the caller's thread, so
-    non-tensor items are serialized now (capturing their value at this instant). The first item
-    starts at offset 0, as in ``FileSystemWriter``'s files; the proof follows the last one.
+    ``last``: the layout of this writer's previous save, reused when the items are the same.
 
     Raises:
         UnsupportedObjectError: an item is a tensor on the meta device (it has no data).
     """
-    pieces: list[tuple[int, bytes]] = []
+    keys, found = _resolved(items, resolve)
+    if last is not None and last.file_name == file_name and last.keys == keys:
+        layout = last
+    else:
+        layout = _lay_out(keys, found, file_name, cache)
+    pieces: list[tuple[int, bytes]] = list(layout.static)
     slots: list[StorageSlot] = []
     results: list[WriteResult] = []
-    pos = 0
-    tensor_bytes = 0
-    for n, item in enumerate(items):
-        base = _align(pos)
-        data = resolve(item)
-        if item.type == WriteItemType.BYTE_IO:
-            blob = bytes(cast(io.BytesIO, data).getbuffer())
-            pieces.append((base, blob))
-            length = len(blob)
+    for n, (item, obj, place, info, length) in enumerate(
+        zip(items, found, layout.places, layout.infos, layout.lengths)
+    ):
+        if type(obj) is bytes:
+            pieces.append((place, obj))
         else:
-            t = cast(torch.Tensor, data).detach()
-            if t.device.type == "meta":
-                raise UnsupportedObjectError(
-                    f"cannot save {item.index.fqn}: it is a tensor on the meta device (no data); "
-                    "materialize it before saving"
+            nbytes = obj.nbytes
+            if nbytes:
+                # a host tensor by its address (``sources`` keeps it alive until it is staged)
+                slots.append(
+                    StorageSlot(str(n), place, nbytes, device_type="cpu", address=obj.data_ptr())
+                    if obj.is_cpu
+                    else StorageSlot(str(n), place, nbytes, _flat_bytes(obj))
                 )
-            if _fast_path(t):
-                if not t.is_contiguous():
-                    t = t.contiguous()
-                sk = cache.get(t.dtype, tuple(t.shape))
-                pieces.extend((base + off, chunk) for off, chunk in sk.pieces)
-                if sk.nbytes:
-                    slots.append(
-                        StorageSlot(str(n), base + sk.data_offset, sk.nbytes, _flat_bytes(t))
-                    )
-                length = sk.size
-                tensor_bytes += sk.nbytes
-            else:
-                blob = _serialized(t)
-                pieces.append((base, blob))
-                length = len(blob)
-        results.append(
-            WriteResult(index=item.index, size_in_bytes=length,
-                        storage_data=StorageInfo(file_name, base, length))
-        )
-        pos = base + length
+        results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=info))
     image = FileImage(
-        size=pos, pieces=pieces, slots=slots, serialization_id="", id_offset=0, kind=RANK_FILE_KIND
+        size=layout.size, pieces=pieces, slots=slots, serialization_id="", id_offset=0,
+        kind=RANK_FILE_KIND, gapless=True, static=(layout, 0, len(layout.static)),
+        counts=(layout.tensor_bytes, layout.nonempty),
     )
-    return RankImage(image, results, tensor_bytes)
+    return RankImage(image, results, layout.tensor_bytes, layout, found)

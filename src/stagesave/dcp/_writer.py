@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import pickle
 import secrets
 import threading
 import time
@@ -47,12 +46,13 @@ from ._coordinator import (
     take_lease,
 )
 from ._format import lease
+from ._metadata_bytes import MetadataPickler
 from ._protocol import (
     MetadataSlot,
     SavePlanData,
     report_failure,
 )
-from ._rankfile import SkeletonCache, layout_rank_file
+from ._rankfile import RankLayout, SkeletonCache, layout_rank_file
 from ._rankjob import RankJob, RankStaging
 
 __all__ = ["StagedStorageWriter"]
@@ -137,6 +137,8 @@ class StagedStorageWriter(StorageWriter):
         check_extra_files(self.extra_files)
         self.last_handle: SaveHandle | None = None
         self._skeletons = SkeletonCache()
+        self._layout: RankLayout | None = None  # the last save's, reused for the same plan
+        self._metadata_pickler = MetadataPickler()  # the last pickle, reused for the same plan
         self._save: _Save | None = None
         self._open_slots: list[MetadataSlot] = []
         #: The lease this coordinator took for a save whose commit job does not exist yet.
@@ -245,8 +247,9 @@ class StagedStorageWriter(StorageWriter):
         try:
             t0 = time.perf_counter()
             rank_image = layout_rank_file(
-                plan.items, planner.resolve_data, spec.file_name, self._skeletons
+                plan.items, planner.resolve_data, spec.file_name, self._skeletons, self._layout
             )
+            self._layout = rank_image.layout
             image = rank_image.image
             tel.plan_s = time.perf_counter() - t0
             s.store.check_writable(_join(spec.staging, spec.file_name), image.size)
@@ -305,7 +308,7 @@ class StagedStorageWriter(StorageWriter):
                 checkpoint_id=os.fspath(self.path) if self.path is not None else None,
                 save_id=s.spec.save_id,
             )
-            s.slot.fill(pickle.dumps(metadata))
+            s.slot.fill(self._metadata_pickler.dumps(metadata))
         except BaseException as exc:
             s.slot.abandon(f"finish() failed: {type(exc).__name__}: {exc}")
             raise

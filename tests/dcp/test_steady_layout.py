@@ -1,0 +1,195 @@
+"""Sharded saves of an unchanged plan reuse the rank file's layout and ``.metadata``'s pickle:
+the files are the bytes a fresh writer writes, every value is this save's, and any change of
+the plan (a shape, a dtype, a key, an object's pickled length) lays the file out again."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import pickle
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from dcp_helpers import assert_same, folder_proof, proof
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_single_process import expected, mixed_state, zeros_like_state
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+
+import stagesave.dcp as sdcp
+from stagesave.dcp._metadata_bytes import PROTOCOL, MetadataPickler
+from stagesave.dcp._rankfile import SkeletonCache, layout_rank_file
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+
+def save(writer: sdcp.StagedStorageWriter, state: dict[str, Any], name: str) -> Path:
+    sdcp.save(state, name, writer=writer).result(60)
+    return Path(writer.checkpointer.targets.root.url) / name  # type: ignore[union-attr]
+
+
+def data_bytes(folder: Path) -> bytes:
+    """The rank file's items (its proof, which names the save, follows them)."""
+    rank = folder / "__0_0.distcp"
+    summary = proof(rank).summary
+    assert summary is not None
+    return rank.read_bytes()[: summary.proof_offset]
+
+
+def metadata_pickle(folder: Path) -> bytes:
+    raw = (folder / ".metadata").read_bytes()
+    return raw[: folder_proof(folder).files[0].end]
+
+
+def loads_as(folder: Path, state: dict[str, Any]) -> None:
+    """torch's own reader (no stagesave) gives back ``state``'s values."""
+    got = zeros_like_state(state)
+    dcp.load(got, checkpoint_id=str(folder))
+    assert_same(got["model"], expected(state)["model"], "model")
+    for key in ("step", "name", "sched"):
+        assert got[key] == state[key], key
+    assert np.array_equal(got["rng"], state["rng"])
+
+
+@pytest.fixture
+def writers(tmp_path: Path):
+    made = [sdcp.StagedStorageWriter(root=tmp_path / f"w{i}", commit_timeout=60) for i in range(2)]
+    yield made
+    for w in made:
+        w.close()
+
+
+def test_an_unchanged_plan_reuses_its_layout_and_writes_what_a_fresh_writer_writes(writers):
+    steady, fresh = writers
+    state = mixed_state()
+    save(steady, state, "s1")
+    layout = steady._layout
+    with torch.no_grad():
+        state["model"]["w"].mul_(-2)  # training changed the values, not the structure
+        state["model"]["column"].add_(1)  # a view of a bigger storage (copied contiguous)
+    state["step"] = 13  # a byte item of the same pickled length
+    second = save(steady, state, "s2")
+    assert steady._layout is layout  # reused, not laid out again
+    assert steady._metadata_pickler.reused == 1
+    first_of_fresh = save(fresh, state, "s2")
+    assert data_bytes(second) == data_bytes(first_of_fresh)
+    md, md_fresh = (pickle.loads(metadata_pickle(f)) for f in (second, first_of_fresh))
+    assert isinstance(md, Metadata) and md.storage_meta is not None
+    assert dataclasses.replace(md, storage_meta=None) == dataclasses.replace(
+        md_fresh, storage_meta=None)
+    loads_as(second, state)
+    assert md.storage_meta.save_id == folder_proof(second).metadata["dcp_save_id"]
+    assert str(md.storage_meta.checkpoint_id).endswith("s2")
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["shape", "dtype", "new key", "key removed", "longer object", "tensor becomes object"],
+)
+def test_any_change_of_the_plan_lays_the_file_out_again(writers, change):
+    steady, fresh = writers
+    state = mixed_state()
+    save(steady, state, "s1")
+    layout = steady._layout
+    model = state["model"]
+    if change == "shape":
+        model["w"] = torch.randn(64, 49)
+    elif change == "dtype":
+        model["half"] = model["half"].float()
+    elif change == "new key":
+        model["extra"] = torch.arange(5)
+    elif change == "key removed":
+        del model["ids"]
+    elif change == "longer object":
+        state["name"] = "run-" + "a" * 300  # beyond the zip's alignment
+    else:
+        model["scalar"] = 2.5
+    second = save(steady, state, "s2")
+    assert steady._layout is not layout
+    assert data_bytes(second) == data_bytes(save(fresh, state, "s2"))
+    got = zeros_like_state(state)
+    dcp.load(got, checkpoint_id=str(second))
+    assert_same(got["model"], expected(state)["model"], "model")
+    assert got["name"] == state["name"]
+
+
+def test_a_buffer_that_held_another_layout_gets_every_header_again(writers):
+    """Plan A, plan B (another shape), plan A: the third save's staging buffer last held B's
+    headers, so A's are written into it again (the files are a fresh writer's bytes)."""
+    steady, fresh = writers
+    a = mixed_state()
+    b = mixed_state()
+    b["model"]["w"] = torch.randn(48, 64)
+    for name, state in (("a1", a), ("b", b), ("a2", a)):
+        last = save(steady, state, name)
+    assert data_bytes(last) == data_bytes(save(fresh, a, "a"))
+    loads_as(last, a)
+
+
+def test_the_spliced_metadata_pickle_is_the_pickle_of_the_metadata():
+    base = Metadata(
+        state_dict_metadata={},
+        planner_data={"a": ("a",)},
+        storage_data={},
+        storage_meta=StorageMeta(checkpoint_id="/ckpt/step-1", save_id="1" * 32),
+        version="1.0.0",
+    )
+    pickler = MetadataPickler()
+    assert pickler.dumps(base) == pickle.dumps(base, protocol=PROTOCOL)
+    for cid, sid in (("/ckpt/step-2", "2" * 32), ("s3://bucket/a/much/longer/path/step-3", "ä")):
+        nxt = dataclasses.replace(base, storage_meta=StorageMeta(checkpoint_id=cid, save_id=sid))
+        out = pickler.dumps(nxt)
+        assert out == pickle.dumps(nxt, protocol=PROTOCOL) and pickle.loads(out) == nxt
+    assert pickler.reused == 2
+    changed = dataclasses.replace(nxt, planner_data={"b": ("b",)})  # another plan: pickled anew
+    assert pickler.dumps(changed) == pickle.dumps(changed, protocol=PROTOCOL)
+    assert pickler.reused == 2
+    odd = dataclasses.replace(base, storage_meta=StorageMeta(checkpoint_id=Path("/p"), save_id="x"))
+    assert pickle.loads(pickler.dumps(odd)) == odd  # not a plain string: pickled whole
+    bare = dataclasses.replace(base, storage_meta=None)
+    assert pickle.loads(pickler.dumps(bare)).storage_meta is None
+
+
+_ITEM = st.one_of(
+    st.integers(0, 300).map(lambda n: b"\x01" * n),  # a byte item's blob (any length)
+    st.tuples(st.sampled_from([torch.float32, torch.float16, torch.int8, torch.bool]),
+              st.lists(st.integers(0, 9), max_size=3)),  # a tensor: dtype, shape
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(_ITEM, min_size=1, max_size=12))
+def test_headers_padding_data_and_blobs_tile_the_file(specs):
+    """Whatever the order of tensors (empty ones too) and blobs of any length, the image's
+    pieces and slots cover every byte once (a reused buffer keeps no stale byte), items start
+    64-byte aligned, and the file ends with its last item."""
+    items, objects = [], []
+    for i, spec in enumerate(specs):
+        index = MetadataIndex(f"k{i}")
+        if isinstance(spec, bytes):
+            items.append(WriteItem(index=index, type=WriteItemType.BYTE_IO))
+            objects.append(io.BytesIO(spec))
+        else:
+            items.append(WriteItem(index=index, type=WriteItemType.TENSOR))
+            objects.append(torch.ones(spec[1], dtype=spec[0]))
+    by_index = dict(zip((item.index for item in items), objects))
+    rank = layout_rank_file(items, lambda item: by_index[item.index], "f", SkeletonCache())
+    image = rank.image
+    spans = sorted([(off, off + len(data)) for off, data in image.pieces if data]
+                   + [(s.offset, s.offset + s.nbytes) for s in image.slots])
+    covered = 0
+    for lo, hi in spans:
+        assert lo == covered, f"gap or overlap at {covered}..{lo}"
+        covered = hi
+    assert covered == image.size and image.gapless
+    infos = [r.storage_data for r in rank.results]
+    assert all(i.offset % 64 == 0 for i in infos) and infos[0].offset == 0
+    assert infos[-1].offset + infos[-1].length == image.size
+    again = layout_rank_file(items, lambda item: by_index[item.index], "f", SkeletonCache(),
+                             rank.layout)
+    assert again.layout is rank.layout and again.image.pieces == image.pieces
