@@ -1,0 +1,128 @@
+"""Blocking time of a sharded save (``stagesave.dcp.save``) against the copy floor, by state shape.
+
+Usage:
+    python benchmarks/bench_dcp_shapes.py                          # 252, 8,000 and 100,000 tensors
+    python benchmarks/bench_dcp_shapes.py --shapes s8000 --saves 7
+    python benchmarks/bench_dcp_shapes.py --torch-writer           # also DCP's FileSystemWriter
+
+One process, no process group (DCP plans for one rank), the shapes of ``bench_shapes.py``. Per
+shape: the **copy floor** (every tensor ``copy_``-ed into its warm twin, median of 5); the
+**first** ``dcp.save`` of a new ``StagedStorageWriter``; then the **steady** saves (median of
+``--saves`` after 2 warm-ups, each finished before the next, the step counter bumped as a
+training loop does). Each save's blocking time is split by the save's telemetry into stagesave's
+layout of the rank file (``plan_s``), its staging copy (``stage_s``) and the rest: DCP's own
+planning (flattening the state, its local and global plans, ``resolve_data``) and the
+coordinator's ``finish()`` (``.metadata``'s pickle). ``--torch-writer`` adds one synchronous
+``dcp.save`` with torch's ``FileSystemWriter`` (page cache, no fsync). Ratios are to the floor of
+the same run; ``--json`` writes every sample.
+
+This script uses only the public API, so it also runs against an older checkout
+(``PYTHONPATH=<checkout>/src``) for a before/after comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_shapes import SHAPES, _bump, twin_copy_s
+
+import stagesave
+import stagesave.dcp as sdcp
+
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+
+def one_save(writer: sdcp.StagedStorageWriter, state: Any, folder: str) -> dict[str, float]:
+    t0 = time.perf_counter()
+    handle = sdcp.save(state, folder, writer=writer)
+    blocking = time.perf_counter() - t0
+    tel = handle.result(600)
+    rest = blocking - tel.plan_s - tel.stage_s - tel.buffer_wait_s
+    return {"blocking_s": blocking, "layout_s": tel.plan_s, "stage_s": tel.stage_s,
+            "buffer_wait_s": tel.buffer_wait_s, "dcp_and_finish_s": rest}
+
+
+def measure(shape: str, saves: int, root: str, torch_writer: bool) -> dict[str, Any]:
+    label, make = SHAPES[shape]
+    state = make()
+    floor = statistics.median(twin_copy_s(state))
+    out: dict[str, Any] = {"shape": shape, "label": label, "floor_s": floor}
+    d = tempfile.mkdtemp(dir=root)
+    try:
+        ckpt = stagesave.Checkpointer(d, keep_last=2)
+        writer = sdcp.StagedStorageWriter(checkpointer=ckpt, commit_timeout=600)
+        try:
+            out["first"] = one_save(writer, state, "step-0")
+            samples = []
+            for step in range(1, saves + 3):
+                _bump(state, step)
+                sample = one_save(writer, state, f"step-{step}")
+                if step > 2:
+                    samples.append(sample)
+            out["steady_samples"] = samples
+            out["steady"] = {k: statistics.median(s[k] for s in samples) for k in samples[0]}
+        finally:
+            writer.close()
+            ckpt.close()
+        if torch_writer:
+            t0 = time.perf_counter()
+            dcp.save(state, checkpoint_id=os.path.join(d, "torch"))
+            out["torch_writer_s"] = time.perf_counter() - t0
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    return out
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:,.1f} ms"
+
+
+def report(r: dict[str, Any]) -> None:
+    floor, steady, first = r["floor_s"], r["steady"], r["first"]
+    print(f"\n{r['label']}: copy floor {_ms(floor)}")
+    for name, row in (("first", first), ("steady", steady)):
+        print(f"  {name:6s} blocking {_ms(row['blocking_s'])} ({row['blocking_s'] / floor:.2f}x)"
+              f" = layout {_ms(row['layout_s'])} + staging {_ms(row['stage_s'])}"
+              f" + buffer wait {_ms(row['buffer_wait_s'])}"
+              f" + DCP's planning and finish() {_ms(row['dcp_and_finish_s'])}")
+    if "torch_writer_s" in r:
+        print(f"  dcp.save with FileSystemWriter: {_ms(r['torch_writer_s'])}"
+              f" ({r['torch_writer_s'] / floor:.2f}x)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", nargs="+", default=["s252", "s8000", "s100k"],
+                    choices=sorted(SHAPES))
+    ap.add_argument("--saves", type=int, default=5)
+    ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
+    ap.add_argument("--torch-writer", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    root = args.dir or tempfile.gettempdir()
+    results = []
+    for shape in args.shapes:
+        r = measure(shape, args.saves, root, args.torch_writer)
+        report(r)
+        results.append(r)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"stagesave": os.path.dirname(stagesave.__file__), "results": results}, f,
+                      indent=1)
+
+
+if __name__ == "__main__":
+    main()
