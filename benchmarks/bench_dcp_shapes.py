@@ -33,7 +33,6 @@ import time
 import warnings
 from typing import Any
 
-import torch
 import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, os.path.dirname(__file__))

@@ -187,6 +187,33 @@ def object_store_save(rank: int, world: int, out: str) -> dict[str, Any]:
     return {"loaded_equal": same}
 
 
+def steady_plans(rank: int, world: int, out: str) -> dict[str, Any]:
+    """Three saves through one writer per rank: new values (the plans are reused), then rank 1's
+    own tensor reshaped (every plan made again); each folder read back in one process."""
+    writer = sdcp.StagedStorageWriter(root=os.path.join(out, "steady"), commit_timeout=60)
+    g = torch.Generator().manual_seed(11)
+    shared, own = torch.randn(64, 32, generator=g), torch.randn(5, 7, generator=g) + rank
+    saved, reused = {}, []
+    for step in (1, 2, 3):
+        if step == 3 and rank == 1:
+            own = torch.randn(7, 5, generator=g)
+        state = {"w": shared * step, f"own{rank}": own * step, "step": step}
+        sdcp.save(state, f"step-{step}", writer=writer).result(60)
+        reused.append([writer.planner.reused_local, writer.planner.reused_global])
+        saved[step] = {"w": (shared * step).tolist(), "own": (own * step).tolist()}
+    dist.barrier()
+    result: dict[str, Any] = {"reused": reused, "saved": saved}
+    if rank == 0:  # every folder holds what every rank saved at that step
+        result["read"] = {}
+        for step in (1, 2, 3):
+            whole = sdcp.to_state_dict(os.path.join(out, "steady", f"step-{step}"))
+            result["read"][step] = {k: v.tolist() if isinstance(v, torch.Tensor) else v
+                                    for k, v in whole.items()}
+    dist.barrier()
+    writer.close()
+    return result
+
+
 def coordinator_fails(rank: int, world: int, out: str) -> dict[str, Any]:
     """The coordinator's background write fails (disk full): the other ranks, waiting for the
     commit, learn it from the store (staging folder gone, or the abort marker on object stores)."""
@@ -299,6 +326,7 @@ SCENARIOS = {
         fsdp_load,
         killed_save,
         object_store_save,
+        steady_plans,
         failed_write,
         coordinator_fails,
         crash_replace,

@@ -237,6 +237,21 @@ def test_object_store_protocol_on_two_ranks(launcher, tmp_path):
     assert latest is not None and latest.name == "last" and latest.status == "verified"
 
 
+def test_plans_are_reused_on_every_rank_until_one_rank_changes(launcher, tmp_path):
+    run = launcher("steady_plans", 2, tmp_path)
+    run.ok()
+    r0, r1 = run.ranks
+    # [local, global] reuses after each save: the coordinator (rank 0) makes the global plan
+    assert r0["reused"] == [[0, 0], [1, 1], [2, 1]]  # its own state unchanged at step 3
+    assert r1["reused"] == [[0, 0], [1, 0], [1, 0]]  # its tensor reshaped at step 3
+    for step in ("1", "2", "3"):
+        read = r0["read"][step]
+        assert read["w"] == r0["saved"][step]["w"] == r1["saved"][step]["w"]
+        assert read["own0"] == r0["saved"][step]["own"]
+        assert read["own1"] == r1["saved"][step]["own"]
+        assert read["step"] == int(step)
+
+
 #: Crash points of save B in order, with the checkpoint ``last`` must hold after a SIGKILL there.
 #: ``:2`` is the second time the point is reached: the coordinator writing ``.metadata`` after its
 #: own rank file. ``no-exchange``: on a filesystem that cannot swap two folders (the old one is

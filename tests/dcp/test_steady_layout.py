@@ -193,3 +193,57 @@ def test_headers_padding_data_and_blobs_tile_the_file(specs):
     again = layout_rank_file(items, lambda item: by_index[item.index], "f", SkeletonCache(),
                              rank.layout)
     assert again.layout is rank.layout and again.image.pieces == image.pieces
+
+
+class _Marked(torch.Tensor):
+    """A tensor subclass: DCP's items for it may depend on more than its dtype and size."""
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["values only", "shape", "dtype", "requires_grad", "key order", "flattening",
+     "tensor subclass"],
+)
+def test_the_planner_reuses_its_plans_only_for_the_same_structure(tmp_path, change):
+    writer = sdcp.StagedStorageWriter(root=tmp_path, commit_timeout=60)
+    try:
+        state: dict[str, Any] = {"a": {"w": torch.randn(4, 3), "b.c": torch.arange(6.0)},
+                                 "step": 1}
+        save(writer, state, "s1")
+        a = state["a"]
+        if change == "values only":
+            a["w"] = a["w"] * 2  # a new tensor object, same structure
+        elif change == "shape":
+            a["w"] = torch.randn(3, 4)
+        elif change == "dtype":
+            a["w"] = a["w"].double()
+        elif change == "requires_grad":
+            a["w"] = torch.nn.Parameter(a["w"])
+        elif change == "key order":
+            state["a"] = {"b.c": a["b.c"], "w": a["w"]}
+        elif change == "flattening":  # the same flat keys from another nesting
+            state = {"a": {"w": a["w"]}, "a.b": {"c": a["b.c"]}, "step": 1}
+        else:
+            a["w"] = a["w"].as_subclass(_Marked)
+        state["step"] = 2
+        folder = save(writer, state, "s2")
+        reused = (writer.planner.reused_local, writer.planner.reused_global)
+        if change == "tensor subclass":  # planned by DCP, whose plan is the same as before
+            assert reused == (0, 1)
+        else:
+            assert reused == ((1, 1) if change == "values only" else (0, 0))
+        # a subclass is pickled whole, as FileSystemWriter does: torch.load must know the class
+        with torch.serialization.safe_globals([_Marked]):
+            whole = sdcp.to_state_dict(folder)
+        assert torch.equal(whole["a"]["w"].as_subclass(torch.Tensor),
+                           state["a"]["w"].detach().as_subclass(torch.Tensor))
+        c = whole["a.b"]["c"] if change == "flattening" else whole["a"]["b.c"]
+        assert torch.equal(c, torch.arange(6.0))
+        assert whole["step"] == 2
+    finally:
+        writer.close()
+
+
+def test_the_planner_refuses_dcp_plan_caching():
+    with pytest.raises(ValueError, match="enable_plan_caching"):
+        sdcp.SteadySavePlanner(enable_plan_caching=True)

@@ -42,6 +42,7 @@ from ._coordinator import check_extra_files
 from ._planner import SplitReplicatedPlanner
 from ._protocol import CommitTimeoutError
 from ._reader import StagedStorageReader
+from ._steady_planner import SteadySavePlanner
 from ._writer import StagedStorageWriter
 
 __all__ = [
@@ -49,6 +50,7 @@ __all__ = [
     "SplitReplicatedPlanner",
     "StagedStorageReader",
     "StagedStorageWriter",
+    "SteadySavePlanner",
     "export",
     "load",
     "save",
@@ -78,6 +80,9 @@ def save(
 ) -> SaveHandle:
     """``dcp.save`` through ``writer``; returns this rank's handle (``result()`` = committed).
 
+    ``planner``: default ``writer.planner`` (DCP's default planner, reusing its plans while the
+    state's structure is the same: :class:`SteadySavePlanner`).
+
     Without ``writer`` a private one is made for this call, and the call waits for the commit.
     If ``dcp.save`` raises, the writer's pending commit is abandoned at once (instead of at its
     ``commit_timeout``) and a stagesave error is re-raised as itself rather than DCP's wrapper.
@@ -91,7 +96,8 @@ def save(
     check_extra_files(w.extra_files)  # a bad name is a ValueError now, not DCP's wrapped one
     try:
         try:
-            _dcp_save(state_dict, checkpoint_id=path, storage_writer=w, planner=planner,
+            _dcp_save(state_dict, checkpoint_id=path, storage_writer=w,
+                      planner=w.planner if planner is None else planner,
                       process_group=process_group)
         except CheckpointException as exc:
             w.abandon()

@@ -54,6 +54,7 @@ from ._protocol import (
 )
 from ._rankfile import RankLayout, SkeletonCache, layout_rank_file
 from ._rankjob import RankJob, RankStaging
+from ._steady_planner import SteadySavePlanner
 
 __all__ = ["StagedStorageWriter"]
 
@@ -139,6 +140,7 @@ class StagedStorageWriter(StorageWriter):
         self._skeletons = SkeletonCache()
         self._layout: RankLayout | None = None  # the last save's, reused for the same plan
         self._metadata_pickler = MetadataPickler()  # the last pickle, reused for the same plan
+        self._planner: SteadySavePlanner | None = None
         self._save: _Save | None = None
         self._open_slots: list[MetadataSlot] = []
         #: The lease this coordinator took for a save whose commit job does not exist yet.
@@ -149,6 +151,15 @@ class StagedStorageWriter(StorageWriter):
     def checkpointer(self) -> Checkpointer:
         """The checkpointer this writer runs on (for ``latest``, ``wait``, ``remove``...)."""
         return self._ckpt
+
+    @property
+    def planner(self) -> SteadySavePlanner:
+        """This writer's save planner: DCP's default one, reusing its plans while the state's
+        structure is the same. :func:`stagesave.dcp.save` uses it unless given another; pass it
+        to ``dcp.save(..., planner=writer.planner)`` when calling DCP directly."""
+        if self._planner is None:
+            self._planner = SteadySavePlanner()
+        return self._planner
 
     # ------------------------------------------------------------------ StorageWriter
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:

@@ -1,0 +1,106 @@
+"""DCP's default save planner, with its plans reused while the state's structure is the same.
+
+``DefaultSavePlanner`` builds one ``WriteItem`` per tensor (its chunk, its properties) for the
+local plan, then on the coordinator the global plan (de-duplication, validation, the metadata)
+from every rank's plan: ~60-70 µs per item on the caller's thread, at every save (0.5 s for a
+state of 8,000 tensors, 7 s for 100,000), whatever the storage writer.
+:class:`SteadySavePlanner` keeps its last plans:
+
+* **local**: a rank whose flattened state has the same keys, in the same order, with the same
+  flattening, each plain tensor of the same dtype, size, layout, ``requires_grad`` and pinning,
+  and each other value still a non-tensor, proposes the same items, so it returns its last
+  local plan (reading those five facts costs ~0.6 µs per tensor). A state holding anything else
+  (DTensors, ShardedTensors, tensor subclasses) is planned by ``DefaultSavePlanner`` each time.
+* **global**: a coordinator that receives the same local plans from every rank as last time
+  (compared by value: ranks send theirs through a collective) returns its last global plan and a
+  copy of its last metadata, skipping de-duplication and validation.
+
+The plans are DCP's own; nothing else changes (the collectives still run, each rank still
+resolves every item from the state at hand). Unlike DCP's ``enable_plan_caching``, nothing is
+skipped in the exchange, so the storage writer's per-save plan data (``StagedStorageWriter``'s
+save id and staging folder) is fresh at every save.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan
+
+__all__ = ["SteadySavePlanner"]
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _signature(state_dict: dict[str, Any], is_coordinator: bool) -> list[Any] | None:
+    """What ``create_default_local_save_plan`` makes its items from, per key in order; ``None``
+    when the state holds a tensor other than a plain one (its items depend on more)."""
+    out: list[Any] = [is_coordinator]
+    note = out.append
+    for fqn, obj in state_dict.items():
+        kind = type(obj)
+        if kind in _PLAIN:
+            note((fqn, obj.dtype, obj.shape, obj.layout, obj.requires_grad, obj.is_pinned()))
+        elif isinstance(obj, torch.Tensor) or hasattr(obj, "__create_write_items__"):
+            return None
+        else:
+            note(fqn)
+    return out
+
+
+class SteadySavePlanner(DefaultSavePlanner):
+    """``DefaultSavePlanner`` that reuses its last local and global plans for an unchanged
+    state structure (see the module's docstring). One instance per writer, reused across saves
+    (:attr:`.StagedStorageWriter.planner`, which :func:`stagesave.dcp.save` uses by default)::
+
+        dcp.save(state, checkpoint_id=path, storage_writer=writer, planner=writer.planner)
+
+    Args:
+        **kwargs: ``DefaultSavePlanner`` arguments (``enable_plan_caching`` is refused: it skips
+            the plan exchange that carries each save's storage data).
+
+    Raises:
+        ValueError: ``enable_plan_caching=True``.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        if kwargs.get("enable_plan_caching"):
+            raise ValueError(
+                "SteadySavePlanner does not take enable_plan_caching=True: it reuses plans "
+                "itself, without skipping the exchange StagedStorageWriter needs"
+            )
+        super().__init__(**kwargs)
+        self._local: tuple[list[Any], dict[str, Any], SavePlan] | None = None
+        self._global: tuple[list[SavePlan], list[SavePlan], Metadata] | None = None
+        self.reused_local = 0  # saves that reused the local / the global plan (telemetry, tests)
+        self.reused_global = 0
+
+    def create_local_plan(self) -> SavePlan:
+        signature = _signature(self.state_dict, self.is_coordinator)
+        known = self._local
+        if (signature is not None and known is not None and known[0] == signature
+                and known[1] == self.mappings):
+            self.plan = known[2]
+            self.reused_local += 1
+            return self.plan
+        plan = super().create_local_plan()
+        self._local = (signature, dict(self.mappings), plan) if signature is not None else None
+        return plan
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        known = self._global
+        if known is not None and known[0] == all_plans:
+            global_plan, metadata = known[1], known[2]
+            self.reused_global += 1
+        else:
+            self._global = None
+            global_plan, metadata = super().create_global_plan(all_plans)
+            self._global = (list(all_plans), global_plan, metadata)
+        # the storage writer fills in storage data and meta: a copy, the kept one stays as made
+        self.global_plan = list(global_plan)
+        self.metadata = dataclasses.replace(metadata)
+        return self.global_plan, self.metadata
