@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 import stagesave.dcp as sdcp
 from stagesave.dcp._metadata_bytes import PROTOCOL, MetadataPickler
 from stagesave.dcp._rankfile import SkeletonCache, layout_rank_file
+from stagesave.dcp._recent import Recent
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -68,13 +69,13 @@ def test_an_unchanged_plan_reuses_its_layout_and_writes_what_a_fresh_writer_writ
     steady, fresh = writers
     state = mixed_state()
     save(steady, state, "s1")
-    layout = steady._layout
+    layout = steady._layouts.entries[0]
     with torch.no_grad():
         state["model"]["w"].mul_(-2)  # training changed the values, not the structure
         state["model"]["column"].add_(1)  # a view of a bigger storage (copied contiguous)
     state["step"] = 13  # a byte item of the same pickled length
     second = save(steady, state, "s2")
-    assert steady._layout is layout  # reused, not laid out again
+    assert steady._layouts.entries == [layout]  # reused, not laid out again
     assert steady._metadata_pickler.reused == 1
     first_of_fresh = save(fresh, state, "s2")
     assert data_bytes(second) == data_bytes(first_of_fresh)
@@ -95,7 +96,7 @@ def test_any_change_of_the_plan_lays_the_file_out_again(writers, change):
     steady, fresh = writers
     state = mixed_state()
     save(steady, state, "s1")
-    layout = steady._layout
+    layout = steady._layouts.entries[0]
     model = state["model"]
     if change == "shape":
         model["w"] = torch.randn(64, 49)
@@ -110,7 +111,7 @@ def test_any_change_of_the_plan_lays_the_file_out_again(writers, change):
     else:
         model["scalar"] = 2.5
     second = save(steady, state, "s2")
-    assert steady._layout is not layout
+    assert steady._layouts.entries[0] is not layout and steady._layouts.entries[1] is layout
     assert data_bytes(second) == data_bytes(save(fresh, state, "s2"))
     got = zeros_like_state(state)
     dcp.load(got, checkpoint_id=str(second))
@@ -190,8 +191,10 @@ def test_headers_padding_data_and_blobs_tile_the_file(specs):
     infos = [r.storage_data for r in rank.results]
     assert all(i.offset % 64 == 0 for i in infos) and infos[0].offset == 0
     assert infos[-1].offset + infos[-1].length == image.size
+    known: Recent[Any] = Recent()
+    known.add(rank.layout)
     again = layout_rank_file(items, lambda item: by_index[item.index], "f", SkeletonCache(),
-                             rank.layout)
+                             known)
     assert again.layout is rank.layout and again.image.pieces == image.pieces
 
 
@@ -247,3 +250,27 @@ def test_the_planner_reuses_its_plans_only_for_the_same_structure(tmp_path, chan
 def test_the_planner_refuses_dcp_plan_caching():
     with pytest.raises(ValueError, match="enable_plan_caching"):
         sdcp.SteadySavePlanner(enable_plan_caching=True)
+
+
+def test_a_writer_alternating_between_structures_reuses_each(tmp_path):
+    """Accelerate saves each model and each optimizer as a folder of its own through one writer:
+    each structure's plans, layout and metadata pickle are found again."""
+    writer = sdcp.StagedStorageWriter(root=tmp_path, commit_timeout=60)
+    try:
+        model = {"model": {"w": torch.randn(8, 4), "b": torch.randn(8)}}
+        optim = {"optimizer": {"state": {"0": {"exp_avg": torch.randn(8, 4), "step": 1}}}}
+        for step in range(1, 4):
+            model["model"]["w"].add_(1)
+            optim["optimizer"]["state"]["0"]["step"] = step
+            for name, state in (("model", model), ("optim", optim)):
+                folder = save(writer, state, f"{name}-{step}")
+                whole = sdcp.to_state_dict(folder)
+                if name == "model":
+                    assert torch.equal(whole["model"]["w"], model["model"]["w"])
+                else:
+                    assert whole["optimizer"]["state"]["0"]["step"] == step
+        planner = writer.planner
+        assert (planner.reused_local, planner.reused_global) == (4, 4)
+        assert writer._metadata_pickler.reused == 4 and len(writer._layouts.entries) == 2
+    finally:
+        writer.close()

@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as _dcp_save
 
 from ..errors import CheckpointError
 from ..handle import SaveHandle
+from ..saving.plan import gc_paused
 from ._coordinator import check_extra_files
 from ._planner import SplitReplicatedPlanner
 from ._protocol import CommitTimeoutError
@@ -96,9 +97,10 @@ def save(
     check_extra_files(w.extra_files)  # a bad name is a ValueError now, not DCP's wrapped one
     try:
         try:
-            _dcp_save(state_dict, checkpoint_id=path, storage_writer=w,
-                      planner=w.planner if planner is None else planner,
-                      process_group=process_group)
+            with gc_paused():  # DCP's planning makes ~10 objects per item: no collection now
+                _dcp_save(state_dict, checkpoint_id=path, storage_writer=w,
+                          planner=w.planner if planner is None else planner,
+                          process_group=process_group)
         except CheckpointException as exc:
             w.abandon()
             inner = _stagesave_error(exc)

@@ -6,7 +6,8 @@ for 8,000 items) on the coordinator's ``finish()``, inside ``dcp.save``. Between
 unchanged state only its ``storage_meta`` differs (the folder and the save's id). So the pickle
 is cut where those two strings go and kept with the values it was made from: a save whose
 metadata is equal to them, field by field (~1 µs per item), gets the kept pickle with its own two
-strings put in.
+strings put in (the last few structures' pickles are kept: Accelerate saves each model and
+optimizer through one writer).
 
 The pickle is protocol 3: no frames, and every string is ``BINUNICODE`` (a fixed-size header),
 so a string can be replaced by one of another length without touching anything around it (its
@@ -24,6 +25,8 @@ import struct
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+from ._recent import Recent
 
 __all__ = ["PROTOCOL", "MetadataPickler"]
 
@@ -55,29 +58,30 @@ def _fixed(metadata: Metadata) -> list[Any] | None:
 
 
 class MetadataPickler:
-    """Pickles a writer's successive ``Metadata`` objects (one coordinator's, one thread)."""
+    """Pickles a writer's successive ``Metadata`` objects (one coordinator's, one thread),
+    keeping the pickles of its last few structures (:mod:`._recent`)."""
 
     def __init__(self) -> None:
-        self._fixed: list[Any] | None = None
-        self._parts: tuple[bytes, bytes, bytes] = (b"", b"", b"")
+        self._known: Recent[tuple[list[Any], tuple[bytes, bytes, bytes]]] = Recent()
         self.reused = 0  # how many pickles were spliced (for tests and telemetry)
 
     def dumps(self, metadata: Metadata) -> bytes:
         fixed = _fixed(metadata)
         if fixed is None:
-            self._fixed = None
             return pickle.dumps(metadata, protocol=PROTOCOL)
         meta = metadata.storage_meta
         assert meta is not None
-        if self._fixed is None or self._fixed != fixed:
-            parts = self._cut(metadata, meta)
-            if parts is None:
-                self._fixed = None
-                return pickle.dumps(metadata, protocol=PROTOCOL)
-            self._fixed, self._parts = fixed, parts
-        else:
+        known = self._known.find(lambda e: e[0] == fixed)
+        if known is not None:
+            parts = known[1]
             self.reused += 1
-        head, middle, tail = self._parts
+        else:
+            cut = self._cut(metadata, meta)
+            if cut is None:
+                return pickle.dumps(metadata, protocol=PROTOCOL)
+            parts = cut
+            self._known.add((fixed, parts))
+        head, middle, tail = parts
         assert isinstance(meta.checkpoint_id, str) and isinstance(meta.save_id, str)
         return b"".join(
             (head, _string(meta.checkpoint_id), middle, _string(meta.save_id), tail)

@@ -38,6 +38,7 @@ from ..saving.image import FileImage, StorageSlot
 from ..saving.sparse import SparseReader, SparseSink
 from ._format import ITEM_ALIGNMENT, RANK_FILE_KIND
 from ._metadata import StorageInfo
+from ._recent import Recent
 
 __all__ = ["RankImage", "RankLayout", "SkeletonCache", "layout_rank_file"]
 
@@ -272,20 +273,24 @@ def layout_rank_file(
     resolve: Callable[[WriteItem], Any],
     file_name: str,
     cache: SkeletonCache,
-    last: RankLayout | None = None,
+    known: Recent[RankLayout] | None = None,
 ) -> RankImage:
     """Place every item of a rank's plan in its data file; nothing is copied yet.
 
-    ``last``: the layout of this writer's previous save, reused when the items are the same.
+    ``known``: the layouts of this writer's recent saves; one whose items are the same is
+    reused, else the new layout joins them.
 
     Raises:
         UnsupportedObjectError: an item is a tensor on the meta device (it has no data).
     """
     keys, found = _resolved(items, resolve)
-    if last is not None and last.file_name == file_name and last.keys == keys:
-        layout = last
-    else:
+    layout = None
+    if known is not None:
+        layout = known.find(lambda old: old.file_name == file_name and old.keys == keys)
+    if layout is None:
         layout = _lay_out(keys, found, file_name, cache)
+        if known is not None:
+            known.add(layout)
     pieces: list[tuple[int, bytes]] = list(layout.static)
     slots: list[StorageSlot] = []
     results: list[WriteResult] = []

@@ -6,6 +6,9 @@ from every rank's plan: ~60-70 µs per item on the caller's thread, at every sav
 state of 8,000 tensors, 7 s for 100,000), whatever the storage writer.
 :class:`SteadySavePlanner` keeps its last plans:
 
+The last few of each are kept (:mod:`._recent`: Accelerate saves each model and optimizer through
+one writer):
+
 * **local**: a rank whose flattened state has the same keys, in the same order, with the same
   flattening, each plain tensor of the same dtype, size, layout, ``requires_grad`` and pinning,
   and each other value still a non-tensor, proposes the same items, so it returns its last
@@ -30,6 +33,8 @@ import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
+
+from ._recent import Recent
 
 __all__ = ["SteadySavePlanner"]
 
@@ -74,32 +79,33 @@ class SteadySavePlanner(DefaultSavePlanner):
                 "itself, without skipping the exchange StagedStorageWriter needs"
             )
         super().__init__(**kwargs)
-        self._local: tuple[list[Any], dict[str, Any], SavePlan] | None = None
-        self._global: tuple[list[SavePlan], list[SavePlan], Metadata] | None = None
+        self._locals: Recent[tuple[list[Any], dict[str, Any], SavePlan]] = Recent()
+        self._globals: Recent[tuple[list[SavePlan], list[SavePlan], Metadata]] = Recent()
         self.reused_local = 0  # saves that reused the local / the global plan (telemetry, tests)
         self.reused_global = 0
 
     def create_local_plan(self) -> SavePlan:
         signature = _signature(self.state_dict, self.is_coordinator)
-        known = self._local
-        if (signature is not None and known is not None and known[0] == signature
-                and known[1] == self.mappings):
+        if signature is None:
+            return super().create_local_plan()
+        mappings = self.mappings
+        known = self._locals.find(lambda e: e[0] == signature and e[1] == mappings)
+        if known is not None:
             self.plan = known[2]
             self.reused_local += 1
             return self.plan
         plan = super().create_local_plan()
-        self._local = (signature, dict(self.mappings), plan) if signature is not None else None
+        self._locals.add((signature, dict(mappings), plan))
         return plan
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-        known = self._global
-        if known is not None and known[0] == all_plans:
+        known = self._globals.find(lambda e: e[0] == all_plans)
+        if known is not None:
             global_plan, metadata = known[1], known[2]
             self.reused_global += 1
         else:
-            self._global = None
             global_plan, metadata = super().create_global_plan(all_plans)
-            self._global = (list(all_plans), global_plan, metadata)
+            self._globals.add((list(all_plans), global_plan, metadata))
         # the storage writer fills in storage data and meta: a copy, the kept one stays as made
         self.global_plan = list(global_plan)
         self.metadata = dataclasses.replace(metadata)

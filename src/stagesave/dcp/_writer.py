@@ -54,6 +54,7 @@ from ._protocol import (
 )
 from ._rankfile import RankLayout, SkeletonCache, layout_rank_file
 from ._rankjob import RankJob, RankStaging
+from ._recent import Recent
 from ._steady_planner import SteadySavePlanner
 
 __all__ = ["StagedStorageWriter"]
@@ -138,8 +139,8 @@ class StagedStorageWriter(StorageWriter):
         check_extra_files(self.extra_files)
         self.last_handle: SaveHandle | None = None
         self._skeletons = SkeletonCache()
-        self._layout: RankLayout | None = None  # the last save's, reused for the same plan
-        self._metadata_pickler = MetadataPickler()  # the last pickle, reused for the same plan
+        self._layouts: Recent[RankLayout] = Recent()  # recent saves', reused for the same plan
+        self._metadata_pickler = MetadataPickler()  # recent pickles, reused for the same plan
         self._planner: SteadySavePlanner | None = None
         self._save: _Save | None = None
         self._open_slots: list[MetadataSlot] = []
@@ -258,9 +259,8 @@ class StagedStorageWriter(StorageWriter):
         try:
             t0 = time.perf_counter()
             rank_image = layout_rank_file(
-                plan.items, planner.resolve_data, spec.file_name, self._skeletons, self._layout
+                plan.items, planner.resolve_data, spec.file_name, self._skeletons, self._layouts
             )
-            self._layout = rank_image.layout
             image = rank_image.image
             tel.plan_s = time.perf_counter() - t0
             s.store.check_writable(_join(spec.staging, spec.file_name), image.size)
