@@ -22,8 +22,10 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Stora
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 import stagesave.dcp as sdcp
+import stagesave.dcp._reader as reader_module  # its stored_tensor is observed by a spy
 from stagesave.dcp._metadata_bytes import PROTOCOL, MetadataPickler
 from stagesave.dcp._rankfile import SkeletonCache, layout_rank_file
+from stagesave.dcp._read_items import stored_tensor
 from stagesave.dcp._recent import Recent
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -274,3 +276,52 @@ def test_a_writer_alternating_between_structures_reuses_each(tmp_path):
         assert writer._metadata_pickler.reused == 4 and len(writer._layouts.entries) == 2
     finally:
         writer.close()
+
+
+def test_tensor_items_of_a_stagesave_folder_are_read_without_unpickling(writers, tmp_path,
+                                                                        monkeypatch):
+    """An item whose bytes around its data are exactly the zip stagesave writes for its dtype
+    and size is read as a view of the bytes read (no torch.load); others (FileSystemWriter's,
+    whose zips carry their data's CRCs) are unpickled as before. Both load the same values."""
+    found: list[bool] = []
+    real = reader_module.stored_tensor
+
+    def spy(*args: Any) -> Any:
+        tensor = real(*args)
+        found.append(tensor is not None)
+        return tensor
+
+    monkeypatch.setattr(reader_module, "stored_tensor", spy)
+    state = mixed_state()
+    ours = save(writers[0], state, "ours")
+    loads_as(ours, state)  # torch's own reader
+    whole = sdcp.to_state_dict(ours)
+    assert_same(whole["model"], expected(state)["model"], "model")
+    assert len(found) >= 10 and all(found)  # every tensor item DCP reads of mixed_state
+    reads = len(found)
+    found.clear()
+    dcp.save(state, checkpoint_id=str(tmp_path / "plain"))  # FileSystemWriter
+    whole = sdcp.to_state_dict(tmp_path / "plain", verify=False)
+    assert_same(whole["model"], expected(state)["model"], "model")
+    assert found == [False] * reads
+
+
+def test_an_item_that_is_not_the_expected_zip_is_not_read_as_a_view():
+    skeletons = SkeletonCache()
+    sk = skeletons.get(torch.float32, (3, 4))
+    data = torch.arange(12, dtype=torch.float32)
+    blob = bytearray(sk.head + data.numpy().tobytes() + sk.tail)
+    window = torch.frombuffer(blob, dtype=torch.uint8)
+    chunk = (torch.float32, torch.Size([3, 4]))
+    got = stored_tensor(window, 0, memoryview(blob), chunk, skeletons)
+    assert got is not None and torch.equal(got, data.view(3, 4))
+    for where in (10, sk.data_offset - 1, len(blob) - 5):  # the pickle, the header, the tail
+        changed = bytearray(blob)
+        changed[where] ^= 0x01
+        view = memoryview(changed)
+        assert stored_tensor(torch.frombuffer(changed, dtype=torch.uint8), 0, view, chunk,
+                             skeletons) is None
+    other = (torch.float32, torch.Size([4, 3]))  # another size: another pickle
+    assert stored_tensor(window, 0, memoryview(blob), other, skeletons) is None
+    assert stored_tensor(window, 0, memoryview(blob)[:-1], chunk, skeletons) is None
+    assert stored_tensor(window, 0, memoryview(blob), None, skeletons) is None

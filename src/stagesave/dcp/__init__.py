@@ -136,8 +136,9 @@ def load(
     """
     r = StagedStorageReader() if reader is None else reader
     try:
-        _dcp_load(state_dict, checkpoint_id=path, storage_reader=r, planner=planner,
-                  process_group=process_group)
+        with gc_paused():  # DCP's load planning makes ~10 objects per item: no collection now
+            _dcp_load(state_dict, checkpoint_id=path, storage_reader=r, planner=planner,
+                      process_group=process_group)
     except CheckpointException as exc:
         inner = _stagesave_error(exc)
         if inner is not None:
@@ -161,8 +162,10 @@ def to_state_dict(
     reader.open()
     state: dict[str, Any] = {}
     try:
-        _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(),  # type: ignore[no-untyped-call]
-                         no_dist=True)
+        with gc_paused():
+            _load_state_dict(state, storage_reader=reader,
+                             planner=_EmptyStateDictLoadPlanner(),  # type: ignore[no-untyped-call]
+                             no_dist=True)
     except CheckpointException as exc:
         inner = _stagesave_error(exc)
         if inner is not None:

@@ -18,6 +18,7 @@ from typing import Any, cast
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
 from ..errors import IntegrityError
@@ -28,8 +29,12 @@ from ..restore.verify import raise_if_corrupt
 from ..safety import safe_torch_load
 from ..stores.base import Reader
 from ._metadata import StorageInfo
+from ._rankfile import SkeletonCache
 
-__all__ = ["DEFAULT_WINDOW_BYTES", "Item", "Window", "deliver", "read_window", "windows"]
+__all__ = [
+    "DEFAULT_WINDOW_BYTES", "Item", "Window", "chunk_of", "deliver", "read_window", "stored_tensor",
+    "windows",
+]
 
 #: Bytes read (and verified) at once; a window holds whole chunks, at least one item.
 DEFAULT_WINDOW_BYTES = 256 * 1024 * 1024
@@ -120,11 +125,49 @@ def _parallel(pool: cf.Executor | None, work: range) -> cf.Executor | None:
     return pool if len(work) > 1 else None
 
 
+def chunk_of(metadata: Metadata, req: ReadItem) -> tuple[torch.dtype, torch.Size] | None:
+    """The dtype and size of the stored chunk ``req`` reads (``None``: not a tensor chunk)."""
+    index = req.storage_index
+    md = metadata.state_dict_metadata.get(index.fqn)
+    if not isinstance(md, TensorStorageMetadata):
+        return None
+    chunks, hint = md.chunks, index.index
+    if hint is not None and 0 <= hint < len(chunks) and chunks[hint].offsets == index.offset:
+        return md.properties.dtype, chunks[hint].sizes
+    for chunk in chunks:
+        if chunk.offsets == index.offset:
+            return md.properties.dtype, chunk.sizes
+    return None
+
+
+def stored_tensor(
+    window: torch.Tensor, start: int, blob: memoryview,
+    chunk: tuple[torch.dtype, torch.Size] | None, skeletons: SkeletonCache,
+) -> torch.Tensor | None:
+    """The tensor of an item, as a view of its window, when the item's bytes around the data are
+    exactly the zip ``torch.save`` writes for a contiguous tensor of its chunk's dtype and size
+    (what ``StagedStorageWriter`` writes, and ``FileSystemWriter`` with torch's alignment), so
+    no unpickling is needed; ``None``: read it with ``torch.load``.
+
+    ``window``: the window's bytes as a uint8 tensor; ``start``: the item's offset in it.
+    """
+    if chunk is None:
+        return None
+    dtype, sizes = chunk
+    sk = skeletons.get(dtype, tuple(sizes))
+    at, end = sk.data_offset, sk.data_offset + sk.nbytes
+    if (len(blob) != sk.size or (start + at) % dtype.itemsize
+            or blob[:at] != sk.head or blob[end:] != sk.tail):
+        return None
+    return window[start + at : start + end].view(dtype).view(sizes)
+
+
 def deliver(
     req: ReadItem, blob: memoryview, planner: LoadPlanner, where: str, *, trusted: bool,
-    safe_globals: list[Any],
+    safe_globals: list[Any], tensor: torch.Tensor | None = None,
 ) -> None:
-    """Hand one verified item to DCP's planner (on the caller's thread)."""
+    """Hand one verified item to DCP's planner (on the caller's thread); ``tensor``: the item's
+    tensor when :func:`stored_tensor` found it (else it is ``torch.load``-ed from ``blob``)."""
     if req.type == LoadItemType.BYTE_IO:
         raw = bytes(blob)
         if not trusted:
@@ -134,8 +177,10 @@ def deliver(
                             where=f"{where} (item {req.storage_index.fqn})")
         planner.load_bytes(req, io.BytesIO(raw))
         return
-    loaded = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
-    tensor = narrow_tensor_by_index(cast(torch.Tensor, loaded), req.storage_offsets, req.lengths)
+    if tensor is None:
+        tensor = cast(torch.Tensor,
+                      torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True))
+    tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
     target = planner.resolve_tensor(req).detach()
     if target.size() != tensor.size():
         raise IntegrityError(f"{where}: item {req.storage_index.fqn} has shape "

@@ -18,8 +18,9 @@ import uuid
 from collections.abc import Iterable
 from typing import Any, cast
 
+import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
@@ -27,10 +28,22 @@ from ..errors import ManifestError
 from ..stores.base import Store
 from ..stores.targets import StoreResolver
 from ._metadata import StorageInfo
+from ._rankfile import SkeletonCache
 from ._read_folder import OpenedFolder, open_file, open_folder
-from ._read_items import DEFAULT_WINDOW_BYTES, Item, deliver, read_window, windows
+from ._read_items import (
+    DEFAULT_WINDOW_BYTES,
+    Item,
+    chunk_of,
+    deliver,
+    read_window,
+    stored_tensor,
+    windows,
+)
 
 __all__ = ["StagedStorageReader"]
+
+#: Skeletons of the tensor zips items are compared with (shared by every reader of the process).
+_SKELETONS = SkeletonCache(max_entries=4096)
 
 
 class StagedStorageReader(StorageReader):
@@ -158,10 +171,16 @@ class StagedStorageReader(StorageReader):
                 with reader:
                     for window in windows(items, entry, self.window_bytes):
                         data = read_window(reader, window.lo, window.hi - window.lo, entry, pool)
+                        as_tensor = torch.frombuffer(data, dtype=torch.uint8) if len(data) else None
                         for sinfo, req in window.items:
                             start = sinfo.offset - window.lo
-                            deliver(req, data[start : start + sinfo.length], planner, where,
-                                    trusted=self.trusted, safe_globals=self.safe_globals)
+                            blob = data[start : start + sinfo.length]
+                            tensor = None
+                            if as_tensor is not None and req.type != LoadItemType.BYTE_IO:
+                                tensor = stored_tensor(as_tensor, start, blob,
+                                                       chunk_of(opened.metadata, req), _SKELETONS)
+                            deliver(req, blob, planner, where, trusted=self.trusted,
+                                    safe_globals=self.safe_globals, tensor=tensor)
         opened.close()  # files this rank did not need
         fut: Future[None] = Future()
         fut.set_result(None)
