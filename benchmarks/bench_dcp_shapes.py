@@ -4,6 +4,7 @@ Usage:
     python benchmarks/bench_dcp_shapes.py                          # 252, 8,000 and 100,000 tensors
     python benchmarks/bench_dcp_shapes.py --shapes s8000 --saves 7
     python benchmarks/bench_dcp_shapes.py --torch-writer           # also DCP's FileSystemWriter
+    python benchmarks/bench_dcp_shapes.py --load                   # and loads of the last folder
 
 One process, no process group (DCP plans for one rank), the shapes of ``bench_shapes.py``. Per
 shape: the **copy floor** (every tensor ``copy_``-ed into its warm twin, median of 5); the
@@ -14,7 +15,10 @@ layout of the rank file (``plan_s``), its staging copy (``stage_s``) and the res
 planning (flattening the state, its local and global plans, ``resolve_data``) and the
 coordinator's ``finish()`` (``.metadata``'s pickle). ``--torch-writer`` adds one synchronous
 ``dcp.save`` with torch's ``FileSystemWriter`` (page cache, no fsync). Ratios are to the floor of
-the same run; ``--json`` writes every sample.
+the same run; ``--json`` writes every sample. ``--load`` also times loads (median of 3, page
+cache warm, into zeroed tensors of the state's shapes): ``stagesave.dcp.load`` of the last
+folder (verified) and ``dcp.load`` with torch's ``FileSystemReader`` of a ``FileSystemWriter``
+folder of the same state.
 
 This script uses only the public API, so it also runs against an older checkout
 (``PYTHONPATH=<checkout>/src``) for a before/after comparison.
@@ -33,6 +37,7 @@ import time
 import warnings
 from typing import Any
 
+import torch
 import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -54,7 +59,28 @@ def one_save(writer: sdcp.StagedStorageWriter, state: Any, folder: str) -> dict[
             "buffer_wait_s": tel.buffer_wait_s, "dcp_and_finish_s": rest}
 
 
-def measure(shape: str, saves: int, root: str, torch_writer: bool) -> dict[str, Any]:
+def _zeros(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return torch.zeros_like(obj)
+    if isinstance(obj, dict):
+        return {k: _zeros(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_zeros(v) for v in obj]
+    return obj
+
+
+def _load_s(load: Any, state: Any, repeats: int = 3) -> float:
+    times = []
+    for _ in range(repeats):
+        target = _zeros(state)
+        t0 = time.perf_counter()
+        load(target)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure(shape: str, saves: int, root: str, torch_writer: bool,
+            loads: bool = False) -> dict[str, Any]:
     label, make = SHAPES[shape]
     state = make()
     floor = statistics.median(twin_copy_s(state))
@@ -73,13 +99,19 @@ def measure(shape: str, saves: int, root: str, torch_writer: bool) -> dict[str, 
                     samples.append(sample)
             out["steady_samples"] = samples
             out["steady"] = {k: statistics.median(s[k] for s in samples) for k in samples[0]}
+            if loads:
+                last = os.path.join(d, f"step-{saves + 2}")
+                out["load_s"] = _load_s(lambda t: sdcp.load(t, last), state)
         finally:
             writer.close()
             ckpt.close()
-        if torch_writer:
+        if torch_writer or loads:
             t0 = time.perf_counter()
             dcp.save(state, checkpoint_id=os.path.join(d, "torch"))
             out["torch_writer_s"] = time.perf_counter() - t0
+        if loads:
+            plain = os.path.join(d, "torch")
+            out["torch_load_s"] = _load_s(lambda t: dcp.load(t, checkpoint_id=plain), state)
     finally:
         shutil.rmtree(d, ignore_errors=True)
     return out
@@ -100,6 +132,10 @@ def report(r: dict[str, Any]) -> None:
     if "torch_writer_s" in r:
         print(f"  dcp.save with FileSystemWriter: {_ms(r['torch_writer_s'])}"
               f" ({r['torch_writer_s'] / floor:.2f}x)")
+    if "load_s" in r:
+        print(f"  load, warm: stagesave.dcp.load {_ms(r['load_s'])},"
+              f" dcp.load with FileSystemReader {_ms(r['torch_load_s'])}"
+              f" ({r['load_s'] / r['torch_load_s']:.2f}x)")
 
 
 def main() -> None:
@@ -109,12 +145,13 @@ def main() -> None:
     ap.add_argument("--saves", type=int, default=5)
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     ap.add_argument("--torch-writer", action="store_true")
+    ap.add_argument("--load", action="store_true")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     root = args.dir or tempfile.gettempdir()
     results = []
     for shape in args.shapes:
-        r = measure(shape, args.saves, root, args.torch_writer)
+        r = measure(shape, args.saves, root, args.torch_writer, args.load)
         report(r)
         results.append(r)
     if args.json:

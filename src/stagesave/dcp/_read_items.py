@@ -5,7 +5,8 @@ checksum chunks (at most ``window_bytes``, at least one item), so that every chu
 touches is read and checked once. A window's chunks are read in parallel on the I/O threads and
 checked by the core's chunk verifier (:func:`stagesave.restore.proof.chunk_problems`, the one
 every load and ``verify()`` uses); only then are its items handed to DCP's planner, on the
-caller's thread (unpickling and tensor copies never run on the I/O threads).
+caller's thread (unpickling and tensor copies never run on the I/O threads), while the next
+window is read (:func:`read_ahead`).
 """
 
 from __future__ import annotations
@@ -32,12 +33,12 @@ from ._metadata import StorageInfo
 from ._rankfile import SkeletonCache
 
 __all__ = [
-    "DEFAULT_WINDOW_BYTES", "Item", "Window", "chunk_of", "deliver", "read_window", "stored_tensor",
-    "windows",
+    "DEFAULT_WINDOW_BYTES", "Item", "Window", "chunk_of", "deliver", "read_ahead", "read_window",
+    "stored_tensor", "windows",
 ]
 
 #: Bytes read (and verified) at once; a window holds whole chunks, at least one item.
-DEFAULT_WINDOW_BYTES = 256 * 1024 * 1024
+DEFAULT_WINDOW_BYTES = 64 * 1024 * 1024
 #: Unverified reads merge items separated by at most this many bytes (alignment padding).
 _MERGE_GAP = 64 * 1024
 
@@ -79,13 +80,15 @@ def windows(items: list[Item], entry: FileEntry | None, window_bytes: int) -> It
 
 def read_window(
     reader: Reader, lo: int, length: int, entry: FileEntry | None, pool: cf.Executor | None,
+    into: memoryview | None = None,
 ) -> memoryview:
-    """Bytes ``[lo, lo + length)`` of ``reader``'s file; with ``entry``, every chunk checked first.
+    """Bytes ``[lo, lo + length)`` of ``reader``'s file (in ``into``, at least ``length`` bytes,
+    else in new memory); with ``entry``, every chunk checked first.
 
     Raises:
         IntegrityError: a chunk's digest differs, or the file is shorter than it should be.
     """
-    out = memoryview(bytearray(length))
+    out = memoryview(bytearray(length)) if into is None else into[:length]
 
     def read(at: int, n: int) -> memoryview:
         got = reader.readinto(at, out[at - lo : at - lo + n])
@@ -100,6 +103,32 @@ def read_window(
                                   read=read, indices=indices)
     raise_if_corrupt(problems, reader.where.rpartition("/")[0])
     return out
+
+
+def read_ahead(
+    reader: Reader, wins: list[Window], entry: FileEntry | None, pool: cf.Executor | None,
+) -> Iterator[tuple[Window, memoryview]]:
+    """Each window with its bytes (as :func:`read_window`), the next window read while the
+    caller hands the current one's items to DCP.
+
+    Two buffers of the largest window's size take turns, each reused: a window's bytes are
+    valid until the caller asks for the window after the next (items are copied out of them
+    before that), and no window faults in fresh memory after the first two.
+    """
+    if not wins:
+        return
+    size = max(w.hi - w.lo for w in wins)
+    buffers = [memoryview(bytearray(size)) for _ in range(min(2, len(wins)))]
+    with cf.ThreadPoolExecutor(1, thread_name_prefix="stagesave-dcp-ahead") as ahead:
+        pending = ahead.submit(read_window, reader, wins[0].lo, wins[0].hi - wins[0].lo, entry,
+                               pool, buffers[0])
+        for k, window in enumerate(wins):
+            data = pending.result()
+            if k + 1 < len(wins):
+                nxt = wins[k + 1]
+                pending = ahead.submit(read_window, reader, nxt.lo, nxt.hi - nxt.lo, entry, pool,
+                                       buffers[(k + 1) % 2])
+            yield window, data
 
 
 def _read_plain(

@@ -35,7 +35,7 @@ from ._read_items import (
     Item,
     chunk_of,
     deliver,
-    read_window,
+    read_ahead,
     stored_tensor,
     windows,
 )
@@ -63,7 +63,8 @@ class StagedStorageReader(StorageReader):
         safe_globals: Extra classes allowed in non-tensor items (see :mod:`stagesave.safety`).
         storage_options: fsspec options for URLs (endpoint, credentials).
         io_threads: Threads reading and hashing chunks in parallel.
-        window_bytes: Bytes read and verified at once per file (bounds the reader's memory).
+        window_bytes: Bytes read and verified at once per file; two windows (or the largest
+            item, when larger) bound the reader's memory.
     """
 
     def __init__(
@@ -169,8 +170,8 @@ class StagedStorageReader(StorageReader):
                 reader = opened.readers.pop(rel, None) or open_file(opened, rel)
                 where = f"{opened.where}/{rel}"
                 with reader:
-                    for window in windows(items, entry, self.window_bytes):
-                        data = read_window(reader, window.lo, window.hi - window.lo, entry, pool)
+                    wins = list(windows(items, entry, self.window_bytes))
+                    for window, data in read_ahead(reader, wins, entry, pool):
                         as_tensor = torch.frombuffer(data, dtype=torch.uint8) if len(data) else None
                         for sinfo, req in window.items:
                             start = sinfo.offset - window.lo
