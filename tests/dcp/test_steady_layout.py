@@ -21,6 +21,7 @@ from test_single_process import expected, mixed_state, zeros_like_state
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
+import stagesave
 import stagesave.dcp as sdcp
 import stagesave.dcp._reader as reader_module  # its stored_tensor is observed by a spy
 from stagesave.dcp._metadata_bytes import PROTOCOL, MetadataPickler
@@ -325,3 +326,24 @@ def test_an_item_that_is_not_the_expected_zip_is_not_read_as_a_view():
     assert stored_tensor(window, 0, memoryview(blob), other, skeletons) is None
     assert stored_tensor(window, 0, memoryview(blob)[:-1], chunk, skeletons) is None
     assert stored_tensor(window, 0, memoryview(blob), None, skeletons) is None
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_load_over_many_windows_reads_each_while_the_last_is_delivered(tmp_path, verify):
+    """Windows of one chunk each: the two read buffers take turns many times, and a window's
+    bytes are never overwritten before its items were copied out (every value comes back)."""
+    ckpt = stagesave.Checkpointer(tmp_path, chunk_bytes=64 << 10)
+    writer = sdcp.StagedStorageWriter(checkpointer=ckpt, commit_timeout=60)
+    try:
+        g = torch.Generator().manual_seed(4)
+        state = {f"t{i}": torch.randn(1000 + 37 * i, generator=g) for i in range(60)}
+        state["step"] = 9
+        folder = save(writer, state, "many")
+    finally:
+        writer.close()
+        ckpt.close()
+    reader = sdcp.StagedStorageReader(window_bytes=64 << 10, verify=verify)
+    got = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in state.items()}
+    sdcp.load(got, folder, reader=reader)
+    for k, v in state.items():
+        assert torch.equal(got[k], v) if isinstance(v, torch.Tensor) else got[k] == v, k
