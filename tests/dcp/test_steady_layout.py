@@ -347,3 +347,14 @@ def test_a_load_over_many_windows_reads_each_while_the_last_is_delivered(tmp_pat
     sdcp.load(got, folder, reader=reader)
     for k, v in state.items():
         assert torch.equal(got[k], v) if isinstance(v, torch.Tensor) else got[k] == v, k
+
+
+def test_closing_the_writer_drops_what_it_kept_for_later_saves(tmp_path):
+    writer = sdcp.StagedStorageWriter(root=tmp_path, commit_timeout=60)
+    state = {"w": torch.randn(5), "step": 1}
+    save(writer, state, "a")
+    save(writer, state, "b")
+    assert writer.planner.reused_local == 1 and writer._layouts.entries
+    writer.close()
+    assert not writer._layouts.entries and writer.planner.reused_local == 0
+    assert writer._metadata_pickler.reused == 0

@@ -355,8 +355,12 @@ class StagedStorageWriter(StorageWriter):
         self._ckpt.wait(timeout)
 
     def close(self, timeout: float | None = None) -> None:
-        """Finish pending saves; close the checkpointer if this writer created it."""
+        """Finish pending saves; close the checkpointer if this writer created it; drop the
+        plans, layouts and pickles kept for later saves (a later save makes them again)."""
         self.abandon("the writer was closed before dcp.save reached finish()")
+        self._layouts = Recent()
+        self._metadata_pickler = MetadataPickler()
+        self._planner = None
         if self._owned:
             self._ckpt.close(timeout)
 
