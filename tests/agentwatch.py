@@ -63,7 +63,8 @@ def assert_only_snapshot_of(shm: Path, checkpoint: str | None) -> None:
     segments = owned_segments(str(shm))
     assert len(segments) == 1, names  # the newest committed file's segment, no other
     [segment] = segments
-    assert names == sorted([os.path.basename(segment), os.path.basename(segment) + ".json"])
+    assert names == sorted([os.path.basename(segment), os.path.basename(segment) + ".json"]), (
+        names)
     snap = read_snapshot(segment)
     assert snap is not None, f"{segment} has no valid snapshot description"
     assert snap.path == checkpoint, (snap.path, checkpoint)

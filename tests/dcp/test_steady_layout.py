@@ -326,6 +326,9 @@ def test_an_item_that_is_not_the_expected_zip_is_not_read_as_a_view():
     assert stored_tensor(window, 0, memoryview(blob), other, skeletons) is None
     assert stored_tensor(window, 0, memoryview(blob)[:-1], chunk, skeletons) is None
     assert stored_tensor(window, 0, memoryview(blob), None, skeletons) is None
+    huge = (torch.float32, torch.Size([1 << 40]))  # metadata claiming 4 TiB: nothing is planned
+    assert stored_tensor(window, 0, memoryview(blob), huge, skeletons) is None
+    assert skeletons.misses == 2  # the two sizes that fit the item were planned, no more
 
 
 @pytest.mark.parametrize("verify", [True, False])

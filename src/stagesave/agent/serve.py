@@ -16,12 +16,15 @@ the other segments it knows, and exits.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import fcntl
 import mmap
 import os
 import queue
 import signal
 import socket
+import struct
 import sys
+import termios
 import threading
 import time
 from typing import Any
@@ -40,9 +43,20 @@ __all__ = ["main"]
 
 #: Seconds between checks that the trainer is still this process's parent.
 WATCH_S = 0.2
+#: How long an orphaned agent waits for the end of its socket before it stops reading it (a
+#: forked worker of the dead trainer may hold it open).
+ORPHAN_GRACE_S = 3.0
 
 _GONE = object()  # the trainer is gone: finish what was handed over, then leave
 _EXIT = object()  # the trainer asked this agent to exit (after what was handed over)
+
+
+def _unread(sock: socket.socket) -> int:
+    """Bytes waiting in ``sock`` (0 when that cannot be told)."""
+    try:
+        return int(struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0" * 4))[0])
+    except OSError:
+        return 0
 
 
 class _Staged:
@@ -84,6 +98,7 @@ class Agent:
         self.maps: dict[str, mmap.mmap] = {}
         self.known: set[str] = set()
         self.inbox: queue.Queue[Any] = queue.Queue()
+        self.read_to_end = threading.Event()  # the reader met the end of the socket
         self.newest: wire.Reply | None = None
         self.codec = wire.LayoutCodec()
         self.replying = True
@@ -95,15 +110,28 @@ class Agent:
             msg = wire.recv(self.sock)
             if msg is None:
                 self.inbox.put(_GONE)
+                self.read_to_end.set()
                 return
             self.inbox.put(msg)
 
     def watch(self) -> None:
         """The trainer may die with its end of the socket still open (inherited by a forked
-        worker): its pid stops being this process's parent then."""
+        worker): its pid stops being this process's parent then.
+
+        Everything it sent before dying must reach the inbox before ``_GONE`` (the last save it
+        returned from is an order there). Its socket normally closes with it: the reader then
+        reads every message, meets the end and says so itself, however long a busy machine
+        takes (a fixed half-second wait here lost the last order when the reader thread was
+        not scheduled in time). Only when the socket stays open does this thread say it, once
+        no byte sent is left unread.
+        """
         while os.getppid() == self.trainer_pid:
             time.sleep(WATCH_S)
-        time.sleep(0.5)  # what it sent before dying is read by then
+        if self.read_to_end.wait(ORPHAN_GRACE_S):
+            return
+        while _unread(self.sock):
+            time.sleep(WATCH_S)
+        time.sleep(0.5)  # the reader hands over the message it just read
         self.inbox.put(_GONE)
 
     # -------------------------------------------------------------- work

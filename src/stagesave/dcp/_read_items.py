@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import io
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, cast
@@ -22,7 +23,7 @@ from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
-from ..errors import IntegrityError
+from ..errors import IntegrityError, UnsupportedObjectError
 from ..ondisk.manifest import FileEntry, Manifest
 from ..ondisk.names import DEFAULT_CHUNK_BYTES
 from ..restore.proof import chunk_problems
@@ -174,16 +175,23 @@ def stored_tensor(
     chunk: tuple[torch.dtype, torch.Size] | None, skeletons: SkeletonCache,
 ) -> torch.Tensor | None:
     """The tensor of an item, as a view of its window, when the item's bytes around the data are
-    exactly the zip ``torch.save`` writes for a contiguous tensor of its chunk's dtype and size
-    (what ``StagedStorageWriter`` writes, and ``FileSystemWriter`` with torch's alignment), so
-    no unpickling is needed; ``None``: read it with ``torch.load``.
+    exactly the zip ``StagedStorageWriter`` writes for a contiguous tensor of its chunk's dtype
+    and size (``FileSystemWriter``'s carry their data's CRCs, so they differ), so no unpickling
+    is needed; ``None``: read it with ``torch.load``.
 
-    ``window``: the window's bytes as a uint8 tensor; ``start``: the item's offset in it.
+    ``window``: the window's bytes as a uint8 tensor; ``start``: the item's offset in it. A
+    chunk whose data could not fit in the item is not planned at all (the metadata's sizes are
+    not trusted to size anything).
     """
     if chunk is None:
         return None
     dtype, sizes = chunk
-    sk = skeletons.get(dtype, tuple(sizes))
+    if math.prod(sizes) * dtype.itemsize > len(blob):
+        return None
+    try:
+        sk = skeletons.get(dtype, tuple(sizes))
+    except (UnsupportedObjectError, RuntimeError, TypeError):
+        return None  # a dtype or size torch cannot lay out here: torch.load says what it is
     at, end = sk.data_offset, sk.data_offset + sk.nbytes
     if (len(blob) != sk.size or (start + at) % dtype.itemsize
             or blob[:at] != sk.head or blob[end:] != sk.tail):
