@@ -4,16 +4,15 @@
 local plan, then on the coordinator the global plan (de-duplication, validation, the metadata)
 from every rank's plan: ~60-70 µs per item on the caller's thread, at every save (0.5 s for a
 state of 8,000 tensors, 7 s for 100,000), whatever the storage writer.
-:class:`SteadySavePlanner` keeps its last plans:
-
-The last few of each are kept (:mod:`._recent`: Accelerate saves each model and optimizer through
-one writer):
+:class:`SteadySavePlanner` keeps its plans of the last few structures (:mod:`._recent`:
+Accelerate saves each model and optimizer through one writer):
 
 * **local**: a rank whose flattened state has the same keys, in the same order, with the same
   flattening, each plain tensor of the same dtype, size, layout, ``requires_grad`` and pinning,
   and each other value still a non-tensor, proposes the same items, so it returns its last
   local plan (reading those five facts costs ~0.6 µs per tensor). A state holding anything else
-  (DTensors, ShardedTensors, tensor subclasses) is planned by ``DefaultSavePlanner`` each time.
+  (DTensors, ShardedTensors, tensor subclasses) has its local plan made by
+  ``DefaultSavePlanner`` each time.
 * **global**: a coordinator that receives the same local plans from every rank as last time
   (compared by value: ranks send theirs through a collective) returns its last global plan and a
   copy of its last metadata, skipping de-duplication and validation.
