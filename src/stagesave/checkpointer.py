@@ -24,7 +24,7 @@ from .restore.load import load_checkpoint
 from .restore.select import latest_in, resume_choice
 from .restore.verify import verify_checkpoint
 from .saving import jobs, lifecycle, plan, validate
-from .saving.buffers import StagingMemory
+from .saving.memory import StagingMemory
 from .saving.pipeline import Pipeline
 from .saving.plan_folder import plan_folder
 from .saving.staging import Stager
@@ -82,7 +82,7 @@ class Checkpointer:
         self.memory = StagingMemory(max_pending, pinned, segments=self.writer.agent)
         self.stager = Stager(self.memory, checksum_in=checksum_in, chunk_bytes=chunk_bytes,
                              device_staging=device_staging)
-        self.plans = PlanCache()  # the last plan, reused while the structure stays the same
+        self.plans = PlanCache(None if device_staging else self.memory.prepare)  # the last plan
         self.telemetry_sink = sink = TelemetrySink(telemetry_callback, telemetry_jsonl)
         self.pipeline = Pipeline(io_threads, sink.emit)
         self.targets = StoreResolver(root, storage_options=storage_options, direct_io=direct_io)

@@ -4,11 +4,11 @@ kept alive), and the safe unpickler's tensors exactly torch.load's."""
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 
 import pytest
 import torch
+from residency import resident_pages
 
 import stagesave
 from stagesave.restore import image_load
@@ -70,20 +70,8 @@ def test_a_file_of_many_small_tensors_loads_into_a_packed_buffer(tmp_path, verif
     # packed in place: the memory behind the rest of the file's buffer went back to the system
     page = mmap.PAGESIZE
     kept = (hi - lo + page - 1) // page * page
-    assert _resident_pages(lo, kept) > 0
-    assert _resident_pages(lo + kept, entry.end - kept) == 0
-
-
-def _resident_pages(address: int, length: int) -> int:
-    """How many of the pages of ``[address, address + length)`` are in memory (``mincore``)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    page = mmap.PAGESIZE
-    start = address // page * page
-    n = (address + length - start + page - 1) // page
-    vec = (ctypes.c_ubyte * n)()
-    if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(n * page), vec) != 0:
-        raise OSError(ctypes.get_errno(), "mincore")
-    return sum(v & 1 for v in vec)
+    assert resident_pages(lo, kept) > 0
+    assert resident_pages(lo + kept, entry.end - kept) == 0
 
 
 def test_a_flipped_byte_in_a_many_tensor_file_is_caught(tmp_path):

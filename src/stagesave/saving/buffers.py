@@ -5,13 +5,15 @@ buffer runs at ~7 GB/s, a clone into fresh memory at ~2.6 GB/s), so staging buff
 reused. Buffers are page-aligned (O_DIRECT needs it) and pinned when CUDA is available (so
 device-to-host copies can run without blocking). At most ``max_pending`` buffers exist; a save
 that finds them all busy waits for one, and the wait is reported in its telemetry.
-:class:`StagingMemory` is the one owner of a Checkpointer's staging memory, host and device.
+A pool can make the buffer of a save being planned ahead, on a thread (:meth:`BufferPool.prepare`).
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
+import sys
 import threading
 import time
 import warnings
@@ -24,11 +26,22 @@ from ..errors import ClosedError
 from ..ondisk.names import ALIGNMENT
 
 __all__ = [
-    "Bounces", "BufferPool", "HostBuffer", "Lease", "SegmentHooks", "StagingMemory",
+    "BufferPool", "HostBuffer", "Lease", "SegmentHooks",
 ]
 
 #: Buffers grow in steps of this many bytes, so that slightly larger saves reuse them.
 GROWTH_STEP = 64 * 1024 * 1024
+
+
+#: ``madvise`` advice that maps every page of a range writable now (Linux 5.14+): a buffer made
+#: ahead of its first save takes no page faults in that save's copy.
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+_POPULATE_STEP = 4 << 20
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def _round_up(n: int, step: int) -> int:
@@ -82,6 +95,22 @@ class HostBuffer:
         """A buffer in a device's memory (device staging): a tensor only, no host view."""
         tensor = torch.empty(capacity, dtype=torch.uint8, device=device)
         return cls(capacity, False, memoryview(b""), tensor)
+
+    def populate(self, until: threading.Event) -> None:
+        """Map the buffer's pages now, until ``until`` is set, so that the first copy into it
+        takes fewer page faults (on Linux; elsewhere, or on an older kernel, nothing happens).
+        The copy's threads fault pages in faster than this one thread maps them: a save that
+        needs the buffer sets ``until``."""
+        if self._mmap is None or sys.platform != "linux":
+            return
+        base, madvise = self.tensor.data_ptr(), _libc().madvise  # ctypes lets go of the GIL
+        # in steps: the process's own mmap calls (malloc) wait while a step holds its map's lock
+        for at in range(0, self.capacity, _POPULATE_STEP):
+            if until.is_set():
+                return
+            n = min(_POPULATE_STEP, self.capacity - at)
+            if madvise(ctypes.c_void_p(base + at), ctypes.c_size_t(n), _MADV_POPULATE_WRITE):
+                return  # an older kernel (EINVAL): the copy faults the pages in
 
     def release_memory(self) -> None:
         if self.segment is not None:
@@ -143,7 +172,9 @@ class BufferPool:
         self.device = device
         self.pinned = torch.cuda.is_available() if pinned is None else pinned
         self._free: list[HostBuffer] = []
-        self._count = 0
+        self._count = 0  # buffers that exist or are being made
+        self._maker: threading.Thread | None = None  # making a buffer ahead (see prepare)
+        self._wanted = threading.Event()  # a save waits for the buffer being made
         self._cond = threading.Condition()
         self._closed = False
 
@@ -156,10 +187,20 @@ class BufferPool:
         Raises:
             TimeoutError: no buffer became free within ``timeout``.
         """
+        maker = self._maker  # made ahead for this save (see prepare): its thread ends first
+        try:
+            return self._acquire(nbytes, timeout)
+        finally:
+            if maker is not None:
+                maker.join()
+
+    def _acquire(self, nbytes: int, timeout: float | None) -> tuple[HostBuffer, float]:
         need = _round_up(max(nbytes, ALIGNMENT), ALIGNMENT)
         t0 = time.perf_counter()
         with self._cond:
-            while not self._free and self._count >= self.max_buffers:
+            while (not self._free and self._count >= self.max_buffers) or (
+                    self._maker is not None and all(b.capacity < need for b in self._free)):
+                self._wanted.set()
                 if self._closed:
                     raise ClosedError(
                         "the staging buffers were released (the Checkpointer was closed)"
@@ -198,6 +239,57 @@ class BufferPool:
                 self._count -= 1
                 self._cond.notify()
             raise
+
+    def prepare(self, least: int, most: int) -> None:
+        """Make, on a thread of its own, the buffer a save of ``least`` to ``most`` bytes being
+        planned will lease: its reservation and page mapping (:meth:`HostBuffer.populate`)
+        overlap the planning; :meth:`acquire` waits for it. Nothing when a free buffer holds
+        ``least`` bytes, none may be added, or one is being made; a failure is dropped (the
+        save's :meth:`acquire` allocates again and reports it)."""
+        if self.device is not None:
+            return
+        least = _round_up(max(least, ALIGNMENT), ALIGNMENT)
+        with self._cond:
+            if self._closed or self._maker is not None or any(
+                    b.capacity >= least for b in self._free):
+                return
+            old: HostBuffer | None = None
+            if self._free:  # regrow the largest free buffer, as acquire would
+                old = max(self._free, key=lambda b: b.capacity)
+                self._free.remove(old)
+            elif self._count < self.max_buffers:
+                self._count += 1
+            else:
+                return
+            capacity = _round_up(max(least, most), GROWTH_STEP)
+            self._wanted.clear()
+            self._maker = threading.Thread(target=self._make, args=(old, capacity),
+                                           name="stagesave-buffer", daemon=True)
+            self._maker.start()
+
+    def _make(self, old: HostBuffer | None, capacity: int) -> None:
+        buf: HostBuffer | None = None
+        try:
+            if old is not None:
+                self._free_memory(old)
+            buf = HostBuffer.allocate(capacity, self.pinned, shared=self.segments is not None)
+            if self.segments is not None and buf.segment is not None:
+                self.segments.announce(buf.segment)
+            buf.populate(until=self._wanted)
+        except Exception:  # noqa: BLE001 - acquire allocates again and raises or warns
+            if buf is not None:
+                self._free_memory(buf)
+            buf = None
+        with self._cond:
+            self._maker = None
+            closed = self._closed
+            if buf is None or closed:
+                self._count -= 1
+            else:
+                self._free.append(buf)
+            self._cond.notify_all()
+        if closed and buf is not None:
+            self._free_memory(buf)
 
     def _allocate(self, capacity: int) -> HostBuffer:
         if self.segments is None:
@@ -240,9 +332,13 @@ class BufferPool:
             self._closed = True
             free, self._free = self._free, []
             self._count -= len(free)
+            maker = self._maker
+            self._wanted.set()
             self._cond.notify_all()
         for b in free:
             self._free_memory(b)
+        if maker is not None:  # it frees what it made, seeing the pool closed
+            maker.join()
 
     def _free_memory(self, buf: HostBuffer) -> None:
         if self.segments is not None and buf.segment is not None:
@@ -262,120 +358,3 @@ class Lease:
 
     def give_back(self) -> None:
         self.pool.release(self.buf)
-
-
-class StagingMemory:
-    """Every staging buffer of one Checkpointer, in one owner.
-
-    Host buffers (pinned when asked) and, with ``device_staging``, buffers in each CUDA
-    device's memory, at most ``max_buffers`` of each kind in flight. A device without room
-    for a save's buffer is an optimization that failed, never a failed save: that save stages
-    in host memory, a warning says so once, and saves at least that large stage in host memory
-    from then on (a failed CUDA allocation first empties the allocator's cache, which training
-    would pay for at every save).
-    """
-
-    def __init__(
-        self, max_buffers: int, pinned: bool | None, segments: SegmentHooks | None = None
-    ) -> None:
-        self.host = BufferPool(max_buffers, pinned, segments=segments)
-        self.devices: dict[torch.device, BufferPool] = {}
-        self._no_room: dict[torch.device, int] = {}  # smallest size that found no room
-        self._warned = False
-        self._lock = threading.Lock()
-        self._closed = False
-
-    @property
-    def max_buffers(self) -> int:
-        return self.host.max_buffers
-
-    def lease(self, nbytes: int, device: torch.device | None = None) -> Lease:
-        """A buffer of at least ``nbytes``: on ``device`` when it has room, else in host memory.
-
-        Waits while ``max_buffers`` of that kind are in flight.
-
-        Raises:
-            ClosedError: released by :meth:`close`.
-        """
-        if device is not None and nbytes >= self._no_room.get(device, nbytes + 1):
-            device = None  # this size did not fit on the device before: do not retry every save
-        pool = self.host if device is None else self._device_pool(device)
-        try:
-            buf, waited = pool.acquire(nbytes)
-        except torch.OutOfMemoryError as exc:
-            if device is None:
-                raise
-            self._no_room[device] = min(nbytes, self._no_room.get(device, nbytes))
-            if not self._warned:
-                self._warned = True
-                warnings.warn(
-                    f"device_staging: no room on {device} for a {nbytes / 2**30:.2f} GiB staging "
-                    f"buffer ({str(exc).splitlines()[0]}); staging in host memory instead "
-                    "(SaveTelemetry.staged_on tells which each save used)",
-                    RuntimeWarning,
-                    stacklevel=4,
-                )
-            pool, device = self.host, None
-            buf, waited = pool.acquire(nbytes)
-        return Lease(pool, buf, device, waited)
-
-    def _device_pool(self, device: torch.device) -> BufferPool:
-        """The buffers of ``device`` (created on first use)."""
-        with self._lock:
-            if self._closed:
-                raise ClosedError(
-                    "this Checkpointer is closed; create a new one to save or remove checkpoints"
-                )
-            pool = self.devices.get(device)
-            if pool is None:
-                pool = self.devices[device] = BufferPool(self.max_buffers, device=device)
-            return pool
-
-    def close(self) -> None:
-        """Free idle buffers now; buffers in flight are freed when given back."""
-        with self._lock:
-            self._closed = True
-            pools = [self.host, *self.devices.values()]
-        for pool in pools:
-            pool.close()
-
-
-class Bounces:
-    """Bounce buffers of a write from device memory: one pinned (or page-aligned) host buffer and
-    one CUDA stream per writer thread, released by :meth:`close` when the write ends."""
-
-    def __init__(self, nbytes: int, device: torch.device) -> None:
-        self.nbytes = nbytes
-        self.device = device
-        self.local = threading.local()
-        self.all: list[HostBuffer] = []
-        self.lock = threading.Lock()
-
-    def get(self) -> tuple[HostBuffer, torch.cuda.Stream | None]:
-        mine = getattr(self.local, "mine", None)
-        if mine is None:
-            cuda = self.device.type == "cuda"
-            buf = HostBuffer.allocate(self.nbytes, pinned=cuda)
-            stream = torch.cuda.Stream(device=self.device) if cuda else None  # type: ignore[no-untyped-call]
-            mine = self.local.mine = (buf, stream)
-            with self.lock:
-                self.all.append(buf)
-        return mine
-
-    def to_host(self, src: torch.Tensor) -> memoryview:
-        """Copy ``src`` (uint8, contiguous) into this thread's bounce buffer; its bytes."""
-        buf, stream = self.get()
-        n = src.numel()
-        if stream is None:  # host memory (tests, or a CPU "device"): no torch op off-thread
-            ctypes.memmove(buf.tensor.data_ptr(), src.data_ptr(), n)
-        else:
-            with torch.cuda.stream(stream):
-                buf.tensor[:n].copy_(src, non_blocking=True)
-            stream.synchronize()
-        return buf.view[:n]
-
-    def close(self) -> None:
-        with self.lock:
-            bufs, self.all = self.all, []
-        for b in bufs:
-            b.release_memory()

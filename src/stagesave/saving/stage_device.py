@@ -41,7 +41,8 @@ from ..ondisk.names import ALIGNMENT
 from ..stores import posix as fsops
 from ..stores.base import Store
 from ..stores.local import LocalStore
-from .buffers import Bounces, HostBuffer
+from .bounces import Bounces
+from .buffers import HostBuffer
 from .plan import FileImage
 from .stage import crc_image
 from .write import FileToWrite, WriteStats, Written, entry_of, flush_data, late_end, run_all

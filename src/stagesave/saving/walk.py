@@ -51,6 +51,14 @@ class Walked:
     leaves: list[Any]
     containers: list[int]  # ids of the dicts, lists, non-empty tuples
 
+    def image_bounds(self) -> tuple[int, int]:
+        """Bounds of the size of a torch file of this state, before it is planned: its storages'
+        bytes, and those with each record padded to pages plus room for its headers, its
+        pickle and its proof (a generous allowance; a staging buffer is made to it)."""
+        sizes = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in self.tensors}
+        most = sum((n + 4223) // 4096 * 4096 for n in sizes.values())  # + 128 of headers, paged
+        return sum(sizes.values()), most + 384 * len(sizes) + 128 * len(self.leaves) + (1 << 20)
+
 
 #: An object the walk does not look into is compared by its own pickle up to this size; a larger
 #: one (a big numpy array) would cost a second pickling at every save: no template then.

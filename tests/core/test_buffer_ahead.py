@@ -1,0 +1,153 @@
+"""The staging buffer of a new structure is made while the save is planned (issue 20: the first
+save of a run), and a save leases that buffer: never a second one, never a leak, and a buffer
+that could not be made ahead is made by the save itself, with the usual fallback."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from residency import resident_pages
+
+import stagesave
+from stagesave.saving.buffers import GROWTH_STEP, BufferPool, HostBuffer
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def made(monkeypatch):
+    """Every host buffer allocated during the test, with the thread that allocated it."""
+    seen: list[tuple[int, bool, str]] = []
+    real = HostBuffer.allocate.__func__
+
+    def allocate(cls, capacity, pinned, shared=False):
+        buf = real(cls, capacity, pinned, shared)
+        seen.append((capacity, shared, threading.current_thread().name))
+        return buf
+
+    monkeypatch.setattr(HostBuffer, "allocate", classmethod(allocate))
+    return seen
+
+
+def _state(n: int, numel: int, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"model": {f"w{i}": torch.randn(numel, generator=g) for i in range(n)}, "step": seed}
+
+
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_the_first_save_leases_the_buffer_made_while_it_was_planned(
+        ckpt_dir, shm, made, writer):
+    state = _state(40, 300_000)  # 48 MB
+    with stagesave.Checkpointer(ckpt_dir, writer=writer) as ck:
+        ck.save(state, "a.ckpt").result(60)
+        assert made == [(GROWTH_STEP, writer == "process", "stagesave-buffer")]
+        pool = ck.memory.host
+        assert pool._count == 1 and pool.total_bytes() == GROWTH_STEP
+        assert [t.name for t in threading.enumerate() if t.name == "stagesave-buffer"] == []
+        for t in state["model"].values():
+            t.add_(1)
+        ck.save(state, "b.ckpt").result(60)  # the same structure: the same buffer
+        assert len(made) == 1
+        bigger = _state(40, 600_000, seed=1)  # 96 MB: made again, ahead, in its place
+        ck.save(bigger, "c.ckpt").result(60)
+        assert made[1:] == [(2 * GROWTH_STEP, writer == "process", "stagesave-buffer")]
+        assert pool._count == 1 and pool.total_bytes() == 2 * GROWTH_STEP
+        for name, want in (("a.ckpt", _state(40, 300_000)), ("b.ckpt", state),
+                           ("c.ckpt", bigger)):
+            got = ck.load(name)
+            assert got["step"] == want["step"]
+            assert all(torch.equal(got["model"][k], v) for k, v in want["model"].items())
+    assert list(shm.iterdir()) == []
+
+
+def test_a_save_waits_for_the_buffer_being_made_instead_of_making_another(made):
+    pool = BufferPool(2, pinned=False)
+    pool.prepare(10 * MiB, 20 * MiB)
+    buf, _ = pool.acquire(15 * MiB)
+    assert buf.capacity == GROWTH_STEP
+    assert made == [(GROWTH_STEP, False, "stagesave-buffer")]
+    assert pool._count == 1 and pool._maker is None
+    pool.release(buf)
+    pool.prepare(MiB, 2 * MiB)  # a free buffer holds it: nothing is made
+    assert pool._maker is None
+    again, _ = pool.acquire(2 * MiB)
+    assert again is buf and len(made) == 1
+    pool.release(again)
+    pool.close()
+    assert pool._count == 0
+
+
+def test_a_buffer_made_too_small_is_regrown_by_the_save(made):
+    pool = BufferPool(2, pinned=False)
+    pool.prepare(MiB, MiB)  # the bounds were wrong: the save needs more
+    buf, _ = pool.acquire(100 * MiB)
+    assert buf.capacity == 2 * GROWTH_STEP and pool._count == 1
+    assert made == [(GROWTH_STEP, False, "stagesave-buffer"), (2 * GROWTH_STEP, False,
+                                                               threading.current_thread().name)]
+    pool.release(buf)
+    pool.close()
+
+
+def test_nothing_is_made_ahead_when_every_buffer_is_in_flight(made):
+    pool = BufferPool(1, pinned=False)
+    held, _ = pool.acquire(MiB)
+    pool.prepare(200 * MiB, 200 * MiB)
+    assert pool._maker is None and len(made) == 1
+    pool.release(held)
+    pool.close()
+
+
+def test_a_buffer_being_made_when_the_pool_closes_is_freed_and_its_thread_ends(shm, made):
+    with stagesave.Checkpointer(writer="process") as ck:
+        ck.memory.prepare(300 * MiB, 300 * MiB)
+        maker = ck.memory.host._maker
+        assert maker is not None
+    assert not maker.is_alive()
+    assert ck.memory.host._count == 0 and ck.memory.host.total_bytes() == 0
+    assert list(shm.iterdir()) == []
+
+
+def test_populate_maps_every_page_until_told_to_stop():
+    buf = HostBuffer.allocate(GROWTH_STEP, pinned=False)
+    stop = threading.Event()
+    stop.set()
+    buf.populate(until=stop)
+    assert resident_pages(buf.tensor.data_ptr(), buf.capacity) == 0
+    buf.populate(until=threading.Event())
+    pages = buf.capacity // 4096
+    assert resident_pages(buf.tensor.data_ptr(), buf.capacity) == pages
+    buf.release_memory()
+
+
+def test_a_buffer_that_cannot_be_made_ahead_is_made_by_the_save(ckpt_dir, tmp_path,
+                                                                monkeypatch, made):
+    """The shared-memory folder is missing: the segment made ahead fails quietly, the save's own
+    attempt fails and warns (the writer agent asked for), and the save stages privately."""
+    monkeypatch.setenv("STAGESAVE_SHM_DIR", str(tmp_path / "no-such-dir"))
+    state = _state(4, 100_000)
+    with stagesave.Checkpointer(ckpt_dir, writer="process") as ck:
+        with pytest.warns(RuntimeWarning, match="no shared-memory segment of 64 MiB"):
+            ck.save(state, "a.ckpt").result(60)
+        assert made == [(GROWTH_STEP, False, threading.current_thread().name)]
+        got = ck.load("a.ckpt")
+        assert all(torch.equal(got["model"][k], v) for k, v in state["model"].items())
+
+
+def test_the_bounds_hold_the_file_for_every_benchmark_shape():
+    """A buffer made to the upper bound is large enough for the file (or the save regrows it:
+    correct, but the first save then pays for two buffers)."""
+    from stagesave.saving.steady import PlanCache
+    from stagesave.saving.walk import walk
+
+    shapes = {
+        "one": {"w": torch.randn(1024), "step": 0},
+        "paged": {f"w{i}": torch.randn(1024 * (i + 1)) for i in range(300)},  # page multiples
+        "small": {i: {"a": torch.randn(3), "b": torch.zeros(700)} for i in range(3000)},
+        "shared": {"w": (w := torch.randn(5000)), "v": w[10:20], "t": w.t()},
+    }
+    for name, state in shapes.items():
+        least, most = walk(state).image_bounds()
+        size = PlanCache().plan(state).size
+        assert least <= size <= most, (name, least, size, most)
