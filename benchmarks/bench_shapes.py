@@ -11,7 +11,8 @@ warm-ups, each on a fresh step counter as a training loop has, each save finishe
 next) per planner (``--planners``, interleaved): ``steady`` (the default: the last plan reused
 while the structure is the same), ``fast`` (stagesave's planner from scratch at every save, as
 before) and ``torch`` (``torch.save``'s layout); the **first save** of a new ``Checkpointer``
-with nothing planned before (layout cache emptied); and ``torch.save`` into the page cache
+with nothing planned before (layout cache emptied; median of ``--first-saves``, interleaved with
+the other planners' first saves); and ``torch.save`` into the page cache
 (median of 3). ``--checksum-in`` sets the Checkpointers' option. Ratios are to the floor
 measured in the same run. ``--json`` writes every sample.
 """
@@ -155,24 +156,32 @@ def to_device(state: Any, device: str) -> Any:
 
 
 def measure(
-    state: Any, directory: str, saves: int, planners: list[str], checksum_in: str = "auto"
+    state: Any, directory: str, saves: int, planners: list[str], checksum_in: str = "auto",
+    first_saves: int = 3,
 ) -> dict[str, Any]:
     out: dict[str, Any] = {
         "bytes": common.state_bytes(state),
         "tensors": len(common.tensors_of(state)),
     }
     out["floor_s"] = twin_copy_s(state)
-    # The first save of a run: a new Checkpointer, nothing planned before.
+    # The first save of a run: a new Checkpointer, nothing planned before (``first_saves``
+    # times, interleaved; its telemetry's planning, buffer wait and staging beside it).
     for name in planners:
-        _planner(name)
-        _ziplayout.forget_layouts()
-        root = os.path.join(directory, f"first-{name}")
-        with stagesave.Checkpointer(root, keep_last=1, checksum_in=checksum_in) as ck:
-            t0 = time.perf_counter()
-            handle = ck.save(state, "first.ckpt")
-            out[f"first_{name}_s"] = time.perf_counter() - t0
-            handle.result()
-        shutil.rmtree(root, ignore_errors=True)
+        out[f"first_{name}_s"], out[f"first_{name}_parts"] = [], []
+    for i in range(first_saves):
+        for name in planners:
+            _planner(name)
+            _ziplayout.forget_layouts()
+            root = os.path.join(directory, f"first-{name}-{i}")
+            with stagesave.Checkpointer(root, keep_last=1, checksum_in=checksum_in) as ck:
+                t0 = time.perf_counter()
+                handle = ck.save(state, "first.ckpt")
+                out[f"first_{name}_s"].append(time.perf_counter() - t0)
+                handle.result()
+                tel = handle.telemetry
+                out[f"first_{name}_parts"].append(
+                    {"plan_s": tel.plan_s, "wait_s": tel.buffer_wait_s, "stage_s": tel.stage_s})
+            shutil.rmtree(root, ignore_errors=True)
     cks = {
         name: stagesave.Checkpointer(
             os.path.join(directory, name), keep_last=2, checksum_in=checksum_in
@@ -227,6 +236,8 @@ def main() -> None:
     )
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     ap.add_argument("--saves", type=int, default=5)
+    ap.add_argument("--first-saves", type=int, default=3,
+                    help="first saves of a new Checkpointer per planner (median reported)")
     ap.add_argument(
         "--planners", nargs="+", default=["steady", "fast", "torch"],
         choices=["steady", "fast", "torch"],
@@ -259,7 +270,7 @@ def main() -> None:
         for key, label, make in todo:
             state = make() if args.device == "cpu" else to_device(make(), args.device)
             r = measure(state, os.path.join(base, key), args.saves, args.planners,
-                        args.checksum_in)
+                        args.checksum_in, args.first_saves)
             results[key] = {"label": label, **r}
             floor = med(r["floor_s"])
             cells = []
@@ -267,7 +278,7 @@ def main() -> None:
                 b = med(r[f"blocking_{p}_s"])
                 cells.append(f"{b * 1e3:13.1f}ms {b / floor:6.2f}")
             steady = med(r[f"blocking_{args.planners[0]}_s"])
-            first = r[f"first_{args.planners[0]}_s"]
+            first = med(r[f"first_{args.planners[0]}_s"])
             print(
                 f"{label:<58} {floor * 1e3:6.1f}ms "
                 + " ".join(cells)

@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -197,6 +198,7 @@ class BufferPool:
     def _acquire(self, nbytes: int, timeout: float | None) -> tuple[HostBuffer, float]:
         need = _round_up(max(nbytes, ALIGNMENT), ALIGNMENT)
         t0 = time.perf_counter()
+        making = 0.0  # waiting for the buffer being made is not waiting for a busy one
         with self._cond:
             while (not self._free and self._count >= self.max_buffers) or (
                     self._maker is not None and all(b.capacity < need for b in self._free)):
@@ -205,9 +207,11 @@ class BufferPool:
                     raise ClosedError(
                         "the staging buffers were released (the Checkpointer was closed)"
                     )
+                w0, busy = time.perf_counter(), self._maker is None
                 if not self._cond.wait(timeout=timeout):
                     raise TimeoutError(f"no staging buffer became free within {timeout} s")
-            waited = time.perf_counter() - t0
+                making += 0.0 if busy else time.perf_counter() - w0
+            waited = time.perf_counter() - t0 - making
             if self._free:
                 # Prefer the smallest buffer that fits; otherwise regrow the largest one.
                 fitting = [b for b in self._free if b.capacity >= need]
@@ -240,32 +244,41 @@ class BufferPool:
                 self._cond.notify()
             raise
 
-    def prepare(self, least: int, most: int) -> None:
-        """Make, on a thread of its own, the buffer a save of ``least`` to ``most`` bytes being
-        planned will lease: its reservation and page mapping (:meth:`HostBuffer.populate`)
-        overlap the planning; :meth:`acquire` waits for it. Nothing when a free buffer holds
-        ``least`` bytes, none may be added, or one is being made; a failure is dropped (the
-        save's :meth:`acquire` allocates again and reports it)."""
-        if self.device is not None:
+    def prepare(self, bounds: Callable[[], tuple[int, int] | None], *,
+                only_when_empty: bool = False) -> None:
+        """Make, on a thread of its own, the buffer a save being planned will lease, sized by
+        ``bounds()`` (its least and most bytes; asked only when a buffer may be made): its
+        reservation and page mapping (:meth:`HostBuffer.populate`) overlap the planning, and
+        :meth:`acquire` waits for it. Nothing when a free buffer holds the least bytes (or, with
+        ``only_when_empty``, when any is free), none may be added, or one is being made; a
+        failure is dropped (the save's :meth:`acquire` allocates again and reports it)."""
+        if self.device is not None or not self._may_make(only_when_empty):
             return
-        least = _round_up(max(least, ALIGNMENT), ALIGNMENT)
+        found = bounds()
+        if found is None:
+            return
+        least = _round_up(max(found[0], ALIGNMENT), ALIGNMENT)
         with self._cond:
-            if self._closed or self._maker is not None or any(
+            if not self._may_make(only_when_empty) or any(
                     b.capacity >= least for b in self._free):
                 return
             old: HostBuffer | None = None
             if self._free:  # regrow the largest free buffer, as acquire would
                 old = max(self._free, key=lambda b: b.capacity)
                 self._free.remove(old)
-            elif self._count < self.max_buffers:
-                self._count += 1
             else:
-                return
-            capacity = _round_up(max(least, most), GROWTH_STEP)
+                self._count += 1
+            capacity = _round_up(max(least, found[1]), GROWTH_STEP)
             self._wanted.clear()
             self._maker = threading.Thread(target=self._make, args=(old, capacity),
                                            name="stagesave-buffer", daemon=True)
             self._maker.start()
+
+    def _may_make(self, only_when_empty: bool) -> bool:
+        if self._closed or self._maker is not None:
+            return False
+        return not self._free and self._count < self.max_buffers if only_when_empty else (
+            bool(self._free) or self._count < self.max_buffers)
 
     def _make(self, old: HostBuffer | None, capacity: int) -> None:
         buf: HostBuffer | None = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import warnings
+from collections.abc import Callable
 
 import torch
 
@@ -68,9 +69,10 @@ class StagingMemory:
             buf, waited = pool.acquire(nbytes)
         return Lease(pool, buf, device, waited)
 
-    def prepare(self, least: int, most: int) -> None:
+    def prepare(self, bounds: Callable[[], tuple[int, int] | None], *,
+                only_when_empty: bool = False) -> None:
         """:meth:`BufferPool.prepare` of the host buffers (a plan of a new structure begins)."""
-        self.host.prepare(least, most)
+        self.host.prepare(bounds, only_when_empty=only_when_empty)
 
     def _device_pool(self, device: torch.device) -> BufferPool:
         """The buffers of ``device`` (created on first use)."""

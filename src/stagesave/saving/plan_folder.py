@@ -10,14 +10,16 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from ..formats import Safetensors, plan_file
+from ..formats import Raw, Safetensors, plan_file
 from ..ondisk.checksum import DIGEST_HEX_LEN
+from ..ondisk.names import ALIGNMENT
 from .fastplan import plan
 from .plan import FileImage
 from .steady import PlanCache
+from .walk import walk
 from .write import proof_room
 
-__all__ = ["folder_bound", "plan_folder"]
+__all__ = ["folder_bound", "folder_bounds", "plan_folder"]
 
 
 def plan_folder(
@@ -31,6 +33,8 @@ def plan_folder(
     """Plan every file of a folder; a safetensors file gets room for its proof (and, if it
     will be the carrier, for the folder's list of files). ``plans``: reuse the plans of earlier
     folders' files of the same names (:meth:`.steady.PlanCache.of`)."""
+    if plans is not None and plans.prepare is not None:  # the first folder: make its buffer
+        plans.prepare(lambda: folder_bounds(files), only_when_empty=True)
     plain = {n: c for n, c in files.items() if not isinstance(c, Safetensors)}
     planned = {
         n: plan_file(c, plan_torch=plans.of(n).plan if plans is not None else plan)[1]
@@ -67,6 +71,27 @@ def plan_folder(
 
         planned[n] = plan_file(content, proof_room=room)[1]
     return [(n, planned[n]) for n in files]
+
+
+def folder_bounds(files: dict[str, Any]) -> tuple[int, int] | None:
+    """Bounds of the staging bytes of a folder of ``files`` before they are planned (each file
+    on its own aligned slice; see :meth:`.Walked.image_bounds`); ``None`` when a file's
+    content is not one this can bound."""
+    least = most = 0
+    for content in files.values():
+        if isinstance(content, Raw):
+            low = high = len(content.data)
+        elif isinstance(content, Safetensors):
+            sizes = [t.nbytes for t in content.tensors.values()]
+            low, high = sum(sizes), sum(sizes) + 512 * len(sizes) + (1 << 20)
+        else:
+            try:
+                low, high = walk(content).image_bounds()
+            except Exception:  # noqa: BLE001 - the plan names what cannot be saved
+                return None
+        least += low
+        most += (high + 2 * ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+    return least, most
 
 
 def folder_bound(

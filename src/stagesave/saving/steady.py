@@ -239,11 +239,11 @@ class Template:
 class PlanCache:
     """One Checkpointer's last template (see the module's docstring)."""
 
-    def __init__(self, prepare: Callable[[int, int], None] | None = None) -> None:
-        """``prepare``: told the bounds of a new structure's file size
-        (:meth:`.Walked.image_bounds`) before it is planned, to make its staging buffer."""
+    def __init__(self, prepare: Callable[..., None] | None = None) -> None:
+        """``prepare`` (:meth:`.StagingMemory.prepare`): given the bounds of a new structure's
+        file size (:meth:`.Walked.image_bounds`) before it is planned, to make its buffer."""
         fast_path_enabled()  # the once-per-process check of the planner, before the first save
-        self._prepare = prepare
+        self.prepare = prepare
         self._template: Template | None = None
         self._refused: list[Any] | None = None  # a structure no template can stand for
         self._files: dict[str, PlanCache] = {}  # per file name of folder checkpoints
@@ -291,8 +291,8 @@ class PlanCache:
                 template, walked):
             return template.image(walked, consts)
         self._template = None
-        if walked is not None and self._prepare is not None:
-            self._prepare(*walked.image_bounds())
+        if walked is not None and self.prepare is not None:
+            self.prepare(walked.image_bounds)
         if walked is not None and consts is not None and not _agrees(self._refused, walked):
             made = self._new_template(state, walked, consts)
             if made is not None:
