@@ -3,17 +3,19 @@
 Accelerate reads every file of a checkpoint folder through two functions of
 ``accelerate.checkpointing``: ``load`` (``torch.load``: optimizer, scheduler, sampler,
 dataloader, scaler and RNG states, and custom objects, these with ``weights_only=False``, so a
-``custom_checkpoint_<i>.pkl`` can run code) and ``load_model`` (safetensors model weights).
+``custom_checkpoint_<i>.pkl`` can run code) and ``load_model`` (safetensors model weights,
+through ``safetensors.torch.load_file``, replaced too).
 Rather than re-implement ``load_accelerator_state`` and ``load_custom_state``, stagesave
-replaces these two module attributes, once, with dispatchers. On a thread inside
+replaces these module attributes, once, with dispatchers. On a thread inside
 :func:`guarded` they read only files the checkpoint's proof lists (a file it does not list
 is refused with :class:`~stagesave.IntegrityError`), and they unpickle with
 :func:`stagesave.safety.safe_torch_load`: stagesave's safe unpickler with its allow-list
 (extended by :func:`stagesave.allow_globals`), or the full unpickler when the user said
 ``trusted=True``; a file the choice of the checkpoint verified moments ago, unchanged, is
-unpickled from the bytes that verification read (:mod:`stagesave.restore.kept_images`), not
-read again. On every other thread, and outside :func:`guarded`, they are
-Accelerate's own functions, unchanged (``disable()`` has nothing to undo).
+unpickled (a safetensors file: its tensors made) from the bytes that verification read
+(:mod:`stagesave.restore.kept_images`), not read again. On every other thread, and outside
+:func:`guarded`, they are Accelerate's (and safetensors') own functions, unchanged
+(``disable()`` has nothing to undo).
 
 Accelerate catches every error while it restores RNG states (and only logs "Could not load
 random states"); a refusal is therefore also recorded, and :func:`guarded` raises it when
@@ -32,6 +34,7 @@ from typing import Any
 
 from stagesave.errors import CheckpointError, IntegrityError, UnsafeCheckpointError
 from stagesave.restore import kept_images
+from stagesave.restore.safetensors_image import tensors_of
 from stagesave.safety import safe_torch_load
 
 __all__ = ["Guard", "guarded"]
@@ -112,12 +115,15 @@ def guarded(folder: str, names: frozenset[str] | None, trusted: bool) -> Iterato
 def _install() -> None:
     # the module Accelerate's load_accelerator_state and load_custom_state look both names up in
     checkpointing = importlib.import_module("accelerate.checkpointing")
+    st_torch = importlib.import_module("safetensors.torch")  # where load_model finds load_file
     with _install_lock:
         if _originals:
             return
-        for name, dispatcher in (("load", _load), ("load_model", _load_model)):
-            _originals[name] = getattr(checkpointing, name)
-            setattr(checkpointing, name, dispatcher)
+        for module, name, dispatcher in ((checkpointing, "load", _load),
+                                         (checkpointing, "load_model", _load_model),
+                                         (st_torch, "load_file", _load_file)):
+            _originals[name] = getattr(module, name)
+            setattr(module, name, dispatcher)
 
 
 def _load(f: Any, map_location: Any = None, **kwargs: Any) -> Any:
@@ -148,12 +154,37 @@ def _load(f: Any, map_location: Any = None, **kwargs: Any) -> Any:
 
 def _load_model(model: Any, filename: Any, *args: Any, **kwargs: Any) -> Any:
     """``accelerate.checkpointing.load_model`` (safetensors: no code runs), for listed files
-    only."""
+    only; a file the choice of this checkpoint verified moments ago, unchanged, is loaded from
+    the bytes that verification read (safetensors' ``load_model`` as it is, its ``load_file``
+    answered from them by :func:`_load_file`)."""
     guard: Guard | None = getattr(_active, "guard", None)
-    if guard is not None:
-        try:
-            guard.admit(filename)
-        except CheckpointError as exc:
-            guard.note(exc)
-            raise
-    return _originals["load_model"](model, filename, *args, **kwargs)
+    if guard is None:
+        return _originals["load_model"](model, filename, *args, **kwargs)
+    try:
+        guard.admit(filename)
+    except CheckpointError as exc:
+        guard.note(exc)
+        raise
+    kept = (kept_images.take_safetensors(filename)
+            if isinstance(filename, (str, os.PathLike)) else None)
+    tensors = tensors_of(kept) if kept is not None else None
+    if tensors is None:
+        return _originals["load_model"](model, filename, *args, **kwargs)
+    _active.tensors = (os.path.realpath(filename), tensors)
+    try:
+        return _originals["load_model"](model, filename, *args, **kwargs)
+    finally:
+        _active.tensors = None
+
+
+def _load_file(filename: Any, device: Any = "cpu", **kwargs: Any) -> Any:
+    """``safetensors.torch.load_file``: inside :func:`_load_model` on this thread, for the file
+    it loads, the tensors of the bytes verified (moved to ``device``); else safetensors' own."""
+    kept = getattr(_active, "tensors", None)
+    if (kept is None or not isinstance(filename, (str, os.PathLike))
+            or os.path.realpath(filename) != kept[0]):
+        return _originals["load_file"](filename, device=device, **kwargs)
+    _active.tensors = None  # once
+    if str(device) == "cpu":
+        return kept[1]
+    return {k: v.to(device) for k, v in kept[1].items()}

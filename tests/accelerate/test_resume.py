@@ -390,3 +390,50 @@ def test_load_state_unpickles_the_optimizer_from_the_bytes_its_choice_verified(t
     assert len(ptrs) == len(offsets) > 2
     assert [p - ptrs[0] for p in ptrs] == [o - offsets[0] for o in offsets]
     assert kept_images._scopes == []
+
+
+def test_load_state_takes_the_model_weights_from_the_bytes_its_choice_verified(
+        tmp_path, monkeypatch):
+    """model.safetensors too: verifying the chosen folder reads it into one buffer and
+    safetensors' own reader is not asked for it (its load_model runs as it is, its load_file
+    answered from those bytes); the models are equal to what was saved. A model file changed
+    after the save is refused before anything is loaded; after load_state nothing stays kept,
+    and safetensors' load_file outside load_state is its own."""
+    import safetensors.torch
+    from stagesave.accelerate import _trust
+
+    from stagesave.restore import kept_images
+
+    acc = _auto(tmp_path)
+    run = build(acc, n_models=2, width=256)
+    sa.enable(acc)
+    train(acc, run, 2)
+    before = snapshot(acc, run)
+    acc.save_state()
+    train(acc, run, 2)
+    own: list[str] = []
+    _trust._install()  # what the first load_state does
+    real = _trust._originals["load_file"]
+
+    def spy(filename, *args, **kwargs):
+        own.append(os.path.basename(filename))
+        return real(filename, *args, **kwargs)
+
+    monkeypatch.setitem(_trust._originals, "load_file", spy)
+    acc.load_state()
+    assert_same(before, snapshot(acc, run))
+    assert own == [], own  # neither model.safetensors nor model_1.safetensors read again
+    assert kept_images._scopes == []
+    folder = tmp_path / "checkpoints" / "checkpoint_0"
+    assert sorted(p.name for p in folder.glob("*.safetensors")) == [
+        "model.safetensors", "model_1.safetensors"]
+    loaded = safetensors.torch.load_file(folder / "model.safetensors")  # safetensors' own
+    assert own == ["model.safetensors"]  # tied weights are saved once: a subset of the keys
+    assert set(loaded) <= set(run["models"][0].state_dict()) and loaded
+    with open(folder / "model.safetensors", "r+b") as f:  # a flipped byte of the weights
+        f.seek(-5, os.SEEK_END)
+        b = f.read(1)
+        f.seek(-5, os.SEEK_END)
+        f.write(bytes([b[0] ^ 1]))
+    with pytest.raises(IntegrityError, match="checksum mismatch"):
+        acc.load_state(str(folder))

@@ -38,7 +38,9 @@ from ..stores.base import Reader
 from .proof import chunk_problems
 from .refusal import BadPickle
 
-__all__ = ["Image", "LeanStorage", "applies", "each_chunk", "read_image", "unpickle_image"]
+__all__ = [
+    "Image", "LeanStorage", "applies", "each_chunk", "read_image", "read_proven", "unpickle_image",
+]
 
 #: Tensors must fill at least this share of the file for the load to keep the file's buffer
 #: (else they are packed into one of their own).
@@ -125,6 +127,28 @@ def read_image(reader: Reader, fd: int | None, manifest: Manifest, pool: cf.Exec
     the pool reads."""
     entry = manifest.files[0]
     end = entry.end
+    buf, problems = read_proven(reader, fd, manifest, pool, where, check=check,
+                                meanwhile=meanwhile)
+    view = buf.view
+    head = bytes(view[:30])
+    if head[:4] != b"PK\x03\x04":
+        problems.append(f"{where}: not a zip archive at byte 0")
+    name_len, extra_len = int.from_bytes(head[26:28], "little"), int.from_bytes(head[28:30],
+                                                                                  "little")
+    image = Image(view[:end], {s.key: s for s in entry.storages}, 30 + name_len + extra_len,
+                  where)
+    if not problems and sum(s.nbytes for s in entry.storages) < MIN_TENSOR_SHARE * end:
+        image = _packed(image, buf)
+    return image, problems
+
+
+def read_proven(reader: Reader, fd: int | None, manifest: Manifest, pool: cf.Executor,
+                where: str, *, check: bool = True,
+                meanwhile: Callable[[], None] | None = None) -> tuple[HostBuffer, list[str]]:
+    """:func:`read_image`'s reads, of any file kind: the proven bytes in one page-aligned
+    buffer (its ``view`` from 0 to the proof's end) and the problems."""
+    entry = manifest.files[0]
+    end = entry.end
     buf = HostBuffer.allocate((end + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT, pinned=False)
     view = buf.view
     direct = direct_reader(fd) if fd is not None else None
@@ -145,16 +169,7 @@ def read_image(reader: Reader, fd: int | None, manifest: Manifest, pool: cf.Exec
     finally:
         if direct is not None:
             os.close(direct)
-    head = bytes(view[:30])
-    if head[:4] != b"PK\x03\x04":
-        problems.append(f"{where}: not a zip archive at byte 0")
-    name_len, extra_len = int.from_bytes(head[26:28], "little"), int.from_bytes(head[28:30],
-                                                                                  "little")
-    image = Image(view[:end], {s.key: s for s in entry.storages}, 30 + name_len + extra_len,
-                  where)
-    if not problems and sum(s.nbytes for s in entry.storages) < MIN_TENSOR_SHARE * end:
-        image = _packed(image, buf)
-    return image, problems
+    return buf, problems
 
 
 def _packed(image: Image, buf: HostBuffer) -> Image:
