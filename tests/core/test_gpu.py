@@ -98,3 +98,20 @@ def test_a_state_on_two_devices_waits_for_both(ckpt_dir):
         h.result()
         out = ck.load("two.ckpt", map_location="cpu")
     assert torch.equal(out["a"], expected["a"]) and torch.equal(out["b"], expected["b"])
+
+
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_a_buffer_made_ahead_is_pinned_from_the_callers_device(tmp_path, monkeypatch, writer):
+    """The first save's buffer is made on a thread while the state is planned: pinned with the
+    saving thread's current device (a rank's own GPU), and a CUDA state round-trips."""
+    monkeypatch.setenv("STAGESAVE_SHM_DIR", str(tmp_path / "shm"))
+    (tmp_path / "shm").mkdir()
+    last = torch.cuda.device_count() - 1
+    with torch.cuda.device(last):
+        w = torch.randn(2048, 2048, device=f"cuda:{last}")
+        with stagesave.Checkpointer(tmp_path / "ck", writer=writer) as ck:
+            ck.save({"w": w}, "g.ckpt").result(120)
+            (buf,) = ck.memory.host._free
+            assert buf.pinned and buf.tensor.is_pinned()
+            out = ck.load(tmp_path / "ck" / "g.ckpt", map_location=f"cuda:{last}")
+            assert torch.equal(out["w"], w)

@@ -270,7 +270,10 @@ class BufferPool:
                 self._count += 1
             capacity = _round_up(max(least, found[1]), GROWTH_STEP)
             self._wanted.clear()
-            self._maker = threading.Thread(target=self._make, args=(old, capacity),
+            # pinned on the caller's device (a rank's own GPU), not on a new thread's device 0
+            cuda = torch.cuda.current_device() if (
+                self.pinned and torch.cuda.is_initialized()) else None  # type: ignore[no-untyped-call]
+            self._maker = threading.Thread(target=self._make, args=(old, capacity, cuda),
                                            name="stagesave-buffer", daemon=True)
             self._maker.start()
 
@@ -280,9 +283,11 @@ class BufferPool:
         return not self._free and self._count < self.max_buffers if only_when_empty else (
             bool(self._free) or self._count < self.max_buffers)
 
-    def _make(self, old: HostBuffer | None, capacity: int) -> None:
+    def _make(self, old: HostBuffer | None, capacity: int, cuda: int | None) -> None:
         buf: HostBuffer | None = None
         try:
+            if cuda is not None:
+                torch.cuda.set_device(cuda)
             if old is not None:
                 self._free_memory(old)
             buf = HostBuffer.allocate(capacity, self.pinned, shared=self.segments is not None)
