@@ -17,6 +17,13 @@ Accelerate saves each model and optimizer through one writer):
   (compared by value: ranks send theirs through a collective) returns its last global plan and a
   copy of its last metadata, skipping de-duplication and validation.
 
+Two more of DCP's per-item costs go at every save: the state is flattened in one pass, and
+flattened again for ``ShardedTensor`` s only when it holds one (:mod:`._flatten`: the same flat
+state and mappings, ~0.7 s less per save at 100,000 tensors); and ``resolve_data`` of a plain
+tensor's item takes it from the flat state directly (DCP's lookup checks its chunk offset and
+type through abstract classes, ~2 µs per item), unless a subclass changed how objects are looked
+up or transformed.
+
 The plans are DCP's own; nothing else changes (the collectives still run, each rank still
 resolves every item from the state at hand). Unlike DCP's ``enable_plan_caching``, nothing is
 skipped in the exchange, so the storage writer's per-save plan data (``StagedStorageWriter``'s
@@ -26,13 +33,15 @@ save id and staging folder) is fresh at every save.
 from __future__ import annotations
 
 import dataclasses
+import io
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
+from ._flatten import fast_flatten_usable, flatten
 from ._recent import Recent
 
 __all__ = ["SteadySavePlanner"]
@@ -80,8 +89,39 @@ class SteadySavePlanner(DefaultSavePlanner):
         super().__init__(**kwargs)
         self._locals: Recent[tuple[list[Any], dict[str, Any], SavePlan]] = Recent()
         self._globals: Recent[tuple[list[SavePlan], list[SavePlan], Metadata]] = Recent()
+        kind = type(self)  # looks objects up and transforms them as DCP's default does
+        self._plain_lookup = (kind.lookup_object is DefaultSavePlanner.lookup_object
+                              and kind.transform_object is DefaultSavePlanner.transform_object)
         self.reused_local = 0  # saves that reused the local / the global plan (telemetry, tests)
         self.reused_global = 0
+
+    def set_up_planner(self, state_dict: dict[str, Any], storage_meta: StorageMeta | None = None,
+                       is_coordinator: bool = False) -> None:
+        flat = flatten(state_dict) if self.flatten_state_dict and fast_flatten_usable() else None
+        if flat is None:
+            super().set_up_planner(state_dict, storage_meta, is_coordinator)
+            return
+        state, mappings, sharded = flat
+        # DCP's own set-up on the flat state: it flattens nothing more (ShardedTensors only
+        # when there are some), and does whatever else this torch's version does
+        flags = self.flatten_state_dict, self.flatten_sharded_tensors
+        self.flatten_sharded_tensors = flags[1] and sharded
+        self.flatten_state_dict = False
+        try:
+            super().set_up_planner(state, storage_meta, is_coordinator)
+        finally:
+            self.flatten_state_dict, self.flatten_sharded_tensors = flags
+        self.mappings = mappings
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        index = write_item.index
+        if write_item.type is WriteItemType.TENSOR and self._plain_lookup:
+            obj: Any = self.state_dict.get(index.fqn)
+            if type(obj) in _PLAIN:
+                offset = index.offset
+                if offset is None or (len(offset) == obj.dim() and not any(offset)):
+                    return obj  # type: ignore[no-any-return]  # DCP's answer for a plain tensor
+        return super().resolve_data(write_item)
 
     def create_local_plan(self) -> SavePlan:
         signature = _signature(self.state_dict, self.is_coordinator)

@@ -1,0 +1,176 @@
+"""The steady planner's own flattening and lookups give DCP's answers (:mod:`stagesave.dcp._flatten`)."""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.distributed.checkpoint import _version
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+import stagesave.dcp as sdcp
+from stagesave.dcp import _flatten
+from stagesave.dcp._flatten import fast_flatten_usable, flatten
+from stagesave.dcp._steady_planner import SteadySavePlanner
+
+
+class _Frozen(Mapping[Any, Any]):
+    """A mapping that is not a dict (walked through the abstract-class check)."""
+
+    def __init__(self, items: dict[Any, Any]) -> None:
+        self._items = dict(items)
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._items[key]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+class _Box(list):  # type: ignore[type-arg]
+    """A list subclass (DCP walks it like a list)."""
+
+
+_TENSORS = [torch.zeros(2), torch.ones(3), torch.nn.Parameter(torch.zeros(1)), torch.zeros(0)]
+_keys = st.one_of(st.sampled_from(["a", "b", "a.b", "0", "x"]), st.integers(0, 3),
+                  st.just((1, 2)), st.just(1.0), st.just(True))
+_leaves = st.one_of(st.sampled_from(_TENSORS), st.integers(-3, 3), st.none(), st.text(max_size=3),
+                    st.floats(allow_nan=False), st.just(b"x"), st.booleans())
+
+
+def _containers(children: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    return st.one_of(
+        st.dictionaries(_keys, children, max_size=4),
+        st.dictionaries(_keys, children, max_size=3).map(collections.OrderedDict),
+        st.dictionaries(_keys, children, max_size=3).map(_Frozen),
+        st.lists(children, max_size=4),
+        st.lists(children, max_size=3).map(_Box),
+        st.lists(children, max_size=3).map(tuple),
+    )
+
+
+_states = st.dictionaries(_keys, st.recursive(_leaves, _containers, max_leaves=25), max_size=5)
+
+
+@settings(max_examples=400, deadline=None)
+@given(_states)
+def test_flatten_gives_dcps_flat_state_and_mappings(state):
+    try:
+        theirs = flatten_state_dict(state)
+    except ValueError as exc:  # two paths joined to one key
+        assert "duplicated flatten key" in str(exc)
+        assert flatten(state) is None
+        return
+    ours = flatten(state)
+    assert ours is not None
+    flat, paths, sharded = ours
+    assert list(flat) == list(theirs[0])  # the same keys in the same order
+    assert all(flat[k] is theirs[0][k] for k in flat)  # the very same objects
+    assert paths == theirs[1]
+    assert [type(p) for path in paths.values() for p in path] == [
+        type(p) for path in theirs[1].values() for p in path]
+    assert sharded is False
+
+
+def test_a_state_dcp_lays_out_as_torch_2_3_did_is_flattened_by_dcp(monkeypatch):
+    state = {"a": {"b": [torch.zeros(1), 1]}, "c": {"x": 1, "y": [2]}}
+    assert fast_flatten_usable()
+    monkeypatch.setattr(_version, "_derived_version", "2_3")
+    assert not fast_flatten_usable()
+    planner = SteadySavePlanner()
+    planner.set_up_planner(state, None, True)
+    expected = flatten_state_dict(state)  # DCP's older walk: a dict without tensors is one value
+    assert list(planner.state_dict) == list(expected[0]) == ["a.b.0", "a.b.1", "c"]
+    assert planner.mappings == expected[1]
+
+
+def test_the_planners_set_up_equals_dcps_default(tmp_path):
+    state = {"model": {"w": torch.randn(3, 2), "layers": [{"b": torch.zeros(2)}, {"b": torch.ones(2)}]},
+             "optimizer": {"state": {0: {"exp_avg": torch.zeros(2), "step": torch.tensor(3.0)}},
+                           "param_groups": [{"lr": 0.1, "params": [0]}]},
+             "epoch": 2, "names": ["x", "y"]}
+    ours, theirs = SteadySavePlanner(), DefaultSavePlanner()
+    ours.set_up_planner(state, None, True)
+    theirs.set_up_planner(state, None, True)
+    assert list(ours.state_dict) == list(theirs.state_dict)
+    assert all(ours.state_dict[k] is theirs.state_dict[k] for k in ours.state_dict)
+    assert ours.mappings == theirs.mappings
+    assert ours.flatten_state_dict and ours.flatten_sharded_tensors  # flags as they were
+    plan, expected_plan = ours.create_local_plan(), theirs.create_local_plan()
+    assert plan.items == expected_plan.items
+    assert plan.planner_data == expected_plan.planner_data == theirs.mappings
+    # each item resolves to what DCP's default resolves it to (the tensor itself, or the same
+    # pickled bytes for the other values)
+    for item in plan.items:
+        mine, dcps = ours.resolve_data(item), theirs.resolve_data(item)
+        if isinstance(dcps, torch.Tensor):
+            assert mine is dcps
+        else:
+            assert mine.getvalue() == dcps.getvalue()
+
+
+def test_a_subclass_that_looks_objects_up_itself_is_asked(tmp_path):
+    asked = []
+
+    class Scaling(SteadySavePlanner):
+        def lookup_object(self, index):
+            asked.append(index.fqn)
+            obj = super().lookup_object(index)
+            return obj * 2 if isinstance(obj, torch.Tensor) else obj
+
+    state = {"w": torch.ones(4), "step": 3}
+    with sdcp.StagedStorageWriter(root=tmp_path, commit_timeout=60) as writer:
+        sdcp.save(state, "one", writer=writer, planner=Scaling()).result(60)
+    target = {"w": torch.zeros(4), "step": 0}
+    sdcp.load(target, tmp_path / "one")
+    assert torch.equal(target["w"], torch.full((4,), 2.0))
+    assert "w" in asked
+
+
+def test_a_plain_tensor_item_at_a_wrong_offset_is_refused_as_dcp_refuses_it():
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+
+    planner = SteadySavePlanner()
+    planner.set_up_planner({"w": torch.zeros(4, 2)}, None, True)
+    item = WriteItem(index=MetadataIndex("w", [2, 0]), type=WriteItemType.TENSOR)
+    with pytest.raises(ValueError, match="is not a ShardedTensor, can't find by offset"):
+        planner.resolve_data(item)
+    whole = WriteItem(index=MetadataIndex("w", [0, 0]), type=WriteItemType.TENSOR)
+    assert planner.resolve_data(whole) is planner.state_dict["w"]
+
+
+def test_duplicate_keys_raise_dcps_error():
+    state = {"a.b": torch.zeros(1), "a": {"b": torch.ones(1)}}
+    with pytest.raises(ValueError, match="duplicated flatten key a.b"):
+        SteadySavePlanner().set_up_planner(state, None, True)
+
+
+def test_a_state_holding_a_sharded_tensor_is_flattened_for_it(monkeypatch):
+    """A flat state with a ShardedTensor among its values runs DCP's second flattening; one
+    without does not (a ShardedTensor needs a process group to make: its type is swapped)."""
+    calls = []
+    real = _flatten._SHARDED
+
+    class Marker(torch.Tensor):
+        pass
+
+    import torch.distributed.checkpoint.default_planner as dp
+    monkeypatch.setattr(dp, "_flatten_sharded_tensors",
+                        lambda sd: calls.append(list(sd)) or sd)
+    SteadySavePlanner().set_up_planner({"a": {"b": torch.zeros(1)}}, None, True)
+    assert calls == []
+    monkeypatch.setattr(_flatten, "_SHARDED", Marker)
+    marked = torch.zeros(1).as_subclass(Marker)
+    SteadySavePlanner().set_up_planner({"a": {"b": marked, "c": 1}}, None, True)
+    assert calls == [["a.b", "a.c"]]
+    assert real is not None
