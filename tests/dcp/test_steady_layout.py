@@ -91,6 +91,39 @@ def test_an_unchanged_plan_reuses_its_layout_and_writes_what_a_fresh_writer_writ
     assert str(md.storage_meta.checkpoint_id).endswith("s2")
 
 
+def test_tensors_at_new_addresses_are_copied_from_there(writers):
+    """A reused layout keeps the host copies of its last save: reused while every tensor is at
+    the same address, made again when one moved (a new tensor of the same shape)."""
+    steady, fresh = writers
+    state = {"model": {"w": torch.randn(64, 64), "b": torch.randn(64), "big": torch.randn(40_000),
+                       "ids": torch.arange(10)}, "step": 1}
+    save(steady, state, "s1")
+    layout = steady._layouts.entries[0]
+    assert layout.host is not None
+    copies = layout.host[2]
+    assert len(copies.small) == 3 and len(copies.big) == 1  # 160 KB: copied by memmove
+    with torch.no_grad():
+        state["model"]["w"].add_(1)
+    state["step"] = 2
+    second = save(steady, state, "s2")
+    assert steady._layouts.entries == [layout] and layout.host[2] is copies  # same addresses
+    assert data_bytes(second) == data_bytes(save(fresh, state, "s2"))
+    for key in ("w", "big"):  # new storages: the old ones are freed (their memory reused)
+        state["model"][key] = torch.randn(state["model"][key].shape)
+    state["step"] = 3
+    third = save(steady, state, "s3")
+    assert steady._layouts.entries == [layout] and layout.host[2] is not copies
+    fresh_third = save(fresh, state, "s3")
+    assert data_bytes(third) == data_bytes(fresh_third)
+    md, md_fresh = (pickle.loads(metadata_pickle(f)) for f in (third, fresh_third))
+    assert md.storage_data == md_fresh.storage_data
+    got = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}, "step": 0}
+    dcp.load(got, checkpoint_id=str(third))  # torch's own reader
+    for k, v in state["model"].items():
+        assert torch.equal(got["model"][k], v), k
+    assert got["step"] == 3
+
+
 @pytest.mark.parametrize(
     "change",
     ["shape", "dtype", "new key", "key removed", "longer object", "tensor becomes object"],

@@ -22,10 +22,11 @@ holds the layout's bytes from an earlier save does not receive them again
 from __future__ import annotations
 
 import collections
+import ctypes
 import io
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import IO, Any, cast
 
 import torch
@@ -34,6 +35,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.utils.serialization import config as _torch_save_config
 
 from ..errors import UnsupportedObjectError
+from ..saving.host_copy import BIG, HostCopies
 from ..saving.image import FileImage, StorageSlot
 from ..saving.sparse import SparseReader, SparseSink
 from ._format import ITEM_ALIGNMENT, RANK_FILE_KIND
@@ -145,6 +147,13 @@ class RankLayout:
     lengths: list[int]
     tensor_bytes: int
     nonempty: int
+    #: DCP's write results of this layout (the same for every save of the same items).
+    results: list[WriteResult] | None = field(default=None, compare=False)
+    #: ``(addresses, slots, copies)`` of the last save whose items were all in host memory:
+    #: reused by a save whose items are at the same addresses (checked at every save, as a
+    #: reused torch-file plan does; the views in ``copies`` are used only then).
+    host: tuple[list[int], list[StorageSlot], HostCopies] | None = field(default=None,
+                                                                          compare=False)
 
 
 @dataclass
@@ -292,26 +301,68 @@ def layout_rank_file(
         if known is not None:
             known.add(layout)
     pieces: list[tuple[int, bytes]] = list(layout.static)
-    slots: list[StorageSlot] = []
-    results: list[WriteResult] = []
-    for n, (item, obj, place, info, length) in enumerate(
-        zip(items, found, layout.places, layout.infos, layout.lengths)
-    ):
+    for obj, place in zip(found, layout.places):
         if type(obj) is bytes:
             pieces.append((place, obj))
-        else:
-            nbytes = obj.nbytes
-            if nbytes:
-                # a host tensor by its address (``sources`` keeps it alive until it is staged)
-                slots.append(
-                    StorageSlot(str(n), place, nbytes, device_type="cpu", address=obj.data_ptr())
-                    if obj.is_cpu
-                    else StorageSlot(str(n), place, nbytes, _flat_bytes(obj))
-                )
-        results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=info))
+    if layout.results is None:
+        layout.results = [
+            WriteResult(index=item.index, size_in_bytes=length, storage_data=info)
+            for item, info, length in zip(items, layout.infos, layout.lengths)
+        ]
+    slots, copies = _slots(found, layout)
     image = FileImage(
         size=layout.size, pieces=pieces, slots=slots, serialization_id="", id_offset=0,
         kind=RANK_FILE_KIND, gapless=True, static=(layout, 0, len(layout.static)),
-        counts=(layout.tensor_bytes, layout.nonempty),
+        counts=(layout.tensor_bytes, layout.nonempty), copies=copies,
     )
-    return RankImage(image, results, layout.tensor_bytes, layout, found)
+    return RankImage(image, layout.results, layout.tensor_bytes, layout, found)
+
+
+def _host_addresses(found: list[Any]) -> list[int] | None:
+    """Each item's data address (``0`` for a blob); ``None`` when a tensor is not in host
+    memory."""
+    out: list[int] = []
+    note = out.append
+    for obj in found:
+        if type(obj) is bytes:
+            note(0)
+        elif obj.is_cpu:
+            note(obj.data_ptr())
+        else:
+            return None
+    return out
+
+
+def _slots(found: list[Any], layout: RankLayout) -> tuple[list[StorageSlot], HostCopies | None]:
+    """The slots of the tensors' bytes, and their host copies when every tensor is in host
+    memory (those of the last save when the addresses are the same)."""
+    addresses = _host_addresses(found)
+    known = layout.host
+    if addresses is not None and known is not None and known[0] == addresses:
+        return known[1], known[2]
+    slots: list[StorageSlot] = []
+    copies = HostCopies() if addresses is not None else None
+    for n, (obj, place) in enumerate(zip(found, layout.places)):
+        if type(obj) is bytes:
+            continue
+        nbytes = obj.nbytes
+        if not nbytes:
+            continue
+        if copies is None:  # a tensor by its address (the save's ``sources`` keep it alive)
+            slots.append(StorageSlot(str(n), place, nbytes, device_type="cpu",
+                                     address=obj.data_ptr()) if obj.is_cpu
+                         else StorageSlot(str(n), place, nbytes, _flat_bytes(obj)))
+            continue
+        address = obj.data_ptr()
+        slots.append(StorageSlot(str(n), place, nbytes, device_type="cpu", address=address))
+        if nbytes >= BIG:
+            copies.big.append((place, address, nbytes))
+        else:
+            copies.small.append((place, _memory(address, nbytes)))
+    if addresses is not None and copies is not None:
+        layout.host = (addresses, slots, copies)
+    return slots, copies
+
+
+def _memory(address: int, nbytes: int) -> memoryview:
+    return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")

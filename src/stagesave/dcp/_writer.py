@@ -141,6 +141,8 @@ class StagedStorageWriter(StorageWriter):
         self._skeletons = SkeletonCache()
         self._layouts: Recent[RankLayout] = Recent()  # recent saves', reused for the same plan
         self._metadata_pickler = MetadataPickler()  # recent pickles, reused for the same plan
+        # the last finish's results (per rank, by identity) and the storage data made of them
+        self._storage_data: tuple[list[list[WriteResult]], dict[Any, Any]] | None = None
         self._planner: SteadySavePlanner | None = None
         self._save: _Save | None = None
         self._open_slots: list[MetadataSlot] = []
@@ -314,7 +316,7 @@ class StagedStorageWriter(StorageWriter):
             raise UsageError("finish() was called before write_data() on the coordinator")
         try:
             metadata.version = CURRENT_DCP_VERSION
-            metadata.storage_data = {wr.index: wr.storage_data for rank in results for wr in rank}
+            metadata.storage_data = self._storage_data_of(results)
             metadata.storage_meta = StorageMeta(
                 checkpoint_id=os.fspath(self.path) if self.path is not None else None,
                 save_id=s.spec.save_id,
@@ -325,6 +327,17 @@ class StagedStorageWriter(StorageWriter):
             raise
         finally:
             self._save = None
+
+    def _storage_data_of(self, results: list[list[WriteResult]]) -> dict[Any, Any]:
+        """``.metadata``'s storage data: each result's storage info by index (a copy of the
+        last save's when every rank returned the very same result lists: a reused layout's)."""
+        last = self._storage_data
+        if last is not None and len(last[0]) == len(results) and all(
+                a is b for a, b in zip(last[0], results)):
+            return dict(last[1])
+        made = {wr.index: wr.storage_data for rank in results for wr in rank}
+        self._storage_data = (list(results), made)
+        return dict(made)
 
     # ------------------------------------------------------------------ lifecycle
     def abandon(self, reason: str = "dcp.save raised before finish()") -> None:
@@ -360,6 +373,7 @@ class StagedStorageWriter(StorageWriter):
         self.abandon("the writer was closed before dcp.save reached finish()")
         self._layouts = Recent()
         self._metadata_pickler = MetadataPickler()
+        self._storage_data = None
         self._planner = None
         if self._owned:
             self._ckpt.close(timeout)
