@@ -46,6 +46,7 @@ __all__ = ["RankImage", "RankLayout", "SkeletonCache", "layout_rank_file"]
 
 _Tensor = torch.Tensor
 _BYTE_IO = WriteItemType.BYTE_IO
+_STRIDED = torch.strided
 
 
 @dataclass(frozen=True)
@@ -173,18 +174,6 @@ def _align(n: int) -> int:
     return (n + ITEM_ALIGNMENT - 1) // ITEM_ALIGNMENT * ITEM_ALIGNMENT
 
 
-def _fast_path(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a plain strided tensor whose bytes can be copied as they are."""
-    return (
-        type(t) is _Tensor
-        and t.layout == torch.strided
-        and not t.is_quantized
-        and not t.is_nested
-        and not t.is_conj()
-        and not t.is_neg()
-    )
-
-
 def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of a contiguous tensor's own elements (not its whole storage)."""
     return t.detach().reshape(-1).view(torch.uint8)
@@ -201,38 +190,42 @@ def _serialized(t: torch.Tensor) -> bytes:
 
 
 def _resolved(
-    items: Sequence[WriteItem], resolve: Callable[[WriteItem], Any]
+    items: Sequence[WriteItem], resolve: Callable[[WriteItem], Any],
+    resolve_items: Callable[[Sequence[WriteItem]], list[Any]] | None = None,
 ) -> tuple[list[tuple[Any, ...]], list[Any]]:
     """Each item's layout key and what goes into the file: a contiguous tensor or a blob.
 
-    ``resolve`` is the planner's ``resolve_data``; it runs here, on the caller's thread, so
-    non-tensor items are serialized now (capturing their value at this instant).
+    ``resolve`` is the planner's ``resolve_data`` (``resolve_items``: the same for all items in
+    one call); it runs here, on the caller's thread, so non-tensor items are serialized now
+    (capturing their value at this instant).
     """
     keys: list[tuple[Any, ...]] = []
     found: list[Any] = []
     key, keep = keys.append, found.append
-    for item in items:
-        data = resolve(item)
+    resolved = resolve_items(items) if resolve_items is not None else map(resolve, items)
+    for item, data in zip(items, resolved):
         if item.type == _BYTE_IO:
             blob = bytes(cast(io.BytesIO, data).getbuffer())
             key((item.index, len(blob)))
             keep(blob)
             continue
         t = cast(torch.Tensor, data)
+        if type(t) is _Tensor and t.layout == _STRIDED and not (
+                t.is_meta or t.is_quantized or t.is_nested or t.is_conj() or t.is_neg()):
+            # a plain strided tensor: its bytes are copied as they are
+            if not t.is_contiguous():
+                t = t.detach().contiguous()
+            key((item.index, t.dtype, t.shape))
+            keep(t)
+            continue
         if t.is_meta:
             raise UnsupportedObjectError(
                 f"cannot save {item.index.fqn}: it is a tensor on the meta device (no data); "
                 "materialize it before saving"
             )
-        if _fast_path(t):
-            if not t.is_contiguous():
-                t = t.detach().contiguous()
-            key((item.index, t.dtype, t.shape))
-            keep(t)
-        else:
-            blob = _serialized(t)
-            key((item.index, len(blob)))
-            keep(blob)
+        blob = _serialized(t)
+        key((item.index, len(blob)))
+        keep(blob)
     return keys, found
 
 
@@ -283,16 +276,18 @@ def layout_rank_file(
     file_name: str,
     cache: SkeletonCache,
     known: Recent[RankLayout] | None = None,
+    resolve_items: Callable[[Sequence[WriteItem]], list[Any]] | None = None,
 ) -> RankImage:
     """Place every item of a rank's plan in its data file; nothing is copied yet.
 
     ``known``: the layouts of this writer's recent saves; one whose items are the same is
-    reused, else the new layout joins them.
+    reused, else the new layout joins them. ``resolve_items``: ``resolve`` of all items in one
+    call (:meth:`.SteadySavePlanner.resolve_items`).
 
     Raises:
         UnsupportedObjectError: an item is a tensor on the meta device (it has no data).
     """
-    keys, found = _resolved(items, resolve)
+    keys, found = _resolved(items, resolve, resolve_items)
     layout = None
     if known is not None:
         layout = known.find(lambda old: old.file_name == file_name and old.keys == keys)

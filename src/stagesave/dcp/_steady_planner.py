@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -122,6 +123,26 @@ class SteadySavePlanner(DefaultSavePlanner):
                 if offset is None or (len(offset) == obj.dim() and not any(offset)):
                     return obj  # type: ignore[no-any-return]  # DCP's answer for a plain tensor
         return super().resolve_data(write_item)
+
+    def resolve_items(self, items: Sequence[WriteItem]) -> list[Any]:
+        """:meth:`resolve_data` of each item, in order (one call for a whole rank file)."""
+        if not self._plain_lookup or type(self).resolve_data is not SteadySavePlanner.resolve_data:
+            return [self.resolve_data(item) for item in items]
+        state, tensor, plain = self.state_dict, WriteItemType.TENSOR, _PLAIN
+        resolve = super().resolve_data
+        out: list[Any] = []
+        note = out.append
+        for item in items:
+            if item.type is tensor:
+                index = item.index
+                obj: Any = state.get(index.fqn)
+                if type(obj) in plain:
+                    offset = index.offset
+                    if offset is None or (len(offset) == obj.dim() and not any(offset)):
+                        note(obj)
+                        continue
+            note(resolve(item))
+        return out
 
     def create_local_plan(self) -> SavePlan:
         signature = _signature(self.state_dict, self.is_coordinator)

@@ -261,7 +261,8 @@ class StagedStorageWriter(StorageWriter):
         try:
             t0 = time.perf_counter()
             rank_image = layout_rank_file(
-                plan.items, planner.resolve_data, spec.file_name, self._skeletons, self._layouts
+                plan.items, planner.resolve_data, spec.file_name, self._skeletons, self._layouts,
+                planner.resolve_items if isinstance(planner, SteadySavePlanner) else None,
             )
             image = rank_image.image
             tel.plan_s = time.perf_counter() - t0
