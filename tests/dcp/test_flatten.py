@@ -110,12 +110,13 @@ def test_the_planners_set_up_equals_dcps_default(tmp_path):
     assert plan.planner_data == expected_plan.planner_data == theirs.mappings
     # each item resolves to what DCP's default resolves it to (the tensor itself, or the same
     # pickled bytes for the other values)
-    for item in plan.items:
+    in_one_call = ours.resolve_items(plan.items)
+    for item, together in zip(plan.items, in_one_call, strict=True):
         mine, dcps = ours.resolve_data(item), theirs.resolve_data(item)
         if isinstance(dcps, torch.Tensor):
-            assert mine is dcps
+            assert mine is dcps and together is dcps
         else:
-            assert mine.getvalue() == dcps.getvalue()
+            assert mine.getvalue() == dcps.getvalue() == together.getvalue()
 
 
 def test_a_subclass_that_looks_objects_up_itself_is_asked(tmp_path):
@@ -134,6 +135,22 @@ def test_a_subclass_that_looks_objects_up_itself_is_asked(tmp_path):
     sdcp.load(target, tmp_path / "one")
     assert torch.equal(target["w"], torch.full((4,), 2.0))
     assert "w" in asked
+
+
+def test_a_subclass_that_resolves_items_itself_is_asked_for_each(tmp_path):
+    class Doubling(SteadySavePlanner):
+        def resolve_data(self, write_item):
+            obj = super().resolve_data(write_item)
+            return obj * 2 if isinstance(obj, torch.Tensor) else obj
+
+    state = {"w": torch.ones(4), "v": torch.arange(3.0), "step": 3}
+    with sdcp.StagedStorageWriter(root=tmp_path, commit_timeout=60) as writer:
+        sdcp.save(state, "one", writer=writer, planner=Doubling()).result(60)
+    target = {"w": torch.zeros(4), "v": torch.zeros(3), "step": 0}
+    sdcp.load(target, tmp_path / "one")
+    assert torch.equal(target["w"], torch.full((4,), 2.0))
+    assert torch.equal(target["v"], torch.tensor([0.0, 2.0, 4.0]))
+    assert target["step"] == 3
 
 
 def test_a_plain_tensor_item_at_a_wrong_offset_is_refused_as_dcp_refuses_it():
