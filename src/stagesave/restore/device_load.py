@@ -32,7 +32,7 @@ from ..ondisk.manifest import Manifest
 from ..ondisk.names import ALIGNMENT
 from ..saving.buffers import HostBuffer
 from ..stores.base import Reader
-from .image_load import Image, direct_reader, each_chunk, read_chunk
+from .image_load import Image, chunk_reads, direct_for, each_chunk, read_chunk
 from .proof import chunk_problems
 
 __all__ = ["RING_BYTES", "read_to_device", "target_device"]
@@ -126,7 +126,7 @@ def read_to_device(
     for slot in slots:
         free.put(slot)
     copier = _Copier(device)
-    direct = direct_reader(fd) if fd is not None else None
+    direct, cached = chunk_reads(fd, entry.end)
     lock = threading.Lock()  # chunk bytes of the head land from several threads
 
     def one(i: int) -> str | None:
@@ -135,7 +135,8 @@ def read_to_device(
         try:
             if slot.done is not None:
                 slot.done.synchronize()  # its last chunk's copies are done: the room is free
-            got = read_chunk(reader, direct, lo, hi - lo, slot.view)
+            got = read_chunk(reader, direct_for(direct, cached, lo, hi - lo), lo, hi - lo,
+                             slot.view)
             data = slot.view[: hi - lo]
             if got != hi - lo:
                 return f"{where}: truncated at byte {lo + got}"

@@ -3,7 +3,8 @@
 ``torch.load(mmap=True)`` after verification reads the file twice over the page cache: once to
 hash it (a copy into a scratch buffer), once more as the tensors are first touched (a fault per
 page). Here the proven bytes of a format-2 torch file are read once, with parallel ``O_DIRECT``
-reads of whole chunks into one page-aligned buffer, each chunk hashed while it is in cache; the
+reads of whole chunks into one page-aligned buffer (through the page cache for a chunk whose
+pages it holds already: :mod:`.residency`), each chunk hashed while it is in cache; the
 pickle then runs in the safe unpickler with a ``persistent_load`` that hands out storages over
 that buffer (no second copy). Storage ids are checked against the file's proof: a known key, a
 size within its record.
@@ -37,6 +38,7 @@ from ..saving.buffers import HostBuffer
 from ..stores.base import Reader
 from .proof import chunk_problems
 from .refusal import BadPickle
+from .residency import cached_pages, mostly_cached
 
 __all__ = [
     "Image", "LeanStorage", "applies", "each_chunk", "read_image", "read_proven", "unpickle_image",
@@ -80,6 +82,22 @@ def direct_reader(fd: int) -> int | None:
         return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
     except (OSError, AttributeError):
         return None
+
+
+def chunk_reads(fd: int | None, size: int) -> tuple[int | None, bytes | None]:
+    """For a local file's descriptor: the same file opened for ``O_DIRECT`` (``None``: not
+    supported, or not a local file) and which pages of its first ``size`` bytes the page cache
+    holds (:mod:`.residency`; ``None``: not known). Close the first when done."""
+    direct = direct_reader(fd) if fd is not None else None
+    return direct, cached_pages(fd, size) if fd is not None and direct is not None else None
+
+
+def direct_for(direct: int | None, cached: bytes | None, lo: int, n: int) -> int | None:
+    """``direct`` for the chunk ``[lo, lo + n)`` unless the page cache holds most of its pages
+    (then ``None``: read through the cache, at memory speed rather than the disk's)."""
+    if direct is None or (cached is not None and mostly_cached(cached, lo, n)):
+        return None
+    return direct
 
 
 def read_chunk(reader: Reader, direct: int | None, lo: int, n: int, room: memoryview) -> int:
@@ -151,10 +169,11 @@ def read_proven(reader: Reader, fd: int | None, manifest: Manifest, pool: cf.Exe
     end = entry.end
     buf = HostBuffer.allocate((end + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT, pinned=False)
     view = buf.view
-    direct = direct_reader(fd) if fd is not None else None
+    direct, cached = chunk_reads(fd, end)
 
     def read(lo: int, n: int) -> memoryview:
-        return view[lo : lo + read_chunk(reader, direct, lo, n, view[lo:])]
+        return view[lo : lo + read_chunk(reader, direct_for(direct, cached, lo, n), lo, n,
+                                         view[lo:])]
 
     def read_only(i: int) -> str | None:
         lo, hi = entry.chunk_range(i)
