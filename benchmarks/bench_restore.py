@@ -3,6 +3,7 @@
 Usage: python benchmarks/bench_restore.py --gib 0.5 2 --rounds 3 [--dir /path/on/the/disk]
        python benchmarks/bench_restore.py --gib 2 --map-location cuda   # loads onto a GPU
        python benchmarks/bench_restore.py --gib --shapes s8000 s100k   # bench_shapes's states
+       python benchmarks/bench_restore.py --gib 2 --warm   # both files in the page cache
 
 For each size, a transformer-like state (and each of ``--shapes``, the states of
 ``bench_shapes.py``) is saved twice, by stagesave and by ``torch.save``. Every
@@ -20,6 +21,10 @@ Figures are medians over ``--rounds`` (interleaved, the order rotated each round
   buffer: no fresh memory to fault in, unlike any load);
 * ``Checkpointer.load`` with ``verify=True`` (the default) and ``verify=False``;
 * ``torch.load(weights_only=True)`` of the ``torch.save`` file, with and without ``mmap``.
+
+``--warm``: nothing is dropped; before every measurement both files are read through the page
+cache (a restart right after a save, or a second load of one checkpoint), so the floors read
+sequentially come from memory and the O_DIRECT ones from the disk.
 """
 
 from __future__ import annotations
@@ -142,6 +147,14 @@ LABELS = {
 }
 
 
+def _cache(*paths: str) -> None:
+    """Read each file through the page cache (``--warm``)."""
+    for path in paths:
+        with open(path, "rb", buffering=0) as f:
+            while f.read(64 << 20):
+                pass
+
+
 def run_child(variant: str, ours: str, theirs: str, threads: int, where: str = "",
               busy: bool = False) -> tuple[float, float]:
     """Seconds until the state was returned, and until every tensor's bytes were touched.
@@ -182,10 +195,12 @@ def main() -> None:
                     help="a process spinning on one core beside every measurement (on this "
                          "project's VM a load that leaves the CPUs idle, verify=False, read "
                          "slower than one that hashes, and faster with a core kept busy)")
+    ap.add_argument("--warm", action="store_true",
+                    help="both files in the page cache before every measurement (not dropped)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     base = tempfile.mkdtemp(prefix="bench-restore-", dir=args.dir)
-    cold = common.drop_caches()
+    cold = False if args.warm else common.drop_caches()
     results: dict[str, dict[str, list[float]]] = {}
     try:
         builders: list[Callable[[], Any]] = [
@@ -210,7 +225,10 @@ def main() -> None:
                 # each round starting one variant later (a variant does not always follow the
                 # same one: the disk's own cache below the VM may keep some of the last read)
                 for variant in VARIANTS[r % len(VARIANTS):] + VARIANTS[: r % len(VARIANTS)]:
-                    common.drop_caches()
+                    if args.warm:
+                        _cache(ours, theirs)
+                    else:
+                        common.drop_caches()
                     back, touched = run_child(variant, ours, theirs, args.threads,
                                               args.map_location, args.busy)
                     returned[variant].append(back)
@@ -229,7 +247,9 @@ def main() -> None:
             os.unlink(theirs)
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    if not cold:
+    if args.warm:
+        print("warm: both files were read through the page cache before every measurement")
+    elif not cold:
         print("page cache could not be dropped (not root): every figure is warm")
     if args.json:
         with open(args.json, "w") as f:
