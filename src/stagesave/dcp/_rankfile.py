@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import io
+import math
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -42,7 +43,7 @@ from ._format import ITEM_ALIGNMENT, RANK_FILE_KIND
 from ._metadata import StorageInfo
 from ._recent import Recent
 
-__all__ = ["RankImage", "RankLayout", "SkeletonCache", "layout_rank_file"]
+__all__ = ["RankImage", "RankLayout", "SkeletonCache", "layout_rank_file", "rank_bounds"]
 
 _Tensor = torch.Tensor
 _BYTE_IO = WriteItemType.BYTE_IO
@@ -311,6 +312,33 @@ def layout_rank_file(
         counts=(layout.tensor_bytes, layout.nonempty), copies=copies,
     )
     return RankImage(image, layout.results, layout.tensor_bytes, layout, found)
+
+
+#: Bytes around one tensor item's data in a rank file, at most (its zip's headers, pickle and
+#: central directory, ~1.6 KB, and the padding to the next aligned item); a byte item's guess.
+_ITEM_ROOM = 2048
+_BLOB_ROOM = 4096
+
+
+def rank_bounds(items: Sequence[WriteItem], world: int) -> tuple[int, int]:
+    """Bounds of a rank file's size from the rank's *local* plan, before the coordinator
+    de-duplicates the plans: every shard's bytes, and the bytes of whole tensors divided among
+    ``world`` ranks (a tensor every rank holds, as data-parallel replicas do, is written by one
+    of them), plus room for each item's zip. A rank that writes more regrows its buffer when it
+    leases it."""
+    own = whole = blobs = 0
+    for item in items:
+        data = item.tensor_data
+        if data is None:
+            blobs += 1
+            continue
+        nbytes = math.prod(data.chunk.sizes) * data.properties.dtype.itemsize
+        if item.type is WriteItemType.SHARD:
+            own += nbytes
+        else:
+            whole += nbytes
+    least = own + whole // max(1, world) + _ITEM_ROOM * (len(items) - blobs) + _BLOB_ROOM * blobs
+    return least, least + least // 8 + (1 << 20)
 
 
 def _host_addresses(found: list[Any]) -> list[int] | None:

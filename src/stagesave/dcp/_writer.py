@@ -25,6 +25,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+import torch.distributed as dist
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
@@ -52,7 +53,7 @@ from ._protocol import (
     SavePlanData,
     report_failure,
 )
-from ._rankfile import RankLayout, SkeletonCache, layout_rank_file
+from ._rankfile import RankLayout, SkeletonCache, layout_rank_file, rank_bounds
 from ._rankjob import RankJob, RankStaging
 from ._recent import Recent
 from ._steady_planner import SteadySavePlanner
@@ -202,6 +203,9 @@ class StagedStorageWriter(StorageWriter):
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         self._current()
+        prepare = self._ckpt.plans.prepare  # host staging: make the first save's buffer now
+        if prepare is not None:  # (on a thread, while DCP plans; nothing once one is free)
+            prepare(lambda: rank_bounds(plan.items, _world_size()), only_when_empty=True)
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -392,3 +396,8 @@ class StagedStorageWriter(StorageWriter):
                 "not run)"
             )
         return self._save
+
+
+def _world_size() -> int:
+    """The default process group's size (1 without one)."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
