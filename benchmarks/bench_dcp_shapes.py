@@ -5,6 +5,7 @@ Usage:
     python benchmarks/bench_dcp_shapes.py --shapes s8000 --saves 7
     python benchmarks/bench_dcp_shapes.py --torch-writer           # also DCP's FileSystemWriter
     python benchmarks/bench_dcp_shapes.py --load                   # and loads of the last folder
+    python benchmarks/bench_dcp_shapes.py --first-saves 5          # the median of 5 first saves
 
 One process, no process group (DCP plans for one rank), the shapes of ``bench_shapes.py``. Per
 shape: the **copy floor** (every tensor ``copy_``-ed into its warm twin, median of 5); the
@@ -79,18 +80,38 @@ def _load_s(load: Any, state: Any, repeats: int = 3) -> float:
     return statistics.median(times)
 
 
+def first_saves(state: Any, root: str, n: int) -> list[dict[str, float]]:
+    """``n`` first saves, each by a new Checkpointer and writer (nothing planned, no buffer)."""
+    out = []
+    for i in range(n):
+        d = tempfile.mkdtemp(dir=root)
+        try:
+            with stagesave.Checkpointer(d, keep_last=1) as ckpt:
+                writer = sdcp.StagedStorageWriter(checkpointer=ckpt, commit_timeout=600)
+                out.append(one_save(writer, state, f"first-{i}"))
+                writer.close()
+        finally:
+            shutil.rmtree(d, ignore_errors=True)
+    return out
+
+
 def measure(shape: str, saves: int, root: str, torch_writer: bool,
-            loads: bool = False) -> dict[str, Any]:
+            loads: bool = False, firsts: int = 0) -> dict[str, Any]:
     label, make = SHAPES[shape]
     state = make()
     floor = statistics.median(twin_copy_s(state))
     out: dict[str, Any] = {"shape": shape, "label": label, "floor_s": floor}
+    if firsts:
+        out["first_samples"] = first_saves(state, root, firsts)
     d = tempfile.mkdtemp(dir=root)
     try:
         ckpt = stagesave.Checkpointer(d, keep_last=2)
         writer = sdcp.StagedStorageWriter(checkpointer=ckpt, commit_timeout=600)
         try:
             out["first"] = one_save(writer, state, "step-0")
+            if firsts:  # the median of the first saves, this one included
+                samples = [*out["first_samples"], out["first"]]
+                out["first"] = {k: statistics.median(x[k] for x in samples) for k in samples[0]}
             samples = []
             for step in range(1, saves + 3):
                 _bump(state, step)
@@ -146,12 +167,15 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     ap.add_argument("--torch-writer", action="store_true")
     ap.add_argument("--load", action="store_true")
+    ap.add_argument("--first-saves", type=int, default=1,
+                    help="first saves per shape, each by a new writer (median reported)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     root = args.dir or tempfile.gettempdir()
     results = []
     for shape in args.shapes:
-        r = measure(shape, args.saves, root, args.torch_writer, args.load)
+        r = measure(shape, args.saves, root, args.torch_writer, args.load,
+                    args.first_saves - 1)
         report(r)
         results.append(r)
     if args.json:
