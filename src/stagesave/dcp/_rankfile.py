@@ -24,7 +24,6 @@ from __future__ import annotations
 import collections
 import ctypes
 import io
-import math
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -320,24 +319,25 @@ _ITEM_ROOM = 2048
 _BLOB_ROOM = 4096
 
 
-def rank_bounds(items: Sequence[WriteItem], world: int) -> tuple[int, int]:
-    """Bounds of a rank file's size from the rank's *local* plan, before the coordinator
-    de-duplicates the plans: every shard's bytes, and the bytes of whole tensors divided among
-    ``world`` ranks (a tensor every rank holds, as data-parallel replicas do, is written by one
-    of them), plus room for each item's zip. A rank that writes more regrows its buffer when it
-    leases it."""
-    own = whole = blobs = 0
-    for item in items:
-        data = item.tensor_data
-        if data is None:
-            blobs += 1
-            continue
-        nbytes = math.prod(data.chunk.sizes) * data.properties.dtype.itemsize
-        if item.type is WriteItemType.SHARD:
-            own += nbytes
+def rank_bounds(state: dict[str, Any], world: int) -> tuple[int, int]:
+    """Bounds of a rank file's size from the rank's flattened state, before DCP plans it: the
+    bytes of each tensor this rank holds a part of (a ``DTensor``'s local shard), the bytes of
+    whole tensors divided among ``world`` ranks (DCP gives a tensor every rank holds, as
+    data-parallel replicas do, to one of them), and room for each item's zip. A rank that writes
+    more regrows its buffer when it leases it."""
+    own = whole = tensors = blobs = 0
+    for value in state.values():
+        kind = type(value)
+        if kind is _Tensor or kind is torch.nn.Parameter:
+            whole += value.nbytes
+            tensors += 1
+        elif isinstance(value, _Tensor):
+            local = getattr(value, "_local_tensor", None)  # a DTensor's shard on this rank
+            own += local.nbytes if isinstance(local, _Tensor) else 0
+            tensors += 1
         else:
-            whole += nbytes
-    least = own + whole // max(1, world) + _ITEM_ROOM * (len(items) - blobs) + _BLOB_ROOM * blobs
+            blobs += 1
+    least = own + whole // max(1, world) + _ITEM_ROOM * tensors + _BLOB_ROOM * blobs
     return least, least + least // 8 + (1 << 20)
 
 

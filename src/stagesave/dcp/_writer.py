@@ -145,6 +145,7 @@ class StagedStorageWriter(StorageWriter):
         # the last finish's results (per rank, by identity) and the storage data made of them
         self._storage_data: tuple[list[list[WriteResult]], dict[Any, Any]] | None = None
         self._planner: SteadySavePlanner | None = None
+        self._flat_state: dict[str, Any] | None = None  # the planner's, until the save begins
         self._save: _Save | None = None
         self._open_slots: list[MetadataSlot] = []
         #: The lease this coordinator took for a save whose commit job does not exist yet.
@@ -163,7 +164,19 @@ class StagedStorageWriter(StorageWriter):
         to ``dcp.save(..., planner=writer.planner)`` when calling DCP directly."""
         if self._planner is None:
             self._planner = SteadySavePlanner()
+            self._planner.on_set_up = self._state_set_up
         return self._planner
+
+    def _state_set_up(self, state: dict[str, Any]) -> None:
+        """This writer's planner has the flat state of a save: its staging buffer (host staging,
+        the first save: nothing once one is free) is made on a thread while DCP plans."""
+        self._flat_state = state
+
+    def _prepare_buffer(self) -> None:
+        state, self._flat_state = self._flat_state, None
+        prepare = self._ckpt.plans.prepare
+        if state is not None and prepare is not None:
+            prepare(lambda: rank_bounds(state, _world_size()), only_when_empty=True)
 
     # ------------------------------------------------------------------ StorageWriter
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -200,12 +213,10 @@ class StagedStorageWriter(StorageWriter):
         check_target_name(name)
         tel = SaveTelemetry(path=store.describe(name), started_at=time.time())
         self._save = _Save(time.perf_counter(), is_coordinator, store, name, tel)
+        self._prepare_buffer()
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         self._current()
-        prepare = self._ckpt.plans.prepare  # host staging: make the first save's buffer now
-        if prepare is not None:  # (on a thread, while DCP plans; nothing once one is free)
-            prepare(lambda: rank_bounds(plan.items, _world_size()), only_when_empty=True)
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -380,6 +391,7 @@ class StagedStorageWriter(StorageWriter):
         self._metadata_pickler = MetadataPickler()
         self._storage_data = None
         self._planner = None
+        self._flat_state = None
         if self._owned:
             self._ckpt.close(timeout)
 
