@@ -6,6 +6,7 @@ Usage:
     python benchmarks/bench_dcp_shapes.py --torch-writer           # also DCP's FileSystemWriter
     python benchmarks/bench_dcp_shapes.py --load                   # and loads of the last folder
     python benchmarks/bench_dcp_shapes.py --first-saves 5          # the median of 5 first saves
+    python benchmarks/bench_dcp_shapes.py --buffer-ahead-ab 8      # buffer made ahead or not
 
 One process, no process group (DCP plans for one rank), the shapes of ``bench_shapes.py``. Per
 shape: the **copy floor** (every tensor ``copy_``-ed into its warm twin, median of 5); the
@@ -80,13 +81,16 @@ def _load_s(load: Any, state: Any, repeats: int = 3) -> float:
     return statistics.median(times)
 
 
-def first_saves(state: Any, root: str, n: int) -> list[dict[str, float]]:
-    """``n`` first saves, each by a new Checkpointer and writer (nothing planned, no buffer)."""
+def first_saves(state: Any, root: str, n: int, ahead: bool = True) -> list[dict[str, float]]:
+    """``n`` first saves, each by a new Checkpointer and writer (nothing planned, no buffer);
+    ``ahead=False``: without the staging buffer made while DCP plans (the A/B switch)."""
     out = []
     for i in range(n):
         d = tempfile.mkdtemp(dir=root)
         try:
             with stagesave.Checkpointer(d, keep_last=1) as ckpt:
+                if not ahead:
+                    ckpt.plans.prepare = None
                 writer = sdcp.StagedStorageWriter(checkpointer=ckpt, commit_timeout=600)
                 out.append(one_save(writer, state, f"first-{i}"))
                 writer.close()
@@ -95,12 +99,24 @@ def first_saves(state: Any, root: str, n: int) -> list[dict[str, float]]:
     return out
 
 
+def buffer_ahead_ab(state: Any, root: str, rounds: int) -> dict[str, list[float]]:
+    """First saves with and without the buffer made ahead, alternated, one process."""
+    out: dict[str, list[float]] = {"ahead": [], "not ahead": []}
+    for r in range(rounds):
+        for ahead in ((True, False) if r % 2 == 0 else (False, True)):
+            sample = first_saves(state, root, 1, ahead)[0]
+            out["ahead" if ahead else "not ahead"].append(sample["blocking_s"])
+    return out
+
+
 def measure(shape: str, saves: int, root: str, torch_writer: bool,
-            loads: bool = False, firsts: int = 0) -> dict[str, Any]:
+            loads: bool = False, firsts: int = 0, ab_rounds: int = 0) -> dict[str, Any]:
     label, make = SHAPES[shape]
     state = make()
     floor = statistics.median(twin_copy_s(state))
     out: dict[str, Any] = {"shape": shape, "label": label, "floor_s": floor}
+    if ab_rounds:
+        out["buffer_ahead_ab"] = buffer_ahead_ab(state, root, ab_rounds)
     if firsts:
         out["first_samples"] = first_saves(state, root, firsts)
     d = tempfile.mkdtemp(dir=root)
@@ -150,6 +166,10 @@ def report(r: dict[str, Any]) -> None:
               f" = layout {_ms(row['layout_s'])} + staging {_ms(row['stage_s'])}"
               f" + buffer wait {_ms(row['buffer_wait_s'])}"
               f" + DCP's planning and finish() {_ms(row['dcp_and_finish_s'])}")
+    if "buffer_ahead_ab" in r:
+        ab = r["buffer_ahead_ab"]
+        print("  first saves, buffer made while DCP plans / not (alternated): "
+              + " / ".join(f"{_ms(statistics.median(ab[k]))}" for k in ("ahead", "not ahead")))
     if "torch_writer_s" in r:
         print(f"  dcp.save with FileSystemWriter: {_ms(r['torch_writer_s'])}"
               f" ({r['torch_writer_s'] / floor:.2f}x)")
@@ -169,13 +189,16 @@ def main() -> None:
     ap.add_argument("--load", action="store_true")
     ap.add_argument("--first-saves", type=int, default=1,
                     help="first saves per shape, each by a new writer (median reported)")
+    ap.add_argument("--buffer-ahead-ab", type=int, default=0, metavar="ROUNDS",
+                    help="first saves with and without the buffer made while DCP plans, "
+                         "alternated, ROUNDS each")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     root = args.dir or tempfile.gettempdir()
     results = []
     for shape in args.shapes:
         r = measure(shape, args.saves, root, args.torch_writer, args.load,
-                    args.first_saves - 1)
+                    args.first_saves - 1, args.buffer_ahead_ab)
         report(r)
         results.append(r)
     if args.json:
