@@ -1,4 +1,5 @@
-"""The steady planner's own flattening and lookups give DCP's answers (:mod:`stagesave.dcp._flatten`)."""
+"""The steady planner's own flattening and lookups give DCP's answers
+(:mod:`stagesave.dcp._flatten`)."""
 
 from __future__ import annotations
 
@@ -94,7 +95,8 @@ def test_a_state_dcp_lays_out_as_torch_2_3_did_is_flattened_by_dcp(monkeypatch):
 
 
 def test_the_planners_set_up_equals_dcps_default(tmp_path):
-    state = {"model": {"w": torch.randn(3, 2), "layers": [{"b": torch.zeros(2)}, {"b": torch.ones(2)}]},
+    layers = [{"b": torch.zeros(2)}, {"b": torch.ones(2)}]
+    state = {"model": {"w": torch.randn(3, 2), "layers": layers},
              "optimizer": {"state": {0: {"exp_avg": torch.zeros(2), "step": torch.tensor(3.0)}},
                            "param_groups": [{"lr": 0.1, "params": [0]}]},
              "epoch": 2, "names": ["x", "y"]}

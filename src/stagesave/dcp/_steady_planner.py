@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -93,9 +93,9 @@ class SteadySavePlanner(DefaultSavePlanner):
         kind = type(self)  # looks objects up and transforms them as DCP's default does
         self._plain_lookup = (kind.lookup_object is DefaultSavePlanner.lookup_object
                               and kind.transform_object is DefaultSavePlanner.transform_object)
-        #: Called with the flattened state once it is set up (its writer makes the first save's
-        #: staging buffer meanwhile: :class:`.StagedStorageWriter`).
-        self.on_set_up: Callable[[dict[str, Any]], None] | None = None
+        #: Set up for a save its writer has not begun yet (:class:`.StagedStorageWriter` makes
+        #: the first save's staging buffer from :attr:`state_dict` then, and clears it).
+        self.set_up_pending = False
         self.reused_local = 0  # saves that reused the local / the global plan (telemetry, tests)
         self.reused_global = 0
 
@@ -104,8 +104,7 @@ class SteadySavePlanner(DefaultSavePlanner):
         flat = flatten(state_dict) if self.flatten_state_dict and fast_flatten_usable() else None
         if flat is None:
             super().set_up_planner(state_dict, storage_meta, is_coordinator)
-            if self.on_set_up is not None:
-                self.on_set_up(self.state_dict)
+            self.set_up_pending = True
             return
         state, mappings, sharded = flat
         # DCP's own set-up on the flat state: it flattens nothing more (ShardedTensors only
@@ -118,8 +117,7 @@ class SteadySavePlanner(DefaultSavePlanner):
         finally:
             self.flatten_state_dict, self.flatten_sharded_tensors = flags
         self.mappings = mappings
-        if self.on_set_up is not None:
-            self.on_set_up(self.state_dict)
+        self.set_up_pending = True
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
         index = write_item.index

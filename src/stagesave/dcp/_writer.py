@@ -145,7 +145,6 @@ class StagedStorageWriter(StorageWriter):
         # the last finish's results (per rank, by identity) and the storage data made of them
         self._storage_data: tuple[list[list[WriteResult]], dict[Any, Any]] | None = None
         self._planner: SteadySavePlanner | None = None
-        self._flat_state: dict[str, Any] | None = None  # the planner's, until the save begins
         self._save: _Save | None = None
         self._open_slots: list[MetadataSlot] = []
         #: The lease this coordinator took for a save whose commit job does not exist yet.
@@ -164,18 +163,19 @@ class StagedStorageWriter(StorageWriter):
         to ``dcp.save(..., planner=writer.planner)`` when calling DCP directly."""
         if self._planner is None:
             self._planner = SteadySavePlanner()
-            self._planner.on_set_up = self._state_set_up
         return self._planner
 
-    def _state_set_up(self, state: dict[str, Any]) -> None:
-        """This writer's planner has the flat state of a save: its staging buffer (host staging,
-        the first save: nothing once one is free) is made on a thread while DCP plans."""
-        self._flat_state = state
-
     def _prepare_buffer(self) -> None:
-        state, self._flat_state = self._flat_state, None
+        """When this writer's planner was just set up for this save (DCP sets the planner up
+        first), make the staging buffer on a thread while DCP plans (host staging, the first
+        save: nothing once a buffer is free), sized from the flat state."""
+        planner = self._planner
+        if planner is None or not planner.set_up_pending:
+            return
+        planner.set_up_pending = False
         prepare = self._ckpt.plans.prepare
-        if state is not None and prepare is not None:
+        if prepare is not None:
+            state = planner.state_dict
             prepare(lambda: rank_bounds(state, _world_size()), only_when_empty=True)
 
     # ------------------------------------------------------------------ StorageWriter
@@ -391,7 +391,6 @@ class StagedStorageWriter(StorageWriter):
         self._metadata_pickler = MetadataPickler()
         self._storage_data = None
         self._planner = None
-        self._flat_state = None
         if self._owned:
             self._ckpt.close(timeout)
 
