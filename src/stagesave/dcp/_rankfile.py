@@ -22,7 +22,6 @@ holds the layout's bytes from an earlier save does not receive them again
 from __future__ import annotations
 
 import collections
-import ctypes
 import io
 import threading
 from collections.abc import Callable, Sequence
@@ -30,19 +29,22 @@ from dataclasses import dataclass, field
 from typing import IO, Any, cast
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.utils.serialization import config as _torch_save_config
 
 from ..errors import UnsupportedObjectError
-from ..saving.host_copy import BIG, HostCopies
+from ..saving.host_copy import BIG, HostCopies, host_view
 from ..saving.image import FileImage, StorageSlot
 from ..saving.sparse import SparseReader, SparseSink
 from ._format import ITEM_ALIGNMENT, RANK_FILE_KIND
 from ._metadata import StorageInfo
 from ._recent import Recent
 
-__all__ = ["RankImage", "RankLayout", "SkeletonCache", "layout_rank_file", "rank_bounds"]
+__all__ = [
+    "RankImage", "RankLayout", "SkeletonCache", "layout_rank_file", "rank_bounds", "world_size",
+]
 
 _Tensor = torch.Tensor
 _BYTE_IO = WriteItemType.BYTE_IO
@@ -341,6 +343,11 @@ def rank_bounds(state: dict[str, Any], world: int) -> tuple[int, int]:
     return least, least + least // 8 + (1 << 20)
 
 
+def world_size() -> int:
+    """The default process group's size (1 without one): :func:`rank_bounds`'s ``world``."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def _host_addresses(found: list[Any]) -> list[int] | None:
     """Each item's data address (``0`` for a blob); ``None`` when a tensor is not in host
     memory."""
@@ -381,11 +388,7 @@ def _slots(found: list[Any], layout: RankLayout) -> tuple[list[StorageSlot], Hos
         if nbytes >= BIG:
             copies.big.append((place, address, nbytes))
         else:
-            copies.small.append((place, _memory(address, nbytes)))
+            copies.small.append((place, host_view(address, nbytes)))
     if addresses is not None and copies is not None:
         layout.host = (addresses, slots, copies)
     return slots, copies
-
-
-def _memory(address: int, nbytes: int) -> memoryview:
-    return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")

@@ -25,7 +25,6 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-import torch.distributed as dist
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
@@ -47,13 +46,13 @@ from ._coordinator import (
     take_lease,
 )
 from ._format import lease
-from ._metadata_bytes import MetadataPickler
+from ._metadata_bytes import MetadataPickler, StorageData
 from ._protocol import (
     MetadataSlot,
     SavePlanData,
     report_failure,
 )
-from ._rankfile import RankLayout, SkeletonCache, layout_rank_file, rank_bounds
+from ._rankfile import RankLayout, SkeletonCache, layout_rank_file, rank_bounds, world_size
 from ._rankjob import RankJob, RankStaging
 from ._recent import Recent
 from ._steady_planner import SteadySavePlanner
@@ -142,8 +141,7 @@ class StagedStorageWriter(StorageWriter):
         self._skeletons = SkeletonCache()
         self._layouts: Recent[RankLayout] = Recent()  # recent saves', reused for the same plan
         self._metadata_pickler = MetadataPickler()  # recent pickles, reused for the same plan
-        # the last finish's results (per rank, by identity) and the storage data made of them
-        self._storage_data: tuple[list[list[WriteResult]], dict[Any, Any]] | None = None
+        self._storage_data = StorageData()  # .metadata's, reused for the same results
         self._planner: SteadySavePlanner | None = None
         self._save: _Save | None = None
         self._open_slots: list[MetadataSlot] = []
@@ -176,7 +174,7 @@ class StagedStorageWriter(StorageWriter):
         prepare = self._ckpt.plans.prepare
         if prepare is not None:
             state = planner.state_dict
-            prepare(lambda: rank_bounds(state, _world_size()), only_when_empty=True)
+            prepare(lambda: rank_bounds(state, world_size()), only_when_empty=True)
 
     # ------------------------------------------------------------------ StorageWriter
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -332,7 +330,7 @@ class StagedStorageWriter(StorageWriter):
             raise UsageError("finish() was called before write_data() on the coordinator")
         try:
             metadata.version = CURRENT_DCP_VERSION
-            metadata.storage_data = self._storage_data_of(results)
+            metadata.storage_data = self._storage_data.of(results)
             metadata.storage_meta = StorageMeta(
                 checkpoint_id=os.fspath(self.path) if self.path is not None else None,
                 save_id=s.spec.save_id,
@@ -343,17 +341,6 @@ class StagedStorageWriter(StorageWriter):
             raise
         finally:
             self._save = None
-
-    def _storage_data_of(self, results: list[list[WriteResult]]) -> dict[Any, Any]:
-        """``.metadata``'s storage data: each result's storage info by index (a copy of the
-        last save's when every rank returned the very same result lists: a reused layout's)."""
-        last = self._storage_data
-        if last is not None and len(last[0]) == len(results) and all(
-                a is b for a, b in zip(last[0], results)):
-            return dict(last[1])
-        made = {wr.index: wr.storage_data for rank in results for wr in rank}
-        self._storage_data = (list(results), made)
-        return dict(made)
 
     # ------------------------------------------------------------------ lifecycle
     def abandon(self, reason: str = "dcp.save raised before finish()") -> None:
@@ -389,7 +376,7 @@ class StagedStorageWriter(StorageWriter):
         self.abandon("the writer was closed before dcp.save reached finish()")
         self._layouts = Recent()
         self._metadata_pickler = MetadataPickler()
-        self._storage_data = None
+        self._storage_data = StorageData()
         self._planner = None
         if self._owned:
             self._ckpt.close(timeout)
@@ -408,7 +395,3 @@ class StagedStorageWriter(StorageWriter):
             )
         return self._save
 
-
-def _world_size() -> int:
-    """The default process group's size (1 without one)."""
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

@@ -17,7 +17,7 @@ import ctypes
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["BIG", "HostCopies", "copy_in"]
+__all__ = ["BIG", "HostCopies", "copy_in", "host_view"]
 
 #: Pieces of at least this many bytes are copied by memmove, spread over the copy threads.
 BIG = 64 << 10
@@ -32,6 +32,13 @@ class HostCopies:
     small: list[tuple[int, memoryview]] = field(default_factory=list)
     big: list[tuple[int, int, int]] = field(default_factory=list)
 
+
+
+def host_view(address: int, nbytes: int) -> memoryview:
+    """A byte view of ``nbytes`` of host memory at ``address`` (no copy, no owner: valid only
+    while whoever owns that memory keeps it; the source of a small piece in
+    :attr:`HostCopies.small`)."""
+    return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
 
 
 def _memmoves(dst: int, moves: Sequence[tuple[int, int, int]]) -> None:

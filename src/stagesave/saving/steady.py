@@ -26,7 +26,6 @@ Tests compare the spliced file with ``torch.save``'s layout after every kind of 
 from __future__ import annotations
 
 import collections
-import ctypes
 import io
 import threading
 from collections.abc import Callable, Iterable
@@ -43,7 +42,7 @@ from .fastplan import (
     plan,
     planner_setting,
 )
-from .host_copy import BIG, HostCopies
+from .host_copy import BIG, HostCopies, host_view
 from .image import FileImage, StorageSlot, TensorEntry
 from .plan import gc_paused, plan_torch_file
 from .splice import MAX_LEAVES, Spliced, cut, marked
@@ -61,10 +60,6 @@ def _identity(tensors: list[Any], positions: Iterable[int]) -> list[int]:
     """For each of ``positions``, the first of them holding the same tensor object."""
     first: dict[int, int] = {}
     return [first.setdefault(id(tensors[i]), i) for i in positions]
-
-
-def _memory(address: int, nbytes: int) -> memoryview:
-    return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
 
 
 class Template:
@@ -160,7 +155,7 @@ class Template:
             if at is None:
                 self.where[k], at = len(small), len(small)
                 small.append((0, memoryview(b"")))
-            small[at] = (slot.offset, _memory(address, n))
+            small[at] = (slot.offset, host_view(address, n))
 
     def matches(self, walked: Walked) -> bool:
         """Whether ``walked`` has this template's structure (updating the storages' addresses
