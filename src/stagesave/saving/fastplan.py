@@ -39,6 +39,7 @@ import torch
 
 from ..ondisk.checksum import crc32
 from ..ondisk.torchzip import TorchZip, ZipRecord
+from .first_pickle import Facts
 from .image import MAX_INDEXED_TENSORS, FileImage, StorageSlot, TensorEntry
 from .plan import gc_paused, plan_torch_file, unique_id
 from .torch_pickler import STORAGE_CLASS, TorchPickler, Unsupported
@@ -307,7 +308,7 @@ _DTYPE_NAMES = {dtype: str(dtype).removeprefix("torch.") for dtype in STORAGE_CL
 _ATOMS = frozenset({int, float, str, bool, type(None), bytes, complex})
 
 
-def index(state: Any, pickler: TorchPickler) -> list[TensorEntry]:
+def index(state: Any, pickler: TorchPickler | Facts) -> list[TensorEntry]:
     """The manifest's index, as :func:`stagesave.saving.plan.index_tensors` builds it (same names,
     order, depth limit and cap), from what the pickler recorded about each tensor."""
     out: list[TensorEntry] = []

@@ -42,6 +42,7 @@ from .fastplan import (
     plan,
     planner_setting,
 )
+from .first_pickle import Facts, first_pickle
 from .host_copy import BIG, HostCopies, host_view
 from .image import FileImage, StorageSlot, TensorEntry
 from .plan import gc_paused, plan_torch_file
@@ -70,7 +71,7 @@ class Template:
     """
 
     def __init__(self, walked: Walked, pieces: list[bytes], order: list[int],
-                 pickler: TorchPickler, tensors: list[TensorEntry]) -> None:
+                 pickler: TorchPickler | Facts, tensors: list[TensorEntry]) -> None:
         self.structure = walked.structure
         self.addresses = walked.addresses
         self.n_containers = len(walked.containers)
@@ -297,25 +298,30 @@ class PlanCache:
 
 
     def _new_template(self, state: Any, walked: Walked, consts: Constants) -> FileImage | None:
-        """Plan ``state`` from a marked copy, keep the template, return the image (``None``: no
-        template can stand for it)."""
+        """Plan ``state`` (its pickle written from the walk, or a marked copy pickled and cut),
+        keep the template, return the image (``None``: no template can stand for it)."""
         tensors = walked.tensors
         if (len(walked.leaves) >= MAX_LEAVES or not all(t.is_cpu for t in tensors)
                 or len(set(walked.containers)) != len(walked.containers)):
             return None
-        buf = io.BytesIO()
-        pickler = TorchPickler(buf)
-        try:
-            pickler.dump(marked(state))
-        except Exception:  # noqa: BLE001 - Unsupported, or pickling fails: torch.save names why
-            return None
-        found = cut(buf.getvalue(), len(walked.leaves))
-        if found is None or len(pickler.storages) != len(
-            {t.untyped_storage()._cdata for t in tensors}
-        ):
-            return None
-        pieces, order = found
-        template = Template(walked, pieces, order, pickler, index(state, pickler))
+        written = first_pickle(state, walked)
+        recorded: TorchPickler | Facts
+        if written is not None:
+            pieces, order, recorded = written
+        else:  # something only the pickler writes: a marked copy pickled and cut
+            buf = io.BytesIO()
+            recorded = pickler = TorchPickler(buf)
+            try:
+                pickler.dump(marked(state))
+            except Exception:  # noqa: BLE001 - Unsupported, or pickling fails: torch.save names why
+                return None
+            found = cut(buf.getvalue(), len(walked.leaves))
+            if found is None or len(pickler.storages) != len(
+                {t.untyped_storage()._cdata for t in tensors}
+            ):
+                return None
+            pieces, order = found
+        template = Template(walked, pieces, order, recorded, index(state, recorded))
         self._template = template
         return template.image(walked, consts)
 
