@@ -4,6 +4,8 @@ Usage:
     python benchmarks/bench_shapes.py                        # the standard shapes
     python benchmarks/bench_shapes.py --shapes s8000 s100k   # some of them
     python benchmarks/bench_shapes.py --state my_checkpoint.pt   # your own state (torch.load-able)
+    python benchmarks/bench_shapes.py --shapes s100k --first-pickle-ab 5   # first saves, the
+        # pickle written from the walk or pickled from a marked copy, alternated in one process
 
 For each shape, in one process: the **copy floor** (every tensor copied into its warm twin with
 ``copy_``, median of 5), then ``save()``'s **blocking** time (median of ``--saves`` saves after 2
@@ -37,6 +39,7 @@ import common
 
 import stagesave
 from stagesave.saving import fastplan as _fastplan
+from stagesave.saving import steady as _steady
 from stagesave.saving import ziplayout as _ziplayout
 
 
@@ -226,6 +229,32 @@ def measure(
     return out
 
 
+def first_pickle_ab(state: Any, directory: str, rounds: int) -> dict[str, Any]:
+    """First saves of a new Checkpointer, its pickle written from the walk (``written``) or by
+    the pickler from a marked copy (``pickled``: the writer declines everything), alternated in
+    one process ``rounds`` times each: blocking and the plan's part of it."""
+    real = _steady.first_pickle
+    out: dict[str, Any] = {}
+    for mode in ("pickled", "written"):
+        out[f"{mode}_s"], out[f"{mode}_plan_s"] = [], []
+    try:
+        for i in range(rounds):
+            for mode in ("pickled", "written") if i % 2 else ("written", "pickled"):
+                _steady.first_pickle = real if mode == "written" else (lambda *_: None)
+                _ziplayout.forget_layouts()
+                root = os.path.join(directory, f"ab-{mode}-{i}")
+                with stagesave.Checkpointer(root, keep_last=1) as ck:
+                    t0 = time.perf_counter()
+                    handle = ck.save(state, "first.ckpt")
+                    out[f"{mode}_s"].append(time.perf_counter() - t0)
+                    handle.result()
+                    out[f"{mode}_plan_s"].append(handle.telemetry.plan_s)
+                shutil.rmtree(root, ignore_errors=True)
+    finally:
+        _steady.first_pickle = real
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -245,6 +274,9 @@ def main() -> None:
     ap.add_argument("--checksum-in", default="auto", choices=["auto", "staging", "background"])
     ap.add_argument("--device", default="cpu",
                     help="where the state lives, e.g. cuda (floor: copies into pinned twins)")
+    ap.add_argument("--first-pickle-ab", type=int, default=0, metavar="ROUNDS",
+                    help="only first saves: the pickle written from the walk or pickled, "
+                         "alternated, ROUNDS each")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     base = tempfile.mkdtemp(prefix="bench-shapes-", dir=args.dir)
@@ -261,6 +293,19 @@ def main() -> None:
     else:
         todo = [(k, *SHAPES[k]) for k in args.shapes]
     med = statistics.median
+    if args.first_pickle_ab:
+        for key, label, make in todo:
+            r = first_pickle_ab(make(), os.path.join(base, key), args.first_pickle_ab)
+            results[key] = {"label": label, **r}
+            w, p = med(r["written_s"]), med(r["pickled_s"])
+            print(f"{label:<58} first save: pickle written {w * 1e3:7.1f} ms (plan "
+                  f"{med(r['written_plan_s']) * 1e3:.1f}), pickled {p * 1e3:7.1f} ms (plan "
+                  f"{med(r['pickled_plan_s']) * 1e3:.1f}), {w / p:.2f}x", flush=True)
+        shutil.rmtree(base, ignore_errors=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+        return
     print(
         f"{'shape':<58} {'floor':>8} "
         + " ".join(f"{'blocking ' + p:>15} {'ratio':>6}" for p in args.planners)

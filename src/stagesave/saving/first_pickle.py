@@ -329,7 +329,7 @@ class _Writer:
         """A storage's key in its persistent id: written and memoised the first time."""
         if known[3] is None:
             key = known[0]  # '0' to '9' are shared objects, perhaps keys of the state
-            data = self.memoised(key, encode(key))
+            data = self.memoised(key, b"X" + _U32.pack(len(key)) + key.encode())  # ASCII digits
             known[3] = _get(self.memo[id(key)])
             return data
         reference: bytes = known[3]

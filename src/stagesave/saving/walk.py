@@ -30,6 +30,7 @@ __all__ = ["MAX_DEPTH", "MAX_OPAQUE_BYTES", "VOLATILE", "Different", "Walked", "
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
 _OrderedDict = collections.OrderedDict
+_untyped_storage = torch.Tensor.untyped_storage
 VOLATILE = frozenset({int, float, bool, type(None)})
 _LEAF = object()  # where a volatile number sits in a structure
 _TEXT = object()  # where a volatile string sits
@@ -55,7 +56,7 @@ class Walked:
         """Bounds of the size of a torch file of this state, before it is planned: its storages'
         bytes, and those with each record padded to pages plus room for its headers, its
         pickle and its proof (a generous allowance; a staging buffer is made to it)."""
-        sizes = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in self.tensors}
+        sizes = {s._cdata: s.nbytes() for s in map(_untyped_storage, self.tensors)}
         most = sum((n + 4223) // 4096 * 4096 for n in sizes.values())  # + 128 of headers, paged
         return sum(sizes.values()), most + 384 * len(sizes) + 128 * len(self.leaves) + (1 << 20)
 
