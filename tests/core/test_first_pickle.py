@@ -205,3 +205,16 @@ def test_a_checkpointer_plans_its_first_save_with_it_and_falls_back(
     assert torch.equal(a["w"], plain["w"]) and (a["step"], a["name"]) == (4, "run")
     b = torch.load(ckpt_dir / "b.ckpt", weights_only=False)
     assert torch.equal(b["w"], with_object["w"]) and b["obj"].x == 1
+
+
+def test_a_state_that_is_not_the_walked_one_is_declined() -> None:
+    # Another thread changing the state between the walk and the writing: the writer must not
+    # pair one tensor with another's shape (it declines, the pickler path decides).
+    state = {"a": torch.ones(2), "b": {"c": torch.ones(3)}}
+    walked = walk(state)
+    state["b"] = [1, 2]  # a list where the walk saw a dict of a tensor
+    assert first_pickle(state, walked) is None
+    state["b"] = {"c": torch.ones(3), "d": torch.ones(1)}  # one tensor more than walked
+    assert first_pickle(state, walked) is None
+    state["b"] = {}  # fewer values than walked
+    assert first_pickle(state, walked) is None

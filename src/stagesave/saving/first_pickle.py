@@ -371,8 +371,10 @@ def first_pickle(state: Any, walked: Walked) -> tuple[list[bytes], list[int], Fa
     writer = _Writer(walked)
     try:
         writer.value(state)
-    except _Unfit:
+    except (_Unfit, ValueError, TypeError, IndexError):  # also a state that changed under it
         return None
+    if writer.at != len(walked.structure) or len(writer.cuts) != len(walked.leaves):
+        return None  # not the walk's state (changed by another thread): the pickler decides
     out = writer.out
     out += b"."
     cuts = writer.cuts
