@@ -36,6 +36,7 @@ __all__ = ["Facts", "first_pickle"]
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
 _OrderedDict = collections.OrderedDict
+_strided = torch.strided
 _metadata = torch._C._get_tensor_metadata  # type: ignore[attr-defined]
 _BATCH = 1000  # pickle's batch size for SETITEMS and APPENDS
 _U32 = struct.Struct("<I")
@@ -110,7 +111,8 @@ class _Writer:
         self.at = 0  # position in the walk's structure
         self.cuts: list[int] = []
         self.facts = Facts()
-        #: storage _cdata -> [its key, numel, dtype, a reference to its key's memo entry]
+        #: storage _cdata -> [its key, numel, dtype, a reference to its key's memo entry once
+        #: written, numel's opcodes]
         self.keys: dict[int, list[Any]] = {}
         self.dtypes: dict[int, torch.dtype] = {}  # storage address -> dtype
         self.shapes: dict[tuple[int, ...], bytes] = {}  # a tuple of ints -> its opcodes
@@ -264,7 +266,7 @@ class _Writer:
         """``_rebuild_tensor_v2`` and its arguments, ``REDUCE`` and the memo number of the
         tensor it makes."""
         cls = _CLASS.get(dtype)
-        if cls is None or _metadata(t):
+        if cls is None or t.layout is not _strided or _metadata(t):
             raise _Unfit("a tensor torch.save reduces differently")
         storage = t.untyped_storage()
         known = self.keys.get(storage._cdata)
@@ -272,8 +274,6 @@ class _Writer:
             ptr = storage.data_ptr()
             if ptr and self.dtypes.setdefault(ptr, dtype) is not dtype:
                 raise _Unfit("two dtypes over one storage")
-            # [key, numel, dtype, a reference to the key's memo entry once written, numel's
-            # opcodes]
             numel = storage.nbytes() // ELEMENT_SIZE[dtype]
             known = self.keys[storage._cdata] = [str(len(self.keys)), numel, dtype, None,
                                                  encode(numel)]
