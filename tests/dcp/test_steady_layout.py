@@ -394,3 +394,23 @@ def test_closing_the_writer_drops_what_it_kept_for_later_saves(tmp_path):
     writer.close()
     assert not writer._layouts.entries and writer.planner.reused_local == 0
     assert writer._metadata_pickler.reused == 0
+
+
+@pytest.mark.skipif(not torch.accelerator.is_available(),
+                    reason="needs an accelerator to pin memory; this machine has none "
+                           "(GPU path untested here)")
+def test_a_tensor_pinned_between_saves_is_planned_again(tmp_path):
+    """The plan's tensor properties hold whether a tensor is pinned: pinning one between two
+    saves (same shape, dtype, values) must not reuse the plan made before."""
+    writer = sdcp.StagedStorageWriter(root=tmp_path, commit_timeout=60)
+    try:
+        state = {"w": torch.randn(4, 4), "step": 1}
+        save(writer, state, "s1")
+        state["w"] = state["w"].pin_memory()
+        state["step"] = 2
+        folder = save(writer, state, "s2")
+        assert writer.planner.reused_local == 0
+        meta = dcp.FileSystemReader(str(folder)).read_metadata()
+        assert meta.state_dict_metadata["w"].properties.pin_memory is True
+    finally:
+        writer.close()
