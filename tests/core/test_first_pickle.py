@@ -95,6 +95,12 @@ def _states(draw: Any) -> Any:
     )
     leaves = st.one_of(st.integers(-(2**70), 2**70), st.floats(), st.booleans(), st.none(),
                        st.text(max_size=8))
+    plain_tuples: list[tuple[Any, ...]] = []  # value tuples of leaves: a later key may be one
+
+    def key() -> Any:
+        if plain_tuples and draw(st.integers(0, 3)) == 0:
+            return draw(st.sampled_from(plain_tuples))
+        return draw(keys)
 
     def node(depth: int) -> Any:
         kind = draw(st.integers(0, 7 if depth < 4 else 1))
@@ -104,15 +110,18 @@ def _states(draw: Any) -> Any:
             return tensor()
         n = draw(st.integers(0, 5))
         if kind in (2, 3):
-            return {draw(keys): node(depth + 1) for _ in range(n)}
+            return {key(): node(depth + 1) for _ in range(n)}
         if kind == 4:
-            od = collections.OrderedDict((draw(keys), node(depth + 1)) for _ in range(n))
+            od = collections.OrderedDict((key(), node(depth + 1)) for _ in range(n))
             if draw(st.booleans()):
                 od._metadata = {"": {"version": draw(st.integers(0, 3))}}  # type: ignore[attr-defined]
             return od
         if kind == 5:
             return [node(depth + 1) for _ in range(n)]
-        return tuple(node(depth + 1) for _ in range(draw(st.integers(1, 5))))
+        made_tuple = tuple(node(depth + 1) for _ in range(draw(st.integers(1, 5))))
+        if all(type(v) in (int, bool, type(None), str) for v in made_tuple):
+            plain_tuples.append(made_tuple)  # (no float: a NaN key is never found again)
+        return made_tuple
 
     state = node(0)
     if draw(st.booleans()):  # past 256 memo entries: the writer's LONG_BINPUT path
@@ -218,3 +227,34 @@ def test_a_state_that_is_not_the_walked_one_is_declined() -> None:
     assert first_pickle(state, walked) is None
     state["b"] = {}  # fewer values than walked
     assert first_pickle(state, walked) is None
+
+
+def test_a_tuple_value_holding_a_leaf_is_not_the_key_that_names_it_again(
+        ckpt_dir: Any) -> None:
+    # The pickler pickles a marked copy: a tuple holding a leaf is a new tuple there, so a key
+    # that is the same tuple object is written in full, not as a reference to the value. A
+    # reference would make the next save's splice change the key along with the value.
+    k = ("a", 1)
+    inner = ("a",)
+    leafless = ((),)  # no leaf inside: the very object in the marked copy, referred to again
+    for state in ({"v": k, k: 0}, {"v": inner, (inner, 1): 0}, {"v": leafless, leafless: 0}):
+        assert_written_as_the_pickler_writes(state)
+    t = torch.ones(2)
+    with stagesave.Checkpointer(ckpt_dir) as ck:
+        ck.save({"w": t, "v": k, k: 0}, "a.ckpt").result()
+        ck.save({"w": t, "v": ("b", 2), ("a", 1): 0}, "b.ckpt").result()  # the same structure
+    got = torch.load(ckpt_dir / "b.ckpt", weights_only=True)
+    assert got["v"] == ("b", 2) and got[("a", 1)] == 0 and ("b", 2) not in got
+
+
+def test_a_state_nested_deeper_than_the_writer_recurses_is_declined(ckpt_dir: Any) -> None:
+    state: Any = {"w": torch.ones(1), "x": 1}
+    for _ in range(390):  # the walk takes up to 400 levels
+        state = {"k": state}
+    assert first_pickle(state, walk(state)) is None
+    with stagesave.Checkpointer(ckpt_dir) as ck:
+        ck.save(state, "deep.ckpt").result()
+    got = torch.load(ckpt_dir / "deep.ckpt", weights_only=True)
+    for _ in range(390):
+        got = got["k"]
+    assert torch.equal(got["w"], torch.ones(1)) and got["x"] == 1

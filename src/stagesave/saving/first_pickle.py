@@ -160,10 +160,14 @@ class _Writer:
             return
         if size > 3:
             self.out += b"("
+        leaves = len(self.cuts)
         for v in value:
             item(v)
         self.out += _TUPLE_N[size] if size <= 3 else b"t"
-        self.memo[id(value)] = self.n
+        if len(self.cuts) == leaves:
+            self.memo[id(value)] = self.n
+        # else: a tuple holding a leaf is a new tuple in the marked copy the pickler pickles,
+        # never the object a key may name again (its memo number is used up all the same)
         self.out += self.put()
 
     def value(self, obj: Any) -> None:
@@ -367,11 +371,14 @@ def first_pickle(state: Any, walked: Walked) -> tuple[list[bytes], list[int], Fa
     """The pickle of ``state`` (which ``walked`` walked) as :func:`.splice.cut` cuts a
     :class:`.TorchPickler` pickle of its marked copy: the pieces between leaves, the leaf each
     cut stands for, and what the pickler would have recorded; ``None`` where only the pickler
-    writes it."""
+    writes it. For states a template stands for (:meth:`.PlanCache._new_template` checks it
+    first): every tensor in host memory, every container in one place only."""
     writer = _Writer(walked)
     try:
         writer.value(state)
     except (_Unfit, ValueError, TypeError, IndexError):  # also a state that changed under it
+        return None
+    except RecursionError:  # ~3 frames per level: a state nested deeper than ~330 dicts
         return None
     if writer.at != len(walked.structure) or len(writer.cuts) != len(walked.leaves):
         return None  # not the walk's state (changed by another thread): the pickler decides
