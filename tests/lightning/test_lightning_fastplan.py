@@ -5,6 +5,7 @@ produce and reuse)."""
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import torch
@@ -14,7 +15,11 @@ from stagesave.lightning import StagedCheckpointIO
 
 from stagesave.saving import fastplan as _fastplan  # internal: the test is about its output
 from stagesave.saving import steady
+from stagesave.saving.first_pickle import first_pickle
 from stagesave.saving.plan import plan_torch_file
+from stagesave.saving.splice import cut, marked
+from stagesave.saving.torch_pickler import TorchPickler
+from stagesave.saving.walk import walk
 
 
 def test_a_lightning_checkpoint_takes_the_fast_path_with_torch_saves_layout(tmp_path: Path) -> None:
@@ -61,3 +66,26 @@ def test_a_trainers_saves_reuse_their_plan_and_load_as_torch_save_wrote_them(
     # the spliced strings: the paths the callbacks held at the last save
     states = [v for k, v in last["callbacks"].items() if "train_loss" in k]
     assert states and states[0]["best_model_path"] == top.best_model_path
+
+
+def test_a_lightning_checkpoints_first_pickle_is_written_from_its_walk(tmp_path: Path) -> None:
+    """Lightning's checkpoint dict (an ``OrderedDict`` state dict with ``_metadata``, loops,
+    callbacks, optimizer and scheduler states, hyperparameters as a plain dict) is written by
+    the one-pass writer with the pickler's bytes, cut at the same leaves; with numpy objects in
+    it, the pickler writes it (the writer declines)."""
+    for numpy_state in (False, True):
+        trainer = make_trainer(tmp_path / str(numpy_state), [],
+                               [ModelCheckpoint(dirpath=tmp_path / "c")], max_steps=3)
+        trainer.fit(TinyModel(numpy_state=numpy_state), StepBatches())
+        checkpoint = trainer._checkpoint_connector.dump_checkpoint()
+        walked = walk(checkpoint)
+        written = first_pickle(checkpoint, walked)
+        if numpy_state:
+            assert written is None
+            continue
+        assert written is not None
+        buf = io.BytesIO()
+        pickler = TorchPickler(buf)
+        pickler.dump(marked(checkpoint))
+        assert (written[0], written[1]) == cut(buf.getvalue(), len(walked.leaves))
+        assert [s._cdata for s in written[2].storages] == [s._cdata for s in pickler.storages]
