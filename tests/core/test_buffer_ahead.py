@@ -191,3 +191,54 @@ def test_the_bounds_hold_the_file_for_every_benchmark_shape():
         least, most = walk(state).image_bounds()
         size = PlanCache().plan(state).size
         assert least <= size <= most, (name, least, size, most)
+
+
+def _buffer_made() -> None:
+    """Wait until no buffer is being made ahead."""
+    for t in threading.enumerate():
+        if t.name == "stagesave-buffer":
+            t.join(30)
+
+
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_a_buffer_prepared_before_the_first_save_is_the_one_it_leases(ckpt_dir, shm, made,
+                                                                      writer):
+    state = _state(40, 300_000)  # 48 MB
+    with stagesave.Checkpointer(ckpt_dir / "probe", writer="thread") as ck:
+        ck.save(state, "probe.ckpt").result(60)
+    size = (ckpt_dir / "probe" / "probe.ckpt").stat().st_size  # a resumed run's checkpoint
+    made.clear()
+    with stagesave.Checkpointer(ckpt_dir, writer=writer) as ck:
+        ck.prepare_buffer(size)
+        _buffer_made()
+        assert made == [(GROWTH_STEP, writer == "process", "stagesave-buffer")]
+        pool = ck.memory.host
+        buf = pool._free[0]  # every page in memory before the save (private memory: touched)
+        assert resident_pages(buf.tensor.data_ptr(), buf.capacity) == buf.capacity // 4096
+        ck.save(state, "a.ckpt").result(60)
+        assert len(made) == 1 and pool._count == 1  # leased, nothing else made
+        ck.prepare_buffer(size)  # a free buffer that large: nothing
+        _buffer_made()
+        assert len(made) == 1
+        ck.prepare_buffer(3 * GROWTH_STEP)  # larger: the free buffer is made again at that size
+        _buffer_made()
+        assert made[1:] == [(3 * GROWTH_STEP, writer == "process", "stagesave-buffer")]
+        assert pool._count == 1 and pool.total_bytes() == 3 * GROWTH_STEP
+    got = torch.load(ckpt_dir / "a.ckpt", weights_only=True)
+    assert all(torch.equal(got["model"][k], v) for k, v in state["model"].items())
+
+
+def test_prepare_buffer_refuses_what_is_not_a_size_and_a_closed_checkpointer(ckpt_dir, made):
+    ck = stagesave.Checkpointer(ckpt_dir, writer="thread")
+    for bad in ("1GiB", 1.5, True, None):
+        with pytest.raises(TypeError, match="nbytes must be an int"):
+            ck.prepare_buffer(bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="nbytes must be >= 0, got -1"):
+        ck.prepare_buffer(-1)
+    ck.prepare_buffer(0)  # nothing to make
+    _buffer_made()
+    assert made == []
+    ck.close()
+    with pytest.raises(stagesave.ClosedError, match="closed"):
+        ck.prepare_buffer(MiB)
+    assert made == []
