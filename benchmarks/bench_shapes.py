@@ -6,6 +6,8 @@ Usage:
     python benchmarks/bench_shapes.py --state my_checkpoint.pt   # your own state (torch.load-able)
     python benchmarks/bench_shapes.py --shapes s100k --first-pickle-ab 5   # first saves, the
         # pickle written from the walk or pickled from a marked copy, alternated in one process
+    python benchmarks/bench_shapes.py --shapes s252 t2g --prepare-ab 4   # first saves with the
+        # buffer prepared beforehand (Checkpointer.prepare_buffer) or not, alternated
 
 For each shape, in one process: the **copy floor** (every tensor copied into its warm twin with
 ``copy_``, median of 5), then ``save()``'s **blocking** time (median of ``--saves`` saves after 2
@@ -28,6 +30,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -255,6 +258,40 @@ def first_pickle_ab(state: Any, directory: str, rounds: int) -> dict[str, Any]:
     return out
 
 
+def prepare_ab(state: Any, directory: str, rounds: int) -> dict[str, Any]:
+    """First saves of a new Checkpointer, with its buffer made beforehand by
+    ``prepare_buffer(size of this state's file)`` (finished before the save) or not, alternated
+    in one process ``rounds`` times each; and one steady save for the ratio."""
+    probe = os.path.join(directory, "probe")
+    with stagesave.Checkpointer(probe, keep_last=1) as ck:
+        ck.save(state, "probe.ckpt").result()
+        size = os.path.getsize(os.path.join(probe, "probe.ckpt"))
+        steady = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            handle = ck.save(state, "probe.ckpt")
+            steady.append(time.perf_counter() - t0)
+            handle.result()
+    shutil.rmtree(probe, ignore_errors=True)
+    out: dict[str, Any] = {"file_bytes": size, "steady_s": steady, "prepared_s": [], "cold_s": []}
+    for i in range(rounds):
+        for mode in ("prepared", "cold") if i % 2 else ("cold", "prepared"):
+            _ziplayout.forget_layouts()
+            root = os.path.join(directory, f"prep-{mode}-{i}")
+            with stagesave.Checkpointer(root, keep_last=1) as ck:
+                if mode == "prepared":
+                    ck.prepare_buffer(size)
+                    for t in threading.enumerate():  # the buffer made before the save begins
+                        if t.name == "stagesave-buffer":
+                            t.join()
+                t0 = time.perf_counter()
+                handle = ck.save(state, "first.ckpt")
+                out[f"{mode}_s"].append(time.perf_counter() - t0)
+                handle.result()
+            shutil.rmtree(root, ignore_errors=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -277,6 +314,9 @@ def main() -> None:
     ap.add_argument("--first-pickle-ab", type=int, default=0, metavar="ROUNDS",
                     help="only first saves: the pickle written from the walk or pickled, "
                          "alternated, ROUNDS each")
+    ap.add_argument("--prepare-ab", type=int, default=0, metavar="ROUNDS",
+                    help="only first saves: with the buffer prepared beforehand or not, "
+                         "alternated, ROUNDS each")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     base = tempfile.mkdtemp(prefix="bench-shapes-", dir=args.dir)
@@ -293,6 +333,19 @@ def main() -> None:
     else:
         todo = [(k, *SHAPES[k]) for k in args.shapes]
     med = statistics.median
+    if args.prepare_ab:
+        for key, label, make in todo:
+            r = prepare_ab(make(), os.path.join(base, key), args.prepare_ab)
+            results[key] = {"label": label, **r}
+            st, p, c = med(r["steady_s"]), med(r["prepared_s"]), med(r["cold_s"])
+            print(f"{label:<58} steady {st * 1e3:7.1f} ms; first save: buffer prepared "
+                  f"{p * 1e3:7.1f} ms ({p / st:.2f}x steady), not {c * 1e3:7.1f} ms "
+                  f"({c / st:.2f}x)", flush=True)
+        shutil.rmtree(base, ignore_errors=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+        return
     if args.first_pickle_ab:
         for key, label, make in todo:
             r = first_pickle_ab(make(), os.path.join(base, key), args.first_pickle_ab)
