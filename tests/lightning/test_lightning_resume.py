@@ -248,3 +248,60 @@ def test_ckpt_path_last_without_the_plugin_is_untouched(tmp_path: Path) -> None:
         # torch.load does not check CRC-32s
         trainer.fit(TinyModel(), StepBatches(), ckpt_path="last")
     assert start.start == 4
+
+
+def test_a_resumed_fit_makes_its_first_saves_buffer_while_it_restores(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``fit(ckpt_path=...)`` on a local file: once the checkpoint is loaded, the staging buffer
+    of the fit's first save is made (the file's size) before that save, which leases it; a
+    ``validate(ckpt_path=...)`` makes none; teardown leaves no thread behind."""
+    import threading
+
+    from stagesave.saving.buffers import GROWTH_STEP, HostBuffer
+
+    made: list[tuple[int, str]] = []  # staging buffers (a load's image is not one)
+    prepared: list[int] = []
+    real_allocate = HostBuffer.allocate.__func__  # type: ignore[attr-defined]
+    real_prepare = stagesave.Checkpointer.prepare_buffer
+
+    def allocate(cls: type, capacity: int, pinned: bool, shared: bool = False) -> HostBuffer:
+        if capacity % GROWTH_STEP == 0:  # staging buffers grow in these steps
+            made.append((capacity, threading.current_thread().name))
+        return real_allocate(cls, capacity, pinned, shared)  # type: ignore[no-any-return]
+
+    def prepare(self: stagesave.Checkpointer, nbytes: int) -> None:
+        prepared.append(nbytes)
+        real_prepare(self, nbytes)
+
+    d = tmp_path / "ckpt"
+    make_trainer(tmp_path, [StagedCheckpointIO()],
+                 [ModelCheckpoint(dirpath=d, every_n_train_steps=2, save_top_k=-1)],
+                 max_steps=2).fit(TinyModel(), StepBatches())
+    first = d / "epoch=0-step=2.ckpt"
+    size = first.stat().st_size
+    monkeypatch.setattr(HostBuffer, "allocate", classmethod(allocate))
+    monkeypatch.setattr(stagesave.Checkpointer, "prepare_buffer", prepare)
+    before = set(threading.enumerate())
+
+    validator = make_trainer(tmp_path, [StagedCheckpointIO()], [])
+    validator.validate(TinyModel(), StepBatches(), ckpt_path=str(first))
+    assert prepared == [] and made == []
+
+    saved: list[int] = []
+
+    class _Count(ModelCheckpoint.__mro__[1]):  # lightning Callback
+        def on_save_checkpoint(self, *args: object) -> None:
+            saved.append(len(made))  # buffers made when the first save began
+
+    trainer = make_trainer(tmp_path, [StagedCheckpointIO()], [
+        ModelCheckpoint(dirpath=d, every_n_train_steps=2, save_top_k=-1), _Count()],
+        max_steps=4)
+    trainer.fit(TinyModel(), StepBatches(), ckpt_path=str(first))
+    assert trainer.global_step == 4
+    assert prepared == [size]
+    assert len(made) == 1 and made[0][1] == "stagesave-buffer"  # made ahead, then leased
+    assert saved and saved[0] == 1  # already made when the fit's first save began
+    assert [t.name for t in threading.enumerate()
+            if t.name.startswith("stagesave") and t not in before] == []
+    got = torch.load(d / "epoch=0-step=4.ckpt", weights_only=False)
+    assert got["global_step"] == 4
