@@ -46,16 +46,6 @@ class StagedExtras:
             self._run.release_if_idle()
         return path if chosen is None or chosen == target else chosen
 
-    def resuming_fit(self, path: Any) -> None:
-        """``fit`` resumes from ``path``: its first save will be about that file's size. Once
-        Lightning has loaded it (:meth:`StagedCheckpointIO.load_checkpoint`, on the device the
-        strategy set), the staging buffer of that save is made on a thread while the loop starts
-        (:meth:`stagesave.Checkpointer.prepare_buffer`) and kept for the fit (released at
-        teardown). Local files only (a remote or sharded checkpoint: nothing)."""
-        target = os.fspath(path)
-        if "://" not in target and os.path.isfile(target):
-            self._run.resume = (target, os.path.getsize(target))
-
     def saving(self, *, asynchronous: bool) -> AbstractContextManager[None]:
         """Saves made on this thread inside the block are asynchronous (``True``: the fit loop
         runs and hides the write) or return once committed (``False``: nothing to overlap).

@@ -226,18 +226,13 @@ class StagedCheckpointIO(StagedExtras, CheckpointIO):
         """
         target = os.fspath(path)
         self._run.settle_link(target)  # the link moves only once its target is committed
-        resume, self._run.resume = self._run.resume, None
         try:
-            loaded = self.checkpointer.load(
+            return self.checkpointer.load(  # type: ignore[no-any-return]
                 target,
                 "cpu" if map_location is None else map_location,
                 verify=self.verify_on_load,
                 trusted=weights_only is False,
             )
-            if resume is not None and resume[0] == target:  # fit resumes: its first save's buffer
-                self._run.keep_until_teardown()
-                self.checkpointer.prepare_buffer(resume[1])
-            return loaded  # type: ignore[no-any-return]
         except CheckpointNotFoundError as exc:  # Lightning's words:
             raise CheckpointNotFoundError(f"Checkpoint file not found: {target}") from exc
         finally:

@@ -54,8 +54,6 @@ class Runtime:
         )
         self._mode = threading.local()  # per thread: is the save being made inside the fit loop?
         self._async_active = False  # an asynchronous save was made since the last teardown
-        #: (path, bytes) of the checkpoint a starting fit resumes from, until it is loaded
-        self.resume: tuple[str, int] | None = None
         self.warned_replaced_save = False
 
     # ------------------------------------------------------------------ the core, on demand
@@ -108,11 +106,6 @@ class Runtime:
         """An asynchronous save was made: keep the threads until teardown."""
         with self._lock:
             self._async_active = True
-
-    def keep_until_teardown(self) -> None:
-        """A fit is starting (it resumes, and its first save's buffer is being made): keep the
-        checkpointer and its buffers until teardown, as after an asynchronous save."""
-        self.mark_asynchronous()
 
     # ------------------------------------------------------------------ pending saves and links
     def track(self, path: str, handle: SaveHandle) -> None:
@@ -190,7 +183,6 @@ class Runtime:
             ckpt, self._ckpt = self._ckpt, None
             links, self._links = self._links, LinkKeeper(log)
             self._async_active = False
-            self.resume = None
         errors = flush_and_close(ckpt, links, deadline)
         links.kept()
         return errors

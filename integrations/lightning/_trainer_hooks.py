@@ -85,17 +85,11 @@ def install_trainer_hooks(find_plugin: Callable[[Any], Any]) -> None:
     def make_parse(original: Any) -> Any:
         def _parse_ckpt_path(self: Any, state_fn: Any, ckpt_path: Any, model_provided: bool,
                              model_connected: bool) -> Any:
-            from lightning.pytorch.trainer.states import TrainerFn
-
             chosen = original(self, state_fn, ckpt_path, model_provided, model_connected)
             plugin = find_plugin(self.trainer)
-            if plugin is None or chosen is None:
+            if plugin is None or chosen is None or ckpt_path != "last":
                 return chosen
-            if ckpt_path == "last":
-                chosen = plugin.resume_path(chosen)
-            if state_fn == TrainerFn.FITTING and self.trainer.is_global_zero:
-                plugin.resuming_fit(chosen)  # its first save's buffer, made while it restores
-            return chosen
+            return plugin.resume_path(chosen)
 
         return _parse_ckpt_path
 

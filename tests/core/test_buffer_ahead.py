@@ -242,3 +242,28 @@ def test_prepare_buffer_refuses_what_is_not_a_size_and_a_closed_checkpointer(ckp
     with pytest.raises(stagesave.ClosedError, match="closed"):
         ck.prepare_buffer(MiB)
     assert made == []
+
+
+def test_a_buffer_still_being_made_at_close_starts_no_writer_agent(ckpt_dir, shm, monkeypatch):
+    # The maker thread announces its shared segment to the writer agent, starting it if none
+    # runs yet; a close() that came first (no save: no agent) must not be followed by one.
+    real = HostBuffer.allocate.__func__
+    agents: list = []
+
+    with stagesave.Checkpointer(ckpt_dir, writer="process") as ck:
+        client = ck.writer.agent
+        assert client is not None and client.proc is None
+
+        def allocate(cls, capacity, pinned, shared=False):
+            deadline = time.monotonic() + 30
+            while not client._closing and time.monotonic() < deadline:  # until close() began
+                time.sleep(0.01)
+            return real(cls, capacity, pinned, shared)
+
+        monkeypatch.setattr(HostBuffer, "allocate", classmethod(allocate))
+        ck.prepare_buffer(GROWTH_STEP)
+    agents.append(client.proc)
+    _buffer_made()
+    assert agents == [None]
+    assert [t.name for t in threading.enumerate() if t.name.startswith("stagesave-agent")] == []
+    assert list(shm.iterdir()) == []  # the segment made after close() was freed with the pool

@@ -179,6 +179,8 @@ class AgentClient:
             if self._lost is not None:
                 raise AgentLost(f"stagesave: the writer agent {self._lost}")
             if self.proc is None:
+                if self._closing:  # a buffer made ahead announcing its segment after close()
+                    raise AgentLost("stagesave: the writer agent was closed before it started")
                 self._start()
         sock = self._sock
         assert sock is not None
@@ -238,11 +240,11 @@ class AgentClient:
 
     def close(self, timeout: float | None = None) -> None:
         """Ask the agent to exit after its orders; wait for it (killed after ``timeout``)."""
-        proc = self.proc
+        with self._lock:
+            self._closing = True  # also when none was started: none may be started after this
+            proc = self.proc
         if proc is None:
             return
-        with self._lock:
-            self._closing = True
         if self._lost is None:
             with contextlib.suppress(AgentLost):
                 self._send(("exit",))
