@@ -292,6 +292,14 @@ def prepare_ab(state: Any, directory: str, rounds: int) -> dict[str, Any]:
     return out
 
 
+def _finish(base: str, results: dict[str, Any], json_path: str | None) -> None:
+    """Remove the run's folder; write every sample to ``json_path`` (if given)."""
+    shutil.rmtree(base, ignore_errors=True)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(results, f, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -341,10 +349,7 @@ def main() -> None:
             print(f"{label:<58} steady {st * 1e3:7.1f} ms; first save: buffer prepared "
                   f"{p * 1e3:7.1f} ms ({p / st:.2f}x steady), not {c * 1e3:7.1f} ms "
                   f"({c / st:.2f}x)", flush=True)
-        shutil.rmtree(base, ignore_errors=True)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(results, f, indent=1)
+        _finish(base, results, args.json)
         return
     if args.first_pickle_ab:
         for key, label, make in todo:
@@ -354,10 +359,7 @@ def main() -> None:
             print(f"{label:<58} first save: pickle written {w * 1e3:7.1f} ms (plan "
                   f"{med(r['written_plan_s']) * 1e3:.1f}), pickled {p * 1e3:7.1f} ms (plan "
                   f"{med(r['pickled_plan_s']) * 1e3:.1f}), {w / p:.2f}x", flush=True)
-        shutil.rmtree(base, ignore_errors=True)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(results, f, indent=1)
+        _finish(base, results, args.json)
         return
     print(
         f"{'shape':<58} {'floor':>8} "
