@@ -38,14 +38,19 @@ def _filesystem(url: str, storage_options: dict[str, Any]) -> tuple[Any, str]:
     return fs, path.rstrip("/")
 
 
+def _temporary_beside(path: str) -> str:
+    """A fresh temporary key in the folder of ``path`` (listed as a temporary, never as a file)."""
+    head, _, leaf = path.rpartition("/")
+    return f"{head}/.{leaf}.{secrets.token_hex(4)}{TMP_MARKER}"
+
+
 class _PipePendingWrite(PendingWrite):
     def __init__(
         self, store: FsspecStore, name: str, image: memoryview, size: int, tail: bool
     ) -> None:
         self.store = store
         self.final = store._path(name)
-        head, _, leaf = self.final.rpartition("/")
-        self.tmp = f"{head}/.{leaf}.{secrets.token_hex(4)}{TMP_MARKER}"
+        self.tmp = _temporary_beside(self.final)
         self.image = image
         self.size = size
         self.tail = b""
@@ -95,7 +100,17 @@ class FsspecStore(Store):
         return _PipePendingWrite(self, name, image, size, tail)
 
     def put_atomic(self, name: str, data: bytes) -> None:
-        self.fs.pipe_file(self._path(name), data)
+        """A temporary key, then ``mv``: a filesystem whose ``pipe`` is not atomic (``file://``,
+        where the file exists, empty, from its open) never shows ``name`` partly written."""
+        final = self._path(name)
+        tmp = _temporary_beside(final)
+        try:
+            self.fs.pipe_file(tmp, data)
+            self.fs.mv(tmp, final)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.fs.rm_file(tmp)
+            raise
 
     def read_range(self, name: str, offset: int, length: int) -> bytes:
         if length <= 0:

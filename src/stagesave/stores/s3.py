@@ -40,6 +40,9 @@ from .s3_upload import (
 
 __all__ = ["RetryPolicy", "S3Store", "abort_stale_multipart_uploads", "choose_part_size"]
 
+#: Reads of an object whose version nobody pinned: how often one replaced mid-read is read again.
+_UNPINNED_READ_TRIES = 3
+
 
 def _parse_url(url: str) -> tuple[str, str]:
     scheme, sep, rest = url.partition("://")
@@ -233,10 +236,9 @@ class S3Store(Store):
     def read_range(self, name: str, offset: int, length: int) -> bytes:
         if length <= 0:
             return b""
-        buf = bytearray(length)
-        n = self.read_into(name, offset, memoryview(buf))
-        del buf[n:]
-        return bytes(buf)
+        view = memoryview(bytearray(length))  # not resized: a retried GET may still hold a slice
+        n = self.read_into(name, offset, view)
+        return bytes(view[:n])
 
     def read_into(self, name: str, offset: int, out: memoryview) -> int:
         """Fill ``out`` with concurrent ranged GETs of one object version.
@@ -250,7 +252,8 @@ class S3Store(Store):
         return self._read_pinned(name, offset, out, etag)
 
     def _read_pinned(self, name: str, offset: int, out: memoryview, etag: str | None) -> int:
-        """Like :meth:`read_into`, every ranged GET requiring ``etag`` (when given)."""
+        """Like :meth:`read_into`, every ranged GET requiring ``etag``; without one, the version
+        the first GET returns (an object replaced between two GETs is read again, whole)."""
         key = self._key(name)
         if len(out) == 0:
             return 0
@@ -258,25 +261,39 @@ class S3Store(Store):
         spans = [(lo, min(len(out), lo + step)) for lo in range(0, len(out), step)]
 
         async def all_spans() -> int:
+            pin, first = etag, 0
+            if pin is None and len(spans) > 1:
+                seen: builtins.list[str] = []
+                lo, hi = spans[0]
+                n = await self._get_into(key, name, offset + lo, out[lo:hi], None, seen)
+                if n < hi - lo:
+                    return n  # end of object
+                pin, first = (seen[0] if seen else None), 1
             counts = await asyncio.gather(
-                *(self._get_into(key, name, offset + lo, out[lo:hi], etag) for lo, hi in spans)
+                *(self._get_into(key, name, offset + lo, out[lo:hi], pin)
+                  for lo, hi in spans[first:])
             )
-            total = 0
-            for (lo, hi), n in zip(spans, counts, strict=True):
+            total = sum(hi - lo for lo, hi in spans[:first])
+            for (lo, hi), n in zip(spans[first:], counts, strict=True):
                 total += n
                 if n < hi - lo:
                     break  # end of object
             return total
 
-        try:
-            return self.requests.run(all_spans())
-        except StorageError as exc:
-            if getattr(exc, "s3_code", None) == "PreconditionFailed":
+        for attempt in range(_UNPINNED_READ_TRIES):
+            try:
+                return self.requests.run(all_spans())
+            except StorageError as exc:
+                if getattr(exc, "s3_code", None) != "PreconditionFailed":
+                    raise
                 self._forget(name)
-            raise
+                if etag is not None or attempt == _UNPINNED_READ_TRIES - 1:
+                    raise
+        raise AssertionError("unreachable")
 
     async def _get_into(
-        self, key: str, name: str, offset: int, out: memoryview, etag: str | None
+        self, key: str, name: str, offset: int, out: memoryview, etag: str | None,
+        seen: builtins.list[str] | None = None,
     ) -> int:
         params: dict[str, Any] = {"Bucket": self.bucket, "Key": key,
                                   "Range": f"bytes={offset}-{offset + len(out) - 1}"}
@@ -292,6 +309,8 @@ class S3Store(Store):
                     if error_code(exc) in ("InvalidRange", "416"):
                         return 0  # offset at or past the end
                     raise
+                if seen is not None and response.get("ETag"):
+                    seen.append(response["ETag"])
                 body = response["Body"]
                 pos = 0
                 try:
