@@ -46,6 +46,27 @@ class StagedExtras:
             self._run.release_if_idle()
         return path if chosen is None or chosen == target else chosen
 
+    def resumed_fit(self, trainer: Any, path: Any) -> None:
+        """``fit`` restored its state from ``path`` and Lightning let go of the loaded
+        checkpoint (``resume_end``): make the staging buffer of the fit's first save now, on a
+        thread, while the loop starts (:meth:`stagesave.Checkpointer.prepare_buffer`, the file's
+        size), and keep it for the fit (released at teardown).
+
+        Only where that save will come and be alike: the rank that writes, a local file, and a
+        ``ModelCheckpoint`` that saves whole checkpoints (not ``save_weights_only``) at some
+        interval. Anything else (a validate/test/predict, a sharded or remote checkpoint, no
+        checkpointing) makes nothing.
+        """
+        from lightning.pytorch.trainer.states import TrainerFn
+
+        target = os.fspath(path)
+        if (trainer.state.fn != TrainerFn.FITTING or not trainer.is_global_zero
+                or "://" in target or not os.path.isfile(target)
+                or not saves_whole_checkpoints(trainer)):
+            return
+        self._run.keep_until_teardown()
+        self._run.checkpointer.prepare_buffer(os.path.getsize(target))
+
     def saving(self, *, asynchronous: bool) -> AbstractContextManager[None]:
         """Saves made on this thread inside the block are asynchronous (``True``: the fit loop
         runs and hides the write) or return once committed (``False``: nothing to overlap).
@@ -112,3 +133,17 @@ class StagedExtras:
         finally:
             self._run.release_if_idle()
         return None if info is None else info.path
+
+
+def saves_whole_checkpoints(trainer: Any) -> bool:
+    """Whether a ``ModelCheckpoint`` of ``trainer`` saves whole checkpoints (not weights only)
+    at some interval, keeping some (``save_top_k`` or ``save_last``)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    return any(
+        isinstance(cb, ModelCheckpoint) and not cb.save_weights_only
+        and (cb.save_top_k != 0 or bool(cb.save_last))
+        and bool(getattr(cb, "_every_n_train_steps", 1) or getattr(cb, "_every_n_epochs", 1)
+                 or getattr(cb, "_train_time_interval", None) is not None)
+        for cb in trainer.checkpoint_callbacks
+    )

@@ -107,6 +107,11 @@ class Runtime:
         with self._lock:
             self._async_active = True
 
+    def keep_until_teardown(self) -> None:
+        """A fit's first save has its buffer made ahead: keep the checkpointer and its buffers
+        until teardown, as after an asynchronous save."""
+        self.mark_asynchronous()
+
     # ------------------------------------------------------------------ pending saves and links
     def track(self, path: str, handle: SaveHandle) -> None:
         """Record ``handle`` as the pending save of ``path``."""

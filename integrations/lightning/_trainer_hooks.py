@@ -17,6 +17,10 @@ wrapped ``_CheckpointConnector._parse_ckpt_path`` hands that choice to the plugi
 it if it can be loaded and otherwise names what is wrong and resumes from the newest checkpoint
 beside it that can (``StagedCheckpointIO.resume_path``). Trainers without the plugin get
 Lightning's methods unchanged.
+
+A fit that resumed from a local checkpoint makes its first save's staging buffer once the
+connector's ``resume_end`` has let go of the loaded checkpoint (``StagedExtras.resumed_fit``):
+made earlier, it would add to the memory the load holds.
 """
 
 from __future__ import annotations
@@ -48,8 +52,8 @@ def _wrap(owner: type, name: str, make: Callable[[Any], Any]) -> None:
 
 
 def install_trainer_hooks(find_plugin: Callable[[Any], Any]) -> None:
-    """Wrap ``Trainer.save_checkpoint``, ``ModelCheckpoint.file_exists`` and the connector's
-    ``"last"`` resolution (once per process).
+    """Wrap ``Trainer.save_checkpoint``, ``ModelCheckpoint.file_exists``, the connector's
+    ``"last"`` resolution and its ``resume_end`` (once per process).
 
     ``find_plugin(trainer)`` returns the trainer's ``StagedCheckpointIO`` or ``None``.
     """
@@ -93,6 +97,17 @@ def install_trainer_hooks(find_plugin: Callable[[Any], Any]) -> None:
 
         return _parse_ckpt_path
 
+    def make_resume_end(original: Any) -> Any:
+        def resume_end(self: Any) -> None:
+            path = self._ckpt_path  # what the run restored from (None: nothing)
+            original(self)  # frees the loaded checkpoint
+            plugin = find_plugin(self.trainer)
+            if plugin is not None and path:
+                plugin.resumed_fit(self.trainer, path)
+
+        return resume_end
+
     _wrap(Trainer, "save_checkpoint", make_save)
+    _wrap(_CheckpointConnector, "resume_end", make_resume_end)
     _wrap(_CheckpointConnector, "_parse_ckpt_path", make_parse)
     _wrap(ModelCheckpoint, "file_exists", make_exists)

@@ -248,3 +248,70 @@ def test_ckpt_path_last_without_the_plugin_is_untouched(tmp_path: Path) -> None:
         # torch.load does not check CRC-32s
         trainer.fit(TinyModel(), StepBatches(), ckpt_path="last")
     assert start.start == 4
+
+
+def test_a_resumed_fit_makes_its_first_saves_buffer_once_the_loaded_checkpoint_is_freed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``fit(ckpt_path=file)``: after ``resume_end`` freed the loaded checkpoint (not while
+    Lightning still holds it), the staging buffer of the fit's first save is made (the file's
+    size) and that save leases it; ``validate(ckpt_path=...)``, a fit whose checkpoints are
+    weights only and a fit without checkpointing make none; teardown leaves no thread."""
+    import threading
+
+    from lightning.pytorch.callbacks import Callback
+
+    from stagesave.saving.buffers import GROWTH_STEP, HostBuffer
+
+    made: list[tuple[int, str]] = []  # staging buffers (a load's image is not one)
+    prepared: list[tuple[int, object]] = []  # (bytes, what the connector still held)
+    real_allocate = HostBuffer.allocate.__func__  # type: ignore[attr-defined]
+    real_prepare = stagesave.Checkpointer.prepare_buffer
+    trainers: list[object] = []
+
+    def allocate(cls: type, capacity: int, pinned: bool, shared: bool = False) -> HostBuffer:
+        if capacity % GROWTH_STEP == 0:  # staging buffers grow in these steps
+            made.append((capacity, threading.current_thread().name))
+        return real_allocate(cls, capacity, pinned, shared)  # type: ignore[no-any-return]
+
+    def prepare(self: stagesave.Checkpointer, nbytes: int) -> None:
+        held = trainers[-1]._checkpoint_connector._loaded_checkpoint  # type: ignore[attr-defined]
+        prepared.append((nbytes, held))
+        real_prepare(self, nbytes)
+
+    d = tmp_path / "ckpt"
+    make_trainer(tmp_path, [StagedCheckpointIO()],
+                 [ModelCheckpoint(dirpath=d, every_n_train_steps=2, save_top_k=-1)],
+                 max_steps=2).fit(TinyModel(), StepBatches())
+    first = d / "epoch=0-step=2.ckpt"
+    size = first.stat().st_size
+    monkeypatch.setattr(HostBuffer, "allocate", classmethod(allocate))
+    monkeypatch.setattr(stagesave.Checkpointer, "prepare_buffer", prepare)
+    before = set(threading.enumerate())
+
+    def run(callbacks: list[Callback], fn: str = "fit", **kw: object) -> object:
+        trainer = make_trainer(tmp_path, [StagedCheckpointIO()], callbacks, max_steps=4, **kw)
+        trainers.append(trainer)
+        getattr(trainer, fn)(TinyModel(), StepBatches(), ckpt_path=str(first))
+        return trainer
+
+    run([], "validate")
+    run([ModelCheckpoint(dirpath=tmp_path / "w", every_n_train_steps=2, save_weights_only=True)])
+    run([], enable_checkpointing=False)
+    assert prepared == []
+    made.clear()
+
+    saved: list[int] = []
+
+    class _Count(Callback):
+        def on_save_checkpoint(self, *args: object) -> None:
+            saved.append(len(made))  # buffers made when the first save began
+
+    trainer = run([ModelCheckpoint(dirpath=d, every_n_train_steps=2, save_top_k=-1), _Count()])
+    assert trainer.global_step == 4  # type: ignore[attr-defined]
+    assert prepared == [(size, {})]  # made once Lightning let go of the loaded checkpoint
+    assert len(made) == 1 and made[0][1] == "stagesave-buffer"  # made ahead, then leased
+    assert saved and saved[0] == 1  # already made when the fit's first save began
+    assert [t.name for t in threading.enumerate()
+            if t.name.startswith("stagesave") and t not in before] == []
+    got = torch.load(d / "epoch=0-step=4.ckpt", weights_only=False)
+    assert got["global_step"] == 4

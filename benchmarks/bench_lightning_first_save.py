@@ -1,0 +1,151 @@
+"""The first save of a resumed Lightning fit: its staging buffer made once the checkpoint is
+loaded (the default) against made by that save (as before).
+
+Usage::
+
+    python benchmarks/bench_lightning_first_save.py --dir /work --layers 8 --width 2048 --rounds 3
+
+A model of ``--layers`` linear layers of ``--width`` x ``--width`` fp32 parameters, trained with
+Adam (the checkpoint holds about 3x the parameter bytes), is trained for two steps and saved by
+``ModelCheckpoint(every_n_train_steps=2)`` through ``StagedCheckpointIO``. Then, in rounds
+(alternating order), a fresh process resumes from that file with ``fit(ckpt_path=...)`` and
+trains ``2 * --saves`` more steps, saving every two: ``prepared`` is the plugin as it is,
+``not prepared`` the same with ``StagedExtras.resumed_fit`` made a no-op. Each process reports
+every save's blocking time (its telemetry), the fit's wall time and the process's peak RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+VARIANTS = ("prepared", "not prepared")
+
+
+def _fit(folder: str, width: int, layers: int, steps: int, resume: str | None,
+         prepared: bool) -> dict[str, Any]:
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from stagesave.lightning import StagedCheckpointIO
+    from torch.utils.data import DataLoader
+
+    if not prepared:
+        from stagesave.lightning._extras import StagedExtras
+
+        StagedExtras.resumed_fit = lambda self, trainer, path: None  # type: ignore[method-assign]
+
+    class Net(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.body = torch.nn.Sequential(
+                *[torch.nn.Linear(width, width) for _ in range(layers)])
+
+        def training_step(self, batch: Any, _: int) -> Any:
+            return self.body(batch).pow(2).mean()
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+        def train_dataloader(self) -> Any:
+            return DataLoader(torch.randn(8 * 64, width), batch_size=8)  # type: ignore[arg-type]
+
+    plugin = StagedCheckpointIO()
+    trainer = pl.Trainer(
+        max_steps=steps, plugins=[plugin], logger=False, enable_progress_bar=False,
+        enable_model_summary=False, accelerator="cpu", devices=1, max_epochs=1,
+        callbacks=[ModelCheckpoint(dirpath=folder, every_n_train_steps=2, save_top_k=-1)],
+    )
+    t0 = time.perf_counter()
+    trainer.fit(Net(), ckpt_path=resume)
+    wall = time.perf_counter() - t0
+    tel = plugin.pop_telemetry()
+    return {"blocking_s": [t.blocking_s for t in tel], "stage_s": [t.stage_s for t in tel],
+            "buffer_wait_s": [t.buffer_wait_s for t in tel], "fit_s": wall,
+            "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+
+
+def _child(args: argparse.Namespace) -> None:
+    result = _fit(args.folder, args.width, args.layers, args.steps, args.resume,
+                  args.variant == "prepared")
+    print("RESULT " + json.dumps(result))
+
+
+def _run(args: argparse.Namespace, folder: str, steps: int, resume: str | None,
+         variant: str) -> dict[str, Any]:
+    cmd = [sys.executable, __file__, "--child", "--folder", folder, "--width", str(args.width),
+           "--layers", str(args.layers), "--steps", str(steps), "--variant", variant]
+    if resume:
+        cmd += ["--resume", resume]
+    env = dict(os.environ)
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    for line in out.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])  # type: ignore[no-any-return]
+    raise RuntimeError(f"{variant} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dir", default=None, help="where the checkpoints go (default: a temp dir)")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--width", type=int, default=2048)
+    p.add_argument("--saves", type=int, default=3, help="saves per resumed fit")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--json", default=None)
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--folder", help=argparse.SUPPRESS)
+    p.add_argument("--steps", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--resume", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--variant", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        _child(args)
+        return
+    base = tempfile.mkdtemp(prefix="first-save-", dir=args.dir)
+    try:
+        start = os.path.join(base, "start")
+        _run(args, start, 2, None, "prepared")
+        resume = os.path.join(start, "epoch=0-step=2.ckpt")
+        print(f"resuming from {resume}: {os.path.getsize(resume) / 2**20:.0f} MiB")
+        runs: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
+        for r in range(args.rounds):
+            for variant in VARIANTS if r % 2 == 0 else VARIANTS[::-1]:
+                folder = os.path.join(base, f"r{r}-{variant.replace(' ', '-')}")
+                got = _run(args, folder, 2 + 2 * args.saves, resume, variant)
+                shutil.rmtree(folder, ignore_errors=True)
+                runs[variant].append(got)
+                print(f"round {r} {variant:>13}: blocking "
+                      + ", ".join(f"{b * 1e3:.0f}" for b in got["blocking_s"])
+                      + f" ms; fit {got['fit_s']:.2f} s; peak RSS {got['peak_rss_gib']:.2f} GiB",
+                      flush=True)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    print("\n| variant | first save blocking ms | later saves ms | first ÷ later | fit s | "
+          "peak RSS GiB |\n|---|---|---|---|---|---|")
+    summary = {}
+    for variant, got in runs.items():
+        first = statistics.median(g["blocking_s"][0] for g in got) * 1e3
+        later = statistics.median(b for g in got for b in g["blocking_s"][1:]) * 1e3
+        fit = statistics.median(g["fit_s"] for g in got)
+        rss = statistics.median(g["peak_rss_gib"] for g in got)
+        summary[variant] = {"first_ms": first, "later_ms": later, "fit_s": fit, "rss_gib": rss}
+        print(f"| {variant} | {first:.0f} | {later:.0f} | {first / later:.2f} | {fit:.2f} | "
+              f"{rss:.2f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "runs": runs, "summary": summary}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
