@@ -35,7 +35,7 @@ def _fit(folder: str, width: int, layers: int, steps: int, resume: str | None,
          prepared: bool) -> dict[str, Any]:
     import lightning.pytorch as pl
     import torch
-    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
     from stagesave.lightning import StagedCheckpointIO
     from torch.utils.data import DataLoader
 
@@ -60,11 +60,23 @@ def _fit(folder: str, width: int, layers: int, steps: int, resume: str | None,
         def train_dataloader(self) -> Any:
             return DataLoader(torch.randn(8 * 64, width), batch_size=8)  # type: ignore[arg-type]
 
+    marks: dict[str, list[float]] = {"batch_end": []}
+
+    class Mark(Callback):
+        def on_train_start(self, *_: Any) -> None:
+            marks["train_start"] = [time.perf_counter()]
+
+        def on_train_batch_end(self, *_: Any) -> None:
+            marks["batch_end"].append(time.perf_counter())
+
+        def on_train_end(self, *_: Any) -> None:
+            marks["train_end"] = [time.perf_counter()]
+
     plugin = StagedCheckpointIO()
     trainer = pl.Trainer(
         max_steps=steps, plugins=[plugin], logger=False, enable_progress_bar=False,
         enable_model_summary=False, accelerator="cpu", devices=1, max_epochs=1,
-        callbacks=[ModelCheckpoint(dirpath=folder, every_n_train_steps=2, save_top_k=-1)],
+        callbacks=[ModelCheckpoint(dirpath=folder, every_n_train_steps=2, save_top_k=-1), Mark()],
     )
     t0 = time.perf_counter()
     trainer.fit(Net(), ckpt_path=resume)
@@ -72,6 +84,12 @@ def _fit(folder: str, width: int, layers: int, steps: int, resume: str | None,
     tel = plugin.pop_telemetry()
     return {"blocking_s": [t.blocking_s for t in tel], "stage_s": [t.stage_s for t in tel],
             "buffer_wait_s": [t.buffer_wait_s for t in tel], "fit_s": wall,
+            # fit() to the loop's start (the load), the loop (steps and saves), its end to return
+            "to_train_s": marks["train_start"][0] - t0,
+            "train_s": marks["train_end"][0] - marks["train_start"][0],
+            "steps_s": [b - a for a, b in zip(marks["train_start"] + marks["batch_end"],
+                                              marks["batch_end"])],
+            "after_train_s": t0 + wall - marks["train_end"][0],
             "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 
@@ -127,7 +145,10 @@ def main() -> None:
                 runs[variant].append(got)
                 print(f"round {r} {variant:>13}: blocking "
                       + ", ".join(f"{b * 1e3:.0f}" for b in got["blocking_s"])
-                      + f" ms; fit {got['fit_s']:.2f} s; peak RSS {got['peak_rss_gib']:.2f} GiB",
+                      + f" ms; fit {got['fit_s']:.2f} s (load {got['to_train_s']:.2f}, loop "
+                      f"{got['train_s']:.2f}, end {got['after_train_s']:.2f}); steps "
+                      + ", ".join(f"{x:.2f}" for x in got["steps_s"])
+                      + f" s; peak RSS {got['peak_rss_gib']:.2f} GiB",
                       flush=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)
