@@ -54,6 +54,8 @@ class Runtime:
         )
         self._mode = threading.local()  # per thread: is the save being made inside the fit loop?
         self._async_active = False  # an asynchronous save was made since the last teardown
+        #: the staging buffer of this fit's first save was asked for (or will not be)
+        self.sized_for_fit = False
         self.warned_replaced_save = False
 
     # ------------------------------------------------------------------ the core, on demand
@@ -188,6 +190,7 @@ class Runtime:
             ckpt, self._ckpt = self._ckpt, None
             links, self._links = self._links, LinkKeeper(log)
             self._async_active = False
+            self.sized_for_fit = False
         errors = flush_and_close(ckpt, links, deadline)
         links.kept()
         return errors

@@ -20,7 +20,10 @@ Lightning's methods unchanged.
 
 A fit that resumed from a local checkpoint makes its first save's staging buffer once the
 connector's ``resume_end`` has let go of the loaded checkpoint (``StagedExtras.resumed_fit``):
-made earlier, it would add to the memory the load holds.
+made earlier, it would add to the memory the load holds. A fit that starts afresh makes it when
+its first training batch ended (``ModelCheckpoint.on_train_batch_end``, before the callback
+decides whether to save: the optimizers' state exists by then), sized by the module's and the
+optimizers' tensors (``StagedExtras.trained_a_batch``).
 """
 
 from __future__ import annotations
@@ -52,8 +55,9 @@ def _wrap(owner: type, name: str, make: Callable[[Any], Any]) -> None:
 
 
 def install_trainer_hooks(find_plugin: Callable[[Any], Any]) -> None:
-    """Wrap ``Trainer.save_checkpoint``, ``ModelCheckpoint.file_exists``, the connector's
-    ``"last"`` resolution and its ``resume_end`` (once per process).
+    """Wrap ``Trainer.save_checkpoint``, ``ModelCheckpoint.file_exists`` and
+    ``on_train_batch_end``, the connector's ``"last"`` resolution and its ``resume_end`` (once
+    per process).
 
     ``find_plugin(trainer)`` returns the trainer's ``StagedCheckpointIO`` or ``None``.
     """
@@ -107,7 +111,17 @@ def install_trainer_hooks(find_plugin: Callable[[Any], Any]) -> None:
 
         return resume_end
 
+    def make_batch_end(original: Any) -> Any:
+        def on_train_batch_end(self: Any, trainer: Any, *args: Any, **kwargs: Any) -> None:
+            plugin = find_plugin(trainer)
+            if plugin is not None:
+                plugin.trained_a_batch(trainer)  # the first one: the first save's buffer
+            return original(self, trainer, *args, **kwargs)  # type: ignore[no-any-return]
+
+        return on_train_batch_end
+
     _wrap(Trainer, "save_checkpoint", make_save)
+    _wrap(ModelCheckpoint, "on_train_batch_end", make_batch_end)
     _wrap(_CheckpointConnector, "resume_end", make_resume_end)
     _wrap(_CheckpointConnector, "_parse_ckpt_path", make_parse)
     _wrap(ModelCheckpoint, "file_exists", make_exists)

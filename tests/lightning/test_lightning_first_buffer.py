@@ -1,0 +1,141 @@
+"""The staging buffer of a fit's first save is made before that save (issue 20: the first save
+of a run), through real Trainers: once an optimizer step has made the optimizers' state, sized by
+the module's and the optimizers' tensors, on the rank that writes, only when a
+``ModelCheckpoint`` saves whole checkpoints; the first save leases it; nothing is left after
+teardown. (A resumed fit: ``test_lightning_resume.py``.)"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning_helpers import StepBatches, TinyModel, make_trainer
+from stagesave.lightning import StagedCheckpointIO
+
+import stagesave
+from stagesave.saving.buffers import GROWTH_STEP, HostBuffer
+
+
+@pytest.fixture
+def watched(monkeypatch: pytest.MonkeyPatch) -> dict[str, list]:
+    """Staging buffers made (capacity, thread) and ``prepare_buffer`` calls (bytes, the
+    trainer's global step, whether its optimizer had state) while a test's trainer runs."""
+    seen: dict[str, list] = {"made": [], "prepared": [], "trainer": []}
+    real_allocate = HostBuffer.allocate.__func__  # type: ignore[attr-defined]
+    real_prepare = stagesave.Checkpointer.prepare_buffer
+
+    def allocate(cls: type, capacity: int, pinned: bool, shared: bool = False) -> HostBuffer:
+        if capacity % GROWTH_STEP == 0:  # staging buffers grow in these steps
+            seen["made"].append((capacity, threading.current_thread().name))
+        return real_allocate(cls, capacity, pinned, shared)  # type: ignore[no-any-return]
+
+    def prepare(self: stagesave.Checkpointer, nbytes: int) -> None:
+        trainer = seen["trainer"][-1]
+        state = trainer.optimizers[0].state if trainer.optimizers else {}
+        seen["prepared"].append((nbytes, trainer.global_step, bool(state)))
+        real_prepare(self, nbytes)
+
+    monkeypatch.setattr(HostBuffer, "allocate", classmethod(allocate))
+    monkeypatch.setattr(stagesave.Checkpointer, "prepare_buffer", prepare)
+    return seen
+
+
+class _SavesSee(Callback):
+    """How many staging buffers existed when each save began."""
+
+    def __init__(self, made: list) -> None:
+        self.made, self.saw = made, []
+
+    def on_save_checkpoint(self, *args: object) -> None:
+        self.saw.append(len(self.made))
+
+
+@pytest.mark.parametrize("accumulate", [1, 3])
+def test_a_fresh_fit_makes_its_first_saves_buffer_after_its_first_optimizer_step(
+        tmp_path: Path, watched: dict[str, list], accumulate: int) -> None:
+    d = tmp_path / "ckpt"
+    before = set(threading.enumerate())
+    see = _SavesSee(watched["made"])
+    trainer = make_trainer(
+        tmp_path, [StagedCheckpointIO()],
+        [ModelCheckpoint(dirpath=d, every_n_train_steps=2, save_top_k=-1), see],
+        max_steps=4, accumulate_grad_batches=accumulate)
+    watched["trainer"].append(trainer)
+    trainer.fit(TinyModel(), StepBatches(n=16))
+    assert trainer.global_step == 4
+    # once: after the first optimizer step (not at the first batch when gradients accumulate),
+    # with the optimizer's state there to be counted
+    assert [p[1:] for p in watched["prepared"]] == [(1, True)]
+    first = d / "epoch=0-step=2.ckpt"
+    assert watched["prepared"][0][0] >= first.stat().st_size  # the file fits the buffer
+    # made ahead, then leased by the first save; the second save, the first one still being
+    # written, may make a second (max_pending=2), on its own thread as before
+    assert watched["made"][:1] == [(GROWTH_STEP, "stagesave-buffer")]
+    assert watched["made"][1:] in ([], [(GROWTH_STEP, "MainThread")])
+    assert see.saw[:1] == [1]  # already made when the first save began
+    assert [t.name for t in threading.enumerate()
+            if t.name.startswith("stagesave") and t not in before] == []
+    got = torch.load(d / "epoch=0-step=4.ckpt", weights_only=False)
+    assert got["global_step"] == 4
+
+
+@pytest.mark.parametrize("callbacks", ["weights only", "none", "never saves"])
+def test_a_fit_whose_saves_are_not_whole_checkpoints_makes_no_buffer_ahead(
+        tmp_path: Path, watched: dict[str, list], callbacks: str) -> None:
+    kw: dict[str, object] = {}
+    if callbacks == "weights only":
+        cbs = [ModelCheckpoint(dirpath=tmp_path / "w", every_n_train_steps=2,
+                               save_weights_only=True)]
+    elif callbacks == "none":
+        cbs, kw = [], {"enable_checkpointing": False}
+    else:
+        cbs = [ModelCheckpoint(dirpath=tmp_path / "n", save_top_k=0)]
+    trainer = make_trainer(tmp_path, [StagedCheckpointIO()], cbs, max_steps=4, **kw)
+    watched["trainer"].append(trainer)
+    trainer.fit(TinyModel(), StepBatches(n=16))
+    assert watched["prepared"] == []
+
+
+def test_a_trainer_without_the_plugin_is_untouched(
+        tmp_path: Path, watched: dict[str, list]) -> None:
+    trainer = make_trainer(
+        tmp_path, [], [ModelCheckpoint(dirpath=tmp_path / "c", every_n_train_steps=2)],
+        max_steps=2)
+    watched["trainer"].append(trainer)
+    trainer.fit(TinyModel(), StepBatches(n=16))
+    assert watched["prepared"] == [] and watched["made"] == []
+    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["epoch=0-step=2.ckpt"]
+
+
+def test_the_connectors_resume_called_by_hand_outside_fit_makes_nothing(
+        tmp_path: Path, watched: dict[str, list]) -> None:
+    """Lightning's own tests drive ``resume_start``/``resume_end`` and a callback's
+    ``on_train_batch_end`` by hand, outside ``fit``: no teardown follows, so nothing may be made
+    (a buffer and its thread would outlive the test)."""
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    d = tmp_path / "ckpt"
+    first = make_trainer(tmp_path, [StagedCheckpointIO()],
+                         [ModelCheckpoint(dirpath=d, every_n_train_steps=2)], max_steps=2)
+    watched["trainer"].append(first)
+    first.fit(TinyModel(), StepBatches(n=16))
+    watched["prepared"].clear()
+    watched["made"].clear()
+    before = set(threading.enumerate())
+    callback = ModelCheckpoint(dirpath=d, every_n_train_steps=2)
+    trainer = make_trainer(tmp_path, [StagedCheckpointIO()], [callback], max_steps=4)
+    watched["trainer"].append(trainer)
+    connector = trainer._checkpoint_connector
+    connector.resume_start(str(d / "epoch=0-step=2.ckpt"))
+    trainer.state.fn = TrainerFn.FITTING
+    connector.resume_end()
+    trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.total \
+        .completed = 3  # a step taken, not one at which the callback saves
+    assert trainer.global_step == 3
+    callback.on_train_batch_end(trainer, TinyModel(), None, None, 0)
+    assert watched["prepared"] == [] and watched["made"] == []
+    assert [t.name for t in threading.enumerate()
+            if t.name.startswith("stagesave") and t not in before] == []
