@@ -1,5 +1,5 @@
-"""The first save of a resumed Lightning fit: its staging buffer made once the checkpoint is
-loaded (the default) against made by that save (as before).
+"""The first save of a Lightning fit: its staging buffer made before that save (once the
+resumed checkpoint is loaded, or after the first optimizer step) against made by that save.
 
 Usage::
 
@@ -9,8 +9,11 @@ A model of ``--layers`` linear layers of ``--width`` x ``--width`` fp32 paramete
 Adam (the checkpoint holds about 3x the parameter bytes), is trained for two steps and saved by
 ``ModelCheckpoint(every_n_train_steps=2)`` through ``StagedCheckpointIO``. Then, in rounds
 (alternating order), a fresh process resumes from that file with ``fit(ckpt_path=...)`` and
-trains ``2 * --saves`` more steps, saving every two: ``prepared`` is the plugin as it is,
-``not prepared`` the same with ``StagedExtras.resumed_fit`` made a no-op. Each process reports
+trains ``--every * --saves`` more steps, saving every ``--every`` (default 2): ``prepared`` is
+``StagedCheckpointIO(prepare_buffer=True)``, ``not prepared`` ``prepare_buffer=False`` (what
+the default does on a CPU-only fit, and what every fit did before).
+With ``--fresh`` the fits start afresh instead (``--every * --saves`` steps; the plugin makes the
+buffer once the first optimizer step is taken). Each process reports
 every save's blocking time (its telemetry), the fit's wall time and the process's peak RSS.
 """
 
@@ -32,17 +35,12 @@ VARIANTS = ("prepared", "not prepared")
 
 
 def _fit(folder: str, width: int, layers: int, steps: int, resume: str | None,
-         prepared: bool) -> dict[str, Any]:
+         prepared: bool, every: int) -> dict[str, Any]:
     import lightning.pytorch as pl
     import torch
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
     from stagesave.lightning import StagedCheckpointIO
     from torch.utils.data import DataLoader
-
-    if not prepared:
-        from stagesave.lightning._extras import StagedExtras
-
-        StagedExtras.resumed_fit = lambda self, trainer, path: None  # type: ignore[method-assign]
 
     class Net(pl.LightningModule):
         def __init__(self) -> None:
@@ -72,11 +70,12 @@ def _fit(folder: str, width: int, layers: int, steps: int, resume: str | None,
         def on_train_end(self, *_: Any) -> None:
             marks["train_end"] = [time.perf_counter()]
 
-    plugin = StagedCheckpointIO()
+    plugin = StagedCheckpointIO(prepare_buffer=prepared)
     trainer = pl.Trainer(
         max_steps=steps, plugins=[plugin], logger=False, enable_progress_bar=False,
         enable_model_summary=False, accelerator="cpu", devices=1, max_epochs=1,
-        callbacks=[ModelCheckpoint(dirpath=folder, every_n_train_steps=2, save_top_k=-1), Mark()],
+        callbacks=[ModelCheckpoint(dirpath=folder, every_n_train_steps=every, save_top_k=-1),
+                   Mark()],
     )
     t0 = time.perf_counter()
     trainer.fit(Net(), ckpt_path=resume)
@@ -95,14 +94,15 @@ def _fit(folder: str, width: int, layers: int, steps: int, resume: str | None,
 
 def _child(args: argparse.Namespace) -> None:
     result = _fit(args.folder, args.width, args.layers, args.steps, args.resume,
-                  args.variant == "prepared")
+                  args.variant == "prepared", args.every)
     print("RESULT " + json.dumps(result))
 
 
 def _run(args: argparse.Namespace, folder: str, steps: int, resume: str | None,
-         variant: str) -> dict[str, Any]:
+         variant: str, every: int) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--child", "--folder", folder, "--width", str(args.width),
-           "--layers", str(args.layers), "--steps", str(steps), "--variant", variant]
+           "--layers", str(args.layers), "--steps", str(steps), "--variant", variant,
+           "--every", str(every)]
     if resume:
         cmd += ["--resume", resume]
     env = dict(os.environ)
@@ -120,6 +120,10 @@ def main() -> None:
     p.add_argument("--width", type=int, default=2048)
     p.add_argument("--saves", type=int, default=3, help="saves per resumed fit")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--every", type=int, default=2, help="save every this many steps")
+    p.add_argument("--fresh", action="store_true",
+                   help="fits that start afresh (the buffer made after the first step) instead "
+                        "of resumed ones")
     p.add_argument("--json", default=None)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--folder", help=argparse.SUPPRESS)
@@ -133,14 +137,16 @@ def main() -> None:
     base = tempfile.mkdtemp(prefix="first-save-", dir=args.dir)
     try:
         start = os.path.join(base, "start")
-        _run(args, start, 2, None, "prepared")
+        _run(args, start, 2, None, "prepared", 2)
         resume = os.path.join(start, "epoch=0-step=2.ckpt")
         print(f"resuming from {resume}: {os.path.getsize(resume) / 2**20:.0f} MiB")
         runs: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
         for r in range(args.rounds):
             for variant in VARIANTS if r % 2 == 0 else VARIANTS[::-1]:
                 folder = os.path.join(base, f"r{r}-{variant.replace(' ', '-')}")
-                got = _run(args, folder, 2 + 2 * args.saves, resume, variant)
+                steps = args.every * args.saves
+                got = (_run(args, folder, steps, None, variant, args.every) if args.fresh
+                       else _run(args, folder, 2 + steps, resume, variant, args.every))
                 shutil.rmtree(folder, ignore_errors=True)
                 runs[variant].append(got)
                 print(f"round {r} {variant:>13}: blocking "

@@ -28,6 +28,7 @@ class StagedExtras:
 
     _run: Runtime
     verify_on_load: bool
+    prepare_buffer: bool | None
 
     # ------------------------------------------------------------------ what the hooks ask
     def resume_path(self, path: Any) -> Any:
@@ -60,7 +61,7 @@ class StagedExtras:
         """
         target = os.fspath(path)
         if (not in_fit_loop(trainer) or "://" in target or not os.path.isfile(target)
-                or not _writes_whole_files(trainer)):
+                or not self._ahead(trainer)):
             return
         self._run.sized_for_fit = True
         self._run.keep_until_teardown()
@@ -78,10 +79,18 @@ class StagedExtras:
         if not in_fit_loop(trainer):  # called by hand, outside fit: no teardown will follow
             return
         run.sized_for_fit = True
-        if not _writes_whole_files(trainer):
+        if not self._ahead(trainer):
             return
         run.keep_until_teardown()
         run.checkpointer.prepare_buffer(training_state_bytes(trainer))
+
+    def _ahead(self, trainer: Any) -> bool:
+        """Whether to make the first save's buffer ahead (``prepare_buffer``; ``None``: when
+        the fit trains on an accelerator) and this rank writes whole checkpoint files."""
+        wanted = self.prepare_buffer
+        if wanted is None:
+            wanted = trainer.strategy.root_device.type != "cpu"
+        return wanted and _writes_whole_files(trainer)
 
     def saving(self, *, asynchronous: bool) -> AbstractContextManager[None]:
         """Saves made on this thread inside the block are asynchronous (``True``: the fit loop

@@ -75,6 +75,11 @@ class StagedCheckpointIO(StagedExtras, CheckpointIO):
             finishes every save handed to it if this process dies; ``"thread"``: this
             process's threads; ``None`` (default): ``$STAGESAVE_WRITER``, else ``"process"``
             (``"thread"`` with ``device_staging``).
+        prepare_buffer: Make the staging buffer of a fit's first save before that save (once
+            a resumed checkpoint is loaded, or after the first optimizer step), so that it only
+            copies: ``None`` (default) when the fit trains on an accelerator (its CPU cores are
+            free for it; on a CPU-only fit making it competes with training, BENCHMARKS.md),
+            ``True`` always, ``False`` never.
     """
 
     def __init__(
@@ -93,9 +98,13 @@ class StagedCheckpointIO(StagedExtras, CheckpointIO):
         safe_globals: Sequence[Any] = (),
         device_staging: bool = False,
         writer: str | None = None,
+        prepare_buffer: bool | None = None,
     ) -> None:
         super().__init__()
         self.writer = writer
+        if prepare_buffer is not None and not isinstance(prepare_buffer, bool):
+            raise TypeError(f"prepare_buffer must be True, False or None, got {prepare_buffer!r}")
+        self.prepare_buffer = prepare_buffer
         if not isinstance(device_staging, bool):
             raise TypeError(f"device_staging must be True or False, got {device_staging!r}")
         self.device_staging = device_staging

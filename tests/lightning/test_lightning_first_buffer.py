@@ -60,7 +60,7 @@ def test_a_fresh_fit_makes_its_first_saves_buffer_after_its_first_optimizer_step
     before = set(threading.enumerate())
     see = _SavesSee(watched["made"])
     trainer = make_trainer(
-        tmp_path, [StagedCheckpointIO()],
+        tmp_path, [StagedCheckpointIO(prepare_buffer=True)],
         [ModelCheckpoint(dirpath=d, every_n_train_steps=2, save_top_k=-1), see],
         max_steps=4, accumulate_grad_batches=accumulate)
     watched["trainer"].append(trainer)
@@ -93,10 +93,33 @@ def test_a_fit_whose_saves_are_not_whole_checkpoints_makes_no_buffer_ahead(
         cbs, kw = [], {"enable_checkpointing": False}
     else:
         cbs = [ModelCheckpoint(dirpath=tmp_path / "n", save_top_k=0)]
-    trainer = make_trainer(tmp_path, [StagedCheckpointIO()], cbs, max_steps=4, **kw)
+    trainer = make_trainer(tmp_path, [StagedCheckpointIO(prepare_buffer=True)], cbs, max_steps=4,
+                           **kw)
     watched["trainer"].append(trainer)
     trainer.fit(TinyModel(), StepBatches(n=16))
     assert watched["prepared"] == []
+
+
+@pytest.mark.parametrize("choice", [None, False])
+def test_a_cpu_fit_makes_no_buffer_ahead_by_default_and_none_when_told_not_to(
+        tmp_path: Path, watched: dict[str, list], choice: bool | None) -> None:
+    """On a CPU-only fit, making the buffer competes with training for the cores (BENCHMARKS:
+    the fit took longer): the default makes it only where training runs on an accelerator."""
+    d = tmp_path / "ckpt"
+    for resume in (None, d / "epoch=0-step=2.ckpt"):
+        trainer = make_trainer(
+            tmp_path, [StagedCheckpointIO(prepare_buffer=choice)],
+            [ModelCheckpoint(dirpath=d, every_n_train_steps=2, save_top_k=-1)],
+            max_steps=4 if resume else 2)
+        watched["trainer"].append(trainer)
+        trainer.fit(TinyModel(), StepBatches(n=16), ckpt_path=resume)
+        assert trainer.global_step == (4 if resume else 2)
+    assert watched["prepared"] == []
+
+
+def test_prepare_buffer_must_be_a_bool_or_none() -> None:
+    with pytest.raises(TypeError, match="prepare_buffer must be True, False or None, got 'yes'"):
+        StagedCheckpointIO(prepare_buffer="yes")  # type: ignore[arg-type]
 
 
 def test_a_trainer_without_the_plugin_is_untouched(
@@ -118,7 +141,7 @@ def test_the_connectors_resume_called_by_hand_outside_fit_makes_nothing(
     from lightning.pytorch.trainer.states import TrainerFn
 
     d = tmp_path / "ckpt"
-    first = make_trainer(tmp_path, [StagedCheckpointIO()],
+    first = make_trainer(tmp_path, [StagedCheckpointIO(prepare_buffer=True)],
                          [ModelCheckpoint(dirpath=d, every_n_train_steps=2)], max_steps=2)
     watched["trainer"].append(first)
     first.fit(TinyModel(), StepBatches(n=16))
@@ -126,7 +149,8 @@ def test_the_connectors_resume_called_by_hand_outside_fit_makes_nothing(
     watched["made"].clear()
     before = set(threading.enumerate())
     callback = ModelCheckpoint(dirpath=d, every_n_train_steps=2)
-    trainer = make_trainer(tmp_path, [StagedCheckpointIO()], [callback], max_steps=4)
+    trainer = make_trainer(tmp_path, [StagedCheckpointIO(prepare_buffer=True)], [callback],
+                           max_steps=4)
     watched["trainer"].append(trainer)
     connector = trainer._checkpoint_connector
     connector.resume_start(str(d / "epoch=0-step=2.ckpt"))

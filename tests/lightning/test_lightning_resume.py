@@ -289,7 +289,8 @@ def test_a_resumed_fit_makes_its_first_saves_buffer_once_the_loaded_checkpoint_i
     before = set(threading.enumerate())
 
     def run(callbacks: list[Callback], fn: str = "fit", **kw: object) -> object:
-        trainer = make_trainer(tmp_path, [StagedCheckpointIO()], callbacks, max_steps=4, **kw)
+        trainer = make_trainer(tmp_path, [StagedCheckpointIO(prepare_buffer=True)], callbacks,
+                               max_steps=4, **kw)
         trainers.append(trainer)
         getattr(trainer, fn)(TinyModel(), StepBatches(), ckpt_path=str(first))
         return trainer
