@@ -117,6 +117,21 @@ def test_a_cpu_fit_makes_no_buffer_ahead_by_default_and_none_when_told_not_to(
     assert watched["prepared"] == []
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="needs a CUDA device; this machine has none (GPU path untested here)")
+def test_a_gpu_fit_makes_its_first_saves_buffer_ahead_by_default(
+        tmp_path: Path, watched: dict[str, list]) -> None:
+    d = tmp_path / "ckpt"
+    trainer = make_trainer(
+        tmp_path, [StagedCheckpointIO()],
+        [ModelCheckpoint(dirpath=d, every_n_train_steps=2, save_top_k=-1)],
+        max_steps=2, accelerator="cuda", devices=1, deterministic=False)
+    watched["trainer"].append(trainer)
+    trainer.fit(TinyModel(), StepBatches(n=16))
+    assert [p[1:] for p in watched["prepared"]] == [(1, True)]
+    assert watched["prepared"][0][0] >= (d / "epoch=0-step=2.ckpt").stat().st_size
+
+
 def test_prepare_buffer_must_be_a_bool_or_none() -> None:
     with pytest.raises(TypeError, match="prepare_buffer must be True, False or None, got 'yes'"):
         StagedCheckpointIO(prepare_buffer="yes")  # type: ignore[arg-type]
