@@ -18,12 +18,13 @@ it if it can be loaded and otherwise names what is wrong and resumes from the ne
 beside it that can (``StagedCheckpointIO.resume_path``). Trainers without the plugin get
 Lightning's methods unchanged.
 
-A fit that resumed from a local checkpoint makes its first save's staging buffer once the
-connector's ``resume_end`` has let go of the loaded checkpoint (``StagedExtras.resumed_fit``):
-made earlier, it would add to the memory the load holds. A fit that starts afresh makes it when
-its first training batch ended (``ModelCheckpoint.on_train_batch_end``, before the callback
-decides whether to save: the optimizers' state exists by then), sized by the module's and the
-optimizers' tensors (``StagedExtras.trained_a_batch``).
+With ``StagedCheckpointIO(prepare_buffer=...)`` (by default: a fit on an accelerator), a fit
+that resumed from a local checkpoint makes its first save's staging buffer once the connector's
+``resume_end`` has let go of the loaded checkpoint (``StagedExtras.resumed_fit``): made earlier,
+it would add to the memory the load holds. A fit that starts afresh makes it at the first
+``ModelCheckpoint.on_train_batch_end`` after an optimizer step (before the callback decides
+whether to save: the optimizers' state exists by then), sized by the module's and the
+optimizers' tensors (``StagedExtras.trained_a_batch``). Both only inside ``fit``.
 """
 
 from __future__ import annotations
