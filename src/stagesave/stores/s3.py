@@ -27,7 +27,14 @@ from typing import Any
 
 from ..errors import CheckpointNotFoundError, StorageError
 from .base import ObjectInfo, PendingWrite, Reader, Store, check_name
-from .s3_requests import ACCESS_CODES, FailedRequest, RetryPolicy, S3Requests, error_code
+from .s3_requests import (
+    ACCESS_CODES,
+    FailedRequest,
+    RetryPolicy,
+    S3Requests,
+    all_or_none,
+    error_code,
+)
 from .s3_upload import (
     DEFAULT_PART_BYTES,
     MAX_PART_BYTES,
@@ -37,27 +44,11 @@ from .s3_upload import (
     abort_stale_multipart_uploads,
     choose_part_size,
 )
+from .urls import s3_bucket_and_prefix
 
 __all__ = ["RetryPolicy", "S3Store", "abort_stale_multipart_uploads", "choose_part_size"]
 
-#: Reads of an object whose version nobody pinned: how often one replaced mid-read is read again.
-_UNPINNED_READ_TRIES = 3
-
-
-def _parse_url(url: str) -> tuple[str, str]:
-    scheme, sep, rest = url.partition("://")
-    if not sep or scheme not in ("s3", "s3a"):
-        raise ValueError("an S3 checkpoint root must look like s3://bucket/prefix")
-    bucket, _, prefix = rest.partition("/")
-    if "@" in bucket or ":" in bucket:
-        # Never echo it: it may hold a secret.
-        raise ValueError(
-            "credentials in an s3:// URL are not supported (and would leak into logs); "
-            "pass them in storage_options (key=..., secret=...)"
-        )
-    if not bucket:
-        raise ValueError("an S3 checkpoint root must name a bucket: s3://bucket/prefix")
-    return bucket, prefix.strip("/")
+_UNPINNED_READ_TRIES = 3  # a read no version was pinned for: tries when the object is replaced
 
 
 class S3Store(Store):
@@ -91,7 +82,7 @@ class S3Store(Store):
         connect_timeout: float = 10.0,
         read_timeout: float = 60.0,
     ) -> None:
-        self.bucket, self.prefix = _parse_url(url)
+        self.bucket, self.prefix = s3_bucket_and_prefix(url)
         #: How to make this store again in another process (a writer agent's).
         self._made_with = (url, dict(storage_options or {}), max_connections, part_size,
                            multipart_threshold, retry, connect_timeout, read_timeout)
@@ -236,9 +227,8 @@ class S3Store(Store):
     def read_range(self, name: str, offset: int, length: int) -> bytes:
         if length <= 0:
             return b""
-        view = memoryview(bytearray(length))  # not resized: a retried GET may still hold a slice
-        n = self.read_into(name, offset, view)
-        return bytes(view[:n])
+        view = memoryview(bytearray(length))
+        return bytes(view[: self.read_into(name, offset, view)])
 
     def read_into(self, name: str, offset: int, out: memoryview) -> int:
         """Fill ``out`` with concurrent ranged GETs of one object version.
@@ -268,10 +258,10 @@ class S3Store(Store):
                 n = await self._get_into(key, name, offset + lo, out[lo:hi], None, seen)
                 if n < hi - lo:
                     return n  # end of object
-                pin, first = (seen[0] if seen else None), 1
-            counts = await asyncio.gather(
-                *(self._get_into(key, name, offset + lo, out[lo:hi], pin)
-                  for lo, hi in spans[first:])
+                pin, first = (seen[-1] if seen else None), 1  # the attempt that filled it
+            counts = await all_or_none(
+                self._get_into(key, name, offset + lo, out[lo:hi], pin)
+                for lo, hi in spans[first:]
             )
             total = sum(hi - lo for lo, hi in spans[:first])
             for (lo, hi), n in zip(spans[first:], counts, strict=True):
@@ -280,16 +270,16 @@ class S3Store(Store):
                     break  # end of object
             return total
 
-        for attempt in range(_UNPINNED_READ_TRIES):
+        for attempt in range(1, _UNPINNED_READ_TRIES + 1):
             try:
                 return self.requests.run(all_spans())
             except StorageError as exc:
-                if getattr(exc, "s3_code", None) != "PreconditionFailed":
+                replaced = getattr(exc, "s3_code", None) == "PreconditionFailed"
+                if replaced:
+                    self._forget(name)
+                if not replaced or etag is not None or attempt == _UNPINNED_READ_TRIES:
                     raise
-                self._forget(name)
-                if etag is not None or attempt == _UNPINNED_READ_TRIES - 1:
-                    raise
-        raise AssertionError("unreachable")
+        return 0  # not reached: the last attempt returns or raises
 
     async def _get_into(
         self, key: str, name: str, offset: int, out: memoryview, etag: str | None,

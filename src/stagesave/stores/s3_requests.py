@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -25,7 +25,10 @@ from ..errors import (
     StorageError,
 )
 
-__all__ = ["ACCESS_CODES", "FailedRequest", "RetryPolicy", "S3Requests", "error_code", "retryable"]
+__all__ = [
+    "ACCESS_CODES", "FailedRequest", "RetryPolicy", "S3Requests", "all_or_none", "error_code",
+    "retryable",
+]
 
 T = TypeVar("T")
 
@@ -305,3 +308,17 @@ class S3Requests:
                 type(self.fs).close_session(self.loop, creator)
             self.fs._s3creator = None
             self.fs._s3 = None
+
+
+async def all_or_none(coros: Iterable[Awaitable[T]]) -> list[T]:
+    """Run the requests together; when one fails, the others are cancelled and awaited before
+    the error goes on (``asyncio.gather`` leaves them running): no ranged GET of a failed read
+    keeps writing into the caller's buffer (a retry's, or after the read returned)."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise

@@ -12,7 +12,7 @@ import os
 
 from .targets import is_url
 
-__all__ = ["is_url", "join", "leaf", "normalize", "parent"]
+__all__ = ["is_url", "join", "leaf", "normalize", "parent", "s3_bucket_and_prefix"]
 
 
 def normalize(path: str | os.PathLike[str]) -> str:
@@ -37,3 +37,24 @@ def leaf(path: str) -> str:
 def parent(path: str) -> str:
     """The folder holding ``path`` (path or URL)."""
     return path.rstrip("/").rpartition("/")[0] if is_url(path) else os.path.dirname(path)
+
+
+def s3_bucket_and_prefix(url: str) -> tuple[str, str]:
+    """The bucket and key prefix of an ``s3://`` (or ``s3a://``) root.
+
+    Raises:
+        ValueError: not such a URL, no bucket, or credentials in it (never echoed).
+    """
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme not in ("s3", "s3a"):
+        raise ValueError("an S3 checkpoint root must look like s3://bucket/prefix")
+    bucket, _, prefix = rest.partition("/")
+    if "@" in bucket or ":" in bucket:
+        # Never echo it: it may hold a secret.
+        raise ValueError(
+            "credentials in an s3:// URL are not supported (and would leak into logs); "
+            "pass them in storage_options (key=..., secret=...)"
+        )
+    if not bucket:
+        raise ValueError("an S3 checkpoint root must name a bucket: s3://bucket/prefix")
+    return bucket, prefix.strip("/")
