@@ -11,13 +11,14 @@ or when ``ModelCheckpoint`` makes a ``save_last="link"`` link; the hooks learn i
 from __future__ import annotations
 
 import os
-from contextlib import AbstractContextManager
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 from stagesave import SaveHandle, SaveTelemetry
 from stagesave.saving.expected import will_exist
 
-from ._runtime import Runtime
+from ._runtime import Runtime, log
 from ._trainer_hooks import in_fit_loop
 
 __all__ = ["StagedExtras"]
@@ -60,12 +61,13 @@ class StagedExtras:
         checkpointing) makes nothing.
         """
         target = os.fspath(path)
-        if (not in_fit_loop(trainer) or "://" in target or not os.path.isfile(target)
-                or not self._ahead(trainer)):
-            return
-        self._run.sized_for_fit = True
-        self._run.keep_until_teardown()
-        self._run.checkpointer.prepare_buffer(os.path.getsize(target))
+        with _never_in_the_way():
+            if (not in_fit_loop(trainer) or "://" in target or not os.path.isfile(target)
+                    or not self._ahead(trainer)):
+                return
+            self._run.sized_for_fit = True
+            self._run.keep_until_teardown()
+            self._run.checkpointer.prepare_buffer(os.path.getsize(target))
 
     def trained_a_batch(self, trainer: Any) -> None:
         """A ``ModelCheckpoint`` is told a training batch ended. The first time in a fit that did
@@ -79,10 +81,11 @@ class StagedExtras:
         if not in_fit_loop(trainer):  # called by hand, outside fit: no teardown will follow
             return
         run.sized_for_fit = True
-        if not self._ahead(trainer):
-            return
-        run.keep_until_teardown()
-        run.checkpointer.prepare_buffer(training_state_bytes(trainer))
+        with _never_in_the_way():
+            if not self._ahead(trainer):
+                return
+            run.keep_until_teardown()
+            run.checkpointer.prepare_buffer(training_state_bytes(trainer))
 
     def _ahead(self, trainer: Any) -> bool:
         """Whether to make the first save's buffer ahead (``prepare_buffer``; ``None``: when
@@ -158,6 +161,17 @@ class StagedExtras:
         finally:
             self._run.release_if_idle()
         return None if info is None else info.path
+
+
+@contextmanager
+def _never_in_the_way() -> Iterator[None]:
+    """Making a buffer ahead is an optimisation: a failure to decide or to size it is logged
+    (the first save makes its buffer, as without it), never raised into the training loop."""
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        log.warning("stagesave: the first save's staging buffer is not made ahead: %s: %s",
+                    type(exc).__name__, exc)
 
 
 def _writes_whole_files(trainer: Any) -> bool:

@@ -178,3 +178,26 @@ def test_the_connectors_resume_called_by_hand_outside_fit_makes_nothing(
     assert watched["prepared"] == [] and watched["made"] == []
     assert [t.name for t in threading.enumerate()
             if t.name.startswith("stagesave") and t not in before] == []
+
+
+def test_a_state_the_estimate_cannot_size_trains_on_and_saves(
+        tmp_path: Path, watched: dict[str, list], caplog: pytest.LogCaptureFixture) -> None:
+    """A module holding a sparse tensor (no storage to measure): the buffer is not made ahead,
+    with a warning; training goes on and the first save makes its own buffer."""
+
+    class Sparse(TinyModel):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("counts", torch.sparse_coo_tensor(
+                torch.tensor([[0, 3]]), torch.tensor([1.0, 2.0]), (5,)))
+
+    d = tmp_path / "ckpt"
+    trainer = make_trainer(tmp_path, [StagedCheckpointIO(prepare_buffer=True)],
+                           [ModelCheckpoint(dirpath=d, every_n_train_steps=2)], max_steps=2)
+    watched["trainer"].append(trainer)
+    with caplog.at_level("WARNING", logger="stagesave.lightning"):
+        trainer.fit(Sparse(), StepBatches(n=16))
+    assert trainer.global_step == 2 and watched["prepared"] == []
+    assert "the first save's staging buffer is not made ahead: NotImplementedError" in caplog.text
+    got = torch.load(d / "epoch=0-step=2.ckpt", weights_only=False)
+    assert torch.equal(got["state_dict"]["counts"].to_dense(), torch.tensor([1.0, 0, 0, 2.0, 0]))
