@@ -5,6 +5,8 @@ remote is down" is a real refused connection."""
 from __future__ import annotations
 
 import os
+import threading
+import time
 
 import pytest
 import torch
@@ -283,3 +285,36 @@ def test_a_removed_checkpoint_is_not_listed_while_its_remote_removal_is_slow(
         proxy.clear()
         assert [c.name for c in ckpt.list()] == ["s3.ckpt", "s2.ckpt"]
     assert _remote_names(s3_server, s3_url) == ["s2.ckpt", "s3.ckpt"]
+
+
+class _SlowRetentionLocal(LocalStore):
+    """A local tier whose listings on the save's writer thread take 0.5 s: retention after a
+    commit (``keep_last``) is slow, as on a busy parallel filesystem. The upload thread lists at
+    full speed."""
+
+    def list(self, prefix: str = "") -> list:  # type: ignore[override]
+        if threading.current_thread().name == "stagesave-writer":
+            time.sleep(0.5)
+        return super().list(prefix)
+
+
+def test_the_local_commit_reports_before_its_upload_even_when_retention_is_slow(
+    tmp_path, proxy, make_store, s3_url
+):
+    """CI once saw the upload's telemetry arrive before the local commit's: the upload was queued
+    at the local publish and finished while the writer thread was still applying retention. The
+    upload is queued once the local commit has reported, before ``result()`` returns."""
+    remote = make_store(s3_url, proxy.endpoint)
+    order: list[tuple[str, str]] = []
+
+    def note(t) -> None:
+        order.append((t.path.rpartition("/")[2], t.tier))
+
+    with (TieredStore(_SlowRetentionLocal(str(tmp_path / "local")), remote) as store,
+          stagesave.Checkpointer(store, keep_last=5, telemetry_callback=note) as ckpt):
+        for i in range(3):
+            ckpt.save(small_state(i), f"s{i}.ckpt").result()
+            uploads = store.wait_uploads(timeout=60)
+            assert [(u.path.rpartition("/")[2], u.error) for u in uploads] == [
+                (f"s{i}.ckpt", None)]
+    assert order == [(f"s{i}.ckpt", tier) for i in range(3) for tier in ("local", "remote")]

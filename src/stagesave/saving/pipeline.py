@@ -28,7 +28,7 @@ from ..errors import ClosedError, as_checkpoint_error
 from ..handle import SaveHandle
 from ..stores.base import Store
 from ..telemetry import SaveTelemetry
-from . import inflight
+from . import after_report, inflight
 
 __all__ = ["Job", "JobQueue", "Pipeline", "current_queue", "lower_priority"]
 
@@ -84,6 +84,11 @@ class JobQueue:
         """Wait until every submitted job has finished; False on timeout."""
         with self._cond:
             return self._cond.wait_for(lambda: not self._jobs and not self._busy, timeout)
+
+    def stopping(self) -> bool:
+        """Whether :meth:`stop` was called (no job can be submitted)."""
+        with self._cond:
+            return self._stopping
 
     def pending(self) -> int:
         with self._cond:
@@ -303,27 +308,32 @@ class Pipeline:
 
     # ---------------------------------------------------------------- writer's side
     def _run(self, job: Job) -> None:
-        """The one job body."""
+        """The one job body. Its telemetry goes out before its handle completes, and what the
+        commit started for afterwards (a tiered store's upload) is queued between the two."""
         error: BaseException | None = None
-        try:
-            if job.staged is not None:
-                job.staged.wait()
-            job.commit(self.io_pool())
-            if job.retire is not None:
-                job.retire()
-        except BaseException as exc:  # noqa: BLE001 - delivered through the handle
-            error = as_checkpoint_error(exc, f"{job.what} failed")
-            if job.on_error is not None:
-                error = job.on_error(exc, error)
-            if job.handle.kind == "save":
-                job.handle.telemetry.error = str(error)
-        finally:
-            if job.staged is not None:
-                job.staged.give_back()
+        with after_report.collecting() as after:
+            try:
+                if job.staged is not None:
+                    job.staged.wait()
+                job.commit(self.io_pool())
+                if job.retire is not None:
+                    job.retire()
+            except BaseException as exc:  # noqa: BLE001 - delivered through the handle
+                error = as_checkpoint_error(exc, f"{job.what} failed")
+                if job.on_error is not None:
+                    error = job.on_error(exc, error)
+                if job.handle.kind == "save":
+                    job.handle.telemetry.error = str(error)
+            finally:
+                if job.staged is not None:
+                    job.staged.give_back()
         with self._lock:
             inflight.forget(job.key, job.handle)
             if error is not None:
                 self._failed.append(job.handle)
-        job.handle._set_done(error)
-        if job.handle.kind == "save":
-            self._emit(job.handle.telemetry)
+        try:
+            if job.handle.kind == "save":
+                self._emit(job.handle.telemetry)
+            after_report.run_all(after)
+        finally:
+            job.handle._set_done(error)

@@ -27,12 +27,13 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Protocol
 
-from ..errors import IntegrityError
+from ..errors import ClosedError, IntegrityError
 from ..restore.discovery import scan
 from ..restore.info import CheckpointInfo
 from ..restore.resolve_file import resolve
 from ..stores.base import Store
 from ..telemetry import SaveTelemetry, TelemetryCallback
+from .after_report import after_report
 from .lifecycle import close_all_at_exit
 from .pipeline import JobQueue
 from .retire import retain
@@ -142,7 +143,18 @@ class Uploader:
         with self._lock:
             self._pending[name] = when
         directory = _parent(name)
-        self._queue.submit(lambda: self._sync(directory))
+        if self._queue.stopping():
+            raise ClosedError("the upload queue is stopped")
+
+        def queue() -> None:
+            try:
+                self._queue.submit(lambda: self._sync(directory))
+            except ClosedError as exc:  # stopped since: report, the local commit stands
+                self.report_failure(name, f"uploading {self.remote.describe(name)} was not "
+                                    f"queued ({exc}); the local checkpoint is committed", None)
+
+        # queued once the local commit has reported: its telemetry comes before the upload's
+        after_report(queue)
 
     def forget(self, name: str) -> None:
         """``name`` was deleted: its upload, if still pending, no longer holds anything back."""
