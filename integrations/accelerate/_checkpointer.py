@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from stagesave import Checkpointer, CheckpointInfo, SaveHandle, SaveTelemetry, TieredStore
 from stagesave.stores import urls
 
+from ._ahead import first_save_bytes, logged, makes_buffer_ahead
 from ._config import Options, check_options, resolve_options, telemetry_target
 from ._load import choose_plan, load_everywhere
 from ._resources import Resources
@@ -78,7 +79,7 @@ class AcceleratorCheckpointer:
         from accelerate.utils import DistributedType
 
         self._fsdp = self.asynchronous and accelerator.distributed_type == DistributedType.FSDP
-        self._training = TrainingSignal(accelerator)
+        self._training = TrainingSignal(accelerator, weakref.WeakMethod(self._first_step))
         for owner in (accelerator, self):  # whichever goes first gives threads and buffers back
             weakref.finalize(owner, self._res.close_quietly).atexit = False  # exit: the core's hook
 
@@ -196,6 +197,19 @@ class AcceleratorCheckpointer:
             self.wait()  # nothing to overlap it with: return committed (and raise its failure here)
         return target, handle
 
+    def _first_step(self) -> None:
+        """The Accelerator's first optimizer step: make the first save's staging buffer now, on
+        a thread, where that save will come through stagesave (``_ahead.py``)."""
+        try:
+            acc = self.accelerator
+            if (not self.asynchronous or self._fsdp
+                    or not makes_buffer_ahead(acc, self.options.prepare_buffer)):
+                return
+            auto = bool(acc.project_configuration.automatic_checkpoint_naming)
+            self._checkpointer("auto" if auto else "plain").prepare_buffer(first_save_bytes(acc))
+        except Exception as exc:  # noqa: BLE001 - never break the training step it follows
+            logged("at the first optimizer step", exc)
+
     # ------------------------------------------------------------------ loading
     def load_state(
         self, input_dir: str | os.PathLike[str] | None = None,
@@ -291,6 +305,7 @@ class AcceleratorCheckpointer:
             TimeoutError: saves still running after ``timeout`` seconds (not committed).
             CheckpointError: a background save failed.
         """
+        self._training.rearm()  # a later run's first save gets its buffer ahead again
         self._res.close(timeout)
 
     def __enter__(self) -> Self:

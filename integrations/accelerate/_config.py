@@ -86,6 +86,12 @@ class Options:
             from the file. ``False`` (the default): stagesave's safe unpickler, with the
             classes :func:`stagesave.allow_globals` added. Only the files the checkpoint's
             proof lists are read either way.
+        prepare_buffer: Make the staging buffer of the first ``save_state`` ahead, at the
+            Accelerator's first optimizer step (on a thread, sized by the models' and
+            optimizers' state), so that the first save only copies like the later ones.
+            ``None`` (``auto``): when training runs on an accelerator (a CPU-only run would
+            lend the cores making it to nothing else but training). Costs the buffer's memory
+            from that step on instead of from the first save.
     """
 
     destination: str | None = None
@@ -102,6 +108,7 @@ class Options:
     sync_outside_training: bool = True
     telemetry_jsonl: bool | str = False
     trusted: bool = False
+    prepare_buffer: bool | None = None
 
 
 _NAMES = {f.name for f in fields(Options)}
@@ -127,7 +134,9 @@ def is_switched_off(environ: Mapping[str, str] | None = None) -> bool:
 
 def _coerce(key: str, value: Any, where: str) -> Any:
     """Convert a value from the environment or a side file to the option's type."""
-    if key in ("keep_local", "writer") and value in (None, ""):
+    if key in ("keep_local", "writer", "prepare_buffer") and value in (None, ""):
+        return None
+    if key == "prepare_buffer" and str(value).strip().lower() == "auto":
         return None
     if key == "writer":
         if value not in ("thread", "process"):
@@ -141,7 +150,8 @@ def _coerce(key: str, value: Any, where: str) -> Any:
         if number < 1:
             raise ValueError(f"{where}: {key} must be >= 1, got {number}")
         return number
-    if key in ("verify_on_load", "direct_io", "device_staging", "sync_outside_training", "trusted"):
+    if key in ("verify_on_load", "direct_io", "device_staging", "sync_outside_training", "trusted",
+               "prepare_buffer"):
         if isinstance(value, bool):
             return value
         word = str(value).strip().lower()

@@ -12,13 +12,18 @@ training loop has, whether it calls ``accelerator.backward(loss)`` or ``loss.bac
 gradient accumulation Accelerate steps the real optimizer only on the synchronizing micro-step.
 The hook costs one Python call per optimizer step.
 
-Each :class:`TrainingSignal` holds its Accelerator weakly: observing never keeps one alive.
+The first step observed is also when the run's state (the optimizers' included) exists to be
+measured: the checkpointer makes its first save's staging buffer then (``_ahead.py``).
+
+Each :class:`TrainingSignal` holds its Accelerator (and its checkpointer) weakly: observing
+never keeps one alive.
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["TrainingSignal"]
@@ -39,11 +44,19 @@ class TrainingSignal:
     Args:
         accelerator: The Accelerator whose ``_optimizers`` (``AcceleratedOptimizer`` wrappers)
             count; the torch optimizer inside each is what the hook reports.
+        first_step: Called (no arguments, on the training thread, right after the step) at the
+            first step observed; it must not raise.
     """
 
-    def __init__(self, accelerator: Any) -> None:
+    def __init__(
+        self, accelerator: Any, first_step: weakref.WeakMethod[Callable[[], None]] | None = None
+    ) -> None:
         self._accelerator = weakref.ref(accelerator)
         self._stepped = False
+        #: called (on the training thread) at the first step observed, and again at the first
+        #: after :meth:`rearm`
+        self._first_step = first_step
+        self._armed = first_step is not None
         global _hook
         with _lock:
             if _hook is None:
@@ -53,7 +66,7 @@ class TrainingSignal:
             _observers.add(self)
 
     def _on_step(self, optimizer: Any) -> None:
-        if self._stepped:
+        if self._stepped and not self._armed:
             return
         acc = self._accelerator()
         if acc is None:
@@ -61,7 +74,16 @@ class TrainingSignal:
         for prepared in getattr(acc, "_optimizers", ()):
             if prepared is optimizer or getattr(prepared, "optimizer", None) is optimizer:
                 self._stepped = True
+                if self._armed:
+                    self._armed = False
+                    call = self._first_step() if self._first_step is not None else None
+                    if call is not None:
+                        call()
                 return
+
+    def rearm(self) -> None:
+        """Call ``first_step`` again at the next step (a new run of the same Accelerator)."""
+        self._armed = self._first_step is not None
 
     def consume(self) -> bool:
         """Whether a step happened since the last call (or since construction); resets it."""

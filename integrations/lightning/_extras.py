@@ -17,6 +17,7 @@ from typing import Any
 
 from stagesave import SaveHandle, SaveTelemetry
 from stagesave.saving.expected import will_exist
+from stagesave.saving.sizing import checkpoint_bytes
 
 from ._runtime import Runtime, log
 from ._trainer_hooks import in_fit_loop
@@ -187,30 +188,16 @@ def _writes_whole_files(trainer: Any) -> bool:
 
 
 def training_state_bytes(trainer: Any) -> int:
-    """About the size of the fit's checkpoint file: the bytes of the module's state and of its
-    optimizers' state tensors (each storage once), each with room for its zip headers padded to
-    a page, 512 bytes per tensor for its pickle and proof, and a MiB for the rest (the buffer
-    grows in 64 MiB steps anyway)."""
-    import torch
+    """About the size of the fit's checkpoint file: the module's state and its optimizers'
+    state tensors, as :func:`stagesave.saving.sizing.checkpoint_bytes` counts them."""
 
-    storages: dict[int, int] = {}
-    tensors = 0
+    def values() -> Iterator[Any]:
+        yield from trainer.lightning_module.state_dict().values()
+        for optimizer in trainer.optimizers:
+            for per_param in optimizer.state.values():
+                yield from per_param.values() if isinstance(per_param, dict) else ()
 
-    def add(value: Any) -> None:
-        nonlocal tensors
-        if isinstance(value, torch.Tensor):
-            s = value.untyped_storage()
-            storages[s._cdata] = s.nbytes()
-            tensors += 1
-
-    for value in trainer.lightning_module.state_dict().values():
-        add(value)
-    for optimizer in trainer.optimizers:
-        for per_param in optimizer.state.values():
-            for value in per_param.values() if isinstance(per_param, dict) else ():
-                add(value)
-    return (sum((n + 4223) // 4096 * 4096 for n in storages.values()) + 512 * tensors
-            + (1 << 20))
+    return checkpoint_bytes(values())
 
 
 def saves_whole_checkpoints(trainer: Any) -> bool:

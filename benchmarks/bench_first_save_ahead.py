@@ -1,20 +1,24 @@
-"""The first save of a Lightning fit: its staging buffer made before that save (once the
-resumed checkpoint is loaded, or after the first optimizer step) against made by that save.
+"""The first save of a run: its staging buffer made before that save (once the resumed
+checkpoint is loaded, or after the first optimizer step) against made by that save, for a
+Lightning fit (``StagedCheckpointIO(prepare_buffer=...)``) or an Accelerate loop
+(``stagesave.accelerate.enable(accelerator, prepare_buffer=...)``).
 
 Usage::
 
-    python benchmarks/bench_lightning_first_save.py --dir /work --layers 8 --width 2048 --rounds 3
+    python benchmarks/bench_first_save_ahead.py --dir /work --layers 8 --width 2048 --rounds 3
+    python benchmarks/bench_first_save_ahead.py --framework accelerate --fresh --dir /work ...
 
 A model of ``--layers`` linear layers of ``--width`` x ``--width`` fp32 parameters, trained with
-Adam (the checkpoint holds about 3x the parameter bytes), is trained for two steps and saved by
-``ModelCheckpoint(every_n_train_steps=2)`` through ``StagedCheckpointIO``. Then, in rounds
-(alternating order), a fresh process resumes from that file with ``fit(ckpt_path=...)`` and
+Adam (the checkpoint holds about 3x the parameter bytes), is trained for two steps and saved
+(Lightning: ``ModelCheckpoint(every_n_train_steps=2)`` through ``StagedCheckpointIO``;
+Accelerate: ``save_state()`` with automatic naming). Then, in rounds (alternating order), a
+fresh process resumes from that checkpoint (``fit(ckpt_path=...)``, ``load_state(...)``) and
 trains ``--every * --saves`` more steps, saving every ``--every`` (default 2): ``prepared`` is
-``StagedCheckpointIO(prepare_buffer=True)``, ``not prepared`` ``prepare_buffer=False`` (what
-the default does on a CPU-only fit, and what every fit did before).
-With ``--fresh`` the fits start afresh instead (``--every * --saves`` steps; the plugin makes the
-buffer once the first optimizer step is taken). Each process reports
-every save's blocking time (its telemetry), the fit's wall time and the process's peak RSS.
+``prepare_buffer=True``, ``not prepared`` ``prepare_buffer=False`` (what the default does on a
+CPU-only run, and what every run did before). With ``--fresh`` the runs start afresh instead
+(``--every * --saves`` steps; the buffer is made once the first optimizer step is taken). Each
+process reports every save's blocking time (Lightning: its telemetry; Accelerate: the
+``save_state`` call), the run's wall time and the process's peak RSS.
 """
 
 from __future__ import annotations
@@ -92,9 +96,50 @@ def _fit(folder: str, width: int, layers: int, steps: int, resume: str | None,
             "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 
+def _accelerate(folder: str, width: int, layers: int, steps: int, resume: str | None,
+                prepared: bool, every: int) -> dict[str, Any]:
+    import stagesave.accelerate as sa
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    t0 = time.perf_counter()
+    acc = Accelerator(cpu=True, project_config=ProjectConfiguration(
+        project_dir=folder, automatic_checkpoint_naming=True))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model, optimizer = acc.prepare(model, optimizer)
+    sa.enable(acc, prepare_buffer=prepared)
+    if resume is not None:
+        acc.load_state(resume)
+        acc.project_configuration.iteration = 0  # this run's folders start at checkpoint_0
+    t_train = time.perf_counter()
+    blocking, steps_s = [], []
+    batch = torch.randn(8, width)
+    for step in range(2 if resume is not None else 0, steps):  # resumed after step 2
+        s0 = time.perf_counter()
+        loss = model(batch).pow(2).mean()
+        acc.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        if (step + 1) % every == 0:
+            b0 = time.perf_counter()
+            acc.save_state()
+            blocking.append(time.perf_counter() - b0)
+        steps_s.append(time.perf_counter() - s0)
+    t_end = time.perf_counter()
+    acc.end_training()
+    wall = time.perf_counter() - t0
+    return {"blocking_s": blocking, "fit_s": wall, "to_train_s": t_train - t0,
+            "train_s": t_end - t_train, "steps_s": steps_s, "after_train_s": t0 + wall - t_end,
+            "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+
+
 def _child(args: argparse.Namespace) -> None:
-    result = _fit(args.folder, args.width, args.layers, args.steps, args.resume,
-                  args.variant == "prepared", args.every)
+    run = _fit if args.framework == "lightning" else _accelerate
+    result = run(args.folder, args.width, args.layers, args.steps, args.resume,
+                 args.variant == "prepared", args.every)
     print("RESULT " + json.dumps(result))
 
 
@@ -102,7 +147,7 @@ def _run(args: argparse.Namespace, folder: str, steps: int, resume: str | None,
          variant: str, every: int) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--child", "--folder", folder, "--width", str(args.width),
            "--layers", str(args.layers), "--steps", str(steps), "--variant", variant,
-           "--every", str(every)]
+           "--every", str(every), "--framework", args.framework]
     if resume:
         cmd += ["--resume", resume]
     env = dict(os.environ)
@@ -115,6 +160,7 @@ def _run(args: argparse.Namespace, folder: str, steps: int, resume: str | None,
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--framework", choices=("lightning", "accelerate"), default="lightning")
     p.add_argument("--dir", default=None, help="where the checkpoints go (default: a temp dir)")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--width", type=int, default=2048)
@@ -138,8 +184,13 @@ def main() -> None:
     try:
         start = os.path.join(base, "start")
         _run(args, start, 2, None, "prepared", 2)
-        resume = os.path.join(start, "epoch=0-step=2.ckpt")
-        print(f"resuming from {resume}: {os.path.getsize(resume) / 2**20:.0f} MiB")
+        if args.framework == "lightning":
+            resume = os.path.join(start, "epoch=0-step=2.ckpt")
+            size = os.path.getsize(resume)
+        else:
+            resume = os.path.join(start, "checkpoints", "checkpoint_0")
+            size = sum(os.path.getsize(os.path.join(resume, n)) for n in os.listdir(resume))
+        print(f"resuming from {resume}: {size / 2**20:.0f} MiB")
         runs: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
         for r in range(args.rounds):
             for variant in VARIANTS if r % 2 == 0 else VARIANTS[::-1]:
