@@ -2,14 +2,15 @@
 
 The first ``save_state`` of a process otherwise makes its host staging buffer as it copies:
 memory reserved and every page mapped inside the save, which then blocks several times longer
-than the saves after it (BENCHMARKS.md). At the first optimizer step of the Accelerator (its
-optimizers' state exists then, also after a ``load_state``) the checkpointer measures the state
-a ``save_state`` would write and has the Checkpointer make a buffer of that size on a thread
+than the saves after it (BENCHMARKS.md). Once every optimizer of the Accelerator stepped (their
+state exists then; also after a ``load_state``) the checkpointer measures the state a
+``save_state`` would write and has the Checkpointer make a buffer of that size on a thread
 (:meth:`stagesave.Checkpointer.prepare_buffer`), while training goes on.
 
 Only where that save will come through stagesave and be alike: an asynchronous checkpointer
-(not Accelerate's synchronous path, not FSDP's sharded saves), on the process that writes the
-folder. ``prepare_buffer`` (the option): ``None`` makes it when the Accelerator trains on an
+(not Accelerate's synchronous path, not FSDP's sharded saves, not ``device_staging``), on the
+process that writes the folder, with no save hook that may change what is saved.
+``prepare_buffer`` (the option): ``None`` makes it when the Accelerator trains on an
 accelerator, whose host cores are free during a step; on a CPU-only run making it took cores
 from training (measured for Lightning fits, BENCHMARKS.md). A failure to decide or measure is
 logged and the first save makes its buffer as before: it never breaks training.
@@ -32,14 +33,18 @@ log = logging.getLogger("stagesave.accelerate")
 
 def makes_buffer_ahead(accelerator: Any, option: bool | None) -> bool:
     """Whether this process makes its first save's buffer ahead (``option``: the
-    ``prepare_buffer`` option; ``None``: when training runs on an accelerator)."""
+    ``prepare_buffer`` option; ``None``: when training runs on an accelerator). Not when a save
+    hook (``register_save_state_pre_hook``) may change what is saved (e.g. adapters only: the
+    models' size would hold far more memory than the save needs)."""
     wanted = accelerator.device.type != "cpu" if option is None else option
-    return bool(wanted) and writes(accelerator)
+    return (bool(wanted) and writes(accelerator)
+            and not getattr(accelerator, "_save_model_state_pre_hook", None))
 
 
 def first_save_bytes(accelerator: Any) -> int:
     """About the size of the folder a ``save_state`` writes now: the prepared models' and
-    optimizers' state tensors (schedulers, RNG states and the rest fit the fixed allowance)."""
+    optimizers' state tensors and those at the top of the objects registered for checkpointing
+    (schedulers, RNG states and the rest fit the fixed allowance)."""
 
     def values() -> Iterator[Any]:
         for model in accelerator._models:
@@ -48,6 +53,9 @@ def first_save_bytes(accelerator: Any) -> int:
             optimizer = getattr(prepared, "optimizer", prepared)
             for per_param in optimizer.state.values():
                 yield from per_param.values() if isinstance(per_param, dict) else ()
+        for obj in getattr(accelerator, "_custom_objects", ()):
+            state = obj.state_dict()
+            yield from state.values() if isinstance(state, dict) else ()
 
     return checkpoint_bytes(values())
 

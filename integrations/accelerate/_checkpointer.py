@@ -202,7 +202,7 @@ class AcceleratorCheckpointer:
         a thread, where that save will come through stagesave (``_ahead.py``)."""
         try:
             acc = self.accelerator
-            if (not self.asynchronous or self._fsdp
+            if (not self.asynchronous or self._fsdp or self.options.device_staging
                     or not makes_buffer_ahead(acc, self.options.prepare_buffer)):
                 return
             auto = bool(acc.project_configuration.automatic_checkpoint_naming)

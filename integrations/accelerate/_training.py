@@ -44,8 +44,9 @@ class TrainingSignal:
     Args:
         accelerator: The Accelerator whose ``_optimizers`` (``AcceleratedOptimizer`` wrappers)
             count; the torch optimizer inside each is what the hook reports.
-        first_step: Called (no arguments, on the training thread, right after the step) at the
-            first step observed; it must not raise.
+        first_step: Called (no arguments, on the training thread, right after the step) once
+            every prepared optimizer has state: when each stepped once, or one steps again
+            (several optimizers); it must not raise.
     """
 
     def __init__(
@@ -57,6 +58,7 @@ class TrainingSignal:
         #: after :meth:`rearm`
         self._first_step = first_step
         self._armed = first_step is not None
+        self._seen: set[int] = set()  # optimizers stepped since arming
         global _hook
         with _lock:
             if _hook is None:
@@ -71,19 +73,28 @@ class TrainingSignal:
         acc = self._accelerator()
         if acc is None:
             return
-        for prepared in getattr(acc, "_optimizers", ()):
+        prepared_all = getattr(acc, "_optimizers", ())
+        for prepared in prepared_all:
             if prepared is optimizer or getattr(prepared, "optimizer", None) is optimizer:
                 self._stepped = True
-                if self._armed:
+                if self._armed and self._every_one_stepped(id(optimizer), len(prepared_all)):
                     self._armed = False
                     call = self._first_step() if self._first_step is not None else None
                     if call is not None:
                         call()
                 return
 
+    def _every_one_stepped(self, key: int, count: int) -> bool:
+        """Whether the state of every optimizer exists now: each prepared one stepped since
+        arming, or one steps a second time (the others do not step every iteration)."""
+        again = key in self._seen
+        self._seen.add(key)
+        return again or len(self._seen) >= count
+
     def rearm(self) -> None:
         """Call ``first_step`` again at the next step (a new run of the same Accelerator)."""
         self._armed = self._first_step is not None
+        self._seen.clear()
 
     def consume(self) -> bool:
         """Whether a step happened since the last call (or since construction); resets it."""

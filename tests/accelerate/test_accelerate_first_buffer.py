@@ -93,6 +93,56 @@ def test_the_first_save_leases_a_buffer_made_at_the_first_optimizer_step(
     sa.disable(acc)
 
 
+class _Ema:
+    """A custom object registered for checkpointing that holds a copy of the weights."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.shadow = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.shadow)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.shadow = dict(state)
+
+
+def test_several_optimizers_and_custom_objects_are_counted(
+        tmp_path: Path, watched: dict[str, list]) -> None:
+    """Review finding: sized at the first optimizer's step, the second optimizer had no state
+    yet, and the objects registered for checkpointing were not counted: the first save made a
+    larger buffer of its own."""
+    acc = _accelerator(tmp_path)
+    watched["acc"].append(acc)
+    run = build(acc, width=1024, n_models=2)  # 4 MiB of weights each: more than the slack
+    acc.register_for_checkpointing(_Ema(run["models"][0]))
+    sa.enable(acc, prepare_buffer=True)
+    train(acc, run, 1)  # both optimizers step once: made after the second one's step
+    assert len(watched["prepared"]) == 1
+    assert [bool(o.optimizer.state) for o in acc._optimizers] == [True, True]
+    made = len(watched["made"])
+    acc.save_state()
+    acc.end_training()
+    first = tmp_path / "checkpoints" / "checkpoint_0"
+    assert watched["prepared"][0][0] >= _folder_bytes(first)
+    assert len(watched["made"]) == made == 1  # the save made none of its own
+    sa.disable(acc)
+
+
+def test_a_save_hook_that_may_change_what_is_saved_makes_no_buffer_ahead(
+        tmp_path: Path, watched: dict[str, list]) -> None:
+    """Adapters-only saves drop the base weights in a save hook: sized by the models, the
+    buffer would hold far more memory than the save needs."""
+    acc = _accelerator(tmp_path)
+    watched["acc"].append(acc)
+    run = build(acc, width=256)
+    acc.register_save_state_pre_hook(lambda models, weights, output_dir: None)
+    sa.enable(acc, prepare_buffer=True)
+    train(acc, run, 2)
+    assert watched["prepared"] == []
+    acc.end_training()
+    sa.disable(acc)
+
+
 @pytest.mark.parametrize("choice", [None, False, "auto", "false"])
 def test_a_cpu_run_makes_no_buffer_ahead_by_default_and_none_when_told_not_to(
         tmp_path: Path, watched: dict[str, list], choice: Any) -> None:

@@ -192,9 +192,9 @@ def test_end_training_commits_pending_saves_raises_failures_and_gives_everything
     ckpt = sa.enable(acc)
     train(acc, run, 1)
     gate = _hold_writer(ckpt)
-    threading.Timer(0.3, gate.set).start()
     acc.save_state()  # asynchronous: still held when end_training() starts
     assert ckpt.pending() > 0 and _threads()
+    threading.Timer(0.3, gate.set).start()  # (after the check: a slow save_state is no race)
     acc.end_training()
     assert _threads() == [] and ckpt.pending() == 0
     assert stagesave.verify(tmp_path / "checkpoints" / "checkpoint_0").status == "verified"
@@ -230,9 +230,9 @@ def test_free_memory_and_clear_commit_and_give_everything_back(tmp_path, method)
     ckpt = sa.enable(acc)
     train(acc, run, 1)
     gate = _hold_writer(ckpt)
-    threading.Timer(0.2, gate.set).start()
     acc.save_state()
     assert ckpt.pending() > 0
+    threading.Timer(0.2, gate.set).start()
     model = run["models"][0]
     (model,) = getattr(acc, method)(model)  # Accelerate's own method ran after stagesave's release
     assert model is None and acc._models == [] and acc.step == 0
@@ -247,9 +247,9 @@ def test_a_dropped_accelerator_commits_and_gives_everything_back(tmp_path):
     ckpt = sa.enable(acc)
     train(acc, run, 1)
     gate = _hold_writer(ckpt)
-    threading.Timer(0.2, gate.set).start()
     acc.save_state()
     assert ckpt.pending() > 0
+    threading.Timer(0.2, gate.set).start()
     alive = weakref.ref(acc)
     del acc, ckpt, run, gate
     gc.collect()  # (stagesave adds no reference cycle; Accelerate's own objects may hold some)

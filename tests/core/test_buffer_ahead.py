@@ -96,7 +96,8 @@ def test_a_save_waits_for_the_buffer_being_made_instead_of_making_another(made):
     buf, waited = pool.acquire(150 * MiB)
     took = time.perf_counter() - t0
     # telemetry's buffer wait is back-pressure (every buffer busy), not the buffer's making
-    assert waited < took / 2, (waited, took)  # without the split: waited == took
+    # without the split: waited == took (the maker may also be done before acquire: both tiny)
+    assert waited < took / 2 or took < 0.02, (waited, took)
     assert buf.capacity == 4 * GROWTH_STEP
     assert made == [(4 * GROWTH_STEP, False, "stagesave-buffer")]
     assert pool._count == 1 and pool._maker is None

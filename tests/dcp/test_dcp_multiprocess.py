@@ -155,8 +155,10 @@ def test_replicated_state_is_written_once_and_split_across_ranks(fsdp_saved):
     ids=["rank1-mid-write", "coordinator-before-commit", "rank1-inside-dcp-save"],
 )
 def test_rank_killed_during_save_leaves_no_commit(launcher, tmp_path, victim, point, gated):
+    # the survivor's deadline: long enough for the victim to reach its crash point on a loaded
+    # machine (else the survivor gives up first and removes the folder the victim writes into)
     run = launcher("killed_save", 2, tmp_path, KILL_RANK=str(victim), KILL_AT=point,
-                       KILL_AFTER_SAVE_RETURNED=gated, COMMIT_TIMEOUT="2")
+                       KILL_AFTER_SAVE_RETURNED=gated, COMMIT_TIMEOUT="6")
     survivor = 1 - victim
     assert run.exit_codes[victim] == -9, run.log()
     report = run.ranks[survivor]

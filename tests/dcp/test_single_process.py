@@ -658,20 +658,21 @@ def test_files_put_into_the_staging_folder_are_proven_with_it(root):
 
 
 _REPLACER = """
-import sys, time, warnings
+import os, sys, time, warnings
 warnings.simplefilter("ignore")
 import torch
 import stagesave.dcp as sdcp
-root, seconds = sys.argv[1], float(sys.argv[2])
+root = sys.argv[1]
+cap = time.monotonic() + 180
 with sdcp.StagedStorageWriter(root=root, commit_timeout=60, chunk_bytes=256 * 1024) as w:
-    step, end = 0, None
-    while end is None or time.monotonic() < end:
+    step = 0
+    # on until the reader has seen enough (its stop file) and 3 saves were made
+    while not (step >= 3 and os.path.exists(root + "/stop")) and time.monotonic() < cap:
         step += 1
         sdcp.save({"w": torch.full((1024, 1024), float(step)), "step": step}, "last",
                   writer=w).result(60)
-        if end is None:
+        if step == 1:
             open(root + "/ready", "w").close()
-            end = time.monotonic() + seconds
 print(step)
 """
 
@@ -683,7 +684,7 @@ def test_loads_while_another_process_replaces_the_folder_never_fail(root):
 
     root.mkdir(parents=True)
     proc = subprocess.Popen(
-        [sys.executable, "-c", _REPLACER, str(root), "6"], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", _REPLACER, str(root)], stdout=subprocess.PIPE, text=True
     )
     try:
         deadline = time.monotonic() + 60
@@ -693,7 +694,10 @@ def test_loads_while_another_process_replaces_the_folder_never_fail(root):
             )
             time.sleep(0.05)
         loads, errors = 0, []
+        enough = time.monotonic() + 6  # loads for 6 s at least, and at least 10
         while proc.poll() is None:
+            if loads >= 10 and time.monotonic() > enough and not (root / "stop").exists():
+                (root / "stop").touch()
             got = {"w": torch.zeros(1024, 1024), "step": 0}
             try:
                 if loads % 2:

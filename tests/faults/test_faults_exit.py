@@ -40,7 +40,7 @@ def _exit_child(root: str, how: str, signal_after_submit: bool = False):  # type
     p.start()
     assert parent.poll(60) and parent.recv() == "submitted"
     if signal_after_submit:
-        time.sleep(0.1)  # well inside the ~0.4 s the slowed write takes
+        time.sleep(0.1)  # inside the slowed write ("sigterm": a write that never ends)
         os.kill(p.pid, signal.SIGTERM)
     p.join(60)
     assert p.exitcode is not None, f"the process hangs at exit ({how})"

@@ -294,7 +294,7 @@ _fuzz_runs = {"examples": 0, "refused": 0, "loaded": 0, "peak": 0}
 
 @settings(
     max_examples=150,
-    deadline=2000,
+    deadline=None,  # bounded in CPU time below: a stall of a loaded machine is not the file's
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(data=st.data())
@@ -310,7 +310,7 @@ def test_fuzzed_safetensors_header_fails_cleanly_in_bounded_time_and_memory(
     (folder / "model.safetensors").write_bytes(blob)
     proc = psutil.Process()
     rss0 = proc.memory_info().rss
-    t0 = time.monotonic()
+    t0 = time.process_time()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         # 1. As committed: verification refuses any changed byte before a parser sees it.
@@ -330,7 +330,7 @@ def test_fuzzed_safetensors_header_fails_cleanly_in_bounded_time_and_memory(
             _fuzz_runs["refused"] += 1
     _fuzz_runs["examples"] += 1
     _fuzz_runs["peak"] = max(_fuzz_runs["peak"], proc.memory_info().rss - rss0)
-    assert time.monotonic() - t0 < 2.0
+    assert time.process_time() - t0 < 2.0  # CPU seconds of this process (a few ms normally)
     assert proc.memory_info().rss - rss0 < 256 << 20
     shutil.rmtree(folder.parent)
 

@@ -57,11 +57,14 @@ def test_transient_faults_are_retried_to_identical_bytes(proxy, make_store, s3_u
 
 
 def test_a_timed_out_part_is_retried(proxy, make_store, s3_url):
-    proxy.add(Fault("UploadPart", "delay", times=1, delay_s=2.5))
+    slow = Fault("UploadPart", "delay", times=1, delay_s=8.0)
+    proxy.add(slow)
     state = big_state(8)
-    with stagesave.Checkpointer(make_store(s3_url, proxy.endpoint, read_timeout=1.0)) as ckpt:
+    # the timeout well above a loaded machine's part upload, well below the injected stall
+    with stagesave.Checkpointer(make_store(s3_url, proxy.endpoint, read_timeout=3.0)) as ckpt:
         ckpt.save(state, "slow.ckpt").result()
-        assert proxy.requests["UploadPart"] == 4  # three parts, one of them twice
+        assert slow.times == 0  # the stall was hit, and the save went on past it
+        assert proxy.requests["UploadPart"] >= 4  # three parts, one of them twice (at least)
         _roundtrip_ok(ckpt, "slow.ckpt", state)
 
 

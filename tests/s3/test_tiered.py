@@ -318,3 +318,43 @@ def test_the_local_commit_reports_before_its_upload_even_when_retention_is_slow(
             assert [(u.path.rpartition("/")[2], u.error) for u in uploads] == [
                 (f"s{i}.ckpt", None)]
     assert order == [(f"s{i}.ckpt", tier) for i in range(3) for tier in ("local", "remote")]
+
+
+class _SlowRetentionAfter(LocalStore):
+    """A local tier whose retention (a listing on the save's writer thread) stalls 5 s once,
+    after ``s2.ckpt`` was committed."""
+
+    stalled = False
+
+    def list(self, prefix: str = "") -> list:  # type: ignore[override]
+        if (threading.current_thread().name == "stagesave-writer" and not self.stalled
+                and os.path.exists(os.path.join(self.url, "s2.ckpt"))):
+            self.stalled = True
+            time.sleep(5.0)
+        return super().list(prefix)
+
+
+def test_an_upload_queued_earlier_does_not_take_a_commit_that_has_not_reported(
+    tmp_path, proxy, make_store, s3_url
+):
+    """Review finding: a queued upload of the same directory picked up every name committed
+    locally, also one whose commit had not reported yet (its telemetry came after the upload's).
+    s0's upload stalls 3 s, so s1's starts while s2's commit is still in its retention (5 s)."""
+    remote = make_store(s3_url, proxy.endpoint)
+    order: list[tuple[str, str]] = []
+
+    def note(t) -> None:
+        order.append((t.path.rpartition("/")[2], t.tier))
+
+    proxy.add(Fault("PutObject", "delay", times=1, delay_s=3.0))
+    with (TieredStore(_SlowRetentionAfter(str(tmp_path / "local")), remote) as store,
+          stagesave.Checkpointer(store, keep_last=5, telemetry_callback=note) as ckpt):
+        handles = [ckpt.save(small_state(i), f"s{i}.ckpt") for i in range(3)]
+        for h in handles:
+            h.result()
+        uploads = store.wait_uploads(timeout=60)
+        assert sorted((u.path.rpartition("/")[2], u.error) for u in uploads) == [
+            (f"s{i}.ckpt", None) for i in range(3)]
+    for i in range(3):
+        name = f"s{i}.ckpt"
+        assert order.index((name, "local")) < order.index((name, "remote")), order

@@ -122,13 +122,22 @@ class Agent:
         returned from is an order there). Its socket normally closes with it: the reader then
         reads every message, meets the end and says so itself, however long a busy machine
         takes (a fixed half-second wait here lost the last order when the reader thread was
-        not scheduled in time). Only when the socket stays open does this thread say it, once
-        no byte sent is left unread.
+        not scheduled in time). When the socket stays open, this thread shuts its reading side:
+        the reader still reads every byte sent before, then meets the end and says so itself,
+        in order (a message cut short by the death ends it the same way).
         """
         while os.getppid() == self.trainer_pid:
             time.sleep(WATCH_S)
         if self.read_to_end.wait(ORPHAN_GRACE_S):
             return
+        try:
+            self.sock.shutdown(socket.SHUT_RD)
+        except OSError:
+            pass
+        if self.read_to_end.wait(60):
+            return
+        # the reader did not wake (it cannot be told to here): the old way, once nothing is
+        # left unread
         while _unread(self.sock):
             time.sleep(WATCH_S)
         time.sleep(0.5)  # the reader hands over the message it just read

@@ -3,9 +3,9 @@
 A tiered store queues a checkpoint's upload when its local copy is published, inside the save's
 job on the writer thread; the upload's telemetry must not reach the user before the local
 commit's own. The pipeline runs each job inside :func:`collecting`, and the store hands its
-queueing to :func:`after_report`: inside a job it runs once the job's telemetry is out (before
-the save's handle completes, so ``result()`` followed by ``wait_uploads()`` sees the upload);
-anywhere else at once.
+queueing to :func:`after_report`: inside a job it runs once the job's handle completed and its
+telemetry is out (the store counts what it has yet to queue, so that ``result()`` followed by
+``wait_uploads()`` waits for the upload); anywhere else at once.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 
-__all__ = ["after_report", "collecting", "run_all"]
+__all__ = ["after_report", "collecting", "collecting_here", "run_all"]
 
 _local = threading.local()
 
@@ -30,6 +30,12 @@ def collecting() -> Iterator[list[Callable[[], None]]]:
         yield pending
     finally:
         _local.pending = outer
+
+
+def collecting_here() -> bool:
+    """Whether this thread runs a job whose :func:`after_report` calls are held (waiting here
+    for them would wait for this thread)."""
+    return getattr(_local, "pending", None) is not None
 
 
 def after_report(fn: Callable[[], None]) -> None:

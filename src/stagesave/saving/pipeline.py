@@ -308,8 +308,8 @@ class Pipeline:
 
     # ---------------------------------------------------------------- writer's side
     def _run(self, job: Job) -> None:
-        """The one job body. Its telemetry goes out before its handle completes, and what the
-        commit started for afterwards (a tiered store's upload) is queued between the two."""
+        """The one job body. What the commit started for afterwards (a tiered store's upload)
+        is queued once the handle completed and the telemetry went out."""
         error: BaseException | None = None
         with after_report.collecting() as after:
             try:
@@ -327,13 +327,14 @@ class Pipeline:
             finally:
                 if job.staged is not None:
                     job.staged.give_back()
-        with self._lock:
-            inflight.forget(job.key, job.handle)
-            if error is not None:
-                self._failed.append(job.handle)
         try:
+            job.handle._set_done(error)
+            with self._lock:  # after: the next call that takes it finds its error set
+                if error is not None:
+                    self._failed.append(job.handle)
+            # after: a reader in the process that no longer sees it pending finds it done
+            inflight.forget(job.key, job.handle)
             if job.handle.kind == "save":
                 self._emit(job.handle.telemetry)
-            after_report.run_all(after)
         finally:
-            job.handle._set_done(error)
+            after_report.run_all(after)

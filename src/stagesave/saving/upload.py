@@ -33,7 +33,7 @@ from ..restore.info import CheckpointInfo
 from ..restore.resolve_file import resolve
 from ..stores.base import Store
 from ..telemetry import SaveTelemetry, TelemetryCallback
-from .after_report import after_report
+from .after_report import after_report, collecting_here
 from .lifecycle import close_all_at_exit
 from .pipeline import JobQueue
 from .retire import retain
@@ -131,6 +131,11 @@ class Uploader:
         # remote copies of deleted names whose queued removal has not run yet: hidden from reads
         self._deleting: dict[str, int] = {}
         self._records: deque[SaveTelemetry] = deque(maxlen=10_000)
+        # uploads of local commits not queued yet (held until the commit reported; see committed)
+        self._unqueued = 0
+        # local commits that have not reported yet: no upload takes them before they have
+        self._unreported: dict[str, int] = {}
+        self._queued = threading.Condition(self._lock)
 
     # ------------------------------------------------------------------ what is queued
     def committed(self, name: str) -> None:
@@ -145,15 +150,27 @@ class Uploader:
         directory = _parent(name)
         if self._queue.stopping():
             raise ClosedError("the upload queue is stopped")
+        with self._lock:
+            self._unqueued += 1
+            self._unreported[name] = self._unreported.get(name, 0) + 1
 
         def queue() -> None:
+            with self._lock:  # reported: an upload already queued may take it from now on
+                left = self._unreported.pop(name) - 1
+                if left:
+                    self._unreported[name] = left
             try:
                 self._queue.submit(lambda: self._sync(directory))
             except ClosedError as exc:  # stopped since: report, the local commit stands
                 self.report_failure(name, f"uploading {self.remote.describe(name)} was not "
                                     f"queued ({exc}); the local checkpoint is committed", None)
+            finally:
+                with self._lock:
+                    self._unqueued -= 1
+                    self._queued.notify_all()
 
-        # queued once the local commit has reported: its telemetry comes before the upload's
+        # queued once the local commit has reported (after its handle completed): its
+        # telemetry comes before the upload's; wait() waits for it to be queued
         after_report(queue)
 
     def forget(self, name: str) -> None:
@@ -201,7 +218,12 @@ class Uploader:
         Raises:
             TimeoutError: uploads still running after ``timeout`` seconds.
         """
-        if not self._queue.drain(timeout):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            queued = collecting_here() or self._queued.wait_for(
+                lambda: self._unqueued == 0, timeout)
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not queued or not self._queue.drain(left):
             raise TimeoutError(f"uploads to {self.remote.url} still running after {timeout} s")
         with self._lock:
             out = list(self._records)
@@ -209,14 +231,21 @@ class Uploader:
         return out
 
     def stop(self, timeout: float | None = None) -> bool:
-        """Finish queued uploads, then end the threads. False if they did not end in time."""
-        return self._queue.stop(timeout)
+        """Finish queued uploads (and those of commits about to queue theirs), then end the
+        threads. False if they did not end in time."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not collecting_here():  # (else this thread is the one to queue them, afterwards)
+            with self._lock:
+                self._queued.wait_for(lambda: self._unqueued == 0, timeout)
+        return self._queue.stop(None if deadline is None
+                                else max(0.0, deadline - time.monotonic()))
 
     # ------------------------------------------------------------------ the queued work
     def _sync(self, directory: str) -> None:
         """Upload the pending checkpoints of ``directory`` (newest first), then apply retention."""
         with self._lock:
-            names = {n: t for n, t in self._pending.items() if _parent(n) == directory}
+            names = {n: t for n, t in self._pending.items()
+                     if _parent(n) == directory and n not in self._unreported}
         found = {c.name: c for c in scan(self.local, directory)}
         for name in sorted(names, key=lambda n: names[n], reverse=True):
             info = found.get(name)
