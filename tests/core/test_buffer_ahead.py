@@ -1,12 +1,14 @@
 """The staging buffer of a new structure is made while the save is planned (issue 20: the first
 save of a run), and a save leases that buffer: never a second one, never a leak, and a buffer
-that could not be made ahead is made by the save itself, with the usual fallback."""
+that could not be made ahead is made by the save itself; without room for a shared segment it
+is made private, as the save's would be."""
 
 from __future__ import annotations
 
 import ctypes
 import threading
 import time
+import warnings
 
 import pytest
 import safetensors.torch
@@ -162,16 +164,24 @@ def test_populate_maps_every_page_until_told_to_stop():
     buf.release_memory()
 
 
-def test_a_buffer_that_cannot_be_made_ahead_is_made_by_the_save(ckpt_dir, tmp_path,
-                                                                monkeypatch, made):
-    """The shared-memory folder is missing: the segment made ahead fails quietly, the save's own
-    attempt fails and warns (the writer agent asked for), and the save stages privately."""
+def test_a_buffer_made_ahead_without_room_for_a_segment_is_made_private(ckpt_dir, tmp_path,
+                                                                        monkeypatch, made):
+    """The shared-memory folder is missing (a container's small /dev/shm): the buffer made
+    ahead is made in private memory instead, with the warning a save gives (the writer agent
+    asked for), and the save stages into it. Before, it failed quietly and the save made its
+    own (a review finding: nothing made ahead, nothing said)."""
     monkeypatch.setenv("STAGESAVE_SHM_DIR", str(tmp_path / "no-such-dir"))
     state = _state(4, 100_000)
     with stagesave.Checkpointer(ckpt_dir, writer="process") as ck:
-        with pytest.warns(RuntimeWarning, match="no shared-memory segment of 64 MiB"):
-            ck.save(state, "a.ckpt").result(60)
-        assert made == [(GROWTH_STEP, False, threading.current_thread().name)]
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            ck.prepare_buffer(GROWTH_STEP)
+            _buffer_made()
+        assert [str(w.message)[:48] for w in seen if w.category is RuntimeWarning] == [
+            "stagesave: no shared-memory segment of 64 MiB fo"]
+        assert made == [(GROWTH_STEP, False, "stagesave-buffer")]
+        ck.save(state, "a.ckpt").result(60)
+        assert len(made) == 1  # the save leased it
         got = ck.load("a.ckpt")
         assert all(torch.equal(got["model"][k], v) for k, v in state["model"].items())
 

@@ -250,8 +250,10 @@ class BufferPool:
         ``bounds()`` (its least and most bytes; asked only when a buffer may be made): its
         reservation and page mapping (:meth:`HostBuffer.populate`) overlap the planning, and
         :meth:`acquire` waits for it. Nothing when a free buffer holds the least bytes (or, with
-        ``only_when_empty``, when any is free), none may be added, or one is being made; a
-        failure is dropped (the save's :meth:`acquire` allocates again and reports it)."""
+        ``only_when_empty``, when any is free), none may be added, or one is being made. With
+        no room for a shared segment it is made in private memory, as a save's would be (with
+        the same warning); any other failure is dropped (the save's :meth:`acquire` allocates
+        again and reports it)."""
         if self.device is not None or not self._may_make(only_when_empty):
             return
         found = bounds()
@@ -290,7 +292,7 @@ class BufferPool:
                 torch.cuda.set_device(cuda)
             if old is not None:
                 self._free_memory(old)
-            buf = HostBuffer.allocate(capacity, self.pinned, shared=self.segments is not None)
+            buf = self._allocate(capacity)  # private (with a warning) without room for shared
             if self.segments is not None and buf.segment is not None:
                 self.segments.announce(buf.segment)
             buf.populate(until=self._wanted)
