@@ -29,9 +29,20 @@ from accelerate.utils import ProjectConfiguration
 import stagesave
 from stagesave.errors import CheckpointError
 
+_before: set[threading.Thread] = set()
+
+
+@pytest.fixture(autouse=True)
+def _threads_before() -> None:
+    """The threads alive when a test starts (an earlier test's may still be ending)."""
+    _before.clear()
+    _before.update(threading.enumerate())
+
 
 def _threads() -> list[str]:
-    return sorted(t.name for t in threading.enumerate() if t.name.startswith("stagesave"))
+    """stagesave's threads started since the test began, still alive."""
+    return sorted(t.name for t in threading.enumerate()
+                  if t.name.startswith("stagesave") and t not in _before)
 
 
 def _rss_mib() -> float:

@@ -269,9 +269,10 @@ def test_a_removed_checkpoint_is_not_listed_while_its_remote_removal_is_slow(
         for i in (0, 1):
             ckpt.save(small_state(i), f"s{i}.ckpt").result()
         store.wait_uploads()
-        # every remote removal now takes 2 s: a slow object store
-        proxy.add(Fault("DeleteObject", "delay", times=-1, delay_s=2.0),
-                  Fault("DeleteObjects", "delay", times=-1, delay_s=2.0))
+        # every remote removal now takes 4 s: a slow object store (s1's, queued behind s0's,
+        # cannot have run before the check below unless this machine stalls for seconds)
+        proxy.add(Fault("DeleteObject", "delay", times=-1, delay_s=4.0),
+                  Fault("DeleteObjects", "delay", times=-1, delay_s=4.0))
         for i in (2, 3):
             ckpt.save(small_state(i), f"s{i}.ckpt").result()
         ckpt.wait()
