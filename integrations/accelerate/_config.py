@@ -86,9 +86,10 @@ class Options:
             from the file. ``False`` (the default): stagesave's safe unpickler, with the
             classes :func:`stagesave.allow_globals` added. Only the files the checkpoint's
             proof lists are read either way.
-        prepare_buffer: Make the staging buffer of the first ``save_state`` ahead, at the
-            Accelerator's first optimizer step (on a thread, sized by the models' and
-            optimizers' state), so that the first save only copies like the later ones.
+        prepare_buffer: Make the staging buffer of the first ``save_state`` ahead, once the
+            Accelerator's optimizers stepped (on a thread, sized by the models', optimizers'
+            and registered objects' state), so that the first save only copies like the later
+            ones.
             ``None`` (``auto``): when training runs on an accelerator (a CPU-only run would
             lend the cores making it to nothing else but training). Costs the buffer's memory
             from that step on instead of from the first save.
