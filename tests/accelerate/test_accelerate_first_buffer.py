@@ -18,32 +18,26 @@ import torch
 from accel_helpers import build, train
 from accelerate import Accelerator
 from accelerate.utils import ProjectConfiguration
+from bufferwatch import watch_staging_buffers
 from stagesave.accelerate import Options
 from stagesave.accelerate._config import resolve_options
 
 import stagesave
-from stagesave.saving.buffers import GROWTH_STEP, HostBuffer
+from stagesave.saving.buffers import GROWTH_STEP
 
 
 @pytest.fixture
 def watched(monkeypatch: pytest.MonkeyPatch) -> dict[str, list]:
     """Staging buffers made (capacity, thread) and ``prepare_buffer`` calls (bytes, whether the
     first optimizer had state then) while a test's Accelerator trains."""
-    seen: dict[str, list] = {"made": [], "prepared": [], "acc": []}
-    real_allocate = HostBuffer.allocate.__func__  # type: ignore[attr-defined]
+    seen: dict[str, list] = {"made": watch_staging_buffers(monkeypatch), "prepared": [], "acc": []}
     real_prepare = stagesave.Checkpointer.prepare_buffer
-
-    def allocate(cls: type, capacity: int, pinned: bool, shared: bool = False) -> HostBuffer:
-        if capacity % GROWTH_STEP == 0:  # staging buffers grow in these steps
-            seen["made"].append((capacity, threading.current_thread().name))
-        return real_allocate(cls, capacity, pinned, shared)  # type: ignore[no-any-return]
 
     def prepare(self: stagesave.Checkpointer, nbytes: int) -> None:
         acc = seen["acc"][-1]
         seen["prepared"].append((nbytes, bool(acc._optimizers[0].optimizer.state)))
         real_prepare(self, nbytes)
 
-    monkeypatch.setattr(HostBuffer, "allocate", classmethod(allocate))
     monkeypatch.setattr(stagesave.Checkpointer, "prepare_buffer", prepare)
     return seen
 

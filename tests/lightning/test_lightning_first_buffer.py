@@ -11,26 +11,22 @@ from pathlib import Path
 
 import pytest
 import torch
+from bufferwatch import watch_staging_buffers
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning_helpers import StepBatches, TinyModel, make_trainer
 from stagesave.lightning import StagedCheckpointIO
 
 import stagesave
-from stagesave.saving.buffers import GROWTH_STEP, HostBuffer
+from stagesave.saving.buffers import GROWTH_STEP
 
 
 @pytest.fixture
 def watched(monkeypatch: pytest.MonkeyPatch) -> dict[str, list]:
     """Staging buffers made (capacity, thread) and ``prepare_buffer`` calls (bytes, the
     trainer's global step, whether its optimizer had state) while a test's trainer runs."""
-    seen: dict[str, list] = {"made": [], "prepared": [], "trainer": []}
-    real_allocate = HostBuffer.allocate.__func__  # type: ignore[attr-defined]
+    seen: dict[str, list] = {"made": watch_staging_buffers(monkeypatch), "prepared": [],
+                             "trainer": []}
     real_prepare = stagesave.Checkpointer.prepare_buffer
-
-    def allocate(cls: type, capacity: int, pinned: bool, shared: bool = False) -> HostBuffer:
-        if capacity % GROWTH_STEP == 0:  # staging buffers grow in these steps
-            seen["made"].append((capacity, threading.current_thread().name))
-        return real_allocate(cls, capacity, pinned, shared)  # type: ignore[no-any-return]
 
     def prepare(self: stagesave.Checkpointer, nbytes: int) -> None:
         trainer = seen["trainer"][-1]
@@ -38,7 +34,6 @@ def watched(monkeypatch: pytest.MonkeyPatch) -> dict[str, list]:
         seen["prepared"].append((nbytes, trainer.global_step, bool(state)))
         real_prepare(self, nbytes)
 
-    monkeypatch.setattr(HostBuffer, "allocate", classmethod(allocate))
     monkeypatch.setattr(stagesave.Checkpointer, "prepare_buffer", prepare)
     return seen
 
