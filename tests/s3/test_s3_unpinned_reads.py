@@ -43,7 +43,8 @@ class _Body:
 
 class _Replacing:
     """Version A until the second GET has begun its answer; version B from then on. The second
-    GET's body arrives slowly (1 s); the retry's last span a little slowly (0.3 s)."""
+    GET's body arrives slowly (3 s: longer than any stall before the next GET fails); the
+    retry's last span a little slowly (0.3 s)."""
 
     def __init__(self, replace_each_time: bool = False) -> None:
         self.etag, self.data, self.gets, self.log = '"A"', b"A" * SIZE, 0, []
@@ -58,7 +59,7 @@ class _Replacing:
                                "ResponseMetadata": {"HTTPStatusCode": 412}}, "GetObject")
         data, etag, delay = self.data[lo : hi + 1], self.etag, 0.0
         if self.gets == 2 or (self.replace_each_time and IfMatch is not None):
-            delay = 1.0
+            delay = 3.0
             new = "B" if self.etag == '"A"' else "A"
             self.etag, self.data = f'"{new}"', new.encode() * SIZE
         elif self.gets >= 4 and lo >= 2 * PART:
@@ -98,7 +99,7 @@ def test_an_object_replaced_between_its_gets_is_read_again_whole(store_with) -> 
     out = bytearray(SIZE)
     assert store.read_into("x", 0, memoryview(out)) == SIZE
     assert _versions(out) == [{ord("B")}] * 3  # the new version, whole
-    time.sleep(1.2)  # the first attempt's slow GET would have landed its old bytes by now
+    time.sleep(3.2)  # the first attempt's slow GET would have landed its old bytes by now
     assert _versions(out) == [{ord("B")}] * 3
     assert "cancelled GET 2" in client.log  # cancelled, not left running
     assert store.read_range("x", 0, SIZE) == b"B" * SIZE
@@ -111,6 +112,6 @@ def test_an_object_replaced_at_every_try_raises_and_writes_nothing_after(store_w
     with pytest.raises(StorageError, match="replaced"):
         store.read_into("x", 0, memoryview(out))
     before = bytes(out)
-    time.sleep(1.2)
+    time.sleep(3.2)
     assert bytes(out) == before  # no GET of a failed attempt wrote after the error
     assert sum(1 for line in client.log if line.startswith("cancelled")) == 3
