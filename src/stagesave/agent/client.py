@@ -89,6 +89,8 @@ class AgentClient:
         cannot be had (the save is staged in private memory and written in the trainer)."""
         self.io_threads = io_threads
         self.quiet = quiet
+        #: the process this client serves: a forked child's copy tells the agent nothing
+        self._owner_pid = os.getpid()
         self.proc: subprocess.Popen[bytes] | None = None
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
@@ -175,6 +177,9 @@ class AgentClient:
             t.event.set()
 
     def _send(self, message: object, images: list[FileImage] | None = None) -> None:
+        if os.getpid() != self._owner_pid:  # a forked child: the agent is the parent's
+            raise AgentLost("stagesave: the writer agent serves the process this one was "
+                            "forked from")
         with self._lock:
             if self._lost is not None:
                 raise AgentLost(f"stagesave: the writer agent {self._lost}")
@@ -239,7 +244,10 @@ class AgentClient:
             self._send(("go", ticket.id))
 
     def close(self, timeout: float | None = None) -> None:
-        """Ask the agent to exit after its orders; wait for it (killed after ``timeout``)."""
+        """Ask the agent to exit after its orders; wait for it (killed after ``timeout``).
+        Nothing in a forked child (the agent serves the parent)."""
+        if os.getpid() != self._owner_pid:
+            return
         with self._lock:
             self._closing = True  # also when none was started: none may be started after this
             proc = self.proc

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import mmap
+import os
 import sys
 import threading
 import time
@@ -63,6 +64,9 @@ class HostBuffer:
     holds: tuple[int, int, object] | None = field(default=None, repr=False)
     #: The shared segment holding it (``writer="process"``), else ``None``.
     segment: str | None = None
+    #: The process that made it: only that one removes its segment (a forked child's copy of
+    #: a pool releasing its buffers must not take the parent's segments away).
+    owner_pid: int = field(default_factory=os.getpid, repr=False)
 
     @classmethod
     def allocate(cls, capacity: int, pinned: bool, shared: bool = False) -> HostBuffer:
@@ -114,7 +118,7 @@ class HostBuffer:
                 return  # an older kernel (EINVAL): the copy faults the pages in
 
     def release_memory(self) -> None:
-        if self.segment is not None:
+        if self.segment is not None and os.getpid() == self.owner_pid:
             from ..agent.segments import remove_segment
 
             if self.pinned:

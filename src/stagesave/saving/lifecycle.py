@@ -133,6 +133,17 @@ def close_all_at_exit() -> None:
             print(f"stagesave: a checkpoint save failed before exit: {exc}", file=sys.stderr)
 
 
+def _forget_inherited() -> None:
+    """In a forked child (a DataLoader worker, a fork-started process): the Checkpointers it
+    inherited are the parent's; its exit must not close them (that would stop the parent's
+    writer agent and remove its buffers' segments)."""
+    _live.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_inherited)
+
+
 # Flush before concurrent.futures refuses new work at interpreter shutdown: threading's exit
 # hooks run in reverse order of registration, before atexit handlers and before
 # concurrent.futures (imported above, so registered earlier) shuts its pools.

@@ -309,32 +309,46 @@ class Pipeline:
     # ---------------------------------------------------------------- writer's side
     def _run(self, job: Job) -> None:
         """The one job body. What the commit started for afterwards (a tiered store's upload)
-        is queued once the handle completed and the telemetry went out."""
+        is queued once the handle completed and the telemetry went out, whatever happened; the
+        thread counts as inside the job until then (a telemetry callback that waits for the
+        store's uploads does not wait for this job's, which only this thread can queue)."""
         error: BaseException | None = None
-        with after_report.collecting() as after:
-            try:
-                if job.staged is not None:
-                    job.staged.wait()
-                job.commit(self.io_pool())
-                if job.retire is not None:
-                    job.retire()
-            except BaseException as exc:  # noqa: BLE001 - delivered through the handle
-                error = as_checkpoint_error(exc, f"{job.what} failed")
-                if job.on_error is not None:
-                    error = job.on_error(exc, error)
-                if job.handle.kind == "save":
-                    job.handle.telemetry.error = str(error)
-            finally:
-                if job.staged is not None:
-                    job.staged.give_back()
+        after: list[Callable[[], None]] = []
         try:
-            job.handle._set_done(error)
-            with self._lock:  # after: the next call that takes it finds its error set
-                if error is not None:
-                    self._failed.append(job.handle)
-            # after: a reader in the process that no longer sees it pending finds it done
-            inflight.forget(job.key, job.handle)
-            if job.handle.kind == "save":
-                self._emit(job.handle.telemetry)
+            with after_report.collecting() as after:
+                try:
+                    if job.staged is not None:
+                        job.staged.wait()
+                    job.commit(self.io_pool())
+                    if job.retire is not None:
+                        job.retire()
+                except BaseException as exc:  # noqa: BLE001 - delivered through the handle
+                    error = as_checkpoint_error(exc, f"{job.what} failed")
+                    if job.on_error is not None:
+                        try:
+                            error = job.on_error(exc, error)
+                        except BaseException as inner:  # noqa: BLE001 - deliver the error as is
+                            print(f"stagesave: judging {job.what}'s failure failed: {inner!r}",
+                                  file=sys.stderr)
+                    if job.handle.kind == "save":
+                        job.handle.telemetry.error = str(error)
+                finally:
+                    if job.staged is not None:
+                        job.staged.give_back()
+                    job.handle._set_done(error)
+                    with self._lock:  # after: the next call that takes it finds its error set
+                        if error is not None:
+                            self._failed.append(job.handle)
+                    # after: a reader in the process that no longer sees it pending finds it done
+                    inflight.forget(job.key, job.handle)
+                if job.handle.kind == "save":
+                    self._emit_safely(job.handle.telemetry)
         finally:
             after_report.run_all(after)
+
+    def _emit_safely(self, tel: SaveTelemetry) -> None:
+        """Telemetry out; whatever a callback raises is printed (the writer thread goes on)."""
+        try:
+            self._emit(tel)
+        except BaseException as exc:  # noqa: BLE001 - a callback must not end the writer
+            print(f"stagesave: telemetry callback failed: {exc!r}", file=sys.stderr)

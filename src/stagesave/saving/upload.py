@@ -69,6 +69,15 @@ def _flush_at_exit() -> None:
                   file=sys.stderr)
 
 
+def _forget_inherited() -> None:
+    """In a forked child: the tiered stores it inherited are the parent's to flush."""
+    _live.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_inherited)
+
+
 def register_for_exit(store: _Flushable) -> None:
     """Close ``store`` (finishing its uploads) when the interpreter exits."""
     global _exit_hook_registered
@@ -133,6 +142,7 @@ class Uploader:
         self._records: deque[SaveTelemetry] = deque(maxlen=10_000)
         # uploads of local commits not queued yet (held until the commit reported; see committed)
         self._unqueued = 0
+        self._pid = os.getpid()  # a forked child's copy has no writer thread to queue them
         # local commits that have not reported yet: no upload takes them before they have
         self._unreported: dict[str, int] = {}
         self._queued = threading.Condition(self._lock)
@@ -220,7 +230,7 @@ class Uploader:
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
-            queued = collecting_here() or self._queued.wait_for(
+            queued = collecting_here() or os.getpid() != self._pid or self._queued.wait_for(
                 lambda: self._unqueued == 0, timeout)
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         if not queued or not self._queue.drain(left):
@@ -234,8 +244,8 @@ class Uploader:
         """Finish queued uploads (and those of commits about to queue theirs), then end the
         threads. False if they did not end in time."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        if not collecting_here():  # (else this thread is the one to queue them, afterwards)
-            with self._lock:
+        if not collecting_here() and os.getpid() == self._pid:  # (else none will come: this
+            with self._lock:  # thread queues them afterwards, or it is a forked child's copy)
                 self._queued.wait_for(lambda: self._unqueued == 0, timeout)
         return self._queue.stop(None if deadline is None
                                 else max(0.0, deadline - time.monotonic()))
