@@ -322,7 +322,6 @@ class BufferPool:
             return HostBuffer.allocate(capacity, self.pinned, shared=True)
         except OSError as exc:  # no room in the RAM filesystem (a container's 64 MiB /dev/shm)
             if not self._warned_shared and not self.segments.quiet:
-                self._warned_shared = True
                 warnings.warn(
                     f"stagesave: no shared-memory segment of {capacity / 2**20:.0f} MiB for the "
                     f"writer agent ({exc}); saves that need one stage in private memory and are "
@@ -330,6 +329,7 @@ class BufferPool:
                     "more room: docker run --shm-size, or set STAGESAVE_SHM_DIR)",
                     RuntimeWarning, stacklevel=5,
                 )
+                self._warned_shared = True  # (after: a warning raised as an error is raised again)
             return HostBuffer.allocate(capacity, self.pinned)
 
     def release(self, buf: HostBuffer) -> None:

@@ -64,7 +64,7 @@ class _LocalWrite(PendingWrite):
         self.inner.publish()
         if TMP_MARKER in self.name:
             return  # a file of a folder being assembled: the folder uploads once committed
-        self.store._uploads.committed(self.name)
+        self.store._queue_upload(self.name)
 
     def abort(self) -> None:
         self.inner.abort()
@@ -153,7 +153,7 @@ class TieredStore(Store):
             # A folder manifest written where the folder already is: that write is the commit.
             # A folder assembled under a temporary name commits when it is renamed into place
             # (``folder_committed``).
-            self._uploads.committed(parent)
+            self._queue_upload(parent)
 
     def folder_committed(self, directory: str) -> None:
         """The folder ``directory`` was renamed into place on the local tier: queue its upload.
@@ -161,12 +161,18 @@ class TieredStore(Store):
         Wherever the folder was assembled (a hidden sibling, or a ``staging_dir`` outside the
         root), the upload reads the committed folder under its final name.
         """
+        self._queue_upload(directory)
+
+    def _queue_upload(self, name: str) -> None:
+        """``name`` is committed on the local tier: queue its upload. With the upload queue
+        closed, that is reported (stderr, telemetry); the local commit stands (the save does not
+        fail: it is committed)."""
         try:
-            self._uploads.committed(directory)
-        except ClosedError as exc:  # the upload queue is closed: report, the commit stands
+            self._uploads.committed(name)
+        except ClosedError as exc:
             self._uploads.report_failure(
-                directory,
-                f"uploading {self.remote.describe(directory)} was not queued ({exc}); the local "
+                name,
+                f"uploading {self.remote.describe(name)} was not queued ({exc}); the local "
                 "checkpoint is committed",
                 None,
             )
