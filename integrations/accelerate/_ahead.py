@@ -22,6 +22,8 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
+import torch
+
 from stagesave.saving.sizing import checkpoint_bytes
 
 from ._save import writes
@@ -43,7 +45,7 @@ def makes_buffer_ahead(accelerator: Any, option: bool | None) -> bool:
 
 def first_save_bytes(accelerator: Any) -> int:
     """About the size of the folder a ``save_state`` writes now: the prepared models' and
-    optimizers' state tensors and those at the top of the objects registered for checkpointing
+    optimizers' state tensors and those of the modules registered for checkpointing
     (schedulers, RNG states and the rest fit the fixed allowance)."""
 
     def values() -> Iterator[Any]:
@@ -54,8 +56,10 @@ def first_save_bytes(accelerator: Any) -> int:
             for per_param in optimizer.state.values():
                 yield from per_param.values() if isinstance(per_param, dict) else ()
         for obj in getattr(accelerator, "_custom_objects", ()):
-            state = obj.state_dict()
-            yield from state.values() if isinstance(state, dict) else ()
+            # modules only (an EMA copy of the weights): another object's state_dict may gather
+            # from every process, and only this one asks here
+            if isinstance(obj, torch.nn.Module):
+                yield from obj.state_dict().values()
 
     return checkpoint_bytes(values())
 
