@@ -88,7 +88,7 @@ class Options:
             proof lists are read either way.
         prepare_buffer: Make the staging buffer of the first ``save_state`` ahead, once the
             Accelerator's optimizers stepped (on a thread, sized by the models', optimizers'
-            and registered objects' state), so that the first save only copies like the later
+            and registered modules' state), so that the first save only copies like the later
             ones.
             ``None`` (``auto``): when training runs on an accelerator (a CPU-only run would
             lend the cores making it to nothing else but training). Costs the buffer's memory
