@@ -323,6 +323,7 @@ class Pipeline:
                     if job.retire is not None:
                         job.retire()
                 except BaseException as exc:  # noqa: BLE001 - delivered through the handle
+                    error = exc  # (whatever happens next, never reported committed)
                     error = as_checkpoint_error(exc, f"{job.what} failed")
                     if job.on_error is not None:
                         try:
@@ -333,14 +334,16 @@ class Pipeline:
                     if job.handle.kind == "save":
                         job.handle.telemetry.error = str(error)
                 finally:
-                    if job.staged is not None:
-                        job.staged.give_back()
-                    job.handle._set_done(error)
-                    with self._lock:  # after: the next call that takes it finds its error set
-                        if error is not None:
-                            self._failed.append(job.handle)
-                    # after: a reader in the process that no longer sees it pending finds it done
-                    inflight.forget(job.key, job.handle)
+                    try:
+                        if job.staged is not None:
+                            job.staged.give_back()
+                    finally:
+                        job.handle._set_done(error)
+                        with self._lock:  # after: the next call that takes it finds its error
+                            if error is not None:
+                                self._failed.append(job.handle)
+                        # after: a reader that no longer sees it pending finds it done
+                        inflight.forget(job.key, job.handle)
                 if job.handle.kind == "save":
                     self._emit_safely(job.handle.telemetry)
         finally:
