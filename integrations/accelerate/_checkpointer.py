@@ -198,8 +198,9 @@ class AcceleratorCheckpointer:
         return target, handle
 
     def _first_step(self) -> None:
-        """The Accelerator's first optimizer step: make the first save's staging buffer now, on
-        a thread, where that save will come through stagesave (``_ahead.py``)."""
+        """Every optimizer of the Accelerator has stepped (their state exists): make the first
+        save's staging buffer now, on a thread, where that save will come through stagesave
+        (``_ahead.py``)."""
         try:
             acc = self.accelerator
             if (not self.asynchronous or self._fsdp or self.options.device_staging

@@ -12,8 +12,9 @@ training loop has, whether it calls ``accelerator.backward(loss)`` or ``loss.bac
 gradient accumulation Accelerate steps the real optimizer only on the synchronizing micro-step.
 The hook costs one Python call per optimizer step.
 
-The first step observed is also when the run's state (the optimizers' included) exists to be
-measured: the checkpointer makes its first save's staging buffer then (``_ahead.py``).
+Once every optimizer of the Accelerator has stepped, the run's state (the optimizers'
+included) exists to be measured: the checkpointer makes its first save's staging buffer then
+(``_ahead.py``).
 
 Each :class:`TrainingSignal` holds its Accelerator (and its checkpointer) weakly: observing
 never keeps one alive.
@@ -54,8 +55,8 @@ class TrainingSignal:
     ) -> None:
         self._accelerator = weakref.ref(accelerator)
         self._stepped = False
-        #: called (on the training thread) at the first step observed, and again at the first
-        #: after :meth:`rearm`
+        #: called (on the training thread) once every optimizer stepped, and again after
+        #: :meth:`rearm`
         self._first_step = first_step
         self._armed = first_step is not None
         self._seen: set[int] = set()  # optimizers stepped since arming
