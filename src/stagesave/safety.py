@@ -36,9 +36,9 @@ from typing import Any
 import numpy as np
 
 from .restore.numpy_pickles import multiarray
-from .restore.torch_load import torch_load
+from .restore.torch_load import first_try, torch_load
 
-__all__ = ["allow_globals", "allowed_globals", "safe_torch_load"]
+__all__ = ["allow_globals", "allowed_globals", "safe_first_try", "safe_torch_load"]
 
 _extra: list[Any] = []
 _lock = threading.Lock()
@@ -85,3 +85,11 @@ def safe_torch_load(
     """
     return torch_load(source, map_location=map_location, mmap=mmap, trusted=trusted,
                       globs=[*allowed_globals(), *safe_globals], where=where)
+
+
+def safe_first_try(image: Any, *, map_location: Any, safe_globals: Iterable[Any], where: str,
+                   ) -> Any:
+    """The allow-listed C unpickler alone over a load's image whose bytes are still being read
+    (see :func:`stagesave.restore.torch_load.first_try`; raises wherever it stops)."""
+    return first_try(image, map_location=map_location,
+                     globs=[*allowed_globals(), *safe_globals], where=where)

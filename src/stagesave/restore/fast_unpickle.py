@@ -41,11 +41,11 @@ import torch
 from torch._utils import IMPORT_MAPPING, NAME_MAPPING
 
 from .allowlist import Policy
-from .image_load import LeanStorage
+from .image_unpickle import LeanStorage
 from .unpickle import _BLOCKED_MODULES, _MISSING, _REBUILD_V2, _rebuild_v2
 from .unpickle import Unpickler as LoopUnpickler
 
-__all__ = ["FAST_NAMES", "PICKLE_MODULE", "Unpickler", "fast_enabled"]
+__all__ = ["FAST_NAMES", "PICKLE_MODULE", "FirstTryStopped", "Unpickler", "fast_enabled"]
 
 #: The callables the C unpickler may reach (through proxies); any other global stops the try.
 FAST_NAMES = frozenset({
@@ -134,7 +134,7 @@ class _Kind(_Inert):
 
 class _Stored(_Inert):
     """A storage ``persistent_load`` made, until the tensor rebuild takes it: torch's typed
-    storage, or an image's :class:`~.image_load.LeanStorage`."""
+    storage, or an image's :class:`~.image_unpickle.LeanStorage`."""
 
     __slots__ = ("lean", "typed")
 
@@ -171,10 +171,11 @@ def _inert(obj: Any) -> bool:
 
 
 class _CUnpickler(pickle.Unpickler):  # _pickle.Unpickler: the opcode loop in C
-    def __init__(self, data: bytes, loop: LoopUnpickler, persistent: Any) -> None:
+    def __init__(self, data: bytes, loop: LoopUnpickler, persistent: Any,
+                 only_lean: bool) -> None:
         super().__init__(io.BytesIO(data), encoding=loop.encoding, fix_imports=False)
-        self.loop, self.persistent = loop, persistent
-        #: an image's maker of lean storages (:func:`.image_load.unpickle_image`), if any
+        self.loop, self.persistent, self.only_lean = loop, persistent, only_lean
+        #: an image's maker of lean storages (:func:`.image_unpickle.unpickle_image`), if any
         self.lean = getattr(persistent, "lean", None)
         self.answers: dict[str, Any] = {}
         self.made: list[_Stored] = []
@@ -217,13 +218,15 @@ class _CUnpickler(pickle.Unpickler):  # _pickle.Unpickler: the opcode loop in C
                 stored = _Stored(None, lean)
                 self.made.append(stored)
                 return stored
+        if self.only_lean:  # torch's storage may copy the bytes (to a device): not read yet
+            raise _Stop("a storage that is not an image's lean one")
         stored = _Stored(self.persistent(("storage", pid[1].cls, *pid[2:])))
         self.made.append(stored)
         return stored
 
 
-def _run_fast(data: bytes, loop: LoopUnpickler, persistent: Any) -> Any:
-    up = _CUnpickler(data, loop, persistent)
+def _run_fast(data: bytes, loop: LoopUnpickler, persistent: Any, only_lean: bool = False) -> Any:
+    up = _CUnpickler(data, loop, persistent, only_lean)
     result = up.load()
     made, answers = up.made, up.answers
     up.memo.clear()
@@ -246,12 +249,16 @@ class Unpickler:
     """The safe unpickler: the C unpickler over proxies first, the Python loop where it stops.
 
     The interface of ``pickle.Unpickler`` that ``torch.load`` uses (``persistent_load`` set,
-    then ``load()``)."""
+    then ``load()``). ``first_try_only``: the C unpickler's try alone, over an image's lean
+    storages only (:func:`.image_unpickle.unpickle_image`), whose bytes it never reads; where it
+    stops, ``load()`` raises (:class:`FirstTryStopped`) instead of running the Python loop."""
 
-    def __init__(self, file: Any, *, encoding: str = "bytes", stagesave_policy: Policy) -> None:
+    def __init__(self, file: Any, *, encoding: str = "bytes", stagesave_policy: Policy,
+                 first_try_only: bool = False) -> None:
         self.file = file
         self.encoding = encoding
         self.policy = stagesave_policy
+        self.first_try_only = first_try_only
         self.persistent_load: Any = None
 
     def load(self) -> Any:
@@ -266,10 +273,19 @@ class Unpickler:
             start = self.file.tell()
             loop.plain_rebuild = torch._guards.detect_fake_mode(None) is None
             try:
-                return _run_fast(getvalue()[start:], loop, self.persistent_load)
-            except Exception:  # noqa: BLE001 - the Python loop judges it, in its own words
+                return _run_fast(getvalue()[start:], loop, self.persistent_load,
+                                 self.first_try_only)
+            except Exception as exc:  # the Python loop judges it, in its own words
+                if self.first_try_only:
+                    raise FirstTryStopped(str(exc)) from exc
                 self.file.seek(start)
+        if self.first_try_only:
+            raise FirstTryStopped("the C unpickler is not tried here")
         return loop.load()
+
+
+class FirstTryStopped(Exception):
+    """A ``first_try_only`` unpickling stopped: the whole load runs once every byte is read."""
 
 
 def _pickle_load(file: Any, *, encoding: str = "bytes", stagesave_policy: Policy) -> Any:

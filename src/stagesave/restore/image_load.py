@@ -5,30 +5,35 @@ hash it (a copy into a scratch buffer), once more as the tensors are first touch
 page). Here the proven bytes of a format-2 torch file are read once, with parallel ``O_DIRECT``
 reads of whole chunks into one page-aligned buffer (through the page cache for a chunk whose
 pages it holds already: :mod:`.residency`), each chunk hashed while it is in cache; the
-pickle then runs in the safe unpickler with a ``persistent_load`` that hands out storages over
-that buffer (no second copy). Storage ids are checked against the file's proof: a known key, a
-size within its record.
+pickle runs in the safe unpickler with a ``persistent_load`` that hands out storages over that
+buffer (no second copy; :mod:`.image_unpickle`). Storage ids are checked against the file's
+proof: a known key, a size within its record.
+
+The unpickling need not wait for the storages' bytes: once the chunks that hold the pickle are
+read and checked, the C unpickler's first try (:mod:`.fast_unpickle`, which makes tensors over
+the buffer without reading them) runs while the other chunks are still being read
+(``early``); nothing it made is handed out before every chunk is checked, and where it stops
+the whole unpickling runs after the reads, as without it.
 
 An unverified load reads the same way without hashing. Files in other stores (S3, fsspec)
 are read the same way through their reader, each chunk hashed as it lands. It applies to every
 format-2 torch file, with ``mmap`` left to stagesave. The buffer stays alive as long as any
 tensor does, headers and padding included; where tensors fill less than
 :data:`MIN_TENSOR_SHARE` of the file (many small tensors, each padded to a page), their bytes
-are first packed to the buffer's head (moved down in place, after the checks) and the memory
-behind the rest is given back, so that a load never keeps more memory than its tensors. The C
-unpickler's first try (:mod:`.fast_unpickle`) takes each storage as a :class:`LeanStorage`.
+are packed to the buffer's head once every chunk is checked (moved down in place; the tensors
+are made where they will be) and the memory behind the rest is given back, so that a load
+never keeps more memory than its tensors.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import ctypes
-import io
 import mmap
 import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -36,12 +41,11 @@ from ..ondisk.manifest import FileEntry, Manifest, StorageRecord
 from ..ondisk.names import ALIGNMENT
 from ..saving.buffers import HostBuffer
 from ..stores.base import Reader
-from .proof import chunk_problems
-from .refusal import BadPickle
+from .proof import beside, chunk_problems, reporting
 from .residency import cached_pages, mostly_cached
 
 __all__ = [
-    "Image", "LeanStorage", "applies", "each_chunk", "read_image", "read_proven", "unpickle_image",
+    "Image", "applies", "each_chunk", "read_image", "read_proven",
 ]
 
 #: Tensors must fill at least this share of the file for the load to keep the file's buffer
@@ -124,50 +128,125 @@ def read_chunk(reader: Reader, direct: int | None, lo: int, n: int, room: memory
 
 
 def each_chunk(pool: cf.Executor, job: Callable[[int], str | None], n: int,
-               meanwhile: Callable[[], None] | None = None) -> list[str]:
+               meanwhile: Callable[[], None] | None = None,
+               done: Callable[[int, str | None], None] | None = None) -> list[str]:
     """``job(i)`` for chunks ``0..n-1`` on ``pool``, ``meanwhile`` on this thread while they
-    run; the problems the jobs returned, in chunk order."""
-    done = pool.map(job, range(n))
+    run (every job finished before this returns or raises); the problems the jobs returned, in
+    chunk order. ``done``: as :func:`.proof.chunk_problems`'s."""
+    results = pool.map(job if done is None else reporting(job, done), range(n))
     if meanwhile is not None:
-        meanwhile()
-    return [p for p in done if p]
+        beside(meanwhile, results)
+    return [p for p in results if p]
 
 
 def read_image(reader: Reader, fd: int | None, manifest: Manifest, pool: cf.Executor,
                where: str, *, check: bool = True,
-               meanwhile: Callable[[], None] | None = None) -> tuple[Image, list[str]]:
+               meanwhile: Callable[[], None] | None = None,
+               early: Callable[[Image], None] | None = None) -> tuple[Image, list[str]]:
     """Read (and ``check``) every chunk of the file into one buffer; the image and the
     problems (unchecked: only a file shorter than its proof says).
 
     ``fd``: the local file's descriptor (its chunks are read with ``O_DIRECT`` where allowed);
     ``None`` for other stores, whose reader fills each chunk (S3: concurrent ranged GETs of
     the one object version the reader is pinned to). ``meanwhile`` runs on this thread while
-    the pool reads."""
+    the pool reads; then ``early(image)``, once the chunks that hold the pickle are read (and
+    checked) while the others may still be read: the image's storages are where they will be
+    once it is packed, their bytes not there yet (``early`` must not read them)."""
     entry = manifest.files[0]
-    end = entry.end
+    buf = HostBuffer.allocate(_rounded(entry.end), pinned=False)
+    planned: list[tuple[Image, list[tuple[int, int, int]] | None]] = []
+    beside_reads, done = meanwhile, None
+    if early is not None and entry.storages:
+        first = min(s.offset for s in entry.storages)
+        pickle_chunks = _PickleChunks(min(len(entry.chunks), -(-first // entry.chunk_bytes)))
+        done = pickle_chunks.done
+
+        def beside_reads() -> None:
+            if meanwhile is not None:
+                meanwhile()
+            if pickle_chunks.read_and_checked():
+                image, problem = _image(buf, entry, where)
+                if problem is None:
+                    planned.append(_planned(image, entry))
+                    early(planned[0][0])
+
     buf, problems = read_proven(reader, fd, manifest, pool, where, check=check,
-                                meanwhile=meanwhile)
+                                meanwhile=beside_reads, buf=buf, done=done)
+    image, problem = _image(buf, entry, where)
+    if problem is not None:
+        problems.append(problem)
+    if problems:
+        return image, problems
+    image, moves = planned[0] if planned else _planned(image, entry)
+    if moves is not None:
+        _pack(buf, image, moves)
+    return image, problems
+
+
+def _rounded(n: int) -> int:
+    return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+
+
+class _PickleChunks:
+    """The first ``n`` chunks of a file (those that hold its pickle): whether all of them were
+    read (and checked) without a problem."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.left, self.ok = n, n, True
+        self.lock = threading.Lock()
+        self.ready = threading.Event()
+        if n <= 0:
+            self.ready.set()
+
+    def done(self, i: int, problem: str | None) -> None:
+        """Chunk ``i``'s job finished, on its I/O thread (``problem``: ``None``, it is good)."""
+        if i >= self.n:
+            return
+        with self.lock:
+            if problem is not None:
+                self.ok = False
+            self.left -= 1
+            if self.left <= 0 or not self.ok:
+                self.ready.set()
+
+    def read_and_checked(self) -> bool:
+        """Wait until every one finished or one failed; whether all are good."""
+        self.ready.wait()
+        return self.ok
+
+
+def _image(buf: HostBuffer, entry: FileEntry, where: str) -> tuple[Image, str | None]:
+    """The image of the file's bytes in ``buf`` as read (its pickle's start from the first
+    local header); the problem if byte 0 is not a zip's."""
     view = buf.view
     head = bytes(view[:30])
-    if head[:4] != b"PK\x03\x04":
-        problems.append(f"{where}: not a zip archive at byte 0")
-    name_len, extra_len = int.from_bytes(head[26:28], "little"), int.from_bytes(head[28:30],
-                                                                                  "little")
-    image = Image(view[:end], {s.key: s for s in entry.storages}, 30 + name_len + extra_len,
-                  where)
-    if not problems and sum(s.nbytes for s in entry.storages) < MIN_TENSOR_SHARE * end:
-        image = _packed(image, buf)
-    return image, problems
+    name_len = int.from_bytes(head[26:28], "little")
+    extra_len = int.from_bytes(head[28:30], "little")
+    image = Image(view[: entry.end], {s.key: s for s in entry.storages},
+                  30 + name_len + extra_len, where)
+    return image, (None if head[:4] == b"PK\x03\x04" else f"{where}: not a zip archive at byte 0")
+
+
+def _planned(image: Image, entry: FileEntry) -> tuple[Image, list[tuple[int, int, int]] | None]:
+    """The image a load unpickles, and the moves that pack its storages (``None``: the tensors
+    fill enough of the file to keep its buffer as it is)."""
+    if sum(s.nbytes for s in entry.storages) < MIN_TENSOR_SHARE * entry.end:
+        return _placement(image)
+    return image, None
 
 
 def read_proven(reader: Reader, fd: int | None, manifest: Manifest, pool: cf.Executor,
                 where: str, *, check: bool = True,
-                meanwhile: Callable[[], None] | None = None) -> tuple[HostBuffer, list[str]]:
+                meanwhile: Callable[[], None] | None = None, buf: HostBuffer | None = None,
+                done: Callable[[int, str | None], None] | None = None,
+                ) -> tuple[HostBuffer, list[str]]:
     """:func:`read_image`'s reads, of any file kind: the proven bytes in one page-aligned
-    buffer (its ``view`` from 0 to the proof's end) and the problems."""
+    buffer (its ``view`` from 0 to the proof's end; ``buf`` if given, large enough) and the
+    problems. ``done``: as :func:`.proof.chunk_problems`'s."""
     entry = manifest.files[0]
     end = entry.end
-    buf = HostBuffer.allocate((end + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT, pinned=False)
+    if buf is None:
+        buf = HostBuffer.allocate(_rounded(end), pinned=False)
     view = buf.view
     direct, cached = chunk_reads(fd, end)
 
@@ -182,40 +261,50 @@ def read_proven(reader: Reader, fd: int | None, manifest: Manifest, pool: cf.Exe
 
     try:
         if check:
-            problems = chunk_problems(reader, manifest, pool, read=read, meanwhile=meanwhile)
+            problems = chunk_problems(reader, manifest, pool, read=read, meanwhile=meanwhile,
+                                      done=done)
         else:
-            problems = each_chunk(pool, read_only, len(entry.chunks), meanwhile)
+            problems = each_chunk(pool, read_only, len(entry.chunks), meanwhile, done)
     finally:
         if direct is not None:
             os.close(direct)
     return buf, problems
 
 
-def _packed(image: Image, buf: HostBuffer) -> Image:
-    """The image with its storages compacted in place (each moved down to the next multiple of
-    :data:`_PACK_ALIGN` after the one before), its pickle kept aside and the memory past the
-    last storage given back to the system.
+def _placement(image: Image) -> tuple[Image, list[tuple[int, int, int]]]:
+    """The image with its storages compacted in place, each moved down to the next multiple of
+    :data:`_PACK_ALIGN` after the one before, its pickle kept aside; and the moves
+    ``(to, from, nbytes)`` that make it (:func:`_pack`). Its pickle's bytes must be read."""
+    records = sorted(image.storages.values(), key=_by_offset)
+    src = image.view
+    first = records[0].offset if records else len(src)
+    pickle = bytes(src[image.pickle_at : max(image.pickle_at, first)])
+    placed: dict[str, StorageRecord] = {}
+    moves: list[tuple[int, int, int]] = []
+    at = 0
+    record, align = StorageRecord, _PACK_ALIGN - 1
+    for key, offset, nbytes in records:
+        if offset != at:
+            moves.append((at, offset, nbytes))
+        placed[key] = record(key, at, nbytes)
+        at += (nbytes + align) & ~align
+    return Image(src[: max(at, 1)], placed, 0, image.where, pickle), moves
+
+
+def _pack(buf: HostBuffer, image: Image, moves: list[tuple[int, int, int]]) -> None:
+    """Make :func:`_placement`'s moves in ``buf`` (every byte read and checked) and give the
+    memory past the last storage back to the system.
 
     Records are disjoint (the proof's validation refuses overlaps) and moved in the order of
     their offsets, each to a place no later than its own: a move never touches bytes of a
     storage not yet moved. No second buffer: the copy is ~0.6 of the file, without faulting in
     fresh memory for it."""
-    records = sorted(image.storages.values(), key=_by_offset)
-    src = image.view
-    first = records[0].offset if records else len(src)
-    pickle = bytes(src[image.pickle_at : max(image.pickle_at, first)])
     base = buf.tensor.data_ptr()
-    placed: dict[str, StorageRecord] = {}
-    at = 0
-    move, record, align = ctypes.memmove, StorageRecord, _PACK_ALIGN - 1
-    for key, offset, nbytes in records:
-        if offset != at:
-            move(base + at, base + offset, nbytes)
-        placed[key] = record(key, at, nbytes)
-        at += (nbytes + align) & ~align
-    keep = max(at, 1)
+    move = ctypes.memmove
+    for to, frm, nbytes in moves:
+        move(base + to, base + frm, nbytes)
+    keep = len(image.view)
     _give_back(buf, (keep + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE)
-    return Image(src[:keep], placed, 0, image.where, pickle)
 
 
 def _by_offset(r: StorageRecord) -> int:
@@ -232,120 +321,3 @@ def _give_back(buf: HostBuffer, start: int) -> None:
         mem.madvise(mmap.MADV_DONTNEED, start, buf.capacity - start)
     except OSError:  # pragma: no cover - a kernel without it keeps the memory, nothing else
         pass
-
-
-class LeanStorage:
-    """A storage of the image as a tensor over all of it, for the C unpickler's tensor rebuild
-    (:mod:`.fast_unpickle`): no ``TypedStorage`` per storage, and the first tensor rebuilt over
-    it is that tensor itself, set to its geometry (one call instead of an empty tensor and a
-    ``set_``). What comes out equals torch's rebuild: a tensor of the storage's dtype over the
-    storage's bytes, not a view of another tensor."""
-
-    __slots__ = ("dtype", "spare", "untyped")
-
-    def __init__(self, untyped: torch.UntypedStorage, dtype: torch.dtype,
-                 whole: torch.Tensor | None = None) -> None:
-        self.untyped, self.dtype = untyped, dtype
-        #: a tensor over all of the storage the first rebuild may take (``None``: none made)
-        self.spare = whole
-
-    @classmethod
-    def over(cls, data: memoryview, dtype: torch.dtype) -> LeanStorage:
-        """The storage of host bytes ``data`` (a whole number of ``dtype`` elements)."""
-        whole = torch.frombuffer(data, dtype=dtype)
-        return cls(whole.untyped_storage(), dtype, whole)
-
-    def tensor(self, offset: Any, size: Any, stride: Any) -> torch.Tensor:
-        """A new tensor over the storage (torch's checks: within the storage's bytes)."""
-        whole = self.spare
-        if whole is not None:
-            self.spare = None
-            return whole.as_strided_(size, stride, offset)
-        return torch.empty((0,), dtype=self.dtype, device=self.untyped.device).set_(
-            self.untyped, offset, size, stride)
-
-
-def unpickle_image(image: Image, map_location: Any, unpickler: Any) -> Any:
-    """Run ``unpickler`` (a class taking the pickle's stream) over the image's pickle, its
-    storages views of the image's buffer restored to ``map_location`` as ``torch.load`` does."""
-    restore = torch.serialization._get_restore_location(map_location)  # type: ignore[no-untyped-call]
-    loaded: dict[str, torch.storage.TypedStorage] = {}
-    leans: dict[str, LeanStorage] = {}
-    # torch's restore of a CPU storage onto the CPU is the storage itself: not asked per tensor
-    on_cpu = map_location is None or str(map_location) == "cpu"
-    kinds: dict[Any, tuple[torch.dtype, int]] = {}
-
-    memory = image.memory
-
-    def region(storage_type: Any, key: Any, location: Any, numel: Any) -> tuple[
-            torch.dtype, Any]:
-        """The storage's dtype and bytes, its id checked: a memoryview of the image's buffer,
-        or a device tensor (``memory``); ``None``: it has none."""
-        if type(key) is not str or type(location) is not str or type(numel) is not int:
-            raise BadPickle("a storage id of the wrong types")
-        kind = kinds.get(storage_type)
-        if kind is None:
-            dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
-            kind = kinds[storage_type] = (
-                dtype, torch._utils._element_size(dtype))  # type: ignore[no-untyped-call]
-        dtype, size = kind
-        record = image.storages.get(key)
-        nbytes = numel * size
-        if record is None or numel < 0 or nbytes > record.nbytes:
-            raise BadPickle(f"storage {key!r} is not in {image.where}'s proof, or larger")
-        if not nbytes:
-            return dtype, None
-        if memory is not None:
-            held = memory[key]
-            return dtype, held if nbytes == record.nbytes else held[:nbytes].clone()
-        offset = record.offset
-        return dtype, image.view[offset : offset + nbytes]
-
-    def persistent_load(pid: Any) -> Any:
-        if type(pid) is not tuple or len(pid) != 5 or pid[0] != "storage":
-            raise BadPickle(f"unsupported persistent id {pid!r}"[:200])
-        _, storage_type, key, location, numel = pid
-        if type(key) is str and key in loaded:
-            return loaded[key]
-        dtype, data = region(storage_type, key, location, numel)
-        if data is None:
-            storage = torch.UntypedStorage(0)  # type: ignore[no-untyped-call]
-            there = on_cpu and location == "cpu"
-        elif memory is not None:  # already where map_location puts it
-            storage, there = data.untyped_storage(), True
-        else:
-            storage = torch.frombuffer(data, dtype=torch.uint8).untyped_storage()
-            there = on_cpu and location == "cpu"
-        typed = torch.storage.TypedStorage(  # type: ignore[no-untyped-call]
-            wrap_storage=storage if there else restore(storage, location),
-            dtype=dtype, _internal=True)
-        loaded[key] = typed
-        return typed
-
-    def lean(storage_type: Any, key: Any, location: Any, numel: Any) -> LeanStorage | None:
-        """The storage as the C unpickler's tensor rebuild takes it (``None``: it needs
-        torch's typed storage: restored elsewhere, or no bytes)."""
-        if type(key) is str and key in leans:
-            return leans[key]
-        if memory is None and not (on_cpu and location == "cpu"):
-            return None
-        dtype, data = region(storage_type, key, location, numel)
-        if data is None:
-            return None
-        made = leans[key] = (LeanStorage(data.untyped_storage(), dtype) if memory is not None
-                             else LeanStorage.over(data, dtype))
-        return made
-
-    persistent_load.lean = lean  # type: ignore[attr-defined]
-
-    # the pickle ends before the first storage's record (torch writes data.pkl first)
-    if image.pickle is not None:
-        stream = io.BytesIO(image.pickle)
-    else:
-        first = min((r.offset for r in image.storages.values()), default=len(image.view))
-        stream = io.BytesIO(bytes(image.view[image.pickle_at : max(image.pickle_at, first)]))
-    up = unpickler(stream)
-    up.persistent_load = persistent_load
-    result = up.load()
-    torch._utils._validate_loaded_sparse_tensors()  # type: ignore[no-untyped-call]
-    return result

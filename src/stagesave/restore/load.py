@@ -17,7 +17,7 @@ from typing import Any
 
 from ..errors import IntegrityError, StorageError
 from ..ondisk.manifest import Manifest
-from ..safety import safe_torch_load
+from ..safety import safe_first_try, safe_torch_load
 from ..saving import inflight
 from ..saving.plan import gc_paused
 from ..stores.base import Reader, Store
@@ -100,11 +100,12 @@ def _load_checked(
             entry = manifest.files[0]
             if not (verify and verified_before(reader, entry)):
                 # read once, into the memory the tensors keep, each chunk checked as it lands
+                # and the pickle unpickled meanwhile
+                early = _Early(map_location, globs, where)
                 image, problems = _read(reader, fd, manifest, io, where, verify, map_location,
-                                     check.parse)
+                                        check.parse, early)
                 raise_if_corrupt(problems, where)
-                return safe_torch_load(image, map_location=map_location, trusted=False,
-                                       safe_globals=globs, where=where)
+                return early.result(image)
             if len(entry.storages) >= image_load.MANY_STORAGES:
                 # verified a moment ago (so in the page cache): copied from there, unchecked;
                 # torch.load would spend ~50 us per storage on its own
@@ -128,11 +129,11 @@ def _load_checked(
             and image_load.applies(manifest.files[0]) and not torch_forces_weights_only()):
         # one pass: each chunk fetched (concurrent ranged GETs on S3) into the memory the
         # tensors keep and hashed as it lands; no second copy into torch.load's storages
+        early = _Early(map_location, globs, where)
         image, problems = _read(reader, None, manifest, io, where, verify, map_location,
-                                 check.parse)
+                                check.parse, early)
         raise_if_corrupt(problems, where)
-        return safe_torch_load(image, map_location=map_location, trusted=False,
-                               safe_globals=globs, where=where)
+        return early.result(image)
     data = bytearray(reader.size)
     view = memoryview(data)
     _read_parallel(reader, view, io, chunk_bytes)
@@ -142,12 +143,39 @@ def _load_checked(
                            safe_globals=globs, where=where)
 
 
+class _Early:
+    """A load's state unpickled while the image's storages were still being read (the chunks
+    that hold the pickle read and checked first), by the C unpickler alone
+    (:func:`~stagesave.safety.safe_first_try`); where that stops, the whole load runs once
+    every byte is in, as before."""
+
+    def __init__(self, map_location: Any, globs: list[Any], where: str) -> None:
+        self.map_location, self.globs, self.where = map_location, globs, where
+        self.made: list[Any] = []  # the state, once made
+
+    def __call__(self, image: image_load.Image) -> None:
+        try:
+            self.made.append(safe_first_try(image, map_location=self.map_location,
+                                            safe_globals=self.globs, where=self.where))
+        except Exception:  # noqa: BLE001, S110 - the whole load after the reads judges the file
+            pass
+
+    def result(self, image: image_load.Image) -> Any:
+        """The state (every byte of ``image`` read and checked by now)."""
+        if self.made:
+            return self.made.pop()
+        return safe_torch_load(image, map_location=self.map_location, trusted=False,
+                               safe_globals=self.globs, where=self.where)
+
+
 def _read(reader: Reader, fd: int | None, manifest: Manifest, io: IoThreads, where: str,
           check: bool, map_location: Any, meanwhile: Callable[[], None],
+          early: Callable[[image_load.Image], None] | None = None,
           ) -> tuple[image_load.Image, list[str]]:
     """The file's image: in host memory, or, for one CUDA device, each storage straight into
     its device memory through a ring of pinned chunks (:mod:`.device_load`); ``meanwhile`` runs
-    on this thread while the I/O threads read."""
+    on this thread while the I/O threads read, then ``early`` for a host image
+    (:func:`.image_load.read_image`)."""
     device = device_load.target_device(map_location)
     if device is not None:
         pool = io()
@@ -155,7 +183,7 @@ def _read(reader: Reader, fd: int | None, manifest: Manifest, io: IoThreads, whe
                                           workers=getattr(pool, "_max_workers", 4),
                                           meanwhile=meanwhile)
     return image_load.read_image(reader, fd, manifest, io(), where, check=check,
-                                 meanwhile=meanwhile)
+                                 meanwhile=meanwhile, early=early)
 
 
 def _prefetch(reader: Reader, io: IoThreads, step: int) -> None:

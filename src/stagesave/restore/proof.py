@@ -28,7 +28,9 @@ from ..ondisk.torchzip import FOOTER_LEN, FOOTER_MAGIC, TorchZip, build_tail, re
 from ..saving.write import TRAILER_KINDS, proof_value
 from ..stores.base import Reader
 
-__all__ = ["PARSE_LATER_BYTES", "Peek", "chunk_problems", "peek", "read_proof"]
+__all__ = [
+    "PARSE_LATER_BYTES", "Peek", "beside", "chunk_problems", "peek", "read_proof", "reporting",
+]
 
 #: Bytes read from the end of a file to find its footer (a summary is ~200 bytes).
 PEEK_BYTES = 4096
@@ -298,6 +300,7 @@ def chunk_problems(
     read: Callable[[int, int], memoryview | bytes] | None = None,
     indices: Iterable[int] | None = None, *, where: str | None = None,
     meanwhile: Callable[[], None] | None = None,
+    done: Callable[[int, str | None], None] | None = None,
 ) -> list[str]:
     """Recompute every chunk digest of the (single) file ``manifest`` proves; the problems.
 
@@ -305,7 +308,9 @@ def chunk_problems(
     copies to another tier all check chunks here. ``read(lo, n)`` overrides how bytes are read
     (bytes already in memory, a sharded load's window; then ``reader`` may be ``None`` and
     ``where`` names the file in messages); ``indices``: the chunks to check (default: all);
-    ``meanwhile``: run on the calling thread once every chunk is handed to ``pool``.
+    ``meanwhile``: run on the calling thread once every chunk is handed to ``pool`` (the chunks
+    are all read before this returns, whatever it raises); ``done(i, problem)``: called on the
+    thread that checked chunk ``i`` (``problem``: ``"raised"`` if the check raised).
     """
     entry = manifest.files[0]
     if reader is not None:
@@ -331,9 +336,40 @@ def chunk_problems(
             return f"{where}: checksum mismatch in bytes [{lo}, {hi}) (chunk {i})"
         return None
 
+    job = check if done is None else reporting(check, done)
     if indices is None:
         indices = range(len(entry.chunks))
-    results = pool.map(check, indices) if pool is not None else map(check, indices)
+    results = pool.map(job, indices) if pool is not None else map(job, indices)
     if meanwhile is not None:
-        meanwhile()
+        beside(meanwhile, results)
     return [r for r in results if r]
+
+
+def reporting(job: Callable[[int], str | None],
+              done: Callable[[int, str | None], None]) -> Callable[[int], str | None]:
+    """``job`` that also calls ``done(i, its problem)`` when chunk ``i`` is finished (its problem
+    ``"raised"`` where it raised)."""
+
+    def run(i: int) -> str | None:
+        problem: str | None = "raised"
+        try:
+            problem = job(i)
+            return problem
+        finally:
+            done(i, problem)
+
+    return run
+
+
+def beside(meanwhile: Callable[[], None], results: Iterable[object]) -> None:
+    """Run ``meanwhile`` while the chunk jobs behind ``results`` run; if it raises, every job
+    has finished before its exception goes on (they write into memory the caller may free)."""
+    try:
+        meanwhile()
+    except BaseException:
+        try:
+            for _ in results:
+                pass
+        except Exception:  # noqa: BLE001, S110 - meanwhile's own exception is the one reported
+            pass
+        raise

@@ -23,12 +23,13 @@ import torch
 from ..errors import CheckpointError
 from ..saving.plan import gc_paused
 from .allowlist import Policy
-from .fast_unpickle import PICKLE_MODULE, Unpickler
-from .image_load import Image, unpickle_image
+from .fast_unpickle import PICKLE_MODULE, FirstTryStopped, Unpickler
+from .image_load import Image
+from .image_unpickle import unpickle_image
 from .numpy_pickles import is_numpy_object
 from .refusal import damaged, refused_global
 
-__all__ = ["torch_forces_weights_only", "torch_load"]
+__all__ = ["first_try", "torch_forces_weights_only", "torch_load"]
 
 _UNSUPPORTED = re.compile(r"(?:unsupported GLOBAL|Unsupported global: GLOBAL) ([\w.]+)")
 
@@ -83,6 +84,25 @@ def _load(
             # Not a refused class: the pickle itself is damaged.
             raise damaged(where, text) from exc
         raise refused_global(where, m.group(1) if m else None) from exc
+
+
+def first_try(image: Image, *, map_location: Any, globs: list[Any], where: str) -> Any:
+    """The image's pickle run by the C unpickler alone over lean storages, which never reads
+    their bytes (a load runs it while they are still being read,
+    :func:`.image_load.read_image`'s ``early``).
+
+    Raises:
+        Exception: whatever made it stop (a global outside its set, a storage torch must
+            restore, a damaged pickle...): the caller runs the whole load once every byte is in,
+            which judges the file in its own words.
+    """
+    if torch_forces_weights_only():
+        raise FirstTryStopped("torch's own unpickler is forced")
+    policy = Policy(globs, where)
+    with gc_paused():
+        return unpickle_image(image, map_location, lambda f: Unpickler(
+            f, encoding="utf-8", stagesave_policy=policy, first_try_only=True),
+            validate_sparse=False)
 
 
 def torch_forces_weights_only() -> bool:

@@ -1,0 +1,181 @@
+"""A load unpickles while its storages are still being read (issue 22): once the chunks that
+hold the pickle are read and checked, the C unpickler makes the tensors over the image's buffer
+without reading it; nothing is handed out before every chunk is checked, and a state the first
+try cannot take is unpickled whole after the reads, as before."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import stagesave
+from stagesave.restore import image_load
+from stagesave.restore import load as load_module
+from stagesave.restore.proof import beside
+from stagesave.restore.verified_memo import forget_verified
+
+CHUNK = 64 * 1024
+
+
+def _small_tensors(n: int = 400) -> dict[str, object]:
+    g = torch.Generator().manual_seed(3)
+    return {"m": {f"t{i}": torch.randn(1 + i % 50, generator=g) for i in range(n)}, "step": 7}
+
+
+def _large_tensors() -> dict[str, object]:
+    g = torch.Generator().manual_seed(4)
+    base = torch.randn(300, 200, generator=g)
+    return {"w": base, "wt": base[10:, 5:].t(), "b": torch.randn(70_000, generator=g),
+            "grad": torch.ones(5, requires_grad=True), "lr": 0.5}
+
+
+def _same(a: object, b: object) -> None:
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys()
+        for k in a:
+            _same(a[k], b[k])
+    elif isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor)
+        assert (a.dtype, a.shape, a.stride(), a.storage_offset(), a.requires_grad) == (
+            b.dtype, b.shape, b.stride(), b.storage_offset(), b.requires_grad)
+        assert torch.equal(a.detach(), b.detach())
+    elif isinstance(a, np.ndarray):
+        assert isinstance(b, np.ndarray) and np.array_equal(a, b)
+    else:
+        assert a == b
+
+
+class _Watch:
+    """Holds back every read of a chunk after those that hold the pickle until the early
+    unpickling has run (or 20 s passed), and records what the early unpickling saw and made."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, first_storage: int) -> None:
+        self.held_from = -(-first_storage // CHUNK) * CHUNK  # the first chunk past the pickle
+        self.released = threading.Event()
+        self.lock = threading.Lock()
+        self.data_reads_done = 0
+        self.seen: list[tuple[int, bool]] = []  # (data chunks read then, whether it made the state)
+        read_chunk, early_call = image_load.read_chunk, load_module._Early.__call__
+
+        def held_read(reader, direct, lo, n, room):
+            if lo >= self.held_from:
+                self.released.wait(20)
+            got = read_chunk(reader, direct, lo, n, room)
+            if lo >= self.held_from:
+                with self.lock:
+                    self.data_reads_done += 1
+            return got
+
+        def watched_early(early, image):
+            with self.lock:
+                before = self.data_reads_done
+            try:
+                early_call(early, image)
+            finally:
+                self.seen.append((before, bool(early.made)))
+                self.released.set()
+
+        monkeypatch.setattr(image_load, "read_chunk", held_read)
+        monkeypatch.setattr(load_module._Early, "__call__", watched_early)
+
+
+def _save(path: str, state: object) -> int:
+    """Save ``state`` in chunks of :data:`CHUNK`; where its first storage's bytes start."""
+    with stagesave.Checkpointer(writer="thread", chunk_bytes=CHUNK) as ck:
+        ck.save(state, path).result()
+        entry = ck.verify(path).manifest.files[0]
+    forget_verified()
+    assert len(entry.chunks) > 4
+    return min(r.offset for r in entry.storages)
+
+
+@pytest.mark.parametrize("verify", [True, False])
+@pytest.mark.parametrize("shape", ["small tensors, packed", "large tensors"])
+def test_the_pickle_is_unpickled_while_the_storages_are_still_read(
+        tmp_path, monkeypatch, verify, shape):
+    state = _small_tensors() if shape.startswith("small") else _large_tensors()
+    path = str(tmp_path / "s.ckpt")
+    first = _save(path, state)
+    watch = _Watch(monkeypatch, first)
+    t0 = time.monotonic()
+    with stagesave.Checkpointer(writer="thread", chunk_bytes=CHUNK) as ck:
+        got = ck.load(path, verify=verify)
+    assert time.monotonic() - t0 < 15  # the held reads were released by the unpickling
+    # it ran before any chunk of storage bytes was read, and made the state handed out
+    assert watch.seen == [(0, True)]
+    _same(state, got)
+    _same(torch.load(path, weights_only=True), got)
+    if shape.startswith("large"):  # views keep sharing their storage
+        assert got["w"].untyped_storage().data_ptr() == got["wt"].untyped_storage().data_ptr()
+
+
+def _flip(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x5A]))
+
+
+def test_a_damaged_storage_chunk_is_refused_though_the_state_was_already_made(
+        tmp_path, monkeypatch):
+    path = str(tmp_path / "s.ckpt")
+    first = _save(path, _small_tensors())
+    _flip(path, first + 3 * CHUNK + 17)
+    watch = _Watch(monkeypatch, first)
+    with stagesave.Checkpointer(writer="thread", chunk_bytes=CHUNK) as ck, pytest.raises(
+            stagesave.IntegrityError, match=r"checksum mismatch in bytes"):
+        ck.load(path)
+    assert watch.seen == [(0, True)]  # made early, then dropped: the damage is reported
+
+
+def test_a_damaged_pickle_chunk_is_never_unpickled_early(tmp_path, monkeypatch):
+    path = str(tmp_path / "s.ckpt")
+    first = _save(path, _small_tensors())
+    _flip(path, 200)  # inside the pickle, in chunk 0
+    watch = _Watch(monkeypatch, first)
+    watch.released.set()  # nothing would release the held reads
+    with stagesave.Checkpointer(writer="thread", chunk_bytes=CHUNK) as ck, pytest.raises(
+            stagesave.IntegrityError, match=r"checksum mismatch in bytes \[0, "):
+        ck.load(path)
+    assert watch.seen == []
+
+
+@pytest.mark.parametrize("what", ["numpy array", "map_location"])
+def test_a_state_the_first_try_cannot_take_is_unpickled_after_the_reads(
+        tmp_path, monkeypatch, what):
+    state = _small_tensors()
+    if what == "numpy array":
+        state["table"] = np.arange(12, dtype=np.int32).reshape(3, 4)  # outside its names
+    path = str(tmp_path / "s.ckpt")
+    first = _save(path, state)
+    watch = _Watch(monkeypatch, first)
+    with stagesave.Checkpointer(writer="thread", chunk_bytes=CHUNK) as ck:
+        if what == "numpy array":
+            got = ck.load(path)
+        else:  # a storage torch restores itself (here: a callable map_location)
+            got = ck.load(path, map_location=lambda storage, location: storage)
+    assert watch.seen == [(0, False)]
+    _same(state, got)
+
+
+def test_beside_waits_for_every_job_when_meanwhile_raises():
+    finished: list[int] = []
+
+    def job(i: int) -> None:
+        time.sleep(0.05 * i)
+        finished.append(i)
+
+    def meanwhile() -> None:
+        raise KeyError("meanwhile failed")
+
+    with cf.ThreadPoolExecutor(4) as pool:
+        results = pool.map(job, range(6))
+        with pytest.raises(KeyError, match="meanwhile failed"):
+            beside(meanwhile, results)
+        assert sorted(finished) == list(range(6))  # none still running when it raised
