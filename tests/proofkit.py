@@ -78,3 +78,49 @@ def carrier_of(folder: Any) -> Any:
     info = stagesave.verify(folder)
     assert info.manifest is not None and info.manifest.folder is not None, info.problems
     return os.path.join(os.fspath(folder), info.manifest.folder.carrier)
+
+
+def rewrite_pickle(path: Any, pkl: bytes, mutate: Any = None) -> None:
+    """Replace a format-2 torch file's pickle with ``pkl`` (padded with zeros to the old one's
+    size, which it must not exceed), optionally ``mutate(doc)`` its proof, and make every CRC,
+    chunk digest and the zip tail consistent again: what an attacker without a key writes."""
+    import json
+    import struct
+
+    from stagesave.ondisk.checksum import crc32, digest
+    from stagesave.ondisk.manifest import Summary, parse_summary
+    from stagesave.ondisk.torchzip import read_footer
+    from stagesave.restore.proof import ZipTail, zip_tail_parts
+
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
+    raw = read_footer(bytes(data[-65536:]), crc32)
+    assert raw is not None, "not a format-2 file"
+    s = parse_summary(raw, str(path))
+    doc = json.loads(data[s.proof_offset : s.proof_offset + s.proof_len])
+    covered = doc["covered"]
+    parts = zip_tail_parts(bytes(data[covered:]), covered, s.proof_offset, s.proof_len, len(raw))
+    assert parts is not None
+    cd = bytearray(parts.cd_prefix)
+    name_len, extra_len = struct.unpack_from("<HH", data, 26)
+    at = 30 + name_len + extra_len
+    size = struct.unpack_from("<I", cd, 24)[0]  # data.pkl's, the first central entry
+    assert len(pkl) <= size, f"a pickle of {len(pkl)} bytes does not fit in {size}"
+    pkl += b"\0" * (size - len(pkl))
+    data[at : at + size] = pkl
+    crc = crc32(pkl)
+    struct.pack_into("<I", data, at + size + 4, crc)  # its data descriptor
+    struct.pack_into("<I", cd, 16, crc)  # its central entry
+    if mutate is not None:
+        mutate(doc)
+    algorithm, step = doc["algorithm"], doc["chunk_bytes"]
+    doc["chunks"] = [digest(algorithm, bytes(data[lo : min(covered, lo + step)]))
+                     for lo in range(0, covered, step)]
+    doc["zip"]["cd"] = digest(algorithm, bytes(cd))
+    new = json.dumps(doc, separators=(",", ":")).encode()
+    summary = Summary(s.kind, s.seq, s.created_ns, s.proof_offset, len(new), crc32(new), s.folder,
+                      s.carrier).to_bytes()
+    tail = ZipTail(parts.prefix, parts.index, bytes(cd), parts.zip64, parts.n_records,
+                   covered).rebuild(new, summary)
+    with open(path, "wb") as f:
+        f.write(bytes(data[:covered]) + tail)

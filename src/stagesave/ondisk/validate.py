@@ -288,6 +288,12 @@ def storages(raw: Any, size: int, where: str, compact: bool) -> tuple[StorageRec
     for a, b in itertools.pairwise(sorted(out, key=lambda r: r.offset)):
         if a.offset + a.nbytes > b.offset:
             raise fail(where, f"storages {a.key} and {b.key} overlap")
+    if len({r.key for r in out}) != len(out):
+        seen: set[str] = set()
+        for r in out:
+            if r.key in seen:
+                raise fail(where, f"storage {r.key} is recorded twice")
+            seen.add(r.key)
     return tuple(out)
 
 

@@ -75,6 +75,8 @@ class Policy:
             id(multiarray._reconstruct): reconstruct_route, id(multiarray.scalar): scalar_route,
             id(torch._tensor._rebuild_from_type_v2): _rebuild_from_type_route,
         })
+        for cls in torch._tensor_classes:  # torch.FloatTensor(n): n elements never written
+            self.routes.setdefault(id(cls), _legacy_tensor_route(cls))
         direct = [v for v in (*user.values(), *builtin.values()) if id(v) not in self.routes]
         self.callable_ids = {id(v) for v in direct}
         self.build_ids = {id(v) for v in direct if isinstance(v, type)}
@@ -96,6 +98,25 @@ def _bytes_route(kind: type) -> Callable[[Any, tuple[Any, ...]], Any]:
         refuse(u, f"it calls builtins.{kind.__name__} with {types} (only "
                    f"bytes, a list, or text and a text codec are admitted; an int would allocate "
                    f"as much memory as the file says)", numpy=False)
+
+    return route
+
+
+def _legacy_tensor_route(cls: Any) -> Callable[[Any, tuple[Any, ...]], Any]:
+    """A legacy tensor type (``torch.FloatTensor``, ``torch.sparse.FloatTensor``...) called
+    with data, a storage or a tensor; never with a size, which makes a tensor of that many
+    elements whose memory was never written (as much as the file says, and the heap's old
+    bytes in it)."""
+    name = f"{cls.__module__}.{cls.__name__}"
+
+    def route(u: Unpickler, args: tuple[Any, ...]) -> Any:
+        if any(type(a) in (int, bool) or isinstance(a, torch.Size) for a in args):
+            refuse(u, f"it calls {name} with a size (a tensor of memory never written, as large "
+                      f"as the file says)", numpy=False)
+        made = cls(*args)
+        if "sparse" in cls.__module__:  # checked once the load is done (validate_loaded_sparse)
+            torch._utils._sparse_tensors_to_validate.append(made)
+        return made
 
     return route
 

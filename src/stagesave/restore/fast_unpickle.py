@@ -42,7 +42,7 @@ from torch._utils import IMPORT_MAPPING, NAME_MAPPING
 
 from .allowlist import Policy
 from .image_unpickle import LeanStorage
-from .unpickle import _BLOCKED_MODULES, _MISSING, _REBUILD_V2, _rebuild_v2
+from .unpickle import _BLOCKED_MODULES, _MISSING, _REBUILD_V2, _rebuild_v2, validate_loaded_sparse
 from .unpickle import Unpickler as LoopUnpickler
 
 __all__ = ["FAST_NAMES", "PICKLE_MODULE", "FirstTryStopped", "Unpickler", "fast_enabled"]
@@ -281,7 +281,9 @@ class Unpickler:
                 self.file.seek(start)
         if self.first_try_only:
             raise FirstTryStopped("the C unpickler is not tried here")
-        return loop.load()
+        result = loop.load()
+        validate_loaded_sparse()  # (the C unpickler's names make no sparse tensor)
+        return result
 
 
 class FirstTryStopped(Exception):

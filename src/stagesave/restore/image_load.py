@@ -229,9 +229,12 @@ def _image(buf: HostBuffer, entry: FileEntry, where: str) -> tuple[Image, str | 
 
 def _planned(image: Image, entry: FileEntry) -> tuple[Image, list[tuple[int, int, int]] | None]:
     """The image a load unpickles, and the moves that pack its storages (``None``: the tensors
-    fill enough of the file to keep its buffer as it is)."""
+    fill enough of the file to keep its buffer as it is, or records too close together to
+    pack in place)."""
     if sum(s.nbytes for s in entry.storages) < MIN_TENSOR_SHARE * entry.end:
-        return _placement(image)
+        packed = _placement(image)
+        if packed is not None:
+            return packed
     return image, None
 
 
@@ -271,10 +274,14 @@ def read_proven(reader: Reader, fd: int | None, manifest: Manifest, pool: cf.Exe
     return buf, problems
 
 
-def _placement(image: Image) -> tuple[Image, list[tuple[int, int, int]]]:
+def _placement(image: Image) -> tuple[Image, list[tuple[int, int, int]]] | None:
     """The image with its storages compacted in place, each moved down to the next multiple of
     :data:`_PACK_ALIGN` after the one before, its pickle kept aside; and the moves
-    ``(to, from, nbytes)`` that make it (:func:`_pack`). Its pickle's bytes must be read."""
+    ``(to, from, nbytes)`` that make it (:func:`_pack`). Its pickle's bytes must be read.
+
+    ``None`` where a record would move up (records closer together than that alignment, which
+    no writer makes, each padded to a page: a hostile proof's): moved in place, it would
+    overwrite records not yet moved and write past the buffer."""
     records = sorted(image.storages.values(), key=_by_offset)
     src = image.view
     first = records[0].offset if records else len(src)
@@ -284,6 +291,8 @@ def _placement(image: Image) -> tuple[Image, list[tuple[int, int, int]]]:
     at = 0
     record, align = StorageRecord, _PACK_ALIGN - 1
     for key, offset, nbytes in records:
+        if offset < at:
+            return None
         if offset != at:
             moves.append((at, offset, nbytes))
         placed[key] = record(key, at, nbytes)

@@ -15,6 +15,7 @@ import torch
 
 from .image_load import Image
 from .refusal import BadPickle
+from .unpickle import validate_loaded_sparse
 
 __all__ = ["LeanStorage", "unpickle_image"]
 
@@ -136,5 +137,5 @@ def unpickle_image(image: Image, map_location: Any, unpickler: Any, *,
     up.persistent_load = persistent_load
     result = up.load()
     if validate_sparse:
-        torch._utils._validate_loaded_sparse_tensors()  # type: ignore[no-untyped-call]
+        validate_loaded_sparse()
     return result

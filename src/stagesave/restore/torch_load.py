@@ -31,6 +31,10 @@ from .refusal import damaged, refused_global
 
 __all__ = ["first_try", "torch_forces_weights_only", "torch_load"]
 
+#: What torch's loader says of a file that names what is not in it (other runtime errors, such
+#: as a CUDA storage where CUDA is missing, are the caller's to see in torch's words).
+_DAMAGE_WORDS = ("PytorchStreamReader", "zip archive", "don't know how to restore data location",
+                 "does not match expected size", "record size")
 _UNSUPPORTED = re.compile(r"(?:unsupported GLOBAL|Unsupported global: GLOBAL) ([\w.]+)")
 
 
@@ -47,7 +51,7 @@ def torch_load(
     except (EOFError, UnicodeDecodeError, MemoryError, RecursionError) as exc:
         raise damaged(where, f"{type(exc).__name__}: {exc}") from exc
     except RuntimeError as exc:
-        if "PytorchStreamReader" in str(exc) or "zip archive" in str(exc):
+        if any(words in str(exc) for words in _DAMAGE_WORDS):
             raise damaged(where, str(exc)) from exc
         raise
     except (KeyError, IndexError, ValueError, TypeError, AttributeError, OverflowError,

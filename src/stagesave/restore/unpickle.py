@@ -49,6 +49,7 @@ def _rebuild_v2(storage: Any, storage_offset: Any, size: Any, stride: Any, requi
     """``torch._utils._rebuild_tensor_v2`` when no fake-tensor mode is active: the same tensor
     and attributes, without the fake-mode lookups torch makes for every tensor (a third of a
     many-tensor load's time)."""
+    check_fits(storage._untyped_storage, storage.dtype, storage_offset, size, stride)
     t = torch.empty((0,), dtype=storage.dtype, device=storage._untyped_storage.device)
     t.set_(storage._untyped_storage, storage_offset, size, stride)
     t.requires_grad = requires_grad
@@ -56,6 +57,48 @@ def _rebuild_v2(storage: Any, storage_offset: Any, size: Any, stride: Any, requi
         torch._utils.set_tensor_metadata(t, metadata)  # type: ignore[no-untyped-call]
     t._backward_hooks = backward_hooks
     return t
+
+
+def check_fits(untyped: Any, dtype: Any, offset: Any, size: Any, stride: Any) -> None:
+    """Refuse a tensor's geometry that reaches past its storage's bytes where the storage is
+    resizable (a storage of no bytes, or one torch read from a record): ``set_`` would grow it
+    to what the pickle says, memory never written (a bomb, or the heap's old bytes handed out).
+    Other storages are checked by torch itself.
+
+    Raises:
+        BadPickle: it does not fit.
+    """
+    if not untyped.resizable() or type(offset) is not int:
+        return
+    try:
+        dims = [(int(d), int(st)) for d, st in zip(size, stride, strict=True)]
+    except (TypeError, ValueError) as exc:
+        raise BadPickle(f"a tensor's size and stride do not match: {exc}") from exc
+    if any(d == 0 for d, _ in dims):
+        return
+    last = offset + sum((d - 1) * st for d, st in dims)
+    itemsize = torch._utils._element_size(dtype)  # type: ignore[no-untyped-call]
+    if offset < 0 or min((st for _, st in dims), default=0) < 0 or (
+            (last + 1) * itemsize > untyped.nbytes()):
+        raise BadPickle(f"a tensor of size {tuple(size)} at offset {offset} reaches past its "
+                        f"storage of {untyped.nbytes()} bytes")
+
+
+def validate_loaded_sparse() -> None:
+    """torch's checks of the sparse tensors a load made (indices within their sizes), which
+    torch itself skips unless its invariant checks are on: an index out of bounds would write or
+    read outside the values' memory when the tensor is used.
+
+    Raises:
+        BadPickle: a sparse tensor does not hold.
+    """
+    if not torch._utils._sparse_tensors_to_validate:
+        return
+    try:
+        with torch.sparse.check_sparse_tensor_invariants(enable=True):  # type: ignore[no-untyped-call]
+            torch._utils._validate_loaded_sparse_tensors()  # type: ignore[no-untyped-call]
+    except (RuntimeError, ValueError, IndexError, NotImplementedError) as exc:
+        raise BadPickle(f"a sparse tensor is not valid: {exc}") from exc
 
 
 def _free(items: Iterable[Any]) -> None:
@@ -95,8 +138,11 @@ class Unpickler:
                 return made
             if id(func) not in self.policy.callable_ids:
                 raise BadPickle(f"Trying to call reduce for unrecognized function {func!r}")
-            if func is _REBUILD_V2 and self.plain_rebuild:
-                return _rebuild_v2(*args)
+            if func is _REBUILD_V2:
+                if self.plain_rebuild:
+                    return _rebuild_v2(*args)
+                if len(args) >= 4 and isinstance(args[0], torch.storage.TypedStorage):
+                    check_fits(args[0]._untyped_storage, args[0].dtype, *args[1:4])
             result = func(*args)
         except (CheckpointError, pickle.UnpicklingError):
             raise

@@ -1,0 +1,168 @@
+"""Hostile format-2 files whose proof is consistent (an attacker without a signing key recomputes
+every digest): each passes ``verify`` as the bytes its proof describes, and the load must still
+refuse what it would make of them (a review's reproductions, 2026-12-06), on every load path."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from pickleasm import EMPTY_TUPLE, FALSE, REDUCE, TUPLE1, glob, num, text, tup
+from proofkit import rewrite_pickle, rewrite_proof
+
+import stagesave
+from stagesave.restore.verified_memo import forget_verified
+
+PATHS = {"image": {}, "unverified": {"verify": False}, "mmap": {"mmap": True},
+         "no mmap": {"mmap": False}}
+
+
+def _base(tmp_path, state: dict[str, object] | None = None) -> str:
+    """A real checkpoint with room in its pickle (a long string) for a hostile one."""
+    path = str(tmp_path / "x.ckpt")
+    if state is None:
+        state = {"pad": "A" * 6000, "w": torch.arange(8, dtype=torch.float32)}
+    with stagesave.Checkpointer(writer="thread") as ck:
+        ck.save(state, path).result()
+    return path
+
+
+def _load(path: str, how: str) -> object:
+    forget_verified()  # as in a fresh process: the load reads and checks the file itself
+    with stagesave.Checkpointer(writer="thread") as ck:
+        return ck.load(path, **PATHS[how])
+
+
+def _pid(key: str, kind: str, numel: int, location: str = "cpu") -> bytes:
+    return tup(text("storage"), glob("torch", kind), text(key), text(location), num(numel)) + b"Q"
+
+
+def _rebuild(storage: bytes, size: int) -> bytes:
+    return glob("torch._utils", "_rebuild_tensor_v2") + tup(
+        storage, num(0), num(size) + TUPLE1, num(1) + TUPLE1, FALSE,
+        glob("collections", "OrderedDict") + EMPTY_TUPLE + REDUCE) + REDUCE
+
+
+def _program(value: bytes) -> bytes:
+    return b"\x80\x02" + value + b"."
+
+
+@pytest.mark.parametrize("how", list(PATHS))
+def test_a_storage_of_no_bytes_is_not_grown_to_the_geometry_the_pickle_gives(tmp_path, how):
+    # set_() would resize the empty storage: memory never written (the heap's old bytes), of
+    # any size the pickle says
+    path = _base(tmp_path)
+    rewrite_pickle(path, _program(tup(_rebuild(_pid("0", "ByteStorage", 0), 4096),
+                                      _rebuild(_pid("1", "FloatStorage", 0), 2**31 - 1))))
+    assert stagesave.verify(path).status == "verified"
+    # stagesave's check where the storage is its own; torch's where torch read the storage
+    with pytest.raises(stagesave.IntegrityError, match=r"damaged \((?:a tensor of size \(4096,\) "
+                       r"at offset 0 reaches past its storage of 0 bytes|.*not resizable|"
+                       r"record size)"):
+        _load(path, how)
+
+
+@pytest.mark.parametrize("how", ["image", "mmap"])
+def test_a_sparse_tensor_whose_indices_leave_its_size_is_refused(tmp_path, how):
+    bad = torch.sparse_coo_tensor(torch.tensor([[0, 1 << 40]]), torch.tensor([1.0, 2.0]), (4,),
+                                  check_invariants=False)
+    path = _base(tmp_path, {"s": bad})  # stagesave saves it as torch.save would
+    assert stagesave.verify(path).status == "verified"
+    with pytest.raises(stagesave.IntegrityError,
+                       match=r"a sparse tensor is not valid: .*found index 1099511627776"):
+        _load(path, how)  # (its first use, to_dense(), wrote out of bounds)
+
+
+@pytest.mark.parametrize("how", ["image", "mmap"])
+def test_a_valid_sparse_tensor_still_loads(tmp_path, how):
+    good = torch.sparse_coo_tensor(torch.tensor([[0, 3]]), torch.tensor([1.0, 2.0]), (4,))
+    got = _load(_base(tmp_path, {"s": good}), how)
+    assert torch.equal(got["s"].to_dense(), good.to_dense())
+
+
+@pytest.mark.parametrize("fast", ["1", "0"])
+def test_a_legacy_tensor_type_called_with_a_size_is_refused(tmp_path, monkeypatch, fast):
+    monkeypatch.setenv("STAGESAVE_FAST_UNPICKLE", fast)
+    path = _base(tmp_path)
+    rewrite_pickle(path, _program(glob("torch", "ByteTensor") + tup(num(256)) + REDUCE))
+    with pytest.raises(stagesave.UnsafeCheckpointError,
+                       match=r"it calls torch\.ByteTensor with a size"):
+        _load(path, "image")
+
+
+def test_a_legacy_tensor_type_called_with_data_still_loads(tmp_path):
+    path = _base(tmp_path)
+    data = b"]" + b"(" + b"".join(b"G" + __import__("struct").pack(">d", x)
+                                  for x in (1.5, -2.0)) + b"e"
+    rewrite_pickle(path, _program(glob("torch", "FloatTensor") + data + TUPLE1 + REDUCE))
+    got = _load(path, "image")
+    assert torch.equal(got, torch.tensor([1.5, -2.0]))
+
+
+@pytest.mark.parametrize("how", list(PATHS))
+def test_a_storage_at_an_unknown_location_is_a_damaged_file(tmp_path, how):
+    path = _base(tmp_path)
+    rewrite_pickle(path, _program(_rebuild(_pid("0", "FloatStorage", 8, location="bogus"), 8)))
+    with pytest.raises(stagesave.IntegrityError,
+                       match=r"damaged \(don't know how to restore data location"):
+        _load(path, how)
+
+
+def test_a_storage_key_recorded_twice_is_refused(tmp_path):
+    path = _base(tmp_path, {"w": torch.arange(8.0), "b": torch.full((8,), 7.0)})
+
+    def twice(doc):
+        (k0, _, _), (_, o1, _) = doc["storages"]
+        doc["storages"].append([k0, o1 + 48, 32])
+
+    rewrite_proof(path, twice)
+    info = stagesave.verify(path)
+    assert info.status == "corrupt"
+    assert any("storage 0 is recorded twice" in p for p in info.problems), info.problems
+    with pytest.raises(stagesave.IntegrityError, match="recorded twice"):
+        _load(path, "image")
+
+
+def _tiny_records(path: str, n: int, before_key: str) -> None:
+    """Add ``n`` one-byte storage records (disjoint, inside the proven bytes) just before
+    storage ``before_key``'s: closer together than packing's alignment."""
+
+    def add(doc):
+        at = next(o for k, o, _ in doc["storages"] if k == before_key)
+        doc["storages"] += [[f"t{i}", at - n + i, 1] for i in range(n)]
+
+    rewrite_proof(path, add)
+
+
+def test_records_too_close_to_pack_in_place_are_loaded_unpacked(tmp_path):
+    # packing moved each record to the next multiple of 64 after the one before: 400 one-byte
+    # records made it overwrite storage 0 before moving it (a wrong value, no error)
+    path = _base(tmp_path, {"w": torch.full((8,), 1.1), "pad": "A" * 6000})
+    _tiny_records(path, 400, "0")
+    assert stagesave.verify(path).status == "verified"
+    for how in ("image", "unverified", "mmap"):
+        assert torch.equal(_load(path, how)["w"], torch.full((8,), 1.1)), how
+
+
+def test_records_that_would_pack_past_the_buffer_do_not_crash_the_load(tmp_path):
+    # 16,384 one-byte records: packing in place wrote ~1 MB past a ~40 KB buffer (SIGSEGV); the
+    # load runs in a child, a crash is this test's failure and not pytest's death
+    path = _base(tmp_path, {"w": torch.full((8,), 1.1), "pad": "A" * 6000})
+    _tiny_records(path, 16_384, "0")
+    child = textwrap.dedent(f"""
+        import stagesave, torch
+        try:
+            with stagesave.Checkpointer(writer="thread") as ck:
+                w = ck.load({path!r})["w"]
+            print("loaded", torch.equal(w, torch.full((8,), 1.1)))
+        except stagesave.IntegrityError as exc:  # (the records cut the pickle short)
+            print("refused", "damaged" in str(exc))
+    """)
+    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, check=False,
+                         timeout=120, env={**os.environ, "PYTHONFAULTHANDLER": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() in (["loaded", "True"], ["refused", "True"])
