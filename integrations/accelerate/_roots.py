@@ -20,6 +20,7 @@ import warnings
 from dataclasses import dataclass
 
 from stagesave import Checkpointer, CheckpointInfo, TieredStore
+from stagesave.restore.resolve_folder import resolve_dir
 from stagesave.stores import urls
 
 from ._restore import parts_problems
@@ -31,6 +32,7 @@ __all__ = [
     "AutoRoot",
     "checkpoints_root",
     "refuse_existing",
+    "refuse_foreign",
     "tier_of",
 ]
 
@@ -162,3 +164,37 @@ def tier_of(tiered: TieredStore | None, info: CheckpointInfo) -> str | None:
     else:
         name = info.manifest_name
     return str(tiered.tier_of(name or info.name))
+
+
+def refuse_foreign(ckpt: Checkpointer, target: str) -> None:
+    """An explicit local ``output_dir`` that already holds files no stagesave checkpoint there
+    lists (the user's logs, a config, a model saved beside): refused before anything is written.
+    A save commits its folder whole, by one rename that replaces what was there; Accelerate's
+    own ``save_state`` writes its files among them, which a folder proven whole cannot.
+
+    Raises:
+        ValueError: which files, and what to do.
+    """
+    if "://" in target or not os.path.isdir(target):
+        return
+    found = sorted(
+        os.path.relpath(os.path.join(d, f), target).replace(os.sep, "/")
+        for d, _, names in os.walk(target) for f in names
+    )
+    if not found:
+        return
+    store, name = ckpt.targets.split(target)
+    info = resolve_dir(store, name, None)
+    folder = info.manifest.folder if info.manifest is not None else None
+    proven = folder.names() if folder is not None else set()
+    nested = tuple(n + "/" for n in folder.nested) if folder is not None else ()
+    foreign = [f for f in found if f not in proven and not f.startswith(nested)]
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5
+                                          else "")
+        raise ValueError(
+            f"save_state({target!r}): the folder already holds files that are not part of a "
+            f"stagesave checkpoint ({shown}). stagesave commits a checkpoint folder whole and "
+            "would replace them; save into a new or empty folder (or one holding only an earlier "
+            "stagesave checkpoint), or move them away. Nothing was written."
+        )
