@@ -177,10 +177,16 @@ def refuse_foreign(ckpt: Checkpointer, target: str) -> None:
     """
     if "://" in target or not os.path.isdir(target):
         return
-    found = sorted(
-        os.path.relpath(os.path.join(d, f), target).replace(os.sep, "/")
-        for d, _, names in os.walk(target) for f in names
-    )
+    found = []
+    for d, dirs, names in os.walk(target):
+        rel = os.path.relpath(d, target).replace(os.sep, "/")
+        at = "" if rel == "." else rel + "/"
+        found += [at + f for f in names]
+        # a link to a folder and an empty folder go with a replaced folder too
+        found += [at + x + "/" for x in dirs if os.path.islink(os.path.join(d, x))]
+        if not dirs and not names and at:
+            found.append(at)
+    found.sort()
     if not found:
         return
     store, name = ckpt.targets.split(target)

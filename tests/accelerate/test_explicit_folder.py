@@ -40,7 +40,15 @@ def test_a_folder_holding_the_users_files_is_refused_and_left_as_it_was(tmp_path
         acc.save_state(str(out))
     acc._stagesave.wait()
     assert _tree(out) == before  # (stagesave used to replace the folder: both files gone)
-    assert [n for n in os.listdir(tmp_path) if n != "run"] == []  # no temporary beside it
+    # a link to a folder elsewhere, and an empty folder, are the user's too
+    (out / "config.yaml").unlink()
+    (out / "logs" / "events.out").unlink()
+    (tmp_path / "data").mkdir()
+    (out / "data").symlink_to(tmp_path / "data")
+    with pytest.raises(ValueError, match=r"\(data/, logs/\)"):
+        acc.save_state(str(out))
+    assert sorted(os.listdir(out)) == ["data", "logs"] and os.path.islink(out / "data")
+    assert sorted(os.listdir(tmp_path)) == ["data", "run"]  # no temporary beside it
     acc.end_training()
 
 
