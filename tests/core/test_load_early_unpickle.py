@@ -94,11 +94,20 @@ def _save(path: str, state: object) -> int:
     return min(r.offset for r in entry.storages)
 
 
+@pytest.fixture
+def early_everywhere(monkeypatch):
+    """Files of small tensors unpickled beside their reads too (by default only files of
+    ``EARLY_BYTES_PER_STORAGE`` or more per storage are): the path of a packed image."""
+    monkeypatch.setattr(image_load, "EARLY_BYTES_PER_STORAGE", 0)
+
+
 @pytest.mark.parametrize("verify", [True, False])
 @pytest.mark.parametrize("shape", ["small tensors, packed", "large tensors"])
 def test_the_pickle_is_unpickled_while_the_storages_are_still_read(
         tmp_path, monkeypatch, verify, shape):
     state = _small_tensors() if shape.startswith("small") else _large_tensors()
+    if shape.startswith("small"):
+        monkeypatch.setattr(image_load, "EARLY_BYTES_PER_STORAGE", 0)
     path = str(tmp_path / "s.ckpt")
     first = _save(path, state)
     watch = _Watch(monkeypatch, first)
@@ -123,7 +132,7 @@ def _flip(path: str, offset: int) -> None:
 
 
 def test_a_damaged_storage_chunk_is_refused_though_the_state_was_already_made(
-        tmp_path, monkeypatch):
+        tmp_path, monkeypatch, early_everywhere):
     path = str(tmp_path / "s.ckpt")
     first = _save(path, _small_tensors())
     _flip(path, first + 3 * CHUNK + 17)
@@ -134,7 +143,7 @@ def test_a_damaged_storage_chunk_is_refused_though_the_state_was_already_made(
     assert watch.seen == [(0, True)]  # made early, then dropped: the damage is reported
 
 
-def test_a_damaged_pickle_chunk_is_never_unpickled_early(tmp_path, monkeypatch):
+def test_a_damaged_pickle_chunk_is_never_unpickled_early(tmp_path, monkeypatch, early_everywhere):
     path = str(tmp_path / "s.ckpt")
     first = _save(path, _small_tensors())
     _flip(path, 200)  # inside the pickle, in chunk 0
@@ -148,7 +157,7 @@ def test_a_damaged_pickle_chunk_is_never_unpickled_early(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("what", ["numpy array", "map_location"])
 def test_a_state_the_first_try_cannot_take_is_unpickled_after_the_reads(
-        tmp_path, monkeypatch, what):
+        tmp_path, monkeypatch, early_everywhere, what):
     state = _small_tensors()
     if what == "numpy array":
         state["table"] = np.arange(12, dtype=np.int32).reshape(3, 4)  # outside its names
@@ -162,6 +171,18 @@ def test_a_state_the_first_try_cannot_take_is_unpickled_after_the_reads(
             got = ck.load(path, map_location=lambda storage, location: storage)
     assert watch.seen == [(0, False)]
     _same(state, got)
+
+
+def test_a_file_of_many_small_tensors_is_unpickled_after_its_reads(tmp_path, monkeypatch):
+    # its unpickling outlasts the reads; beside them it only slowed both down
+    path = str(tmp_path / "s.ckpt")
+    first = _save(path, _small_tensors())
+    watch = _Watch(monkeypatch, first)
+    watch.released.set()
+    with stagesave.Checkpointer(writer="thread", chunk_bytes=CHUNK) as ck:
+        got = ck.load(path)
+    assert watch.seen == []
+    _same(_small_tensors(), got)
 
 
 def test_beside_waits_for_every_job_when_meanwhile_raises():

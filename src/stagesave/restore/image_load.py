@@ -12,8 +12,9 @@ proof: a known key, a size within its record.
 The unpickling need not wait for the storages' bytes: once the chunks that hold the pickle are
 read and checked, the C unpickler's first try (:mod:`.fast_unpickle`, which makes tensors over
 the buffer without reading them) runs while the other chunks are still being read
-(``early``); nothing it made is handed out before every chunk is checked, and where it stops
-the whole unpickling runs after the reads, as without it.
+(``early``, for files of :data:`EARLY_BYTES_PER_STORAGE` or more per storage); nothing it made
+is handed out before every chunk is checked, and where it stops the whole unpickling runs after
+the reads, as without it.
 
 An unverified load reads the same way without hashing. Files in other stores (S3, fsspec)
 are read the same way through their reader, each chunk hashed as it lands. It applies to every
@@ -56,6 +57,13 @@ MIN_TENSOR_SHARE = 0.8
 MANY_STORAGES = 1024
 #: Where packed storages start (torch's own alignment of records in a zip).
 _PACK_ALIGN = 64
+#: A file's pickle is unpickled beside its reads (``early``) only where it has at least this
+#: many bytes per storage: the unpickling then takes less than the reads, which it overlaps
+#: (~20 us of Python per storage against ~2 GB/s of reads). Below, the unpickling outlasts the
+#: reads, and beside them it only slows down (both cores busy): 100,000 storages of 2.5 KiB
+#: loaded 10-15% slower that way on this VM's disk, 8,000 of 64 KiB 7-9% faster on a disk
+#: limited to 400 MB/s (BENCHMARKS.md).
+EARLY_BYTES_PER_STORAGE = 32 << 10
 
 
 @dataclass
@@ -151,12 +159,14 @@ def read_image(reader: Reader, fd: int | None, manifest: Manifest, pool: cf.Exec
     the one object version the reader is pinned to). ``meanwhile`` runs on this thread while
     the pool reads; then ``early(image)``, once the chunks that hold the pickle are read (and
     checked) while the others may still be read: the image's storages are where they will be
-    once it is packed, their bytes not there yet (``early`` must not read them)."""
+    once it is packed, their bytes not there yet (``early`` must not read them). Not for a file
+    of fewer than :data:`EARLY_BYTES_PER_STORAGE` per storage."""
     entry = manifest.files[0]
     buf = HostBuffer.allocate(_rounded(entry.end), pinned=False)
     planned: list[tuple[Image, list[tuple[int, int, int]] | None]] = []
     beside_reads, done = meanwhile, None
-    if early is not None and entry.storages:
+    if (early is not None and entry.storages
+            and entry.end >= EARLY_BYTES_PER_STORAGE * len(entry.storages)):
         first = min(s.offset for s in entry.storages)
         pickle_chunks = _PickleChunks(min(len(entry.chunks), -(-first // entry.chunk_bytes)))
         done = pickle_chunks.done
