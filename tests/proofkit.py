@@ -38,6 +38,15 @@ def format1_checkpoint(
     return sidecar
 
 
+def flip_byte(path: Any, offset: int) -> None:
+    """Corrupt one byte of a file in place (a real bit rot, not a mock)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
 def rewrite_proof(path: Any, mutate: Any) -> None:
     """Rewrite a format-2 torch file's proof with ``mutate(doc)`` and rebuild its tail, summary and
     CRCs so that everything but the proof's content is consistent: what an attacker with write

@@ -189,15 +189,6 @@ def write_format1_dir(
     return d
 
 
-def flip_byte(path: str, offset: int) -> None:
-    """Corrupt one byte of a file in place (a real bit rot, not a mock)."""
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0xFF]))
-
-
 _CRASH_DRIVER = textwrap.dedent(
     """
     import json, os, signal, sys

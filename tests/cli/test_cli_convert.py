@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from clitools import flip_byte, small_state, write_checkpoints, write_dir_checkpoint, write_format1
+from clitools import small_state, write_checkpoints, write_dir_checkpoint, write_format1
+from proofkit import flip_byte
 from safetensors.torch import load_file, save_file
 
 import stagesave

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from clitools import flip_byte, small_state, write_checkpoints, write_format1
+from clitools import small_state, write_checkpoints, write_format1
+from proofkit import flip_byte
 
 import stagesave
 from stagesave.restore.gc import collect_garbage, find_debris

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import torch
 from clitools import (
-    flip_byte,
     small_state,
     write_checkpoints,
     write_dir_checkpoint,
     write_format1,
     write_format1_dir,
 )
+from proofkit import flip_byte
 
 import stagesave
 

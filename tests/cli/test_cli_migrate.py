@@ -11,7 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from clitools import flip_byte, small_state, write_checkpoints, write_format1, write_format1_dir
+from clitools import small_state, write_checkpoints, write_format1, write_format1_dir
+from proofkit import flip_byte
 from safetensors import safe_open
 from safetensors.torch import load_file
 

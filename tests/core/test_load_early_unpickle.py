@@ -12,6 +12,8 @@ import time
 import numpy as np
 import pytest
 import torch
+from proofkit import flip_byte
+from statecompare import same_state
 
 import stagesave
 from stagesave.restore import image_load
@@ -32,22 +34,6 @@ def _large_tensors() -> dict[str, object]:
     base = torch.randn(300, 200, generator=g)
     return {"w": base, "wt": base[10:, 5:].t(), "b": torch.randn(70_000, generator=g),
             "grad": torch.ones(5, requires_grad=True), "lr": 0.5}
-
-
-def _same(a: object, b: object) -> None:
-    if isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys()
-        for k in a:
-            _same(a[k], b[k])
-    elif isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor)
-        assert (a.dtype, a.shape, a.stride(), a.storage_offset(), a.requires_grad) == (
-            b.dtype, b.shape, b.stride(), b.storage_offset(), b.requires_grad)
-        assert torch.equal(a.detach(), b.detach())
-    elif isinstance(a, np.ndarray):
-        assert isinstance(b, np.ndarray) and np.array_equal(a, b)
-    else:
-        assert a == b
 
 
 class _Watch:
@@ -117,25 +103,17 @@ def test_the_pickle_is_unpickled_while_the_storages_are_still_read(
     assert time.monotonic() - t0 < 15  # the held reads were released by the unpickling
     # it ran before any chunk of storage bytes was read, and made the state handed out
     assert watch.seen == [(0, True)]
-    _same(state, got)
-    _same(torch.load(path, weights_only=True), got)
+    same_state(state, got)
+    same_state(torch.load(path, weights_only=True), got)
     if shape.startswith("large"):  # views keep sharing their storage
         assert got["w"].untyped_storage().data_ptr() == got["wt"].untyped_storage().data_ptr()
-
-
-def _flip(path: str, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x5A]))
 
 
 def test_a_damaged_storage_chunk_is_refused_though_the_state_was_already_made(
         tmp_path, monkeypatch, early_everywhere):
     path = str(tmp_path / "s.ckpt")
     first = _save(path, _small_tensors())
-    _flip(path, first + 3 * CHUNK + 17)
+    flip_byte(path, first + 3 * CHUNK + 17)
     watch = _Watch(monkeypatch, first)
     with stagesave.Checkpointer(writer="thread", chunk_bytes=CHUNK) as ck, pytest.raises(
             stagesave.IntegrityError, match=r"checksum mismatch in bytes"):
@@ -146,7 +124,7 @@ def test_a_damaged_storage_chunk_is_refused_though_the_state_was_already_made(
 def test_a_damaged_pickle_chunk_is_never_unpickled_early(tmp_path, monkeypatch, early_everywhere):
     path = str(tmp_path / "s.ckpt")
     first = _save(path, _small_tensors())
-    _flip(path, 200)  # inside the pickle, in chunk 0
+    flip_byte(path, 200)  # inside the pickle, in chunk 0
     watch = _Watch(monkeypatch, first)
     watch.released.set()  # nothing would release the held reads
     with stagesave.Checkpointer(writer="thread", chunk_bytes=CHUNK) as ck, pytest.raises(
@@ -170,7 +148,7 @@ def test_a_state_the_first_try_cannot_take_is_unpickled_after_the_reads(
         else:  # a storage torch restores itself (here: a callable map_location)
             got = ck.load(path, map_location=lambda storage, location: storage)
     assert watch.seen == [(0, False)]
-    _same(state, got)
+    same_state(state, got)
 
 
 def test_a_file_of_many_small_tensors_is_unpickled_after_its_reads(tmp_path, monkeypatch):
@@ -182,7 +160,7 @@ def test_a_file_of_many_small_tensors_is_unpickled_after_its_reads(tmp_path, mon
     with stagesave.Checkpointer(writer="thread", chunk_bytes=CHUNK) as ck:
         got = ck.load(path)
     assert watch.seen == []
-    _same(_small_tensors(), got)
+    same_state(_small_tensors(), got)
 
 
 def test_beside_waits_for_every_job_when_meanwhile_raises():

@@ -9,6 +9,7 @@ import mmap
 import pytest
 import torch
 from residency import resident_pages
+from statecompare import same_state
 
 import stagesave
 from stagesave.restore import image_load
@@ -30,21 +31,6 @@ def _many(n: int = 3000) -> dict[str, object]:
     }
 
 
-def _same(a: object, b: object) -> None:
-    if isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys()
-        for k in a:
-            _same(a[k], b[k])
-    elif isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor)
-        assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
-        assert a.storage_offset() == b.storage_offset()
-        assert a.requires_grad == b.requires_grad and a.is_conj() == b.is_conj()
-        assert torch.equal(a.resolve_conj().detach(), b.resolve_conj().detach())
-    else:
-        assert a == b
-
-
 @pytest.mark.parametrize(("verify", "after_verify"), [(True, False), (False, False), (True, True)])
 def test_a_file_of_many_small_tensors_loads_into_a_packed_buffer(tmp_path, verify, after_verify):
     state = _many()
@@ -57,8 +43,8 @@ def test_a_file_of_many_small_tensors_loads_into_a_packed_buffer(tmp_path, verif
         if not after_verify:
             forget_verified()  # else: the load follows a verification of the same file
         got = ck.load(path, verify=verify)
-    _same(state, got)
-    _same(torch.load(path, weights_only=True), got)  # the same objects as torch's own loader
+    same_state(state, got)
+    same_state(torch.load(path, weights_only=True), got)  # the same objects as torch's own loader
     assert got["view_a"].untyped_storage().data_ptr() == got["view_b"].untyped_storage().data_ptr()
     # every storage in one buffer no larger than the tensors (each rounded to 64 bytes): the
     # file's padding to pages is not what the tensors keep

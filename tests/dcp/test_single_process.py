@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from dcp_helpers import assert_same, folder_proof, proof
+from proofkit import flip_byte as flip
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -99,14 +100,6 @@ def writer(root: Path):
 def saved(writer: sdcp.StagedStorageWriter, state: dict[str, Any], name: str, **kw: Any) -> Path:
     sdcp.save(state, name, writer=writer, **kw).result(60)
     return Path(writer.checkpointer.targets.root.url) / name  # type: ignore[union-attr]
-
-
-def flip(path: Path, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0xFF]))
 
 
 # ------------------------------------------------------------------ format and round trips
