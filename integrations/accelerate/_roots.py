@@ -20,6 +20,7 @@ import warnings
 from dataclasses import dataclass
 
 from stagesave import Checkpointer, CheckpointInfo, TieredStore
+from stagesave.ondisk.names import DIR_MANIFEST
 from stagesave.restore.resolve_folder import resolve_dir
 from stagesave.stores import urls
 
@@ -193,6 +194,8 @@ def refuse_foreign(ckpt: Checkpointer, target: str) -> None:
     info = resolve_dir(store, name, None)
     folder = info.manifest.folder if info.manifest is not None else None
     proven = folder.names() if folder is not None else set()
+    if info.format == 1 and info.manifest is not None:  # stagesave 0.1's folder and manifest
+        proven = {*(f.name for f in info.manifest.files), DIR_MANIFEST}
     nested = tuple(n + "/" for n in folder.nested) if folder is not None else ()
     foreign = [f for f in found if f not in proven and not f.startswith(nested)]
     if foreign:

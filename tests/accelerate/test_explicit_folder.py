@@ -82,3 +82,25 @@ def test_a_folder_holding_only_an_earlier_checkpoint_or_nothing_is_saved_into(tm
     acc.load_state(str(out))
     assert_same(state, snapshot(acc, run))
     acc.end_training()
+
+
+def test_a_folder_holding_a_checkpoint_of_the_previous_format_is_saved_into(tmp_path):
+    from test_resume import _format1_folder
+
+    acc, run = _enabled()
+    old = tmp_path / "old"
+    sa.disable(acc)
+    acc.save_state(str(old))  # Accelerate's own files, then stagesave 0.1's manifest beside them
+    _format1_folder(old, {"accelerate": {"iteration": 0, "step": 0, "num_processes": 1}})
+    assert stagesave.verify(old).format == 1
+    sa.enable(acc)
+    state = snapshot(acc, run)
+    acc.save_state(str(old))  # replaced whole by a format-2 checkpoint
+    acc._stagesave.wait()
+    info = stagesave.verify(old)
+    assert (info.status, info.format) == ("verified", 2)
+    assert "checkpoint.stagesave.json" not in os.listdir(old)
+    train(acc, run, 1)
+    acc.load_state(str(old))
+    assert_same(state, snapshot(acc, run))
+    acc.end_training()

@@ -6,19 +6,21 @@ try cannot take is unpickled whole after the reads, as before."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import io
 import threading
 import time
+import zipfile
 
 import numpy as np
 import pytest
 import torch
-from proofkit import flip_byte
+from proofkit import flip_byte, rewrite_pickle
 from statecompare import same_state
 
 import stagesave
 from stagesave.restore import image_load
 from stagesave.restore import load as load_module
-from stagesave.restore.proof import beside
+from stagesave.restore.proof import run_chunks
 from stagesave.restore.verified_memo import forget_verified
 
 CHUNK = 64 * 1024
@@ -163,18 +165,51 @@ def test_a_file_of_many_small_tensors_is_unpickled_after_its_reads(tmp_path, mon
     same_state(_small_tensors(), got)
 
 
-def test_beside_waits_for_every_job_when_meanwhile_raises():
+@pytest.mark.parametrize("fails", ["meanwhile", "a job"])
+def test_every_chunk_job_has_finished_when_the_reads_raise(fails):
+    # the jobs write into the caller's buffer and read through its descriptors: none may run
+    # on after the caller has its exception
     finished: list[int] = []
 
     def job(i: int) -> None:
+        if fails == "a job" and i == 1:
+            raise OSError(5, "EIO on chunk 1")
         time.sleep(0.05 * i)
         finished.append(i)
 
     def meanwhile() -> None:
-        raise KeyError("meanwhile failed")
+        if fails == "meanwhile":
+            raise KeyError("meanwhile failed")
 
     with cf.ThreadPoolExecutor(4) as pool:
-        results = pool.map(job, range(6))
-        with pytest.raises(KeyError, match="meanwhile failed"):
-            beside(meanwhile, results)
-        assert sorted(finished) == list(range(6))  # none still running when it raised
+        with pytest.raises((KeyError, OSError), match="failed|EIO on chunk 1"):
+            run_chunks(pool, job, range(6), meanwhile)
+        assert sorted(finished) == [i for i in range(6) if not (fails == "a job" and i == 1)]
+
+
+class _SizeOf:
+    """Pickles as ``torch.Size(<a tensor>)``: unpickling it reads the tensor's values."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+    def __reduce__(self):
+        return (torch.Size, (self.t,))
+
+
+def test_a_pickle_that_reads_its_tensors_is_unpickled_after_the_reads(tmp_path, monkeypatch):
+    # the early try makes tensors over bytes not read yet: torch.Size(tensor) reads a tensor's
+    # values, and the same proven file loaded two ways (a review's reproduction: the zip's
+    # header bytes as the size)
+    w = torch.arange(11, 11 + 65536, dtype=torch.int64)  # 512 KiB: unpickled early by default
+    path = str(tmp_path / "s.ckpt")
+    first = _save(path, {"w": w, "pad": "x" * 300})
+    buf = io.BytesIO()
+    torch.save({"w": w, "s": _SizeOf(w[:4])}, buf)
+    rewrite_pickle(path, zipfile.ZipFile(io.BytesIO(buf.getvalue())).read("archive/data.pkl"))
+    watch = _Watch(monkeypatch, first)
+    with stagesave.Checkpointer(writer="thread", chunk_bytes=CHUNK) as ck:
+        got = ck.load(path)
+    assert watch.seen == [(0, False)]  # the early try stopped; the load ran after the reads
+    assert got["s"] == torch.Size([11, 12, 13, 14])
+    same_state(torch.load(path, weights_only=True), got)

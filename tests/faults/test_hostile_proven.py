@@ -9,9 +9,25 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 import torch
-from pickleasm import EMPTY_TUPLE, FALSE, REDUCE, TUPLE1, glob, num, text, tup
+from pickleasm import (
+    BUILD,
+    EMPTY_TUPLE,
+    FALSE,
+    NONE,
+    REDUCE,
+    TRUE,
+    TUPLE1,
+    TUPLE2,
+    TUPLE3,
+    glob,
+    num,
+    raw,
+    text,
+    tup,
+)
 from proofkit import rewrite_pickle, rewrite_proof
 
 import stagesave
@@ -66,6 +82,18 @@ def test_a_storage_of_no_bytes_is_not_grown_to_the_geometry_the_pickle_gives(tmp
         _load(path, how)
 
 
+@pytest.mark.parametrize("rebuild", ["_rebuild_tensor", "_rebuild_tensor_v3"])
+def test_no_rebuild_of_torch_s_allow_list_grows_a_storage_of_no_bytes(tmp_path, rebuild):
+    storage, size, stride = _pid("0", "ByteStorage", 0), num(4096) + TUPLE1, num(1) + TUPLE1
+    hooks = glob("collections", "OrderedDict") + EMPTY_TUPLE + REDUCE
+    extra = FALSE + hooks + glob("torch", "uint8") if rebuild.endswith("v3") else b""
+    path = _base(tmp_path)
+    rewrite_pickle(path, _program(glob("torch._utils", rebuild) + tup(
+        storage, num(0), size, stride, *([extra] if extra else [])) + REDUCE))
+    with pytest.raises(stagesave.IntegrityError, match=r"reaches past its storage of 0 bytes"):
+        _load(path, "image")
+
+
 @pytest.mark.parametrize("how", ["image", "mmap"])
 def test_a_sparse_tensor_whose_indices_leave_its_size_is_refused(tmp_path, how):
     bad = torch.sparse_coo_tensor(torch.tensor([[0, 1 << 40]]), torch.tensor([1.0, 2.0]), (4,),
@@ -90,7 +118,21 @@ def test_a_legacy_tensor_type_called_with_a_size_is_refused(tmp_path, monkeypatc
     path = _base(tmp_path)
     rewrite_pickle(path, _program(glob("torch", "ByteTensor") + tup(num(256)) + REDUCE))
     with pytest.raises(stagesave.UnsafeCheckpointError,
-                       match=r"it calls torch\.ByteTensor with a size"):
+                       match=r"calls torch\.ByteTensor with \[.int.\] \(only data.*a size makes"):
+        _load(path, "image")
+
+
+def test_a_legacy_tensor_type_called_with_a_numpy_integer_is_refused(tmp_path):
+    # numpy's scalar route admits np.int64(3): still a size to a legacy type
+    path = _base(tmp_path)
+    scalar = (glob("numpy._core.multiarray" if hasattr(np, "_core") else "numpy.core.multiarray",
+                   "scalar")
+              + glob("numpy", "dtype") + text("i8") + FALSE + TRUE + TUPLE3 + REDUCE
+              + tup(num(3), text("<"), NONE, NONE, NONE, num(-1), num(-1), num(0)) + BUILD
+              + raw((65536).to_bytes(8, "little")) + TUPLE2 + REDUCE)
+    rewrite_pickle(path, _program(glob("torch", "ByteTensor") + tup(scalar) + REDUCE))
+    with pytest.raises(stagesave.UnsafeCheckpointError,
+                       match=r"it calls torch\.ByteTensor with \['int64'\]"):
         _load(path, "image")
 
 
@@ -107,8 +149,9 @@ def test_a_legacy_tensor_type_called_with_data_still_loads(tmp_path):
 def test_a_storage_at_an_unknown_location_is_a_damaged_file(tmp_path, how):
     path = _base(tmp_path)
     rewrite_pickle(path, _program(_rebuild(_pid("0", "FloatStorage", 8, location="bogus"), 8)))
-    with pytest.raises(stagesave.IntegrityError,
-                       match=r"damaged \(don't know how to restore data location"):
+    with pytest.raises(stagesave.IntegrityError, match=r"its storages name a location this "
+                       r"torch cannot restore \(don't know how to restore data location.*bogus.*"
+                       r"map_location='cpu'"):
         _load(path, how)
 
 

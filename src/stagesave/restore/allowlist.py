@@ -102,6 +102,9 @@ def _bytes_route(kind: type) -> Callable[[Any, tuple[Any, ...]], Any]:
     return route
 
 
+_TENSOR_DATA = (torch.Tensor, torch.storage.TypedStorage, torch.UntypedStorage)
+
+
 def _legacy_tensor_route(cls: Any) -> Callable[[Any, tuple[Any, ...]], Any]:
     """A legacy tensor type (``torch.FloatTensor``, ``torch.sparse.FloatTensor``...) called
     with data, a storage or a tensor; never with a size, which makes a tensor of that many
@@ -110,9 +113,11 @@ def _legacy_tensor_route(cls: Any) -> Callable[[Any, tuple[Any, ...]], Any]:
     name = f"{cls.__module__}.{cls.__name__}"
 
     def route(u: Unpickler, args: tuple[Any, ...]) -> Any:
-        if any(type(a) in (int, bool) or isinstance(a, torch.Size) for a in args):
-            refuse(u, f"it calls {name} with a size (a tensor of memory never written, as large "
-                      f"as the file says)", numpy=False)
+        if not all(type(a) in (list, tuple) or isinstance(a, _TENSOR_DATA) for a in args):
+            types = [type(a).__name__ for a in args]
+            refuse(u, f"it calls {name} with {types} (only data, a tensor or a storage are "
+                      f"admitted; a size makes a tensor of memory never written, as large as the "
+                      f"file says)", numpy=False)
         made = cls(*args)
         if "sparse" in cls.__module__:  # checked once the load is done (validate_loaded_sparse)
             torch._utils._sparse_tensors_to_validate.append(made)

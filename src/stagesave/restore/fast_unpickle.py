@@ -47,6 +47,8 @@ from .unpickle import Unpickler as LoopUnpickler
 
 __all__ = ["FAST_NAMES", "PICKLE_MODULE", "FirstTryStopped", "Unpickler", "fast_enabled"]
 
+_REBUILD_PARAMETER = torch._utils._rebuild_parameter
+
 #: The callables the C unpickler may reach (through proxies); any other global stops the try.
 FAST_NAMES = frozenset({
     "torch._utils._rebuild_tensor_v2", "torch._utils._rebuild_parameter",
@@ -121,6 +123,48 @@ class _Rebuild(_Call):
         if args[0].lean is not None:
             raise _Stop("a storage made for the plain rebuild")
         return self.loop.call(self.func, (args[0].typed, *args[1:]))
+
+
+class _Unread(_Inert):
+    """A proxy of the first try over an image whose storages are still being read: calls that
+    could read a tensor's values stop the try. Tensors are made over bytes not yet in memory
+    (:func:`.image_load.read_image`'s ``early``); ``torch.Size(t)``, a 0-d tensor as a storage
+    offset or a tensor in the rebuild's metadata would read them (``__index__``, ``__bool__``).
+    Only the tensor rebuild's storage, and the tensor a parameter is made of, are tensors here;
+    every other argument must be plain data."""
+
+    __slots__ = ("proxy",)
+
+    def __init__(self, proxy: _Call) -> None:
+        self.proxy = proxy
+
+    def __call__(self, *args: Any) -> Any:
+        func = self.proxy.func
+        if func is _REBUILD_V2:
+            if len(args) < 6 or type(args[1]) is not int or not _plain(args[2:]):
+                raise _Stop("a tensor rebuilt with more than plain numbers")
+        elif func is _REBUILD_PARAMETER:
+            if not args or not _plain(args[1:]):
+                raise _Stop("a parameter made with more than plain values")
+        elif not _plain(args):
+            raise _Stop("a tensor passed to a call before its bytes are read")
+        return self.proxy(*args)
+
+
+def _plain(values: Any, depth: int = 0) -> bool:
+    """Whether ``values`` (tuples, lists and dicts of them, nested) hold no tensor and nothing
+    that could stand for one: plain numbers, strings, ``None``, dtypes, sizes."""
+    for v in values:
+        kind = type(v)
+        if kind in (int, float, bool, str, bytes, type(None)) or isinstance(v, torch.dtype):
+            continue
+        if depth > 20 or not (kind in (tuple, list, torch.Size) or isinstance(v, dict)):
+            return False
+        if not _plain(v.values() if isinstance(v, dict) else v, depth + 1):
+            return False
+        if isinstance(v, dict) and not _plain(v.keys(), depth + 1):
+            return False
+    return True
 
 
 class _Kind(_Inert):
@@ -199,6 +243,8 @@ class _CUnpickler(pickle.Unpickler):  # _pickle.Unpickler: the opcode loop in C
                      else _Direct(obj, self.loop) if id(obj) in policy.callable_ids
                      and id(obj) not in policy.routes and not _sparse(obj)
                      else _Call(obj, self.loop))
+            if self.only_lean:  # the storages' bytes are not read yet: nothing may read them
+                found = _Unread(found)
         elif _storage_class(obj):
             found = _Kind(obj)
         elif _inert(obj):

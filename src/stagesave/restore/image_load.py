@@ -42,7 +42,7 @@ from ..ondisk.manifest import FileEntry, Manifest, StorageRecord
 from ..ondisk.names import ALIGNMENT
 from ..saving.buffers import HostBuffer
 from ..stores.base import Reader
-from .proof import beside, chunk_problems, reporting
+from .proof import chunk_problems, reporting, run_chunks
 from .residency import cached_pages, mostly_cached
 
 __all__ = [
@@ -141,10 +141,8 @@ def each_chunk(pool: cf.Executor, job: Callable[[int], str | None], n: int,
     """``job(i)`` for chunks ``0..n-1`` on ``pool``, ``meanwhile`` on this thread while they
     run (every job finished before this returns or raises); the problems the jobs returned, in
     chunk order. ``done``: as :func:`.proof.chunk_problems`'s."""
-    results = pool.map(job if done is None else reporting(job, done), range(n))
-    if meanwhile is not None:
-        beside(meanwhile, results)
-    return [p for p in results if p]
+    return [p for p in run_chunks(pool, job if done is None else reporting(job, done), range(n),
+                                  meanwhile) if p]
 
 
 def read_image(reader: Reader, fd: int | None, manifest: Manifest, pool: cf.Executor,

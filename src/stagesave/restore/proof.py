@@ -29,7 +29,7 @@ from ..saving.write import TRAILER_KINDS, proof_value
 from ..stores.base import Reader
 
 __all__ = [
-    "PARSE_LATER_BYTES", "Peek", "beside", "chunk_problems", "peek", "read_proof", "reporting",
+    "PARSE_LATER_BYTES", "Peek", "chunk_problems", "peek", "read_proof", "reporting", "run_chunks",
 ]
 
 #: Bytes read from the end of a file to find its footer (a summary is ~200 bytes).
@@ -308,9 +308,10 @@ def chunk_problems(
     copies to another tier all check chunks here. ``read(lo, n)`` overrides how bytes are read
     (bytes already in memory, a sharded load's window; then ``reader`` may be ``None`` and
     ``where`` names the file in messages); ``indices``: the chunks to check (default: all);
-    ``meanwhile``: run on the calling thread once every chunk is handed to ``pool`` (the chunks
-    are all read before this returns, whatever it raises); ``done(i, problem)``: called on the
-    thread that checked chunk ``i`` (``problem``: ``"raised"`` if the check raised).
+    ``meanwhile``: run on the calling thread once every chunk is handed to ``pool`` (every chunk
+    is done with before this returns, whatever raises: :func:`run_chunks`); ``done(i,
+    problem)``: called on the thread that checked chunk ``i`` (``problem``: ``"raised"`` if the
+    check raised).
     """
     entry = manifest.files[0]
     if reader is not None:
@@ -339,10 +340,7 @@ def chunk_problems(
     job = check if done is None else reporting(check, done)
     if indices is None:
         indices = range(len(entry.chunks))
-    results = pool.map(job, indices) if pool is not None else map(job, indices)
-    if meanwhile is not None:
-        beside(meanwhile, results)
-    return [r for r in results if r]
+    return [r for r in run_chunks(pool, job, indices, meanwhile) if r]
 
 
 def reporting(job: Callable[[int], str | None],
@@ -361,15 +359,21 @@ def reporting(job: Callable[[int], str | None],
     return run
 
 
-def beside(meanwhile: Callable[[], None], results: Iterable[object]) -> None:
-    """Run ``meanwhile`` while the chunk jobs behind ``results`` run; if it raises, every job
-    has finished before its exception goes on (they write into memory the caller may free)."""
+def run_chunks(pool: cf.Executor | None, job: Callable[[int], str | None],
+               indices: Iterable[int], meanwhile: Callable[[], None] | None = None,
+               ) -> list[str | None]:
+    """``job(i)`` for each chunk on ``pool`` (in order on this thread without one), ``meanwhile``
+    on this thread while they run; what each returned, in order. Every job has finished before
+    this returns or raises (a job's exception, the first in chunk order, or ``meanwhile``'s):
+    the jobs write into memory, and read through descriptors, that the caller then frees."""
+    if pool is None:
+        if meanwhile is not None:
+            meanwhile()
+        return [job(i) for i in indices]
+    futures = [pool.submit(job, i) for i in indices]
     try:
-        meanwhile()
-    except BaseException:
-        try:
-            for _ in results:
-                pass
-        except Exception:  # noqa: BLE001, S110 - meanwhile's own exception is the one reported
-            pass
-        raise
+        if meanwhile is not None:
+            meanwhile()
+    finally:
+        cf.wait(futures)
+    return [f.result() for f in futures]

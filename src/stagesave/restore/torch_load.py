@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, IntegrityError
 from ..saving.plan import gc_paused
 from .allowlist import Policy
 from .fast_unpickle import PICKLE_MODULE, FirstTryStopped, Unpickler
@@ -33,8 +33,9 @@ __all__ = ["first_try", "torch_forces_weights_only", "torch_load"]
 
 #: What torch's loader says of a file that names what is not in it (other runtime errors, such
 #: as a CUDA storage where CUDA is missing, are the caller's to see in torch's words).
-_DAMAGE_WORDS = ("PytorchStreamReader", "zip archive", "don't know how to restore data location",
-                 "does not match expected size", "record size")
+_DAMAGE_WORDS = ("PytorchStreamReader", "zip archive", "does not match expected size",
+                 "record size")
+_NO_LOCATION = "don't know how to restore data location"
 _UNSUPPORTED = re.compile(r"(?:unsupported GLOBAL|Unsupported global: GLOBAL) ([\w.]+)")
 
 
@@ -51,6 +52,11 @@ def torch_load(
     except (EOFError, UnicodeDecodeError, MemoryError, RecursionError) as exc:
         raise damaged(where, f"{type(exc).__name__}: {exc}") from exc
     except RuntimeError as exc:
+        if _NO_LOCATION in str(exc):
+            raise IntegrityError(
+                f"cannot load {where}: its storages name a location this torch cannot restore "
+                f"({exc}): a device type missing here (load it with map_location='cpu'), or a "
+                "damaged file") from exc
         if any(words in str(exc) for words in _DAMAGE_WORDS):
             raise damaged(where, str(exc)) from exc
         raise

@@ -84,6 +84,23 @@ def check_fits(untyped: Any, dtype: Any, offset: Any, size: Any, stride: Any) ->
                         f"storage of {untyped.nbytes()} bytes")
 
 
+_STORAGES = (torch.storage.TypedStorage, torch.UntypedStorage)
+_REBUILD_V3 = getattr(torch._utils, "_rebuild_tensor_v3", None)
+
+
+def _check_rebuild(func: Any, args: tuple[Any, ...]) -> None:
+    """:func:`check_fits` for a rebuild called with ``(storage, offset, size, stride, ...)``
+    (``_rebuild_tensor_v3`` names the dtype of an untyped storage as its seventh argument)."""
+    storage = args[0]
+    if isinstance(storage, torch.storage.TypedStorage):
+        untyped, dtype = storage._untyped_storage, storage.dtype
+    else:
+        untyped = storage
+        dtype = args[6] if (func is _REBUILD_V3 and len(args) > 6
+                            and isinstance(args[6], torch.dtype)) else torch.uint8
+    check_fits(untyped, dtype, *args[1:4])
+
+
 def validate_loaded_sparse() -> None:
     """torch's checks of the sparse tensors a load made (indices within their sizes), which
     torch itself skips unless its invariant checks are on: an index out of bounds would write or
@@ -138,11 +155,10 @@ class Unpickler:
                 return made
             if id(func) not in self.policy.callable_ids:
                 raise BadPickle(f"Trying to call reduce for unrecognized function {func!r}")
-            if func is _REBUILD_V2:
-                if self.plain_rebuild:
-                    return _rebuild_v2(*args)
-                if len(args) >= 4 and isinstance(args[0], torch.storage.TypedStorage):
-                    check_fits(args[0]._untyped_storage, args[0].dtype, *args[1:4])
+            if func is _REBUILD_V2 and self.plain_rebuild:
+                return _rebuild_v2(*args)
+            if len(args) >= 4 and isinstance(args[0], _STORAGES):
+                _check_rebuild(func, args)  # torch's rebuilds: v1, v2, v3, quantized
             result = func(*args)
         except (CheckpointError, pickle.UnpicklingError):
             raise
