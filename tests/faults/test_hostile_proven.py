@@ -82,6 +82,20 @@ def test_a_storage_of_no_bytes_is_not_grown_to_the_geometry_the_pickle_gives(tmp
         _load(path, how)
 
 
+def test_a_tensor_given_as_the_offset_does_not_get_past_the_check(tmp_path):
+    # the offset of a tensor over a storage of no bytes is itself a 0-d int64 tensor (value 0)
+    hooks = glob("collections", "OrderedDict") + EMPTY_TUPLE + REDUCE
+    rebuild = glob("torch._utils", "_rebuild_tensor_v2")
+    zero_d = rebuild + tup(_pid("0", "LongStorage", 8), num(0), EMPTY_TUPLE, EMPTY_TUPLE, FALSE,
+                           hooks) + REDUCE
+    grown = rebuild + tup(_pid("1", "ByteStorage", 0), zero_d, num(4096) + TUPLE1,
+                          num(1) + TUPLE1, FALSE, hooks) + REDUCE
+    path = _base(tmp_path, {"pad": "A" * 6000, "w": torch.arange(8), "b": torch.ones(4)})
+    rewrite_pickle(path, _program(grown))
+    with pytest.raises(stagesave.IntegrityError, match=r"reaches past its storage of 0 bytes"):
+        _load(path, "image")
+
+
 @pytest.mark.parametrize("rebuild", ["_rebuild_tensor", "_rebuild_tensor_v3"])
 def test_no_rebuild_of_torch_s_allow_list_grows_a_storage_of_no_bytes(tmp_path, rebuild):
     storage, size, stride = _pid("0", "ByteStorage", 0), num(4096) + TUPLE1, num(1) + TUPLE1

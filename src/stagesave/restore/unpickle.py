@@ -9,6 +9,7 @@ be used by anything before its ``BUILD``.
 
 from __future__ import annotations
 
+import operator
 import pickle
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
@@ -68,12 +69,15 @@ def check_fits(untyped: Any, dtype: Any, offset: Any, size: Any, stride: Any) ->
     Raises:
         BadPickle: it does not fit.
     """
-    if not untyped.resizable() or type(offset) is not int:
+    if not untyped.resizable():
         return
-    try:
-        dims = [(int(d), int(st)) for d, st in zip(size, stride, strict=True)]
+    try:  # (a 0-d tensor stands for a number too: its verified bytes are read here, as by set_)
+        offset = operator.index(offset)
+        dims = [(operator.index(d), operator.index(st))
+                for d, st in zip(size, stride, strict=True)]
     except (TypeError, ValueError) as exc:
-        raise BadPickle(f"a tensor's size and stride do not match: {exc}") from exc
+        raise BadPickle(f"a tensor's offset, size and stride are not numbers of one rank: "
+                        f"{exc}") from exc
     if any(d == 0 for d, _ in dims):
         return
     last = offset + sum((d - 1) * st for d, st in dims)
