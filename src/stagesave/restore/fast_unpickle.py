@@ -42,7 +42,8 @@ from torch._utils import IMPORT_MAPPING, NAME_MAPPING
 
 from .allowlist import Policy
 from .image_unpickle import LeanStorage
-from .unpickle import _BLOCKED_MODULES, _MISSING, _REBUILD_V2, _rebuild_v2, validate_loaded_sparse
+from .rebuild_checks import validate_loaded_sparse
+from .unpickle import _BLOCKED_MODULES, _MISSING, _REBUILD_V2, _rebuild_v2
 from .unpickle import Unpickler as LoopUnpickler
 
 __all__ = ["FAST_NAMES", "PICKLE_MODULE", "FirstTryStopped", "Unpickler", "fast_enabled"]

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from .image_load import Image
+from .rebuild_checks import validate_loaded_sparse
 from .refusal import BadPickle
-from .unpickle import validate_loaded_sparse
 
 __all__ = ["LeanStorage", "unpickle_image"]
 

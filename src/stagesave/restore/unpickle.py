@@ -9,7 +9,6 @@ be used by anything before its ``BUILD``.
 
 from __future__ import annotations
 
-import operator
 import pickle
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
@@ -22,6 +21,7 @@ import torch
 from ..errors import CheckpointError
 from .allowlist import Policy
 from .numpy_pickles import Pending, build_array, build_dtype
+from .rebuild_checks import STORAGES, check_fits, check_rebuild
 from .refusal import BadPickle, refuse
 
 __all__ = ["Unpickler"]
@@ -58,68 +58,6 @@ def _rebuild_v2(storage: Any, storage_offset: Any, size: Any, stride: Any, requi
         torch._utils.set_tensor_metadata(t, metadata)  # type: ignore[no-untyped-call]
     t._backward_hooks = backward_hooks
     return t
-
-
-def check_fits(untyped: Any, dtype: Any, offset: Any, size: Any, stride: Any) -> None:
-    """Refuse a tensor's geometry that reaches past its storage's bytes where the storage is
-    resizable (a storage of no bytes, or one torch read from a record): ``set_`` would grow it
-    to what the pickle says, memory never written (a bomb, or the heap's old bytes handed out).
-    Other storages are checked by torch itself.
-
-    Raises:
-        BadPickle: it does not fit.
-    """
-    if not untyped.resizable():
-        return
-    try:  # (a 0-d tensor stands for a number too: its verified bytes are read here, as by set_)
-        offset = operator.index(offset)
-        dims = [(operator.index(d), operator.index(st))
-                for d, st in zip(size, stride, strict=True)]
-    except (TypeError, ValueError) as exc:
-        raise BadPickle(f"a tensor's offset, size and stride are not numbers of one rank: "
-                        f"{exc}") from exc
-    if any(d == 0 for d, _ in dims):
-        return
-    last = offset + sum((d - 1) * st for d, st in dims)
-    itemsize = torch._utils._element_size(dtype)  # type: ignore[no-untyped-call]
-    if offset < 0 or min((st for _, st in dims), default=0) < 0 or (
-            (last + 1) * itemsize > untyped.nbytes()):
-        raise BadPickle(f"a tensor of size {tuple(size)} at offset {offset} reaches past its "
-                        f"storage of {untyped.nbytes()} bytes")
-
-
-_STORAGES = (torch.storage.TypedStorage, torch.UntypedStorage)
-_REBUILD_V3 = getattr(torch._utils, "_rebuild_tensor_v3", None)
-
-
-def _check_rebuild(func: Any, args: tuple[Any, ...]) -> None:
-    """:func:`check_fits` for a rebuild called with ``(storage, offset, size, stride, ...)``
-    (``_rebuild_tensor_v3`` names the dtype of an untyped storage as its seventh argument)."""
-    storage = args[0]
-    if isinstance(storage, torch.storage.TypedStorage):
-        untyped, dtype = storage._untyped_storage, storage.dtype
-    else:
-        untyped = storage
-        dtype = args[6] if (func is _REBUILD_V3 and len(args) > 6
-                            and isinstance(args[6], torch.dtype)) else torch.uint8
-    check_fits(untyped, dtype, *args[1:4])
-
-
-def validate_loaded_sparse() -> None:
-    """torch's checks of the sparse tensors a load made (indices within their sizes), which
-    torch itself skips unless its invariant checks are on: an index out of bounds would write or
-    read outside the values' memory when the tensor is used.
-
-    Raises:
-        BadPickle: a sparse tensor does not hold.
-    """
-    if not torch._utils._sparse_tensors_to_validate:
-        return
-    try:
-        with torch.sparse.check_sparse_tensor_invariants(enable=True):  # type: ignore[no-untyped-call]
-            torch._utils._validate_loaded_sparse_tensors()  # type: ignore[no-untyped-call]
-    except (RuntimeError, ValueError, IndexError, NotImplementedError) as exc:
-        raise BadPickle(f"a sparse tensor is not valid: {exc}") from exc
 
 
 def _free(items: Iterable[Any]) -> None:
@@ -161,8 +99,8 @@ class Unpickler:
                 raise BadPickle(f"Trying to call reduce for unrecognized function {func!r}")
             if func is _REBUILD_V2 and self.plain_rebuild:
                 return _rebuild_v2(*args)
-            if len(args) >= 4 and isinstance(args[0], _STORAGES):
-                _check_rebuild(func, args)  # torch's rebuilds: v1, v2, v3, quantized
+            if len(args) >= 4 and isinstance(args[0], STORAGES):
+                check_rebuild(func, args)  # torch's rebuilds: v1, v2, v3, quantized
             result = func(*args)
         except (CheckpointError, pickle.UnpicklingError):
             raise

@@ -1,0 +1,80 @@
+"""What a safe load checks of the tensors a pickle makes, beyond torch's own checks.
+
+Torch's loader trusts the file: a storage it can grow (one of no bytes) is grown by ``set_`` to
+whatever geometry the pickle gives (memory never written, handed out), and sparse tensors are
+validated only when torch's invariant checks are on. A hostile file with a consistent proof gets
+past neither here (:mod:`.unpickle` and :mod:`.fast_unpickle` call these).
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+
+from .refusal import BadPickle
+
+__all__ = ["STORAGES", "check_fits", "check_rebuild", "validate_loaded_sparse"]
+
+
+def check_fits(untyped: Any, dtype: Any, offset: Any, size: Any, stride: Any) -> None:
+    """Refuse a tensor's geometry that reaches past its storage's bytes where the storage is
+    resizable (a storage of no bytes, or one torch read from a record): ``set_`` would grow it
+    to what the pickle says, memory never written (a bomb, or the heap's old bytes handed out).
+    Other storages are checked by torch itself.
+
+    Raises:
+        BadPickle: it does not fit.
+    """
+    if not untyped.resizable():
+        return
+    try:  # (a 0-d tensor stands for a number too: its verified bytes are read here, as by set_)
+        offset = operator.index(offset)
+        dims = [(operator.index(d), operator.index(st))
+                for d, st in zip(size, stride, strict=True)]
+    except (TypeError, ValueError) as exc:
+        raise BadPickle(f"a tensor's offset, size and stride are not numbers of one rank: "
+                        f"{exc}") from exc
+    if any(d == 0 for d, _ in dims):
+        return
+    last = offset + sum((d - 1) * st for d, st in dims)
+    itemsize = torch._utils._element_size(dtype)  # type: ignore[no-untyped-call]
+    if offset < 0 or min((st for _, st in dims), default=0) < 0 or (
+            (last + 1) * itemsize > untyped.nbytes()):
+        raise BadPickle(f"a tensor of size {tuple(size)} at offset {offset} reaches past its "
+                        f"storage of {untyped.nbytes()} bytes")
+
+
+STORAGES = (torch.storage.TypedStorage, torch.UntypedStorage)
+_REBUILD_V3 = getattr(torch._utils, "_rebuild_tensor_v3", None)
+
+
+def check_rebuild(func: Any, args: tuple[Any, ...]) -> None:
+    """:func:`check_fits` for a rebuild called with ``(storage, offset, size, stride, ...)``
+    (``_rebuild_tensor_v3`` names the dtype of an untyped storage as its seventh argument)."""
+    storage = args[0]
+    if isinstance(storage, torch.storage.TypedStorage):
+        untyped, dtype = storage._untyped_storage, storage.dtype
+    else:
+        untyped = storage
+        dtype = args[6] if (func is _REBUILD_V3 and len(args) > 6
+                            and isinstance(args[6], torch.dtype)) else torch.uint8
+    check_fits(untyped, dtype, *args[1:4])
+
+
+def validate_loaded_sparse() -> None:
+    """torch's checks of the sparse tensors a load made (indices within their sizes), which
+    torch itself skips unless its invariant checks are on: an index out of bounds would write or
+    read outside the values' memory when the tensor is used.
+
+    Raises:
+        BadPickle: a sparse tensor does not hold.
+    """
+    if not torch._utils._sparse_tensors_to_validate:
+        return
+    try:
+        with torch.sparse.check_sparse_tensor_invariants(enable=True):  # type: ignore[no-untyped-call]
+            torch._utils._validate_loaded_sparse_tensors()  # type: ignore[no-untyped-call]
+    except (RuntimeError, ValueError, IndexError, NotImplementedError) as exc:
+        raise BadPickle(f"a sparse tensor is not valid: {exc}") from exc
