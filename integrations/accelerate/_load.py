@@ -24,7 +24,7 @@ from ._fsdp import load_sharded
 from ._resources import Resources
 from ._restore import LoadPlan, plan_explicit, plan_newest
 from ._roots import AutoRoot, tier_of
-from ._trust import guarded
+from ._trust import guarded, refuse_unlisted_reads
 
 __all__ = ["choose_plan", "load_everywhere"]
 
@@ -101,6 +101,7 @@ def _load_everywhere(
         else:  # another host: fetch this host's own copy
             local = own_copy = download_folder(plan.folder, storage_options)
     try:
+        refuse_unlisted_reads(acc, local, plan.names, fsdp, plan.folder)
         with guarded(local, plan.names, trusted):
             if fsdp:
                 load_sharded(acc, local, functools.partial(read, local))

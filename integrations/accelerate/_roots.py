@@ -20,8 +20,6 @@ import warnings
 from dataclasses import dataclass
 
 from stagesave import Checkpointer, CheckpointInfo, TieredStore
-from stagesave.ondisk.names import DIR_MANIFEST
-from stagesave.restore.resolve_folder import resolve_dir
 from stagesave.stores import urls
 
 from ._restore import parts_problems
@@ -33,7 +31,6 @@ __all__ = [
     "AutoRoot",
     "checkpoints_root",
     "refuse_existing",
-    "refuse_foreign",
     "tier_of",
 ]
 
@@ -165,45 +162,3 @@ def tier_of(tiered: TieredStore | None, info: CheckpointInfo) -> str | None:
     else:
         name = info.manifest_name
     return str(tiered.tier_of(name or info.name))
-
-
-def refuse_foreign(ckpt: Checkpointer, target: str) -> None:
-    """An explicit local ``output_dir`` that already holds files no stagesave checkpoint there
-    lists (the user's logs, a config, a model saved beside): refused before anything is written.
-    A save commits its folder whole, by one rename that replaces what was there; Accelerate's
-    own ``save_state`` writes its files among them, which a folder proven whole cannot.
-
-    Raises:
-        ValueError: which files, and what to do.
-    """
-    if "://" in target or not os.path.isdir(target):
-        return
-    found = []
-    for d, dirs, names in os.walk(target):
-        rel = os.path.relpath(d, target).replace(os.sep, "/")
-        at = "" if rel == "." else rel + "/"
-        found += [at + f for f in names]
-        # a link to a folder and an empty folder go with a replaced folder too
-        found += [at + x + "/" for x in dirs if os.path.islink(os.path.join(d, x))]
-        if not dirs and not names and at:
-            found.append(at)
-    found.sort()
-    if not found:
-        return
-    store, name = ckpt.targets.split(target)
-    info = resolve_dir(store, name, None)
-    folder = info.manifest.folder if info.manifest is not None else None
-    proven = folder.names() if folder is not None else set()
-    if info.format == 1 and info.manifest is not None:  # stagesave 0.1's folder and manifest
-        proven = {*(f.name for f in info.manifest.files), DIR_MANIFEST}
-    nested = tuple(n + "/" for n in folder.nested) if folder is not None else ()
-    foreign = [f for f in found if f not in proven and not f.startswith(nested)]
-    if foreign:
-        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5
-                                          else "")
-        raise ValueError(
-            f"save_state({target!r}): the folder already holds files that are not part of a "
-            f"stagesave checkpoint ({shown}). stagesave commits a checkpoint folder whole and "
-            "would replace them; save into a new or empty folder (or one holding only an earlier "
-            "stagesave checkpoint), or move them away. Nothing was written."
-        )

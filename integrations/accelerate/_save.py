@@ -17,7 +17,7 @@ from stagesave.stores import urls
 from . import _dist
 from ._hooks import run_save_hooks
 from ._layout import METADATA_KEY, collect_rng_state, state_files
-from ._roots import FOLDER_PREFIX, AutoRoot, refuse_existing, refuse_foreign
+from ._roots import FOLDER_PREFIX, AutoRoot, refuse_existing
 
 __all__ = ["metadata", "rng_states", "save_replicated", "target_of", "writes"]
 
@@ -96,8 +96,6 @@ def save_replicated(
     ckpt = checkpointer("auto" if automatic else "plain")
     if auto is not None:
         refuse_existing(ckpt, auto, target, iteration)
-    else:
-        refuse_foreign(ckpt, target)
     # (an explicit local target's parent is created by save_dir's check of the target)
     files = {**hook_files, **state_files(acc, weights, safe, states)}
     # assembled under a dot-name beside the target, renamed into place by the commit

@@ -37,7 +37,7 @@ from stagesave.restore import kept_images
 from stagesave.restore.safetensors_image import tensors_of
 from stagesave.safety import safe_torch_load
 
-__all__ = ["Guard", "guarded"]
+__all__ = ["Guard", "guarded", "refuse_unlisted_reads"]
 
 #: Where the dispatchers look for the load in progress on this thread.
 _active = threading.local()
@@ -91,6 +91,53 @@ class Guard:
         if self.refused is None:
             self.refused = exc
         return exc
+
+
+def _ending(i: int) -> str:
+    return f"_{i}" if i else ""
+
+
+def would_read(accelerator: Any, folder: str, fsdp: bool) -> list[str]:
+    """The files Accelerate's ``load_state`` may read from ``folder`` for ``accelerator``, on
+    any of its processes (Accelerate 1.x's names; under FSDP the models and optimizers are
+    read from the DCP parts instead)."""
+    acc = accelerator
+    out: list[str] = []
+    if not fsdp:
+        for i in range(len(acc._models)):  # Accelerate prefers the safetensors file
+            st = f"model{_ending(i)}.safetensors"
+            exists = os.path.lexists(os.path.join(folder, st))
+            out.append(st if exists else f"pytorch_model{_ending(i)}.bin")
+        out += [f"optimizer{_ending(i)}.bin" for i in range(len(acc._optimizers))]
+    out += [f"scheduler{_ending(i)}.bin" for i in range(len(acc._schedulers))]
+    for i in range(len(acc._dataloaders)):
+        out += [f"sampler{_ending(i)}.bin", f"dl_state_dict{_ending(i)}.bin"]
+    out.append("scaler.pt")
+    out += [f"random_states_{r}.pkl" for r in range(int(acc.num_processes))]
+    out += [f"custom_checkpoint_{i}.pkl" for i in range(len(acc._custom_objects))]
+    return out
+
+
+def refuse_unlisted_reads(
+    accelerator: Any, folder: str, names: frozenset[str] | None, fsdp: bool, shown: str,
+) -> None:
+    """Before Accelerate restores anything: a file it would read that the folder's proof does
+    not list (files the user keeps beside a checkpoint are fine as long as Accelerate does not
+    read them). The same answer on every process (every rank's RNG file is looked at).
+
+    Raises:
+        IntegrityError: naming the file; nothing was loaded.
+    """
+    if names is None:
+        return
+    for rel in would_read(accelerator, folder, fsdp):
+        if rel not in names and os.path.lexists(os.path.join(folder, rel)):
+            raise IntegrityError(
+                f"refusing to load checkpoint {shown}: it holds {rel}, which Accelerate's "
+                "load_state would read, but its proof does not list it, so it is not part of "
+                "what was saved (someone else put it there). Nothing was loaded. Remove it, or "
+                "load another checkpoint."
+            )
 
 
 @contextmanager

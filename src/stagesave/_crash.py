@@ -27,6 +27,7 @@ CRASH_POINTS = (
     "before_proof",
     "after_proof",
     "after_aside",
+    "into_folder",
     "after_rename",
     "after_commit",
     "during_retention",

@@ -155,10 +155,12 @@ class Checkpointer:
         """Stage several files and commit them together as one folder checkpoint.
 
         ``files`` maps names inside ``directory`` to a torch state, :class:`~.formats.Safetensors`
-        or :class:`~.formats.Raw` bytes; the folder holds exactly these, appears once all is
-        durable, replaces an existing one atomically. ``staging_dir``: where a local folder is
-        assembled (same filesystem). ``nested``: sub-folder checkpoints the caller moves in
-        after this commit (an FSDP checkpoint's DCP parts), named by the folder's proof.
+        or :class:`~.formats.Raw` bytes; the checkpoint is these files, appears once all is
+        durable, replaces an existing one atomically (files of the user's in the folder are
+        kept: the checkpoint is then published into it, see :mod:`.saving.beside`).
+        ``staging_dir``: where a local folder is assembled (same filesystem). ``nested``:
+        sub-folder checkpoints the caller moves in after this commit (an FSDP checkpoint's DCP
+        parts), named by the folder's proof.
 
         Raises:
             ValueError: no files, an invalid file name, or only raw files (nothing can carry

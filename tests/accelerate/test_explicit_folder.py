@@ -1,13 +1,12 @@
-"""``save_state(output_dir)`` into a folder that already holds the user's files: stagesave commits
-a checkpoint folder whole (one rename replacing what was there), so such a folder is refused
-before anything is written, with the files named; nothing of the user's is deleted. A folder
-holding only an earlier stagesave checkpoint, or nothing, is saved into as before."""
+"""``save_state(output_dir)`` into a folder that holds the user's files, as Accelerate's own
+writes its files among them: the user's files are kept (also those written beside a save still
+in flight), never read as part of the checkpoint, and never make it invalid. A folder holding
+only an earlier stagesave checkpoint, or nothing, is replaced whole as before."""
 
 from __future__ import annotations
 
 import os
 
-import pytest
 import stagesave.accelerate as sa
 from accel_helpers import assert_same, build, snapshot, train
 from accelerate import Accelerator
@@ -28,40 +27,72 @@ def _enabled():
     return acc, run
 
 
-def test_a_folder_holding_the_users_files_is_refused_and_left_as_it_was(tmp_path):
+def test_a_folder_holding_the_users_files_is_saved_into_and_keeps_them(tmp_path):
     out = tmp_path / "run"
     (out / "logs").mkdir(parents=True)
     (out / "config.yaml").write_text("lr: 0.1\n")
     (out / "logs" / "events.out").write_bytes(b"\x00\x01tensorboard")
-    before = _tree(out)
-    acc, _ = _enabled()
-    with pytest.raises(ValueError, match=r"already holds files that are not part of a stagesave "
-                       r"checkpoint \(config\.yaml, logs/events\.out\).*Nothing was written"):
-        acc.save_state(str(out))
-    acc._stagesave.wait()
-    assert _tree(out) == before  # (stagesave used to replace the folder: both files gone)
-    # a link to a folder elsewhere, and an empty folder, are the user's too
-    (out / "config.yaml").unlink()
-    (out / "logs" / "events.out").unlink()
     (tmp_path / "data").mkdir()
     (out / "data").symlink_to(tmp_path / "data")
-    with pytest.raises(ValueError, match=r"\(data/, logs/\)"):
-        acc.save_state(str(out))
-    assert sorted(os.listdir(out)) == ["data", "logs"] and os.path.islink(out / "data")
+    before = _tree(out)
+    acc, run = _enabled()
+    state = snapshot(acc, run)
+    acc.save_state(str(out))  # (stagesave used to replace the folder: both files gone)
+    train(acc, run, 1)
+    acc._stagesave.wait()
+    assert {k: v for k, v in _tree(out).items() if k in before} == before
+    assert os.path.islink(out / "data")
+    info = stagesave.verify(out)
+    assert (info.status, info.beside) == ("verified", ["config.yaml", "logs/events.out"])
+    acc.load_state(str(out))
+    assert_same(state, snapshot(acc, run))
     assert sorted(os.listdir(tmp_path)) == ["data", "run"]  # no temporary beside it
     acc.end_training()
 
 
-def test_a_file_added_to_an_earlier_stagesave_checkpoint_is_refused(tmp_path):
+def test_files_saved_beside_a_checkpoint_in_flight_are_kept(tmp_path):
+    """The Hugging Face pattern: save_state(dir) in the loop, then a tokenizer and save_model
+    into the same folder at once, while the checkpoint is still being written."""
+    from test_lifecycle import _hold_writer
+
+    out = tmp_path / "step_2"
+    acc, run = _enabled()
+    state = snapshot(acc, run)
+    gate = _hold_writer(acc._stagesave, "plain")
+    acc.save_state(str(out))
+    out.mkdir(exist_ok=True)
+    (out / "tokenizer_config.json").write_text('{"vocab_size": 4}')
+    acc.save_model(run["models"][0], str(out), safe_serialization=False)  # pytorch_model.bin
+    model_file = (out / "pytorch_model.bin").read_bytes()
+    gate.set()
+    acc._stagesave.wait()
+    assert (out / "tokenizer_config.json").read_text() == '{"vocab_size": 4}'
+    assert (out / "pytorch_model.bin").read_bytes() == model_file
+    info = stagesave.verify(out)
+    assert (info.status, info.beside) == ("verified", ["pytorch_model.bin",
+                                                       "tokenizer_config.json"])
+    train(acc, run, 1)
+    acc.load_state(str(out))  # the files beside it are not read
+    assert_same(state, snapshot(acc, run))
+    acc.end_training()
+
+
+def test_a_file_added_to_an_earlier_checkpoint_is_kept_by_the_next_save(tmp_path):
     out = tmp_path / "ck"
-    acc, _ = _enabled()
+    acc, run = _enabled()
     acc.save_state(str(out))
     acc._stagesave.wait()
     (out / "README.md").write_text("notes")
-    before = _tree(out)
-    with pytest.raises(ValueError, match=r"\(README\.md\)"):
-        acc.save_state(str(out))
-    assert _tree(out) == before
+    acc.load_state(str(out))  # a committed folder with a file beside it still loads
+    train(acc, run, 1)
+    state = snapshot(acc, run)
+    acc.save_state(str(out))
+    acc._stagesave.wait()
+    assert (out / "README.md").read_text() == "notes"
+    assert stagesave.verify(out).beside == ["README.md"]
+    train(acc, run, 1)
+    acc.load_state(str(out))
+    assert_same(state, snapshot(acc, run))
     acc.end_training()
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import stagesave.accelerate as sa
@@ -334,7 +335,7 @@ def test_a_folder_of_the_previous_format_still_verifies_and_loads(tmp_path):
     sa.disable(acc)
 
 
-def test_a_file_added_to_a_committed_folder_makes_it_invalid(tmp_path):
+def test_a_file_added_to_a_committed_folder_is_not_a_reason_to_skip_it(tmp_path):
     acc = _auto(tmp_path)
     run = build(acc)
     sa.enable(acc)
@@ -344,22 +345,18 @@ def test_a_file_added_to_a_committed_folder_makes_it_invalid(tmp_path):
         states.append(snapshot(acc, run))
         acc.save_state()
     acc._stagesave.wait()
-    (tmp_path / "checkpoints" / "checkpoint_1" / "notes.txt").write_text("added by hand")
+    newest = tmp_path / "checkpoints" / "checkpoint_1"
+    (newest / "notes.txt").write_text("added by hand")
     train(acc, run, 1)
-    with pytest.warns(
-        UserWarning,
-        match=r"skipping checkpoint .*checkpoint_1: .*notes.txt is not part of the checkpoint",
-    ):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (it used to be skipped as corrupt, with a warning)
         acc.load_state()
-    assert_same(states[0], snapshot(acc, run))
-    assert acc.project_configuration.iteration == 1
-    with pytest.warns(UserWarning, match="replacing the invalid checkpoint .*checkpoint_1"):
-        acc.save_state()  # checkpoint_1 again: replaced by a complete folder
+    assert_same(states[1], snapshot(acc, run))
+    assert acc.project_configuration.iteration == 2
+    acc.save_state()  # checkpoint_2: the next one, as Accelerate's own counter says
     acc._stagesave.wait()
-    assert "notes.txt" not in os.listdir(tmp_path / "checkpoints" / "checkpoint_1")
-    assert stagesave.verify(tmp_path / "checkpoints" / "checkpoint_1").status == "verified"
-    sa.disable(acc)
-
+    assert (newest / "notes.txt").read_text() == "added by hand"
+    assert stagesave.verify(tmp_path / "checkpoints" / "checkpoint_2").status == "verified"
 
 def _storages(tensors):
     return sorted({t.untyped_storage().data_ptr() for t in tensors if t.untyped_storage().nbytes()})

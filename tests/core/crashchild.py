@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 
 import torch
 
@@ -19,6 +20,8 @@ def save_step(root: str, step: int, mode: str, crash: str | None) -> None:
     else:
         os.environ.pop(ENV_VAR, None)
     state = {"step": step, "w": torch.full((300_000,), float(step))}
+    if mode == "dir_beside":  # a file of an earlier save is never taken for the user's
+        warnings.filterwarnings("error", message=".*replaced files of the same names")
     if mode in ("file_device", "dir_device"):
         # device staging's save path (device buffer, bounce writes) with host memory standing
         # in for the GPU, which this machine does not have
@@ -36,7 +39,8 @@ def save_step(root: str, step: int, mode: str, crash: str | None) -> None:
             ck.save(state, "last.ckpt").result()
             ck.save(state, f"step{step}.ckpt").result()
         else:
-            name = "current" if mode in ("dir_replace", "dir_device") else f"checkpoint_{step}"
+            name = ("current" if mode in ("dir_replace", "dir_device", "dir_beside")
+                    else f"checkpoint_{step}")
             ck.save_dir(
                 {"model.safetensors": Safetensors({"w": state["w"]}), "optimizer.bin": state}, name
             ).result()

@@ -60,9 +60,10 @@ def _check_invariant(root, expect_steps):
 def test_sigkill_at_every_crash_point(tmp_path, mode, point):
     assert _run(tmp_path, 1, mode) == 0
     code = _run(tmp_path, 2, mode, crash=point)
-    if point == "after_aside":
-        # Only a folder replacement on a filesystem without RENAME_EXCHANGE has this step
-        # (tests/cli/test_cli_gc.py crashes there with the exchange disabled).
+    if point in ("after_aside", "into_folder"):
+        # Only a folder replacement on a filesystem without RENAME_EXCHANGE has the first step
+        # (tests/cli/test_cli_gc.py crashes there with the exchange disabled), only one into a
+        # folder of the user's files the second (below)
         assert code == 0
         expect = {2}
     elif point == "during_retention":
@@ -108,3 +109,29 @@ def test_many_saves_under_random_sigkills(tmp_path):
                     assert info.status == "committed", (info.name, info.problems)
             step = (best and ck.load(best.path)["step"] + 1) or step
     assert committed_floor > 0
+
+
+@pytest.mark.parametrize("point", ["after_proof", "into_folder", "after_rename"])
+def test_sigkill_while_saving_into_a_folder_that_holds_the_users_files(tmp_path, point):
+    """A folder checkpoint saved over another in a folder that also holds a file of the user's
+    is published into the folder, not swapped: a kill at any point leaves the user's file as it
+    was, and the folder holds the old checkpoint, the new one, or (killed between the renames)
+    none that loads, never a mix."""
+    folder = tmp_path / "current"
+    folder.mkdir()
+    (folder / "notes.txt").write_bytes(b"the user's")
+    assert _run(tmp_path, 1, "dir_beside") == 0
+    assert _run(tmp_path, 2, "dir_beside", crash=point) == -signal.SIGKILL
+    assert (folder / "notes.txt").read_bytes() == b"the user's"
+    info = stagesave.verify(folder)
+    if point == "into_folder":
+        assert info.status == "corrupt", info
+        assert "its carrier optimizer.bin is missing" in info.problems[0]
+        with stagesave.Checkpointer(tmp_path) as ck, pytest.warns(UserWarning, match="skipping"):
+            assert ck.latest(verify=True) is None
+    else:
+        assert (info.status, info.beside) == ("verified", ["notes.txt"])
+        assert _check_invariant(tmp_path, {1, 2}) == (1 if point == "after_proof" else 2)
+    assert _run(tmp_path, 3, "dir_beside") == 0  # (warning that it replaced a file: an error)
+    assert _check_invariant(tmp_path, {3}) == 3
+    assert sorted(os.listdir(folder)) == ["model.safetensors", "notes.txt", "optimizer.bin"]

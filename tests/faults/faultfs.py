@@ -233,8 +233,8 @@ class Recorder:
                 self._log(Op(name, call.path, dst=os.path.abspath(args[1]), t_ns=t))
             elif name == "mkdir":
                 self._log(Op("mkdir", call.path, t_ns=t))
-            elif name == "unlink":
-                self._log(Op("unlink", call.path, t_ns=t))
+            elif name in ("unlink", "rmdir"):
+                self._log(Op(name, call.path, t_ns=t))
             elif name == "symlink":  # symlink(target, path): the path is the second argument
                 self._log(
                     Op("symlink", os.path.abspath(args[1]), data=os.fsencode(args[0]), t_ns=t)

@@ -183,8 +183,9 @@ def migrate_folder(env: Env, store: Store, ci: CheckpointInfo, *, dry_run: bool)
     extra += [d + "/" for d in sorted(store.list_dirs(ci.name))]
     if extra:
         raise NotMigratable(
-            f"holds files its manifest does not list ({', '.join(extra[:5])}): a format-2 folder "
-            "holds exactly its checkpoint's files; move them out first",
+            f"holds files its manifest does not list ({', '.join(extra[:5])}): to keep them, "
+            "the folder would be rewritten in place, and a crash then would leave this only "
+            "copy unproven; move them out first",
             "refused",
         )
     entries = sorted(m.files, key=lambda e: e.name)

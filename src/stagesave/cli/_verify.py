@@ -2,8 +2,8 @@
 
 Works on files and folders of both formats: a format-2 file is checked against the proof inside
 it (read through the same open file as its bytes), a format-2 folder file by file against the
-proofs its carrier pins (and the set of files against the carrier's list), a format-1
-checkpoint against its sidecar manifest. A file without any proof can only be parsed.
+proofs its carrier pins (files the carrier does not list are the user's: named in a note), a
+format-1 checkpoint against its sidecar manifest. A file without any proof can only be parsed.
 """
 
 from __future__ import annotations
@@ -102,6 +102,12 @@ def _verify_folder(
 def verify_checkpoint(env: Env, store: Store, ci: CheckpointInfo) -> Outcome:
     """Verify one checkpoint found by discovery."""
     out = Outcome(ci.path, ci.status, ci.size, list(ci.problems), seq=ci.seq, format=ci.format)
+    if ci.beside:
+        n = len(ci.beside)
+        shown = ", ".join(ci.beside[:5]) + (f" and {n - 5} more" if n > 5 else "")
+        out.notes.append(f"{n} file{'s' if n > 1 else ''} beside it that "
+                         f"{'are' if n > 1 else 'is'} not part of the checkpoint (kept, never "
+                         f"read): {shown}")
     if ci.status == "corrupt":
         return out
     if ci.status == "committed":

@@ -42,6 +42,9 @@ class CheckpointInfo:
     seq: int | None = None
     #: 2: proof inside the file(s); 1: sidecar manifests; 0: no proof (a plain file).
     format: int = 0
+    #: A folder: files in it that are not part of the checkpoint (the user's, kept; relative
+    #: names). Never read as part of the checkpoint.
+    beside: list[str] = field(default_factory=list)
 
     @property
     def valid(self) -> bool:

@@ -1,8 +1,11 @@
-"""One folder's status: committed when its proof names exactly the files it holds.
+"""One folder's status: committed when every file its proof names is there, as named.
 
-A folder is committed when its carrier's proof names exactly the files it holds (format 2), or
-its ``checkpoint.stagesave.json`` does (format 1). Its files are listed without following
-symbolic links, down to :data:`MAX_FOLDER_DEPTH` levels.
+A folder is committed when every file its carrier's proof names (format 2), or its
+``checkpoint.stagesave.json`` names (format 1), is there with the size and version the proof
+pins. Other files in the folder (a tokenizer, logs, a model the user saved beside) are not part
+of the checkpoint: they are kept, reported in :attr:`CheckpointInfo.beside`, and never read as
+part of it. Its files are listed without following symbolic links, down to
+:data:`MAX_FOLDER_DEPTH` levels.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ def list_tree(store: Store, directory: str, depth: int = 0) -> list[ObjectInfo]:
 def resolve_dir(
     store: Store, directory: str, listing: list[ObjectInfo] | None = None,
 ) -> CheckpointInfo:
-    """Status of a folder checkpoint (committed when its proof names exactly its files).
+    """Status of a folder checkpoint (committed when every file its proof names is there).
 
     ``listing``: every file under the folder (:func:`list_tree`), when the caller has it.
     """
@@ -75,8 +78,19 @@ def _resolve_dir(
     assert folder is not None
     problems = _folder_problems(store, directory, files, m)
     status = "corrupt" if problems else "committed"
+    beside = _beside(files, folder.names(), folder.nested)
+    total -= sum(files[b].size for b in beside)
     return CheckpointInfo(path, directory, status, m.created_ns / 1e9, total, m, None, problems,
-                          is_dir=True, problems_from_manifest=True, seq=m.seq, format=2)
+                          is_dir=True, problems_from_manifest=True, seq=m.seq, format=2,
+                          beside=beside)
+
+
+def _beside(files: dict[str, ObjectInfo], names: set[str], nested: list[str]) -> list[str]:
+    """The files of a folder that are not part of its checkpoint (relative names, sorted)."""
+    return sorted(
+        n for n in files
+        if n not in names and not any(n.startswith(p + "/") for p in nested)
+    )
 
 
 def _find_carrier(
@@ -133,8 +147,6 @@ def _folder_problems(
     inside = {n: [f for f in files if f.startswith(n + "/")] for n in folder.nested}
     own = {n: f for n, f in files.items() if not any(n.startswith(p + "/") for p in folder.nested)}
     expected = folder.names()
-    for extra in sorted(set(own) - expected):
-        problems.append(f"{path}/{extra} is not part of the checkpoint its proof describes")
     for missing in sorted(expected - set(own)):
         problems.append(f"{path}/{missing} is missing")
     for name, found in inside.items():

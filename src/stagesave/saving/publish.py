@@ -3,8 +3,10 @@ swapped into place, debris and format-1 sidecars cleared.
 
 A folder is published by one rename, swapped with the old folder by ``RENAME_EXCHANGE`` where
 the filesystem can; otherwise the old one is moved aside first and put back by the next writer
-after a crash between the two renames (:func:`restore_aside`). Every mutating filesystem call
-goes through :mod:`stagesave.stores.posix` (the power-loss recorder wraps it).
+after a crash between the two renames (:func:`restore_aside`). A folder that holds files that
+are not its checkpoint's (or the working directory) is published into instead (:mod:`.beside`).
+Every mutating filesystem call goes through :mod:`stagesave.stores.posix` (the power-loss
+recorder wraps it).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from ..restore.discovery import is_sidecar_of, resolve_dir
 from ..restore.liveness import pid_alive
 from ..stores import posix as fsops
 from ..stores.base import Store
+from .beside import Occupant, holds_cwd, keep_arrivals, occupant, publish_into
 
 __all__ = [
     "clear_for_rewrite",
@@ -71,23 +74,34 @@ def drop_sidecars(store: Store, name: str) -> None:
             store.delete(m)
 
 
-def clear_for_rewrite(store: Store, directory: str, keep: set[str]) -> None:
+def clear_for_rewrite(
+    store: Store, directory: str, keep: set[str], *, everything: bool = False
+) -> None:
     """Before a folder is rewritten in place (object stores): its old carrier first, so nothing
-    half-overwritten is ever valid, then every file the new save will not write."""
+    half-overwritten is ever valid, then every file of the old checkpoint the new save will not
+    write. Files that are not the old checkpoint's (the user's) stay, unless ``everything``
+    (the checkpoint is being removed, folder and all)."""
     try:
         old = resolve_dir(store, directory)
     except OSError:
         old = None
+    owned: set[str] = set()
+    nested: tuple[str, ...] = ()
     if old is not None and old.manifest is not None:
         if old.manifest.folder is not None:
             store.delete(f"{directory}/{old.manifest.folder.carrier}")
+            owned, nested = old.manifest.folder.names(), tuple(old.manifest.folder.nested)
         elif old.manifest_name is not None:
             store.delete(old.manifest_name)
+            owned = {f.name for f in old.manifest.files}
     from ..restore.discovery import list_tree
 
     prefix = len(directory) + 1
     for info in list_tree(store, directory):
-        if info.name[prefix:] not in keep:
+        rel = info.name[prefix:]
+        if rel in keep:
+            continue
+        if everything or rel in owned or rel.startswith(tuple(n + "/" for n in nested)):
             store.delete(info.name)
 
 
@@ -98,11 +112,20 @@ def remove_tree(store: Store, name: str) -> None:
 
 
 def rename_into_place(store: Store, src: str, dst: str, directory: str) -> None:
-    """Rename ``src`` to ``dst`` (swap, or aside then rename, when ``dst`` exists), durably."""
+    """Rename the folder ``src`` to ``dst`` (swap, or aside then rename, when ``dst`` exists),
+    durably; files at ``dst`` that are not its checkpoint's are kept (:mod:`.beside`)."""
     if not os.path.lexists(dst):
         fsops.rename(src, dst)
         _durable_or_undone(dst, lambda: _quietly(fsops.rename, dst, src))
         return
+    old = Occupant()
+    if os.path.isdir(dst) and not os.path.islink(dst):
+        old = occupant(store, directory, dst)
+        if old.foreign or holds_cwd(dst):
+            publish_into(src, dst, old)
+            crash_point("after_rename")
+            crash_point("after_commit")
+            return
     try:
         fsops.exchange(src, dst)
     except OSError as exc:
@@ -111,6 +134,7 @@ def rename_into_place(store: Store, src: str, dst: str, directory: str) -> None:
     else:
         _durable_or_undone(dst, lambda: _quietly(fsops.exchange, src, dst))
         if os.path.isdir(src) and not os.path.islink(src):
+            keep_arrivals(src, dst, old)
             fsops.rmtree(src)  # now holds the replaced folder
         return
     parent, leaf = parent_of(directory), directory.rpartition("/")[2]
@@ -131,6 +155,8 @@ def rename_into_place(store: Store, src: str, dst: str, directory: str) -> None:
         _quietly(fsops.rename, aside, dst)
 
     _durable_or_undone(dst, undo)
+    if os.path.isdir(aside) and not os.path.islink(aside):
+        keep_arrivals(aside, dst, old)
     fsops.rmtree(aside)
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 __all__ = [
     "close", "exchange", "fsync", "fsync_dir", "ftruncate", "link", "makedirs", "mkdir", "open",
-    "posix_fadvise", "posix_fallocate", "pwrite", "rename", "replace", "rmtree", "symlink",
+    "posix_fadvise", "posix_fallocate", "pwrite", "rename", "replace", "rmdir", "rmtree", "symlink",
     "unlink", "write",
 ]
 
@@ -100,6 +100,10 @@ def link(src: str, dst: str) -> None:
 
 def mkdir(path: str) -> None:
     os.mkdir(path)
+
+
+def rmdir(path: str) -> None:
+    os.rmdir(path)
 
 
 _RENAME_EXCHANGE = 2
