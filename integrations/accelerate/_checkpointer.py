@@ -36,7 +36,7 @@ from ._save import save_replicated, target_of
 from ._sharded import save_sharded
 from ._support import synchronous_reason
 from ._training import TrainingSignal
-from ._trust import guarded
+from ._trust import guarded, unlisted_reads
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -244,8 +244,10 @@ class AcceleratorCheckpointer:
         acc = self.accelerator
         self.wait()
         read = functools.partial(self._accelerate_load, **load_model_func_kwargs)
-        choose = functools.partial(choose_plan, input_dir, self.options, acc.project_configuration,
-                                   self._checkpointer, lambda: self._auto, self._res)
+        choose = functools.partial(
+            choose_plan, input_dir, self.options, acc.project_configuration, self._checkpointer,
+            lambda: self._auto, self._res,
+            lambda local, names: unlisted_reads(acc, local, names, self._fsdp))
         plan = load_everywhere(acc, choose, lambda local: read(local, load_kwargs), self._fsdp,
                                self.options.storage_options, self.options.trusted)
         return plan.folder

@@ -22,7 +22,7 @@ from . import _dist
 from ._config import Options
 from ._fsdp import load_sharded
 from ._resources import Resources
-from ._restore import LoadPlan, plan_explicit, plan_newest
+from ._restore import LoadPlan, Unlisted, plan_explicit, plan_newest
 from ._roots import AutoRoot, tier_of
 from ._trust import guarded, refuse_unlisted_reads
 
@@ -32,12 +32,14 @@ __all__ = ["choose_plan", "load_everywhere"]
 def choose_plan(
     input_dir: str | os.PathLike[str] | None, options: Options, config: Any,
     checkpointer: Callable[[str], Checkpointer], auto_root: Callable[[], AutoRoot],
-    res: Resources,
+    res: Resources, unlisted: Unlisted | None = None,
 ) -> LoadPlan:
     """On rank 0: the folder ``input_dir`` names, or under automatic naming the newest valid one.
 
     ``config`` is the Accelerator's ``ProjectConfiguration``; ``checkpointer(kind)`` and
-    ``auto_root()`` as in the save path; ``res`` holds the tiered store, once there is one.
+    ``auto_root()`` as in the save path; ``res`` holds the tiered store, once there is one;
+    ``unlisted`` finds files Accelerate would read that a proof does not list (such a folder
+    is corrupt: skipped by a resume, refused when named).
 
     Raises:
         ValueError: no ``input_dir`` without automatic naming; ``input_dir`` does not exist.
@@ -46,13 +48,15 @@ def choose_plan(
     """
     storage = dict(options.storage_options)
     if input_dir is not None:
-        return plan_explicit(checkpointer("plain"), input_dir, options.verify_on_load, storage)
+        return plan_explicit(checkpointer("plain"), input_dir, options.verify_on_load, storage,
+                             unlisted)
     if not config.automatic_checkpoint_naming:
         raise ValueError("No input_dir provided and automatic checkpoint naming is disabled.")
     auto = auto_root()
     return plan_newest(
         checkpointer("auto"), auto.list_arg, options.verify_on_load, storage,
         lambda info: auto.folder_of(info, tier_of(res.tiered, info)), auto.plain_root,
+        unlisted,
     )
 
 

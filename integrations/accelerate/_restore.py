@@ -25,6 +25,7 @@ from stagesave.restore.download import discard_download, download_folder
 from stagesave.stores import urls
 
 from ._layout import METADATA_KEY
+from ._trust import unlisted_problem
 
 __all__ = ["FOLDER_RE", "LoadPlan", "fsdp_parts", "parts_problems", "plan_explicit", "plan_newest"]
 
@@ -115,11 +116,18 @@ def _iteration_of(info: CheckpointInfo | None, folder: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+#: ``(local folder, the files its proof lists)`` -> files Accelerate would read that it does
+#: not list (:func:`._trust.unlisted_reads` for the Accelerator loading).
+Unlisted = Callable[[str, frozenset[str]], list[str]]
+
+
 def _prove(
     ckpt: Checkpointer, folder: str, verify: bool, storage_options: dict[str, object], *,
-    skip_corrupt: bool, info: CheckpointInfo | None = None,
+    skip_corrupt: bool, info: CheckpointInfo | None = None, unlisted: Unlisted | None = None,
 ) -> LoadPlan | None:
     """Verify ``folder`` (a local copy of it when remote); ``None`` if corrupt and skipped.
+    A folder holding a file Accelerate would read that its proof does not list (``unlisted``)
+    counts as corrupt.
 
     Raises:
         IntegrityError: corrupt and not ``skip_corrupt``.
@@ -133,8 +141,8 @@ def _prove(
         except FileNotFoundError as exc:
             raise ValueError(f"Tried to find {folder} but folder does not exist") from exc
     try:
-        # without verify_on_load, still the proof's list of files: a folder holding a file it
-        # does not name is refused (what listing checks, reading proofs only)
+        # without verify_on_load, still the proof's list of files: a folder missing a file it
+        # names is refused (what listing checks, reading proofs only)
         checked: CheckpointInfo | None
         if verify:
             checked = ckpt.verify(local)
@@ -142,6 +150,9 @@ def _prove(
             checked = info if info is not None else _listed(ckpt, local)
         if checked is not None and checked.status != "corrupt" and checked.manifest is not None:
             parts = parts_problems(ckpt, local, checked, verify)
+            names = _proven_names(checked)
+            shadows = unlisted(local, names) if unlisted is not None and names else []
+            parts += [unlisted_problem(rel) for rel in shadows[:1]]
             if parts:
                 checked.status, checked.problems = "corrupt", parts
         if checked is not None and checked.status == "corrupt":
@@ -165,7 +176,7 @@ def _prove(
 
 def plan_explicit(
     ckpt: Checkpointer, input_dir: str | os.PathLike[str], verify: bool,
-    storage_options: dict[str, object],
+    storage_options: dict[str, object], unlisted: Unlisted | None = None,
 ) -> LoadPlan:
     """The folder the user named, proven (a plain Accelerate folder is loaded as it is).
 
@@ -176,7 +187,7 @@ def plan_explicit(
     folder = urls.normalize(input_dir)
     if not urls.is_url(folder) and not os.path.isdir(folder):
         raise ValueError(f"Tried to find {os.fspath(input_dir)} but folder does not exist")
-    plan = _prove(ckpt, folder, verify, storage_options, skip_corrupt=False)
+    plan = _prove(ckpt, folder, verify, storage_options, skip_corrupt=False, unlisted=unlisted)
     assert plan is not None
     return plan
 
@@ -184,6 +195,7 @@ def plan_explicit(
 def plan_newest(
     ckpt: Checkpointer, root: str | None, verify: bool, storage_options: dict[str, object],
     folder_of: Callable[[CheckpointInfo], str], plain_root: str,
+    unlisted: Unlisted | None = None,
 ) -> LoadPlan:
     """The newest valid checkpoint folder under ``root`` (``None``: the checkpointer's root).
 
@@ -200,7 +212,7 @@ def plan_newest(
     for info in ckpt.list(root):
         if info.is_dir and info.valid:
             plan = _prove(ckpt, folder_of(info), verify, storage_options, skip_corrupt=True,
-                          info=info)
+                          info=info, unlisted=unlisted)
             if plan is not None:
                 return plan
     return _plain_accelerate_folder(plain_root)

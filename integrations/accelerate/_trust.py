@@ -37,7 +37,7 @@ from stagesave.restore import kept_images
 from stagesave.restore.safetensors_image import tensors_of
 from stagesave.safety import safe_torch_load
 
-__all__ = ["Guard", "guarded", "refuse_unlisted_reads"]
+__all__ = ["Guard", "guarded", "refuse_unlisted_reads", "unlisted_problem", "unlisted_reads"]
 
 #: Where the dispatchers look for the load in progress on this thread.
 _active = threading.local()
@@ -118,26 +118,41 @@ def would_read(accelerator: Any, folder: str, fsdp: bool) -> list[str]:
     return out
 
 
+def unlisted_reads(
+    accelerator: Any, folder: str, names: frozenset[str] | None, fsdp: bool,
+) -> list[str]:
+    """Files in ``folder`` that Accelerate's ``load_state`` would read but the folder's proof
+    does not list (files the user keeps beside a checkpoint are fine as long as Accelerate does
+    not read them: a ``model.safetensors`` saved beside a checkpoint of ``pytorch_model.bin``
+    is, since Accelerate prefers it). The same answer on every process (every rank's RNG file
+    is looked at)."""
+    if names is None:
+        return []
+    return [
+        rel for rel in would_read(accelerator, folder, fsdp)
+        if rel not in names and os.path.lexists(os.path.join(folder, rel))
+    ]
+
+
+def unlisted_problem(rel: str) -> str:
+    return (f"it holds {rel}, which Accelerate's load_state would read, but its proof does not "
+            "list it, so it is not part of what was saved (remove it or move it away)")
+
+
 def refuse_unlisted_reads(
     accelerator: Any, folder: str, names: frozenset[str] | None, fsdp: bool, shown: str,
 ) -> None:
-    """Before Accelerate restores anything: a file it would read that the folder's proof does
-    not list (files the user keeps beside a checkpoint are fine as long as Accelerate does not
-    read them). The same answer on every process (every rank's RNG file is looked at).
+    """Before Accelerate restores anything: :func:`unlisted_reads` refused (the choice of the
+    checkpoint checked it already on rank 0; this is every process's own look).
 
     Raises:
         IntegrityError: naming the file; nothing was loaded.
     """
-    if names is None:
-        return
-    for rel in would_read(accelerator, folder, fsdp):
-        if rel not in names and os.path.lexists(os.path.join(folder, rel)):
-            raise IntegrityError(
-                f"refusing to load checkpoint {shown}: it holds {rel}, which Accelerate's "
-                "load_state would read, but its proof does not list it, so it is not part of "
-                "what was saved (someone else put it there). Nothing was loaded. Remove it, or "
-                "load another checkpoint."
-            )
+    found = unlisted_reads(accelerator, folder, names, fsdp)
+    if found:
+        raise IntegrityError(
+            f"checkpoint {shown} is corrupt: {unlisted_problem(found[0])}. It was not loaded."
+        )
 
 
 @contextmanager

@@ -434,3 +434,33 @@ def test_load_state_takes_the_model_weights_from_the_bytes_its_choice_verified(
         f.write(bytes([b[0] ^ 1]))
     with pytest.raises(IntegrityError, match="checksum mismatch"):
         acc.load_state(str(folder))
+
+
+def test_a_folder_where_accelerate_would_read_a_file_of_the_users_is_skipped(tmp_path):
+    """save_state(safe_serialization=False), then save_model() beside it: Accelerate's
+    load_state prefers the user's model.safetensors to the checkpoint's pytorch_model.bin, so
+    the folder cannot restore what was saved: a resume passes over it, a named load refuses it,
+    both before anything is restored."""
+    acc = _auto(tmp_path)
+    run = build(acc)
+    sa.enable(acc)
+    states = []
+    for _ in range(2):
+        train(acc, run, 1)
+        states.append(snapshot(acc, run))
+        acc.save_state(safe_serialization=False)
+    acc._stagesave.wait()
+    newest = tmp_path / "checkpoints" / "checkpoint_1"
+    acc.save_model(run["models"][0], str(newest))  # model.safetensors, beside the checkpoint
+    assert stagesave.verify(newest).beside == ["model.safetensors"]
+    train(acc, run, 1)
+    with pytest.warns(UserWarning, match=r"skipping checkpoint .*checkpoint_1: it holds "
+                                         r"model\.safetensors, which Accelerate's load_state"):
+        acc.load_state()
+    assert_same(states[0], snapshot(acc, run))
+    train(acc, run, 1)
+    moved = snapshot(acc, run)
+    with pytest.raises(IntegrityError, match=r"checkpoint_1 is corrupt: it holds model\."
+                                             r"safetensors.*It was not loaded"):
+        acc.load_state(str(newest))
+    assert_same(moved, snapshot(acc, run))

@@ -115,6 +115,18 @@ def test_export_stagesave_folder(cli, tmp_path):
     assert r.code == 1 and "checksum mismatch" in r.err and not (tmp_path / "again.ckpt").exists()
 
 
+def test_export_of_a_folder_leaves_out_the_files_beside_the_checkpoint(cli, tmp_path):
+    d = write_dir_checkpoint(tmp_path)
+    torch.save({"w": torch.full((4,), 666.0)}, os.path.join(d, "pytorch_model.bin"))  # the user's
+    r = cli("export", d, tmp_path / "merged.ckpt")
+    assert r.code == 0, r.err
+    assert "not exported (beside the checkpoint, not part of it): pytorch_model.bin" in r.err
+    merged = torch.load(tmp_path / "merged.ckpt", weights_only=False)
+    assert set(merged) == {"model", "optimizer", "random_states_0"}
+    state = small_state(3)
+    assert all(torch.equal(merged["model"][k], v) for k, v in state["model"].items())
+
+
 def test_export_one_file_of_a_folder_checkpoint(cli, tmp_path):
     """A file of a folder names its folder in its proof: exported, it becomes a checkpoint of its
     own."""

@@ -132,3 +132,94 @@ def test_a_file_added_to_a_committed_folder_is_kept_and_never_read(tmp_path):
         (folder / "config.json").write_bytes(b'{"step": 9}')
         info = ck.verify(folder)
         assert info.status == "corrupt" and any("config.json" in p for p in info.problems)
+
+
+def test_a_link_of_the_users_where_the_checkpoint_has_a_subfolder_is_never_followed(tmp_path):
+    """The checkpoint writes ``tokenizer/vocab.txt``; the user's folder holds ``tokenizer`` as a
+    link to a shared folder: the link is replaced (with a warning), the shared folder untouched,
+    by this save and by the next, which no longer writes it."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "vocab.txt").write_text("the user's shared vocabulary")
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / "tokenizer").symlink_to(shared)
+    (folder / "notes.txt").write_text("mine")
+    files = {"optimizer.bin": {"step": 1}, "tokenizer/vocab.txt": Raw(b"the checkpoint's")}
+    with stagesave.Checkpointer(tmp_path, writer="thread") as ck:
+        with pytest.warns(UserWarning, match=r"replaced files of the same names .*: tokenizer$"):
+            ck.save_dir(files, folder).result()
+        assert _tree(shared) == {"vocab.txt": b"the user's shared vocabulary"}
+        assert not (folder / "tokenizer").is_symlink()
+        assert (folder / "tokenizer" / "vocab.txt").read_bytes() == b"the checkpoint's"
+        assert ck.verify(folder).status == "verified"
+        ck.save_dir({"optimizer.bin": {"step": 2}}, folder).result()
+        assert _tree(shared) == {"vocab.txt": b"the user's shared vocabulary"}
+        assert sorted(os.listdir(folder)) == ["notes.txt", "optimizer.bin"]
+
+
+def test_a_file_the_user_wrote_over_one_of_the_checkpoint_is_the_users(tmp_path):
+    folder = tmp_path / "ck"
+    with stagesave.Checkpointer(tmp_path, writer="thread") as ck:
+        ck.save_dir(_files(1), folder).result()
+        (folder / "model.safetensors").write_bytes(b"the user's own model")  # save_model, say
+        (folder / "config.json").write_bytes(b"{}")  # another size than the proof lists
+        files = _files(2)
+        del files["model.safetensors"], files["config.json"]
+        ck.save_dir(files, folder).result()  # removes only what is still the checkpoint's
+        assert (folder / "model.safetensors").read_bytes() == b"the user's own model"
+        assert (folder / "config.json").read_bytes() == b"{}"
+        info = ck.verify(folder)
+        assert (info.status, info.beside) == ("verified", ["config.json", "model.safetensors"])
+
+
+@pytest.mark.parametrize("where", ["folder", "working-directory"])
+def test_retention_removes_only_the_checkpoints_files_from_a_folder_of_the_users(
+    tmp_path, monkeypatch, where
+):
+    first = tmp_path / "first"
+    first.mkdir()
+    (first / "train.py").write_text("print('hello')")
+    if where == "working-directory":
+        monkeypatch.chdir(first)
+    with stagesave.Checkpointer(tmp_path, keep_last=1, writer="thread") as ck:
+        ck.save_dir(_files(1), first).result()
+        ck.save_dir(_files(2), tmp_path / "second").result()  # first's checkpoint retired
+        assert [c.name for c in ck.list()] == ["second"]
+    assert _tree(first) == {"train.py": b"print('hello')"}
+    assert os.path.samefile(os.getcwd(), first if where == "working-directory" else os.getcwd())
+
+
+def test_a_folder_made_and_written_into_just_before_the_publishing_rename(tmp_path, monkeypatch):
+    """The user makes the folder and writes into it between the save's look (nothing there) and
+    its rename (which then cannot replace a folder that is not empty): published into it."""
+    from stagesave.stores import posix
+
+    folder = tmp_path / "ck"
+    real_rename = posix.rename
+
+    def rename(src: str, dst: str) -> None:
+        if dst == str(folder) and not folder.exists():
+            folder.mkdir()
+            (folder / "tokenizer.json").write_text("{}")
+        real_rename(src, dst)
+
+    monkeypatch.setattr(posix, "rename", rename)  # the race, made certain
+    with stagesave.Checkpointer(tmp_path, writer="thread") as ck:
+        ck.save_dir(_files(1), folder).result()
+        info = ck.verify(folder)
+        assert (info.status, info.beside) == ("verified", ["tokenizer.json"])
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
+
+
+def test_a_link_at_the_folders_name_is_replaced_and_leaves_nothing_behind(tmp_path):
+    real = tmp_path / "real"
+    real.mkdir()
+    (real / "notes.txt").write_text("behind the link")
+    (tmp_path / "out").symlink_to(real)
+    with stagesave.Checkpointer(tmp_path, writer="thread") as ck:
+        ck.save_dir(_files(1), "out").result()
+        assert ck.verify(tmp_path / "out").status == "verified"
+    assert not (tmp_path / "out").is_symlink()
+    assert _tree(real) == {"notes.txt": b"behind the link"}
+    assert sorted(os.listdir(tmp_path)) == ["out", "real"]  # (the swapped-out link stayed)

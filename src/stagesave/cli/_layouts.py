@@ -149,6 +149,13 @@ class AccelerateFolder(Layout):
         proofs = _folder_proofs(store, ci)
         files = {f.name.rpartition("/")[2]: f for f in folder_files(store, target.name)}
         indexes = [f for f in store.list(target.name) if f.name.endswith(self._INDEX)]
+        if proofs is not None:  # files beside a checkpoint are the user's: not part of it
+            skipped = sorted({*files, *(f.name.rpartition("/")[2] for f in indexes)} - {*proofs})
+            files = {leaf: f for leaf, f in files.items() if leaf in proofs}
+            indexes = [f for f in indexes if f.name.rpartition("/")[2] in proofs]
+            if skipped:
+                env.say(f"note: not exported (beside the checkpoint, not part of it): "
+                        f"{', '.join(skipped)}", err=True)
         state: dict[str, Any] = {}
         with cf.ThreadPoolExecutor(THREADS, thread_name_prefix="stagesave-export") as pool:
 

@@ -82,7 +82,7 @@ class FolderProof:
     ``listed`` are files stagesave did not lay out (hook files, raw files): the carrier holds
     their checksums; ``nested`` are sub-folders that are folder checkpoints of their own (an
     FSDP checkpoint's DCP parts), each proven by its own carrier. A file in the folder that none
-    of them names makes the folder invalid.
+    of them names is not part of the checkpoint (the user's: kept, never read).
     """
 
     token: str

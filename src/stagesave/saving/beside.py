@@ -35,7 +35,7 @@ from ..stores import posix as fsops
 from ..stores.base import Store
 from ..stores.local import LocalStore
 
-__all__ = ["Occupant", "holds_cwd", "keep_arrivals", "occupant", "publish_into"]
+__all__ = ["Occupant", "holds_cwd", "keep_arrivals", "occupant", "publish_into", "remove_own"]
 
 
 @dataclass(frozen=True)
@@ -72,19 +72,73 @@ def entries(path: str) -> list[str]:
 
 
 def occupant(store: Store, directory: str, path: str) -> Occupant:
-    """What the local folder ``path`` (``directory`` in ``store``) holds."""
+    """What the local folder ``path`` (``directory`` in ``store``) holds.
+
+    A file counts as the checkpoint's only while it is the version its proof names (a member's
+    own proof carries the folder's token and the CRC the carrier pins, a listed file has the
+    listed size): a file of the user's written over one of them is the user's.
+    """
     info = resolve_dir(store, directory)
     m = info.manifest
     owned: set[str] = set()
     nested: tuple[str, ...] = ()
     carrier = None
     if m is not None and m.folder is not None:
-        owned, nested, carrier = m.folder.names(), tuple(m.folder.nested), m.folder.carrier
+        f = m.folder
+        nested, carrier = tuple(f.nested), f.carrier
+        owned = {carrier} | {e.name for e in f.listed if _size(path, e.name) == e.size}
+        owned |= {x.name for x in f.members
+                  if _pinned(os.path.join(path, x.name), f.token, x.proof_crc)}
     elif m is not None and info.format == 1:
-        owned, carrier = {f.name for f in m.files} | {DIR_MANIFEST}, DIR_MANIFEST
+        owned = {e.name for e in m.files if _size(path, e.name) == e.size} | {DIR_MANIFEST}
+        carrier = DIR_MANIFEST
     held = Occupant(frozenset(owned), nested, carrier)
     foreign = tuple(e for e in entries(path) if not held.owns(e))
     return Occupant(held.owned, nested, carrier, foreign)
+
+
+def _size(folder: str, rel: str) -> int | None:
+    p = os.path.join(folder, rel)
+    return os.lstat(p).st_size if _inside(folder, rel) and os.path.isfile(p) else None
+
+
+def _pinned(path: str, token: str, proof_crc: int) -> bool:
+    """Whether ``path`` is the member of the folder save ``token`` its carrier pins."""
+    if os.path.islink(path) or not os.path.isfile(path):
+        return False
+    try:
+        with LocalStore(os.path.dirname(path)).open(os.path.basename(path)) as reader:
+            got = read_proof(reader, os.path.basename(path), index=False)
+    except (OSError, ValueError):
+        return False
+    m = got.manifest
+    return (m is not None and m.folder is not None and m.folder.token == token
+            and got.proof_crc == proof_crc)
+
+
+def _inside(top: str, rel: str) -> bool:
+    """Whether every folder on the way from ``top`` to ``rel`` is a real folder (a link to a
+    folder elsewhere is never followed: what lies behind it is not in the checkpoint folder)."""
+    d = top
+    for part in rel.split("/")[:-1]:
+        d = os.path.join(d, part)
+        if os.path.islink(d) or not os.path.isdir(d):
+            return False
+    return True
+
+
+def _make_way(top: str, rel: str, replaced: list[str]) -> str:
+    """Real folders from ``top`` to ``rel``'s parent: an entry of the user's in the way (a link,
+    a file) is removed itself, never what a link points to. Returns the parent."""
+    d = top
+    for i, part in enumerate(rel.split("/")[:-1]):
+        d = os.path.join(d, part)
+        if os.path.islink(d) or (os.path.lexists(d) and not os.path.isdir(d)):
+            replaced.append("/".join(rel.split("/")[: i + 1]))
+            fsops.unlink(d)
+        if not os.path.lexists(d):
+            fsops.mkdir(d)
+    return os.path.dirname(os.path.join(top, rel))
 
 
 def holds_cwd(path: str) -> bool:
@@ -104,36 +158,67 @@ def publish_into(src: str, dst: str, old: Occupant) -> None:
     if new.carrier is None:
         raise ValueError(f"{src} holds no checkpoint to publish")
     touched = {dst}
-    if old.carrier is not None and os.path.lexists(os.path.join(dst, old.carrier)):
-        fsops.unlink(os.path.join(dst, old.carrier))
+    if old.carrier is not None and _inside(dst, old.carrier):
+        with contextlib.suppress(FileNotFoundError):
+            fsops.unlink(os.path.join(dst, old.carrier))
         fsops.fsync_dir(os.path.dirname(os.path.join(dst, old.carrier)))
     replaced: list[str] = []
-    for rel in [*_units(new), new.carrier]:
-        target = os.path.join(dst, rel)
-        if os.path.lexists(target) and not old.owns(rel) and not _member_of_a_save(target):
-            replaced.append(rel)
-        if os.path.isdir(target) and not os.path.islink(target):
-            fsops.rmtree(target)
-        parent = os.path.dirname(target)
-        if not os.path.isdir(parent):
-            fsops.makedirs(parent, exist_ok=True)
-        fsops.rename(os.path.join(src, rel), target)
-        touched.add(parent)
-        if rel != new.carrier:
-            crash_point("into_folder")
+    for rel in _units(new):
+        touched.add(_move_in(src, dst, rel, old, replaced))
+        crash_point("into_folder")
     for rel in sorted(old.owned - new.owned) + [n for n in old.nested if n not in new.nested]:
         target = os.path.join(dst, rel)
+        if not _inside(dst, rel):
+            continue
         with contextlib.suppress(FileNotFoundError):
             if os.path.isdir(target) and not os.path.islink(target):
                 fsops.rmtree(target)
             else:
                 fsops.unlink(target)
         touched.add(_prune_empty(os.path.dirname(target), dst))
-    for d in sorted(touched, key=len, reverse=True):
-        if os.path.isdir(d):
-            fsops.fsync_dir(d)
+    _fsync_all(touched)  # every member durable in place before the carrier names them
+    _fsync_all({_move_in(src, dst, new.carrier, old, replaced)})
     fsops.rmtree(src)
     _warn_replaced(dst, replaced)
+
+
+def _move_in(src: str, dst: str, rel: str, old: Occupant, replaced: list[str]) -> str:
+    """Rename ``src/rel`` over ``dst/rel``; the folder it landed in."""
+    parent = _make_way(dst, rel, replaced)
+    target = os.path.join(dst, rel)
+    if os.path.lexists(target) and not old.owns(rel) and not _member_of_a_save(target):
+        replaced.append(rel)
+    if os.path.isdir(target) and not os.path.islink(target):
+        fsops.rmtree(target)
+    fsops.rename(os.path.join(src, rel), target)
+    return parent
+
+
+def _fsync_all(folders: set[str]) -> None:
+    for d in sorted(folders, key=len, reverse=True):
+        if os.path.isdir(d):
+            fsops.fsync_dir(d)
+
+
+def remove_own(path: str, held: Occupant) -> None:
+    """Remove the checkpoint ``held`` describes from the local folder ``path``, its carrier
+    first (from then on it is invalid), and keep everything else there."""
+    rels = ([held.carrier] if held.carrier else []) + sorted(held.owned - {held.carrier})
+    touched = {path}
+    for i, rel in enumerate([*rels, *held.nested]):
+        target = os.path.join(path, rel)
+        if not _inside(path, rel):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            if os.path.isdir(target) and not os.path.islink(target):
+                fsops.rmtree(target)
+            else:
+                fsops.unlink(target)
+        if i == 0:
+            fsops.fsync_dir(os.path.dirname(target))
+            crash_point("during_retention")
+        touched.add(_prune_empty(os.path.dirname(target), path))
+    _fsync_all(touched)
 
 
 def _units(new: Occupant) -> list[str]:

@@ -115,9 +115,14 @@ def rename_into_place(store: Store, src: str, dst: str, directory: str) -> None:
     """Rename the folder ``src`` to ``dst`` (swap, or aside then rename, when ``dst`` exists),
     durably; files at ``dst`` that are not its checkpoint's are kept (:mod:`.beside`)."""
     if not os.path.lexists(dst):
-        fsops.rename(src, dst)
-        _durable_or_undone(dst, lambda: _quietly(fsops.rename, dst, src))
-        return
+        try:
+            fsops.rename(src, dst)
+        except OSError as exc:  # made meanwhile, and written into (the user's): go on below
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+        else:
+            _durable_or_undone(dst, lambda: _quietly(fsops.rename, dst, src))
+            return
     old = Occupant()
     if os.path.isdir(dst) and not os.path.islink(dst):
         old = occupant(store, directory, dst)
@@ -133,7 +138,9 @@ def rename_into_place(store: Store, src: str, dst: str, directory: str) -> None:
             raise
     else:
         _durable_or_undone(dst, lambda: _quietly(fsops.exchange, src, dst))
-        if os.path.isdir(src) and not os.path.islink(src):
+        if os.path.islink(src):
+            fsops.unlink(src)  # a link was there: the link goes, never what it points to
+        elif os.path.isdir(src):
             keep_arrivals(src, dst, old)
             fsops.rmtree(src)  # now holds the replaced folder
         return
@@ -155,7 +162,10 @@ def rename_into_place(store: Store, src: str, dst: str, directory: str) -> None:
         _quietly(fsops.rename, aside, dst)
 
     _durable_or_undone(dst, undo)
-    if os.path.isdir(aside) and not os.path.islink(aside):
+    if os.path.islink(aside):
+        fsops.unlink(aside)
+        return
+    if os.path.isdir(aside):
         keep_arrivals(aside, dst, old)
     fsops.rmtree(aside)
 

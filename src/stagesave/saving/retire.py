@@ -1,7 +1,9 @@
 """Retiring checkpoints: removal in one step, and retention of the newest ``keep_last``.
 
 Removal makes a checkpoint vanish in one step (rename to a temporary name, then delete; on
-object stores the carrier first), so a half-removed checkpoint is never valid.
+object stores the carrier first), so a half-removed checkpoint is never valid. A local folder
+that also holds files of the user's (or the working directory) keeps them: only the
+checkpoint's own files are removed, its carrier first (:func:`.beside.remove_own`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from ..restore.discovery import CheckpointInfo, scan
 from ..stores import posix as fsops
 from ..stores.base import Store
 from ..stores.local import temp_name_for
+from .beside import holds_cwd, occupant, remove_own
 from .publish import clear_for_rewrite, drop_sidecars, join_name, sidecars_of
 
 __all__ = ["remove_checkpoint", "retain"]
@@ -44,6 +47,12 @@ def remove_checkpoint(
             return
         if is_dir is None:
             is_dir = os.path.isdir(local)
+        if is_dir:
+            occupied = occupant(store, name, local)
+            if occupied.foreign or holds_cwd(local):  # the user's files (or cwd) stay
+                remove_own(local, occupied)
+                drop_sidecars(store, name)
+                return
         debris = temp_name_for(local)
         if debris_dir is not None:
             debris = os.path.join(debris_dir, os.path.basename(debris).lstrip("."))
