@@ -160,7 +160,8 @@ class ShardedCheckpoints:
         """On every rank: let ``fill`` load the sharded state from the folder; return ``meta.pt``.
 
         ``fill`` runs DCP loads with the reader it is given. A folder that carries a stagesave
-        proof is checked against it: its file set here (always), and with ``verify_on_load``
+        proof is checked against it: every file it lists is there (always), DCP reads no other
+        (always), and with ``verify_on_load``
         byte for byte, ``meta.pt`` here and the shards as the reader reads them; a plain
         Lightning folder (no proof) is read as it is, still with the safe unpickler.
 
@@ -176,8 +177,9 @@ class ShardedCheckpoints:
             raise CheckpointNotFoundError(
                 f"{path} is not a Lightning sharded checkpoint: it has no {META_FILE}"
             )
-        # The folder's own proof, if any (proofs only): a file it does not list, or a missing
-        # one, is refused even without verify_on_load, which adds the checksums.
+        # The folder's own proof, if any (proofs only): a missing file is refused even without
+        # verify_on_load, which adds the checksums; a file it does not list is the user's,
+        # which DCP may not read (the reader refuses an item stored in one).
         real = os.path.realpath(path)  # a save_last="link" link: the folder it names
         store = LocalStore(os.path.dirname(real))
         info = resolve_dir(store, os.path.basename(real))
@@ -188,8 +190,12 @@ class ShardedCheckpoints:
         if problems:
             raise IntegrityError(f"checkpoint {path} is corrupt: {'; '.join(problems)}")
         meta = plugin.load_checkpoint(meta_path, weights_only=weights_only)
+        m = info.manifest if info.status == "committed" else None
+        # without verify_on_load still: DCP reads only files the proof lists
+        listed = frozenset(m.folder.names()) if m is not None and m.folder is not None else None
         reader = StagedStorageReader(path, verify=verify, trusted=weights_only is False,
-                                     safe_globals=[*LIGHTNING_SAFE_GLOBALS, *plugin.safe_globals])
+                                     safe_globals=[*LIGHTNING_SAFE_GLOBALS, *plugin.safe_globals],
+                                     listed=listed)
         try:
             fill(reader)
         except CheckpointException as exc:

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 import stagesave
 from stagesave.saving import steady
-from stagesave.saving.first_pickle import first_pickle
+from stagesave.saving.first_pickle import _Unfit, _Writer, first_pickle
 from stagesave.saving.splice import cut, marked
 from stagesave.saving.torch_pickler import TorchPickler
 from stagesave.saving.walk import walk
@@ -133,9 +133,16 @@ def _states(draw: Any) -> Any:
 @given(_states())
 def test_generated_states_are_written_as_the_pickler_writes_them(state: Any) -> None:
     try:
-        walk(state)
+        walked = walk(state)
     except Exception:  # noqa: BLE001 - a state no template stands for (e.g. shared containers)
         return
+    try:
+        _Writer(walked).value(state)
+    except _Unfit as exc:
+        # declined by design (the pickler writes it): one tuple object used as a dict key and
+        # then again as a value (a generated key reused from an earlier value)
+        if str(exc) == "a tuple that is a key too":
+            return
     assert_written_as_the_pickler_writes(state)
 
 

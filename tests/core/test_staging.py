@@ -417,7 +417,8 @@ def test_folder_saves_hash_after_the_copy_by_default_and_verify_either_way(tmp_p
 
 def test_a_folder_with_files_in_sub_folders_is_one_checkpoint(ckpt_dir):
     """A hook's files in sub-folders (``tokenizer/vocab.txt``) are part of the folder's proof:
-    listed exactly, verified, and an extra file in a sub-folder makes the folder invalid."""
+    listed exactly and verified; a file added in a sub-folder is the user's (beside it), one of
+    them changed makes the folder invalid."""
     from stagesave.formats import Raw
 
     files = {"model.bin": {"w": torch.arange(100.0)}, "tokenizer/vocab.txt": Raw(b"a\nb\n"),
@@ -432,7 +433,10 @@ def test_a_folder_with_files_in_sub_folders_is_one_checkpoint(ckpt_dir):
     assert (ckpt_dir / "checkpoint_1" / "tokenizer" / "vocab.txt").read_bytes() == b"a\nb\n"
     (ckpt_dir / "checkpoint_1" / "tokenizer" / "extra.txt").write_bytes(b"?")
     info = stagesave.verify(ckpt_dir / "checkpoint_1")
-    assert info.status == "corrupt" and "tokenizer/extra.txt is not part of" in info.problems[0]
+    assert (info.status, info.beside) == ("verified", ["tokenizer/extra.txt"])
+    (ckpt_dir / "checkpoint_1" / "tokenizer" / "vocab.txt").write_bytes(b"a\nc\n")
+    info = stagesave.verify(ckpt_dir / "checkpoint_1")
+    assert info.status == "corrupt" and "tokenizer/vocab.txt" in info.problems[0]
 
 
 def test_user_files_that_look_like_stagesave_debris_are_never_touched(ckpt_dir):

@@ -737,3 +737,17 @@ def test_every_checksum_and_where_it_is_computed(root, checksum, checksum_in):
         match=r"__0_0\.distcp: checksum mismatch in bytes \[\d+, \d+\) \(chunk \d+\)",
     ):
         sdcp.load({"w": torch.zeros(300, 200), "step": 0}, root / "s")
+
+
+def test_an_item_in_a_file_the_proof_does_not_list_is_refused_without_verifying(two_saves):
+    """Without ``verify`` the reader still knows the proof's list when given it (Lightning's
+    ``verify_on_load=False``): an item stored in any other file is refused before it is read."""
+    from stagesave.dcp import StagedStorageReader
+
+    _, b = two_saves
+    reader = StagedStorageReader(b, verify=False, listed=frozenset({".metadata"}))
+    with pytest.raises(IntegrityError, match=r"is stored in __0_0\.distcp, which its proof does "
+                                             r"not list as a data file"):
+        reader.read_metadata()
+    listed = stagesave.verify(b).manifest.folder.names()
+    assert StagedStorageReader(b, verify=False, listed=frozenset(listed)).read_metadata()

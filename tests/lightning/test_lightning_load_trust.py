@@ -101,22 +101,25 @@ def test_a_sharded_meta_pt_that_would_run_code_is_refused(
 
 
 @pytest.mark.parametrize("verify", [True, False], ids=["verify", "no-verify"])
-def test_a_file_the_sharded_proof_does_not_list_is_refused_without_verify_on_load(
+def test_dcp_reads_no_file_the_sharded_proof_does_not_list_without_verify_on_load(
     tmp_path: Path, verify: bool
 ) -> None:
+    """A file beside the checkpoint is the user's: the folder loads, and the reader DCP gets
+    refuses an item stored in it (also without ``verify_on_load``: it knows the proof's list)."""
     ok = tmp_path / "ok.pt"
     torch.save({"global_step": 4}, ok)
     folder = _sharded_folder(tmp_path, ok.read_bytes(), proven=True)
-    # not in the proof: DCP would read it
-    shutil.copy(folder / ".metadata", folder / "__0_0.distcp")
+    shutil.copy(folder / ".metadata", folder / "__0_0.distcp")  # not in the proof
     io = StagedCheckpointIO(verify_on_load=verify)
     filled: list[Any] = []
     try:
-        with pytest.raises(stagesave.IntegrityError, match=r"__0_0.distcp"):
-            ShardedCheckpoints().load(io, str(folder), None, filled.append)
+        assert ShardedCheckpoints().load(io, str(folder), None, filled.append) == {
+            "global_step": 4}
     finally:
         io.teardown()
-    assert not filled
+    [reader] = filled
+    assert reader.verify is verify
+    assert reader.verify or reader.listed == frozenset({".metadata", "meta.pt"})
 
 
 def test_weights_only_false_is_the_trusted_opt_out(tmp_path: Path) -> None:

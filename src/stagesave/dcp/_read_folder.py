@@ -75,7 +75,9 @@ class FolderReplaced(Exception):
     """A file is not the version the folder's proof names (the folder was replaced meanwhile)."""
 
 
-def open_folder(store: Store, name: str, *, verify: bool, trusted: bool) -> OpenedFolder:
+def open_folder(
+    store: Store, name: str, *, verify: bool, trusted: bool, listed: frozenset[str] | None = None,
+) -> OpenedFolder:
     """Resolve the folder, check its proof and read ``.metadata`` (again, while it changes).
 
     Raises:
@@ -86,7 +88,7 @@ def open_folder(store: Store, name: str, *, verify: bool, trusted: bool) -> Open
     """
     for attempt in range(_OPEN_ATTEMPTS):
         try:
-            return _open_once(store, name, verify, trusted)
+            return _open_once(store, name, verify, trusted, listed)
         except FolderReplaced as exc:
             if attempt == _OPEN_ATTEMPTS - 1:
                 raise IntegrityError(
@@ -97,7 +99,9 @@ def open_folder(store: Store, name: str, *, verify: bool, trusted: bool) -> Open
     raise AssertionError("unreachable")
 
 
-def _open_once(store: Store, name: str, verify: bool, trusted: bool) -> OpenedFolder:
+def _open_once(
+    store: Store, name: str, verify: bool, trusted: bool, listed: frozenset[str] | None,
+) -> OpenedFolder:
     where = store.describe(name)
     info: CheckpointInfo | None = None
     entries: dict[str, FileEntry] = {}
@@ -132,7 +136,8 @@ def _open_once(store: Store, name: str, verify: bool, trusted: bool) -> OpenedFo
         entry = entries.get(METADATA_FILE)
         data = read_window(reader, 0, entry.end if entry is not None else reader.size, entry, None)
     metadata = load_metadata(bytes(data), reader.where, trusted=trusted)
-    _check_storage_data(metadata, entries if verify else None, where)
+    _check_storage_data(metadata, entries if verify else None, where,
+                        None if verify else listed)
     opened = OpenedFolder(store, name, where, info, entries, metadata, pins)
     members = [f for f in pins if f != METADATA_FILE]
     if len(members) <= PIN_AT_OPEN_MAX:
@@ -197,9 +202,11 @@ def check_pin(reader: Reader, pin: Pin | None) -> None:
 
 def _check_storage_data(
     metadata: Metadata, entries: dict[str, FileEntry] | None, where: str,
+    listed: frozenset[str] | None = None,
 ) -> None:
     """Untrusted offsets: every item must lie inside a file this checkpoint committed
-    (``entries``: the proven files, ``None`` when not verifying)."""
+    (``entries``: the proven files, ``None`` when not verifying; ``listed``: then the names its
+    proof lists, when known)."""
     for index, sinfo in metadata.storage_data.items():
         if not isinstance(sinfo, StorageInfo):
             raise ManifestError(f"checkpoint {where}: storage data of {index.fqn} is a "
@@ -212,6 +219,11 @@ def _check_storage_data(
         if (not isinstance(sinfo.offset, int) or not isinstance(sinfo.length, int)
                 or sinfo.offset < 0 or sinfo.length < 0):
             raise ManifestError(f"checkpoint {where}: {index.fqn} has an invalid byte range")
+        if listed is not None and (sinfo.relative_path not in listed
+                                   or sinfo.relative_path == METADATA_FILE):
+            raise IntegrityError(
+                f"checkpoint {where} is corrupt: {index.fqn} is stored in "
+                f"{sinfo.relative_path}, which its proof does not list as a data file")
         if entries is not None:
             entry = entries.get(sinfo.relative_path)
             if entry is None or sinfo.relative_path == METADATA_FILE:

@@ -65,6 +65,9 @@ class StagedStorageReader(StorageReader):
         io_threads: Threads reading and hashing chunks in parallel.
         window_bytes: Bytes read and verified at once per file; two windows (or the largest
             item, when larger) bound the reader's memory.
+        listed: Without ``verify``: the files the folder's proof lists (its proof read by the
+            caller); an item stored in any other file is refused (files beside a checkpoint
+            are the user's, never read as part of it).
     """
 
     def __init__(
@@ -78,6 +81,7 @@ class StagedStorageReader(StorageReader):
         io_threads: int = 4,
         window_bytes: int = DEFAULT_WINDOW_BYTES,
         store: Store | None = None,
+        listed: frozenset[str] | None = None,
     ) -> None:
         super().__init__()
         if io_threads < 1:
@@ -88,6 +92,7 @@ class StagedStorageReader(StorageReader):
         self.safe_globals = list(safe_globals)
         self.io_threads = io_threads
         self.window_bytes = window_bytes
+        self.listed = listed
         self._targets = StoreResolver(store, storage_options=storage_options)
         self._opened: OpenedFolder | None = None
         self.storage_data: dict[Any, Any] = {}
@@ -113,7 +118,8 @@ class StagedStorageReader(StorageReader):
             raise ValueError("no checkpoint folder: pass checkpoint_id= to dcp.load or path= to "
                              "the reader")
         store, name = self._targets.split(self.path)
-        return open_folder(store, name, verify=self.verify, trusted=self.trusted)
+        return open_folder(store, name, verify=self.verify, trusted=self.trusted,
+                           listed=self.listed)
 
     # ------------------------------------------------------------------ StorageReader
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
