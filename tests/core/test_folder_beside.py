@@ -223,3 +223,14 @@ def test_a_link_at_the_folders_name_is_replaced_and_leaves_nothing_behind(tmp_pa
     assert not (tmp_path / "out").is_symlink()
     assert _tree(real) == {"notes.txt": b"behind the link"}
     assert sorted(os.listdir(tmp_path)) == ["out", "real"]  # (the swapped-out link stayed)
+
+
+def test_removing_a_folder_without_a_checkpoint_removes_it_whole(tmp_path):
+    """Only a stagesave checkpoint's folder is told apart from the user's files in it: a plain
+    folder (Lightning's own sharded checkpoint, say) is removed as asked, whole."""
+    plain = tmp_path / "plain"
+    (plain / "sub").mkdir(parents=True)
+    (plain / "meta.pt").write_bytes(b"x")
+    with stagesave.Checkpointer(tmp_path, writer="thread") as ck:
+        ck.remove(plain).result()
+    assert sorted(os.listdir(tmp_path)) == []

@@ -253,7 +253,7 @@ def _member_of_a_save(path: str) -> bool:
         return False
     try:
         with LocalStore(os.path.dirname(path)).open(os.path.basename(path)) as reader:
-            got = read_proof(reader, os.path.basename(path))
+            got = read_proof(reader, os.path.basename(path), index=False)
     except (OSError, ValueError):
         return False
     return got.manifest is not None and got.manifest.folder is not None

@@ -49,7 +49,9 @@ def remove_checkpoint(
             is_dir = os.path.isdir(local)
         if is_dir:
             occupied = occupant(store, name, local)
-            if occupied.foreign or holds_cwd(local):  # the user's files (or cwd) stay
+            # a checkpoint among the user's files (or in the working directory): they stay;
+            # a folder without a checkpoint is removed as asked
+            if occupied.carrier is not None and (occupied.foreign or holds_cwd(local)):
                 remove_own(local, occupied)
                 drop_sidecars(store, name)
                 return
