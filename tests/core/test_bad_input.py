@@ -77,6 +77,18 @@ def test_disk_full_at_save_time_keeps_previous(small_fs):
     ]
 
 
+def test_disk_full_at_save_time_names_the_folder_not_its_hidden_sibling(small_fs):
+    from stagesave.formats import Safetensors
+
+    with stagesave.Checkpointer(small_fs) as ck, pytest.raises(StorageError) as ei:
+        ck.save_dir({"model.safetensors": Safetensors({"w": torch.ones(4 << 20)}),
+                     "optimizer.bin": {"step": 1}}, "checkpoint_0")
+    message = str(ei.value)
+    assert f"cannot write checkpoint {small_fs / 'checkpoint_0'}: no space left" in message
+    assert ".stagesave-tmp" not in message
+    assert list(small_fs.iterdir()) == []
+
+
 def test_disk_full_during_background_write_surfaces_and_leaves_no_debris(small_fs):
     filler = small_fs / "filler"
     with stagesave.Checkpointer(small_fs) as ck:

@@ -7,7 +7,7 @@ import json
 import os
 from typing import Any
 
-from ..errors import CheckpointPermissionError, UnsupportedObjectError
+from ..errors import CheckpointError, CheckpointPermissionError, UnsupportedObjectError
 from ..ondisk.manifest import MAX_DEPTH, plain_json
 from ..ondisk.names import ALIGNMENT, TMP_MARKER, check_target_name
 from ..stores.base import Store, check_name
@@ -138,6 +138,12 @@ def check_folder_writable(store: Store, dname: str, images: list[FileImage]) -> 
     must not appear before its commit)."""
     total = sum((im.size + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT for im in images)
     parent, _, leaf = dname.rpartition("/")
-    store.check_writable(
-        f"{parent}/.{leaf}{TMP_MARKER}" if parent else f".{leaf}{TMP_MARKER}", total
-    )
+    sibling = f"{parent}/.{leaf}{TMP_MARKER}" if parent else f".{leaf}{TMP_MARKER}"
+    try:
+        store.check_writable(sibling, total)
+    except CheckpointError as exc:  # named as the user named it, not by the hidden sibling
+        hidden, shown = store.describe(sibling), store.describe(dname)
+        exc.args = tuple(a.replace(hidden, shown) if isinstance(a, str) else a for a in exc.args)
+        if isinstance(exc, OSError) and isinstance(exc.strerror, str):
+            exc.strerror = exc.strerror.replace(hidden, shown)
+        raise
