@@ -99,7 +99,7 @@ def _proven_names(info: CheckpointInfo | None) -> frozenset[str] | None:
         return None
     if m.folder is None:  # format 1: the folder's manifest names every file
         return frozenset(f.name for f in m.files)
-    return frozenset(m.folder.names())
+    return frozenset(m.folder.names()) | frozenset(m.folder.nested)
 
 
 def _listed(ckpt: Checkpointer, local: str) -> CheckpointInfo | None:
@@ -148,20 +148,21 @@ def _prove(
             checked = ckpt.verify(local)
         else:
             checked = info if info is not None else _listed(ckpt, local)
+        problem = ""
         if checked is not None and checked.status != "corrupt" and checked.manifest is not None:
             parts = parts_problems(ckpt, local, checked, verify)
-            names = _proven_names(checked)
-            shadows = unlisted(local, names) if unlisted is not None and names else []
-            parts += [unlisted_problem(rel) for rel in shadows[:1]]
             if parts:
                 checked.status, checked.problems = "corrupt", parts
+            elif unlisted is not None:  # intact, but a file of the user's is in the way
+                shadows = unlisted(local, _proven_names(checked) or frozenset())
+                problem = unlisted_problem(shadows[0]) if shadows else ""
         if checked is not None and checked.status == "corrupt":
-            problem = "; ".join(checked.problems)
+            problem = "is corrupt: " + "; ".join(checked.problems)
+        if problem:
             if not skip_corrupt:
-                raise IntegrityError(
-                    f"checkpoint {folder} is corrupt: {problem}. It was not loaded."
-                )
-            warnings.warn(f"stagesave: skipping checkpoint {folder}: {problem}", stacklevel=7)
+                raise IntegrityError(f"checkpoint {folder} {problem}. It was not loaded.")
+            why = problem.removeprefix("is corrupt: ")
+            warnings.warn(f"stagesave: skipping checkpoint {folder}: {why}", stacklevel=7)
             if remote:
                 discard_download(local)
             return None

@@ -24,8 +24,10 @@ Accelerate's method returns.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
+import re
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -99,23 +101,42 @@ def _ending(i: int) -> str:
 
 def would_read(accelerator: Any, folder: str, fsdp: bool) -> list[str]:
     """The files Accelerate's ``load_state`` may read from ``folder`` for ``accelerator``, on
-    any of its processes (Accelerate 1.x's names; under FSDP the models and optimizers are
-    read from the DCP parts instead)."""
+    any of its processes, under the conditions ``load_accelerator_state`` reads them
+    (Accelerate 1.x's names; under FSDP the models and optimizers are DCP part folders)."""
+    from accelerate.data_loader import IterableDatasetShard, SeedableRandomSampler
+
+    from ._fsdp import part_names
+
     acc = accelerator
     out: list[str] = []
-    if not fsdp:
+    if fsdp:
+        out += part_names(acc)
+    else:
         for i in range(len(acc._models)):  # Accelerate prefers the safetensors file
             st = f"model{_ending(i)}.safetensors"
             exists = os.path.lexists(os.path.join(folder, st))
             out.append(st if exists else f"pytorch_model{_ending(i)}.bin")
         out += [f"optimizer{_ending(i)}.bin" for i in range(len(acc._optimizers))]
     out += [f"scheduler{_ending(i)}.bin" for i in range(len(acc._schedulers))]
-    for i in range(len(acc._dataloaders)):
-        out += [f"sampler{_ending(i)}.bin", f"dl_state_dict{_ending(i)}.bin"]
-    out.append("scaler.pt")
+    for i, dl in enumerate(acc._dataloaders):
+        if isinstance(getattr(dl, "dataset", None), IterableDatasetShard) and isinstance(
+            dl.get_sampler(), SeedableRandomSampler
+        ):
+            out.append(f"sampler{_ending(i)}.bin")
+        if getattr(dl, "use_stateful_dataloader", False):
+            out.append(f"dl_state_dict{_ending(i)}.bin")
+    if getattr(acc, "scaler", None) is not None:
+        out.append("scaler.pt")
     out += [f"random_states_{r}.pkl" for r in range(int(acc.num_processes))]
+    # Accelerate counts every custom_checkpoint_<n>.pkl in the folder (and raises, after it
+    # restored the rest, when they are more than the registered objects)
     out += [f"custom_checkpoint_{i}.pkl" for i in range(len(acc._custom_objects))]
+    with contextlib.suppress(OSError):
+        out += sorted(n for n in os.listdir(folder) if _CUSTOM.match(n) and n not in out)
     return out
+
+
+_CUSTOM = re.compile(r"^custom_checkpoint_\d+\.pkl$")
 
 
 def unlisted_reads(
@@ -135,8 +156,9 @@ def unlisted_reads(
 
 
 def unlisted_problem(rel: str) -> str:
-    return (f"it holds {rel}, which Accelerate's load_state would read, but its proof does not "
-            "list it, so it is not part of what was saved (remove it or move it away)")
+    return (f"cannot be loaded by Accelerate's load_state: it would read {rel}, which the "
+            "checkpoint's proof does not list, so it is not part of what was saved (remove it "
+            "or move it away)")
 
 
 def refuse_unlisted_reads(
@@ -151,7 +173,7 @@ def refuse_unlisted_reads(
     found = unlisted_reads(accelerator, folder, names, fsdp)
     if found:
         raise IntegrityError(
-            f"checkpoint {shown} is corrupt: {unlisted_problem(found[0])}. It was not loaded."
+            f"checkpoint {shown} {unlisted_problem(found[0])}. It was not loaded."
         )
 
 

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import stagesave.accelerate as sa
+import torch
 from accel_helpers import assert_same, build, snapshot, train
 from accelerate import Accelerator
 
 import stagesave
+from stagesave.errors import IntegrityError
 
 
 def _tree(root) -> dict[str, bytes]:
@@ -134,4 +137,27 @@ def test_a_folder_holding_a_checkpoint_of_the_previous_format_is_saved_into(tmp_
     train(acc, run, 1)
     acc.load_state(str(old))
     assert_same(state, snapshot(acc, run))
+    acc.end_training()
+
+
+def test_a_file_beside_that_accelerate_would_read_is_refused_before_anything_loads(tmp_path):
+    """Accelerate counts every custom_checkpoint_<n>.pkl in the folder (and raises after
+    restoring the rest when they outnumber the registered objects): one beside the checkpoint
+    is refused up front. A scaler.pt beside it, with no GradScaler to restore, is not read."""
+    out = tmp_path / "run"
+    acc, run = _enabled()
+    saved = snapshot(acc, run)
+    acc.save_state(str(out))
+    acc._stagesave.wait()
+    torch.save({}, out / "scaler.pt")  # the user's; this Accelerator has no scaler
+    train(acc, run, 1)
+    acc.load_state(str(out))
+    assert_same(saved, snapshot(acc, run))
+    train(acc, run, 1)
+    state = snapshot(acc, run)
+    torch.save({"n": 1}, out / "custom_checkpoint_7.pkl")
+    with pytest.raises(IntegrityError, match=r"run cannot be loaded by Accelerate's load_state: "
+                                             r"it would read custom_checkpoint_7\.pkl"):
+        acc.load_state(str(out))
+    assert_same(state, snapshot(acc, run))  # nothing was restored
     acc.end_training()

@@ -454,13 +454,15 @@ def test_a_folder_where_accelerate_would_read_a_file_of_the_users_is_skipped(tmp
     acc.save_model(run["models"][0], str(newest))  # model.safetensors, beside the checkpoint
     assert stagesave.verify(newest).beside == ["model.safetensors"]
     train(acc, run, 1)
-    with pytest.warns(UserWarning, match=r"skipping checkpoint .*checkpoint_1: it holds "
-                                         r"model\.safetensors, which Accelerate's load_state"):
+    with pytest.warns(UserWarning, match=r"skipping checkpoint .*checkpoint_1: cannot be loaded "
+                                         r"by Accelerate's load_state: it would read "
+                                         r"model\.safetensors, which the checkpoint's proof"):
         acc.load_state()
     assert_same(states[0], snapshot(acc, run))
     train(acc, run, 1)
     moved = snapshot(acc, run)
-    with pytest.raises(IntegrityError, match=r"checkpoint_1 is corrupt: it holds model\."
-                                             r"safetensors.*It was not loaded"):
+    with pytest.raises(IntegrityError, match=r"checkpoint_1 cannot be loaded by Accelerate's "
+                                             r"load_state: it would read model\.safetensors"
+                                             r".*It was not loaded"):
         acc.load_state(str(newest))
     assert_same(moved, snapshot(acc, run))

@@ -82,9 +82,9 @@ def test_a_file_written_into_the_folder_while_its_save_is_in_flight_is_kept(tmp_
         (folder / "tokenizer.json").write_text('{"vocab": 4}')
         (folder / "model.safetensors").write_bytes(b"the user's model, same name")
         gate.set()
-        with pytest.warns(UserWarning, match=r"replaced files of the same names that were "
-                                             r"written there while it was being saved: "
-                                             r"model\.safetensors"):
+        with pytest.warns(UserWarning, match=r"replaced files of the same names that were not "
+                                             r"part of a checkpoint \(files of yours, or links\): "
+                                             r"model\.safetensors$"):
             handle.result()
         assert (folder / "tokenizer.json").read_text() == '{"vocab": 4}'
         info = ck.verify(folder)
@@ -234,3 +234,50 @@ def test_removing_a_folder_without_a_checkpoint_removes_it_whole(tmp_path):
     with stagesave.Checkpointer(tmp_path, writer="thread") as ck:
         ck.remove(plain).result()
     assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_a_folder_with_a_nested_checkpoint_saved_again_among_the_users_files(tmp_path):
+    """``nested`` parts are moved in by the caller after the commit (not in the staged folder):
+    the old part goes, as with a swap, and the new one makes the folder whole again."""
+    with stagesave.Checkpointer(tmp_path, writer="thread") as ck:
+        ck.save_dir({"a.bin": {"v": 1}}, "outer", nested=["part"]).result()
+        ck.save_dir({"p.bin": {"v": 1}}, "outer/part").result()
+        (tmp_path / "outer" / "notes.txt").write_text("mine")
+        ck.save_dir({"a.bin": {"v": 2}}, "outer", nested=["part"]).result()
+        assert sorted(os.listdir(tmp_path / "outer")) == ["a.bin", "notes.txt"]
+        ck.save_dir({"p.bin": {"v": 2}}, "outer/part").result()
+        info = ck.verify(tmp_path / "outer")
+        assert (info.status, info.beside) == ("verified", ["notes.txt"])
+        assert ck.load(tmp_path / "outer" / "part" / "p.bin")["v"] == 2
+    assert sorted(os.listdir(tmp_path)) == ["outer"]
+
+
+def test_an_assembled_folder_is_published_into_a_folder_the_user_made_meanwhile(tmp_path):
+    """Accelerate's FSDP save (a folder assembled from parts, :mod:`stagesave.saving.assemble`):
+    the user writes a tokenizer into the target while it is in flight: published into it. A
+    stagesave checkpoint that appeared there meanwhile is still not replaced."""
+    from stagesave.errors import StorageError
+    from stagesave.saving.assemble import Assembly, create_work_folder, folder_in, publish
+
+    def assembled(target, files) -> Assembly:
+        work = create_work_folder(str(target))
+        handle = ck.save_dir(files, folder_in(work, target.name))
+        handle.result()
+        return Assembly(work, folder_in(work, target.name), [], [handle], str(target), False,
+                        1, 5.0, what="FSDP checkpoint")
+
+    target = tmp_path / "step_2"
+    with stagesave.Checkpointer(tmp_path, writer="thread") as ck:
+        a = assembled(target, {"scheduler.bin": {"s": 1}})
+        target.mkdir()
+        (target / "tokenizer.json").write_text("{}")
+        publish(a, lambda: None)
+        info = ck.verify(target)
+        assert (info.status, info.beside) == ("verified", ["tokenizer.json"])
+        other = tmp_path / "step_3"
+        a = assembled(other, {"scheduler.bin": {"s": 2}})
+        ck.save_dir({"scheduler.bin": {"s": 3}}, other).result()  # another save got there first
+        with pytest.raises(StorageError, match=r"step_3 appeared while its FSDP checkpoint"):
+            publish(a, lambda: None)
+        assert ck.load(other / "scheduler.bin")["s"] == 3
+    assert sorted(os.listdir(tmp_path)) == ["step_2", "step_3"]

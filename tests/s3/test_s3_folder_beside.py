@@ -1,7 +1,7 @@
 """A folder checkpoint on S3 saved again over a prefix that also holds the user's objects: the
 earlier checkpoint's objects that the new one does not write are deleted, the user's stay
-(never read as part of the checkpoint); removing the checkpoint removes the prefix whole, as
-removing a local checkpoint folder does."""
+(never read as part of the checkpoint); removing the checkpoint removes its objects and keeps
+the user's, as on local disk; a prefix without a checkpoint is removed whole."""
 
 from __future__ import annotations
 
@@ -31,4 +31,6 @@ def test_a_prefix_saved_over_keeps_the_users_objects(s3_server, s3_url, s3_optio
         assert ck.verify(folder).status == "verified"
         assert ck.load(f"{folder}/optimizer.bin")["step"] == 2
         ck.remove(folder).result()
+        assert object_names(s3_server, folder) == ["tokenizer.json"]
+        ck.remove(folder).result()  # no checkpoint there any more: removed as asked
         assert object_names(s3_server, folder) == []

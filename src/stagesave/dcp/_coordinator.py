@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import mmap
+import re
 import time
 from typing import Any
 
@@ -221,11 +222,18 @@ def _list_extras(
     return listed
 
 
+#: DCP's rank files (``FileSystemWriter``'s names): an older save's that this one did not write
+#: are stale; any other file in the folder is the user's.
+_RANK_FILE = re.compile(r"^__\d+_\d+\.distcp$")
+
+
 def _clear_stale(store: Store, spec: SavePlanData, members: list[Member]) -> None:
-    """Object stores: remove files of older saves in the target that this save did not write."""
+    """Object stores: remove rank files of older saves (and stagesave's temporaries) in the
+    target that this save did not write; the user's files stay."""
     keep = {m.name for m in members}
     for info in store.list(spec.target):
-        if info.name.rpartition("/")[2] not in keep:
+        leaf = info.name.rpartition("/")[2]
+        if leaf not in keep and (_RANK_FILE.match(leaf) or is_temporary(leaf)):
             store.delete(info.name)
 
 

@@ -42,6 +42,7 @@ from ..errors import CheckpointError, StorageError
 from ..handle import SaveHandle
 from ..stores import posix as fsops
 from ..stores.local import LocalStore, temp_name_for
+from .beside import occupant
 from .publish import rename_into_place, restore_aside
 from .retire import retain
 
@@ -165,11 +166,20 @@ def _publish(a: Assembly) -> None:
     store = LocalStore(parent)
     with store.commit_lock(leaf):
         restore_aside(store, "")  # a folder a crash left aside mid-replacement goes back first
-        if os.path.lexists(a.target) and not a.replace_invalid:
+        if (os.path.lexists(a.target) and not a.replace_invalid
+                and _holds_a_checkpoint(store, leaf, a.target)):
             raise StorageError(f"{a.target} appeared while its {a.what} was being written")
+        # (a folder of the user's files only, made meanwhile: published into, the files kept)
         # An invalid folder there (proven before the save) is swapped out and removed, or moved
         # aside first where the filesystem cannot swap (put back by the next writer after a crash).
         rename_into_place(store, a.folder, a.target, leaf)
+
+
+def _holds_a_checkpoint(store: LocalStore, leaf: str, path: str) -> bool:
+    """Whether ``path`` holds a stagesave checkpoint (or is not a folder at all)."""
+    if not os.path.isdir(path) or os.path.islink(path):
+        return True
+    return occupant(store, leaf, path).carrier is not None
 
 
 def first_error(handles: Sequence[SaveHandle]) -> BaseException | None:

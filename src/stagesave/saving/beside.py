@@ -163,10 +163,15 @@ def publish_into(src: str, dst: str, old: Occupant) -> None:
             fsops.unlink(os.path.join(dst, old.carrier))
         fsops.fsync_dir(os.path.dirname(os.path.join(dst, old.carrier)))
     replaced: list[str] = []
+    # nested checkpoints not in the staged folder are moved in by the caller after the commit:
+    # the old ones of those names go, as with a swap
+    later = {n for n in new.nested if not os.path.lexists(os.path.join(src, n))}
     for rel in _units(new):
-        touched.add(_move_in(src, dst, rel, old, replaced))
-        crash_point("into_folder")
-    for rel in sorted(old.owned - new.owned) + [n for n in old.nested if n not in new.nested]:
+        if rel not in later:
+            touched.add(_move_in(src, dst, rel, old, replaced))
+            crash_point("into_folder")
+    gone = [n for n in old.nested if n not in new.nested or n in later]
+    for rel in sorted(old.owned - new.owned) + gone:
         target = os.path.join(dst, rel)
         if not _inside(dst, rel):
             continue
@@ -275,6 +280,6 @@ def _warn_replaced(dst: str, names: list[str]) -> None:
         shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
         warnings.warn(
             f"stagesave: the checkpoint saved into {dst} replaced files of the same names that "
-            f"were written there while it was being saved: {shown}",
+            f"were not part of a checkpoint (files of yours, or links): {shown}",
             stacklevel=2,
         )

@@ -75,12 +75,12 @@ def drop_sidecars(store: Store, name: str) -> None:
 
 
 def clear_for_rewrite(
-    store: Store, directory: str, keep: set[str], *, everything: bool = False
+    store: Store, directory: str, keep: set[str], *, removing: bool = False
 ) -> None:
     """Before a folder is rewritten in place (object stores): its old carrier first, so nothing
     half-overwritten is ever valid, then every file of the old checkpoint the new save will not
-    write. Files that are not the old checkpoint's (the user's) stay, unless ``everything``
-    (the checkpoint is being removed, folder and all)."""
+    write. Files that are not the old checkpoint's (the user's) stay; ``removing`` a folder
+    that holds no checkpoint removes it whole, as asked."""
     try:
         old = resolve_dir(store, directory)
     except OSError:
@@ -96,6 +96,7 @@ def clear_for_rewrite(
             owned = {f.name for f in old.manifest.files}
     from ..restore.discovery import list_tree
 
+    everything = removing and (old is None or old.manifest is None)
     prefix = len(directory) + 1
     for info in list_tree(store, directory):
         rel = info.name[prefix:]

@@ -78,7 +78,7 @@ def remove_checkpoint(
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             is_dir = bool(store.list(name)) or bool(store.list_dirs(name))
     if is_dir:
-        clear_for_rewrite(store, name, set(), everything=True)
+        clear_for_rewrite(store, name, set(), removing=True)
         crash_point("during_retention")
         return
     for m in sidecars_of(
