@@ -172,15 +172,7 @@ def publish_into(src: str, dst: str, old: Occupant) -> None:
             crash_point("into_folder")
     gone = [n for n in old.nested if n not in new.nested or n in later]
     for rel in sorted(old.owned - new.owned) + gone:
-        target = os.path.join(dst, rel)
-        if not _inside(dst, rel):
-            continue
-        with contextlib.suppress(FileNotFoundError):
-            if os.path.isdir(target) and not os.path.islink(target):
-                fsops.rmtree(target)
-            else:
-                fsops.unlink(target)
-        touched.add(_prune_empty(os.path.dirname(target), dst))
+        touched.add(_remove(dst, rel))
     _fsync_all(touched)  # every member durable in place before the carrier names them
     _fsync_all({_move_in(src, dst, new.carrier, old, replaced)})
     fsops.rmtree(src)
@@ -211,19 +203,25 @@ def remove_own(path: str, held: Occupant) -> None:
     rels = ([held.carrier] if held.carrier else []) + sorted(held.owned - {held.carrier})
     touched = {path}
     for i, rel in enumerate([*rels, *held.nested]):
-        target = os.path.join(path, rel)
-        if not _inside(path, rel):
-            continue
-        with contextlib.suppress(FileNotFoundError):
-            if os.path.isdir(target) and not os.path.islink(target):
-                fsops.rmtree(target)
-            else:
-                fsops.unlink(target)
+        touched.add(_remove(path, rel))
         if i == 0:
-            fsops.fsync_dir(os.path.dirname(target))
+            _fsync_all(touched)  # the carrier's removal is durable before the rest goes
             crash_point("during_retention")
-        touched.add(_prune_empty(os.path.dirname(target), path))
     _fsync_all(touched)
+
+
+def _remove(top: str, rel: str) -> str:
+    """Remove ``top/rel`` (a file, link or folder; never through a link on the way) and the
+    folders it leaves empty; the folder to fsync."""
+    target = os.path.join(top, rel)
+    if not _inside(top, rel):
+        return top
+    with contextlib.suppress(FileNotFoundError):
+        if os.path.isdir(target) and not os.path.islink(target):
+            fsops.rmtree(target)
+        else:
+            fsops.unlink(target)
+    return _prune_empty(os.path.dirname(target), top)
 
 
 def _units(new: Occupant) -> list[str]:
