@@ -39,7 +39,7 @@ def choose_plan(
     ``config`` is the Accelerator's ``ProjectConfiguration``; ``checkpointer(kind)`` and
     ``auto_root()`` as in the save path; ``res`` holds the tiered store, once there is one;
     ``unlisted`` finds files Accelerate would read that a proof does not list (such a folder
-    is corrupt: skipped by a resume, refused when named).
+    cannot be loaded: skipped by a resume, refused when named).
 
     Raises:
         ValueError: no ``input_dir`` without automatic naming; ``input_dir`` does not exist.

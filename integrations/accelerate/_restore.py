@@ -127,10 +127,10 @@ def _prove(
 ) -> LoadPlan | None:
     """Verify ``folder`` (a local copy of it when remote); ``None`` if corrupt and skipped.
     A folder holding a file Accelerate would read that its proof does not list (``unlisted``)
-    counts as corrupt.
+    cannot be loaded: skipped or refused the same way (with its own message).
 
     Raises:
-        IntegrityError: corrupt and not ``skip_corrupt``.
+        IntegrityError: corrupt (or not loadable) and not ``skip_corrupt``.
         ValueError: a remote folder does not exist.
     """
     remote = urls.is_url(folder)
