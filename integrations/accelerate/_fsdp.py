@@ -141,7 +141,8 @@ def load_parts(accelerator: Any, folder: str) -> None:
     The caller has already proven the folders against their proofs (every byte, with
     ``verify_on_load``) before anything is loaded, so a corrupt checkpoint never half-loads;
     the reader therefore does not hash a second time. It still unpickles DCP's ``.metadata``
-    and non-tensor items under stagesave's allow-list, which plain Accelerate folders get too.
+    and non-tensor items under stagesave's allow-list, which plain Accelerate folders get too,
+    and reads no file a part's proof does not list (files beside it are the user's).
 
     Raises:
         CheckpointError: a folder is missing, or an item is not allow-listed.
@@ -155,19 +156,30 @@ def load_parts(accelerator: Any, folder: str) -> None:
 
     plugin = accelerator.state.fsdp_plugin
 
-    def reader() -> sdcp.StagedStorageReader:
-        return sdcp.StagedStorageReader(verify=False)
+    def reader(part: str) -> sdcp.StagedStorageReader:
+        # a part's proof (read, not hashed): DCP reads no file beside it
+        from stagesave.restore.resolve_folder import resolve_dir
+        from stagesave.stores.local import LocalStore
+
+        try:
+            m = resolve_dir(LocalStore(folder), part).manifest
+        except OSError:
+            m = None  # no such part: DCP's load says so
+        listed = frozenset(m.folder.names()) if m is not None and m.folder is not None else None
+        return sdcp.StagedStorageReader(verify=False, listed=listed)
 
     for i, model in enumerate(accelerator._models):
         with _state_dict_context(plugin, model) as options:
             state = {"model": _get_model_state_dict(model, sd_options=options)}
-            sdcp.load(state, f"{folder}/{FSDP_MODEL_NAME}_{i}", reader=reader())
+            part = f"{FSDP_MODEL_NAME}_{i}"
+            sdcp.load(state, f"{folder}/{part}", reader=reader(part))
             _set_model_state_dict(model, state["model"], sd_options=options)
     for i, optimizer in enumerate(accelerator._optimizers):
         model = accelerator._models[i]
         with _state_dict_context(plugin, model) as options:
             optim = {"optimizer": _optimizer_state(plugin, model, optimizer, options)}
-            sdcp.load(optim, f"{folder}/{OPTIMIZER_NAME}_{i}", reader=reader())
+            part = f"{OPTIMIZER_NAME}_{i}"
+            sdcp.load(optim, f"{folder}/{part}", reader=reader(part))
             if plugin.fsdp_version == 1:
                 from torch.distributed.fsdp.fully_sharded_data_parallel import (
                     FullyShardedDataParallel as FSDP,
