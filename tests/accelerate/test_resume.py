@@ -24,6 +24,21 @@ def _auto(tmp_path, total_limit=None, **kw):
         project_dir=str(tmp_path), automatic_checkpoint_naming=True, total_limit=total_limit, **kw))
 
 
+def _saved(tmp_path, saves, **save_kwargs):
+    """An enabled Accelerator under automatic naming after ``saves`` steps, each followed by
+    a save_state(**save_kwargs); the state snapshot before each save, all committed."""
+    acc = _auto(tmp_path)
+    run = build(acc)
+    sa.enable(acc)
+    states = []
+    for _ in range(saves):
+        train(acc, run, 1)
+        states.append(snapshot(acc, run))
+        acc.save_state(**save_kwargs)
+    acc._stagesave.wait()
+    return acc, run, states
+
+
 def test_bitwise_restore_after_training_continued(tmp_path):
     acc = Accelerator(cpu=True)
     run = build(acc, n_models=2)
@@ -117,15 +132,7 @@ def _flip_byte(path, offset=-100, whence=os.SEEK_END):
 
 
 def test_automatic_naming_resumes_newest_valid_and_restores_iteration(tmp_path):
-    acc = _auto(tmp_path)
-    run = build(acc)
-    sa.enable(acc)
-    states = []
-    for _ in range(3):
-        train(acc, run, 1)
-        states.append(snapshot(acc, run))
-        acc.save_state()
-    acc._stagesave.wait()
+    acc, run, states = _saved(tmp_path, 3)
     root = tmp_path / "checkpoints"
     assert visible(root) == ["checkpoint_0", "checkpoint_1", "checkpoint_2"]
     _flip_byte(root / "checkpoint_2" / "model.safetensors")
@@ -336,15 +343,7 @@ def test_a_folder_of_the_previous_format_still_verifies_and_loads(tmp_path):
 
 
 def test_a_file_added_to_a_committed_folder_is_not_a_reason_to_skip_it(tmp_path):
-    acc = _auto(tmp_path)
-    run = build(acc)
-    sa.enable(acc)
-    states = []
-    for _ in range(2):
-        train(acc, run, 1)
-        states.append(snapshot(acc, run))
-        acc.save_state()
-    acc._stagesave.wait()
+    acc, run, states = _saved(tmp_path, 2)
     newest = tmp_path / "checkpoints" / "checkpoint_1"
     (newest / "notes.txt").write_text("added by hand")
     train(acc, run, 1)
@@ -441,15 +440,7 @@ def test_a_folder_where_accelerate_would_read_a_file_of_the_users_is_skipped(tmp
     load_state prefers the user's model.safetensors to the checkpoint's pytorch_model.bin, so
     the folder cannot restore what was saved: a resume passes over it, a named load refuses it,
     both before anything is restored."""
-    acc = _auto(tmp_path)
-    run = build(acc)
-    sa.enable(acc)
-    states = []
-    for _ in range(2):
-        train(acc, run, 1)
-        states.append(snapshot(acc, run))
-        acc.save_state(safe_serialization=False)
-    acc._stagesave.wait()
+    acc, run, states = _saved(tmp_path, 2, safe_serialization=False)
     newest = tmp_path / "checkpoints" / "checkpoint_1"
     acc.save_model(run["models"][0], str(newest))  # model.safetensors, beside the checkpoint
     assert stagesave.verify(newest).beside == ["model.safetensors"]

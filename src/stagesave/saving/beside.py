@@ -104,16 +104,24 @@ def _size(folder: str, rel: str) -> int | None:
 
 def _pinned(path: str, token: str, proof_crc: int) -> bool:
     """Whether ``path`` is the member of the folder save ``token`` its carrier pins."""
+    got = _folder_proof(path)
+    return got is not None and got[0] == token and got[1] == proof_crc
+
+
+def _folder_proof(path: str) -> tuple[str, int | None] | None:
+    """``(folder token, proof CRC)`` of a regular file of a stagesave folder save (its proof
+    read without its tensor index), ``None`` for anything else."""
     if os.path.islink(path) or not os.path.isfile(path):
-        return False
+        return None
     try:
         with LocalStore(os.path.dirname(path)).open(os.path.basename(path)) as reader:
             got = read_proof(reader, os.path.basename(path), index=False)
     except (OSError, ValueError):
-        return False
+        return None
     m = got.manifest
-    return (m is not None and m.folder is not None and m.folder.token == token
-            and got.proof_crc == proof_crc)
+    if m is None or m.folder is None:
+        return None
+    return m.folder.token, got.proof_crc
 
 
 def _inside(top: str, rel: str) -> bool:
@@ -252,14 +260,7 @@ def keep_arrivals(old_path: str, dst: str, old: Occupant) -> None:
 def _member_of_a_save(path: str) -> bool:
     """Whether ``path`` is a file of a stagesave folder save (one a crash left behind without
     its carrier, say): not the user's."""
-    if os.path.islink(path) or not os.path.isfile(path):
-        return False
-    try:
-        with LocalStore(os.path.dirname(path)).open(os.path.basename(path)) as reader:
-            got = read_proof(reader, os.path.basename(path), index=False)
-    except (OSError, ValueError):
-        return False
-    return got.manifest is not None and got.manifest.folder is not None
+    return _folder_proof(path) is not None
 
 
 def _prune_empty(d: str, top: str) -> str:
