@@ -43,6 +43,11 @@ import common
 import stagesave
 from stagesave.saving import fastplan as _fastplan
 from stagesave.saving import steady as _steady
+
+try:
+    from stagesave.saving import tensor_guard as _guard
+except ImportError:  # a checkout before it (run with PYTHONPATH=<that checkout>/src)
+    _guard = None  # type: ignore[assignment]
 from stagesave.saving import ziplayout as _ziplayout
 
 
@@ -98,9 +103,14 @@ def _planner(name: str, ck: stagesave.Checkpointer | None = None) -> None:
     """Select the planner for the next save (the benchmark's A/B switch): ``steady`` (the
     default: the last plan reused while the structure is the same), ``fast`` (stagesave's
     planner from scratch at every save, as before issue 20's steady plans), ``torch``
-    (``torch.save``'s layout)."""
+    (``torch.save``'s layout), ``steady-python`` (``steady`` with the tensors' facts read and
+    compared in Python, without torch's compiled check: :mod:`stagesave.saving.tensor_guard`)."""
     _fastplan.fast_path_enabled()
     _fastplan._checked = name != "torch"  # noqa: SLF001, RUF100 - the benchmark compares planners
+    # a template keeps the guard it was made with: each Checkpointer's planner is set before
+    # its first save and kept (None: tested again, as in a new process)
+    if _guard is not None:
+        _guard._usable = False if name == "steady-python" else None  # noqa: SLF001, RUF100
     if name == "fast" and ck is not None:
         ck.plans.forget()
 
@@ -314,7 +324,7 @@ def main() -> None:
                     help="first saves of a new Checkpointer per planner (median reported)")
     ap.add_argument(
         "--planners", nargs="+", default=["steady", "fast", "torch"],
-        choices=["steady", "fast", "torch"],
+        choices=["steady", "steady-python", "fast", "torch"],
     )
     ap.add_argument("--checksum-in", default="auto", choices=["auto", "staging", "background"])
     ap.add_argument("--device", default="cpu",

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 import stagesave
 from stagesave.formats import Safetensors
-from stagesave.saving import fastplan
+from stagesave.saving import fastplan, tensor_guard
 from stagesave.saving.plan import plan_torch_file
 from stagesave.saving.splice import encode
 from stagesave.saving.steady import PlanCache
@@ -217,13 +217,25 @@ CHANGES: dict[str, Callable[[dict[str, Any]], None]] = {
 }
 
 
+@pytest.fixture(params=["torch's check", "python"])
+def facts_checked_by(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The tensors' facts compared by torch's compiled check (:mod:`.tensor_guard`, where this
+    torch has it) or read in Python (where it has not)."""
+    if request.param == "python":
+        monkeypatch.setattr(tensor_guard, "_usable", False)
+    else:
+        assert tensor_guard.usable(), "torch's compiled tensor check failed its self-test"
+    return str(request.param)
+
+
 @pytest.mark.parametrize("change", list(CHANGES))
 def test_every_change_after_a_planned_save_saves_what_torch_would(
-        change: str, ckpt_dir: Any) -> None:
+        change: str, ckpt_dir: Any, facts_checked_by: str) -> None:
     state = base_state()
     with stagesave.Checkpointer(ckpt_dir, keep_last=None) as ck:
         ck.save(state, "a.pt").result()
         assert ck.plans._template is not None  # the first save made a template
+        assert (ck.plans._template.guard is None) == (facts_checked_by == "python")
         ck.save(state, "b.pt").result()
         CHANGES[change](state)
         _tensor_bytes_equal(ck, state)

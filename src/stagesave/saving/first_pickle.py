@@ -29,13 +29,14 @@ import torch
 
 from .splice import encode
 from .torch_pickler import ELEMENT_SIZE, STORAGE_CLASS
-from .walk import VOLATILE, Walked
+from .walk import VOLATILE, Fact, Walked
 
 __all__ = ["Facts", "first_pickle"]
 
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
 _OrderedDict = collections.OrderedDict
+_TENSORS = (_Tensor, _Parameter)
 _strided = torch.strided
 _metadata = torch._C._get_tensor_metadata  # type: ignore[attr-defined]
 _BATCH = 1000  # pickle's batch size for SETITEMS and APPENDS
@@ -109,6 +110,8 @@ class _Writer:
         self.n = 0  # the next memo number
         self.structure = walked.structure
         self.at = 0  # position in the walk's structure
+        self.tensors, self.tensor_facts = walked.tensors, walked.facts
+        self.seen = 0  # tensors met so far (each time one is named)
         self.cuts: list[int] = []
         self.facts = Facts()
         #: storage _cdata -> [its key, numel, dtype, a reference to its key's memo entry once
@@ -170,12 +173,21 @@ class _Writer:
         # never the object a key may name again (its memo number is used up all the same)
         self.out += self.put()
 
+    def fact(self, t: Any) -> Fact:
+        """The walk's facts of tensor ``t``, the next tensor it met."""
+        i = self.seen
+        if self.tensors[i] is not t:
+            raise _Unfit("not the walk's state")  # changed by another thread since
+        self.seen = i + 1
+        return self.tensor_facts[i]
+
     def value(self, obj: Any) -> None:
         kind = type(obj)
-        entry = self.structure[self.at]
+        if self.structure[self.at] is not kind and kind in _TENSORS:
+            raise _Unfit("not the walk's state")
         self.at += 1
         if kind is _Tensor:
-            self.tensor(obj, entry)
+            self.tensor(obj, self.fact(obj))
         elif kind in VOLATILE:
             self.cuts.append(len(self.out))
         elif kind is str:  # a leaf: its marker was a new string, memoised where it stood
@@ -204,7 +216,7 @@ class _Writer:
                 self.value(obj.__dict__)
                 self.out += b"b"
         elif kind is _Parameter:
-            self.parameter(obj, entry)
+            self.parameter(obj, self.fact(obj))
         else:
             raise _Unfit(kind)
 
@@ -257,12 +269,12 @@ class _Writer:
                 self.value(v)
             self.out += b"e"
 
-    def tensor(self, t: torch.Tensor, entry: Any) -> None:
+    def tensor(self, t: torch.Tensor, fact: Fact) -> None:
         n = self.memo.get(id(t))
         if n is not None:
             self.out += _get(n)
             return
-        shape, stride, offset, dtype, requires_grad = entry
+        shape, stride, offset, dtype, requires_grad = fact
         self.memo[id(t)] = self.reduction(t, shape, stride, offset, dtype, requires_grad, id(t))
 
     def reduction(self, t: torch.Tensor, shape: Any, stride: tuple[int, ...], offset: int,
@@ -351,12 +363,12 @@ class _Writer:
         """The empty ``OrderedDict`` torch passes as hooks: a new object each time."""
         return self.memoised(_OrderedDict, _ORDERED_DICT) + b")R" + self.put()
 
-    def parameter(self, p: Any, entry: Any) -> None:
+    def parameter(self, p: Any, fact: Fact) -> None:
         n = self.memo.get(id(p))
         if n is not None:
             self.out += _get(n)
             return
-        _, shape, stride, offset, dtype, requires_grad = entry
+        shape, stride, offset, dtype, requires_grad = fact
         self.out += self.memoised(_rebuild_parameter, _REBUILD_PARAMETER)
         # its .data: a tensor object never seen before, requires_grad False
         self.reduction(p, shape, stride, offset, dtype, False, id(p))
@@ -380,7 +392,8 @@ def first_pickle(state: Any, walked: Walked) -> tuple[list[bytes], list[int], Fa
         return None
     except RecursionError:  # ~3 frames per level: a state nested deeper than ~330 dicts
         return None
-    if writer.at != len(walked.structure) or len(writer.cuts) != len(walked.leaves):
+    if (writer.at != len(walked.structure) or len(writer.cuts) != len(walked.leaves)
+            or writer.seen != len(walked.tensors)):
         return None  # not the walk's state (changed by another thread): the pickler decides
     out = writer.out
     out += b"."

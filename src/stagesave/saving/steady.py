@@ -12,10 +12,12 @@ the same addresses with the same shapes, only the bytes inside the tensors and a
   the host copies of the storages.
 
 A later save walks the state once (:mod:`.walk`) and reuses the template when the structure is
-the same. Storage sizes, aliasing (which tensors share a storage) and each storage's address
-follow from the tensors' data addresses: when only addresses changed (new tensors over new
-storages, as copies made at each save have), the storages are looked at again, their sizes and
-sharing checked, and the template is kept with the new addresses. Anything else (a new key, a
+the same (the tensors' facts checked by torch's compiled check where it proved itself,
+:mod:`.tensor_guard`, else read in Python). Storage sizes, aliasing (which tensors share a
+storage) and each storage's address follow from the tensors' data addresses: when only
+addresses changed (new tensors over new storages, as copies made at each save have), the
+storages are looked at again, their sizes and sharing checked, and the template is kept with
+the new addresses. Anything else (a new key, a
 new shape, a shared container, a tensor torch pickles differently, a state the walk does not
 understand) plans from scratch and makes a new template. The template holds no tensor: only
 addresses, used only after the walk of the save at hand found them again.
@@ -33,6 +35,7 @@ from typing import Any
 
 from torch.nn import Parameter
 
+from . import tensor_guard
 from .fastplan import (
     Framed,
     constants,
@@ -48,7 +51,7 @@ from .image import FileImage, StorageSlot, TensorEntry
 from .plan import gc_paused, plan_torch_file
 from .splice import MAX_LEAVES, Spliced, cut, marked
 from .torch_pickler import ELEMENT_SIZE, TorchPickler
-from .walk import Walked, walk
+from .walk import Fact, Walked, walk
 from .ziplayout import Constants, Layout
 
 __all__ = ["MAX_FILES", "PlanCache", "Template"]
@@ -73,6 +76,10 @@ class Template:
     def __init__(self, walked: Walked, pieces: list[bytes], order: list[int],
                  pickler: TorchPickler | Facts, tensors: list[TensorEntry]) -> None:
         self.structure = walked.structure
+        self.facts = walked.facts
+        self.offsets = [f[2] for f in self.facts]
+        #: torch's compiled check of the tensors' other facts (``None``: compared in Python)
+        self.guard = tensor_guard.build(walked.tensors)
         self.addresses = walked.addresses
         self.n_containers = len(walked.containers)
         # Which tensors are one object (the pickle names such a tensor once, then refers to it):
@@ -165,6 +172,8 @@ class Template:
             return False
         if len(set(walked.containers)) != self.n_containers:
             return False  # a container shared where the template had two equal ones
+        if not self._same_facts(walked):
+            return False
         tensors = walked.tensors
         for i, k in self.loose:
             if tensors[i].untyped_storage().nbytes() != self.sizes[k]:
@@ -172,6 +181,15 @@ class Template:
         if walked.addresses != self.addresses:
             return self._moved(walked, walked.addresses)
         return not self.shared or _identity(tensors, self.shared) == self.shared_identity
+
+    def _same_facts(self, walked: Walked) -> bool:
+        """Whether every tensor has the shape, stride, storage offset, dtype and
+        ``requires_grad`` the template has (and the same type: the structure has it): by
+        torch's compiled check and the offsets where it says so, else read in Python."""
+        guard = self.guard
+        if guard is not None and guard.same(walked.tensors) and walked.offsets == self.offsets:
+            return True
+        return walked.facts == self.facts
 
     def _note_shared(self) -> None:
         """The positions of tensors at an address another tensor has, and their identities."""
@@ -241,7 +259,8 @@ class PlanCache:
         fast_path_enabled()  # the once-per-process check of the planner, before the first save
         self.prepare = prepare
         self._template: Template | None = None
-        self._refused: list[Any] | None = None  # a structure no template can stand for
+        #: a structure (and its tensors' facts) no template can stand for
+        self._refused: tuple[list[Any], list[Fact]] | None = None
         self._files: dict[str, PlanCache] = {}  # per file name of folder checkpoints
         self._lock = threading.Lock()
 
@@ -293,7 +312,7 @@ class PlanCache:
             made = self._new_template(state, walked, consts)
             if made is not None:
                 return made
-            self._refused = walked.structure
+            self._refused = walked.structure, walked.facts
         return plan(state)
 
 
@@ -326,12 +345,12 @@ class PlanCache:
         return template.image(walked, consts)
 
 
-def _agrees(known: Template | list[Any] | None, walked: Walked) -> bool:
+def _agrees(known: Template | tuple[list[Any], list[Fact]] | None, walked: Walked) -> bool:
     """Whether ``walked`` matches a template (or equals a refused structure); ``False`` when the
     comparison itself fails (a key whose ``==`` is not a bool, such as a tensor's)."""
     try:
         if isinstance(known, Template):
             return known.matches(walked)
-        return known is not None and walked.structure == known
+        return known is not None and walked.structure == known[0] and walked.facts == known[1]
     except Exception:  # noqa: BLE001 - plan from scratch, which names real problems
         return False

@@ -1,11 +1,13 @@
 """The walk of a state that a reused plan (:mod:`.steady`) compares with its template.
 
 One pass over the state records its **structure**: the type and keys of every container, every
-tensor's type, shape, stride, storage offset, dtype and ``requires_grad``, every other object
-by its pickle; and every tensor's data address, the tensors, the *volatile leaves* (exact
+tensor's type, every other object by its pickle; the tensors, the *volatile leaves* (exact
 ``int``, ``float``, ``bool``, ``None`` and ``str`` values: what a template splices in,
 :mod:`.splice`; a training loop changes the step, a learning rate, a checkpoint's path) and the
-ids of the containers.
+ids of the containers. The tensors' own facts (shape, stride, storage offset, dtype,
+``requires_grad``) and data addresses are read after the walk, only when asked for
+(:attr:`Walked.facts`, :attr:`Walked.addresses`): a steady save checks most of them in compiled
+code instead (:mod:`.tensor_guard`).
 
 Keys compare by value, and by type too where a dict's first key is not a ``str`` (``1``,
 ``1.0`` and ``True`` are equal but pickle differently); a dict whose first key is a ``str`` and
@@ -16,6 +18,7 @@ told apart.
 from __future__ import annotations
 
 import collections
+import functools
 import io
 import itertools
 import pickle
@@ -31,6 +34,8 @@ _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
 _OrderedDict = collections.OrderedDict
 _untyped_storage = torch.Tensor.untyped_storage
+_data_ptr = torch.Tensor.data_ptr
+_storage_offset = torch.Tensor.storage_offset
 VOLATILE = frozenset({int, float, bool, type(None)})
 _LEAF = object()  # where a volatile number sits in a structure
 _TEXT = object()  # where a volatile string sits
@@ -40,17 +45,37 @@ class Different(Exception):
     """The state holds something a template cannot stand for."""
 
 
+#: A tensor's facts as its pickle records them: shape, stride, storage offset, dtype and
+#: ``requires_grad``.
+Fact = tuple[torch.Size, tuple[int, ...], Any, torch.dtype, bool]
+
+
 @dataclass
 class Walked:
     """One save's view of its state, in walk order: its structure (a tensor stands in it by its
-    type, shape, stride, storage offset, dtype and ``requires_grad``), the tensors' data
-    addresses, the tensors, the volatile leaves, the ids of the containers."""
+    type), the tensors, the volatile leaves, the ids of the containers; the tensors' facts and
+    data addresses when asked for."""
 
     structure: list[Any]
-    addresses: list[int]
     tensors: list[torch.Tensor]
     leaves: list[Any]
     containers: list[int]  # ids of the dicts, lists, non-empty tuples
+
+    @functools.cached_property
+    def facts(self) -> list[Fact]:
+        """Per tensor: its shape, stride, storage offset, dtype and ``requires_grad``."""
+        return [(t.shape, t.stride(), t.storage_offset(), t.dtype, t.requires_grad)
+                for t in self.tensors]
+
+    @functools.cached_property
+    def offsets(self) -> list[Any]:
+        """Per tensor: its storage offset (elements)."""
+        return list(map(_storage_offset, self.tensors))
+
+    @functools.cached_property
+    def addresses(self) -> list[int]:
+        """Per tensor: the address of its first element."""
+        return list(map(_data_ptr, self.tensors))
 
     def image_bounds(self) -> tuple[int, int]:
         """Bounds of the size of a torch file of this state, before it is planned: its storages'
@@ -100,8 +125,9 @@ def walk(state: Any) -> Walked:
     One pass, depth first with a stack of iterators (no call per container, and no nested
     functions naming each other: such a reference cycle would keep this walk's ~4 objects per
     tensor alive until the cyclic collector ran, 0.2 s inside the next save at 100,000
-    tensors), each tensor's attributes read together while its object is in cache (reading
-    them attribute by attribute over all tensors cost ~25% more for 100,000 tensors).
+    tensors). A tensor is checked for Python attributes and hooks here; its facts are read
+    later, all of one tensor's together while its object is in cache (:attr:`Walked.facts`;
+    reading them attribute by attribute over all tensors cost ~25% more for 100,000 tensors).
 
     Raises:
         Different: a tensor with Python attributes or hooks, an object the walk does not look
@@ -109,11 +135,10 @@ def walk(state: Any) -> Walked:
             itself).
     """
     structure: list[Any] = []
-    addresses: list[int] = []
     tensors: list[torch.Tensor] = []
     leaves: list[Any] = []
     containers: list[int] = []
-    note, note_address, note_tensor = structure.append, addresses.append, tensors.append
+    note, note_tensor = structure.append, tensors.append
     note_leaf, note_container = leaves.append, containers.append
     plain, volatile, leaf, text = _Tensor, VOLATILE, _LEAF, _TEXT
     stack: list[Iterator[Any]] = [iter((state,))]
@@ -124,9 +149,7 @@ def walk(state: Any) -> Walked:
             if kind is plain:
                 if value.__dict__ or value._backward_hooks:
                     raise Different("a tensor with attributes or hooks")
-                note((value.shape, value.stride(), value.storage_offset(), value.dtype,
-                      value.requires_grad))
-                note_address(value.data_ptr())
+                note(plain)
                 note_tensor(value)
             elif kind in volatile:
                 note(leaf)
@@ -164,9 +187,7 @@ def walk(state: Any) -> Walked:
             elif kind is _Parameter:
                 if value.__dict__ or value._backward_hooks:
                     raise Different("a parameter with attributes or hooks")
-                note((_Parameter, value.shape, value.stride(), value.storage_offset(),
-                      value.dtype, value.requires_grad))
-                note_address(value.data_ptr())
+                note(_Parameter)
                 note_tensor(value)
             else:
                 note((kind, _standalone(value)))
@@ -175,4 +196,4 @@ def walk(state: Any) -> Walked:
             continue
         if len(stack) > MAX_DEPTH:
             raise Different(f"a state nested deeper than {MAX_DEPTH} containers")
-    return Walked(structure, addresses, tensors, leaves, containers)
+    return Walked(structure, tensors, leaves, containers)

@@ -1,0 +1,106 @@
+"""A check, in compiled code, that many tensors still have the facts a template recorded.
+
+A steady save (:mod:`.steady`) must know that every tensor of the state has the type, dtype,
+device, ``requires_grad``, shape and strides its template was planned with. Read in Python
+that costs ~2 µs per tensor on this project's VM (``Tensor.shape`` alone ~1.3 µs: it builds a
+``torch.Size`` through torch's Python bindings), 0.2 s per save of 100,000 tensors. torch's own
+compiler checks exactly these facts of its inputs before it reuses compiled code, in C++:
+``torch._C._dynamo.guards.TensorGuards``, built from example tensors (capturing each one's
+Python type, dispatch keys, dtype, device, ``requires_grad``, sizes and strides, and holding
+no reference to it) and asked ``check(*tensors)``: ~0.2 µs per tensor here.
+
+That class is torch's, not a public API, so it is used only where it proves itself: once per
+process it must tell a copy of a small state apart from each kind of change (a shape, a
+stride, a dtype, ``requires_grad``, a parameter for a tensor) and accept the state unchanged;
+if it cannot be imported or built, or fails that test, :func:`build` gives ``None`` and the
+steady planner compares the facts in Python as before. Its answer "the same" is taken as
+proof; its answer "different" is not (the dispatch keys it compares include thread-local
+modes such as ``torch.inference_mode``): the caller then compares in Python. Both its
+building and its checks run with gradients enabled, so that ``requires_grad`` is compared
+whatever the caller's grad mode (torch's check has taken it as ``False`` under grad mode off
+in some versions; torch 2.13's compares it as it is either way).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["Guard", "build", "usable"]
+
+_lock = threading.Lock()
+_usable: bool | None = None  # the once-per-process test's answer
+
+
+class Guard:
+    """A check of tensors against the facts they had when it was built."""
+
+    __slots__ = ("_check", "count")
+
+    def __init__(self, check: Any, count: int) -> None:
+        self._check = check
+        self.count = count
+
+    def same(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """Whether ``tensors`` (as many as it was built from, in the same order) have the same
+        Python type, dtype, device, ``requires_grad``, shape and strides; ``False`` also where
+        it cannot tell."""
+        if len(tensors) != self.count:
+            return False
+        try:
+            with torch.enable_grad():
+                return bool(self._check(*tensors))
+        except Exception:  # noqa: BLE001 - torch's private check: "cannot tell" is "not proven"
+            return False
+
+
+def _make(tensors: Sequence[torch.Tensor]) -> Guard | None:
+    try:
+        from torch._C._dynamo.guards import TensorGuards  # private to torch: optional here
+
+        with torch.enable_grad():
+            guards = TensorGuards(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None)
+        guard = Guard(guards.check, len(tensors))
+    except Exception:  # noqa: BLE001 - missing or changed in this torch: Python compares
+        return None
+    return guard if guard.same(tensors) else None
+
+
+def _self_test() -> bool:
+    """Whether torch's check tells each kind of change apart from the same state."""
+    base = torch.arange(12, dtype=torch.float32)
+    state = [base.view(3, 4), base[2:6], torch.zeros(2, 2), torch.nn.Parameter(torch.ones(3))]
+    guard = _make(state)
+    if guard is None:
+        return False
+    changes = [
+        [state[0].view(4, 3), *state[1:]],  # shape
+        [state[0].t(), *state[1:]],  # strides (and shape)
+        [state[0], base[2:10:2], *state[2:]],  # strides only
+        [*state[:2], torch.zeros(2, 2, dtype=torch.float64), state[3]],  # dtype
+        [*state[:2], torch.zeros(2, 2).requires_grad_(), state[3]],  # requires_grad
+        [*state[:3], state[3].detach()],  # a parameter became a tensor
+        [*state[:3], torch.nn.Parameter(torch.ones(3), requires_grad=False)],  # its flag
+        [state[0], state[1], torch.zeros(4), state[3]],  # number of dimensions
+    ]
+    return guard.same(state) and not any(guard.same(c) for c in changes)
+
+
+def usable() -> bool:
+    """Whether torch's check is used in this process (tested once)."""
+    global _usable
+    with _lock:
+        if _usable is None:
+            _usable = _self_test()
+        return _usable
+
+
+def build(tensors: Sequence[torch.Tensor]) -> Guard | None:
+    """A guard of ``tensors``' facts as they are now; ``None`` where torch's check is not
+    usable (the caller compares in Python)."""
+    if not usable():
+        return None
+    return _make(tensors)

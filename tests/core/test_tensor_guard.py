@@ -1,0 +1,154 @@
+"""torch's compiled check of tensors' facts, as a steady save uses it (issue 20:
+:mod:`stagesave.saving.tensor_guard`).
+
+Its answer "the same" lets a save reuse a plan without reading each tensor's shape in Python,
+so it must never say "the same" for a tensor whose pickle would differ; what it cannot tell
+(another dispatch mode) is compared in Python and still reuses the plan.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+from statecompare import same_state
+
+import stagesave
+from stagesave.saving import steady, tensor_guard
+from stagesave.saving.walk import Walked
+
+
+def _state() -> list[torch.Tensor]:
+    base = torch.arange(24, dtype=torch.float32)
+    return [base.view(4, 6), base[3:9], torch.zeros(3), torch.nn.Parameter(torch.ones(2, 2)),
+            torch.tensor(5.0)]
+
+
+class _Sub(torch.Tensor):
+    pass
+
+
+CHANGES = {
+    "shape": lambda s: [s[0].view(6, 4), *s[1:]],
+    "strides": lambda s: [s[0].t().contiguous().t(), *s[1:]],
+    "dimensions": lambda s: [s[0], s[1].view(2, 3), *s[2:]],
+    "dtype": lambda s: [*s[:2], torch.zeros(3, dtype=torch.float64), *s[3:]],
+    "integer dtype": lambda s: [*s[:2], torch.zeros(3, dtype=torch.int32), *s[3:]],
+    "requires_grad": lambda s: [*s[:2], torch.zeros(3).requires_grad_(), *s[3:]],
+    "a parameter became a tensor": lambda s: [*s[:3], s[3].detach(), s[4]],
+    "a tensor became a parameter": lambda s: [*s[:2], torch.nn.Parameter(s[2]), *s[3:]],
+    "a parameter's flag": lambda s: [*s[:3], torch.nn.Parameter(s[3].detach(), False), s[4]],
+    "a subclass": lambda s: [*s[:2], s[2].as_subclass(_Sub), *s[3:]],
+    "a scalar became a vector": lambda s: [*s[:4], torch.tensor([5.0])],
+    "one tensor fewer": lambda s: s[:-1],
+}
+
+
+def test_torchs_check_proves_itself_in_this_torch() -> None:
+    # CI's torch has it: a steady save checks facts in compiled code there (a torch that lacks
+    # it, or where it fails its self-test, compares in Python: test_steady runs both ways).
+    assert tensor_guard.usable()
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_every_change_of_a_tensors_facts_is_not_the_same(change: str) -> None:
+    state = _state()
+    guard = tensor_guard.build(state)
+    assert guard is not None
+    assert guard.same(state)
+    assert guard.same([t.detach() if type(t) is torch.Tensor else t for t in state])  # new objects
+    assert not guard.same(CHANGES[change](state))
+
+
+def test_requires_grad_is_compared_with_gradients_off_too() -> None:
+    # torch's check reads requires_grad as False while grad mode is off; the guard turns it on
+    state = _state()
+    with torch.no_grad():
+        guard = tensor_guard.build(state)
+        assert guard is not None
+        assert guard.same(state)
+        assert not guard.same(CHANGES["requires_grad"](state))
+    assert guard.same(state)
+
+
+def _spied_walks(monkeypatch: pytest.MonkeyPatch) -> list[Walked]:
+    seen: list[Walked] = []
+    real = steady.walk
+
+    def spy(state: Any) -> Walked:
+        seen.append(real(state))
+        return seen[-1]
+
+    monkeypatch.setattr(steady, "walk", spy)
+    return seen
+
+
+def _adam_like(n: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(n)
+    return {"model": {f"w{i}": torch.randn(3, 5, generator=g) for i in range(n)},
+            "opt": {i: {"exp_avg": torch.zeros(3, 5), "step": torch.tensor(1.0)}
+                    for i in range(n)},
+            "global_step": 0}
+
+
+def test_a_steady_save_reads_no_tensor_shape_in_python(
+        monkeypatch: pytest.MonkeyPatch, ckpt_dir: Any) -> None:
+    state = _adam_like(20)
+    walks = _spied_walks(monkeypatch)
+    with stagesave.Checkpointer(ckpt_dir, keep_last=None) as ck:
+        ck.save(state, "a.pt").result()
+        template = ck.plans._template
+        assert template is not None and template.guard is not None
+        state["global_step"] = 1
+        state["model"]["w0"].add_(1)
+        ck.save(state, "b.pt").result()
+        assert ck.plans._template is template
+        assert "facts" not in vars(walks[-1])  # the compiled check and the offsets sufficed
+    same_state(torch.load(os.path.join(ckpt_dir, "b.pt"), weights_only=True), state)
+
+
+def test_a_mode_torchs_check_cannot_tell_reuses_the_plan_by_python(
+        monkeypatch: pytest.MonkeyPatch, ckpt_dir: Any) -> None:
+    # Saves under inference mode (other dispatch keys): "not proven" by torch's check, the
+    # facts compared in Python, the plan reused, the file right.
+    state = _adam_like(5)
+    walks = _spied_walks(monkeypatch)
+    with stagesave.Checkpointer(ckpt_dir, keep_last=None) as ck:
+        ck.save(state, "a.pt").result()
+        template = ck.plans._template
+        with torch.inference_mode():
+            state["global_step"] = 3
+            ck.save(state, "b.pt").result()
+        assert ck.plans._template is template
+        assert "facts" in vars(walks[-1])
+        same_state(torch.load(os.path.join(ckpt_dir, "b.pt"), weights_only=True), state)
+        with torch.inference_mode():
+            state["model"]["w1"] = torch.ones(5, 3)  # and a change is still seen
+            ck.save(state, "c.pt").result()
+        assert ck.plans._template is not template
+    same_state(torch.load(os.path.join(ckpt_dir, "c.pt"), weights_only=True), state)
+
+
+def test_the_same_address_at_another_storage_offset_is_planned_again(ckpt_dir: Any) -> None:
+    # The same data address, shape, strides, dtype and storage size, but the tensor now starts
+    # its storage (one that begins where the old view's data did): torch's check, the address
+    # and the storage's size agree; only the storage offset tells them apart.
+    memory = bytearray(320)
+    torch.frombuffer(memory, dtype=torch.float32).copy_(torch.arange(80, dtype=torch.float32))
+    old = torch.frombuffer(memory, dtype=torch.float32, count=64)  # bytes 0-256
+    state = {"t": old[16:20], "step": 0}
+    with stagesave.Checkpointer(ckpt_dir, keep_last=None) as ck:
+        ck.save(state, "a.pt").result()
+        template = ck.plans._template
+        new = torch.frombuffer(memory, dtype=torch.float32, offset=64, count=64)  # bytes 64-320
+        state["t"] = new[:4]
+        assert state["t"].data_ptr() == old[16:20].data_ptr()
+        assert state["t"].untyped_storage().nbytes() == old.untyped_storage().nbytes()
+        ck.save(state, "b.pt").result()
+        assert ck.plans._template is not template
+    got = torch.load(os.path.join(ckpt_dir, "b.pt"), weights_only=True)
+    same_state(got, state)
+    assert torch.equal(torch.frombuffer(bytearray(got["t"].untyped_storage()), dtype=torch.float32),
+                       torch.arange(16, 80, dtype=torch.float32))
