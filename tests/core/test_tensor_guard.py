@@ -16,6 +16,7 @@ import torch
 from statecompare import same_state
 
 import stagesave
+from stagesave.errors import UnsupportedObjectError
 from stagesave.saving import steady, tensor_guard
 from stagesave.saving.walk import Walked
 
@@ -152,3 +153,25 @@ def test_the_same_address_at_another_storage_offset_is_planned_again(ckpt_dir: A
     same_state(got, state)
     assert torch.equal(torch.frombuffer(bytearray(got["t"].untyped_storage()), dtype=torch.float32),
                        torch.arange(16, 80, dtype=torch.float32))
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors:UserWarning")
+def test_a_nested_or_sparse_tensor_where_a_plain_one_was_never_meets_the_check(
+        ckpt_dir: Any) -> None:
+    # torch's check reads every tensor's strides; a nested tensor has none and the error
+    # aborts the process, so such a tensor never reaches it (nor a sparse one, whose strides
+    # Python cannot read either).
+    state: dict[str, Any] = {"a": torch.arange(4.0), "b": torch.ones(2, 2), "step": 0}
+    with stagesave.Checkpointer(ckpt_dir, keep_last=None) as ck:
+        ck.save(state, "a.pt").result()
+        assert ck.plans._template is not None and ck.plans._template.guard is not None
+        state["a"] = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+        with pytest.raises(UnsupportedObjectError, match="nested tensor"):  # not an abort
+            ck.save(state, "b.pt")
+        state["a"] = torch.eye(2).to_sparse()
+        ck.save(state, "c.pt").result()
+        ck.save(state, "d.pt").result()
+    for name in ("c.pt", "d.pt"):
+        got = torch.load(os.path.join(ckpt_dir, name), weights_only=False)
+        assert torch.equal(got["a"].to_dense(), torch.eye(2))
+        assert torch.equal(got["b"], state["b"])

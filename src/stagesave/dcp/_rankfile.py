@@ -38,6 +38,8 @@ from ..errors import UnsupportedObjectError
 from ..saving.host_copy import BIG, HostCopies, host_view
 from ..saving.image import FileImage, StorageSlot
 from ..saving.sparse import SparseReader, SparseSink
+from ..saving.tensor_guard import Guard
+from . import _rank_guard
 from ._format import ITEM_ALIGNMENT, RANK_FILE_KIND
 from ._metadata import StorageInfo
 from ._recent import Recent
@@ -157,6 +159,10 @@ class RankLayout:
     #: reused torch-file plan does; the views in ``copies`` are used only then).
     host: tuple[list[int], list[StorageSlot], HostCopies] | None = field(default=None,
                                                                           compare=False)
+    #: Where every tensor went into the file as it is: the items in short and torch's compiled
+    #: check of the tensors (:mod:`._rank_guard`).
+    light: list[tuple[Any, ...]] | None = field(default=None, compare=False)
+    guard: Guard | None = field(default=None, compare=False)
 
 
 @dataclass
@@ -192,19 +198,14 @@ def _serialized(t: torch.Tensor) -> bytes:
 
 
 def _resolved(
-    items: Sequence[WriteItem], resolve: Callable[[WriteItem], Any],
-    resolve_items: Callable[[Sequence[WriteItem]], list[Any]] | None = None,
+    items: Sequence[WriteItem], resolved: list[Any],
 ) -> tuple[list[tuple[Any, ...]], list[Any]]:
-    """Each item's layout key and what goes into the file: a contiguous tensor or a blob.
-
-    ``resolve`` is the planner's ``resolve_data`` (``resolve_items``: the same for all items in
-    one call); it runs here, on the caller's thread, so non-tensor items are serialized now
-    (capturing their value at this instant).
-    """
+    """Each item's layout key and what goes into the file (a contiguous tensor or a blob), from
+    its data (``resolved``: the planner's ``resolve_data`` ran on the caller's thread, so
+    non-tensor items are serialized now, capturing their value at this instant)."""
     keys: list[tuple[Any, ...]] = []
     found: list[Any] = []
     key, keep = keys.append, found.append
-    resolved = resolve_items(items) if resolve_items is not None else map(resolve, items)
     for item, data in zip(items, resolved):
         if item.type == _BYTE_IO:
             blob = bytes(cast(io.BytesIO, data).getbuffer())
@@ -289,14 +290,19 @@ def layout_rank_file(
     Raises:
         UnsupportedObjectError: an item is a tensor on the meta device (it has no data).
     """
-    keys, found = _resolved(items, resolve, resolve_items)
-    layout = None
-    if known is not None:
-        layout = known.find(lambda old: old.file_name == file_name and old.keys == keys)
-    if layout is None:
-        layout = _lay_out(keys, found, file_name, cache)
+    resolved = resolve_items(items) if resolve_items is not None else list(map(resolve, items))
+    layout, short = _rank_guard.reuse(known, file_name, items, resolved)
+    if layout is not None and short is not None:
+        found = short.found
+    else:
+        keys, found = _resolved(items, resolved)
         if known is not None:
-            known.add(layout)
+            layout = known.find(lambda old: old.file_name == file_name and old.keys == keys)
+        if layout is None:
+            layout = _lay_out(keys, found, file_name, cache)
+            if known is not None:
+                known.add(layout)
+        _rank_guard.keep(layout, short, found)
     pieces: list[tuple[int, bytes]] = list(layout.static)
     for obj, place in zip(found, layout.places):
         if type(obj) is bytes:

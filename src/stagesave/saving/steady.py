@@ -306,6 +306,12 @@ class PlanCache:
                 template, walked):
             return template.image(walked, consts)
         self._template = None
+        if walked is not None:
+            try:  # every tensor's facts and address, read once for a new plan
+                walked.facts  # noqa: B018 - cached properties
+                walked.addresses  # noqa: B018
+            except Exception:  # noqa: BLE001 - a tensor without them (sparse): no template
+                walked = None
         if walked is not None and self.prepare is not None:
             self.prepare(walked.image_bounds)
         if walked is not None and consts is not None and not _agrees(self._refused, walked):

@@ -11,7 +11,8 @@ no reference to it) and asked ``check(*tensors)``: ~0.2 µs per tensor here.
 
 That class is torch's, not a public API, so it is used only where it proves itself: once per
 process it must tell a copy of a small state apart from each kind of change (a shape, a
-stride, a dtype, ``requires_grad``, a parameter for a tensor) and accept the state unchanged;
+stride, a dtype, ``requires_grad``, a parameter for a tensor, a sparse, meta, negative or
+conjugate tensor in a plain one's place) and accept the state unchanged;
 if it cannot be imported or built, or fails that test, :func:`build` gives ``None`` and the
 steady planner compares the facts in Python as before. Its answer "the same" is taken as
 proof; its answer "different" is not (the dispatch keys it compares include thread-local
@@ -47,7 +48,12 @@ class Guard:
     def same(self, tensors: Sequence[torch.Tensor]) -> bool:
         """Whether ``tensors`` (as many as it was built from, in the same order) have the same
         Python type, dtype, device, ``requires_grad``, shape and strides; ``False`` also where
-        it cannot tell."""
+        it cannot tell.
+
+        ``tensors`` must hold no nested tensor (``is_nested``; the caller's walk checks it):
+        torch's check reads every tensor's strides, which a nested tensor does not have, and
+        that error aborts the process (torch 2.13) instead of raising.
+        """
         if len(tensors) != self.count:
             return False
         try:
@@ -85,8 +91,15 @@ def _self_test() -> bool:
         [*state[:3], state[3].detach()],  # a parameter became a tensor
         [*state[:3], torch.nn.Parameter(torch.ones(3), requires_grad=False)],  # its flag
         [state[0], state[1], torch.zeros(4), state[3]],  # number of dimensions
+        # what a sharded save's rank file must not copy as it is (:mod:`..dcp._rank_guard`)
+        [*state[:2], torch.zeros(2, 2).to_sparse(), state[3]],  # another layout
+        [*state[:2], torch.zeros(2, 2, device="meta"), state[3]],  # no data
+        [*state[:2], torch.zeros(2, 2)._neg_view(), state[3]],  # a negative view
     ]
-    return guard.same(state) and not any(guard.same(c) for c in changes)
+    complex_ = torch.zeros(2, dtype=torch.complex64)
+    conj = _make([complex_])  # a conjugate view: same dtype, shape and strides
+    return (guard.same(state) and not any(guard.same(c) for c in changes)
+            and conj is not None and not conj.same([complex_.conj()]))
 
 
 def usable() -> bool:
@@ -100,7 +113,7 @@ def usable() -> bool:
 
 def build(tensors: Sequence[torch.Tensor]) -> Guard | None:
     """A guard of ``tensors``' facts as they are now; ``None`` where torch's check is not
-    usable (the caller compares in Python)."""
-    if not usable():
+    usable (the caller compares in Python) or a tensor is nested (see :meth:`Guard.same`)."""
+    if not usable() or any([t.is_nested for t in tensors]):  # noqa: C419 - a list is faster
         return None
     return _make(tensors)

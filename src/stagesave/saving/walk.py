@@ -130,9 +130,10 @@ def walk(state: Any) -> Walked:
     reading them attribute by attribute over all tensors cost ~25% more for 100,000 tensors).
 
     Raises:
-        Different: a tensor with Python attributes or hooks, an object the walk does not look
-            into holds a tensor, or the state nests deeper than :data:`MAX_DEPTH` (or holds
-            itself).
+        Different: a tensor with Python attributes or hooks, a nested tensor (it has no strides:
+            torch's compiled check, :mod:`.tensor_guard`, would abort the process on one), an
+            object the walk does not look into holds a tensor, or the state nests deeper than
+            :data:`MAX_DEPTH` (or holds itself).
     """
     structure: list[Any] = []
     tensors: list[torch.Tensor] = []
@@ -147,8 +148,8 @@ def walk(state: Any) -> Walked:
         for value in stack[-1]:  # resumes where it stopped when a container was pushed
             kind = type(value)
             if kind is plain:
-                if value.__dict__ or value._backward_hooks:
-                    raise Different("a tensor with attributes or hooks")
+                if value.__dict__ or value._backward_hooks or value.is_nested:
+                    raise Different("a tensor with attributes or hooks, or a nested one")
                 note(plain)
                 note_tensor(value)
             elif kind in volatile:
@@ -185,8 +186,8 @@ def walk(state: Any) -> Walked:
                 push(itertools.chain(value.values(), (extra,)) if extra else iter(value.values()))
                 break
             elif kind is _Parameter:
-                if value.__dict__ or value._backward_hooks:
-                    raise Different("a parameter with attributes or hooks")
+                if value.__dict__ or value._backward_hooks or value.is_nested:
+                    raise Different("a parameter with attributes or hooks, or a nested one")
                 note(_Parameter)
                 note_tensor(value)
             else:

@@ -1,0 +1,102 @@
+"""A sharded save's rank file reuses its layout by torch's compiled check of its tensors
+(:mod:`stagesave.dcp._rank_guard`, issue 20): no tensor's facts read in Python when nothing
+changed, and every tensor that must not be copied as it is (a conjugate or negative view, a
+transposed one, another dtype) still goes through the full path and is written as a fresh
+writer writes it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from test_steady_layout import data_bytes, save
+
+import stagesave.dcp as sdcp
+from stagesave.dcp import _rankfile
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+
+def _state() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(3)
+    return {"model": {"w": torch.randn(8, 8, generator=g), "b": torch.randn(8, generator=g),
+                      "z": torch.randn(4, dtype=torch.complex64, generator=g),
+                      "ids": torch.arange(5)},
+            "step": 1}
+
+
+@pytest.fixture
+def writers(tmp_path: Path):
+    made = [sdcp.StagedStorageWriter(root=tmp_path / f"w{i}", commit_timeout=60) for i in range(2)]
+    yield made
+    for w in made:
+        w.close()
+
+
+def _count_full_paths(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls: list[int] = []
+    real = _rankfile._resolved
+
+    def spy(items: Any, resolved: Any) -> Any:
+        calls.append(len(items))
+        return real(items, resolved)
+
+    monkeypatch.setattr(_rankfile, "_resolved", spy)
+    return calls
+
+
+def _loads_as(folder: Path, state: dict[str, Any]) -> None:
+    got = {"model": {k: torch.zeros_like(v.resolve_conj().resolve_neg())
+                     for k, v in state["model"].items()}, "step": 0}
+    dcp.load(got, checkpoint_id=str(folder))  # torch's own reader
+    for k, v in state["model"].items():
+        assert torch.equal(got["model"][k], v.resolve_conj().resolve_neg()), k
+    assert got["step"] == state["step"]
+
+
+def test_an_unchanged_rank_file_is_laid_out_by_the_compiled_check(
+        writers: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    steady, fresh = writers
+    state = _state()
+    full = _count_full_paths(monkeypatch)
+    save(steady, state, "s1")
+    layout = steady._layouts.entries[0]
+    assert layout.guard is not None and len(full) == 1
+    with torch.no_grad():
+        state["model"]["w"].mul_(3)
+    state["model"]["b"] = torch.randn(8)  # a new tensor object, same facts
+    state["step"] = 2
+    second = save(steady, state, "s2")
+    assert len(full) == 1 and steady._layouts.entries == [layout]  # no tensor read in Python
+    assert data_bytes(second) == data_bytes(save(fresh, state, "s2"))
+    _loads_as(second, state)
+
+
+CHANGES = {
+    "a conjugate view": lambda m: m.update(z=m["z"].conj()),
+    "a negative view": lambda m: m.update(b=m["b"]._neg_view()),
+    "transposed, same shape": lambda m: m.update(w=m["w"].t()),
+    "another dtype": lambda m: m.update(ids=m["ids"].to(torch.int32)),
+    "another shape": lambda m: m.update(w=m["w"].reshape(4, 16)),
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_a_tensor_that_cannot_be_copied_as_it_was_takes_the_full_path(
+        writers: list[Any], monkeypatch: pytest.MonkeyPatch, change: str) -> None:
+    steady, fresh = writers
+    state = _state()
+    full = _count_full_paths(monkeypatch)
+    save(steady, state, "s1")
+    CHANGES[change](state["model"])
+    state["step"] = 2
+    second = save(steady, state, "s2")
+    assert len(full) == 2
+    assert data_bytes(second) == data_bytes(save(fresh, state, "s2"))
+    _loads_as(second, state)
+    third = save(steady, state, "s3")  # and again: whatever the change left is reused right
+    assert data_bytes(third) == data_bytes(save(fresh, state, "s3"))
+    _loads_as(third, state)
