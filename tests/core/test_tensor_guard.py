@@ -175,3 +175,36 @@ def test_a_nested_or_sparse_tensor_where_a_plain_one_was_never_meets_the_check(
         got = torch.load(os.path.join(ckpt_dir, name), weights_only=False)
         assert torch.equal(got["a"].to_dense(), torch.eye(2))
         assert torch.equal(got["b"], state["b"])
+
+
+class _Blind:
+    """A torch whose compiled check says "the same" to anything (a fault this torch does not
+    have, hence the stand-in)."""
+
+    def __init__(self, *tensors: Any, **kwargs: Any) -> None:
+        pass
+
+    def check(self, *tensors: Any) -> bool:
+        return True
+
+
+class _Gone:
+    def __init__(self, *tensors: Any, **kwargs: Any) -> None:
+        raise TypeError("TensorGuards.__init__() got an unexpected keyword argument")
+
+
+@pytest.mark.parametrize("fault", [_Blind, _Gone])
+def test_a_check_that_fails_its_self_test_is_not_used(
+        monkeypatch: pytest.MonkeyPatch, ckpt_dir: Any, fault: type) -> None:
+    from torch._C._dynamo import guards
+
+    monkeypatch.setattr(guards, "TensorGuards", fault)
+    monkeypatch.setattr(tensor_guard, "_usable", None)  # as in a new process
+    assert not tensor_guard.usable()
+    state = {"w": torch.ones(2, 3), "step": 0}
+    with stagesave.Checkpointer(ckpt_dir, keep_last=None) as ck:
+        ck.save(state, "a.pt").result()
+        assert ck.plans._template is not None and ck.plans._template.guard is None
+        state["w"] = torch.ones(3, 2)  # a blind check would keep the old shape
+        ck.save(state, "b.pt").result()
+    same_state(torch.load(os.path.join(ckpt_dir, "b.pt"), weights_only=True), state)
