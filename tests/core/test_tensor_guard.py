@@ -9,6 +9,8 @@ so it must never say "the same" for a tensor whose pickle would differ; what it 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -208,3 +210,75 @@ def test_a_check_that_fails_its_self_test_is_not_used(
         state["w"] = torch.ones(3, 2)  # a blind check would keep the old shape
         ck.save(state, "b.pt").result()
     same_state(torch.load(os.path.join(ckpt_dir, "b.pt"), weights_only=True), state)
+
+
+_X = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+SWAPS = {  # the same address, shape, strides and dtype: only a conjugate or negative bit differs
+    "a conjugate view for the tensor": ({"z": _X}, lambda: _X.conj()),
+    "a negative view for the tensor": ({"z": _X.imag}, lambda: _X.conj().imag),
+    "the tensor for its conjugate view": ({"z": _X.conj()}, lambda: _X),
+}
+
+
+@pytest.mark.parametrize("swap", list(SWAPS))
+@pytest.mark.parametrize("check", ["torch's", "python"])
+def test_a_view_that_differs_only_by_its_conjugate_or_negative_bit_is_planned_again(
+        ckpt_dir: Any, monkeypatch: pytest.MonkeyPatch, swap: str, check: str) -> None:
+    if check == "python":
+        monkeypatch.setattr(tensor_guard, "_usable", False)
+    first, then = SWAPS[swap]
+    state = {**first, "step": 0}
+    with stagesave.Checkpointer(ckpt_dir, keep_last=None) as ck:
+        ck.save(state, "a.pt").result()
+        state["z"], state["step"] = then(), 1
+        ck.save(state, "b.pt").result()
+    got = torch.load(os.path.join(ckpt_dir, "b.pt"), weights_only=True)
+    want = torch.load(_torch_saved(ckpt_dir, state), weights_only=True)
+    assert (got["z"].is_conj(), got["z"].is_neg()) == (want["z"].is_conj(), want["z"].is_neg())
+    assert torch.equal(got["z"].resolve_conj().resolve_neg(),
+                       state["z"].resolve_conj().resolve_neg())
+
+
+def _torch_saved(directory: Any, state: Any) -> str:
+    path = os.path.join(directory, "torch.pt")
+    torch.save(state, path)
+    return path
+
+
+def test_a_plan_made_under_inference_mode_gets_the_check_back_outside_it(
+        monkeypatch: pytest.MonkeyPatch, ckpt_dir: Any) -> None:
+    state = _adam_like(4)
+    walks = _spied_walks(monkeypatch)
+    with stagesave.Checkpointer(ckpt_dir, keep_last=None) as ck:
+        with torch.inference_mode():
+            ck.save(state, "a.pt").result()
+        state["global_step"] = 1
+        ck.save(state, "b.pt").result()  # the check cannot tell: Python, then made again
+        assert "facts" in vars(walks[-1])
+        state["global_step"] = 2
+        ck.save(state, "c.pt").result()
+        assert "facts" not in vars(walks[-1])
+    same_state(torch.load(os.path.join(ckpt_dir, "c.pt"), weights_only=True), state)
+
+
+_DEFAULTS = """
+import sys, tempfile, torch, stagesave
+from stagesave.saving import tensor_guard
+torch.set_default_dtype(torch.float64)
+state = {"w": torch.ones(2, 3, dtype=torch.float32, device="cpu"), "step": 0}
+root = tempfile.mkdtemp()
+with torch.device("meta"), stagesave.Checkpointer(root) as ck:
+    ck.save(state, "a.pt").result()
+    state["w"] = torch.ones(3, 2, dtype=torch.float32, device="cpu")
+    ck.save(state, "b.pt").result()
+print("usable", tensor_guard.usable(), tuple(torch.load(root + "/b.pt")["w"].shape))
+"""
+
+
+def test_the_self_test_holds_under_other_default_devices_and_dtypes() -> None:
+    # a fresh process: the self-test runs once per process, on its first save
+    out = subprocess.run([sys.executable, "-c", _DEFAULTS], check=False, capture_output=True,
+                         text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["usable", "True", "(3,", "2)"]

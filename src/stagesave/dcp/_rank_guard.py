@@ -52,7 +52,7 @@ def light(items: Sequence[WriteItem], resolved: list[Any]) -> Light | None:
             blob = bytes(cast(io.BytesIO, data).getbuffer())
             key((item.index, len(blob)))
             keep(blob)
-        elif type(data) is _Tensor and not data.is_nested:  # see tensor_guard's Guard.same
+        elif type(data) is _Tensor and tensor_guard.checkable(data):
             key((item.index,))
             note(data)
             keep(data)

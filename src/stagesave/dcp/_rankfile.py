@@ -190,8 +190,8 @@ def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
 def _serialized(t: torch.Tensor) -> bytes:
     """The slow path, for tensors that are not plain strided ones: what FileSystemWriter writes."""
     cpu = t.detach().cpu()
-    if cpu.untyped_storage().size() != cpu.nbytes:
-        cpu = cpu.clone()
+    if cpu.layout is torch.strided and cpu.untyped_storage().size() != cpu.nbytes:
+        cpu = cpu.clone()  # (a sparse tensor has no storage of its own: saved as it is)
     out = io.BytesIO()
     torch.save(cpu, out)
     return out.getvalue()

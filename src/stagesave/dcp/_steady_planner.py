@@ -55,8 +55,9 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 def _signature(state_dict: dict[str, Any],
                is_coordinator: bool) -> tuple[list[Any], list[torch.Tensor]] | None:
     """What ``create_default_local_save_plan`` makes its items from, per key in order, but the
-    plain tensors' own facts (:func:`_facts`), and those tensors; ``None`` when the state holds
-    a tensor other than a plain one (its items depend on more)."""
+    strided plain tensors' own facts (:func:`_facts`, compared apart), and those tensors;
+    ``None`` when the state holds a tensor other than a plain one (its items depend on more)
+    or a nested one."""
     out: list[Any] = [is_coordinator]
     tensors: list[torch.Tensor] = []
     note, note_tensor = out.append, tensors.append
@@ -65,9 +66,12 @@ def _signature(state_dict: dict[str, Any],
     pinnable = torch.accelerator.is_available()
     for fqn, obj in state_dict.items():
         kind = type(obj)
-        if kind in _PLAIN and not obj.is_nested:  # see tensor_guard's Guard.same
+        if kind in _PLAIN and tensor_guard.checkable(obj):
             note((fqn, pinnable and obj.is_pinned()))
             note_tensor(obj)
+        elif kind in _PLAIN and not obj.is_nested:  # sparse: its facts read here
+            note((fqn, pinnable and obj.is_pinned(), obj.dtype, obj.shape, obj.layout,
+                  obj.requires_grad))
         elif isinstance(obj, torch.Tensor) or hasattr(obj, "__create_write_items__"):
             return None
         else:
@@ -191,7 +195,10 @@ class SteadySavePlanner(DefaultSavePlanner):
                 return True
             if not facts:
                 facts.append(_facts(tensors))
-            return e.facts == facts[0]
+            if e.facts != facts[0]:
+                return False
+            e.guard = tensor_guard.build(tensors)  # as torch sees them now (another mode)
+            return True
 
         known = self._locals.find(same)
         if known is not None:

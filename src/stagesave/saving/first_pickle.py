@@ -274,7 +274,7 @@ class _Writer:
         if n is not None:
             self.out += _get(n)
             return
-        shape, stride, offset, dtype, requires_grad = fact
+        shape, stride, offset, dtype, requires_grad, _ = fact
         self.memo[id(t)] = self.reduction(t, shape, stride, offset, dtype, requires_grad, id(t))
 
     def reduction(self, t: torch.Tensor, shape: Any, stride: tuple[int, ...], offset: int,
@@ -368,7 +368,7 @@ class _Writer:
         if n is not None:
             self.out += _get(n)
             return
-        shape, stride, offset, dtype, requires_grad = fact
+        shape, stride, offset, dtype, requires_grad, _ = fact
         self.out += self.memoised(_rebuild_parameter, _REBUILD_PARAMETER)
         # its .data: a tensor object never seen before, requires_grad False
         self.reduction(p, shape, stride, offset, dtype, False, id(p))

@@ -189,7 +189,12 @@ class Template:
         guard = self.guard
         if guard is not None and guard.same(walked.tensors) and walked.offsets == self.offsets:
             return True
-        return walked.facts == self.facts
+        if walked.facts != self.facts:
+            return False
+        # the same by Python where the check could not tell (a save under another dispatch
+        # mode, such as inference mode): the check made again, as torch sees the tensors now
+        self.guard = tensor_guard.build(walked.tensors)
+        return True
 
     def _note_shared(self) -> None:
         """The positions of tensors at an address another tensor has, and their identities."""

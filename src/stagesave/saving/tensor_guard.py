@@ -30,8 +30,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["Guard", "build", "usable"]
+__all__ = ["Guard", "build", "checkable", "usable"]
 
+_strided = torch.strided
 _lock = threading.Lock()
 _usable: bool | None = None  # the once-per-process test's answer
 
@@ -50,9 +51,9 @@ class Guard:
         Python type, dtype, device, ``requires_grad``, shape and strides; ``False`` also where
         it cannot tell.
 
-        ``tensors`` must hold no nested tensor (``is_nested``; the caller's walk checks it):
-        torch's check reads every tensor's strides, which a nested tensor does not have, and
-        that error aborts the process (torch 2.13) instead of raising.
+        Every one of ``tensors`` must be :func:`checkable` (the caller's walk checks it):
+        torch's check reads every tensor's strides, which a nested or sparse tensor does not
+        have, and that error aborts the process (torch 2.13) instead of raising.
         """
         if len(tensors) != self.count:
             return False
@@ -76,9 +77,20 @@ def _make(tensors: Sequence[torch.Tensor]) -> Guard | None:
 
 
 def _self_test() -> bool:
-    """Whether torch's check tells each kind of change apart from the same state."""
-    base = torch.arange(12, dtype=torch.float32)
-    state = [base.view(3, 4), base[2:6], torch.zeros(2, 2), torch.nn.Parameter(torch.ones(3))]
+    """Whether torch's check tells each kind of change apart from the same state (its tensors
+    made on the CPU with explicit dtypes: whatever the process's default device and dtype)."""
+    try:
+        return _tells_changes_apart()
+    except Exception:  # noqa: BLE001 - any surprise in a torch of another version: Python
+        return False
+
+
+def _tells_changes_apart() -> bool:
+    f32, cpu = torch.float32, "cpu"
+    base = torch.arange(12, dtype=f32, device=cpu)
+    square = torch.zeros(2, 2, dtype=f32, device=cpu)
+    ones = torch.ones(3, dtype=f32, device=cpu)
+    state = [base.view(3, 4), base[2:6], square, torch.nn.Parameter(ones)]
     guard = _make(state)
     if guard is None:
         return False
@@ -86,17 +98,18 @@ def _self_test() -> bool:
         [state[0].view(4, 3), *state[1:]],  # shape
         [state[0].t(), *state[1:]],  # strides (and shape)
         [state[0], base[2:10:2], *state[2:]],  # strides only
-        [*state[:2], torch.zeros(2, 2, dtype=torch.float64), state[3]],  # dtype
-        [*state[:2], torch.zeros(2, 2).requires_grad_(), state[3]],  # requires_grad
+        [*state[:2], square.to(torch.float64), state[3]],  # dtype
+        [*state[:2], square.clone().requires_grad_(), state[3]],  # requires_grad
         [*state[:3], state[3].detach()],  # a parameter became a tensor
-        [*state[:3], torch.nn.Parameter(torch.ones(3), requires_grad=False)],  # its flag
-        [state[0], state[1], torch.zeros(4), state[3]],  # number of dimensions
+        [*state[:3], torch.nn.Parameter(ones.clone(), requires_grad=False)],  # its flag
+        [state[0], state[1], torch.zeros(4, dtype=f32, device=cpu), state[3]],  # dimensions
         # what a sharded save's rank file must not copy as it is (:mod:`..dcp._rank_guard`)
-        [*state[:2], torch.zeros(2, 2).to_sparse(), state[3]],  # another layout
-        [*state[:2], torch.zeros(2, 2, device="meta"), state[3]],  # no data
-        [*state[:2], torch.zeros(2, 2)._neg_view(), state[3]],  # a negative view
+        [*state[:2], square.to_sparse(), state[3]],  # another layout (the check is not built
+        # on one: it would read its strides)
+        [*state[:2], torch.zeros(2, 2, dtype=f32, device="meta"), state[3]],  # no data
+        [*state[:2], square._neg_view(), state[3]],  # a negative view
     ]
-    complex_ = torch.zeros(2, dtype=torch.complex64)
+    complex_ = torch.zeros(2, dtype=torch.complex64, device=cpu)
     conj = _make([complex_])  # a conjugate view: same dtype, shape and strides
     return (guard.same(state) and not any(guard.same(c) for c in changes)
             and conj is not None and not conj.same([complex_.conj()]))
@@ -111,9 +124,15 @@ def usable() -> bool:
         return _usable
 
 
+def checkable(t: torch.Tensor) -> bool:
+    """Whether torch's check may be given ``t``: a strided tensor that is not nested (it reads
+    every tensor's strides, and where a tensor has none the error aborts the process)."""
+    return t.layout is _strided and not t.is_nested
+
+
 def build(tensors: Sequence[torch.Tensor]) -> Guard | None:
     """A guard of ``tensors``' facts as they are now; ``None`` where torch's check is not
-    usable (the caller compares in Python) or a tensor is nested (see :meth:`Guard.same`)."""
-    if not usable() or any([t.is_nested for t in tensors]):  # noqa: C419 - a list is faster
+    usable (the caller compares in Python) or a tensor is not :func:`checkable`."""
+    if not usable() or not all([checkable(t) for t in tensors]):  # noqa: C419 - faster
         return None
     return _make(tensors)

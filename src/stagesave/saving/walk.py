@@ -36,6 +36,7 @@ _OrderedDict = collections.OrderedDict
 _untyped_storage = torch.Tensor.untyped_storage
 _data_ptr = torch.Tensor.data_ptr
 _storage_offset = torch.Tensor.storage_offset
+_metadata = torch._C._get_tensor_metadata  # type: ignore[attr-defined]
 VOLATILE = frozenset({int, float, bool, type(None)})
 _LEAF = object()  # where a volatile number sits in a structure
 _TEXT = object()  # where a volatile string sits
@@ -45,9 +46,9 @@ class Different(Exception):
     """The state holds something a template cannot stand for."""
 
 
-#: A tensor's facts as its pickle records them: shape, stride, storage offset, dtype and
-#: ``requires_grad``.
-Fact = tuple[torch.Size, tuple[int, ...], Any, torch.dtype, bool]
+#: A tensor's facts as its pickle records them: shape, stride, storage offset, dtype,
+#: ``requires_grad`` and torch's metadata (its conjugate and negative bits: ``{}`` for most).
+Fact = tuple[torch.Size, tuple[int, ...], Any, torch.dtype, bool, dict[str, Any]]
 
 
 @dataclass
@@ -63,8 +64,9 @@ class Walked:
 
     @functools.cached_property
     def facts(self) -> list[Fact]:
-        """Per tensor: its shape, stride, storage offset, dtype and ``requires_grad``."""
-        return [(t.shape, t.stride(), t.storage_offset(), t.dtype, t.requires_grad)
+        """Per tensor: its shape, stride, storage offset, dtype, ``requires_grad`` and
+        metadata."""
+        return [(t.shape, t.stride(), t.storage_offset(), t.dtype, t.requires_grad, _metadata(t))
                 for t in self.tensors]
 
     @functools.cached_property
@@ -130,8 +132,9 @@ def walk(state: Any) -> Walked:
     reading them attribute by attribute over all tensors cost ~25% more for 100,000 tensors).
 
     Raises:
-        Different: a tensor with Python attributes or hooks, a nested tensor (it has no strides:
-            torch's compiled check, :mod:`.tensor_guard`, would abort the process on one), an
+        Different: a tensor with Python attributes or hooks, a tensor that is not strided or is
+            nested (it has no strides: torch's compiled check, :mod:`.tensor_guard`, would
+            abort the process on one; such a state never had a template), an
             object the walk does not look into holds a tensor, or the state nests deeper than
             :data:`MAX_DEPTH` (or holds itself).
     """
@@ -141,15 +144,16 @@ def walk(state: Any) -> Walked:
     containers: list[int] = []
     note, note_tensor = structure.append, tensors.append
     note_leaf, note_container = leaves.append, containers.append
-    plain, volatile, leaf, text = _Tensor, VOLATILE, _LEAF, _TEXT
+    plain, volatile, leaf, text, strided = _Tensor, VOLATILE, _LEAF, _TEXT, torch.strided
     stack: list[Iterator[Any]] = [iter((state,))]
     push, pop = stack.append, stack.pop
     while stack:
         for value in stack[-1]:  # resumes where it stopped when a container was pushed
             kind = type(value)
             if kind is plain:
-                if value.__dict__ or value._backward_hooks or value.is_nested:
-                    raise Different("a tensor with attributes or hooks, or a nested one")
+                if (value.__dict__ or value._backward_hooks or value.is_nested
+                        or value.layout is not strided):
+                    raise Different("a tensor with attributes or hooks, or not strided")
                 note(plain)
                 note_tensor(value)
             elif kind in volatile:
@@ -186,8 +190,9 @@ def walk(state: Any) -> Walked:
                 push(itertools.chain(value.values(), (extra,)) if extra else iter(value.values()))
                 break
             elif kind is _Parameter:
-                if value.__dict__ or value._backward_hooks or value.is_nested:
-                    raise Different("a parameter with attributes or hooks, or a nested one")
+                if (value.__dict__ or value._backward_hooks or value.is_nested
+                        or value.layout is not strided):
+                    raise Different("a parameter with attributes or hooks, or not strided")
                 note(_Parameter)
                 note_tensor(value)
             else:
