@@ -9,6 +9,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -68,3 +69,14 @@ def fsdp_saved(launcher: Launcher, tmp_path_factory: pytest.TempPathFactory) -> 
     run = launcher("fsdp_save", 4, tmp_path_factory.mktemp("fsdp4"))
     run.ok()
     return run
+
+
+@pytest.fixture
+def writers(tmp_path: Path) -> Iterator[list[Any]]:
+    """Two sharded writers in their own folders (a steady one and a fresh one to compare)."""
+    import stagesave.dcp as sdcp  # noqa: PLC0415, RUF100 - after the sys.path insertion
+
+    made = [sdcp.StagedStorageWriter(root=tmp_path / f"w{i}", commit_timeout=60) for i in range(2)]
+    yield made
+    for w in made:
+        w.close()

@@ -16,7 +16,6 @@ import torch
 import torch.distributed.checkpoint as dcp
 from test_steady_layout import data_bytes, save
 
-import stagesave.dcp as sdcp
 from stagesave.dcp import _rankfile
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -28,14 +27,6 @@ def _state() -> dict[str, Any]:
                       "z": torch.randn(4, dtype=torch.complex64, generator=g),
                       "ids": torch.arange(5)},
             "step": 1}
-
-
-@pytest.fixture
-def writers(tmp_path: Path):
-    made = [sdcp.StagedStorageWriter(root=tmp_path / f"w{i}", commit_timeout=60) for i in range(2)]
-    yield made
-    for w in made:
-        w.close()
 
 
 def _count_full_paths(monkeypatch: pytest.MonkeyPatch) -> list[int]:

@@ -60,14 +60,6 @@ def loads_as(folder: Path, state: dict[str, Any]) -> None:
     assert np.array_equal(got["rng"], state["rng"])
 
 
-@pytest.fixture
-def writers(tmp_path: Path):
-    made = [sdcp.StagedStorageWriter(root=tmp_path / f"w{i}", commit_timeout=60) for i in range(2)]
-    yield made
-    for w in made:
-        w.close()
-
-
 def test_an_unchanged_plan_reuses_its_layout_and_writes_what_a_fresh_writer_writes(writers):
     steady, fresh = writers
     state = mixed_state()
