@@ -112,26 +112,58 @@ def test_a_steady_save_reads_no_tensor_shape_in_python(
     same_state(torch.load(os.path.join(ckpt_dir, "b.pt"), weights_only=True), state)
 
 
-def test_a_mode_torchs_check_cannot_tell_reuses_the_plan_by_python(
-        monkeypatch: pytest.MonkeyPatch, ckpt_dir: Any) -> None:
-    # Saves under inference mode (other dispatch keys): "not proven" by torch's check, the
-    # facts compared in Python, the plan reused, the file right.
+@pytest.mark.parametrize("mode", ["inference", "autocast", "no_grad"])
+def test_a_save_inside_a_mode_is_checked_as_any_other(
+        monkeypatch: pytest.MonkeyPatch, ckpt_dir: Any, mode: str) -> None:
+    # The thread's dispatch keys (inference mode, autocast) are set aside by the check: saves
+    # alternating between a mode and none all reuse the plan without reading facts in Python,
+    # and a change made inside the mode is still seen.
+    modes = {"inference": torch.inference_mode, "no_grad": torch.no_grad,
+             "autocast": lambda: torch.autocast("cpu")}
     state = _adam_like(5)
     walks = _spied_walks(monkeypatch)
     with stagesave.Checkpointer(ckpt_dir, keep_last=None) as ck:
         ck.save(state, "a.pt").result()
         template = ck.plans._template
-        with torch.inference_mode():
-            state["global_step"] = 3
-            ck.save(state, "b.pt").result()
-        assert ck.plans._template is template
-        assert "facts" in vars(walks[-1])
-        same_state(torch.load(os.path.join(ckpt_dir, "b.pt"), weights_only=True), state)
-        with torch.inference_mode():
-            state["model"]["w1"] = torch.ones(5, 3)  # and a change is still seen
+        for step in range(1, 5):
+            state["global_step"] = step
+            if step % 2:
+                with modes[mode]():
+                    ck.save(state, f"s{step}.pt").result()
+            else:
+                ck.save(state, f"s{step}.pt").result()
+            assert ck.plans._template is template
+            assert "facts" not in vars(walks[-1]), step
+            same_state(torch.load(os.path.join(ckpt_dir, f"s{step}.pt"), weights_only=True),
+                       state)
+        with modes[mode]():
+            state["model"]["w1"] = torch.ones(5, 3)
             ck.save(state, "c.pt").result()
         assert ck.plans._template is not template
     same_state(torch.load(os.path.join(ckpt_dir, "c.pt"), weights_only=True), state)
+
+
+def test_one_tensor_object_in_two_places_is_checked_once(
+        monkeypatch: pytest.MonkeyPatch, ckpt_dir: Any) -> None:
+    # torch's check says "different" when given one object twice: it is built on the first
+    # place, and the other must still hold that object (a tied weight, a monitored score)
+    tied = torch.randn(4, 4)
+    state = {"model": {"embed": tied, "head": tied, "b": torch.zeros(4)}, "step": 0}
+    walks = _spied_walks(monkeypatch)
+    with stagesave.Checkpointer(ckpt_dir, keep_last=None) as ck:
+        ck.save(state, "a.pt").result()
+        template = ck.plans._template
+        assert template is not None and template.guard is not None
+        state["step"] = 1
+        ck.save(state, "b.pt").result()
+        assert ck.plans._template is template and "facts" not in vars(walks[-1])
+        state["model"]["head"] = tied.clone()  # the same facts, another object: untied
+        state["step"] = 2
+        ck.save(state, "c.pt").result()
+    got = torch.load(os.path.join(ckpt_dir, "c.pt"), weights_only=True)
+    same_state(got, state)
+    assert (got["model"]["embed"].untyped_storage().data_ptr()
+            != got["model"]["head"].untyped_storage().data_ptr())
 
 
 def test_the_same_address_at_another_storage_offset_is_planned_again(ckpt_dir: Any) -> None:
@@ -243,22 +275,6 @@ def _torch_saved(directory: Any, state: Any) -> str:
     path = os.path.join(directory, "torch.pt")
     torch.save(state, path)
     return path
-
-
-def test_a_plan_made_under_inference_mode_gets_the_check_back_outside_it(
-        monkeypatch: pytest.MonkeyPatch, ckpt_dir: Any) -> None:
-    state = _adam_like(4)
-    walks = _spied_walks(monkeypatch)
-    with stagesave.Checkpointer(ckpt_dir, keep_last=None) as ck:
-        with torch.inference_mode():
-            ck.save(state, "a.pt").result()
-        state["global_step"] = 1
-        ck.save(state, "b.pt").result()  # the check cannot tell: Python, then made again
-        assert "facts" in vars(walks[-1])
-        state["global_step"] = 2
-        ck.save(state, "c.pt").result()
-        assert "facts" not in vars(walks[-1])
-    same_state(torch.load(os.path.join(ckpt_dir, "c.pt"), weights_only=True), state)
 
 
 _DEFAULTS = """

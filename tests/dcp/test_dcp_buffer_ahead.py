@@ -9,7 +9,7 @@ import torch
 
 import stagesave
 import stagesave.dcp as sdcp
-from stagesave.dcp._rankfile import rank_bounds
+from stagesave.dcp._rank_bounds import rank_bounds
 from stagesave.saving.buffers import HostBuffer
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")

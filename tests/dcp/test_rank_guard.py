@@ -95,35 +95,64 @@ def test_a_tensor_that_cannot_be_copied_as_it_was_takes_the_full_path(
     _loads_as(third, state)
 
 
-_SPARSE = """
+_REFUSED = """
 import sys, tempfile, warnings
 warnings.filterwarnings("ignore")
 import torch
 import stagesave.dcp as sdcp
-layout = sys.argv[1]
+from stagesave.errors import UnsupportedObjectError
+kind, when = sys.argv[1], sys.argv[2]
 dense = torch.eye(4)
-sparse = {"coo": dense.to_sparse, "csr": dense.to_sparse_csr, "csc": dense.to_sparse_csc,
-          "bsr": lambda: dense.to_sparse_bsr((2, 2)), "bsc": lambda: dense.to_sparse_bsc((2, 2))}
+odd = {"coo": dense.to_sparse, "csr": dense.to_sparse_csr, "csc": dense.to_sparse_csc,
+       "bsr": lambda: dense.to_sparse_bsr((2, 2)), "bsc": lambda: dense.to_sparse_bsc((2, 2)),
+       "zero": lambda: torch._efficientzerotensor(4, 4)}[kind]
 w = sdcp.StagedStorageWriter(root=tempfile.mkdtemp(), commit_timeout=60)
-state = {"w": torch.ones(3, 3), "s": dense.clone(), "step": 1}
+state = {"w": torch.ones(3, 3), "s": odd() if when == "first" else dense.clone(), "step": 1}
 try:
     sdcp.save(state, "s1", writer=w).result(60)  # plans kept, with the check of a dense tensor
-    state["s"] = sparse[layout]()
+    state["s"] = odd()
     sdcp.save(state, "s2", writer=w).result(60)
-    sdcp.save(state, "s3", writer=w).result(60)
+    print("saved")
+except UnsupportedObjectError as exc:
+    print(exc)
 finally:
     w.close()
-print("saved")
 """
 
 
-@pytest.mark.parametrize("layout", ["coo", "csr", "csc", "bsr", "bsc"])
-def test_a_sparse_tensor_never_reaches_torchs_check_and_is_saved_whole(layout: str) -> None:
+@pytest.mark.parametrize("when", ["first", "later"])
+@pytest.mark.parametrize("kind", ["coo", "csr", "csc", "bsr", "bsc", "zero"])
+def test_a_sparse_or_zero_tensor_is_refused_with_its_name_and_never_reaches_torchs_check(
+        kind: str, when: str) -> None:
     # torch's check reads strides, which a compressed-sparse tensor does not have, and that
-    # aborts the process: in a child, so that such an abort fails this test instead of the run.
-    # A sparse tensor is serialized whole into the rank file, as FileSystemWriter does (DCP's
-    # load into the tensors its metadata describes is dense, for either writer's folder).
-    out = subprocess.run([sys.executable, "-c", _SPARSE, layout], check=False,
+    # aborts the process; a zero tensor has no data (copied from address 0: a segfault). In a
+    # child, so that an abort or a segfault fails this test instead of the run. DCP's
+    # FileSystemWriter cannot save them either.
+    out = subprocess.run([sys.executable, "-c", _REFUSED, kind, when], check=False,
                          capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "saved"
+    why = "zero tensor" if kind == "zero" else "sharded checkpoint cannot hold"
+    assert out.stdout.startswith("cannot save s: it is a "), out.stdout
+    assert why in out.stdout
+
+
+def test_tied_tensors_and_a_save_under_inference_mode_keep_the_checked_layout(
+        writers: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    steady, fresh = writers
+    tied = torch.randn(6, 6)
+    state = {"model": {"embed": tied, "head": tied, "b": torch.zeros(6)}, "step": 1}
+    full = _count_full_paths(monkeypatch)
+    save(steady, state, "s1")
+    layout = steady._layouts.entries[0]
+    assert layout.guard is not None and len(full) == 1
+    for step in (2, 3, 4):
+        state["step"] = step
+        if step == 3:
+            with torch.inference_mode():
+                folder = save(steady, state, f"s{step}")
+        else:
+            folder = save(steady, state, f"s{step}")
+        assert len(full) == 1, step  # no tensor read in Python
+        assert steady.planner.reused_local == step - 1
+    assert data_bytes(folder) == data_bytes(save(fresh, state, "s4"))
+    _loads_as(folder, state)

@@ -75,9 +75,12 @@ def reuse(known: Recent[Any] | None, file_name: str, items: Sequence[WriteItem],
 
 def keep(layout: Any, short: Light | None, found: list[Any]) -> None:
     """Give ``layout`` (made or found by the full path, which put ``found`` into the file) the
-    items in short and a check of their tensors, if every tensor went in as it is."""
-    if short is None or layout.guard is not None:
+    items in short and a check of their tensors as they are now, if every tensor went in as it
+    is (a layout found by the full path had no check, or one that said otherwise)."""
+    if short is None:
         return
     if len(found) == len(short.found) and all(
             type(mine) is bytes or mine is theirs for mine, theirs in zip(short.found, found)):
         layout.light, layout.guard = short.keys, tensor_guard.build(short.tensors)
+    else:
+        layout.light, layout.guard = None, None  # a tensor copied or serialized: the full path

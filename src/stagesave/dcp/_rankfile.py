@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from typing import IO, Any, cast
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.utils.serialization import config as _torch_save_config
@@ -45,7 +44,7 @@ from ._metadata import StorageInfo
 from ._recent import Recent
 
 __all__ = [
-    "RankImage", "RankLayout", "SkeletonCache", "layout_rank_file", "rank_bounds", "world_size",
+    "RankImage", "RankLayout", "SkeletonCache", "layout_rank_file",
 ]
 
 _Tensor = torch.Tensor
@@ -190,11 +189,22 @@ def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
 def _serialized(t: torch.Tensor) -> bytes:
     """The slow path, for tensors that are not plain strided ones: what FileSystemWriter writes."""
     cpu = t.detach().cpu()
-    if cpu.layout is torch.strided and cpu.untyped_storage().size() != cpu.nbytes:
-        cpu = cpu.clone()  # (a sparse tensor has no storage of its own: saved as it is)
+    if cpu.untyped_storage().size() != cpu.nbytes:
+        cpu = cpu.clone()
     out = io.BytesIO()
     torch.save(cpu, out)
     return out.getvalue()
+
+
+def _refused(t: torch.Tensor) -> str:
+    """Why a sharded save refuses ``t`` (DCP's ``FileSystemWriter`` cannot save it either)."""
+    if t.is_meta:
+        return "it is a tensor on the meta device (no data); materialize it before saving"
+    if t.layout != _STRIDED:
+        return (f"it is a {t.layout} tensor, which a sharded checkpoint cannot hold; save "
+                "t.to_dense() (or save it in a torch file)")
+    return ("it is a zero tensor (torch._efficientzerotensor: no data); save "
+            "torch.zeros_like(t) instead")
 
 
 def _resolved(
@@ -214,18 +224,16 @@ def _resolved(
             continue
         t = cast(torch.Tensor, data)
         if type(t) is _Tensor and t.layout == _STRIDED and not (
-                t.is_meta or t.is_quantized or t.is_nested or t.is_conj() or t.is_neg()):
+                t.is_meta or t.is_quantized or t.is_nested or t.is_conj() or t.is_neg()
+                or t._is_zerotensor()):
             # a plain strided tensor: its bytes are copied as they are
             if not t.is_contiguous():
                 t = t.detach().contiguous()
             key((item.index, t.dtype, t.shape))
             keep(t)
             continue
-        if t.is_meta:
-            raise UnsupportedObjectError(
-                f"cannot save {item.index.fqn}: it is a tensor on the meta device (no data); "
-                "materialize it before saving"
-            )
+        if t.is_meta or t.layout != _STRIDED or t._is_zerotensor():
+            raise UnsupportedObjectError(f"cannot save {item.index.fqn}: {_refused(t)}")
         blob = _serialized(t)
         key((item.index, len(blob)))
         keep(blob)
@@ -319,39 +327,6 @@ def layout_rank_file(
         counts=(layout.tensor_bytes, layout.nonempty), copies=copies,
     )
     return RankImage(image, layout.results, layout.tensor_bytes, layout, found)
-
-
-#: Bytes around one tensor item's data in a rank file, at most (its zip's headers, pickle and
-#: central directory, ~1.6 KB, and the padding to the next aligned item); a byte item's guess.
-_ITEM_ROOM = 2048
-_BLOB_ROOM = 4096
-
-
-def rank_bounds(state: dict[str, Any], world: int) -> tuple[int, int]:
-    """Bounds of a rank file's size from the rank's flattened state, before DCP plans it: the
-    bytes of each tensor this rank holds a part of (a ``DTensor``'s local shard), the bytes of
-    whole tensors divided among ``world`` ranks (DCP gives a tensor every rank holds, as
-    data-parallel replicas do, to one of them), and room for each item's zip. A rank that writes
-    more regrows its buffer when it leases it."""
-    own = whole = tensors = blobs = 0
-    for value in state.values():
-        kind = type(value)
-        if kind is _Tensor or kind is torch.nn.Parameter:
-            whole += value.nbytes
-            tensors += 1
-        elif isinstance(value, _Tensor):
-            local = getattr(value, "_local_tensor", None)  # a DTensor's shard on this rank
-            own += local.nbytes if isinstance(local, _Tensor) else 0
-            tensors += 1
-        else:
-            blobs += 1
-    least = own + whole // max(1, world) + _ITEM_ROOM * tensors + _BLOB_ROOM * blobs
-    return least, least + least // 8 + (1 << 20)
-
-
-def world_size() -> int:
-    """The default process group's size (1 without one): :func:`rank_bounds`'s ``world``."""
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _host_addresses(found: list[Any]) -> list[int] | None:

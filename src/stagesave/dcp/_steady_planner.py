@@ -197,7 +197,8 @@ class SteadySavePlanner(DefaultSavePlanner):
                 facts.append(_facts(tensors))
             if e.facts != facts[0]:
                 return False
-            e.guard = tensor_guard.build(tensors)  # as torch sees them now (another mode)
+            if e.guard is not None:  # it said otherwise: made again, as torch sees them now
+                e.guard = tensor_guard.build(tensors)
             return True
 
         known = self._locals.find(same)

@@ -52,7 +52,8 @@ from ._protocol import (
     SavePlanData,
     report_failure,
 )
-from ._rankfile import RankLayout, SkeletonCache, layout_rank_file, rank_bounds, world_size
+from ._rank_bounds import rank_bounds, world_size
+from ._rankfile import RankLayout, SkeletonCache, layout_rank_file
 from ._rankjob import RankJob, RankStaging
 from ._recent import Recent
 from ._steady_planner import SteadySavePlanner

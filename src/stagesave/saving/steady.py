@@ -191,9 +191,10 @@ class Template:
             return True
         if walked.facts != self.facts:
             return False
-        # the same by Python where the check could not tell (a save under another dispatch
-        # mode, such as inference mode): the check made again, as torch sees the tensors now
-        self.guard = tensor_guard.build(walked.tensors)
+        if guard is not None:  # the same by Python where the check said otherwise (nothing
+            # known does that): the check made again, as torch sees the tensors now; a check
+            # that cannot be made again is not tried at the next saves
+            self.guard = tensor_guard.build(walked.tensors)
         return True
 
     def _note_shared(self) -> None:

@@ -10,22 +10,23 @@ Python type, dispatch keys, dtype, device, ``requires_grad``, sizes and strides,
 no reference to it) and asked ``check(*tensors)``: ~0.2 µs per tensor here.
 
 That class is torch's, not a public API, so it is used only where it proves itself: once per
-process it must tell a copy of a small state apart from each kind of change (a shape, a
-stride, a dtype, ``requires_grad``, a parameter for a tensor, a sparse, meta, negative or
-conjugate tensor in a plain one's place) and accept the state unchanged;
-if it cannot be imported or built, or fails that test, :func:`build` gives ``None`` and the
-steady planner compares the facts in Python as before. Its answer "the same" is taken as
-proof; its answer "different" is not (the dispatch keys it compares include thread-local
-modes such as ``torch.inference_mode``): the caller then compares in Python. Both its
-building and its checks run with gradients enabled, so that ``requires_grad`` is compared
-whatever the caller's grad mode (torch's check has taken it as ``False`` under grad mode off
-in some versions; torch 2.13's compares it as it is either way).
+process it must tell a small state apart from each kind of change (a shape, a stride, a dtype,
+``requires_grad``, a parameter for a tensor, a sparse, meta, negative or conjugate tensor in a
+plain one's place, another object where one object stood twice) and accept the state
+unchanged, also inside ``torch.inference_mode``; if it cannot be imported or built, or fails
+that test, :func:`build` gives ``None`` and the caller compares the facts in Python as before.
+Its answer "the same" is taken as proof; its answer "different" is not (the caller then
+compares in Python). It is built and asked with gradients enabled and with the thread's
+dispatch keys set aside (those of inference mode, autocast or a dispatch mode would otherwise
+count as a difference: a save under such a mode would compare in Python), so that a save
+inside or outside a mode is checked alike and ``requires_grad`` is compared as it is.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -37,19 +38,54 @@ _lock = threading.Lock()
 _usable: bool | None = None  # the once-per-process test's answer
 
 
+def _force_keys() -> Any:
+    """torch's guard that sets the thread's dispatch keys for a while (``None``: not in this
+    torch), and the empty set of keys."""
+    try:
+        return torch._C._ForceDispatchKeyGuard, torch._C.DispatchKeySet(
+            torch._C.DispatchKey.Undefined)
+    except Exception:  # noqa: BLE001 - a torch without it: modes make the check say "different"
+        return None
+
+
+_FORCE = _force_keys()
+
+
+@contextlib.contextmanager
+def _as_everywhere() -> Iterator[None]:
+    """Gradients on and no thread-local dispatch keys (those of ``torch.inference_mode``,
+    autocast, a dispatch mode): the check is built and asked in the same conditions, whatever
+    mode the caller saves in. Nothing runs inside but torch's reading of tensor facts."""
+    with torch.enable_grad():
+        if _FORCE is None:
+            yield
+        else:
+            force, empty = _FORCE
+            with force(empty, empty):
+                yield
+
+
 class Guard:
-    """A check of tensors against the facts they had when it was built."""
+    """A check of tensors against the facts they had when it was built.
 
-    __slots__ = ("_check", "count")
+    torch's check takes each tensor object once (given one object twice it says "different"),
+    so it is built on the first place of each object; the other places must hold the same
+    object as before (``repeats``: ``(place, its first place)``).
+    """
 
-    def __init__(self, check: Any, count: int) -> None:
+    __slots__ = ("_check", "count", "firsts", "repeats")
+
+    def __init__(self, check: Any, count: int, firsts: list[int] | None,
+                 repeats: list[tuple[int, int]]) -> None:
         self._check = check
         self.count = count
+        self.firsts = firsts  # None: every place holds its own object
+        self.repeats = repeats
 
     def same(self, tensors: Sequence[torch.Tensor]) -> bool:
         """Whether ``tensors`` (as many as it was built from, in the same order) have the same
-        Python type, dtype, device, ``requires_grad``, shape and strides; ``False`` also where
-        it cannot tell.
+        Python type, dtype, device, ``requires_grad``, shape and strides, and the same object
+        where it had one object twice; ``False`` also where it cannot tell.
 
         Every one of ``tensors`` must be :func:`checkable` (the caller's walk checks it):
         torch's check reads every tensor's strides, which a nested or sparse tensor does not
@@ -57,20 +93,29 @@ class Guard:
         """
         if len(tensors) != self.count:
             return False
+        if any(tensors[a] is not tensors[b] for a, b in self.repeats):
+            return False
+        firsts = self.firsts
+        some = tensors if firsts is None else [tensors[i] for i in firsts]
         try:
-            with torch.enable_grad():
-                return bool(self._check(*tensors))
+            with _as_everywhere():
+                return bool(self._check(*some))
         except Exception:  # noqa: BLE001 - torch's private check: "cannot tell" is "not proven"
             return False
 
 
 def _make(tensors: Sequence[torch.Tensor]) -> Guard | None:
+    seen: dict[int, int] = {}
+    repeats = [(j, i) for j, i in ((j, seen.setdefault(id(t), j)) for j, t in enumerate(tensors))
+               if i != j]
+    firsts = None if not repeats else [j for j, t in enumerate(tensors) if seen[id(t)] == j]
+    some = tensors if firsts is None else [tensors[i] for i in firsts]
     try:
         from torch._C._dynamo.guards import TensorGuards  # private to torch: optional here
 
-        with torch.enable_grad():
-            guards = TensorGuards(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None)
-        guard = Guard(guards.check, len(tensors))
+        with _as_everywhere():
+            guards = TensorGuards(*some, dynamic_dims_sizes=None, dynamic_dims_strides=None)
+        guard = Guard(guards.check, len(tensors), firsts, repeats)
     except Exception:  # noqa: BLE001 - missing or changed in this torch: Python compares
         return None
     return guard if guard.same(tensors) else None
@@ -111,8 +156,13 @@ def _tells_changes_apart() -> bool:
     ]
     complex_ = torch.zeros(2, dtype=torch.complex64, device=cpu)
     conj = _make([complex_])  # a conjugate view: same dtype, shape and strides
+    twice = _make([square, ones, square])  # one object in two places
+    with torch.inference_mode():
+        in_a_mode = guard.same(state)  # the thread's modes do not count
     return (guard.same(state) and not any(guard.same(c) for c in changes)
-            and conj is not None and not conj.same([complex_.conj()]))
+            and conj is not None and not conj.same([complex_.conj()])
+            and twice is not None and twice.same([square, ones, square])
+            and not twice.same([square, ones, square.clone()]) and in_a_mode)
 
 
 def usable() -> bool:
