@@ -37,8 +37,6 @@ _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
 _OrderedDict = collections.OrderedDict
 _TENSORS = (_Tensor, _Parameter)
-_strided = torch.strided
-_metadata = torch._C._get_tensor_metadata  # type: ignore[attr-defined]
 _BATCH = 1000  # pickle's batch size for SETITEMS and APPENDS
 _U32 = struct.Struct("<I")
 _NUMBER_KEYS = frozenset({int, float, bool, type(None)})
@@ -174,11 +172,10 @@ class _Writer:
         self.out += self.put()
 
     def fact(self, t: Any) -> Fact:
-        """The walk's facts of tensor ``t``, the next tensor it met."""
-        i = self.seen
-        if self.tensors[i] is not t:
-            raise _Unfit("not the walk's state")  # changed by another thread since
-        self.seen = i + 1
+        """The walk's facts of tensor ``t``, the next tensor it met (strided: the walk's rule)."""
+        i, self.seen = self.seen, self.seen + 1
+        if self.tensors[i] is not t or self.tensor_facts[i][5]:  # changed by another thread
+            raise _Unfit("not the walk's state, or a conjugate or negative view")
         return self.tensor_facts[i]
 
     def value(self, obj: Any) -> None:
@@ -282,7 +279,7 @@ class _Writer:
         """``_rebuild_tensor_v2`` and its arguments, ``REDUCE`` and the memo number of the
         tensor it makes."""
         cls = _CLASS.get(dtype)
-        if cls is None or t.layout is not _strided or _metadata(t):
+        if cls is None:
             raise _Unfit("a tensor torch.save reduces differently")
         storage = t.untyped_storage()
         known = self.keys.get(storage._cdata)
