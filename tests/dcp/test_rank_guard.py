@@ -17,6 +17,7 @@ import torch.distributed.checkpoint as dcp
 from test_steady_layout import data_bytes, save
 
 from stagesave.dcp import _rankfile
+from stagesave.saving import tensor_guard
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -66,6 +67,43 @@ def test_an_unchanged_rank_file_is_laid_out_by_the_compiled_check(
     assert len(full) == 1 and steady._layouts.entries == [layout]  # no tensor read in Python
     assert data_bytes(second) == data_bytes(save(fresh, state, "s2"))
     _loads_as(second, state)
+
+
+def test_a_layout_the_planners_check_vouched_for_is_not_checked_again(
+        writers: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planner's compiled check of this save's tensors read the facts the layout's check
+    would read: a layout whose check was made in a save the same planner check vouched for is
+    not asked again; once the planner's check was made again (a transposed tensor of the same
+    shape keeps the plan, not the layout), the layout's own check decides."""
+    steady, fresh = writers
+    state = _state()
+    asked: list[Any] = []
+    real = tensor_guard.Guard.same
+
+    def spy(self: Any, tensors: Any) -> bool:
+        asked.append(self)
+        return real(self, tensors)
+
+    monkeypatch.setattr(tensor_guard.Guard, "same", spy)
+    full = _count_full_paths(monkeypatch)
+    save(steady, state, "s1")
+    layout = steady._layouts.entries[0]
+    assert layout.vouch is not None and layout.vouch[0] is steady.planner._local.guard
+    asked.clear()  # (a check is asked once when it is made)
+    state["model"]["b"] = torch.randn(8)  # a new object, same facts
+    state["step"] = 2
+    second = save(steady, state, "s2")
+    assert len(full) == 1 and layout.guard not in asked  # vouched for
+    assert data_bytes(second) == data_bytes(save(fresh, state, "s2"))
+    asked.clear()
+    checked_by, paths = layout.guard, len(full)  # (the fresh writer's save took one)
+    state["model"]["w"] = state["model"]["w"].t()
+    state["step"] = 3
+    third = save(steady, state, "s3")
+    assert steady.planner.reused_local == 2  # the plan kept (same dtype and shape)
+    assert checked_by in asked and len(full) == paths + 1  # asked, said no: the full path
+    assert data_bytes(third) == data_bytes(save(fresh, state, "s3"))
+    _loads_as(third, state)
 
 
 CHANGES = {

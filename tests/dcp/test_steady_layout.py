@@ -275,6 +275,50 @@ def test_the_planner_reuses_its_plans_only_for_the_same_structure(tmp_path, chan
         writer.close()
 
 
+def test_a_reused_plan_resolves_each_key_to_this_saves_tensor(writers):
+    """Items of a reused plan are resolved by their tensors' places in the state: tensors
+    swapped between keys, replaced by new objects or changed in place, and a byte item's new
+    value, are each saved under their own key, as a fresh writer saves them."""
+    steady, fresh = writers
+    g = torch.Generator().manual_seed(3)
+    state: dict[str, Any] = {
+        "model": {f"l{i}": torch.randn(8, 4, generator=g) for i in range(6)},
+        "optim": {"state": {i: {"m": torch.randn(8, 4, generator=g), "step": i}
+                            for i in range(3)}},
+        "name": "run",
+    }
+    save(steady, state, "s1")
+    save(steady, state, "s2")
+    planner = steady.planner
+    local = planner._local
+    assert local is not None and local.resolved is not None  # the positions were kept
+    items = local.resolved[0]
+    model = state["model"]
+    model["l0"], model["l3"] = model["l3"], model["l0"]  # two tensors swap keys
+    model["l1"] = torch.randn(8, 4, generator=g)  # a new object, same facts
+    with torch.no_grad():
+        state["optim"]["state"][2]["m"].mul_(-1)
+    state["optim"]["state"][1]["step"] = 7  # a byte item: resolved again
+    state["name"] = "Run"
+    third = save(steady, state, "s3")
+    assert planner._local is local and local.resolved[0] is items  # resolved by position
+    assert planner.reused_local == 2
+    assert data_bytes(third) == data_bytes(save(fresh, state, "s3"))
+    whole = sdcp.to_state_dict(third)
+    for k, v in model.items():
+        assert torch.equal(whole["model"][k], v), k
+    saved = whole["optim"]["state"]  # DCP's keys are strings
+    assert torch.equal(saved["2"]["m"], state["optim"]["state"][2]["m"])
+    assert saved["1"]["step"] == 7 and whole["name"] == "Run"
+    # the same items in another list (another global plan): resolved by key, the same objects
+    again = planner.resolve_items(list(items))
+    assert [type(x) for x in again] == [type(x) for x in planner.resolve_items(items)]
+    tensors = [x for x in again if isinstance(x, torch.Tensor)]
+    assert len(tensors) == 9 and all(
+        any(t is v for v in (*model.values(), *(s["m"] for s in state["optim"]["state"].values())))
+        for t in tensors)
+
+
 def test_the_planner_refuses_dcp_plan_caching():
     with pytest.raises(ValueError, match="enable_plan_caching"):
         sdcp.SteadySavePlanner(enable_plan_caching=True)

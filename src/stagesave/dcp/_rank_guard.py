@@ -21,9 +21,10 @@ import torch
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from ..saving import tensor_guard
+from ..saving.tensor_guard import Guard
 from ._recent import Recent
 
-__all__ = ["Light", "keep", "light", "reuse"]
+__all__ = ["Light", "Shape", "Shapes", "keep", "light", "reuse"]
 
 _Tensor = torch.Tensor
 _BYTE_IO = WriteItemType.BYTE_IO
@@ -40,12 +41,55 @@ class Light:
         self.keys, self.tensors, self.found = keys, tensors, found
 
 
-def light(items: Sequence[WriteItem], resolved: list[Any]) -> Light | None:
+class Shape:
+    """Which items of one plan's list are byte items, and the tensor items' keys in short:
+    made once per list (a reused plan gives the same list at every save)."""
+
+    __slots__ = ("byte_at", "items", "keys", "tensor_at")
+
+    def __init__(self, items: Sequence[WriteItem]) -> None:
+        self.items = items  # held: the list is compared by identity
+        kinds = [item.type is _BYTE_IO for item in items]
+        self.byte_at = [i for i, b in enumerate(kinds) if b]
+        self.tensor_at = [i for i, b in enumerate(kinds) if not b]
+        self.keys: list[tuple[Any, ...]] = [(item.index,) for item in items]
+
+
+class Shapes:
+    """A writer's :class:`Shape` of the last items list it saw."""
+
+    def __init__(self) -> None:
+        self.last: Shape | None = None
+
+    def of(self, items: Sequence[WriteItem]) -> Shape:
+        last = self.last
+        if last is None or last.items is not items:
+            last = self.last = Shape(items)
+        return last
+
+
+def light(items: Sequence[WriteItem], resolved: list[Any], shape: Shape | None = None,
+          checked: bool = False) -> Light | None:
     """``items`` (whose data is ``resolved``) in short; ``None`` where an item's data is
-    neither a byte item's nor exactly a ``torch.Tensor`` (the full path handles it)."""
+    neither a byte item's nor exactly a ``torch.Tensor`` (the full path handles it).
+
+    ``shape``: :class:`Shape` of ``items``; ``checked``: every tensor item's data is known to be
+    :func:`~stagesave.saving.tensor_guard.checkable` (the planner took it from its own check of
+    this save's state)."""
+    if shape is not None and shape.items is items:
+        tensors = [resolved[i] for i in shape.tensor_at]
+        if any([type(t) is not _Tensor for t in tensors]):  # noqa: C419 - faster
+            return None
+        if not checked and not all([tensor_guard.checkable(t) for t in tensors]):  # noqa: C419
+            return None
+        short, found = list(shape.keys), list(resolved)
+        for i in shape.byte_at:
+            blob = found[i] = bytes(cast(io.BytesIO, resolved[i]).getbuffer())
+            short[i] = (items[i].index, len(blob))
+        return Light(short, tensors, found)
     keys: list[tuple[Any, ...]] = []
-    tensors: list[torch.Tensor] = []
-    found: list[Any] = []
+    tensors = []
+    found = []
     key, note, keep = keys.append, tensors.append, found.append
     for item, data in zip(items, resolved):
         if item.type is _BYTE_IO:
@@ -62,25 +106,47 @@ def light(items: Sequence[WriteItem], resolved: list[Any]) -> Light | None:
 
 
 def reuse(known: Recent[Any] | None, file_name: str, items: Sequence[WriteItem],
-          resolved: list[Any]) -> tuple[Any, Light | None]:
+          resolved: list[Any], shape: Shape | None = None,
+          vouched: tuple[bool, Guard | None] = (False, None)) -> tuple[Any, Light | None]:
     """The recent layout of ``file_name`` whose items in short are these and whose check says
     their tensors are the same (``None``: none), and the items in short (``None``: they need
-    the full path, or no layouts are kept)."""
-    short = light(items, resolved) if known is not None else None
+    the full path, or no layouts are kept).
+
+    ``shape``: :class:`Shape` of ``items``. ``vouched``: what the planner's own checks of this
+    save's state say (:meth:`.SteadySavePlanner.vouch`): every tensor item's data is one of the
+    tensors it checked (so each is :func:`~stagesave.saving.tensor_guard.checkable`), and the
+    compiled check they passed. A layout whose check was made in a save where that same check
+    (the same object, for the same items list) vouched for its tensors is not asked again: both
+    checks read the same facts, and the planner's found this save's tensors to have the facts
+    they had then."""
+    checked, planner_guard = vouched
+    short = light(items, resolved, shape, checked) if known is not None else None
     if known is None or short is None:
         return None, short
-    return known.find(lambda old: old.file_name == file_name and old.guard is not None
-                      and old.light == short.keys and old.guard.same(short.tensors)), short
+
+    def same(old: Any) -> bool:
+        if old.file_name != file_name or old.guard is None or old.light != short.keys:
+            return False
+        if planner_guard is not None and old.vouch is not None and (
+                old.vouch[0] is planner_guard and old.vouch[1] is items):
+            return True
+        return bool(old.guard.same(short.tensors))
+
+    return known.find(same), short
 
 
-def keep(layout: Any, short: Light | None, found: list[Any]) -> None:
+def keep(layout: Any, short: Light | None, found: list[Any], items: Sequence[WriteItem],
+         planner_guard: Guard | None = None) -> None:
     """Give ``layout`` (made or found by the full path, which put ``found`` into the file) the
     items in short and a check of their tensors as they are now, if every tensor went in as it
-    is (a layout found by the full path had no check, or one that said otherwise)."""
+    is (a layout found by the full path had no check, or one that said otherwise), with the
+    planner's check that vouched for them in this save (:func:`reuse`)."""
     if short is None:
         return
     if len(found) == len(short.found) and all(
             type(mine) is bytes or mine is theirs for mine, theirs in zip(short.found, found)):
         layout.light, layout.guard = short.keys, tensor_guard.build(short.tensors)
-    else:
-        layout.light, layout.guard = None, None  # a tensor copied or serialized: the full path
+        layout.vouch = (planner_guard, items) if planner_guard is not None and (
+            layout.guard is not None) else None
+    else:  # a tensor copied or serialized: the full path
+        layout.light, layout.guard, layout.vouch = None, None, None

@@ -162,6 +162,9 @@ class RankLayout:
     #: check of the tensors (:mod:`._rank_guard`).
     light: list[tuple[Any, ...]] | None = field(default=None, compare=False)
     guard: Guard | None = field(default=None, compare=False)
+    #: The planner's check that vouched for those tensors when ``guard`` was made, and the
+    #: items list then (:func:`._rank_guard.reuse`).
+    vouch: tuple[Guard, Sequence[WriteItem]] | None = field(default=None, compare=False)
 
 
 @dataclass
@@ -288,18 +291,25 @@ def layout_rank_file(
     cache: SkeletonCache,
     known: Recent[RankLayout] | None = None,
     resolve_items: Callable[[Sequence[WriteItem]], list[Any]] | None = None,
+    shapes: _rank_guard.Shapes | None = None,
+    vouch: Callable[[Sequence[WriteItem]], tuple[bool, Guard | None]] | None = None,
 ) -> RankImage:
     """Place every item of a rank's plan in its data file; nothing is copied yet.
 
     ``known``: the layouts of this writer's recent saves; one whose items are the same is
     reused, else the new layout joins them. ``resolve_items``: ``resolve`` of all items in one
-    call (:meth:`.SteadySavePlanner.resolve_items`).
+    call (:meth:`.SteadySavePlanner.resolve_items`); ``shapes``: the writer's shape of its last
+    items list; ``vouch(items)``: what the planner's own checks of this save's state tell about
+    the items' tensors (:meth:`.SteadySavePlanner.vouch`, :func:`._rank_guard.reuse`).
 
     Raises:
         UnsupportedObjectError: an item is a tensor on the meta device (it has no data).
     """
     resolved = resolve_items(items) if resolve_items is not None else list(map(resolve, items))
-    layout, short = _rank_guard.reuse(known, file_name, items, resolved)
+    vouched = vouch(items) if vouch is not None else (False, None)
+    layout, short = _rank_guard.reuse(
+        known, file_name, items, resolved, shapes.of(items) if shapes is not None else None,
+        vouched)
     if layout is not None and short is not None:
         found = short.found
     else:
@@ -310,7 +320,7 @@ def layout_rank_file(
             layout = _lay_out(keys, found, file_name, cache)
             if known is not None:
                 known.add(layout)
-        _rank_guard.keep(layout, short, found)
+        _rank_guard.keep(layout, short, found, items, vouched[1])
     pieces: list[tuple[int, bytes]] = list(layout.static)
     for obj, place in zip(found, layout.places):
         if type(obj) is bytes:

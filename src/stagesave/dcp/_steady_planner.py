@@ -95,6 +95,10 @@ class _Local:
     guard: tensor_guard.Guard | None
     mappings: dict[str, Any]
     plan: SavePlan
+    #: the items a save of this structure resolved (a writer's list, held), per item the
+    #: position of its tensor among the state's plain tensors (``-1``: resolved by DCP's rule),
+    #: and whether every tensor item has one
+    resolved: tuple[Sequence[WriteItem], list[int], bool] | None = None
 
 
 class SteadySavePlanner(DefaultSavePlanner):
@@ -129,6 +133,9 @@ class SteadySavePlanner(DefaultSavePlanner):
         self.set_up_pending = False
         self.reused_local = 0  # saves that reused the local / the global plan (telemetry, tests)
         self.reused_global = 0
+        #: this save's local plan entry and plain tensors (None: its local plan is DCP's alone)
+        self._local: _Local | None = None
+        self._tensors: list[torch.Tensor] | None = None
 
     def set_up_planner(self, state_dict: dict[str, Any], storage_meta: StorageMeta | None = None,
                        is_coordinator: bool = False) -> None:
@@ -161,13 +168,26 @@ class SteadySavePlanner(DefaultSavePlanner):
         return super().resolve_data(write_item)
 
     def resolve_items(self, items: Sequence[WriteItem]) -> list[Any]:
-        """:meth:`resolve_data` of each item, in order (one call for a whole rank file)."""
+        """:meth:`resolve_data` of each item, in order (one call for a whole rank file).
+
+        The items of a reused local plan's structure, given again as the same list, are
+        resolved by position: the plain tensors its last resolution took directly are this
+        save's tensors at the same places among the state's plain tensors (the local plan was
+        reused because the state has the same keys, in the same order, each plain tensor where
+        it was, with the same dimensions)."""
         if not self._plain_lookup or type(self).resolve_data is not SteadySavePlanner.resolve_data:
             return [self.resolve_data(item) for item in items]
-        state, tensor, plain = self.state_dict, WriteItemType.TENSOR, _PLAIN
         resolve = super().resolve_data
+        local, tensors = self._local, self._tensors
+        known = local.resolved if local is not None else None
+        if known is not None and known[0] is items and tensors is not None:
+            return [tensors[p] if p >= 0 else resolve(item)
+                    for item, p in zip(items, known[1])]
+        state, tensor, plain = self.state_dict, WriteItemType.TENSOR, _PLAIN
+        at = self._positions() if local is not None else {}
         out: list[Any] = []
-        note = out.append
+        places: list[int] = []
+        note, place = out.append, places.append
         for item in items:
             if item.type is tensor:
                 index = item.index
@@ -176,12 +196,38 @@ class SteadySavePlanner(DefaultSavePlanner):
                     offset = index.offset
                     if offset is None or (len(offset) == obj.dim() and not any(offset)):
                         note(obj)
+                        place(at.get(index.fqn, -1))
                         continue
             note(resolve(item))
+            place(-1)
+        if local is not None:
+            local.resolved = (items, places, all(
+                p >= 0 or item.type is not tensor for item, p in zip(items, places)))
         return out
+
+    def vouch(self, items: Sequence[WriteItem]) -> tuple[bool, tensor_guard.Guard | None]:
+        """What this save's own checks of its state tell about ``items``' tensors, once
+        :meth:`resolve_items` resolved them: whether every tensor item's data is one of the
+        state's plain tensors as :func:`_signature` found them (each strided, not nested:
+        :func:`~stagesave.saving.tensor_guard.checkable`), and then the compiled check those
+        tensors passed in this save (``None``: none), whose facts are theirs now."""
+        local = self._local
+        known = local.resolved if local is not None else None
+        if local is None or known is None or known[0] is not items or self._tensors is None:
+            return False, None
+        return known[2], local.guard if known[2] else None
+
+    def _positions(self) -> dict[str, int]:
+        """Each plain tensor's key -> its place among this save's plain tensors (as
+        :func:`_signature` found them)."""
+        local = self._local
+        assert local is not None
+        tensor_keys = [k[0] for k in local.keys[1:] if type(k) is tuple and len(k) == 2]
+        return {fqn: i for i, fqn in enumerate(tensor_keys)}
 
     def create_local_plan(self) -> SavePlan:
         signature = _signature(self.state_dict, self.is_coordinator)
+        self._local = self._tensors = None
         if signature is None:
             return super().create_local_plan()
         keys, tensors = signature
@@ -205,11 +251,13 @@ class SteadySavePlanner(DefaultSavePlanner):
         if known is not None:
             self.plan = known.plan
             self.reused_local += 1
-            return self.plan
-        plan = super().create_local_plan()
-        self._locals.add(_Local(keys, facts[0] if facts else _facts(tensors),
-                                tensor_guard.build(tensors), dict(mappings), plan))
-        return plan
+        else:
+            known = _Local(keys, facts[0] if facts else _facts(tensors),
+                           tensor_guard.build(tensors), dict(mappings),
+                           super().create_local_plan())
+            self._locals.add(known)
+        self._local, self._tensors = known, tensors
+        return known.plan
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         known = self._globals.find(lambda e: e[0] == all_plans)
