@@ -214,6 +214,41 @@ def steady_plans(rank: int, world: int, out: str) -> dict[str, Any]:
     return result
 
 
+def steady_places(rank: int, world: int, out: str) -> dict[str, Any]:
+    """Five saves through one writer per rank (a replicated tensor DCP gives one rank, and each
+    rank's own tensors): DCP hands each rank an unpickled plan at every save, and a rank given
+    the same global plan again resolves its items by their tensors' places from the third save;
+    at the fourth, two of each rank's tensors swap keys and one is a new object."""
+    writer = sdcp.StagedStorageWriter(root=os.path.join(out, "places"), commit_timeout=60)
+    g = torch.Generator().manual_seed(5)
+    shared = torch.randn(16, 8, generator=g)
+    own = {f"r{rank}.t{i}": torch.randn(4, 4, generator=g) + 10 * rank + i for i in range(4)}
+    saved, counts = {}, []
+    for step in (1, 2, 3, 4, 5):
+        if step == 4:
+            own[f"r{rank}.t0"], own[f"r{rank}.t1"] = own[f"r{rank}.t1"], own[f"r{rank}.t0"]
+            own[f"r{rank}.t2"] = torch.randn(4, 4, generator=g)
+        with torch.no_grad():
+            shared.add_(1)
+        state = {"shared": shared, "own": dict(own), "step": step}
+        sdcp.save(state, f"step-{step}", writer=writer).result(60)
+        planner = writer.planner
+        counts.append([planner.reused_global, planner.resolved_by_place])
+        saved[step] = {k: v.tolist() for k, v in own.items()}
+        saved[step]["shared"] = shared.tolist()
+    dist.barrier()
+    result: dict[str, Any] = {"counts": counts, "saved": saved}
+    if rank == 0:
+        result["read"] = {}
+        for step in (1, 2, 3, 4, 5):
+            whole = sdcp.to_state_dict(os.path.join(out, "places", f"step-{step}"))
+            result["read"][step] = {"shared": whole["shared"].tolist(),
+                                    **{k: v.tolist() for k, v in whole["own"].items()}}
+    dist.barrier()
+    writer.close()
+    return result
+
+
 def coordinator_fails(rank: int, world: int, out: str) -> dict[str, Any]:
     """The coordinator's background write fails (disk full): the other ranks, waiting for the
     commit, learn it from the store (staging folder gone, or the abort marker on object stores)."""
@@ -327,6 +362,7 @@ SCENARIOS = {
         killed_save,
         object_store_save,
         steady_plans,
+        steady_places,
         failed_write,
         coordinator_fails,
         crash_replace,

@@ -254,6 +254,21 @@ def test_plans_are_reused_on_every_rank_until_one_rank_changes(launcher, tmp_pat
         assert read["step"] == int(step)
 
 
+def test_ranks_given_the_same_global_plan_resolve_their_items_by_place(launcher, tmp_path):
+    run = launcher("steady_places", 2, tmp_path)
+    run.ok()
+    r0, r1 = run.ranks
+    # [global plans reused (the coordinator's count), saves resolved by place] after each save
+    assert r0["counts"] == [[0, 0], [1, 0], [2, 1], [3, 2], [4, 3]]
+    assert [c[1] for c in r1["counts"]] == [0, 0, 1, 2, 3]
+    for step in ("1", "2", "3", "4", "5"):
+        read = r0["read"][step]
+        assert read["shared"] == r0["saved"][step]["shared"] == r1["saved"][step]["shared"]
+        for rank in (r0, r1):
+            for key, value in rank["saved"][step].items():
+                assert read[key] == value, (step, key)
+
+
 #: Crash points of save B in order, with the checkpoint ``last`` must hold after a SIGKILL there.
 #: ``:2`` is the second time the point is reached: the coordinator writing ``.metadata`` after its
 #: own rank file. ``no-exchange``: on a filesystem that cannot swap two folders (the old one is

@@ -319,6 +319,35 @@ def test_a_reused_plan_resolves_each_key_to_this_saves_tensor(writers):
         for t in tensors)
 
 
+class _Rewriting(sdcp.SteadySavePlanner):
+    """A subclass that changes the state after planning (its ``finish_plan`` runs between the
+    plan and the writer's resolution of the items)."""
+
+    def finish_plan(self, new_plan: Any) -> Any:
+        for key, value in list(self.state_dict.items()):
+            if isinstance(value, torch.Tensor):
+                self.state_dict[key] = torch.full_like(value, 5.0)
+        return super().finish_plan(new_plan)
+
+
+def test_a_subclass_changing_the_state_after_planning_is_resolved_from_the_state(tmp_path):
+    writer = sdcp.StagedStorageWriter(root=tmp_path, commit_timeout=60)
+    planner = _Rewriting()
+    try:
+        state = {"a": torch.zeros(2), "b": torch.ones(2), "step": 1}
+        for step in range(4):
+            state["step"] = step
+            dcp.save(state, checkpoint_id=str(tmp_path / f"s{step}"), storage_writer=writer,
+                     planner=planner)
+            writer.wait()
+            whole = sdcp.to_state_dict(tmp_path / f"s{step}")
+            assert torch.equal(whole["a"], torch.full((2,), 5.0)), step
+            assert torch.equal(whole["b"], torch.full((2,), 5.0)), step
+        assert planner.reused_local == 3 and planner.resolved_by_place == 0
+    finally:
+        writer.close()
+
+
 def test_the_planner_refuses_dcp_plan_caching():
     with pytest.raises(ValueError, match="enable_plan_caching"):
         sdcp.SteadySavePlanner(enable_plan_caching=True)

@@ -56,16 +56,22 @@ class Shape:
 
 
 class Shapes:
-    """A writer's :class:`Shape` of the last items list it saw."""
+    """A writer's :class:`Shape` of the last items list it saw, made the second time the list
+    comes (a list seen once, as a plan from scratch gives, costs nothing more)."""
 
     def __init__(self) -> None:
         self.last: Shape | None = None
+        self.seen: Sequence[WriteItem] | None = None
 
-    def of(self, items: Sequence[WriteItem]) -> Shape:
+    def of(self, items: Sequence[WriteItem]) -> Shape | None:
         last = self.last
-        if last is None or last.items is not items:
-            last = self.last = Shape(items)
-        return last
+        if last is not None and last.items is items:
+            return last
+        if self.seen is not items:
+            self.seen, self.last = items, None
+            return None
+        self.last = Shape(items)
+        return self.last
 
 
 def light(items: Sequence[WriteItem], resolved: list[Any], shape: Shape | None = None,
@@ -115,8 +121,8 @@ def reuse(known: Recent[Any] | None, file_name: str, items: Sequence[WriteItem],
     ``shape``: :class:`Shape` of ``items``. ``vouched``: what the planner's own checks of this
     save's state say (:meth:`.SteadySavePlanner.vouch`): every tensor item's data is one of the
     tensors it checked (so each is :func:`~stagesave.saving.tensor_guard.checkable`), and the
-    compiled check they passed. A layout whose check was made in a save where that same check
-    (the same object, for the same items list) vouched for its tensors is not asked again: both
+    compiled check they passed. A layout whose check held in a save where that same check (the
+    same object, for the same items list) vouched for its tensors is not asked again: both
     checks read the same facts, and the planner's found this save's tensors to have the facts
     they had then."""
     checked, planner_guard = vouched
@@ -130,7 +136,11 @@ def reuse(known: Recent[Any] | None, file_name: str, items: Sequence[WriteItem],
         if planner_guard is not None and old.vouch is not None and (
                 old.vouch[0] is planner_guard and old.vouch[1] is items):
             return True
-        return bool(old.guard.same(short.tensors))
+        if not old.guard.same(short.tensors):
+            return False
+        if planner_guard is not None:  # both checks hold for these tensors now
+            old.vouch = (planner_guard, items)
+        return True
 
     return known.find(same), short
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import secrets
 from collections.abc import Sequence
 from typing import Any
 
@@ -47,7 +48,7 @@ from ..saving import tensor_guard
 from ._flatten import fast_flatten_usable, flatten
 from ._recent import Recent
 
-__all__ = ["SteadySavePlanner"]
+__all__ = ["ItemsToken", "SteadySavePlanner"]
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
@@ -86,6 +87,17 @@ def _facts(tensors: list[torch.Tensor]) -> list[Any]:
     return [(t.dtype, t.shape, t.layout, t.requires_grad) for t in tensors]
 
 
+@dataclasses.dataclass(frozen=True)
+class ItemsToken:
+    """Names one global plan made by a :class:`SteadySavePlanner` (in each rank's plan's
+    ``storage_data`` until the storage writer puts its own there): given again with a reused
+    global plan, it tells each rank that its items are those it was given with it before
+    (:meth:`.StagedStorageWriter.write_data` then uses that list, whose tensors' places the
+    planner knows, instead of the equal one DCP unpickled)."""
+
+    value: str
+
+
 @dataclasses.dataclass
 class _Local:
     """A local plan and what it was made from."""
@@ -98,7 +110,7 @@ class _Local:
     #: the items a save of this structure resolved (a writer's list, held), per item the
     #: position of its tensor among the state's plain tensors (``-1``: resolved by DCP's rule),
     #: and whether every tensor item has one
-    resolved: tuple[Sequence[WriteItem], list[int], bool] | None = None
+    resolved: tuple[Sequence[WriteItem], list[int] | None, bool] | None = None
 
 
 class SteadySavePlanner(DefaultSavePlanner):
@@ -125,6 +137,9 @@ class SteadySavePlanner(DefaultSavePlanner):
         super().__init__(**kwargs)
         self._locals: Recent[_Local] = Recent()
         self._globals: Recent[tuple[list[SavePlan], list[SavePlan], Metadata]] = Recent()
+        #: Items resolved by position only by this class itself: a subclass may change the
+        #: state after planning (its methods run between the plan and the writer's resolve).
+        self._positional = type(self) is SteadySavePlanner
         kind = type(self)  # looks objects up and transforms them as DCP's default does
         self._plain_lookup = (kind.lookup_object is DefaultSavePlanner.lookup_object
                               and kind.transform_object is DefaultSavePlanner.transform_object)
@@ -133,6 +148,7 @@ class SteadySavePlanner(DefaultSavePlanner):
         self.set_up_pending = False
         self.reused_local = 0  # saves that reused the local / the global plan (telemetry, tests)
         self.reused_global = 0
+        self.resolved_by_place = 0  # saves whose items were resolved by their tensors' places
         #: this save's local plan entry and plain tensors (None: its local plan is DCP's alone)
         self._local: _Local | None = None
         self._tensors: list[torch.Tensor] | None = None
@@ -170,19 +186,26 @@ class SteadySavePlanner(DefaultSavePlanner):
     def resolve_items(self, items: Sequence[WriteItem]) -> list[Any]:
         """:meth:`resolve_data` of each item, in order (one call for a whole rank file).
 
-        The items of a reused local plan's structure, given again as the same list, are
-        resolved by position: the plain tensors its last resolution took directly are this
+        The items of a reused local plan's structure, given again as the same list (a rank given
+        the same global plan again gets the list it was given before: :class:`ItemsToken`), are
+        resolved by position (from the second time the list comes; by this class only, not a
+        subclass): the plain tensors its last resolution took directly are this
         save's tensors at the same places among the state's plain tensors (the local plan was
         reused because the state has the same keys, in the same order, each plain tensor where
         it was, with the same dimensions)."""
         if not self._plain_lookup or type(self).resolve_data is not SteadySavePlanner.resolve_data:
             return [self.resolve_data(item) for item in items]
         resolve = super().resolve_data
-        local, tensors = self._local, self._tensors
+        local, tensors = (self._local, self._tensors) if self._positional else (None, None)
         known = local.resolved if local is not None else None
-        if known is not None and known[0] is items and tensors is not None:
+        if known is not None and known[0] is items and known[1] is not None and (
+                tensors is not None):
+            self.resolved_by_place += 1
             return [tensors[p] if p >= 0 else resolve(item)
                     for item, p in zip(items, known[1])]
+        if local is not None and (known is None or known[0] is not items):
+            local.resolved = (items, None, False)  # positions made if the list comes back
+            local = None
         state, tensor, plain = self.state_dict, WriteItemType.TENSOR, _PLAIN
         at = self._positions() if local is not None else {}
         out: list[Any] = []
@@ -211,9 +234,10 @@ class SteadySavePlanner(DefaultSavePlanner):
         state's plain tensors as :func:`_signature` found them (each strided, not nested:
         :func:`~stagesave.saving.tensor_guard.checkable`), and then the compiled check those
         tensors passed in this save (``None``: none), whose facts are theirs now."""
-        local = self._local
+        local = self._local if self._positional else None
         known = local.resolved if local is not None else None
-        if local is None or known is None or known[0] is not items or self._tensors is None:
+        if (local is None or known is None or known[0] is not items or known[1] is None
+                or self._tensors is None):
             return False, None
         return known[2], local.guard if known[2] else None
 
@@ -266,6 +290,10 @@ class SteadySavePlanner(DefaultSavePlanner):
             self.reused_global += 1
         else:
             global_plan, metadata = super().create_global_plan(all_plans)
+            # each rank's plan names this global plan (ItemsToken): a rank given the same
+            # token again knows its items are the ones it was given with it before
+            token = ItemsToken(secrets.token_hex(16))
+            global_plan = [dataclasses.replace(plan, storage_data=token) for plan in global_plan]
             self._globals.add((list(all_plans), global_plan, metadata))
         # the storage writer fills in storage data and meta: a copy, the kept one stays as made
         self.global_plan = list(global_plan)

@@ -27,7 +27,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 from typing_extensions import Self
@@ -57,7 +57,7 @@ from ._rank_bounds import rank_bounds, world_size
 from ._rankfile import RankLayout, SkeletonCache, layout_rank_file
 from ._rankjob import RankJob, RankStaging
 from ._recent import Recent
-from ._steady_planner import SteadySavePlanner
+from ._steady_planner import ItemsToken, SteadySavePlanner
 
 __all__ = ["StagedStorageWriter"]
 
@@ -146,6 +146,8 @@ class StagedStorageWriter(StorageWriter):
         self._storage_data = StorageData()  # .metadata's, reused for the same results
         self._planner: SteadySavePlanner | None = None
         self._item_shapes = _rank_guard.Shapes()  # of the last plan's items list
+        #: ((items token, rank, world size), the items given with it) of the last save
+        self._last_items: tuple[tuple[str, int, int], list[WriteItem]] | None = None
         self._save: _Save | None = None
         self._open_slots: list[MetadataSlot] = []
         #: The lease this coordinator took for a save whose commit job does not exist yet.
@@ -239,8 +241,9 @@ class StagedStorageWriter(StorageWriter):
                 hidden,
                 _join(parent, lease(leaf, pid, save_id)),
                 time.time_ns(),
+                plan.storage_data.value if isinstance(plan.storage_data, ItemsToken) else "",
             )
-            for i in range(len(plans))
+            for i, plan in enumerate(plans)
         ]
         # No rank writes before the plans go out: the lease exists before anyone could wait on
         # it, and on object stores the old folder loses its carrier before it is overwritten.
@@ -272,12 +275,13 @@ class StagedStorageWriter(StorageWriter):
             )
         self._recent_ids.append(spec.save_id)
         s.spec = spec
+        items = self._items_of(spec, plan)
         tel = s.telemetry
         ckpt = self._ckpt
         try:
             t0 = time.perf_counter()
             rank_image = layout_rank_file(
-                plan.items, planner.resolve_data, spec.file_name, self._skeletons, self._layouts,
+                items, planner.resolve_data, spec.file_name, self._skeletons, self._layouts,
                 planner.resolve_items if isinstance(planner, SteadySavePlanner) else None,
                 self._item_shapes,
                 planner.vouch if isinstance(planner, SteadySavePlanner) else None,
@@ -384,6 +388,7 @@ class StagedStorageWriter(StorageWriter):
         self._storage_data = StorageData()
         self._planner = None
         self._item_shapes = _rank_guard.Shapes()
+        self._last_items = None
         if self._owned:
             self._ckpt.close(timeout)
 
@@ -392,6 +397,18 @@ class StagedStorageWriter(StorageWriter):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _items_of(self, spec: SavePlanData, plan: SavePlan) -> list[WriteItem]:
+        """This rank's items: the list it was given with the same global plan before, if the
+        coordinator's steady planner named the plan so (DCP hands every rank an unpickled copy
+        at each save; with the same list, the planner and the layout use what they kept of
+        it), else the plan's own."""
+        key = (spec.items_token, spec.rank, spec.world_size)
+        last = self._last_items
+        if spec.items_token and last is not None and last[0] == key:
+            return last[1]
+        self._last_items = (key, plan.items) if spec.items_token else None
+        return plan.items
 
     def _current(self) -> _Save:
         if self._save is None:
