@@ -92,8 +92,8 @@ class ItemsToken:
     """Names one global plan made by a :class:`SteadySavePlanner` (in each rank's plan's
     ``storage_data`` until the storage writer puts its own there): given again with a reused
     global plan, it tells each rank that its items are those it was given with it before
-    (:meth:`.StagedStorageWriter.write_data` then uses that list, whose tensors' places the
-    planner knows, instead of the equal one DCP unpickled)."""
+    (:meth:`SteadySavePlanner.finish_plan` then gives the storage writer that list, whose
+    tensors' places the planner knows, instead of the equal one DCP unpickled)."""
 
     value: str
 
@@ -149,6 +149,8 @@ class SteadySavePlanner(DefaultSavePlanner):
         self.reused_local = 0  # saves that reused the local / the global plan (telemetry, tests)
         self.reused_global = 0
         self.resolved_by_place = 0  # saves whose items were resolved by their tensors' places
+        #: (the token, rank and world size of the last global plan given, its items)
+        self._given: tuple[tuple[Any, Any, Any], list[WriteItem]] | None = None
         #: this save's local plan entry and plain tensors (None: its local plan is DCP's alone)
         self._local: _Local | None = None
         self._tensors: list[torch.Tensor] | None = None
@@ -282,6 +284,21 @@ class SteadySavePlanner(DefaultSavePlanner):
             self._locals.add(known)
         self._local, self._tensors = known, tensors
         return known.plan
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        """DCP's, with this rank's items as the list it was given before when the coordinator's
+        steady planner says they are the same (:class:`ItemsToken`, which the storage writer
+        carries as ``items_token``): DCP hands every rank an unpickled copy of its plan at every
+        save, and the places of the items' tensors are known for the list kept."""
+        data = new_plan.storage_data
+        token = getattr(data, "items_token", "")
+        key = (token, getattr(data, "rank", None), getattr(data, "world_size", None))
+        given = self._given
+        if token and given is not None and given[0] == key:
+            new_plan = dataclasses.replace(new_plan, items=given[1])
+        else:
+            self._given = (key, new_plan.items) if token else None
+        return super().finish_plan(new_plan)
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         known = self._globals.find(lambda e: e[0] == all_plans)

@@ -27,7 +27,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 from typing_extensions import Self
@@ -146,8 +146,6 @@ class StagedStorageWriter(StorageWriter):
         self._storage_data = StorageData()  # .metadata's, reused for the same results
         self._planner: SteadySavePlanner | None = None
         self._item_shapes = _rank_guard.Shapes()  # of the last plan's items list
-        #: ((items token, rank, world size), the items given with it) of the last save
-        self._last_items: tuple[tuple[str, int, int], list[WriteItem]] | None = None
         self._save: _Save | None = None
         self._open_slots: list[MetadataSlot] = []
         #: The lease this coordinator took for a save whose commit job does not exist yet.
@@ -275,13 +273,12 @@ class StagedStorageWriter(StorageWriter):
             )
         self._recent_ids.append(spec.save_id)
         s.spec = spec
-        items = self._items_of(spec, plan)
         tel = s.telemetry
         ckpt = self._ckpt
         try:
             t0 = time.perf_counter()
             rank_image = layout_rank_file(
-                items, planner.resolve_data, spec.file_name, self._skeletons, self._layouts,
+                plan.items, planner.resolve_data, spec.file_name, self._skeletons, self._layouts,
                 planner.resolve_items if isinstance(planner, SteadySavePlanner) else None,
                 self._item_shapes,
                 planner.vouch if isinstance(planner, SteadySavePlanner) else None,
@@ -388,7 +385,6 @@ class StagedStorageWriter(StorageWriter):
         self._storage_data = StorageData()
         self._planner = None
         self._item_shapes = _rank_guard.Shapes()
-        self._last_items = None
         if self._owned:
             self._ckpt.close(timeout)
 
@@ -397,18 +393,6 @@ class StagedStorageWriter(StorageWriter):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def _items_of(self, spec: SavePlanData, plan: SavePlan) -> list[WriteItem]:
-        """This rank's items: the list it was given with the same global plan before, if the
-        coordinator's steady planner named the plan so (DCP hands every rank an unpickled copy
-        at each save; with the same list, the planner and the layout use what they kept of
-        it), else the plan's own."""
-        key = (spec.items_token, spec.rank, spec.world_size)
-        last = self._last_items
-        if spec.items_token and last is not None and last[0] == key:
-            return last[1]
-        self._last_items = (key, plan.items) if spec.items_token else None
-        return plan.items
 
     def _current(self) -> _Save:
         if self._save is None:
