@@ -348,6 +348,46 @@ def test_a_subclass_changing_the_state_after_planning_is_resolved_from_the_state
         writer.close()
 
 
+def test_the_steady_planner_saves_through_dcps_own_writer(tmp_path):
+    """The planner's name for its global plans stays its own (``planner_data``): a storage
+    writer that fills in ``storage_data`` only where it is empty (``FileSystemWriter``) saves."""
+    planner = sdcp.SteadySavePlanner()
+    state = {"w": torch.arange(6.0), "n": 1}
+    for step in range(3):
+        state["n"] = step
+        with torch.no_grad():
+            state["w"].add_(1)
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path / f"s{step}")),
+                 planner=planner)
+        got = {"w": torch.zeros(6), "n": -1}
+        dcp.load(got, checkpoint_id=str(tmp_path / f"s{step}"))
+        assert torch.equal(got["w"], state["w"]) and got["n"] == step
+    assert planner.reused_global == 2
+
+
+def test_a_rank_given_a_named_plan_again_gets_the_items_it_kept(tmp_path):
+    """``finish_plan``: the same name (:class:`ItemsToken`) gives the items list kept with it
+    (each of a few names kept); a subclass keeps the items it is given."""
+    from torch.distributed.checkpoint.planner import SavePlan
+
+    from stagesave.dcp._steady_planner import ItemsToken
+
+    def plan(name: str, items: list[Any]) -> SavePlan:
+        return SavePlan(items=items, planner_data=ItemsToken(name, 0))
+
+    a1, b1, a2, b2 = (["a"], ["b"], ["a"], ["b"])  # equal lists, distinct objects
+    planner = sdcp.SteadySavePlanner()
+    assert planner.finish_plan(plan("A", a1)).items is a1
+    assert planner.finish_plan(plan("B", b1)).items is b1
+    assert planner.finish_plan(plan("A", a2)).items is a1  # named before: the kept list
+    assert planner.finish_plan(plan("B", b2)).items is b1
+    assert planner.finish_plan(SavePlan(items=a2)).items is a2  # no name
+    sub = _Rewriting()
+    sub.state_dict = {}
+    assert sub.finish_plan(plan("A", a1)).items is a1
+    assert sub.finish_plan(plan("A", a2)).items is a2
+
+
 def test_the_planner_refuses_dcp_plan_caching():
     with pytest.raises(ValueError, match="enable_plan_caching"):
         sdcp.SteadySavePlanner(enable_plan_caching=True)
@@ -360,7 +400,7 @@ def test_a_writer_alternating_between_structures_reuses_each(tmp_path):
     try:
         model = {"model": {"w": torch.randn(8, 4), "b": torch.randn(8)}}
         optim = {"optimizer": {"state": {"0": {"exp_avg": torch.randn(8, 4), "step": 1}}}}
-        for step in range(1, 4):
+        for step in range(1, 5):
             model["model"]["w"].add_(1)
             optim["optimizer"]["state"]["0"]["step"] = step
             for name, state in (("model", model), ("optim", optim)):
@@ -371,8 +411,11 @@ def test_a_writer_alternating_between_structures_reuses_each(tmp_path):
                 else:
                     assert whole["optimizer"]["state"]["0"]["step"] == step
         planner = writer.planner
-        assert (planner.reused_local, planner.reused_global) == (4, 4)
-        assert writer._metadata_pickler.reused == 4 and len(writer._layouts.entries) == 2
+        assert (planner.reused_local, planner.reused_global) == (6, 6)
+        assert writer._metadata_pickler.reused == 6 and len(writer._layouts.entries) == 2
+        # each structure's items resolved by place from its third save, its shape kept
+        assert planner.resolved_by_place == 4
+        assert all(e[1] is not None for e in writer._item_shapes.recent.entries)
     finally:
         writer.close()
 

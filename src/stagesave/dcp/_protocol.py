@@ -90,9 +90,6 @@ class SavePlanData:
     lease: str = ""
     #: Wall-clock time of the save (for display), the same in every file's proof.
     created_ns: int = 0
-    #: The steady planner's name of the global plan this rank's items come from (``""``:
-    #: none); the same name again means the same items (:class:`.ItemsToken`).
-    items_token: str = ""
 
     @property
     def file_name(self) -> str:

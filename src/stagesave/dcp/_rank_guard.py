@@ -56,22 +56,22 @@ class Shape:
 
 
 class Shapes:
-    """A writer's :class:`Shape` of the last items list it saw, made the second time the list
-    comes (a list seen once, as a plan from scratch gives, costs nothing more)."""
+    """A writer's :class:`Shape` of each of its recent items lists (one per structure), made the
+    second time a list comes (a list seen once, as a plan from scratch gives, costs nothing
+    more)."""
 
     def __init__(self) -> None:
-        self.last: Shape | None = None
-        self.seen: Sequence[WriteItem] | None = None
+        self.recent: Recent[list[Any]] = Recent()  # [items, its Shape or None]
 
     def of(self, items: Sequence[WriteItem]) -> Shape | None:
-        last = self.last
-        if last is not None and last.items is items:
-            return last
-        if self.seen is not items:
-            self.seen, self.last = items, None
+        known = self.recent.find(lambda e: e[0] is items)
+        if known is None:
+            self.recent.add([items, None])
             return None
-        self.last = Shape(items)
-        return self.last
+        if known[1] is None:
+            known[1] = Shape(items)
+        shape: Shape = known[1]
+        return shape
 
 
 def light(items: Sequence[WriteItem], resolved: list[Any], shape: Shape | None = None,

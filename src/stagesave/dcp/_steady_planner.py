@@ -89,13 +89,15 @@ def _facts(tensors: list[torch.Tensor]) -> list[Any]:
 
 @dataclasses.dataclass(frozen=True)
 class ItemsToken:
-    """Names one global plan made by a :class:`SteadySavePlanner` (in each rank's plan's
-    ``storage_data`` until the storage writer puts its own there): given again with a reused
-    global plan, it tells each rank that its items are those it was given with it before
-    (:meth:`SteadySavePlanner.finish_plan` then gives the storage writer that list, whose
-    tensors' places the planner knows, instead of the equal one DCP unpickled)."""
+    """Names one global plan made by a :class:`SteadySavePlanner`, and the rank its plan is for
+    (in that plan's ``planner_data``, which DCP reads no more once the global plan is made):
+    given again with a reused global plan, it tells the rank that its items are those it was
+    given with it before (:meth:`SteadySavePlanner.finish_plan` then gives the storage writer
+    that list, whose tensors' places the planner knows, instead of the equal one DCP
+    unpickled)."""
 
     value: str
+    rank: int
 
 
 @dataclasses.dataclass
@@ -149,8 +151,8 @@ class SteadySavePlanner(DefaultSavePlanner):
         self.reused_local = 0  # saves that reused the local / the global plan (telemetry, tests)
         self.reused_global = 0
         self.resolved_by_place = 0  # saves whose items were resolved by their tensors' places
-        #: (the token, rank and world size of the last global plan given, its items)
-        self._given: tuple[tuple[Any, Any, Any], list[WriteItem]] | None = None
+        #: (token, items) of the global plans recently given to this rank (one per structure)
+        self._given: Recent[tuple[ItemsToken, list[WriteItem]]] = Recent()
         #: this save's local plan entry and plain tensors (None: its local plan is DCP's alone)
         self._local: _Local | None = None
         self._tensors: list[torch.Tensor] | None = None
@@ -287,17 +289,16 @@ class SteadySavePlanner(DefaultSavePlanner):
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         """DCP's, with this rank's items as the list it was given before when the coordinator's
-        steady planner says they are the same (:class:`ItemsToken`, which the storage writer
-        carries as ``items_token``): DCP hands every rank an unpickled copy of its plan at every
-        save, and the places of the items' tensors are known for the list kept."""
-        data = new_plan.storage_data
-        token = getattr(data, "items_token", "")
-        key = (token, getattr(data, "rank", None), getattr(data, "world_size", None))
-        given = self._given
-        if token and given is not None and given[0] == key:
-            new_plan = dataclasses.replace(new_plan, items=given[1])
-        else:
-            self._given = (key, new_plan.items) if token else None
+        steady planner says they are the same (:class:`ItemsToken`): DCP hands every rank an
+        unpickled copy of its plan at every save, and the places of the items' tensors are known
+        for the list kept (one per recent structure). A subclass keeps the items it is given."""
+        token = new_plan.planner_data
+        if self._positional and type(token) is ItemsToken:
+            known = self._given.find(lambda e: e[0] == token)
+            if known is not None:
+                new_plan = dataclasses.replace(new_plan, items=known[1])
+            else:
+                self._given.add((token, new_plan.items))
         return super().finish_plan(new_plan)
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
@@ -307,10 +308,12 @@ class SteadySavePlanner(DefaultSavePlanner):
             self.reused_global += 1
         else:
             global_plan, metadata = super().create_global_plan(all_plans)
-            # each rank's plan names this global plan (ItemsToken): a rank given the same
+            # each rank's plan names this global plan and the rank (ItemsToken, in planner_data,
+            # which DCP merged into the metadata above and reads no more): a rank given the same
             # token again knows its items are the ones it was given with it before
-            token = ItemsToken(secrets.token_hex(16))
-            global_plan = [dataclasses.replace(plan, storage_data=token) for plan in global_plan]
+            name = secrets.token_hex(16)
+            global_plan = [dataclasses.replace(plan, planner_data=ItemsToken(name, rank))
+                           for rank, plan in enumerate(global_plan)]
             self._globals.add((list(all_plans), global_plan, metadata))
         # the storage writer fills in storage data and meta: a copy, the kept one stays as made
         self.global_plan = list(global_plan)

@@ -57,7 +57,7 @@ from ._rank_bounds import rank_bounds, world_size
 from ._rankfile import RankLayout, SkeletonCache, layout_rank_file
 from ._rankjob import RankJob, RankStaging
 from ._recent import Recent
-from ._steady_planner import ItemsToken, SteadySavePlanner
+from ._steady_planner import SteadySavePlanner
 
 __all__ = ["StagedStorageWriter"]
 
@@ -239,9 +239,8 @@ class StagedStorageWriter(StorageWriter):
                 hidden,
                 _join(parent, lease(leaf, pid, save_id)),
                 time.time_ns(),
-                plan.storage_data.value if isinstance(plan.storage_data, ItemsToken) else "",
             )
-            for i, plan in enumerate(plans)
+            for i in range(len(plans))
         ]
         # No rank writes before the plans go out: the lease exists before anyone could wait on
         # it, and on object stores the old folder loses its carrier before it is overwritten.
