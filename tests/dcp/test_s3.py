@@ -78,12 +78,14 @@ def test_a_user_object_beside_a_sharded_checkpoint_survives_its_replacement(
     client = s3_server.client()
     bucket, prefix = s3_url.split("/")[2], "/".join(s3_url.split("/")[3:])
     writer = sdcp.StagedStorageWriter(root=s3_url, storage_options=s3_options)
-    sdcp.save({"w": torch.zeros(8), "step": 1}, "last", writer=writer).result(60)
-    client.put_object(Bucket=bucket, Key=f"{prefix}/last/notes.txt", Body=b"mine")
-    client.put_object(Bucket=bucket, Key=f"{prefix}/last/__1_0.distcp", Body=b"an older rank's")
-    assert stagesave.verify(f"{s3_url}/last", storage_options=s3_options).beside == [
-        "__1_0.distcp", "notes.txt"]
-    sdcp.save({"w": torch.ones(8), "step": 2}, "last", writer=writer).result(60)
+    with writer:  # closed: its threads end with the test
+        sdcp.save({"w": torch.zeros(8), "step": 1}, "last", writer=writer).result(60)
+        client.put_object(Bucket=bucket, Key=f"{prefix}/last/notes.txt", Body=b"mine")
+        client.put_object(Bucket=bucket, Key=f"{prefix}/last/__1_0.distcp",
+                          Body=b"an older rank's")
+        assert stagesave.verify(f"{s3_url}/last", storage_options=s3_options).beside == [
+            "__1_0.distcp", "notes.txt"]
+        sdcp.save({"w": torch.ones(8), "step": 2}, "last", writer=writer).result(60)
     keys = sorted(o["Key"][len(prefix) + 1:] for o in client.list_objects_v2(
         Bucket=bucket, Prefix=prefix + "/")["Contents"])
     assert keys == ["last/.metadata", "last/__0_0.distcp", "last/notes.txt"]
