@@ -311,9 +311,11 @@ class SteadySavePlanner(DefaultSavePlanner):
             # each rank's plan names this global plan and the rank (ItemsToken, in planner_data,
             # which DCP merged into the metadata above and reads no more): a rank given the same
             # token again knows its items are the ones it was given with it before
-            name = secrets.token_hex(16)
-            global_plan = [dataclasses.replace(plan, planner_data=ItemsToken(name, rank))
-                           for rank, plan in enumerate(global_plan)]
+            # (by this class only: a subclass's own use of planner_data stays as DCP leaves it)
+            if self._positional:
+                name = secrets.token_hex(16)
+                global_plan = [dataclasses.replace(plan, planner_data=ItemsToken(name, rank))
+                               for rank, plan in enumerate(global_plan)]
             self._globals.add((list(all_plans), global_plan, metadata))
         # the storage writer fills in storage data and meta: a copy, the kept one stays as made
         self.global_plan = list(global_plan)
