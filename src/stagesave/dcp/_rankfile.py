@@ -298,8 +298,8 @@ def layout_rank_file(
 
     ``known``: the layouts of this writer's recent saves; one whose items are the same is
     reused, else the new layout joins them. ``resolve_items``: ``resolve`` of all items in one
-    call (:meth:`.SteadySavePlanner.resolve_items`); ``shapes``: the writer's shape of its last
-    items list; ``vouch(items)``: what the planner's own checks of this save's state tell about
+    call (:meth:`.SteadySavePlanner.resolve_items`); ``shapes``: the writer's shapes of its recent
+    items lists; ``vouch(items)``: what the planner's own checks of this save's state tell about
     the items' tensors (:meth:`.SteadySavePlanner.vouch`, :func:`._rank_guard.reuse`).
 
     Raises:

@@ -145,7 +145,7 @@ class StagedStorageWriter(StorageWriter):
         self._metadata_pickler = MetadataPickler()  # recent pickles, reused for the same plan
         self._storage_data = StorageData()  # .metadata's, reused for the same results
         self._planner: SteadySavePlanner | None = None
-        self._item_shapes = _rank_guard.Shapes()  # of the last plan's items list
+        self._item_shapes = _rank_guard.Shapes()  # of its recent plans' items lists
         self._save: _Save | None = None
         self._open_slots: list[MetadataSlot] = []
         #: The lease this coordinator took for a save whose commit job does not exist yet.
