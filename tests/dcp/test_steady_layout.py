@@ -415,7 +415,8 @@ def test_a_writer_alternating_between_structures_reuses_each(tmp_path):
         assert writer._metadata_pickler.reused == 6 and len(writer._layouts.entries) == 2
         # each structure's items resolved by place from its third save, its shape kept
         assert planner.resolved_by_place == 4
-        assert all(e[1] is not None for e in writer._item_shapes.recent.entries)
+        assert all(e.resolved is not None and e.resolved[3] is not None
+                   for e in planner._locals.entries)
     finally:
         writer.close()
 

@@ -24,7 +24,7 @@ from ..saving import tensor_guard
 from ..saving.tensor_guard import Guard
 from ._recent import Recent
 
-__all__ = ["Light", "Shape", "Shapes", "keep", "light", "reuse"]
+__all__ = ["Light", "Shape", "Vouched", "keep", "light", "reuse"]
 
 _Tensor = torch.Tensor
 _BYTE_IO = WriteItemType.BYTE_IO
@@ -43,7 +43,7 @@ class Light:
 
 class Shape:
     """Which items of one plan's list are byte items, and the tensor items' keys in short:
-    made once per list (a reused plan gives the same list at every save)."""
+    made once per list, kept by the steady planner with the list's places."""
 
     __slots__ = ("byte_at", "items", "keys", "tensor_at")
 
@@ -55,23 +55,9 @@ class Shape:
         self.keys: list[tuple[Any, ...]] = [(item.index,) for item in items]
 
 
-class Shapes:
-    """A writer's :class:`Shape` of each of its recent items lists (one per structure), made the
-    second time a list comes (a list seen once, as a plan from scratch gives, costs nothing
-    more)."""
-
-    def __init__(self) -> None:
-        self.recent: Recent[list[Any]] = Recent()  # [items, its Shape or None]
-
-    def of(self, items: Sequence[WriteItem]) -> Shape | None:
-        known = self.recent.find(lambda e: e[0] is items)
-        if known is None:
-            self.recent.add([items, None])
-            return None
-        if known[1] is None:
-            known[1] = Shape(items)
-        shape: Shape = known[1]
-        return shape
+#: What the planner's checks of a save tell about its items' tensors (``SteadySavePlanner.vouch``):
+#: every tensor item checkable, the compiled check they passed, the items' :class:`Shape`.
+Vouched = tuple[bool, Guard | None, Shape | None]
 
 
 def light(items: Sequence[WriteItem], resolved: list[Any], shape: Shape | None = None,
@@ -112,20 +98,20 @@ def light(items: Sequence[WriteItem], resolved: list[Any], shape: Shape | None =
 
 
 def reuse(known: Recent[Any] | None, file_name: str, items: Sequence[WriteItem],
-          resolved: list[Any], shape: Shape | None = None,
-          vouched: tuple[bool, Guard | None] = (False, None)) -> tuple[Any, Light | None]:
+          resolved: list[Any],
+          vouched: Vouched = (False, None, None)) -> tuple[Any, Light | None]:
     """The recent layout of ``file_name`` whose items in short are these and whose check says
     their tensors are the same (``None``: none), and the items in short (``None``: they need
     the full path, or no layouts are kept).
 
-    ``shape``: :class:`Shape` of ``items``. ``vouched``: what the planner's own checks of this
-    save's state say (:meth:`.SteadySavePlanner.vouch`): every tensor item's data is one of the
-    tensors it checked (so each is :func:`~stagesave.saving.tensor_guard.checkable`), and the
-    compiled check they passed. A layout whose check held in a save where that same check (the
-    same object, for the same items list) vouched for its tensors is not asked again: both
-    checks read the same facts, and the planner's found this save's tensors to have the facts
-    they had then."""
-    checked, planner_guard = vouched
+    ``vouched``: what the planner's own checks of this save's state say
+    (:meth:`.SteadySavePlanner.vouch`): every tensor item's data is one of the tensors it
+    checked (so each is :func:`~stagesave.saving.tensor_guard.checkable`), the compiled check
+    they passed, and the :class:`Shape` of ``items``. A layout whose check held in a save where
+    that same check (the same object, for the same items list) vouched for its tensors is not
+    asked again: both checks read the same facts, and the planner's found this save's tensors
+    to have the facts they had then."""
+    checked, planner_guard, shape = vouched
     short = light(items, resolved, shape, checked) if known is not None else None
     if known is None or short is None:
         return None, short

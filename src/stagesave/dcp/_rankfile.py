@@ -291,25 +291,22 @@ def layout_rank_file(
     cache: SkeletonCache,
     known: Recent[RankLayout] | None = None,
     resolve_items: Callable[[Sequence[WriteItem]], list[Any]] | None = None,
-    shapes: _rank_guard.Shapes | None = None,
-    vouch: Callable[[Sequence[WriteItem]], tuple[bool, Guard | None]] | None = None,
+    vouch: Callable[[Sequence[WriteItem]], _rank_guard.Vouched] | None = None,
 ) -> RankImage:
     """Place every item of a rank's plan in its data file; nothing is copied yet.
 
     ``known``: the layouts of this writer's recent saves; one whose items are the same is
     reused, else the new layout joins them. ``resolve_items``: ``resolve`` of all items in one
-    call (:meth:`.SteadySavePlanner.resolve_items`); ``shapes``: the writer's shapes of its recent
-    items lists; ``vouch(items)``: what the planner's own checks of this save's state tell about
-    the items' tensors (:meth:`.SteadySavePlanner.vouch`, :func:`._rank_guard.reuse`).
+    call (:meth:`.SteadySavePlanner.resolve_items`); ``vouch(items)``: what the planner's own
+    checks of this save's state tell about the items' tensors (:meth:`.SteadySavePlanner.vouch`,
+    :func:`._rank_guard.reuse`).
 
     Raises:
         UnsupportedObjectError: an item is a tensor on the meta device (it has no data).
     """
     resolved = resolve_items(items) if resolve_items is not None else list(map(resolve, items))
-    vouched = vouch(items) if vouch is not None else (False, None)
-    layout, short = _rank_guard.reuse(
-        known, file_name, items, resolved, shapes.of(items) if shapes is not None else None,
-        vouched)
+    vouched = vouch(items) if vouch is not None else (False, None, None)
+    layout, short = _rank_guard.reuse(known, file_name, items, resolved, vouched)
     if layout is not None and short is not None:
         found = short.found
     else:

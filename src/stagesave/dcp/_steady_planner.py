@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemT
 
 from ..saving import tensor_guard
 from ._flatten import fast_flatten_usable, flatten
+from ._rank_guard import Shape, Vouched
 from ._recent import Recent
 
 __all__ = ["ItemsToken", "SteadySavePlanner"]
@@ -111,8 +112,8 @@ class _Local:
     plan: SavePlan
     #: the items a save of this structure resolved (a writer's list, held), per item the
     #: position of its tensor among the state's plain tensors (``-1``: resolved by DCP's rule),
-    #: and whether every tensor item has one
-    resolved: tuple[Sequence[WriteItem], list[int] | None, bool] | None = None
+    #: whether every tensor item has one, and the items in short (:class:`._rank_guard.Shape`)
+    resolved: tuple[Sequence[WriteItem], list[int] | None, bool, Shape | None] | None = None
 
 
 class SteadySavePlanner(DefaultSavePlanner):
@@ -208,7 +209,7 @@ class SteadySavePlanner(DefaultSavePlanner):
             return [tensors[p] if p >= 0 else resolve(item)
                     for item, p in zip(items, known[1])]
         if local is not None and (known is None or known[0] is not items):
-            local.resolved = (items, None, False)  # positions made if the list comes back
+            local.resolved = (items, None, False, None)  # places made if the list comes back
             local = None
         state, tensor, plain = self.state_dict, WriteItemType.TENSOR, _PLAIN
         at = self._positions() if local is not None else {}
@@ -229,21 +230,22 @@ class SteadySavePlanner(DefaultSavePlanner):
             place(-1)
         if local is not None:
             local.resolved = (items, places, all(
-                p >= 0 or item.type is not tensor for item, p in zip(items, places)))
+                p >= 0 or item.type is not tensor for item, p in zip(items, places)), Shape(items))
         return out
 
-    def vouch(self, items: Sequence[WriteItem]) -> tuple[bool, tensor_guard.Guard | None]:
+    def vouch(self, items: Sequence[WriteItem]) -> Vouched:
         """What this save's own checks of its state tell about ``items``' tensors, once
         :meth:`resolve_items` resolved them: whether every tensor item's data is one of the
         state's plain tensors as :func:`_signature` found them (each strided, not nested:
-        :func:`~stagesave.saving.tensor_guard.checkable`), and then the compiled check those
-        tensors passed in this save (``None``: none), whose facts are theirs now."""
+        :func:`~stagesave.saving.tensor_guard.checkable`), then the compiled check those
+        tensors passed in this save (``None``: none), whose facts are theirs now, and the
+        items in short kept with their places (``None``: none yet)."""
         local = self._local if self._positional else None
         known = local.resolved if local is not None else None
         if (local is None or known is None or known[0] is not items or known[1] is None
                 or self._tensors is None):
-            return False, None
-        return known[2], local.guard if known[2] else None
+            return False, None, None
+        return known[2], local.guard if known[2] else None, known[3]
 
     def _positions(self) -> dict[str, int]:
         """Each plain tensor's key -> its place among this save's plain tensors (as

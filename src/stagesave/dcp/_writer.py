@@ -38,7 +38,6 @@ from ..handle import SaveHandle
 from ..ondisk.names import TMP_MARKER, check_target_name
 from ..stores.base import Store
 from ..telemetry import SaveTelemetry
-from . import _rank_guard
 from ._coordinator import (
     abandon,
     check_extra_files,
@@ -145,7 +144,6 @@ class StagedStorageWriter(StorageWriter):
         self._metadata_pickler = MetadataPickler()  # recent pickles, reused for the same plan
         self._storage_data = StorageData()  # .metadata's, reused for the same results
         self._planner: SteadySavePlanner | None = None
-        self._item_shapes = _rank_guard.Shapes()  # of its recent plans' items lists
         self._save: _Save | None = None
         self._open_slots: list[MetadataSlot] = []
         #: The lease this coordinator took for a save whose commit job does not exist yet.
@@ -279,7 +277,6 @@ class StagedStorageWriter(StorageWriter):
             rank_image = layout_rank_file(
                 plan.items, planner.resolve_data, spec.file_name, self._skeletons, self._layouts,
                 planner.resolve_items if isinstance(planner, SteadySavePlanner) else None,
-                self._item_shapes,
                 planner.vouch if isinstance(planner, SteadySavePlanner) else None,
             )
             image = rank_image.image
@@ -383,7 +380,6 @@ class StagedStorageWriter(StorageWriter):
         self._metadata_pickler = MetadataPickler()
         self._storage_data = StorageData()
         self._planner = None
-        self._item_shapes = _rank_guard.Shapes()
         if self._owned:
             self._ckpt.close(timeout)
 
