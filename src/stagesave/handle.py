@@ -57,6 +57,13 @@ class SaveHandle:
             self._delivered = True
             return self._error
 
+    def _mark_delivered(self) -> None:
+        """The caller already got this save's failure another way (the call that made the save
+        raised): a background error is not raised again by the checkpointer's next call
+        (``result()`` still raises it)."""
+        with self._lock:
+            self._delivered = True
+
     def _set_done(self, error: BaseException | None) -> None:
         self._error = error
         self._done.set()

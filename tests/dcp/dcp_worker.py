@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from dcp_helpers import build_model, replicated_state, train
 
 import stagesave.dcp as sdcp
-from stagesave import Checkpointer, FsspecStore
+from stagesave import Checkpointer, CheckpointError, FsspecStore
 from stagesave.dcp import _rankjob as _writer  # the rank job calls write_rank: faults wrap it there
 
 
@@ -354,6 +354,86 @@ def failed_write(rank: int, world: int, out: str) -> dict[str, Any]:
     return result
 
 
+def _settled(writer: Any) -> str | None:
+    """``writer.wait``: None, or the error it raised (a failure not delivered yet)."""
+    try:
+        writer.wait(120)
+        return None
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return f"{type(exc).__name__}: {exc}"
+
+
+def _failed_save(save: Any) -> str | None:
+    try:
+        save()
+        return None
+    except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        return type(exc).__name__
+
+
+def raised_once(rank: int, world: int, out: str) -> dict[str, Any]:
+    """Saves that raised on every rank: their background sides fail too, and that failure is
+    not raised a second time by a later wait or save (each handle's ``result()`` still has it);
+    a background failure after a ``dcp.save`` that returned is raised at the next call."""
+    writer = sdcp.StagedStorageWriter(root=os.path.join(out, "ckpt"), commit_timeout=120)
+    result: dict[str, Any] = {}
+
+    def state(bad_on: int | None) -> dict[str, Any]:
+        st: dict[str, Any] = {"w": torch.ones(8), "note": "replicated"}
+        st[f"own{rank}"] = torch.arange(4.0) + 10 * rank
+        if rank == bad_on:  # a meta tensor has no bytes: staging fails on that rank
+            st["bad"] = torch.empty(4, device="meta")
+        return st
+
+    # 1. stagesave.dcp.save; staging fails on rank 1 (the coordinator's commit job fails).
+    result["1"] = _failed_save(lambda: sdcp.save(state(1), "step-1", writer=writer))
+    result["1_settled"] = _settled(writer)
+    result["1_handle"] = _outcome(writer.last_handle)["error_type"] if rank == 0 else None
+    # 2. plain dcp.save, the caller calls abandon(); staging fails on the coordinator (rank 1's
+    #    part, written, fails when the coordinator gives up).
+    def plain_then_abandon() -> None:
+        try:
+            dcp.save(state(0), checkpoint_id="step-2", storage_writer=writer)
+        except BaseException:
+            writer.abandon()
+            raise
+
+    result["2"] = _failed_save(plain_then_abandon)
+    result["2_settled"] = _settled(writer)
+    result["2_handle"] = _outcome(writer.last_handle)["message"] if rank == 1 else None
+    # 3. plain dcp.save, nobody calls abandon(); staging fails on rank 1: the coordinator's
+    #    save never reached finish(), which its next save knows.
+    result["3"] = _failed_save(
+        lambda: dcp.save(state(1), checkpoint_id="step-3", storage_writer=writer)
+    )
+    dist.barrier()
+    # 4. A healthy save commits.
+    sdcp.save(state(None), "step-4", writer=writer).result(60)
+    # 5. rank 1's background write fails after dcp.save returned: raised once, at the next call.
+    real = _writer.write_rank
+    if rank == 1:
+        def disk_full(*args: Any, **kwargs: Any) -> Any:
+            raise OSError(28, "No space left on device")
+
+        _writer.write_rank = disk_full  # type: ignore[assignment]
+    sdcp.save(state(None), "step-5", writer=writer).exception(60)  # done, not delivered
+    _writer.write_rank = real  # type: ignore[assignment]
+    try:
+        sdcp.save(state(None), "step-6", writer=writer)
+        result["6"] = None
+    except CheckpointError as exc:
+        result["6"] = f"{type(exc).__name__}: {exc}"
+    result["6_settled"] = _settled(writer)
+    sdcp.save(state(None), "step-7", writer=writer).result(60)
+    dist.barrier()
+    if rank == 0:
+        got = sdcp.to_state_dict(os.path.join(out, "ckpt", "step-7"))
+        result["read"] = {k: v.tolist() if isinstance(v, torch.Tensor) else v
+                          for k, v in got.items()}
+    writer.close()
+    return result
+
+
 SCENARIOS = {
     f.__name__: f
     for f in (
@@ -364,6 +444,7 @@ SCENARIOS = {
         steady_plans,
         steady_places,
         failed_write,
+        raised_once,
         coordinator_fails,
         crash_replace,
     )

@@ -222,6 +222,31 @@ def test_a_rank_that_fails_makes_everyone_give_up_without_waiting(launcher, tmp_
     assert stagesave.latest(tmp_path / "ckpt") is None and os.listdir(tmp_path / "ckpt") == []
 
 
+def test_a_save_that_raised_is_not_raised_again_by_a_later_call(launcher, tmp_path):
+    run = launcher("raised_once", 2, tmp_path)
+    run.ok()
+    r0, r1 = run.ranks
+    for rank in (r0, r1):
+        # Each failed dcp.save raised on both ranks (stagesave's error, or DCP's wrapper) ...
+        assert rank["1"] == "UnsupportedObjectError" and rank["3"] == "CheckpointException"
+        assert rank["2"] == "CheckpointException"
+        # ... and its background side, failing in turn, is not raised again afterwards.
+        assert rank["1_settled"] is None and rank["2_settled"] is None
+    # The handles still have their failures.
+    assert r0["1_handle"] == "CheckpointError"
+    assert "the coordinator gave up on this save" in r1["2_handle"]
+    # A background failure after dcp.save returned is raised by the next save, once (on every
+    # rank: DCP hands the coordinator's error to the others; each rank's own first).
+    assert r1["6"].startswith("StorageError: ") and "no space left" in r1["6"]
+    assert r0["6"].startswith("CheckpointError: ")
+    assert "step-5: rank 1 failed to write its part" in r0["6"]
+    assert r0["6_settled"] is None and r1["6_settled"] is None
+    # Healthy saves after the failed ones commit what they were given.
+    assert [c.name for c in stagesave.list_checkpoints(tmp_path / "ckpt")] == ["step-7", "step-4"]
+    assert r0["read"] == {"w": [1.0] * 8, "note": "replicated", "own0": [0.0, 1.0, 2.0, 3.0],
+                          "own1": [10.0, 11.0, 12.0, 13.0]}
+
+
 def test_object_store_protocol_on_two_ranks(launcher, tmp_path):
     run = launcher("object_store_save", 2, tmp_path)
     run.ok()

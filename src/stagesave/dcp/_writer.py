@@ -39,7 +39,6 @@ from ..ondisk.names import TMP_MARKER, check_target_name
 from ..stores.base import Store
 from ..telemetry import SaveTelemetry
 from ._coordinator import (
-    abandon,
     check_extra_files,
     clear_old_carrier,
     put_extra_files,
@@ -57,6 +56,7 @@ from ._rankfile import RankLayout, SkeletonCache, layout_rank_file
 from ._rankjob import RankJob, RankStaging
 from ._recent import Recent
 from ._steady_planner import SteadySavePlanner
+from ._unfinished import Unfinished
 
 __all__ = ["StagedStorageWriter"]
 
@@ -145,9 +145,7 @@ class StagedStorageWriter(StorageWriter):
         self._storage_data = StorageData()  # .metadata's, reused for the same results
         self._planner: SteadySavePlanner | None = None
         self._save: _Save | None = None
-        self._open_slots: list[MetadataSlot] = []
-        #: The lease this coordinator took for a save whose commit job does not exist yet.
-        self._unowned: tuple[Store, SavePlanData] | None = None
+        self._unfinished = Unfinished()
         self._recent_ids: deque[str] = deque(maxlen=64)
 
     @property
@@ -206,7 +204,9 @@ class StagedStorageWriter(StorageWriter):
                 "no checkpoint folder: pass checkpoint_id= to dcp.save or path= to the writer"
             )
         check_extra_files(self.extra_files)
-        self.abandon("a new dcp.save started before the previous one reached finish() (it raised)")
+        self.abandon("a new dcp.save started before the previous one reached finish() (it raised)",
+                     raised=False)
+        self._unfinished.starting()
         self._ckpt.pipeline.check_usable()
         store, name = self._ckpt.targets.split(self.path)
         check_target_name(name)
@@ -248,7 +248,7 @@ class StagedStorageWriter(StorageWriter):
             raise as_checkpoint_error(
                 exc, f"cannot save sharded checkpoint {s.telemetry.path}"
             ) from exc
-        self._unowned = (s.store, specs[0])
+        self._unfinished.took_lease(s.store, specs[0])
         if not local:
             clear_old_carrier(s.store, s.name)
         extra, self.extra_files = self.extra_files, {}
@@ -297,17 +297,16 @@ class StagedStorageWriter(StorageWriter):
             # lease the other ranks' background side, when this is the coordinator).
             report_failure(s.store, spec, exc)
             if s.is_coordinator:
-                self._drop_unowned()
+                self._unfinished.drop_lease()
             raise
         tel.bytes = image.size
         tel.tensor_bytes = rank_image.tensor_bytes
         tel.blocking_s = time.perf_counter() - s.started
         if s.is_coordinator:
             s.slot = MetadataSlot()
-            self._open_slots.append(s.slot)
-            self._unowned = None  # the commit job gives the lease up
         handle = SaveHandle(tel.path, tel)
         self.last_handle = handle
+        self._unfinished.staged(handle, s.slot)  # the commit job gives the lease up
         job = RankJob(
             ckpt,
             s.store,
@@ -345,23 +344,22 @@ class StagedStorageWriter(StorageWriter):
             self._save = None
 
     # ------------------------------------------------------------------ lifecycle
-    def abandon(self, reason: str = "dcp.save raised before finish()") -> None:
-        """Fail coordinator saves that will never get their metadata (``dcp.save`` raised).
+    def abandon(
+        self, reason: str = "dcp.save raised before finish()", *, raised: bool = True
+    ) -> None:
+        """``dcp.save`` raised: fail coordinator saves that will never get their metadata.
 
-        Called by :func:`stagesave.dcp.save` when ``dcp.save`` raises, by the next save and by
-        :meth:`close`; without it the commit job would wait until ``commit_timeout`` (and so
+        Called by :func:`stagesave.dcp.save` when ``dcp.save`` raises (call it too where you
+        catch ``dcp.save``'s error yourself), by the next save and by :meth:`close` (these with
+        ``raised=False``); without it the commit job would wait until ``commit_timeout`` (and so
         would the other ranks, for a save whose commit job never started).
-        """
-        for slot in self._open_slots:
-            slot.abandon(reason)
-        self._open_slots = [s for s in self._open_slots if s.pending]
-        self._drop_unowned()
 
-    def _drop_unowned(self) -> None:
-        """Give up the lease of a save that failed before its commit job existed."""
-        unowned, self._unowned = self._unowned, None
-        if unowned is not None:
-            abandon(*unowned)
+        The caller got the failed save's error from ``dcp.save``: its background side, which
+        then fails too, is not raised again by a later save, ``wait`` or ``close`` (its handle's
+        ``result()`` still raises it). ``raised``: this rank's latest ``dcp.save`` raised (a
+        coordinator's save that never reached ``finish()`` is known to have raised).
+        """
+        self._unfinished.give_up(reason, raised=raised)
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait until every save of the checkpointer committed or failed.
@@ -375,7 +373,7 @@ class StagedStorageWriter(StorageWriter):
     def close(self, timeout: float | None = None) -> None:
         """Finish pending saves; close the checkpointer if this writer created it; drop the
         plans, layouts and pickles kept for later saves (a later save makes them again)."""
-        self.abandon("the writer was closed before dcp.save reached finish()")
+        self.abandon("the writer was closed before dcp.save reached finish()", raised=False)
         self._layouts = Recent()
         self._metadata_pickler = MetadataPickler()
         self._storage_data = StorageData()
