@@ -40,6 +40,7 @@ from ..errors import CheckpointError
 from ..handle import SaveHandle
 from ..saving.plan import gc_paused
 from ._coordinator import check_extra_files
+from ._exchange import steady_save
 from ._planner import SplitReplicatedPlanner
 from ._protocol import CommitTimeoutError
 from ._reader import StagedStorageReader
@@ -95,20 +96,24 @@ def save(
     own = writer is None
     w = StagedStorageWriter() if writer is None else writer
     check_extra_files(w.extra_files)  # a bad name is a ValueError now, not DCP's wrapped one
+    plans = w.planner if planner is None else planner
     try:
         try:
             with gc_paused():  # DCP's planning makes ~10 objects per item: no collection now
-                _dcp_save(state_dict, checkpoint_id=path, storage_writer=w,
-                          planner=w.planner if planner is None else planner,
-                          process_group=process_group)
+                steady = steady_save(state_dict, path, w, plans, process_group)
+                if steady.handle is None:
+                    _dcp_save(steady.state, checkpoint_id=path, storage_writer=w, planner=plans,
+                              process_group=process_group)
         except CheckpointException as exc:
             w.abandon()
+            w.exchanged.forget()
             inner = _stagesave_error(exc)
             if inner is not None:
                 raise inner from exc
             raise
         except BaseException:
             w.abandon()
+            w.exchanged.forget()
             raise
         handle = w.last_handle
         assert handle is not None

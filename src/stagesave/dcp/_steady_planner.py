@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
 from ..saving import tensor_guard
+from ._dtensor_items import dtensor_key, local_shard
 from ._flatten import fast_flatten_usable, flatten
 from ._rank_guard import Shape, Vouched
 from ._recent import Recent
@@ -71,6 +72,9 @@ def _signature(state_dict: dict[str, Any],
         if kind in _PLAIN and tensor_guard.checkable(obj):
             note((fqn, pinnable and obj.is_pinned()))
             note_tensor(obj)
+        elif (local := local_shard(obj)) is not None:
+            note(dtensor_key(fqn, obj, local, pinnable))
+            note_tensor(local)
         elif kind in _PLAIN and not obj.is_nested:  # sparse: its facts read here
             note((fqn, pinnable and obj.is_pinned(), obj.dtype, obj.shape, obj.layout,
                   obj.requires_grad))
@@ -114,6 +118,14 @@ class _Local:
     #: position of its tensor among the state's plain tensors (``-1``: resolved by DCP's rule),
     #: whether every tensor item has one, and the items in short (:class:`._rank_guard.Shape`)
     resolved: tuple[Sequence[WriteItem], list[int] | None, bool, Shape | None] | None = None
+    #: the name of the global plan this local plan was last part of (:class:`ItemsToken`)
+    token: ItemsToken | None = None
+
+
+def _name(plans: list[SavePlan]) -> str | None:
+    """The name a :class:`SteadySavePlanner` gave a global plan (``None``: none)."""
+    data = plans[0].planner_data if plans else None
+    return data.value if type(data) is ItemsToken else None
 
 
 class SteadySavePlanner(DefaultSavePlanner):
@@ -211,7 +223,8 @@ class SteadySavePlanner(DefaultSavePlanner):
         if local is not None and (known is None or known[0] is not items):
             local.resolved = (items, None, False, None)  # places made if the list comes back
             local = None
-        state, tensor, plain = self.state_dict, WriteItemType.TENSOR, _PLAIN
+        state, plain = self.state_dict, _PLAIN
+        tensor, shard, byte_io = WriteItemType.TENSOR, WriteItemType.SHARD, WriteItemType.BYTE_IO
         at = self._positions() if local is not None else {}
         out: list[Any] = []
         places: list[int] = []
@@ -226,11 +239,16 @@ class SteadySavePlanner(DefaultSavePlanner):
                         note(obj)
                         place(at.get(index.fqn, -1))
                         continue
+            elif item.type is shard and (shard_data := local_shard(
+                    state.get(item.index.fqn))) is not None:
+                note(shard_data)  # DCP's answer is to_local(), a view of it
+                place(at.get(item.index.fqn, -1))
+                continue
             note(resolve(item))
             place(-1)
         if local is not None:
             local.resolved = (items, places, all(
-                p >= 0 or item.type is not tensor for item, p in zip(items, places)), Shape(items))
+                p >= 0 or item.type is byte_io for item, p in zip(items, places)), Shape(items))
         return out
 
     def vouch(self, items: Sequence[WriteItem]) -> Vouched:
@@ -252,14 +270,17 @@ class SteadySavePlanner(DefaultSavePlanner):
         :func:`_signature` found them)."""
         local = self._local
         assert local is not None
-        tensor_keys = [k[0] for k in local.keys[1:] if type(k) is tuple and len(k) == 2]
+        tensor_keys = [k[0] for k in local.keys[1:] if type(k) is tuple and len(k) in (2, 3)]
         return {fqn: i for i, fqn in enumerate(tensor_keys)}
 
-    def create_local_plan(self) -> SavePlan:
+    def _kept_local(self) -> tuple[list[Any], list[torch.Tensor], list[Any], _Local | None] | None:
+        """This save's keys and plain tensors, their facts if they were read in Python (else
+        empty), and the kept local plan of the same structure, if any; ``None`` when the state's
+        local plan is DCP's alone (:func:`_signature`)."""
         signature = _signature(self.state_dict, self.is_coordinator)
         self._local = self._tensors = None
         if signature is None:
-            return super().create_local_plan()
+            return None
         keys, tensors = signature
         mappings = self.mappings
         facts: list[list[Any]] = []  # read in Python once, if a comparison needs them
@@ -277,17 +298,50 @@ class SteadySavePlanner(DefaultSavePlanner):
                 e.guard = tensor_guard.build(tensors)
             return True
 
-        known = self._locals.find(same)
+        return keys, tensors, facts[0] if facts else [], self._locals.find(same)
+
+    def create_local_plan(self) -> SavePlan:
+        kept = self._kept_local()
+        if kept is None:
+            return super().create_local_plan()
+        keys, tensors, facts, known = kept
         if known is not None:
             self.plan = known.plan
             self.reused_local += 1
         else:
-            known = _Local(keys, facts[0] if facts else _facts(tensors),
-                           tensor_guard.build(tensors), dict(mappings),
-                           super().create_local_plan())
+            known = _Local(keys, facts or _facts(tensors), tensor_guard.build(tensors),
+                           dict(self.mappings), super().create_local_plan())
             self._locals.add(known)
         self._local, self._tensors = known, tensors
         return known.plan
+
+    def steady_token(self) -> ItemsToken | None:
+        """For :mod:`._exchange`, after :meth:`set_up_planner`: the name of the global plan
+        this save's local plan was last part of, when the state's structure is a kept one and
+        this rank still holds the items it was given with that name; ``None`` otherwise (then
+        nothing is made or counted: ``dcp.save`` plans as usual). By this class only."""
+        if not self._positional:
+            return None
+        kept = self._kept_local()
+        known = kept[3] if kept is not None else None
+        token = known.token if known is not None else None
+        if kept is None or known is None or token is None or (
+                self._given.find(lambda e: e[0] == token) is None):
+            return None
+        self._local, self._tensors = known, kept[1]
+        self.plan = known.plan
+        return token
+
+    def kept_global(self, name: str) -> tuple[list[SavePlan], Metadata] | None:
+        """For :mod:`._exchange`, on the coordinator: its kept global plan of that name and a
+        copy of that plan's metadata (counted as a reused global plan); ``None``: not kept."""
+        known = self._globals.find(lambda e: _name(e[1]) == name)
+        if known is None:
+            return None
+        self.reused_global += 1
+        self.global_plan = list(known[1])
+        self.metadata = dataclasses.replace(known[2])
+        return self.global_plan, self.metadata
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         """DCP's, with this rank's items as the list it was given before when the coordinator's
@@ -301,6 +355,8 @@ class SteadySavePlanner(DefaultSavePlanner):
                 new_plan = dataclasses.replace(new_plan, items=known[1])
             else:
                 self._given.add((token, new_plan.items))
+            if self._local is not None:
+                self._local.token = token
         return super().finish_plan(new_plan)
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:

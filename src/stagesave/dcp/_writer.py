@@ -44,13 +44,10 @@ from ._coordinator import (
     put_extra_files,
     take_lease,
 )
+from ._exchange import Exchanged
 from ._format import lease
 from ._metadata_bytes import MetadataPickler, StorageData
-from ._protocol import (
-    MetadataSlot,
-    SavePlanData,
-    report_failure,
-)
+from ._protocol import MetadataSlot, SavePlanData, join, report_failure
 from ._rank_bounds import rank_bounds, world_size
 from ._rankfile import RankLayout, SkeletonCache, layout_rank_file
 from ._rankjob import RankJob, RankStaging
@@ -62,10 +59,6 @@ __all__ = ["StagedStorageWriter"]
 
 #: Default seconds the coordinator waits for every rank's part (and the others for the commit).
 DEFAULT_COMMIT_TIMEOUT = 1800.0
-
-
-def _join(parent: str, leaf: str) -> str:
-    return f"{parent}/{leaf}" if parent else leaf
 
 
 @dataclass
@@ -146,6 +139,7 @@ class StagedStorageWriter(StorageWriter):
         self._planner: SteadySavePlanner | None = None
         self._save: _Save | None = None
         self._unfinished = Unfinished()
+        self.exchanged = Exchanged()  # what steady saves sent (stagesave.dcp.save's exchange)
         self._recent_ids: deque[str] = deque(maxlen=64)
 
     @property
@@ -223,7 +217,7 @@ class StagedStorageWriter(StorageWriter):
         save_id = secrets.token_hex(16)
         parent, _, leaf = s.name.rpartition("/")
         pid = os.getpid()
-        hidden = _join(parent, f".{leaf}.{pid}-{save_id[:8]}{TMP_MARKER}")
+        hidden = join(parent, f".{leaf}.{pid}-{save_id[:8]}{TMP_MARKER}")
         local = s.store.local_path(s.name) is not None
         staging = hidden if local else s.name
         specs = [
@@ -235,7 +229,7 @@ class StagedStorageWriter(StorageWriter):
                 s.name,
                 pid,
                 hidden,
-                _join(parent, lease(leaf, pid, save_id)),
+                join(parent, lease(leaf, pid, save_id)),
                 time.time_ns(),
             )
             for i in range(len(plans))
@@ -281,7 +275,7 @@ class StagedStorageWriter(StorageWriter):
             )
             image = rank_image.image
             tel.plan_s = time.perf_counter() - t0
-            s.store.check_writable(_join(spec.staging, spec.file_name), image.size)
+            s.store.check_writable(join(spec.staging, spec.file_name), image.size)
             lease = ckpt.memory.lease(image.size)
             tel.buffer_wait_s = lease.waited_s
             try:
@@ -378,6 +372,7 @@ class StagedStorageWriter(StorageWriter):
         self._metadata_pickler = MetadataPickler()
         self._storage_data = StorageData()
         self._planner = None
+        self.exchanged = Exchanged()
         if self._owned:
             self._ckpt.close(timeout)
 
