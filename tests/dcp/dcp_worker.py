@@ -22,6 +22,7 @@ import threading
 import time
 import traceback
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,14 +31,16 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from dcp_helpers import build_model, replicated_state, train
+from dcp_helpers import build_model, proof, replicated_state, train
 
 import stagesave.dcp as sdcp
 from stagesave import Checkpointer, CheckpointError, FsspecStore
 from stagesave.dcp import _rankjob as _writer  # the rank job calls write_rank: faults wrap it there
+from stagesave.dcp import _writer as _writer_module  # write_data calls layout_rank_file there
+from stagesave.dcp._metadata import load_metadata  # reads .metadata to compare two folders
 
 
 def _tel(telemetry: Any) -> dict[str, Any]:
@@ -434,6 +437,105 @@ def raised_once(rank: int, world: int, out: str) -> dict[str, Any]:
     return result
 
 
+def _flat_lists(state: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested state as ``{"a.b": value}``, tensors as lists."""
+    out: dict[str, Any] = {}
+    for k, v in state.items():
+        if isinstance(v, dict):
+            out |= _flat_lists(v, f"{prefix}{k}.")
+        else:
+            out[f"{prefix}{k}"] = v.tolist() if isinstance(v, torch.Tensor) else v
+    return out
+
+
+def steady_exchange(rank: int, world: int, out: str) -> dict[str, Any]:
+    """Seven saves of a state of DTensor shards, a replicated tensor, each rank's own tensors
+    and a number through one writer per rank (``stagesave.dcp.save``): which saves ran
+    ``dcp.save`` and which exchanged names only, values changed in place, tensors swapping keys
+    and replaced by new objects (save 4), a shape changed on rank 1 only (save 5), a save
+    failing on rank 1 after its layout (save 6); each folder compared with a fresh writer's."""
+    mesh = init_device_mesh("cpu", (world,))
+    writer = sdcp.StagedStorageWriter(root=os.path.join(out, "steady"), commit_timeout=60)
+    calls = {"dcp.save": 0}
+    real_save, real_layout = sdcp._dcp_save, _writer_module.layout_rank_file
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls["dcp.save"] += 1
+        return real_save(*args, **kwargs)
+
+    sdcp._dcp_save = counted  # type: ignore[attr-defined]
+    g = torch.Generator().manual_seed(3)
+    sharded = {f"layer{i}": distribute_tensor(torch.randn(8 * world, 4, generator=g), mesh,
+                                              [Shard(0)]) for i in range(3)}
+    shared = torch.randn(6, generator=g)
+    own = {f"r{rank}.t{i}": torch.randn(3, 2, generator=g) + 10 * rank for i in range(3)}
+    result: dict[str, Any] = {"paths": [], "errors": {}, "saved": {}}
+    for step in range(1, 8):
+        with torch.no_grad():
+            shared.add_(1)
+            for d in sharded.values():
+                d._local_tensor.add_(1)
+        if step == 4:
+            own[f"r{rank}.t0"], own[f"r{rank}.t1"] = own[f"r{rank}.t1"], own[f"r{rank}.t0"]
+            own[f"r{rank}.t2"] = torch.randn(3, 2, generator=g)
+        if step == 5 and rank == 1:
+            own[f"r{rank}.t2"] = torch.randn(2, 3, generator=g)
+        if step == 5:  # another spec, the same local shard's facts: (16, 4) sharded -> (8, 4)
+            sharded["layer0"] = distribute_tensor(torch.randn(8, 4, generator=g), mesh,
+                                                  [Replicate()])
+        state = {"model": dict(sharded), "shared": shared, "own": dict(own), "step": step}
+        before, exchanged = calls["dcp.save"], writer.exchanged.saves
+
+        def failing(*args: Any, **kwargs: Any) -> Any:
+            real_layout(*args, **kwargs)
+            raise OSError("injected after the layout")
+
+        if step == 6 and rank == 1:
+            _writer_module.layout_rank_file = failing  # type: ignore[assignment]
+        try:
+            sdcp.save(state, f"step-{step}", writer=writer).result(60)
+        except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException included
+            result["errors"][step] = type(exc).__name__
+        _writer_module.layout_rank_file = real_layout  # type: ignore[assignment]
+        result["paths"].append([calls["dcp.save"] - before, writer.exchanged.saves - exchanged])
+        if step in result["errors"]:
+            continue
+        fresh = sdcp.StagedStorageWriter(root=os.path.join(out, "fresh"), commit_timeout=60)
+        sdcp.save(state, f"step-{step}", writer=fresh).result(60)
+        fresh.close()
+        dist.barrier()
+        mine = [os.path.join(out, kind, f"step-{step}", f"__{rank}_0.distcp")
+                for kind in ("steady", "fresh")]
+        data = [Path(f).read_bytes()[: proof(f).summary.proof_offset] for f in mine]
+        result.setdefault("same_bytes", []).append(data[0] == data[1])
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, {k: v.tolist() for k, v in own.items()})
+        if rank == 0:
+            whole = sdcp.to_state_dict(os.path.join(out, "steady", f"step-{step}"))
+            expect = {f"model.{k}": v.full_tensor().tolist() for k, v in sharded.items()}
+            expect |= {"shared": shared.tolist(), "step": step}
+            for theirs in gathered:
+                expect |= {f"own.{k}": v for k, v in theirs.items()}
+            got = _flat_lists(whole)
+            result["saved"][step] = got == expect or {"got": got, "expect": expect}
+            steady_md, fresh_md = (
+                load_metadata(Path(out, kind, f"step-{step}", ".metadata").read_bytes(), kind)
+                for kind in ("steady", "fresh"))
+            result.setdefault("same_metadata", []).append(
+                steady_md.state_dict_metadata == fresh_md.state_dict_metadata
+                and steady_md.storage_data == fresh_md.storage_data
+                and steady_md.planner_data == fresh_md.planner_data)
+        else:
+            for v in sharded.values():  # full_tensor() is a collective: every rank joins
+                v.full_tensor()
+        dist.barrier()
+    sdcp._dcp_save = real_save  # type: ignore[attr-defined]
+    result["counts"] = [writer.planner.reused_local, writer.planner.reused_global,
+                        writer.planner.resolved_by_place, writer.exchanged.by_mark]
+    writer.close()
+    return result
+
+
 SCENARIOS = {
     f.__name__: f
     for f in (
@@ -445,6 +547,7 @@ SCENARIOS = {
         steady_places,
         failed_write,
         raised_once,
+        steady_exchange,
         coordinator_fails,
         crash_replace,
     )

@@ -98,6 +98,7 @@ class Exchanged:
         self.sent: dict[str, tuple[str, list[WriteResult]]] = {}
         self.received: dict[str, dict[int, tuple[str, list[WriteResult]]]] = {}
         self.saves = 0  # steady saves made this way (tests, telemetry)
+        self.by_mark = 0  # of which this rank sent its write results as a mark
 
     def forget(self) -> None:
         """After a failed save: send every rank's results in full next time (the coordinator
@@ -197,6 +198,7 @@ def steady_save(
         results = writer.write_data(final, planner).value()
         sent = memory.sent.get(name)
         if not go.full and sent is not None and sent[1] is results:
+            memory.by_mark += 1
             return _Results(sent[0], None)
         mark = secrets.token_hex(8)
         memory._keep(memory.sent, name, (mark, results))
