@@ -7,8 +7,14 @@ Usage:
     python benchmarks/bench_dcp_shapes.py --load                   # and loads of the last folder
     python benchmarks/bench_dcp_shapes.py --first-saves 5          # the median of 5 first saves
     python benchmarks/bench_dcp_shapes.py --buffer-ahead-ab 8      # buffer made ahead or not
+    python benchmarks/bench_dcp_shapes.py --process-group          # inside a gloo group
+    python benchmarks/bench_dcp_shapes.py --process-group --dtensor  # FSDP2-like DTensor state
 
-One process, no process group (DCP plans for one rank), the shapes of ``bench_shapes.py``. Per
+One process, the shapes of ``bench_shapes.py``; without a process group by default (DCP plans
+for one rank and exchanges nothing), ``--process-group`` saves inside a gloo group of one rank
+(DCP then sends its plans, write results and metadata through pickled collectives, as in any
+distributed job), ``--dtensor`` makes every tensor of one or more dimensions a ``DTensor``
+sharded on that rank's one-device mesh (what FSDP2 and tensor parallelism hand DCP). Per
 shape: the **copy floor** (every tensor ``copy_``-ed into its warm twin, median of 5); the
 **first** ``dcp.save`` of a new ``StagedStorageWriter``; then the **steady** saves (median of
 ``--saves`` after 2 warm-ups, each finished before the next, the step counter bumped as a
@@ -109,11 +115,39 @@ def buffer_ahead_ab(state: Any, root: str, rounds: int) -> dict[str, list[float]
     return out
 
 
+def _process_group(root: str) -> None:
+    """A gloo group of this one process (file rendezvous, no port)."""
+    import torch.distributed as dist
+
+    rendezvous = tempfile.mkdtemp(dir=root)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}/rdzv", rank=0,
+                            world_size=1)
+
+
+def _dtensors(obj: Any, mesh: Any) -> Any:
+    """``obj`` with every tensor of one or more dimensions a ``DTensor`` over it (Shard(0))."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if isinstance(obj, torch.Tensor):
+        return DTensor.from_local(obj, mesh, [Shard(0)]) if obj.dim() else obj
+    if isinstance(obj, dict):
+        return {k: _dtensors(v, mesh) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_dtensors(v, mesh) for v in obj]
+    return obj
+
+
 def measure(shape: str, saves: int, root: str, torch_writer: bool,
-            loads: bool = False, firsts: int = 0, ab_rounds: int = 0) -> dict[str, Any]:
+            loads: bool = False, firsts: int = 0, ab_rounds: int = 0,
+            dtensor: bool = False) -> dict[str, Any]:
     label, make = SHAPES[shape]
     state = make()
-    floor = statistics.median(twin_copy_s(state))
+    floor = statistics.median(twin_copy_s(state))  # the same bytes as DTensors' local shards
+    if dtensor:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        state = _dtensors(state, init_device_mesh("cpu", (1,)))
+        label += ", as DTensors"
     out: dict[str, Any] = {"shape": shape, "label": label, "floor_s": floor}
     if ab_rounds:
         out["buffer_ahead_ab"] = buffer_ahead_ab(state, root, ab_rounds)
@@ -192,13 +226,20 @@ def main() -> None:
     ap.add_argument("--buffer-ahead-ab", type=int, default=0, metavar="ROUNDS",
                     help="first saves with and without the buffer made while DCP plans, "
                          "alternated, ROUNDS each")
+    ap.add_argument("--process-group", action="store_true",
+                    help="save inside a gloo process group of one rank")
+    ap.add_argument("--dtensor", action="store_true",
+                    help="the state's tensors as DTensors on a one-rank mesh (implies "
+                         "--process-group)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     root = args.dir or tempfile.gettempdir()
+    if args.process_group or args.dtensor:
+        _process_group(root)
     results = []
     for shape in args.shapes:
         r = measure(shape, args.saves, root, args.torch_writer, args.load,
-                    args.first_saves - 1, args.buffer_ahead_ab)
+                    args.first_saves - 1, args.buffer_ahead_ab, args.dtensor)
         report(r)
         results.append(r)
     if args.json:

@@ -6,8 +6,10 @@ DCP makes a ``DTensor``'s item (``_create_write_items_for_dtensor``) from its ke
 properties as ``to_local()`` gives them (dtype, layout, pinning, and ``requires_grad`` where
 grad mode is on): ~60 µs per tensor, at every save. A ``DTensor`` whose spec is the same object
 or equal, and whose local shard has the same facts (checked with the state's plain tensors),
-gets the same item. Only a plain ``DTensor`` over a plain strided local tensor, without
-``Partial`` placements, is handled here; anything else leaves the local plan to DCP.
+gets the same item. Only a plain ``DTensor`` over a plain strided local tensor is handled
+here; anything else leaves the local plan to DCP. A ``DTensor`` with ``Partial`` placements
+is not told apart: its spec matches no kept plan (DCP refused to plan it: its first local plan
+is DCP's, which raises), and only a kept plan's items are resolved to local shards.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import Partial
 
 from ..saving import tensor_guard
 
@@ -26,21 +27,20 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def local_shard(obj: Any) -> torch.Tensor | None:
-    """The plain strided local tensor of a plain ``DTensor`` without ``Partial`` placements
-    (the data of its write item: ``to_local()`` is a view of it), else ``None``."""
+    """The plain strided local tensor of a plain ``DTensor`` (the data of its write item:
+    ``to_local()`` is a view of it), else ``None``."""
     if type(obj) is not DTensor:
         return None
     local = obj._local_tensor
     if type(local) not in _PLAIN or not tensor_guard.checkable(local):
         return None
-    if any(isinstance(p, Partial) for p in obj._spec.placements):
-        return None
     return local
 
 
-def dtensor_key(fqn: str, obj: Any, local: torch.Tensor, pinnable: bool) -> tuple[Any, ...]:
+def dtensor_key(fqn: str, obj: Any, local: torch.Tensor, pinnable: bool,
+                grad: bool) -> tuple[Any, ...]:
     """The key of a ``DTensor`` (its :func:`local_shard` is ``local``) in the planner's
     signature: what its item is made from besides the local shard's own facts (compared with
-    the plain tensors')."""
-    requires_grad = obj.requires_grad and torch.is_grad_enabled()  # to_local()'s, as DCP sees it
-    return fqn, pinnable and local.is_pinned(), (obj._spec, requires_grad)
+    the plain tensors'). ``grad``: ``torch.is_grad_enabled()`` (``to_local()``'s
+    ``requires_grad``, which DCP records, is the DTensor's where grad mode is on)."""
+    return fqn, pinnable and local.is_pinned(), (obj._spec, grad and obj.requires_grad)

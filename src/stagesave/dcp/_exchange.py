@@ -140,9 +140,8 @@ def steady_save(
         torch.distributed.checkpoint.api.CheckpointException: a step failed on some rank
             (raised on every rank).
     """
-    state = _stateful(state_dict)
     if _DistWrapper is None:  # pragma: no cover - another torch
-        return Outcome(None, state)
+        return Outcome(None, _stateful(state_dict))
     use_dist = dist.is_available() and dist.is_initialized()
     dist_w = _DistWrapper(process_group, use_dist, 0)
     rank, coordinator = dist_w.rank, dist_w.is_coordinator
@@ -151,7 +150,13 @@ def steady_save(
     if path is not None:
         writer.reset(path)
 
+    converted: list[dict[str, Any]] = []
+
     def probe() -> _Probe:
+        # inside the collective: a state_dict() that raises raises on every rank (dcp.save
+        # calls them before its first collective, where the other ranks would wait for it)
+        state = _stateful(state_dict)
+        converted.append(state)
         if not ours:
             return _Probe(None, None)
         assert isinstance(planner, SteadySavePlanner)
@@ -184,6 +189,7 @@ def steady_save(
                 for r, (plan, p) in enumerate(zip(plans, probes))]
 
     go: _Go | None = dist_w.reduce_scatter("plan", probe, decide)
+    state = converted[0]
     if go is None:
         return Outcome(None, state)
     assert isinstance(planner, SteadySavePlanner)

@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 __all__ = ["Flat", "fast_flatten_usable", "flatten"]
 
@@ -32,7 +33,10 @@ __all__ = ["Flat", "fast_flatten_usable", "flatten"]
 Flat = tuple[dict[str, Any], dict[str, tuple[Any, ...]], bool]
 
 _dict, _ordered = dict, collections.OrderedDict
-_Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
+#: Exact tensor types, one value each (a DTensor too: FSDP2's and tensor parallelism's states
+#: hold nothing else; any other subclass is checked as DCP checks it).
+_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter, DTensor})
+_Tensor = torch.Tensor
 #: Exact types that are neither mappings nor lists nor tensors: one value each, no checks.
 _SCALARS = frozenset({int, float, bool, str, bytes, type(None), tuple})
 
@@ -76,7 +80,7 @@ def _into(flat: dict[str, Any], paths: dict[str, tuple[Any, ...]], key: str,
           path: tuple[Any, ...], value: Any) -> bool:
     """Flatten ``value`` found at ``path`` (joined: ``key``); whether a ShardedTensor was met."""
     kind = type(value)
-    if kind is _Tensor or kind is _Parameter or kind in _SCALARS:
+    if kind in _TENSORS or kind in _SCALARS:
         if key in flat:
             raise _Duplicate(key)
         flat[key] = value

@@ -9,11 +9,13 @@ Accelerate saves each model and optimizer through one writer):
 
 * **local**: a rank whose flattened state has the same keys, in the same order, with the same
   flattening, each plain tensor of the same dtype, size, layout, ``requires_grad`` and pinning,
-  and each other value still a non-tensor, proposes the same items, so it returns its last
-  local plan (the tensors' facts checked by torch's compiled check where it can tell,
-  :mod:`stagesave.saving.tensor_guard`, else read in Python: ~2 µs per tensor). A state
-  holding anything else (DTensors, ShardedTensors, tensor subclasses) has its local plan made
-  by ``DefaultSavePlanner`` each time.
+  each ``DTensor`` of the same spec (mesh, placements, global shape) over a local shard of the
+  same facts (:mod:`._dtensor_items`), and each other value still a non-tensor, proposes the
+  same items, so it returns its last local plan (the tensors' facts checked by torch's
+  compiled check where it can tell, :mod:`stagesave.saving.tensor_guard`, else read in
+  Python: ~2 µs per tensor). A state holding anything else (ShardedTensors, other tensor
+  subclasses, a ``DTensor`` with ``Partial`` placements) has its local plan made by
+  ``DefaultSavePlanner`` each time.
 * **global**: a coordinator that receives the same local plans from every rank as last time
   (compared by value: ranks send theirs through a collective) returns its last global plan and a
   copy of its last metadata, skipping de-duplication and validation.
@@ -26,7 +28,10 @@ type through abstract classes, ~2 µs per item), unless a subclass changed how o
 up or transformed.
 
 The plans are DCP's own; nothing else changes (the collectives still run, each rank still
-resolves every item from the state at hand). Unlike DCP's ``enable_plan_caching``, nothing is
+resolves every item from the state at hand). :func:`stagesave.dcp.save` goes further once every
+rank's structure is a kept one: the ranks exchange the global plan's name instead of the plans
+(:mod:`._exchange`, with :meth:`SteadySavePlanner.steady_token` and
+:meth:`SteadySavePlanner.kept_global`). Unlike DCP's ``enable_plan_caching``, nothing is
 skipped in the exchange, so the storage writer's per-save plan data (``StagedStorageWriter``'s
 save id and staging folder) is fresh at every save.
 """
@@ -67,13 +72,14 @@ def _signature(state_dict: dict[str, Any],
     # Without an accelerator no memory can be pinned (torch refuses to pin): is_pinned() is
     # False for every tensor then, and costs ~0.6 µs a tensor to ask.
     pinnable = torch.accelerator.is_available()
+    grad = torch.is_grad_enabled()
     for fqn, obj in state_dict.items():
         kind = type(obj)
         if kind in _PLAIN and tensor_guard.checkable(obj):
             note((fqn, pinnable and obj.is_pinned()))
             note_tensor(obj)
         elif (local := local_shard(obj)) is not None:
-            note(dtensor_key(fqn, obj, local, pinnable))
+            note(dtensor_key(fqn, obj, local, pinnable, grad))
             note_tensor(local)
         elif kind in _PLAIN and not obj.is_nested:  # sparse: its facts read here
             note((fqn, pinnable and obj.is_pinned(), obj.dtype, obj.shape, obj.layout,
