@@ -127,3 +127,31 @@ def test_a_background_failure_found_while_exchanging_is_raised_once(tmp_path):
         loads_as(folder, state)
     names = [c.name for c in stagesave.list_checkpoints(tmp_path)]
     assert names == ["e", "b", "a"]
+
+
+def test_a_save_failing_before_its_set_up_leaves_the_last_saves_failure_to_the_next(tmp_path):
+    """Save b fails in the background (not delivered yet); save c fails while its state is
+    taken (a ``Stateful`` raising, before the writer is set up); save d raises b's failure."""
+    state = mixed_state()
+
+    class Raising(_Counted):
+        def state_dict(self) -> dict[str, Any]:
+            raise RuntimeError("state_dict failed")
+
+    with sdcp.StagedStorageWriter(root=tmp_path) as writer:
+        save(writer, state, "a")
+        real = _rankjob.write_rank
+
+        def disk_full(*args: Any, **kwargs: Any) -> Any:
+            raise OSError(28, "No space left on device")
+
+        _rankjob.write_rank = disk_full  # type: ignore[assignment]
+        try:
+            sdcp.save(state, "b", writer=writer).exception(60)
+        finally:
+            _rankjob.write_rank = real  # type: ignore[assignment]
+        with pytest.raises(BaseException, match="state_dict failed"):
+            sdcp.save({**state, "app": Raising()}, "c", writer=writer)
+        with pytest.raises(stagesave.StorageError, match="no space left on the device"):
+            sdcp.save(state, "d", writer=writer)
+        loads_as(save(writer, state, "e"), state)

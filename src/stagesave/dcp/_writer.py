@@ -171,6 +171,8 @@ class StagedStorageWriter(StorageWriter):
 
     # ------------------------------------------------------------------ StorageWriter
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        # a new save (DCP resets its writer first): what this call raises is not the last one's
+        self._unfinished.starting()
         if checkpoint_id is not None:
             self.path = checkpoint_id
 
