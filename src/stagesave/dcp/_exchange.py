@@ -4,10 +4,10 @@ Under a process group, ``dcp.save`` sends every item of a save through four pick
 collectives: each rank's local plan to the coordinator, the global plan back, each rank's write
 results to the coordinator, and the global metadata to every rank. On the training thread that
 is ~50-80 µs per item (0.5 s of every save of 8,000 tensors on one gloo rank, where the copy
-into host memory takes 0.06 s; 7.8 s of one of 100,000), whether or not anything changed. Once the state's structure is
-unchanged on every rank the steady planner reuses its plans and each rank its file's layout, so
-none of it needs to travel. :func:`steady_save` (called by :func:`stagesave.dcp.save`) runs the
-same steps with small messages:
+into host memory takes 0.06 s; 7.8 s of one of 100,000), whether or not anything changed. Once
+the state's structure is unchanged on every rank the steady planner reuses its plans and each
+rank its file's layout, so none of it needs to travel. :func:`steady_save` (called by
+:func:`stagesave.dcp.save`) runs the same steps with small messages:
 
 1. Every rank sets the save up as ``dcp.save`` does (the writer's ``reset``, each ``Stateful``'s
    ``state_dict()``, the planner's and the writer's set-up) and tells the coordinator the name
