@@ -70,6 +70,22 @@ def fsdp_save(rank: int, world: int, out: str) -> dict[str, Any]:
     )
     if rank == 0:
         torch.save({"model": full_m, "optim": full_o}, os.path.join(out, "ref.pt"))
+    # Steady saves (another writer, another folder), a training step before each, the state
+    # taken anew each time as a training loop takes it: from the second, every rank's structure
+    # is a kept one, so they exchange plan names.
+    steady = sdcp.StagedStorageWriter(root=os.path.join(out, "steady"), commit_timeout=120)
+    for step in (2, 3, 4, 5):
+        train(model, opt, 200 + 10 * step + rank, 1)
+        msd, osd = get_state_dict(model, opt)
+        sdcp.save({"model": msd, "optim": osd, "step": step}, f"step-{step}",
+                  writer=steady).result(120)
+    result["exchanged"] = steady.exchanged.saves
+    steady.close()
+    full_m, full_o = get_state_dict(
+        model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    if rank == 0:
+        torch.save({"model": full_m, "optim": full_o}, os.path.join(out, "ref5.pt"))
 
     # DDP-style replicated state: identical on every rank, written once.
     rep = replicated_state()

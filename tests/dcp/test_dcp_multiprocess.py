@@ -113,6 +113,16 @@ def test_fsdp2_four_ranks_load_in_one_process_bitwise(fsdp_saved):
     assert state["step"] == 2
 
 
+def test_fsdp2_steady_saves_exchange_names_and_load_bitwise(fsdp_saved):
+    # saves 3, 4, 5 of the same FSDP2 structure after 2: names exchanged on every rank
+    assert [r["exchanged"] for r in fsdp_saved.ranks] == [3, 3, 3, 3]
+    whole = sdcp.to_state_dict(fsdp_saved.out / "steady" / "step-5")
+    ref = torch.load(fsdp_saved.out / "ref5.pt", weights_only=True)
+    assert_same(whole["model"], ref["model"], "model")
+    assert_same(whole["optim"]["state"], ref["optim"]["state"], "optim")
+    assert whole["step"] == 5
+
+
 def test_export_to_one_plain_file(fsdp_saved, tmp_path, capsys):
     from stagesave.cli import main
 
