@@ -140,6 +140,8 @@ class ShardedCheckpoints:
             stagesave.CheckpointError: staging failed here or on another rank, ``meta.pt``
                 could not be written, or an earlier background save failed.
         """
+        run = plugin._run
+        asynchronous = run.asynchronous()
         writer = self._writer_for(plugin)
         writer.meta = meta
         writer.metadata = lightning_metadata(meta)  # recorded in the folder's proof
@@ -148,6 +150,11 @@ class ShardedCheckpoints:
         finally:
             writer.meta = None
         plugin.track(path, handle)
+        if asynchronous:
+            # inside a fit, as for a file: the run keeps its checkpointer (this writer's kept
+            # plans) until teardown, and top-k removals queue behind the saves instead of
+            # waiting for them on the training thread
+            run.mark_asynchronous()
         return handle
 
     def load(

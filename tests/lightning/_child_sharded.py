@@ -135,6 +135,14 @@ class Record(Callback):
 
     def on_train_end(self, trainer: Trainer, pl_module: Any) -> None:
         self.out[f"{self.phase}_end"] = [trainer.global_step, fingerprint(trainer)]
+        shards = getattr(trainer.strategy, "_shards", None)
+        writer = shards._writer if shards is not None else None
+        plugin = find_plugin(trainer)
+        # the fit's sharded saves: through one writer on the plugin's checkpointer (a top-k
+        # removal queued behind them, not run at once with a checkpointer closed and made again),
+        # and how many of them exchanged plan names
+        self.out[f"{self.phase}_writer"] = None if writer is None else [
+            writer.checkpointer is plugin.checkpointer, writer.exchanged.saves]
 
 
 class PlainFSDPStrategy(FSDPStrategy):

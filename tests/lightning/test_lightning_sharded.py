@@ -159,6 +159,21 @@ def test_sharded_saves_are_committed_folders_in_lightnings_layout(
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
+def test_a_fit_keeps_one_writer_and_queues_top_k_removals(
+    runs: dict[str, tuple[Path, list[dict[str, Any]]]], kind: str
+) -> None:
+    _, ranks = runs[kind]
+    # Saves at steps 2 and 4, each with last.ckpt (top-1: step 2's folder removed behind step
+    # 4's save): one writer on the plugin's checkpointer for the whole fit on every rank;
+    # FSDP2's DTensor state exchanges plan names from its second save on (FSDP1's
+    # ShardedTensors never do).
+    for r in ranks:
+        kept, exchanged = r["run1_writer"]
+        assert kept is True
+        assert exchanged == (3 if kind == "model_parallel" else 0), (kind, exchanged)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
 def test_sharded_save_returns_before_the_folder_is_committed(
     runs: dict[str, tuple[Path, list[dict[str, Any]]]], kind: str
 ) -> None:
