@@ -453,6 +453,46 @@ def raised_once(rank: int, world: int, out: str) -> dict[str, Any]:
     return result
 
 
+def told_once(rank: int, world: int, out: str) -> dict[str, Any]:
+    """Rank 1's background write of save b fails at once; the coordinator's part of b is still
+    being written (slow) when save c starts, where rank 1 raises b's failure and DCP hands it to
+    rank 0 too. Rank 0's own failure of b comes later: it is not raised again (by wait, or by
+    save d, which commits on both ranks)."""
+    writer = sdcp.StagedStorageWriter(root=os.path.join(out, "ckpt"), commit_timeout=60)
+    state = {"w": torch.full((8,), float(rank)), f"own{rank}": torch.arange(3.0) + rank}
+    result: dict[str, Any] = {}
+    sdcp.save(state, "a", writer=writer).result(60)
+    real = _writer.write_rank
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        if rank == 1:
+            raise OSError(28, "No space left on device")
+        time.sleep(3.0)  # the coordinator's part of b: slow storage
+        return real(*args, **kwargs)
+
+    _writer.write_rank = failing  # type: ignore[assignment]
+    b = sdcp.save(state, "b", writer=writer)
+    _writer.write_rank = real  # type: ignore[assignment]
+    if rank == 1:
+        b.exception(60)  # failed, not delivered yet
+    try:
+        sdcp.save(state, "c", writer=writer)
+        result["c"] = None
+    except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException included
+        result["c"] = f"{type(exc).__name__}: {exc}"
+    result["b_done_at_c"] = b.done()
+    err = b.exception(60)
+    result["b"] = f"{type(err).__name__}: {err}" if err is not None else None
+    try:
+        writer.wait(60)
+        result["wait"] = None
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        result["wait"] = f"{type(exc).__name__}: {exc}"
+    sdcp.save(state, "d", writer=writer).result(60)
+    writer.close()
+    return result
+
+
 def _flat_lists(state: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """A nested state as ``{"a.b": value}``, tensors as lists."""
     out: dict[str, Any] = {}
@@ -564,6 +604,7 @@ SCENARIOS = {
         failed_write,
         raised_once,
         steady_exchange,
+        told_once,
         coordinator_fails,
         crash_replace,
     )

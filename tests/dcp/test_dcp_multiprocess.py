@@ -278,6 +278,22 @@ def test_steady_saves_exchange_names_and_write_what_dcp_save_writes(launcher, tm
     assert r0["counts"] == [4, 5, 3, 2] and r1["counts"] == [4, 0, 3, 2]
 
 
+def test_a_failed_save_told_to_every_rank_is_not_raised_again_by_the_slower_rank(
+        launcher, tmp_path):
+    run = launcher("told_once", 2, tmp_path)
+    run.ok()
+    r0, r1 = run.ranks
+    # save c raised b's failure on both ranks (rank 1's, handed to rank 0 by DCP) ...
+    assert r0["c"].startswith("StorageError: ") and "no space left" in r0["c"]
+    assert r1["c"].startswith("StorageError: ") and "no space left" in r1["c"]
+    # ... while rank 0's part of b was still being written; it failed later (its handle has
+    # it), and nothing raised it again; save d committed on both ranks
+    assert r0["b_done_at_c"] is False
+    assert r0["b"].startswith("CheckpointError: ") and "rank 1 failed to write its part" in r0["b"]
+    assert r0["wait"] is None and r1["wait"] is None
+    assert [c.name for c in stagesave.list_checkpoints(tmp_path / "ckpt")] == ["d", "a"]
+
+
 def test_object_store_protocol_on_two_ranks(launcher, tmp_path):
     run = launcher("object_store_save", 2, tmp_path)
     run.ok()

@@ -106,13 +106,15 @@ def save(
                               process_group=process_group)
         except CheckpointException as exc:
             w.abandon()
+            w.told(exc)
             w.exchanged.forget()
             inner = _stagesave_error(exc)
             if inner is not None:
                 raise inner from exc
             raise
-        except BaseException:
+        except BaseException as exc:
             w.abandon()
+            w.told(exc)
             w.exchanged.forget()
             raise
         handle = w.last_handle

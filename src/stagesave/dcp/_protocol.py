@@ -58,9 +58,10 @@ from ._format import (
 )
 
 __all__ = [
-    "FINISH_GRACE_S", "POLL_MAX", "POLL_MIN", "CommitTimeoutError", "MetadataSlot",
-    "SavePlanData", "abandoned", "committed", "discard_if_abandoned", "gave_up_error", "join",
-    "member_proof", "report_failure", "sleep", "wait_for_commit", "write_rank",
+    "FINISH_GRACE_S", "POLL_MAX", "POLL_MIN", "SAVE_ID_ATTR", "CommitTimeoutError",
+    "MetadataSlot", "SavePlanData", "abandoned", "committed", "discard_if_abandoned",
+    "failed_saves", "gave_up_error", "join", "member_proof", "report_failure", "sleep",
+    "wait_for_commit", "write_rank",
 ]
 
 #: Polling the store starts this fast and slows down to ``POLL_MAX`` (seconds).
@@ -134,6 +135,33 @@ class MetadataSlot:
         if self._value is None:
             raise CheckpointError(f"{what}: {self._abandoned}; the save was not committed")
         return self._value
+
+
+#: The attribute naming the save a rank job's failure belongs to (it survives the pickling of
+#: DCP's collectives, which hand one rank's error to every rank).
+SAVE_ID_ATTR = "stagesave_save_id"
+
+
+def failed_saves(error: BaseException) -> set[str]:
+    """The save ids of the rank jobs' failures in ``error``: itself, its causes, and each
+    rank's error of a DCP ``CheckpointException``."""
+    found: set[str] = set()
+    seen: set[int] = set()
+    todo = [error]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        save_id = getattr(e, SAVE_ID_ATTR, None)
+        if isinstance(save_id, str):
+            found.add(save_id)
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            todo.extend(f[0] for f in failures.values()
+                        if isinstance(f, tuple) and f and isinstance(f[0], BaseException))
+        todo.extend(x for x in (e.__cause__, e.__context__) if x is not None)
+    return found
 
 
 def join(parent: str, leaf: str) -> str:

@@ -23,6 +23,7 @@ from ..stores.base import Store
 from ._coordinator import abandon, commit
 from ._format import FORMAT_KEY, FORMAT_VALUE, SAVE_ID_KEY, WORLD_SIZE_KEY
 from ._protocol import (
+    SAVE_ID_ATTR,
     MetadataSlot,
     SavePlanData,
     abandoned,
@@ -174,4 +175,6 @@ class RankJob:
             abandon(self.store, spec)
         elif self.slot is None:
             discard_if_abandoned(self.store, spec)
+        with contextlib.suppress(Exception):  # which save it is, for every rank it reaches
+            setattr(error, SAVE_ID_ATTR, spec.save_id)
         return error

@@ -47,7 +47,7 @@ from ._coordinator import (
 from ._exchange import Exchanged
 from ._format import lease
 from ._metadata_bytes import MetadataPickler, StorageData
-from ._protocol import MetadataSlot, SavePlanData, join, report_failure
+from ._protocol import MetadataSlot, SavePlanData, failed_saves, join, report_failure
 from ._rank_bounds import rank_bounds, world_size
 from ._rankfile import RankLayout, SkeletonCache, layout_rank_file
 from ._rankjob import RankJob, RankStaging
@@ -302,7 +302,7 @@ class StagedStorageWriter(StorageWriter):
             s.slot = MetadataSlot()
         handle = SaveHandle(tel.path, tel)
         self.last_handle = handle
-        self._unfinished.staged(handle, s.slot)  # the commit job gives the lease up
+        self._unfinished.staged(handle, s.slot, spec.save_id)  # the commit job: the lease
         job = RankJob(
             ckpt,
             s.store,
@@ -356,6 +356,11 @@ class StagedStorageWriter(StorageWriter):
         coordinator's save that never reached ``finish()`` is known to have raised).
         """
         self._unfinished.give_up(reason, raised=raised)
+
+    def told(self, error: BaseException) -> None:
+        """``error`` reached the caller: the saves whose background failures it carries (on
+        any rank, inside DCP's ``CheckpointException``) count as delivered on this rank too."""
+        self._unfinished.told(failed_saves(error))
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait until every save of the checkpointer committed or failed.
