@@ -105,16 +105,14 @@ def save(
                     _dcp_save(steady.state, checkpoint_id=path, storage_writer=w, planner=plans,
                               process_group=process_group)
         except CheckpointException as exc:
-            w.abandon()
-            w.told(exc)
+            w.abandon(error=exc)
             w.exchanged.forget()
             inner = _stagesave_error(exc)
             if inner is not None:
                 raise inner from exc
             raise
         except BaseException as exc:
-            w.abandon()
-            w.told(exc)
+            w.abandon(error=exc)
             w.exchanged.forget()
             raise
         handle = w.last_handle

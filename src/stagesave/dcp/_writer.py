@@ -340,9 +340,8 @@ class StagedStorageWriter(StorageWriter):
             self._save = None
 
     # ------------------------------------------------------------------ lifecycle
-    def abandon(
-        self, reason: str = "dcp.save raised before finish()", *, raised: bool = True
-    ) -> None:
+    def abandon(self, reason: str = "dcp.save raised before finish()", *, raised: bool = True,
+                error: BaseException | None = None) -> None:
         """``dcp.save`` raised: fail coordinator saves that will never get their metadata.
 
         Called by :func:`stagesave.dcp.save` when ``dcp.save`` raises (call it too where you
@@ -353,14 +352,13 @@ class StagedStorageWriter(StorageWriter):
         The caller got the failed save's error from ``dcp.save``: its background side, which
         then fails too, is not raised again by a later save, ``wait`` or ``close`` (its handle's
         ``result()`` still raises it). ``raised``: this rank's latest ``dcp.save`` raised (a
-        coordinator's save that never reached ``finish()`` is known to have raised).
+        coordinator's save that never reached ``finish()`` is known to have raised). ``error``:
+        what ``dcp.save`` raised; the earlier saves whose background failures it carries (on any
+        rank: DCP hands one rank's error to every rank) count as delivered on this rank too.
         """
         self._unfinished.give_up(reason, raised=raised)
-
-    def told(self, error: BaseException) -> None:
-        """``error`` reached the caller: the saves whose background failures it carries (on
-        any rank, inside DCP's ``CheckpointException``) count as delivered on this rank too."""
-        self._unfinished.told(failed_saves(error))
+        if error is not None:
+            self._unfinished.told(failed_saves(error))
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait until every save of the checkpointer committed or failed.
