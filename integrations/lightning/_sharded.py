@@ -133,8 +133,9 @@ class ShardedCheckpoints:
     ) -> SaveHandle:
         """On every rank: stage this rank's shards of ``state`` into the folder ``path``.
 
-        Returns once staged; the folder (with ``meta`` as ``meta.pt``) is committed once every
-        rank's part is durable. Collectives run here, on the training thread, as in Lightning.
+        Inside a fit it returns once staged; the folder (with ``meta`` as ``meta.pt``) is
+        committed once every rank's part is durable. Anywhere else it returns once committed (as
+        a single file does). Collectives run here, on the training thread, as in Lightning.
 
         Raises:
             stagesave.CheckpointError: staging failed here or on another rank, ``meta.pt``
@@ -155,6 +156,11 @@ class ShardedCheckpoints:
             # plans) until teardown, and top-k removals queue behind the saves instead of
             # waiting for them on the training thread
             run.mark_asynchronous()
+            return handle
+        try:  # outside a fit: committed when it returns, on every rank, as a file
+            handle.result()
+        finally:
+            run.release_if_idle()
         return handle
 
     def load(

@@ -9,8 +9,8 @@ how Lightning's FSDP runs on a CPU at all; ``fsdp-cuda`` leaves the wrapping to 
 auto-wrap policy) on up to two GPUs. Phases, each a ``Trainer.fit`` in the same processes:
 
 1. train 4 steps with the staged strategy, checkpoints every 2 steps (top-1, ``save_last``
-   "link" for FSDP, ``True`` for ModelParallel); then two manual saves with rank 0's writer
-   held after the first: the second ``save_checkpoint`` returns before its folder exists;
+   "link" for FSDP, ``True`` for ModelParallel); then two manual saves after the fit, each
+   committed when ``save_checkpoint`` returns, on every rank;
 2. resume with ``ckpt_path="last"`` and the staged strategy;
 3. resume from the step-4 folder with Lightning's own strategy (the folder is Lightning's layout)
    and save a plain Lightning folder at step 6;
@@ -30,7 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
-import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -44,12 +44,11 @@ from stagesave.lightning import (
     StagedModelParallelStrategy,
     find_plugin,
     latest,
-    wait,
 )
 from torch import nn
 
 import stagesave
-from stagesave import SaveTelemetry
+from stagesave.dcp import _rankjob  # a rank file's write is slowed there
 
 
 class ShardedModel(LightningModule):
@@ -171,18 +170,6 @@ def trainer(kind: str, root: Path, staged: bool, max_steps: int, *callbacks: Any
                    enable_model_summary=False, num_sanity_val_steps=0)
 
 
-class Gate:
-    """Holds rank 0's writer thread after a save's commit, until opened."""
-
-    def __init__(self) -> None:
-        self.closed = False
-        self.opened = threading.Event()
-
-    def __call__(self, tel: SaveTelemetry) -> None:
-        if self.closed:
-            self.opened.wait(60)
-
-
 def run(kind: str, root: Path) -> None:
     ckpt = root / "ckpt"
     out: dict[str, Any] = {}
@@ -196,20 +183,27 @@ def run(kind: str, root: Path) -> None:
     out["files"] = sorted(p.name for p in ckpt.iterdir())
     out["latest"] = latest(ckpt)
 
-    gate = Gate()
     plugin = find_plugin(first)
     assert plugin is not None
-    if rank == 0:
-        plugin.telemetry_callback = gate
-        gate.closed = True
-    first.save_checkpoint(root / "manual-a.ckpt")  # rank 0's writer is held once this commits
-    first.save_checkpoint(root / "manual-b.ckpt")  # returns after staging, queued behind
-    out["b_before_release"] = (root / "manual-b.ckpt").exists()
-    gate.opened.set()
-    wait(first)
+    # Outside fit a sharded save returns committed, on every rank, as a single file does
+    # (each rank file written slowly: returning staged would find no folder yet).
+    real_write = _rankjob.write_rank
+
+    def slow_write(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(1.0)
+        return real_write(*args, **kwargs)
+
+    _rankjob.write_rank = slow_write  # type: ignore[assignment]
+    try:
+        first.save_checkpoint(root / "manual-a.ckpt")
+        out["a_on_return"] = (root / "manual-a.ckpt").exists()  # the filesystem, not stagesave
+        first.save_checkpoint(root / "manual-b.ckpt")
+        out["b_on_return"] = (root / "manual-b.ckpt").exists()
+        out["pending_after_b"] = plugin.pending()
+        out["b_status"] = stagesave.verify(str(root / "manual-b.ckpt")).status
+    finally:
+        _rankjob.write_rank = real_write  # type: ignore[assignment]
     first.strategy.barrier()
-    out["b_after_wait"] = (root / "manual-b.ckpt").exists()
-    out["b_status"] = stagesave.verify(str(root / "manual-b.ckpt")).status
 
     # A save whose meta.pt cannot be written fails on every rank before anything is staged.
     first.lightning_module.unsaveable = True  # type: ignore[attr-defined]
