@@ -37,7 +37,6 @@ metadata, on every rank) is not made. Every rank of the group must call
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -227,8 +226,7 @@ def steady_save(
         memory._keep(memory.received, name, known)
         writer.finish(metadata[0], lists)
 
-    done: Callable[[list[_Results]], None] = finish
-    dist_w.all_reduce("write", write, done)
+    dist_w.all_reduce("write", write, finish)
     planner.reused_local += 1
     memory.saves += 1
     return Outcome(writer.last_handle, state)
