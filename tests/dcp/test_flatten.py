@@ -193,3 +193,139 @@ def test_a_state_holding_a_sharded_tensor_is_flattened_for_it(monkeypatch):
     SteadySavePlanner().set_up_planner({"a": {"b": marked, "c": 1}}, None, True)
     assert calls == [["a.b", "a.c"]]
     assert real is not None
+
+
+# -- the outline a steady save compares instead of flattening (stagesave.dcp._flatten.outline)
+
+_SAME_KIND = {torch.Tensor: lambda v: torch.full_like(v, 7.0), int: lambda v: v + 1,
+              float: lambda v: v * 2 + 1, str: lambda v: v + "!", bool: lambda v: not v,
+              bytes: lambda v: v + b"!", type(None): lambda v: None,
+              torch.nn.Parameter: lambda v: torch.nn.Parameter(torch.ones_like(v))}
+
+
+def _with_new_leaves(obj: Any) -> Any:
+    """A copy of ``obj`` with the same containers and keys, every leaf another value of its
+    exact type (lists and tuples copied as they are when they hold no tensor)."""
+    kind = type(obj)
+    if kind in _SAME_KIND:
+        return _SAME_KIND[kind](obj)
+    if kind is _Frozen:
+        return _Frozen({k: _with_new_leaves(v) for k, v in obj.items()})
+    if isinstance(obj, dict):
+        return kind((k, _with_new_leaves(v)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return kind(_with_new_leaves(v) for v in obj)
+    return obj
+
+
+def _flat_from_outline(kept: Any, state: Any) -> Any:
+    """What the steady planner makes of ``state`` from ``kept``'s flattening (``None``: the
+    outlines differ, or there is none)."""
+    a, b = _flatten.outline(kept), _flatten.outline(state)
+    if a is None or b is None or a[0] != b[0]:
+        return None
+    flat = flatten(kept)
+    assert flat is not None
+    return dict(zip(list(flat[0]), b[1])), flat[1]
+
+
+@settings(max_examples=400, deadline=None)
+@given(_states)
+def test_an_outline_equal_to_a_kept_one_gives_the_flattening_of_the_state(state):
+    """The same structure with every leaf replaced: the outline matches, and the kept keys
+    paired with the new leaves are exactly DCP's flattening of the new state."""
+    try:
+        theirs = flatten_state_dict(state)
+    except ValueError:
+        return
+    again = _with_new_leaves(state)
+    expected = flatten_state_dict(again)
+    shape = _flatten.outline(state)
+    plain_keys = all(type(k) in (str, int) for k in _all_keys(state))
+    assert (shape is not None) == plain_keys
+    if shape is None:
+        return
+    assert len(shape[1]) == len(theirs[0])
+    assert all(a is b for a, b in zip(shape[1], theirs[0].values()))  # the leaves, in order
+    made = _flat_from_outline(state, again)
+    assert made is not None
+    flat, mappings = made
+    assert list(flat) == list(expected[0])
+    assert all(flat[k] is expected[0][k] for k in flat)
+    assert mappings == expected[1]
+
+
+def _all_keys(obj: Any) -> list[Any]:
+    if isinstance(obj, Mapping):
+        return [*obj, *[k for v in obj.values() for k in _all_keys(v)]]
+    if isinstance(obj, list):
+        return [k for v in obj for k in _all_keys(v)]
+    return []
+
+
+@settings(max_examples=400, deadline=None)
+@given(_states, _states)
+def test_equal_outlines_always_flatten_alike(one, other):
+    """Whatever two states are, equal outlines mean the same flat keys and mappings."""
+    try:
+        expected = flatten_state_dict(other)
+        flatten_state_dict(one)
+    except ValueError:
+        return
+    made = _flat_from_outline(one, other)
+    if made is not None:
+        assert list(made[0]) == list(expected[0])
+        assert all(made[0][k] is expected[0][k] for k in made[0])
+        assert made[1] == expected[1]
+
+
+_T = torch.zeros(2)
+
+
+@pytest.mark.parametrize(("kept", "changed"), [
+    ({"a": [1, 2]}, {"a": [1, _T]}),  # a list DCP now walks into
+    ({"a": [_T, 2]}, {"a": [_T, 2, 3]}),  # one more entry
+    ({"a": {"b": _T}}, {"a": {"c": _T}}),  # another key
+    ({"a": {0: _T}}, {"a": {"0": _T}}),  # the same flat key from a key of another type
+    ({"a": {"b": _T, "c": 1}}, {"a": {"c": 1, "b": _T}}),  # another order
+    ({"a": {"b": 1}}, {"a": {"b": {}}}),  # a leaf became an empty mapping
+    ({"a": (1, 2)}, {"a": [1, 2]}),  # a tuple became a list (both one value)
+    ({"a": {"b": _T}}, {"a": collections.OrderedDict(b=_T)}),  # another mapping type
+    ({"a": [[_T]]}, {"a": [[_T], []]}),
+    ({"a": 1, "b": {}}, {"a": 1}),  # an empty mapping (no flat key) gone
+])
+def test_any_change_of_structure_changes_the_outline(kept, changed):
+    assert _flatten.outline(kept)[0] != _flatten.outline(changed)[0]
+
+
+def test_keys_of_other_types_and_sharded_tensors_have_no_outline(monkeypatch):
+    assert _flatten.outline({"a": {1.0: _T}}) is None
+    assert _flatten.outline({"a": {True: _T}}) is None
+    assert _flatten.outline({(1, 2): _T}) is None
+
+    class Marker(torch.Tensor):
+        pass
+
+    monkeypatch.setattr(_flatten, "_SHARDED", Marker)
+    assert _flatten.outline({"a": {"b": torch.zeros(1).as_subclass(Marker)}}) is None
+
+
+def test_the_planner_pairs_a_kept_flattening_with_the_leaves_of_the_same_structure():
+    """The steady planner flattens a new structure once; the next state of that structure gets
+    the kept keys (the very string objects) and its own leaves, equal to DCP's flattening."""
+    planner = SteadySavePlanner()
+    state = {"model": {"w": torch.zeros(3)}, "opt": {"state": {0: {"m": torch.ones(3)}},
+                                                     "param_groups": [{"lr": 0.1, "params": [0]}]}}
+    planner.set_up_planner(state, None, True)
+    first_keys = list(planner.state_dict)
+    state2 = _with_new_leaves(state)
+    planner.set_up_planner(state2, None, True)
+    expected = flatten_state_dict(state2)
+    assert list(planner.state_dict) == list(expected[0])
+    assert all(a is b for a, b in zip(planner.state_dict, first_keys))  # kept key objects
+    assert all(planner.state_dict[k] is expected[0][k] for k in planner.state_dict)
+    assert planner.mappings == expected[1]
+    changed = {**state2, "extra": torch.zeros(1)}
+    planner.set_up_planner(changed, None, True)
+    assert list(planner.state_dict) == list(flatten_state_dict(changed)[0])
+    assert not all(a is b for a, b in zip(planner.state_dict, first_keys))

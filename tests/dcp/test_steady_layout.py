@@ -319,6 +319,19 @@ def test_a_reused_plan_resolves_each_key_to_this_saves_tensor(writers):
         for t in tensors)
 
 
+def test_a_state_without_tensors_is_resolved_by_place_too(writers):
+    """Every item a byte item: the places are all DCP's rule, and a steady save writes what a
+    fresh writer writes."""
+    steady, fresh = writers
+    state: dict[str, Any] = {"epoch": 1, "name": "run", "groups": [{"lr": 0.1, "params": [0]}]}
+    for i in range(3):
+        state["epoch"] = i
+        last = save(steady, state, f"s{i}")
+    assert steady.planner.resolved_by_place >= 1
+    assert data_bytes(last) == data_bytes(save(fresh, state, "s2"))
+    assert sdcp.to_state_dict(last)["epoch"] == 2
+
+
 class _Rewriting(sdcp.SteadySavePlanner):
     """A subclass that changes the state after planning (its ``finish_plan`` runs between the
     plan and the writer's resolution of the items)."""

@@ -15,6 +15,11 @@ tensor or a list that is walked, else it is one value; every other object (a tup
 one value; a leaf's key is its path joined by dots. :func:`fast_flatten_usable` checks once per
 process that the installed DCP flattens a probe state the same way (its older checkpoint
 layout, ``2_3``, or any other behaviour turns this off: DCP's own functions run then).
+
+A steady save flattens a state of the same structure again and again: :func:`outline` takes the
+structure (every container's type and keys, every leaf's type, which lists DCP walks) and the
+leaves in one pass that builds no key and no path, so a caller that kept the flat keys and
+mappings of an equal outline pairs them with the leaves (~3× less time than :func:`flatten`).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-__all__ = ["Flat", "fast_flatten_usable", "flatten"]
+__all__ = ["Flat", "Outline", "fast_flatten_usable", "flatten", "outline"]
 
 #: ``(flat state, mappings: key -> path, any ShardedTensor among the values)``
 Flat = tuple[dict[str, Any], dict[str, tuple[Any, ...]], bool]
@@ -118,6 +123,75 @@ def flatten(state_dict: Mapping[Any, Any]) -> Flat | None:
     except _Duplicate:
         return None
     return flat, paths, sharded
+
+
+#: ``(structure, leaves)``: equal structures flatten to the same keys and mappings, their
+#: leaves in the order of the flat state.
+Outline = tuple[list[Any], list[Any]]
+_LEAVES = _TENSORS | _SCALARS  # exact types that are one value each
+_MAP = object()  # a value DCP walks as a mapping (its record follows)
+_WALKED = object()  # a list DCP walks into (its record follows)
+_VALUE = object()  # another value of a type that is not in _LEAVES
+#: Key types whose equal values always make the same flat key (``1 == True == 1.0`` do not).
+_PLAIN_KEYS = frozenset({str, int})
+
+
+class _NoOutline(Exception):
+    """A key of another type, or a ShardedTensor: :func:`flatten` alone."""
+
+
+def _outline_into(structure: list[Any], leaves: list[Any], value: Any, mapping: bool) -> None:
+    """The record of a container that :func:`_into` walks (a mapping, or a list it walks into):
+    a mapping's keys (a tuple), then its values' types (a tuple), then, for each value whose
+    type is not one of :data:`_LEAVES`, how DCP takes it (:data:`_MAP` or :data:`_WALKED`, then
+    that container's record, or :data:`_VALUE`). Every value that is not walked is a leaf, in
+    order. Read from the start, each element's role is known from those before it, so equal
+    structures are equal containers, keys and types, walked the same way."""
+    if mapping:
+        if type(value) is _dict:
+            keys: tuple[Any, ...] = tuple(value)
+            values: Any = list(value.values())
+        else:  # one pass of items(), as DCP makes
+            pairs = list(value.items())
+            keys, values = tuple(k for k, _ in pairs), [v for _, v in pairs]
+        if not _PLAIN_KEYS.issuperset(map(type, keys)):
+            raise _NoOutline
+        structure.append(keys)
+    else:
+        values = value
+    kinds = tuple(map(type, values))
+    structure.append(kinds)
+    if _LEAVES.issuperset(kinds):
+        leaves.extend(values)
+        return
+    for v, kind in zip(values, kinds):
+        if kind in _LEAVES:
+            leaves.append(v)
+        elif _is_mapping(v, kind):
+            structure.append(_MAP)
+            _outline_into(structure, leaves, v, True)
+        elif isinstance(v, list) and _walked_list(v):
+            structure.append(_WALKED)
+            _outline_into(structure, leaves, v, False)
+        elif _SHARDED is not None and isinstance(v, _SHARDED):
+            raise _NoOutline
+        else:
+            structure.append(_VALUE)
+            leaves.append(v)
+
+
+def outline(state_dict: Mapping[Any, Any]) -> Outline | None:
+    """The structure and leaves of ``state_dict`` as :func:`flatten` walks it: two states with
+    equal structures flatten to the same keys, in the same order, with the same mappings, and
+    their flat values are their leaves in order. ``None`` where a key is not a ``str`` or an
+    ``int`` or a value is a ``ShardedTensor`` (only :func:`flatten` then)."""
+    structure: list[Any] = []
+    leaves: list[Any] = []
+    try:
+        _outline_into(structure, leaves, state_dict, True)
+    except _NoOutline:
+        return None
+    return structure, leaves
 
 
 def _probe() -> dict[Any, Any]:

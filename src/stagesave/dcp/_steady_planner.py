@@ -50,52 +50,16 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
 from ..saving import tensor_guard
-from ._dtensor_items import dtensor_key, local_shard
-from ._flatten import fast_flatten_usable, flatten
+from ._dtensor_items import local_shard
+from ._flatten import Flat, fast_flatten_usable, flatten, outline
 from ._rank_guard import Shape, Vouched
 from ._recent import Recent
+from ._signature import facts as _facts
+from ._signature import signature as _signature
 
 __all__ = ["ItemsToken", "SteadySavePlanner"]
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
-
-
-def _signature(state_dict: dict[str, Any],
-               is_coordinator: bool) -> tuple[list[Any], list[torch.Tensor]] | None:
-    """What ``create_default_local_save_plan`` makes its items from, per key in order, but the
-    strided plain tensors' own facts (:func:`_facts`, compared apart), and those tensors;
-    ``None`` when the state holds a tensor other than a plain one (its items depend on more)
-    or a nested one."""
-    out: list[Any] = [is_coordinator]
-    tensors: list[torch.Tensor] = []
-    note, note_tensor = out.append, tensors.append
-    # Without an accelerator no memory can be pinned (torch refuses to pin): is_pinned() is
-    # False for every tensor then, and costs ~0.6 µs a tensor to ask.
-    pinnable = torch.accelerator.is_available()
-    grad = torch.is_grad_enabled()
-    for fqn, obj in state_dict.items():
-        kind = type(obj)
-        if kind in _PLAIN and tensor_guard.checkable(obj):
-            note((fqn, pinnable and obj.is_pinned()))
-            note_tensor(obj)
-        elif (local := local_shard(obj)) is not None:
-            note(dtensor_key(fqn, obj, local, pinnable, grad))
-            note_tensor(local)
-        elif kind in _PLAIN and not obj.is_nested:  # sparse: its facts read here
-            note((fqn, pinnable and obj.is_pinned(), obj.dtype, obj.shape, obj.layout,
-                  obj.requires_grad))
-        elif isinstance(obj, torch.Tensor) or hasattr(obj, "__create_write_items__"):
-            return None
-        else:
-            note(fqn)
-    return out, tensors
-
-
-def _facts(tensors: list[torch.Tensor]) -> list[Any]:
-    """The rest of what a plain tensor's write item is made from: dtype, size, layout,
-    ``requires_grad`` (~2 µs a tensor read in Python; a reused plan's tensors are checked by
-    torch's compiled check, :mod:`stagesave.saving.tensor_guard`, where it can tell)."""
-    return [(t.dtype, t.shape, t.layout, t.requires_grad) for t in tensors]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,8 +86,10 @@ class _Local:
     plan: SavePlan
     #: the items a save of this structure resolved (a writer's list, held), per item the
     #: position of its tensor among the state's plain tensors (``-1``: resolved by DCP's rule),
-    #: whether every tensor item has one, and the items in short (:class:`._rank_guard.Shape`)
-    resolved: tuple[Sequence[WriteItem], list[int] | None, bool, Shape | None] | None = None
+    #: whether every tensor item has one, the items in short (:class:`._rank_guard.Shape`),
+    #: and the items resolved by DCP's rule
+    resolved: tuple[Sequence[WriteItem], list[int] | None, bool, Shape | None,
+                    list[int]] | None = None
     #: the name of the global plan this local plan was last part of (:class:`ItemsToken`)
     token: ItemsToken | None = None
 
@@ -175,10 +141,28 @@ class SteadySavePlanner(DefaultSavePlanner):
         #: this save's local plan entry and plain tensors (None: its local plan is DCP's alone)
         self._local: _Local | None = None
         self._tensors: list[torch.Tensor] | None = None
+        #: (structure, flat keys, mappings) of recent states (:func:`._flatten.outline`)
+        self._outlines: Recent[tuple[list[Any], list[str], dict[str, Any]]] = Recent()
+
+    def _flatten(self, state_dict: dict[str, Any]) -> Flat | None:
+        """:func:`._flatten.flatten` of ``state_dict``, or a kept flattening of the same
+        structure paired with its leaves (the flat keys are then the kept string objects, so
+        the signature's comparison meets each key by identity)."""
+        shape = outline(state_dict)
+        if shape is not None:
+            structure, leaves = shape
+            known = self._outlines.find(lambda e: e[0] == structure)
+            if known is not None:
+                return dict(zip(known[1], leaves)), known[2], False
+        flat = flatten(state_dict)
+        if flat is not None and shape is not None and not flat[2]:
+            self._outlines.add((shape[0], list(flat[0]), flat[1]))
+        return flat
 
     def set_up_planner(self, state_dict: dict[str, Any], storage_meta: StorageMeta | None = None,
                        is_coordinator: bool = False) -> None:
-        flat = flatten(state_dict) if self.flatten_state_dict and fast_flatten_usable() else None
+        flat = (self._flatten(state_dict) if self.flatten_state_dict and fast_flatten_usable()
+                else None)
         if flat is None:
             super().set_up_planner(state_dict, storage_meta, is_coordinator)
             self.set_up_pending = True
@@ -224,10 +208,14 @@ class SteadySavePlanner(DefaultSavePlanner):
         if known is not None and known[0] is items and known[1] is not None and (
                 tensors is not None):
             self.resolved_by_place += 1
-            return [tensors[p] if p >= 0 else resolve(item)
-                    for item, p in zip(items, known[1])]
+            # a place of -1 takes the last tensor here and is resolved by DCP's rule below
+            placed: list[Any] = list(map(tensors.__getitem__, known[1])) if tensors else [
+                None] * len(items)
+            for i in known[4]:
+                placed[i] = resolve(items[i])
+            return placed
         if local is not None and (known is None or known[0] is not items):
-            local.resolved = (items, None, False, None)  # places made if the list comes back
+            local.resolved = (items, None, False, None, [])  # places made if it comes back
             local = None
         state, plain = self.state_dict, _PLAIN
         tensor, shard, byte_io = WriteItemType.TENSOR, WriteItemType.SHARD, WriteItemType.BYTE_IO
@@ -254,13 +242,14 @@ class SteadySavePlanner(DefaultSavePlanner):
             place(-1)
         if local is not None:
             local.resolved = (items, places, all(
-                p >= 0 or item.type is byte_io for item, p in zip(items, places)), Shape(items))
+                p >= 0 or item.type is byte_io for item, p in zip(items, places)), Shape(items),
+                [i for i, p in enumerate(places) if p < 0])
         return out
 
     def vouch(self, items: Sequence[WriteItem]) -> Vouched:
         """What this save's own checks of its state tell about ``items``' tensors, once
         :meth:`resolve_items` resolved them: whether every tensor item's data is one of the
-        state's plain tensors as :func:`_signature` found them (each strided, not nested:
+        state's plain tensors as :func:`._signature.signature` found them (each strided, not nested:
         :func:`~stagesave.saving.tensor_guard.checkable`), then the compiled check those
         tensors passed in this save (``None``: none), whose facts are theirs now, and the
         items in short kept with their places (``None``: none yet)."""
@@ -273,7 +262,7 @@ class SteadySavePlanner(DefaultSavePlanner):
 
     def _positions(self) -> dict[str, int]:
         """Each plain tensor's key -> its place among this save's plain tensors (as
-        :func:`_signature` found them)."""
+        :func:`._signature.signature` found them)."""
         local = self._local
         assert local is not None
         tensor_keys = [k[0] for k in local.keys[1:] if type(k) is tuple and len(k) in (2, 3)]
@@ -282,7 +271,7 @@ class SteadySavePlanner(DefaultSavePlanner):
     def _kept_local(self) -> tuple[list[Any], list[torch.Tensor], list[Any], _Local | None] | None:
         """This save's keys and plain tensors, their facts if they were read in Python (else
         empty), and the kept local plan of the same structure, if any; ``None`` when the state's
-        local plan is DCP's alone (:func:`_signature`)."""
+        local plan is DCP's alone (:func:`._signature.signature`)."""
         signature = _signature(self.state_dict, self.is_coordinator)
         self._local = self._tensors = None
         if signature is None:
@@ -292,7 +281,7 @@ class SteadySavePlanner(DefaultSavePlanner):
         facts: list[list[Any]] = []  # read in Python once, if a comparison needs them
 
         def same(e: _Local) -> bool:
-            if e.keys != keys or e.mappings != mappings:
+            if e.keys != keys or (e.mappings is not mappings and e.mappings != mappings):
                 return False
             if e.guard is not None and e.guard.same(tensors):
                 return True
@@ -316,7 +305,7 @@ class SteadySavePlanner(DefaultSavePlanner):
             self.reused_local += 1
         else:
             known = _Local(keys, facts or _facts(tensors), tensor_guard.build(tensors),
-                           dict(self.mappings), super().create_local_plan())
+                           self.mappings, super().create_local_plan())
             self._locals.add(known)
         self._local, self._tensors = known, tensors
         return known.plan
