@@ -26,7 +26,6 @@ import io
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from operator import attrgetter
 from typing import IO, Any, cast
 
 import torch
@@ -51,9 +50,6 @@ __all__ = [
 _Tensor = torch.Tensor
 _BYTE_IO = WriteItemType.BYTE_IO
 _STRIDED = torch.strided
-
-_is_cpu = attrgetter("is_cpu")
-_data_ptr = torch.Tensor.data_ptr
 
 
 @dataclass(frozen=True)
@@ -343,12 +339,16 @@ def layout_rank_file(
 def _host_addresses(found: list[Any]) -> list[int] | None:
     """Each item's data address (``0`` for a blob); ``None`` when a tensor is not in host
     memory."""
-    kinds = list(map(type, found))
-    tensors = [o for o, k in zip(found, kinds) if k is not bytes] if bytes in kinds else found
-    if not all(map(_is_cpu, tensors)):
-        return None
-    addresses = map(_data_ptr, tensors)
-    return [0 if k is bytes else next(addresses) for k in kinds]
+    out: list[int] = []
+    note = out.append
+    for obj in found:
+        if type(obj) is bytes:
+            note(0)
+        elif obj.is_cpu:
+            note(obj.data_ptr())
+        else:
+            return None
+    return out
 
 
 def _slots(found: list[Any], layout: RankLayout) -> tuple[list[StorageSlot], HostCopies | None]:
