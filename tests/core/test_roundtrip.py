@@ -275,6 +275,28 @@ def test_a_pickle_naming_storages_its_proof_does_not_hold_is_refused_as_damaged(
             ck.load("a.ckpt", verify=False)
 
 
+@pytest.mark.parametrize("numel", [262_145, -1, (1 << 31) - 1])
+def test_a_later_storage_of_a_known_type_is_checked_against_its_record_too(ckpt_dir, numel):
+    """The storages after the first of their dtype take the load's short path: a pickle that
+    gives the second storage more elements than its record holds, or a negative or huge count,
+    is refused as damaged all the same (never a view past the record)."""
+    state = {"a": torch.ones(262_144), "b": torch.ones(262_144)}
+    with stagesave.Checkpointer(ckpt_dir) as ck:
+        ck.save(state, "a.ckpt").result()
+        path = os.path.join(ckpt_dir, "a.ckpt")
+        with open(path, "rb") as f:
+            data = bytearray(f.read())
+        # the second storage's id: key "1", then the memoised "cpu" (BINGET), then its count
+        at = data.find(b"X\x01\x00\x00\x001q\x0fh\x06J")
+        assert at > 0, data[:600]
+        at += 11  # the count after its BININT opcode
+        data[at : at + 4] = numel.to_bytes(4, "little", signed=True)
+        with open(path, "wb") as f:
+            f.write(data)
+        with pytest.raises(stagesave.IntegrityError, match="proof, or larger"):
+            ck.load("a.ckpt", verify=False)
+
+
 def test_a_filesystem_refusing_direct_reads_still_loads_through_buffered_reads(
         ckpt_dir, monkeypatch):
     """tmpfs and some network filesystems refuse O_DIRECT reads (EINVAL); that cannot be caused

@@ -78,9 +78,8 @@ class _Inert:
 
 def _no_storage(args: tuple[Any, ...]) -> None:
     """Only the tensor rebuild takes a storage, as its first argument."""
-    for a in args:
-        if type(a) is _Stored:
-            raise _Stop("a storage passed to something other than the tensor rebuild")
+    if _Stored in map(type, args):  # types compare by identity; the loop runs in C
+        raise _Stop("a storage passed to something other than the tensor rebuild")
 
 
 class _Call(_Inert):
@@ -103,7 +102,8 @@ class _Direct(_Call):
     __slots__ = ()
 
     def __call__(self, *args: Any) -> Any:
-        _no_storage(args)
+        if _Stored in map(type, args):  # _no_storage, inline: called once per tensor
+            raise _Stop("a storage passed to something other than the tensor rebuild")
         return self.func(*args)
 
 
@@ -115,12 +115,26 @@ class _Rebuild(_Call):
     def __call__(self, *args: Any) -> Any:
         if not args or type(args[0]) is not _Stored:
             raise _Stop("a tensor rebuilt from something other than a storage")
-        _no_storage(args[1:])
+        rest = args[1:]
+        if _Stored in map(type, rest):  # _no_storage, inline: called once per tensor
+            raise _Stop("a storage passed to something other than the tensor rebuild")
         if self.loop.plain_rebuild:  # what the loop's call runs, without its wrapping
             lean = args[0].lean
-            if lean is not None and 6 <= len(args) <= 7:
-                return _rebuild_lean(lean, *args[1:])
-            return _rebuild_v2(args[0].typed, *args[1:])
+            if lean is not None and len(args) == 6:  # _rebuild_lean, inline
+                offset, size, stride, requires_grad, hooks = rest
+                whole = lean.spare
+                if whole is not None:
+                    lean.spare = None
+                    t = whole.as_strided_(size, stride, offset)
+                else:
+                    t = lean.tensor(offset, size, stride)
+                if requires_grad is not False:
+                    t.requires_grad = requires_grad
+                t._backward_hooks = hooks
+                return t
+            if lean is not None and len(args) == 7:
+                return _rebuild_lean(lean, *rest)
+            return _rebuild_v2(args[0].typed, *rest)
         if args[0].lean is not None:
             raise _Stop("a storage made for the plain rebuild")
         return self.loop.call(self.func, (args[0].typed, *args[1:]))
@@ -260,7 +274,7 @@ class _CUnpickler(pickle.Unpickler):  # _pickle.Unpickler: the opcode loop in C
                 pid[1]) is not _Kind:
             raise _Stop("a persistent id torch does not write")
         if self.lean is not None:
-            lean = self.lean(pid[1].cls, *pid[2:])
+            lean = self.lean(pid[1].cls, pid[2], pid[3], pid[4])
             if lean is not None:
                 stored = _Stored(None, lean)
                 self.made.append(stored)

@@ -111,18 +111,41 @@ def unpickle_image(image: Image, map_location: Any, unpickler: Any, *,
         loaded[key] = typed
         return typed
 
+    records, view, frombuffer = image.storages, image.view, torch.frombuffer
+
     def lean(storage_type: Any, key: Any, location: Any, numel: Any) -> LeanStorage | None:
         """The storage as the C unpickler's tensor rebuild takes it (``None``: it needs
-        torch's typed storage: restored elsewhere, or no bytes)."""
-        if type(key) is str and key in leans:
-            return leans[key]
-        if memory is None and not (on_cpu and location == "cpu"):
+        torch's typed storage: restored elsewhere, or no bytes). Called once per storage:
+        :func:`region`'s checks and :meth:`LeanStorage.over` are inline for the image's
+        bytes."""
+        if type(key) is str:
+            made = leans.get(key)
+            if made is not None:
+                return made
+        if memory is not None:
+            dtype, data = region(storage_type, key, location, numel)
+            if data is None:
+                return None
+            made = leans[key] = LeanStorage(data.untyped_storage(), dtype)
+            return made
+        if not (on_cpu and location == "cpu"):
             return None
-        dtype, data = region(storage_type, key, location, numel)
-        if data is None:
+        if type(key) is not str or type(numel) is not int:  # (location: the str "cpu")
+            raise BadPickle("a storage id of the wrong types")
+        kind = kinds.get(storage_type)
+        if kind is None:  # the first storage of its type: region() notes its kind
+            region(storage_type, key, location, numel)
+            kind = kinds[storage_type]
+        dtype, size = kind
+        record = records.get(key)
+        nbytes = numel * size
+        if record is None or numel < 0 or nbytes > record.nbytes:
+            raise BadPickle(f"storage {key!r} is not in {image.where}'s proof, or larger")
+        if not nbytes:
             return None
-        made = leans[key] = (LeanStorage(data.untyped_storage(), dtype) if memory is not None
-                             else LeanStorage.over(data, dtype))
+        offset = record.offset
+        whole = frombuffer(view[offset : offset + nbytes], dtype=dtype)
+        made = leans[key] = LeanStorage(whole.untyped_storage(), dtype, whole)
         return made
 
     persistent_load.lean = lean  # type: ignore[attr-defined]
