@@ -509,7 +509,8 @@ def steady_exchange(rank: int, world: int, out: str) -> dict[str, Any]:
     and a number through one writer per rank (``stagesave.dcp.save``): which saves ran
     ``dcp.save`` and which exchanged names only, values changed in place, tensors swapping keys
     and replaced by new objects (save 4), a shape changed on rank 1 only (save 5), a save
-    failing on rank 1 after its layout (save 6); each folder compared with a fresh writer's."""
+    failing on rank 1 after its layout (save 6), a DTensor that now requires grad (save 7);
+    each folder compared with a fresh writer's."""
     mesh = init_device_mesh("cpu", (world,))
     writer = sdcp.StagedStorageWriter(root=os.path.join(out, "steady"), commit_timeout=60)
     calls = {"dcp.save": 0}
@@ -539,6 +540,8 @@ def steady_exchange(rank: int, world: int, out: str) -> dict[str, Any]:
         if step == 5:  # another spec, the same local shard's facts: (16, 4) sharded -> (8, 4)
             sharded["layer0"] = distribute_tensor(torch.randn(8, 4, generator=g), mesh,
                                                   [Replicate()])
+        if step == 7:  # a DTensor now requires grad (DCP records it: grad mode is on)
+            sharded["layer1"].requires_grad_(True)
         state = {"model": dict(sharded), "shared": shared, "own": dict(own), "step": step}
         before, exchanged = calls["dcp.save"], writer.exchanged.saves
 

@@ -6,8 +6,10 @@ DCP makes a ``DTensor``'s item (``_create_write_items_for_dtensor``) from its ke
 properties as ``to_local()`` gives them (dtype, layout, pinning, and ``requires_grad`` where
 grad mode is on): ~60 µs per tensor, at every save. A ``DTensor`` whose spec is the same object
 or equal, and whose local shard has the same facts (checked with the state's plain tensors),
-gets the same item. Only a plain ``DTensor`` over a plain strided local tensor is handled
-here; anything else leaves the local plan to DCP. A ``DTensor`` with ``Partial`` placements
+gets the same item (its key in the planner's signature, :func:`._signature.signature`: the
+key, the pinning, the spec and ``requires_grad`` where grad mode is on). Only a plain
+``DTensor`` over a plain strided local tensor is handled; anything else leaves the local plan
+to DCP. A ``DTensor`` with ``Partial`` placements
 is not told apart: its spec matches no kept plan (DCP refused to plan it: its first local plan
 is DCP's, which raises), and only a kept plan's items are resolved to local shards.
 """
@@ -21,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from ..saving import tensor_guard
 
-__all__ = ["dtensor_key", "local_shard"]
+__all__ = ["local_shard"]
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
@@ -35,12 +37,3 @@ def local_shard(obj: Any) -> torch.Tensor | None:
     if type(local) not in _PLAIN or not tensor_guard.checkable(local):
         return None
     return local
-
-
-def dtensor_key(fqn: str, obj: Any, local: torch.Tensor, pinnable: bool,
-                grad: bool) -> tuple[Any, ...]:
-    """The key of a ``DTensor`` (its :func:`local_shard` is ``local``) in the planner's
-    signature: what its item is made from besides the local shard's own facts (compared with
-    the plain tensors'). ``grad``: ``torch.is_grad_enabled()`` (``to_local()``'s
-    ``requires_grad``, which DCP records, is the DTensor's where grad mode is on)."""
-    return fqn, pinnable and local.is_pinned(), (obj._spec, grad and obj.requires_grad)

@@ -12,9 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
-from ..saving import tensor_guard
-from ._dtensor_items import dtensor_key, local_shard
+from torch.distributed.tensor import DTensor
 
 __all__ = ["facts", "signature"]
 
@@ -34,17 +32,24 @@ def signature(state_dict: dict[str, Any],
     # False for every tensor then, and costs ~0.6 µs a tensor to ask.
     pinnable = torch.accelerator.is_available()
     grad = torch.is_grad_enabled()
+    strided, plain, dtensor = torch.strided, _PLAIN, DTensor
     for fqn, obj in state_dict.items():
         kind = type(obj)
-        if kind in _PLAIN and tensor_guard.checkable(obj):
-            note((fqn, pinnable and obj.is_pinned()))
-            note_tensor(obj)
-        elif (local := local_shard(obj)) is not None:
-            note(dtensor_key(fqn, obj, local, pinnable, grad))
+        if kind in plain:
+            if obj.layout is strided and not obj.is_nested:  # tensor_guard.checkable
+                note((fqn, pinnable and obj.is_pinned()))
+                note_tensor(obj)
+            elif not obj.is_nested:  # sparse: its facts read here
+                note((fqn, pinnable and obj.is_pinned(), obj.dtype, obj.shape, obj.layout,
+                      obj.requires_grad))
+            else:
+                return None
+        elif kind is dtensor:  # _dtensor_items.local_shard and dtensor_key, inline
+            local = obj._local_tensor
+            if type(local) not in plain or local.layout is not strided or local.is_nested:
+                return None
+            note((fqn, pinnable and local.is_pinned(), (obj._spec, grad and obj.requires_grad)))
             note_tensor(local)
-        elif kind in _PLAIN and not obj.is_nested:  # sparse: its facts read here
-            note((fqn, pinnable and obj.is_pinned(), obj.dtype, obj.shape, obj.layout,
-                  obj.requires_grad))
         elif isinstance(obj, torch.Tensor) or hasattr(obj, "__create_write_items__"):
             return None
         else:
