@@ -513,14 +513,20 @@ def steady_exchange(rank: int, world: int, out: str) -> dict[str, Any]:
     each folder compared with a fresh writer's."""
     mesh = init_device_mesh("cpu", (world,))
     writer = sdcp.StagedStorageWriter(root=os.path.join(out, "steady"), commit_timeout=60)
-    calls = {"dcp.save": 0}
-    real_save, real_layout = sdcp._dcp_save, _writer_module.layout_rank_file
+    calls = {"dcp.save": 0, "by DCP itself": 0}  # saves planned from the state; of them, dcp.save
+    real_full, real_save = sdcp._full_save, sdcp._dcp_save
+    real_layout = _writer_module.layout_rank_file
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         calls["dcp.save"] += 1
+        return real_full(*args, **kwargs)
+
+    def counted_dcp(*args: Any, **kwargs: Any) -> Any:
+        calls["by DCP itself"] += 1
         return real_save(*args, **kwargs)
 
-    sdcp._dcp_save = counted  # type: ignore[attr-defined]
+    sdcp._full_save = counted  # type: ignore[attr-defined]
+    sdcp._dcp_save = counted_dcp  # type: ignore[attr-defined]
     g = torch.Generator().manual_seed(3)
     sharded = {f"layer{i}": distribute_tensor(torch.randn(8 * world, 4, generator=g), mesh,
                                               [Shard(0)]) for i in range(3)}
@@ -588,7 +594,8 @@ def steady_exchange(rank: int, world: int, out: str) -> dict[str, Any]:
             for v in sharded.values():  # full_tensor() is a collective: every rank joins
                 v.full_tensor()
         dist.barrier()
-    sdcp._dcp_save = real_save  # type: ignore[attr-defined]
+    sdcp._full_save, sdcp._dcp_save = real_full, real_save  # type: ignore[attr-defined]
+    result["by_dcp"] = calls["by DCP itself"]
     result["counts"] = [writer.planner.reused_local, writer.planner.reused_global,
                         writer.planner.resolved_by_place, writer.exchanged.by_mark]
     writer.close()

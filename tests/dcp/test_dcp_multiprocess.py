@@ -261,11 +261,13 @@ def test_steady_saves_exchange_names_and_write_what_dcp_save_writes(launcher, tm
     run = launcher("steady_exchange", 2, tmp_path)
     run.ok()
     r0, r1 = run.ranks
-    # [dcp.save calls, saves by the exchange of names] per save: the first structure and every
-    # change run dcp.save (a shape changed on rank 1 alone sends every rank there), the others
+    # [saves planned from the state, saves by the exchange of names] per save: the first
+    # structure and every change are planned as dcp.save plans them (a shape changed on rank 1
+    # alone sends every rank there, and so does a DTensor that now requires grad), the others
     # exchange names; save 6 (by the exchange) failed on rank 1 after its layout, on every rank
     for rank in (r0, r1):
         assert rank["paths"] == [[1, 0], [0, 1], [0, 1], [0, 1], [1, 0], [0, 0], [1, 0]]
+        assert rank["by_dcp"] == 0  # planned as dcp.save plans, without its last collective
         assert rank["errors"] == {"6": "CheckpointException"}
         assert rank["same_bytes"] == [True] * 6  # each rank file is a fresh writer's
     assert r0["saved"] == {str(s): True for s in (1, 2, 3, 4, 5, 7)}

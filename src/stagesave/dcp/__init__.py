@@ -40,7 +40,7 @@ from ..errors import CheckpointError
 from ..handle import SaveHandle
 from ..saving.plan import gc_paused
 from ._coordinator import check_extra_files
-from ._exchange import steady_save
+from ._exchange import Outcome, planned_save, steady_save
 from ._planner import SplitReplicatedPlanner
 from ._protocol import CommitTimeoutError
 from ._reader import StagedStorageReader
@@ -58,6 +58,18 @@ __all__ = [
     "save",
     "to_state_dict",
 ]
+
+
+def _full_save(steady: Outcome, path: Any, writer: StagedStorageWriter, planner: SavePlanner,
+               process_group: dist.ProcessGroup | None) -> None:
+    """A save planned from the state :func:`steady_save` set up (a first save, a changed
+    structure): :func:`planned_save` under a process group with the writer's own planner,
+    else ``dcp.save``."""
+    if steady.dist is not None:
+        planned_save(steady.state, writer, planner, steady.dist)
+    else:
+        _dcp_save(steady.state, checkpoint_id=path, storage_writer=writer, planner=planner,
+                  process_group=process_group)
 
 
 def _stagesave_error(exc: CheckpointException) -> BaseException | None:
@@ -102,8 +114,7 @@ def save(
             with gc_paused():  # DCP's planning makes ~10 objects per item: no collection now
                 steady = steady_save(state_dict, path, w, plans, process_group)
                 if steady.handle is None:
-                    _dcp_save(steady.state, checkpoint_id=path, storage_writer=w, planner=plans,
-                              process_group=process_group)
+                    _full_save(steady, path, w, plans, process_group)
         except CheckpointException as exc:
             w.abandon(error=exc)
             w.exchanged.forget()
