@@ -241,8 +241,9 @@ def test_an_outline_equal_to_a_kept_one_gives_the_flattening_of_the_state(state)
     again = _with_new_leaves(state)
     expected = flatten_state_dict(again)
     shape = _flatten.outline(state)
-    plain_keys = all(type(k) in (str, int) for k in _all_keys(state))
-    assert (shape is not None) == plain_keys
+    outlined = all(type(k) in (str, int) for k in _all_keys(state)) and all(
+        type(m) in (dict, collections.OrderedDict) for m in _mappings(state))
+    assert (shape is not None) == outlined
     if shape is None:
         return
     assert len(shape[1]) == len(theirs[0])
@@ -253,6 +254,14 @@ def test_an_outline_equal_to_a_kept_one_gives_the_flattening_of_the_state(state)
     assert list(flat) == list(expected[0])
     assert all(flat[k] is expected[0][k] for k in flat)
     assert mappings == expected[1]
+
+
+def _mappings(obj: Any) -> list[Any]:
+    if isinstance(obj, Mapping):
+        return [obj, *[m for v in obj.values() for m in _mappings(v)]]
+    if isinstance(obj, list):
+        return [m for v in obj for m in _mappings(v)]
+    return []
 
 
 def _all_keys(obj: Any) -> list[Any]:
@@ -329,3 +338,58 @@ def test_the_planner_pairs_a_kept_flattening_with_the_leaves_of_the_same_structu
     planner.set_up_planner(changed, None, True)
     assert list(planner.state_dict) == list(flatten_state_dict(changed)[0])
     assert not all(a is b for a, b in zip(planner.state_dict, first_keys))
+
+
+class _Flip(Mapping[Any, Any]):
+    """A mapping whose ``items()`` answers in another order at every call (a view whose order
+    is not stable): the outline and DCP's flattening of one save would see two orders."""
+
+    def __init__(self, items: dict[Any, Any]) -> None:
+        self._items, self.calls = dict(items), 0
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._items[key]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def items(self) -> Any:  # type: ignore[override]
+        self.calls += 1
+        pairs = list(self._items.items())
+        return pairs if self.calls % 2 else pairs[::-1]
+
+
+def test_a_mapping_other_than_a_dict_is_flattened_at_every_save():
+    """Only a dict and an OrderedDict have an outline: another mapping's items() may answer
+    differently from one call to the next, and each save pairs every key with its own
+    tensor, as DCP does."""
+    a, b = torch.zeros(2), torch.ones(3)
+    view = _Flip({"a": a, "b": b})
+    assert _flatten.outline({"m": view}) is None
+    planner = SteadySavePlanner()
+    for _ in range(4):
+        planner.set_up_planner({"m": view}, None, True)
+        assert planner.state_dict["m.a"] is a and planner.state_dict["m.b"] is b
+
+
+def test_a_subclass_that_changes_its_mappings_in_place_gets_fresh_ones_at_every_save():
+    """A subclass may edit ``self.mappings`` after the set-up (here: a compiled model's prefix
+    dropped from the keys); the next save of the same structure starts from DCP's mappings."""
+
+    class Strip(SteadySavePlanner):
+        def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False):
+            super().set_up_planner(state_dict, storage_meta, is_coordinator)
+            for key in [k for k in self.state_dict if "_orig_mod." in k]:
+                new = key.replace("_orig_mod.", "")
+                self.state_dict[new] = self.state_dict.pop(key)
+                self.mappings[new] = tuple(p for p in self.mappings.pop(key) if p != "_orig_mod")
+
+    planner = Strip()
+    for _ in range(3):
+        w = torch.zeros(2)
+        planner.set_up_planner({"model": {"_orig_mod.w": w}}, None, True)
+        assert list(planner.state_dict) == ["model.w"] and planner.state_dict["model.w"] is w
+        assert planner.mappings == {"model.w": ("model", "_orig_mod.w")}

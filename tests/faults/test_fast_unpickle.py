@@ -376,3 +376,43 @@ def test_an_images_tensors_are_made_over_its_own_bytes_without_the_python_loop(n
     assert first.untyped_storage().nbytes() == other.untyped_storage().nbytes() == 16
     assert first._base is None and strided._base is None and not strided._is_view()
     assert first._backward_hooks == OrderedDict() and strided._backward_hooks == OrderedDict()
+
+
+def _at(storage: bytes, offset: int, size: int) -> bytes:
+    """``_rebuild_tensor_v2(storage, offset, (size,), (1,), False, OrderedDict())``, the offset
+    as an 8-byte LONG1 (any int, however large)."""
+    return (glob("torch._utils", "_rebuild_tensor_v2") + tup(
+        storage, b"\x8a\x08" + offset.to_bytes(8, "little", signed=True), num(size) + TUPLE1,
+        num(1) + TUPLE1, FALSE, glob("collections", "OrderedDict") + EMPTY_TUPLE + REDUCE)
+        + REDUCE)
+
+
+@pytest.mark.parametrize("offset", [2**62 - 4, 2**61, 2**63 - 1, 5, -1])
+@pytest.mark.parametrize("later", [False, True])
+def test_a_tensor_at_an_offset_past_its_storage_is_refused_never_made_before_it(offset, later):
+    """torch's own bound check computes the offset's bytes in 64 bits: a float32 offset of
+    2**62 - 4 wraps to -16 bytes, a tensor over the record before (read and written). Every
+    offset that does not fit the storage is refused as damage, the first tensor over a storage
+    or a later one."""
+    first = rebuild(pid("1"), 4) if later else b""
+    body = MARK + first + _at(pid("1"), offset, 4) + TUPLE
+    with pytest.raises(CheckpointError, match="past its storage"):
+        safe_torch_load(imaged(program(body)), where="probe")
+
+
+@pytest.mark.parametrize(("numel", "size"), [(4, 1024), (1, 1024), (4, 5)])
+def test_a_storage_in_device_memory_is_never_grown_by_a_tensor_larger_than_it(numel, size):
+    """A GPU load holds each record in its own device memory (CPU memory stands in here), a
+    storage ``set_`` would grow instead of refusing: a tensor larger than its record, or than
+    the elements its id names, is refused, never made over fresh memory."""
+    memory = {"0": torch.full((4,), 1.5).view(torch.uint8).clone(),
+              "1": torch.full((4,), -2.0).view(torch.uint8).clone()}
+    image = imaged(program(MARK + rebuild(pid("1"), 4) + rebuild(pid("0", numel=numel), size)
+                           + TUPLE))
+    image.memory = memory
+    with pytest.raises(CheckpointError, match="reaches past its storage"):
+        safe_torch_load(image, where="probe")
+    image.memory = {k: v.clone() for k, v in memory.items()}
+    image.pickle = program(MARK + rebuild(pid("0", numel=4), 4) + TUPLE)
+    (fine,) = safe_torch_load(image, where="probe")
+    assert torch.equal(fine, torch.full((4,), 1.5))

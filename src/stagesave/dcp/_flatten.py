@@ -141,19 +141,24 @@ class _NoOutline(Exception):
 
 
 def _outline_into(structure: list[Any], leaves: list[Any], value: Any, mapping: bool) -> None:
-    """The record of a container that :func:`_into` walks (a mapping, or a list it walks into):
+    """The record of a container that :func:`_into` walks (a ``dict`` or an ``OrderedDict``,
+    or a list it walks into; another mapping has no outline: its ``items()`` may answer
+    differently here and in :func:`flatten`, whose keys the outline's leaves are paired with):
     a mapping's keys (a tuple), then its values' types (a tuple), then, for each value whose
     type is not one of :data:`_LEAVES`, how DCP takes it (:data:`_MAP` or :data:`_WALKED`, then
     that container's record, or :data:`_VALUE`). Every value that is not walked is a leaf, in
     order. Read from the start, each element's role is known from those before it, so equal
     structures are equal containers, keys and types, walked the same way."""
     if mapping:
-        if type(value) is _dict:
+        kind = type(value)
+        if kind is _dict:
             keys: tuple[Any, ...] = tuple(value)
             values: Any = list(value.values())
-        else:  # one pass of items(), as DCP makes
+        elif kind is _ordered:
             pairs = list(value.items())
             keys, values = tuple(k for k, _ in pairs), [v for _, v in pairs]
+        else:  # another Mapping: its items() may differ from one call to the next
+            raise _NoOutline
         if not _PLAIN_KEYS.issuperset(map(type, keys)):
             raise _NoOutline
         structure.append(keys)
@@ -184,7 +189,8 @@ def outline(state_dict: Mapping[Any, Any]) -> Outline | None:
     """The structure and leaves of ``state_dict`` as :func:`flatten` walks it: two states with
     equal structures flatten to the same keys, in the same order, with the same mappings, and
     their flat values are their leaves in order. ``None`` where a key is not a ``str`` or an
-    ``int`` or a value is a ``ShardedTensor`` (only :func:`flatten` then)."""
+    ``int``, a mapping is not a ``dict`` or an ``OrderedDict``, or a value is a
+    ``ShardedTensor`` (only :func:`flatten` then)."""
     structure: list[Any] = []
     leaves: list[Any] = []
     try:

@@ -148,7 +148,8 @@ class SteadySavePlanner(DefaultSavePlanner):
         """:func:`._flatten.flatten` of ``state_dict``, or a kept flattening of the same
         structure paired with its leaves (the flat keys are then the kept string objects, so
         the signature's comparison meets each key by identity)."""
-        shape = outline(state_dict)
+        # by this class only: a subclass may change its mappings in place, which are shared
+        shape = outline(state_dict) if self._positional else None
         if shape is not None:
             structure, leaves = shape
             known = self._outlines.find(lambda e: e[0] == structure)
@@ -305,7 +306,8 @@ class SteadySavePlanner(DefaultSavePlanner):
             self.reused_local += 1
         else:
             known = _Local(keys, facts or _facts(tensors), tensor_guard.build(tensors),
-                           self.mappings, super().create_local_plan())
+                           self.mappings if self._positional else dict(self.mappings),
+                           super().create_local_plan())
             self._locals.add(known)
         self._local, self._tensors = known, tensors
         return known.plan

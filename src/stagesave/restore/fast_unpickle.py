@@ -42,7 +42,7 @@ from torch._utils import IMPORT_MAPPING, NAME_MAPPING
 
 from .allowlist import Policy
 from .image_unpickle import LeanStorage
-from .rebuild_checks import validate_loaded_sparse
+from .rebuild_checks import fits, validate_loaded_sparse
 from .unpickle import _BLOCKED_MODULES, _MISSING, _REBUILD_V2, _rebuild_v2
 from .unpickle import Unpickler as LoopUnpickler
 
@@ -120,6 +120,10 @@ class _Rebuild(_Call):
             raise _Stop("a storage passed to something other than the tensor rebuild")
         if self.loop.plain_rebuild:  # what the loop's call runs, without its wrapping
             lean = args[0].lean
+            if lean is not None and (len(args) < 4 or not fits(
+                    lean.nbytes, lean.itemsize, args[1], args[2], args[3])):
+                # torch's own bound check wraps a huge offset; set_ grows a resizable storage
+                raise _Stop("a tensor that does not fit its storage")
             if lean is not None and len(args) == 6:  # _rebuild_lean, inline
                 offset, size, stride, requires_grad, hooks = rest
                 whole = lean.spare

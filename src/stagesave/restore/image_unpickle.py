@@ -27,11 +27,14 @@ class LeanStorage:
     ``set_``). What comes out equals torch's rebuild: a tensor of the storage's dtype over the
     storage's bytes, not a view of another tensor."""
 
-    __slots__ = ("dtype", "spare", "untyped")
+    __slots__ = ("dtype", "itemsize", "nbytes", "spare", "untyped")
 
-    def __init__(self, untyped: torch.UntypedStorage, dtype: torch.dtype,
+    def __init__(self, untyped: torch.UntypedStorage, dtype: torch.dtype, itemsize: int,
                  whole: torch.Tensor | None = None) -> None:
-        self.untyped, self.dtype = untyped, dtype
+        self.untyped, self.dtype, self.itemsize = untyped, dtype, itemsize
+        #: its bytes as handed out: every tensor over it must fit in them (a storage in device
+        #: memory can be grown by ``set_``; the rebuild checks first)
+        self.nbytes: int = untyped.nbytes()
         #: a tensor over all of the storage the first rebuild may take (``None``: none made)
         self.spare = whole
 
@@ -39,7 +42,7 @@ class LeanStorage:
     def over(cls, data: memoryview, dtype: torch.dtype) -> LeanStorage:
         """The storage of host bytes ``data`` (a whole number of ``dtype`` elements)."""
         whole = torch.frombuffer(data, dtype=dtype)
-        return cls(whole.untyped_storage(), dtype, whole)
+        return cls(whole.untyped_storage(), dtype, whole.element_size(), whole)
 
     def tensor(self, offset: Any, size: Any, stride: Any) -> torch.Tensor:
         """A new tensor over the storage (torch's checks: within the storage's bytes)."""
@@ -126,7 +129,7 @@ def unpickle_image(image: Image, map_location: Any, unpickler: Any, *,
             dtype, data = region(storage_type, key, location, numel)
             if data is None:
                 return None
-            made = leans[key] = LeanStorage(data.untyped_storage(), dtype)
+            made = leans[key] = LeanStorage(data.untyped_storage(), dtype, kinds[storage_type][1])
             return made
         if not (on_cpu and location == "cpu"):
             return None
@@ -145,7 +148,7 @@ def unpickle_image(image: Image, map_location: Any, unpickler: Any, *,
             return None
         offset = record.offset
         whole = frombuffer(view[offset : offset + nbytes], dtype=dtype)
-        made = leans[key] = LeanStorage(whole.untyped_storage(), dtype, whole)
+        made = leans[key] = LeanStorage(whole.untyped_storage(), dtype, size, whole)
         return made
 
     persistent_load.lean = lean  # type: ignore[attr-defined]

@@ -15,20 +15,38 @@ import torch
 
 from .refusal import BadPickle
 
-__all__ = ["STORAGES", "check_fits", "check_rebuild", "validate_loaded_sparse"]
+__all__ = ["STORAGES", "check_fits", "check_rebuild", "fits", "validate_loaded_sparse"]
+
+
+def fits(nbytes: int, itemsize: int, offset: Any, size: Any, stride: Any) -> bool:
+    """Whether a tensor of ``size`` and ``stride`` (tuples of ints) at element ``offset`` (an
+    int) lies within a storage of ``nbytes``, computed exactly; ``False`` for anything else
+    (:func:`check_fits` then names the problem). The first try of the C unpickler asks this
+    of every tensor it rebuilds."""
+    if (type(offset) is not int or type(size) is not tuple or type(stride) is not tuple
+            or len(size) != len(stride) or offset < 0 or offset * itemsize > nbytes):
+        return False
+    last = offset
+    empty = False
+    for d, st in zip(size, stride):
+        if type(d) is not int or type(st) is not int or d < 0 or st < 0:
+            return False
+        if d == 0:
+            empty = True
+        last += (d - 1) * st
+    return empty or (last + 1) * itemsize <= nbytes
 
 
 def check_fits(untyped: Any, dtype: Any, offset: Any, size: Any, stride: Any) -> None:
-    """Refuse a tensor's geometry that reaches past its storage's bytes where the storage is
-    resizable (a storage of no bytes, or one torch read from a record): ``set_`` would grow it
-    to what the pickle says, memory never written (a bomb, or the heap's old bytes handed out).
-    Other storages are checked by torch itself.
+    """Refuse a tensor's geometry that reaches past its storage's bytes, computed exactly in
+    Python: ``set_`` would grow a resizable storage (one of no bytes, or one torch read from a
+    record) to what the pickle says, memory never written (a bomb, or the heap's old bytes
+    handed out), and torch's own bound check of any storage computes the offset's bytes in 64
+    bits, which a huge offset wraps (a tensor before its storage, read and written).
 
     Raises:
         BadPickle: it does not fit.
     """
-    if not untyped.resizable():
-        return
     try:  # (a 0-d tensor stands for a number too: its verified bytes are read here, as by set_)
         offset = operator.index(offset)
         dims = [(operator.index(d), operator.index(st))
@@ -36,11 +54,14 @@ def check_fits(untyped: Any, dtype: Any, offset: Any, size: Any, stride: Any) ->
     except (TypeError, ValueError) as exc:
         raise BadPickle(f"a tensor's offset, size and stride are not numbers of one rank: "
                         f"{exc}") from exc
+    itemsize = torch._utils._element_size(dtype)  # type: ignore[no-untyped-call]
+    if offset < 0 or offset * itemsize > untyped.nbytes():
+        raise BadPickle(f"a tensor at offset {offset} starts past its storage of "
+                        f"{untyped.nbytes()} bytes")
     if any(d == 0 for d, _ in dims):
         return
     last = offset + sum((d - 1) * st for d, st in dims)
-    itemsize = torch._utils._element_size(dtype)  # type: ignore[no-untyped-call]
-    if offset < 0 or min((st for _, st in dims), default=0) < 0 or (
+    if min((st for _, st in dims), default=0) < 0 or min((d for d, _ in dims), default=0) < 0 or (
             (last + 1) * itemsize > untyped.nbytes()):
         raise BadPickle(f"a tensor of size {tuple(size)} at offset {offset} reaches past its "
                         f"storage of {untyped.nbytes()} bytes")
