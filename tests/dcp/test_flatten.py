@@ -340,21 +340,13 @@ def test_the_planner_pairs_a_kept_flattening_with_the_leaves_of_the_same_structu
     assert not all(a is b for a, b in zip(planner.state_dict, first_keys))
 
 
-class _Flip(Mapping[Any, Any]):
+class _Flip(_Frozen):
     """A mapping whose ``items()`` answers in another order at every call (a view whose order
     is not stable): the outline and DCP's flattening of one save would see two orders."""
 
     def __init__(self, items: dict[Any, Any]) -> None:
-        self._items, self.calls = dict(items), 0
-
-    def __getitem__(self, key: Any) -> Any:
-        return self._items[key]
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self._items)
-
-    def __len__(self) -> int:
-        return len(self._items)
+        super().__init__(items)
+        self.calls = 0
 
     def items(self) -> Any:  # type: ignore[override]
         self.calls += 1
