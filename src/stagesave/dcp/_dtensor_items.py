@@ -9,9 +9,9 @@ or equal, and whose local shard has the same facts (checked with the state's pla
 gets the same item (its key in the planner's signature, :func:`._signature.signature`: the
 key, the pinning, the spec and ``requires_grad`` where grad mode is on). Only a plain
 ``DTensor`` over a plain strided local tensor is handled; anything else leaves the local plan
-to DCP. A ``DTensor`` with ``Partial`` placements
-is not told apart: its spec matches no kept plan (DCP refused to plan it: its first local plan
-is DCP's, which raises), and only a kept plan's items are resolved to local shards.
+to DCP. A ``DTensor`` with ``Partial`` placements is not told apart: its spec matches no kept
+plan (DCP refused to plan it: its first local plan is DCP's, which raises), and only a kept
+plan's items are resolved to local shards.
 """
 
 from __future__ import annotations

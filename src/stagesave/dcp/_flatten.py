@@ -19,7 +19,8 @@ layout, ``2_3``, or any other behaviour turns this off: DCP's own functions run 
 A steady save flattens a state of the same structure again and again: :func:`outline` takes the
 structure (every container's type and keys, every leaf's type, which lists DCP walks) and the
 leaves in one pass that builds no key and no path, so a caller that kept the flat keys and
-mappings of an equal outline pairs them with the leaves (~3× less time than :func:`flatten`).
+mappings of an equal outline pairs them with the leaves (about half the time of
+:func:`flatten`: 43 against 88 ms for 100,000 tensors here).
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ def signature(state_dict: dict[str, Any],
                       obj.requires_grad))
             else:
                 return None
-        elif kind is dtensor:  # _dtensor_items.local_shard and dtensor_key, inline
+        elif kind is dtensor:  # _dtensor_items.local_shard, inline; its key
             local = obj._local_tensor
             if type(local) not in plain or local.layout is not strided or local.is_nested:
                 return None
@@ -62,5 +62,3 @@ def facts(tensors: list[torch.Tensor]) -> list[Any]:
     ``requires_grad`` (~2 µs a tensor read in Python; a reused plan's tensors are checked by
     torch's compiled check, :mod:`stagesave.saving.tensor_guard`, where it can tell)."""
     return [(t.dtype, t.shape, t.layout, t.requires_grad) for t in tensors]
-
-
