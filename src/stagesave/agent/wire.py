@@ -19,6 +19,7 @@ from typing import Any
 from ..ondisk.torchzip import TorchZip, ZipRecord
 from ..saving.files import ImageCrcs
 from ..saving.image import FileImage, StorageSlot, TensorEntry
+from ..saving.index_json import IndexJson
 from ..stores.base import Store
 
 __all__ = [
@@ -87,6 +88,9 @@ class LayoutCodec:
 
     def __init__(self) -> None:
         self.last: dict[tuple[str, str], Any] = {}
+        #: The agent's encoded tensor index per file key (encoded again when the entries are
+        #: not the very ones it encoded: :class:`.IndexJson`).
+        self.index_json: dict[str, IndexJson] = {}
 
     # ------------------------------------------------------------------ trainer's side
     def _same_object(self, key: tuple[str, str], new: Any,
@@ -181,6 +185,7 @@ class LayoutCodec:
             kind=got["kind"],
             zip=zip_, crc_fields=list(self._apply(("crc_fields", file_key), got["crc_fields"])),
             blank=got["blank"], gapless=got["gapless"], counts=got["counts"],
+            index_json=self.index_json.setdefault(file_key, IndexJson()),
         )
 
 

@@ -115,7 +115,6 @@ def commit_file(
                 seq=next_seq(store, directory) if seq is None else seq,
                 created_ns=time.time_ns() if created_ns is None else created_ns,
                 metadata=metadata,
-                tensors=_tensor_index(f),
                 telemetry=telemetry(),
             )
             w.finish(stats)
@@ -127,20 +126,6 @@ def commit_file(
     crash_point("after_commit")
     drop_sidecars(store, f.name)
     return w
-
-
-def _tensor_index(f: FileToWrite) -> list[dict[str, Any]]:
-    return [
-        {
-            "name": t.name,
-            "storage": t.storage_key,
-            "dtype": t.dtype,
-            "shape": list(t.shape),
-            "stride": list(t.stride),
-            "storage_offset": t.storage_offset,
-        }
-        for t in f.image.tensors
-    ]
 
 
 def choose_carrier(files: Sequence[FileToWrite]) -> FileToWrite:
@@ -255,7 +240,6 @@ def commit_folder(
                 metadata=metadata,
                 folder=folder_doc,
                 summary_folder=(token, carrier_name),
-                tensors=_tensor_index(carrier),
                 telemetry=telemetry(),
             )
             w.finish(stats)

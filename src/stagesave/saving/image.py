@@ -15,6 +15,7 @@ if TYPE_CHECKING:  # torch is imported where a tensor is made: a writer agent ne
     import torch
 
     from .host_copy import HostCopies
+    from .index_json import IndexJson
 
 __all__ = ["MAX_INDEXED_TENSORS", "FileImage", "StorageSlot", "TensorEntry", "byte_view"]
 
@@ -131,6 +132,9 @@ class FileImage:
     #: ``(tensor bytes, non-empty slots)`` when the planner knows them (a reused plan: not
     #: summed over 100,000 slots again at every save).
     counts: tuple[int, int] | None = None
+    #: The encoded tensor index, shared by the images of one plan (:mod:`.index_json`;
+    #: ``None``: encoded for this image alone).
+    index_json: IndexJson | None = None
 
     @property
     def tensor_bytes(self) -> int:

@@ -18,6 +18,8 @@ from ..ondisk.signing import sign_doc
 from ..ondisk.torchzip import build_tail, footer
 from ..stores.base import PendingWrite, Store
 from .files import TRAILER_KINDS, FileToWrite, WriteStats
+from .image import TensorEntry
+from .index_json import encode_tensors, index_record
 
 __all__ = ["Written", "blank_fill", "proof_value"]
 
@@ -72,7 +74,8 @@ class Written:
     def seal(
         self, *, seq: int | None, created_ns: int, metadata: dict[str, Any],
         folder: dict[str, Any] | None = None, summary_folder: tuple[str, str] | None = None,
-        tensors: Sequence[dict[str, Any]] = (), telemetry: dict[str, Any] | None = None,
+        tensors: Sequence[TensorEntry | dict[str, Any]] | None = None,
+        telemetry: dict[str, Any] | None = None,
     ) -> Manifest:
         """Write the proof (never before every digest is known). Returns the file's manifest.
 
@@ -82,7 +85,9 @@ class Written:
             metadata: The user's metadata.
             folder: The folder section of the proof (``None`` outside folders).
             summary_folder: ``(token, carrier name)`` for the summary of a folder's file.
-            tensors: The tensor index (torch files).
+            tensors: The tensor index (torch files; ``None``: the image's own, encoded once for
+                every image of its plan). The returned manifest lists the entries given here,
+                not the image's (they are in the file).
             telemetry: The save's telemetry so far (torch files).
         """
         kind = self.image.kind
@@ -97,7 +102,11 @@ class Written:
         index = b""
         if kind == "torch":
             assert self.image.zip is not None and self.cd is not None
-            index = dumps({"tensors": list(tensors), "telemetry": telemetry or {}})
+            encoded = (encode_tensors(tensors) if tensors is not None
+                       else self.image.index_json.of(self.image.tensors)
+                       if self.image.index_json is not None
+                       else encode_tensors(self.image.tensors))
+            index = index_record(encoded, telemetry or {})
             zip_digests = {
                 "cd": digest(entry.algorithm, self.cd),
                 "index": digest(entry.algorithm, index),
@@ -158,7 +167,7 @@ class Written:
         manifest = Manifest(
             files=[entry],
             created_ns=created_ns,
-            tensors=list(tensors),
+            tensors=[] if tensors is None else list(tensors),  # type: ignore[arg-type]
             metadata=metadata,
             telemetry=telemetry or {},
             schema=2,

@@ -48,6 +48,7 @@ from .fastplan import (
 from .first_pickle import Facts, first_pickle
 from .host_copy import BIG, HostCopies, host_view
 from .image import FileImage, StorageSlot, TensorEntry
+from .index_json import IndexJson
 from .plan import gc_paused, plan_torch_file
 from .splice import MAX_LEAVES, Spliced, cut, marked
 from .torch_pickler import ELEMENT_SIZE, TorchPickler
@@ -89,6 +90,7 @@ class Template:
         self._note_shared()
         self.spliced = Spliced(pieces, order)
         self.index = tensors
+        self.index_json = IndexJson()  # its JSON, encoded by the first save's writer
         self.sizes = tuple(int(s.nbytes()) for s in pickler.storages)
         self.counts = (sum(self.sizes), sum(1 for n in self.sizes if n))
         info, param_data = pickler.info, pickler.param_data
@@ -252,6 +254,7 @@ class Template:
         if not first:
             image.copies = self._host_copies()
         image.counts = self.counts
+        image.index_json = self.index_json
         return image
 
 
