@@ -90,6 +90,17 @@ def test_fused_staging_matches_copy_then_crc(state, chunk_pages, sub_pages, base
     assert crcs.chunks == chunks and crcs.slots == slots
     assert again.chunks == chunks and again.slots == slots
     assert crcs.seconds >= 0.0
+    # the background's CRCs of an image of many small slots (slot by slot) or of few (one pass)
+    real = stage_mod.many_small_slots
+    for many in (True, False):
+        stage_mod.many_small_slots = lambda _, many=many: many
+        try:
+            with cf.ThreadPoolExecutor(3) as pool:
+                alone = crc_image(image, fused.view[base : base + image.size], chunk_bytes=chunk,
+                                  pool=pool)
+        finally:
+            stage_mod.many_small_slots = real
+        assert alone.chunks == chunks and alone.slots == slots, many
 
 
 def test_fused_staging_of_a_safetensors_image_loads_back_equal():

@@ -33,7 +33,7 @@ except ImportError:  # pragma: no cover - platforms without an isal wheel: same 
 
 __all__ = [
     "ALGORITHMS", "CRYPTOGRAPHIC", "DEFAULT_ALGORITHM", "Hasher", "check_algorithm", "crc32",
-    "crc32_combine", "crc32_patch", "digest", "hasher",
+    "crc32_combine", "crc32_patch", "digest", "hasher", "raw_crc32",
 ]
 
 Buffer = bytes | bytearray | memoryview
@@ -54,6 +54,11 @@ CRYPTOGRAPHIC = frozenset({"blake3", "sha256"})
 def crc32(data: Buffer, value: int = 0) -> int:
     """CRC-32 of ``data`` (zip's polynomial), continuing from ``value``."""
     return _crc32(data, value)
+
+
+#: :func:`crc32` itself, ISA-L's (or zlib's) compiled function: for ``map`` over many buffers,
+#: where a Python call per buffer would cost more than the hashing.
+raw_crc32: Callable[..., int] = _crc32
 
 
 def _gf2_times(mat: list[int], vec: int) -> int:

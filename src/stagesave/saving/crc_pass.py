@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 
 from ..ondisk.checksum import crc32, crc32_combine
+from ..ondisk.checksum import raw_crc32 as _crc32
 from .files import ImageCrcs
 from .image import FileImage
 
@@ -210,9 +211,34 @@ def crc_image(
     whose chunks ``chunk_view(lo, hi)`` brings to the host (device staging)."""
     if chunk_view is None:
         assert view is not None
+        if many_small_slots(image):
+            return _slot_by_slot(image, view, chunk_bytes, pool)
         whole = view
 
         def chunk_view(lo: int, hi: int) -> memoryview:
             return whole[lo:hi]
 
     return crc_pass(image, chunk_bytes, pool, chunk_view)
+
+
+def _slot_by_slot(image: FileImage, view: memoryview, chunk_bytes: int,
+                  pool: cf.Executor) -> ImageCrcs:
+    """:func:`crc_pass`'s CRCs of an image of many small slots staged in ``view``: each chunk
+    hashed on the threads, then each slot alone in C loops on this one.
+
+    :func:`crc_pass` reads the bytes once, but takes ~4 µs of Python per slot (0.4 s of the
+    writer's time per save at 100,000 tensors); here the slots' bytes are read a second time
+    (memory speed) and the steps per slot are made by C (``map``), ~0.5 µs each."""
+    t = time.perf_counter()
+    size = image.covered
+    n = (size + chunk_bytes - 1) // chunk_bytes
+
+    def one_chunk(i: int) -> int:
+        return _crc32(view[i * chunk_bytes : min(size, (i + 1) * chunk_bytes)])
+
+    chunks = list(pool.map(one_chunk, range(n)))
+    slots = image.slots
+    starts = [s.offset for s in slots]
+    ends = [s.offset + s.nbytes for s in slots]
+    crcs = list(map(_crc32, map(view.__getitem__, map(slice, starts, ends))))
+    return ImageCrcs(crcs, chunks, chunk_bytes, time.perf_counter() - t)
