@@ -14,7 +14,7 @@ import types
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from .agent.client import Writer
+from .agent.route import Writer
 from .handle import SaveHandle
 from .ondisk.checksum import CRYPTOGRAPHIC, DEFAULT_ALGORITHM, check_algorithm
 from .ondisk.names import DEFAULT_CHUNK_BYTES
@@ -120,8 +120,13 @@ class Checkpointer:
         store.check_writable(name, image.size)
         staged = self.stager.stage([(name, image)], store, tel, algorithm=self.checksum,
                                    folder=False)
-        job = self.writer.route(jobs.file_job(SaveHandle(tel.path, tel), store, name, staged,
-                                              settings=self, meta=meta, t_start=t_start), self)
+        try:
+            job = self.writer.route(jobs.file_job(SaveHandle(tel.path, tel), store, name, staged,
+                                                  settings=self, meta=meta, t_start=t_start),
+                                    self)
+        except BaseException:  # a Ctrl-C handing it over: nothing will write this buffer
+            staged.give_back()
+            raise
         tel.blocking_s = time.perf_counter() - t_start
         return self.pipeline.submit(job)
 
@@ -179,9 +184,13 @@ class Checkpointer:
         validate.check_folder_writable(store, dname, [image for _, image in planned])
         where = validate.check_same_filesystem(store, dname, staging_dir)
         staged = self.stager.stage(planned, store, tel, algorithm=self.checksum, folder=True)
-        job = self.writer.route(jobs.folder_job(
-            SaveHandle(tel.path, tel), store, dname, staged, settings=self, meta=meta,
-            t_start=t_start, staging_dir=where, nested=list(nested)), self)
+        try:
+            job = self.writer.route(jobs.folder_job(
+                SaveHandle(tel.path, tel), store, dname, staged, settings=self, meta=meta,
+                t_start=t_start, staging_dir=where, nested=list(nested)), self)
+        except BaseException:  # a Ctrl-C handing it over: nothing will write this buffer
+            staged.give_back()
+            raise
         tel.blocking_s = time.perf_counter() - t_start
         return self.pipeline.submit(job)
 

@@ -117,8 +117,9 @@ def test_agent_killed_mid_write_its_save_is_written_in_process_and_warned_once(
             assert ck.verify(tmp_path / "ck" / name).status == "verified"
             loaded = ck.load(tmp_path / "ck" / name)
             assert loaded["step"] == step and torch.equal(loaded["w"], state["w"])
-        # the agent's torn temporary is debris under a dot name: never listed, never loaded
+        # the agent's torn temporary was removed once this process wrote the save
         assert [i.name for i in ck.list()] == ["b.ckpt", "a.ckpt"]
+        assert sorted(os.listdir(tmp_path / "ck")) == ["a.ckpt", "b.ckpt"]
     assert os.listdir(shm) == []
 
 

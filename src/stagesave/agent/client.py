@@ -2,53 +2,33 @@
 
 :class:`AgentClient` starts the agent at the first staging buffer (a new interpreter,
 ``subprocess``: fork-and-exec, never a fork that keeps running this process's CUDA state), tells
-it about each shared segment, hands it orders and reads its replies. :class:`Writer` decides
-where a save's job runs: a save staged in a segment is handed to the agent *before* ``save()``
-returns (once the order is in the socket, the save survives this process), and the job left in
-this process's queue waits for the agent's reply, so ordering, handles, failures, telemetry and
-the process-wide view of pending saves stay what they are with the in-process writer.
-
-If the agent dies, every save it had not answered is written and committed by this process from
-the same shared buffer (a save it had committed is then written again: the same bytes), one
-warning says so, and later saves are written in this process.
+it about each shared segment, hands it orders and reads its replies. :class:`.route.Writer`
+decides where a save's job runs.
 """
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import contextlib
-import ctypes
 import os
-import pickle
 import socket
 import subprocess
 import sys
 import threading
-import time
-import warnings
-from typing import Any
 
-from .. import errors
 from .._crash import AGENT_ENV_VAR as AGENT_CRASH_ENV
 from .._crash import ENV_VAR as CRASH_ENV
-from ..errors import CheckpointError, UsageError
-from ..ondisk.signing import current as signing_keys
-from ..saving.files import FileToWrite
+from ..errors import CheckpointError
 from ..saving.image import FileImage
-from ..saving.jobs import SaveSpec
-from ..saving.pipeline import Job
-from ..saving.seal import blank_fill
-from ..stores.base import Store
-from ..stores.fsspec import FsspecStore
-from ..stores.local import LocalStore
-from ..stores.s3 import S3Store
 from . import wire
 
-__all__ = ["WRITERS", "AgentClient", "AgentLost", "Writer", "writer_choice"]
+__all__ = ["WRITERS", "AgentClient", "AgentLost", "writer_choice"]
 
 #: The choices of ``writer``.
 WRITERS = ("thread", "process")
 _ENV = "STAGESAVE_WRITER"
+#: How long close() waits for a save racing it to be taken or refused by the queue (its job is
+#: submitted microseconds after its order is handed over).
+SETTLE_S = 10.0
 
 #: Started with a bare ``stagesave`` package (its ``__init__`` imports torch; the agent needs
 #: only the torch-free write-and-commit path).
@@ -99,6 +79,10 @@ class AgentClient:
         self._codec = wire.LayoutCodec()
         self._next = 0
         self._lost: str | None = None
+        self._why: str | None = None  # why this process stopped the agent itself
+        #: Orders handed over whose job this process's queue has not yet taken or refused.
+        self._unsettled: set[int] = set()
+        self._settled = threading.Condition()
         self._closing = False
         self._reader: threading.Thread | None = None
 
@@ -164,7 +148,11 @@ class AgentClient:
         with self._lock:
             if self._closing and not self._tickets:
                 return
-            if code is None:
+            if self._lost is not None:
+                return  # told once (by the reader thread or the sender)
+            if self._why is not None:
+                why = self._why
+            elif code is None:
                 why = "stopped answering"
             elif code < 0:
                 why = f"was killed by signal {-code}"
@@ -197,13 +185,29 @@ class AgentClient:
                         for of, image in zip(message.files, images):
                             of.layout = self._codec.encode(of.key, image)
                     data = wire.dumps(message)
-                except Exception:
+                except BaseException:  # a Ctrl-C too: the next layouts are changes to these
                     self._codec.last = before  # nothing was sent: the agent saw no change
                     raise
-                wire.send_bytes(sock, data)
+                try:
+                    wire.send_bytes(sock, data)
+                except BaseException:
+                    # Part of the message may be in the stream (a Ctrl-C inside sendall): the
+                    # agent would read the next message from its middle, or wait for the rest.
+                    self._abandon()
+                    raise
         except OSError as exc:
             self._mark_lost()
             raise AgentLost(f"stagesave: the writer agent {self._lost}") from exc
+
+    def _abandon(self) -> None:
+        """The stream to the agent can no longer be read right: kill the agent; its orders
+        become this process's to write (their tickets say it was lost)."""
+        self._why = "was stopped: a message to it was interrupted midway"  # the reader's too
+        proc = self.proc
+        if proc is not None:
+            with contextlib.suppress(OSError):
+                proc.kill()
+        self._mark_lost()
 
     def announce(self, path: str) -> None:
         """A new segment: the agent removes it if this process dies (unless it keeps it)."""
@@ -228,13 +232,30 @@ class AgentClient:
             order.id = ticket.id = self._next
             self._next += 1
             self._tickets[order.id] = ticket
+        with self._settled:
+            self._unsettled.add(order.id)
         try:
             self._send(order, images)
         except BaseException:
             with self._lock:
                 self._tickets.pop(order.id, None)
+            with self._settled:
+                self._unsettled.discard(order.id)
             raise
         return ticket
+
+    def settle(self, ticket: _Ticket, accepted: bool) -> None:
+        """Whether the job of an order handed over was taken by this process's queue. Refused
+        (a ``close()`` raced its save): the agent drops the order unwritten (it runs an order
+        when told to go, or at exit; :meth:`close` waits for every order to be settled first)."""
+        if not accepted:
+            with self._lock:
+                self._tickets.pop(ticket.id, None)
+            with contextlib.suppress(AgentLost):
+                self._send(("cancel", ticket.id))
+        with self._settled:
+            self._unsettled.discard(ticket.id)
+            self._settled.notify_all()
 
     def go(self, ticket: _Ticket) -> None:
         """The trainer's writer reached this order's job: the agent may run it now (its commit
@@ -253,145 +274,22 @@ class AgentClient:
             proc = self.proc
         if proc is None:
             return
+        with self._settled:  # a save racing close(): its order is confirmed or taken back
+            self._settled.wait_for(lambda: not self._unsettled, SETTLE_S)
         if self._lost is None:
             with contextlib.suppress(AgentLost):
                 self._send(("exit",))
         try:
             proc.wait(timeout=timeout if timeout is not None else 60.0)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            if timeout is not None:
+                # Told to exit once its orders are written, it writes them whatever this process
+                # does next (its promise: a save handed over survives the trainer). Not killed,
+                # and its socket left open: its replies still complete this process's handles.
+                return
+            proc.kill()  # nothing was left to write (close() waited for every save): it hung
             proc.wait()
         if self._sock is not None:
             self._sock.close()
         if self._reader is not None:
             self._reader.join(timeout=5.0)
-
-
-def _error(name: str, message: str) -> CheckpointError:
-    """The agent's failure as the error class it reported (a checkpoint error)."""
-    cls = getattr(errors, name, None)
-    if isinstance(cls, type) and issubclass(cls, CheckpointError):
-        try:
-            return cls(message)
-        except TypeError:
-            pass
-    return errors.StorageError(message)
-
-
-def _as_staged(files: list[FileToWrite]) -> None:
-    """Undo what a dead agent may have written into the shared buffer (zip CRC fields, a
-    safetensors proof in its header): the proof's place back to spaces, the CRCs to be computed
-    again from the bytes as they are."""
-    for f in files:
-        blank = f.image.blank
-        if blank is not None and f.view is not None:
-            f.view[blank[0] : blank[0] + blank[1]] = blank_fill(blank[1])
-        f.crcs = None
-
-
-def _address(view: memoryview) -> int:
-    return ctypes.addressof(ctypes.c_char.from_buffer(view))
-
-
-def _eligible(store: Store) -> bool:
-    """Stores another process reaches the same way: local paths, S3, fsspec URLs (not
-    ``memory://``, which is this process's own)."""
-    if type(store) is FsspecStore:
-        return not store.url.startswith("memory://")
-    return type(store) in (LocalStore, S3Store)
-
-
-class Writer:
-    """Where a Checkpointer's saves are written: its own threads, or a writer agent."""
-
-    def __init__(self, writer: str | None, io_threads: int, device_staging: bool) -> None:
-        self.mode = writer_choice(writer)
-        #: Asked for by the option or ``$STAGESAVE_WRITER`` rather than the default: only then
-        #: does a save that cannot go to the agent (no room for a segment, an order that cannot
-        #: be pickled) warn. An agent that dies always warns.
-        self.explicit = writer is not None or _ENV in os.environ
-        if self.mode == "process" and device_staging and writer is None:
-            self.mode = "thread"  # the default and $STAGESAVE_WRITER yield to an explicit option
-        if self.mode == "process" and device_staging:
-            raise UsageError(
-                "writer='process' cannot write device_staging saves (their bytes stay in GPU "
-                "memory, which no other process can read): choose one of the two"
-            )
-        self.agent = (AgentClient(io_threads, quiet=not self.explicit)
-                      if self.mode == "process" else None)
-        self._warned = False
-
-    def route(self, job: Job, settings: Any) -> Job:
-        """``job``, or a job that waits for the agent to write it (handed over now).
-
-        Handed over: saves staged in a shared segment, to a local, S3 or fsspec store.
-        ``settings``: the Checkpointer (checksum, chunk size, ``keep_last``).
-        """
-        agent, spec = self.agent, job.spec
-        staged: Any = job.staged
-        if agent is None or not isinstance(spec, SaveSpec):
-            return job
-        if agent.lost is not None:
-            self._warn(f"stagesave: the writer agent {agent.lost}")
-            return job
-        lease: Any = getattr(staged, "lease", None)
-        segment = None if lease is None else lease.buf.segment
-        if segment is None or staged.device is not None or not _eligible(spec.store):
-            return job
-        staged.wait()  # every byte is in the segment before the agent may write it
-        tel = job.handle.telemetry
-        tel.blocking_s = time.perf_counter() - spec.t_start
-        base = _address(lease.buf.view)
-        order = wire.Order(
-            id=-1, kind=spec.kind, store=spec.store, name=spec.name, segment=segment,
-            files=[wire.OrderFile(f.name, f.entry_name or "", {}, _address(f.view) - base,
-                                  f.crcs, f.entry_name) for f in staged.files],
-            checksum=settings.checksum, chunk_bytes=settings.chunk_bytes,
-            keep_last=settings.keep_last, meta=spec.meta, telemetry=tel.to_dict(),
-            t_start=spec.t_start, staging_dir=spec.staging_dir, nested=list(spec.nested),
-            signing=signing_keys(),
-        )
-        try:
-            ticket = agent.submit(order, [f.image for f in staged.files])
-        except AgentLost as exc:
-            self._warn(str(exc))
-            return job
-        except (pickle.PicklingError, TypeError, AttributeError) as exc:
-            self._warn(f"stagesave: a save to {spec.store.describe(spec.name)} cannot be handed "
-                       f"to the writer agent ({type(exc).__name__}: {exc})", lost=False)
-            return job
-
-        def commit(pool: cf.Executor) -> None:
-            agent.go(ticket)
-            ticket.event.wait()
-            if ticket.lost is not None:
-                self._warn(f"stagesave: the writer agent {ticket.lost}")
-                _as_staged(staged.files)
-                job.commit(pool)  # from the same shared buffer, in this process
-                if job.retire is not None:
-                    job.retire()
-                return
-            reply = ticket.reply
-            assert reply is not None
-            for key, value in reply.telemetry.items():
-                if hasattr(tel, key) and key not in ("path", "started_at", "blocking_s"):
-                    setattr(tel, key, value)
-            if reply.error is not None:
-                raise _error(*reply.error)
-
-        return Job(job.handle, job.what, commit, staged=job.staged, on_error=job.on_error,
-                   key=job.key)
-
-    def _warn(self, why: str, *, lost: bool = True) -> None:
-        if self._warned or (not lost and not self.explicit):
-            return
-        self._warned = True
-        then = ("its saves not yet committed are written by this process from the same shared "
-                "buffer, and so are later saves (as with writer='thread')" if lost else
-                "such saves are written by this process (as with writer='thread')")
-        warnings.warn(f"{why}; {then}", RuntimeWarning, stacklevel=2)
-
-    def close(self, timeout: float | None = None) -> None:
-        if self.agent is not None:
-            self.agent.close(timeout)
-

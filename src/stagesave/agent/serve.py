@@ -107,7 +107,10 @@ class Agent:
     # -------------------------------------------------------------- messages in
     def read(self) -> None:
         while True:
-            msg = wire.recv(self.sock)
+            try:
+                msg = wire.recv(self.sock)
+            except Exception:  # noqa: BLE001 - a message cut short: nothing after it is readable
+                msg = None
             if msg is None:
                 self.inbox.put(_GONE)
                 self.read_to_end.set()
@@ -251,6 +254,8 @@ class Agent:
                 self.admit(msg)
             elif isinstance(msg, tuple) and len(msg) == 2 and msg[0] == "go":
                 self.run_held(msg[1])
+            elif isinstance(msg, tuple) and len(msg) == 2 and msg[0] == "cancel":
+                self.held.pop(msg[1], None)  # its save was refused: never written
             elif msg == ("exit",):
                 self.run_held()  # the trainer reached them all before asking (or gave up)
                 return
@@ -273,6 +278,8 @@ class Agent:
                 self.admit(msg)
             elif isinstance(msg, tuple) and len(msg) == 2 and msg[0] == "segment":
                 self.known.add(msg[1])
+            elif isinstance(msg, tuple) and len(msg) == 2 and msg[0] == "cancel":
+                self.held.pop(msg[1], None)
         self.run_held()
         keep = self.newest.committed if self.newest is not None else None
         if keep is not None and keep["segment"] not in self.known:

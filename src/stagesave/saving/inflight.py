@@ -15,6 +15,7 @@ for each other would never end. There, as in another process, a path shows its l
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -25,6 +26,18 @@ __all__ = ["forget", "pending", "register", "wait_path", "wait_under"]
 
 _lock = threading.Lock()
 _by_key: dict[str, list[SaveHandle]] = {}
+
+
+def _forget_in_child() -> None:
+    """A forked child: the operations pending are its parent's, whose threads complete them;
+    the child would never see them complete (nor a lock its parent's threads held released)."""
+    global _lock
+    _lock = threading.Lock()
+    _by_key.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def register(key: str, handle: SaveHandle) -> None:

@@ -24,7 +24,7 @@ import threading
 from collections.abc import Callable
 from typing import Protocol
 
-from ..errors import ClosedError, as_checkpoint_error
+from ..errors import ClosedError, UsageError, as_checkpoint_error
 from ..handle import SaveHandle
 from ..stores.base import Store
 from ..telemetry import SaveTelemetry
@@ -141,10 +141,13 @@ class Job:
     """One unit of background work: a save (file, folder, sharded rank), a removal or an action.
 
     ``commit`` writes and commits (it gets the I/O threads); ``retire`` applies retention after
-    a commit; ``on_error`` may replace the error reported (and clean up) when a step failed.
+    a commit; ``on_error`` may replace the error reported (and clean up) when a step failed;
+    ``settle`` is told whether the queue took the job (``False``: refused, it will never run):
+    what was handed over for it (a writer agent's order) is confirmed or taken back.
     """
 
-    __slots__ = ("commit", "handle", "key", "on_error", "retire", "spec", "staged", "what")
+    __slots__ = ("commit", "handle", "key", "on_error", "retire", "settle", "spec", "staged",
+                 "what")
 
     def __init__(
         self,
@@ -157,10 +160,11 @@ class Job:
         on_error: Callable[[BaseException, BaseException], BaseException] | None = None,
         key: str | None = None,
         spec: object = None,
+        settle: Callable[[bool], None] | None = None,
     ) -> None:
         """``spec``: what a save job writes, for a writer agent (:class:`.jobs.SaveSpec`)."""
         self.handle, self.what, self.commit = handle, what, commit
-        self.spec = spec
+        self.spec, self.settle = spec, settle
         self.staged, self.retire, self.on_error = staged, retire, on_error
         self.key = handle.path if key is None else key
 
@@ -180,16 +184,34 @@ class Pipeline:
         self._failed: list[SaveHandle] = []
         self._lock = threading.Lock()
         self._closed = False
+        self._pid = os.getpid()
+        #: A forked child's own I/O threads for reads (it has none of the parent's threads).
+        self._child_pool: tuple[int, cf.ThreadPoolExecutor] | None = None
+        self._child_lock = threading.Lock()  # taken in forked children only
 
     # ---------------------------------------------------------------- caller's side
     def io_pool(self) -> cf.Executor:
-        """The I/O threads (the queue's; reads use them too), created on first use."""
+        """The I/O threads (the queue's; reads use them too), created on first use; in a forked
+        child, threads of its own (the parent's pools have no threads there)."""
+        pid = os.getpid()
+        if pid != self._pid:  # (not under self._lock: a parent's thread may have held it)
+            with self._child_lock:
+                if self._child_pool is None or self._child_pool[0] != pid:
+                    self._child_pool = (pid, cf.ThreadPoolExecutor(
+                        self.io_threads, thread_name_prefix="stagesave-io"))
+                return self._child_pool[1]
         with self._lock:
             if self.queue is None:
                 self.queue = JobQueue(io_threads=self.io_threads)
             return self.queue.io_pool
 
     def check_open(self) -> None:
+        if os.getpid() != self._pid:
+            raise UsageError(
+                f"this Checkpointer belongs to process {self._pid}, which this one was forked "
+                "from: its writer is that process's, so a forked child can load, verify and "
+                "list through it but not save or remove; make a new Checkpointer in the child"
+            )
         if self._closed:
             raise ClosedError(
                 "this Checkpointer is closed; create a new one to save or remove checkpoints"
@@ -217,9 +239,14 @@ class Pipeline:
         if queue is not None:
             try:
                 queue.submit(lambda: self._run(job))
-                return job.handle
             except ClosedError:  # stopped by a close() racing this call
                 pass
+            else:
+                if job.settle is not None:
+                    job.settle(True)
+                return job.handle
+        if job.settle is not None:  # before its buffer is given back: nobody may write it
+            job.settle(False)
         if job.staged is not None:
             job.staged.give_back()
         error = ClosedError(
@@ -253,7 +280,7 @@ class Pipeline:
 
     def pending(self) -> int:
         q = self.queue
-        return q.pending() if q is not None else 0
+        return q.pending() if q is not None and os.getpid() == self._pid else 0
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every submitted job finished (a job of this queue waits for nothing).
@@ -273,6 +300,8 @@ class Pipeline:
         q = self.queue
         if q is None or q is current_queue():  # a job of this queue would wait for itself
             return True
+        if os.getpid() != self._pid:  # a forked child: the queue and its thread are the
+            return True  # parent's (its state as of the fork would never change here)
         return q.drain(timeout)
 
     def mark_closed(self) -> bool:
@@ -285,13 +314,15 @@ class Pipeline:
         """Finish the queued jobs and end the threads (after :meth:`mark_closed`).
 
         Raises:
-            TimeoutError: jobs still running after ``timeout`` seconds (not committed).
+            TimeoutError: jobs still running after ``timeout`` seconds (not committed yet).
         """
         q = self.queue
         if q is not None and not q.stop(timeout):
             raise TimeoutError(
                 f"stagesave: {q.pending()} checkpoint operations still running after "
-                f"{timeout} s; they were not committed"
+                f"{timeout} s; they are not committed yet (they go on in the background: a "
+                "writer agent's finish even if this process exits, a writer thread's only "
+                "while it runs)"
             )
 
     def settle(self, store: Store) -> None:
