@@ -124,6 +124,22 @@ def test_a_save_refused_by_a_racing_close_is_not_written_by_the_agent(tmp_path, 
     assert os.listdir(shm) == []
 
 
+def test_an_agent_told_to_exit_removes_the_segments_it_knows(tmp_path, shm, monkeypatch):
+    """A trainer killed during close(), after its agent exited but before it removed its own
+    segments (stood for here by a memory release that does nothing), leaves none behind."""
+    root = tmp_path / "ck"
+    ck = stagesave.Checkpointer(root, writer="process")
+    ck.save({"w": torch.ones(1 << 18)}, "a.ckpt").result(60)
+    assert os.listdir(shm) != []
+    agent = ck.writer.agent
+    assert agent is not None and agent.pid is not None
+    monkeypatch.setattr(ck.memory, "close", lambda: None)  # the trainer dies right here
+    ck.close()
+    assert exited(agent.pid, 10)
+    assert os.listdir(shm) == []
+    assert sorted(os.listdir(root)) == ["a.ckpt"]
+
+
 @pytest.mark.parametrize("writer", ["process", "thread"])
 def test_a_forked_child_reads_through_its_inherited_checkpointer_and_may_not_save(
         tmp_path, shm, writer):

@@ -22,6 +22,7 @@ import zipfile
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -146,7 +147,21 @@ def base_state() -> dict[str, Any]:
         "name": "run",
         "history": [0.5, 0.25, 2**40, -3],
         "raw": b"\x00\x01",
+        "empty": torch.empty(0),
+        "empty_view": flat[3:3],
+        "odd_keys": {(0, "a"): 1, 0.0: 2, "s": 3},
     }
+
+
+class _Name(str):
+    """A ``str`` subclass (pickled by reference to this module)."""
+
+
+def _rekey(s: dict[str, Any], old: str, new: str) -> None:
+    """``s`` with the key ``old`` replaced by ``new``, in its place."""
+    items = list(s.items())
+    s.clear()
+    s.update((new if k == old else k, v) for k, v in items)
 
 
 def _move(s: dict[str, Any]) -> None:  # every tensor onto a new storage, aliasing kept
@@ -154,7 +169,7 @@ def _move(s: dict[str, Any]) -> None:  # every tensor onto a new storage, aliasi
     s["model"]["w"], s["model"]["w_view"] = w, w[1:]
     s["model"]["b"] = s["model"]["b"].clone()
     flat = s["flat"].clone()
-    s["flat"], s["slice"] = flat, flat[2:5]
+    s["flat"], s["slice"], s["empty_view"] = flat, flat[2:5], flat[3:3]
 
 
 def _unshare(s: dict[str, Any]) -> None:
@@ -214,6 +229,20 @@ CHANGES: dict[str, Callable[[dict[str, Any]], None]] = {
     "metadata of a state_dict": lambda s: setattr(s["model"], "_metadata", {"": {"version": 2}}),
     "tuple to list": lambda s: s["opt"]["param_groups"][0].update(betas=[0.9, 0.999]),
     "nested deeper": lambda s: s.update(history=[s["history"]]),
+    # a tensor of no elements has data_ptr() 0 whatever storage it views
+    "an empty tensor becomes a view of another's storage": lambda s: s.update(
+        empty=s["model"]["b"][:0]),
+    "an empty view becomes a tensor of its own": lambda s: s.update(
+        empty_view=torch.empty(0, dtype=torch.float64)),
+    # keys equal in value, not in what they pickle to
+    "a tuple key's members of other types": lambda s: s.update(
+        odd_keys={(False, "a"): 1, 0.0: 2, "s": 3}),
+    "a float key's sign": lambda s: s.update(odd_keys={(0, "a"): 1, -0.0: 2, "s": 3}),
+    "a str key to numpy's str": lambda s: s.update(
+        odd_keys={(0, "a"): 1, 0.0: 2, np.str_("s"): 3}),
+    "an int key to numpy's int": lambda s: s["opt"].update(
+        state={np.int64(k) if k == 1 else k: v for k, v in s["opt"]["state"].items()}),
+    "a str key to an equal str of a subclass": lambda s: _rekey(s, "epoch", _Name("epoch")),
 }
 
 
@@ -278,6 +307,26 @@ def test_a_storage_that_shrank_under_the_same_address_is_planned_again(ckpt_dir:
     got = torch.load(os.path.join(ckpt_dir, "b.pt"), weights_only=True)
     assert got["t"].untyped_storage().nbytes() == 40
     assert_same_state(got, state)
+
+
+@pytest.mark.parametrize("two_first", [True, False])
+def test_one_memory_as_one_storage_or_two_is_planned_again(ckpt_dir: Any, two_first: bool,
+                                                          facts_checked_by: str) -> None:
+    """Two storages over one memory (``from_numpy`` twice) and one storage viewed twice have
+    the same data addresses: only the storages' own objects tell them apart."""
+    arr = np.arange(10.0)
+    one = torch.from_numpy(arr)
+    states = [{"a": torch.from_numpy(arr)[:5], "b": torch.from_numpy(arr)[5:]},
+              {"a": one[:5], "b": one[5:]}]
+    if not two_first:
+        states.reverse()
+    with stagesave.Checkpointer(ckpt_dir, keep_last=None) as ck:
+        for i, state in enumerate([states[0], states[0], states[1], states[1]]):
+            ck.save(state, f"{i}.pt").result()
+            # every byte torch.save writes (its pickle names the storages it keeps apart)
+            assert_file_is_what_torch_save_writes(os.path.join(ckpt_dir, f"{i}.pt"), state)
+            got = torch.load(os.path.join(ckpt_dir, f"{i}.pt"), weights_only=False)
+            assert torch.equal(got["a"], state["a"]) and torch.equal(got["b"], state["b"])
 
 
 def test_a_buffer_reused_by_other_files_between_two_steady_saves(ckpt_dir: Any) -> None:

@@ -258,6 +258,9 @@ class Agent:
                 self.held.pop(msg[1], None)  # its save was refused: never written
             elif msg == ("exit",):
                 self.run_held()  # the trainer reached them all before asking (or gave up)
+                for path in sorted(self.known):  # the trainer removes them too, once this
+                    self.drop(path)  # process exited: if it dies in between, they are gone
+                    segments.remove_segment(path)
                 return
             elif isinstance(msg, tuple) and len(msg) == 2 and msg[0] == "segment":
                 self.known.add(msg[1])

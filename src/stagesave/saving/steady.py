@@ -13,11 +13,13 @@ the same addresses with the same shapes, only the bytes inside the tensors and a
 
 A later save walks the state once (:mod:`.walk`) and reuses the template when the structure is
 the same (the tensors' facts checked by torch's compiled check where it proved itself,
-:mod:`.tensor_guard`, else read in Python). Storage sizes, aliasing (which tensors share a
-storage) and each storage's address follow from the tensors' data addresses: when only
-addresses changed (new tensors over new storages, as copies made at each save have), the
-storages are looked at again, their sizes and sharing checked, and the template is kept with
-the new addresses. Anything else (a new key, a
+:mod:`.tensor_guard`, else read in Python). Aliasing (which tensors share a storage) follows
+from each tensor's storage object (``StorageImpl``), compared with the plan's at every save (a
+storage replaced at the same data address, or one memory made two storages, has another);
+storage sizes and addresses from the tensors' data addresses: when only addresses changed (new
+tensors over new storages, as copies made at each save have), the storages are looked at
+again, their sizes and sharing checked, and the template is kept with the new addresses.
+Anything else (a new key, a
 new shape, a shared container, a tensor torch pickles differently, a state the walk does not
 understand) plans from scratch and makes a new template. The template holds no tensor: only
 addresses, used only after the walk of the save at hand found them again.
@@ -82,6 +84,8 @@ class Template:
         #: torch's compiled check of the tensors' other facts (``None``: compared in Python)
         self.guard = tensor_guard.build(walked.tensors)
         self.addresses = walked.addresses
+        #: per tensor: its storage's own object (``StorageImpl``) when planned
+        self.storage_ids = walked.storage_ids
         self.n_containers = len(walked.containers)
         # Which tensors are one object (the pickle names such a tensor once, then refers to it):
         # the same object has the same address, so with the same addresses only the tensors
@@ -180,6 +184,8 @@ class Template:
         for i, k in self.loose:
             if tensors[i].untyped_storage().nbytes() != self.sizes[k]:
                 return False
+        if walked.storage_ids != self.storage_ids and not self._restored(walked):
+            return False
         if walked.addresses != self.addresses:
             return self._moved(walked, walked.addresses)
         return not self.shared or _identity(tensors, self.shared) == self.shared_identity
@@ -199,6 +205,21 @@ class Template:
             self.guard = tensor_guard.build(walked.tensors)
         return True
 
+    def _restored(self, walked: Walked) -> bool:
+        """Tensors over other storage objects than when planned (replaced, perhaps with their
+        data at the same address, or one storage made two over the same memory): the same
+        grouping of tensors into storages, each of the same size."""
+        ids, key_of, sizes = walked.storage_ids, self.key_of, self.sizes
+        pairs = set(zip(ids, key_of))
+        if len(pairs) != len(set(ids)) or len(pairs) != len(sizes):
+            return False  # tensors of one storage now over two, or of two now over one
+        tensors = walked.tensors
+        for i in [i for i, (new, old) in enumerate(zip(ids, self.storage_ids)) if new != old]:
+            if tensors[i].untyped_storage().nbytes() != sizes[key_of[i]]:
+                return False
+        self.storage_ids = ids
+        return True
+
     def _note_shared(self) -> None:
         """The positions of tensors at an address another tensor has, and their identities."""
         counts = collections.Counter(self.addresses)
@@ -215,8 +236,10 @@ class Template:
         sizes, key_of, delta, tensors = self.sizes, self.key_of, self.delta, walked.tensors
         for i, (new, old) in enumerate(zip(addresses, self.addresses)):
             k = key_of[i]
-            if not sizes[k]:
-                continue  # an empty storage: no bytes, no address to agree on
+            if not sizes[k]:  # an empty storage: no bytes, no address to agree on, but still
+                if new != old and tensors[i].untyped_storage().nbytes():  # empty
+                    return False
+                continue
             start = new - delta[i]
             if seen.setdefault(k, start) != start:
                 return False  # tensors of one storage no longer share it

@@ -9,10 +9,10 @@ ids of the containers. The tensors' own facts (shape, stride, storage offset, dt
 (:attr:`Walked.facts`, :attr:`Walked.addresses`): a steady save checks most of them in compiled
 code instead (:mod:`.tensor_guard`).
 
-Keys compare by value, and by type too where a dict's first key is not a ``str`` (``1``,
-``1.0`` and ``True`` are equal but pickle differently); a dict whose first key is a ``str`` and
-whose later keys change only between equal values of other types (``1`` to ``True``) is not
-told apart.
+Keys compare by value and by type (``1``, ``1.0`` and ``True``, or a ``str`` and an equal
+instance of a ``str`` subclass, are equal but pickle differently); keys of other types than
+``str``, ``int``, ``bool`` and ``None`` (a float, whose ``-0.0`` equals ``0.0``; a tuple, whose
+members may be equal values of other types) also by their own pickle.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ _OrderedDict = collections.OrderedDict
 _untyped_storage = torch.Tensor.untyped_storage
 _data_ptr = torch.Tensor.data_ptr
 _storage_offset = torch.Tensor.storage_offset
+_storage_address = torch._C._storage_address  # type: ignore[attr-defined]
 _metadata = torch._C._get_tensor_metadata  # type: ignore[attr-defined]
 VOLATILE = frozenset({int, float, bool, type(None)})
 _LEAF = object()  # where a volatile number sits in a structure
@@ -76,8 +77,24 @@ class Walked:
 
     @functools.cached_property
     def addresses(self) -> list[int]:
-        """Per tensor: the address of its first element."""
-        return list(map(_data_ptr, self.tensors))
+        """Per tensor: the address of its first element (for a tensor of no elements, whose
+        ``data_ptr()`` is 0 whatever storage it views: where it would be in its storage)."""
+        out = list(map(_data_ptr, self.tensors))
+        if 0 in out:
+            tensors = self.tensors
+            for i in [i for i, a in enumerate(out) if not a]:
+                t = tensors[i]
+                out[i] = (_untyped_storage(t).data_ptr()
+                          + int(t.storage_offset()) * t.element_size()
+                          if t.device.type == "cpu" else 0)
+        return out
+
+    @functools.cached_property
+    def storage_ids(self) -> list[int]:
+        """Per tensor: the address of its storage's own object (``StorageImpl``): which tensors
+        share a storage, and whether a tensor's storage was replaced at the same data
+        address."""
+        return list(map(_storage_address, self.tensors))
 
     def image_bounds(self) -> tuple[int, int]:
         """Bounds of the size of a torch file of this state, before it is planned: its storages'
@@ -116,6 +133,28 @@ class _Refusing(pickle.Pickler):
         return NotImplemented
 
 
+#: Key types whose equal values of the same type pickle the same.
+_EXACT_KEY_TYPES = frozenset({str, int, bool, type(None)})
+_KEYS = object()  # the structure's last entry: the types of every key
+
+
+def _key_types(all_keys: list[tuple[Any, ...]]) -> tuple[Any, ...]:
+    """The types of every key of every dict, in walk order (the structure compares keys by
+    value: ``1`` and ``True``, a ``str`` and an equal ``str`` subclass, are equal but pickle
+    differently), and the own pickle of each key of another type than ``str``, ``int``,
+    ``bool`` and ``None`` (``-0.0`` and ``0.0``, ``(0, "a")`` and ``(False, "a")`` are equal
+    keys). One pass in C over all keys: per dict, it cost ~0.45 µs (50,000 dicts: 23 ms)."""
+    types = tuple(map(type, itertools.chain.from_iterable(all_keys)))
+    if set(types) <= _EXACT_KEY_TYPES:
+        return (_KEYS, types)
+    try:
+        prints = tuple(pickle.dumps(k, 2) for k in itertools.chain.from_iterable(all_keys)
+                       if type(k) not in _EXACT_KEY_TYPES)
+    except Exception as exc:
+        raise Different(f"a key that does not pickle ({exc!r})") from exc
+    return (_KEYS, types, prints)
+
+
 #: How deep a state may nest for a template (a deeper one, or one that holds itself, is planned
 #: from scratch, which names the problem).
 MAX_DEPTH = 400
@@ -145,6 +184,8 @@ def walk(state: Any) -> Walked:
     note, note_tensor = structure.append, tensors.append
     note_leaf, note_container = leaves.append, containers.append
     plain, volatile, leaf, text, strided = _Tensor, VOLATILE, _LEAF, _TEXT, torch.strided
+    all_keys: list[tuple[Any, ...]] = []
+    note_keys = all_keys.append
     stack: list[Iterator[Any]] = [iter((state,))]
     push, pop = stack.append, stack.pop
     while stack:
@@ -165,9 +206,8 @@ def walk(state: Any) -> Walked:
             elif kind is dict:
                 note_container(id(value))
                 keys = tuple(value)
-                # keys compare by value; 1, 1.0 and True are equal but pickle differently
-                note((dict, keys) if not keys or type(keys[0]) is str
-                     else (dict, keys, tuple(map(type, keys))))
+                note((dict, keys))
+                note_keys(keys)
                 push(iter(value.values()))
                 break
             elif kind is list:
@@ -185,7 +225,8 @@ def walk(state: Any) -> Walked:
                 note_container(id(value))
                 keys = tuple(value)
                 extra = value.__dict__
-                note((_OrderedDict, keys, tuple(map(type, keys)), bool(extra)))
+                note((_OrderedDict, keys, bool(extra)))
+                note_keys(keys)
                 # the attributes after the values, walked as the dict they are
                 push(itertools.chain(value.values(), (extra,)) if extra else iter(value.values()))
                 break
@@ -202,4 +243,5 @@ def walk(state: Any) -> Walked:
             continue
         if len(stack) > MAX_DEPTH:
             raise Different(f"a state nested deeper than {MAX_DEPTH} containers")
+    note(_key_types(all_keys))
     return Walked(structure, tensors, leaves, containers)
