@@ -1,10 +1,12 @@
 """The writer's share of a steady save: the tensor index encoded once per plan, or rebuilt and
 ``json.dumps``-ed at every save (what every save did before), alternated save by save in one
-process.
+process; with ``--crc``, the background CRCs of an image of many small slots, slot by slot in C
+loops or in one pass (what they were before), alternated.
 
 Usage::
 
     python benchmarks/bench_index_json.py --shapes s8000 s100k --saves 8 --dir /work/ptmp
+    python benchmarks/bench_index_json.py --crc --shapes s8000 s100k
 
 For each shape (``bench_shapes.py``'s states), one ``Checkpointer(writer="thread")`` saves the
 state ``--saves`` times per mode after two warm-ups, the modes alternating save by save, each
@@ -24,6 +26,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -59,15 +62,58 @@ def run(state: dict[str, Any], root: str, saves: int) -> dict[str, Any]:
     return out
 
 
+def crc_ab(state: dict[str, Any], rounds: int) -> dict[str, list[float]]:
+    """``crc_image`` of the staged image of ``state``, slot by slot or in one pass, alternated;
+    both must give the same CRCs."""
+    import concurrent.futures as cf
+
+    from stagesave.saving import crc_pass
+    from stagesave.saving.buffers import HostBuffer
+    from stagesave.saving.plan import plan_torch_file
+    from stagesave.saving.stage import stage_image
+
+    image = plan_torch_file(state)
+    buf = HostBuffer.allocate(image.size, pinned=False)
+    stage_image(image, buf, 0)
+    view = buf.view[: image.size]
+    real = crc_pass.many_small_slots
+    out: dict[str, list[float]] = {"slot by slot": [], "one pass": []}
+    got = {}
+    with cf.ThreadPoolExecutor(2) as pool:
+        for i in range(2 * rounds):
+            mode = ("slot by slot", "one pass")[i % 2]
+            crc_pass.many_small_slots = real if mode == "slot by slot" else (lambda _: False)
+            try:
+                t = time.perf_counter()
+                got[mode] = crc_pass.crc_image(image, view, chunk_bytes=32 << 20, pool=pool)
+                out[mode].append(time.perf_counter() - t)
+            finally:
+                crc_pass.many_small_slots = real
+    a, b = got["slot by slot"], got["one pass"]
+    assert a.slots == b.slots and a.chunks == b.chunks
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--shapes", nargs="+", default=["s8000", "s100k"], choices=list(SHAPES))
     ap.add_argument("--saves", type=int, default=8)
     ap.add_argument("--dir", default=None)
+    ap.add_argument("--crc", action="store_true", help="the background CRCs' A/B instead")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    base = tempfile.mkdtemp(dir=args.dir, prefix="bench-index-")
     results: dict[str, Any] = {}
+    if args.crc:
+        for key in args.shapes:
+            label, make = SHAPES[key]
+            r = results[key] = crc_ab(make(), args.saves)
+            each, once = (statistics.median(r[m]) * 1e3 for m in ("slot by slot", "one pass"))
+            print(f"{label:<58} CRCs: slot by slot {each:7.1f} ms, one pass {once:7.1f} ms")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+        return
+    base = tempfile.mkdtemp(dir=args.dir, prefix="bench-index-")
     try:
         for key in args.shapes:
             label, make = SHAPES[key]

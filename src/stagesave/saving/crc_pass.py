@@ -212,7 +212,7 @@ def crc_image(
     if chunk_view is None:
         assert view is not None
         if many_small_slots(image):
-            return _slot_by_slot(image, view, chunk_bytes, pool)
+            return _slot_by_slot(image, view, chunk_bytes)
         whole = view
 
         def chunk_view(lo: int, hi: int) -> memoryview:
@@ -221,10 +221,10 @@ def crc_image(
     return crc_pass(image, chunk_bytes, pool, chunk_view)
 
 
-def _slot_by_slot(image: FileImage, view: memoryview, chunk_bytes: int,
-                  pool: cf.Executor) -> ImageCrcs:
+def _slot_by_slot(image: FileImage, view: memoryview, chunk_bytes: int) -> ImageCrcs:
     """:func:`crc_pass`'s CRCs of an image of many small slots staged in ``view``: each chunk
-    hashed on the threads, then each slot alone in C loops on this one.
+    hashed, then each slot alone, in C loops on this thread (as :func:`crc_pass` runs such an
+    image: not on the I/O threads, which a folder's writes may be waiting for).
 
     :func:`crc_pass` reads the bytes once, but takes ~4 µs of Python per slot (0.4 s of the
     writer's time per save at 100,000 tensors); here the slots' bytes are read a second time
@@ -236,7 +236,7 @@ def _slot_by_slot(image: FileImage, view: memoryview, chunk_bytes: int,
     def one_chunk(i: int) -> int:
         return _crc32(view[i * chunk_bytes : min(size, (i + 1) * chunk_bytes)])
 
-    chunks = list(pool.map(one_chunk, range(n)))
+    chunks = list(map(one_chunk, range(n)))
     slots = image.slots
     starts = [s.offset for s in slots]
     ends = [s.offset + s.nbytes for s in slots]
