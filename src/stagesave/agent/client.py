@@ -190,6 +190,8 @@ class AgentClient:
                     raise
                 try:
                     wire.send_bytes(sock, data)
+                except OSError:
+                    raise  # the agent is gone (below)
                 except BaseException:
                     # Part of the message may be in the stream (a Ctrl-C inside sendall): the
                     # agent would read the next message from its middle, or wait for the rest.
