@@ -80,7 +80,7 @@ def _remove_leftovers(store: Store, name: str, staging_dir: str | None, pid: int
                 if is_dir:
                     fsops.rmtree(full)
                 else:
-                    os.unlink(full)
+                    fsops.unlink(full)
 
 
 def _error(name: str, message: str) -> CheckpointError:

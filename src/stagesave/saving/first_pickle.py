@@ -390,8 +390,7 @@ def first_pickle(state: Any, walked: Walked) -> tuple[list[bytes], list[int], Fa
     except RecursionError:  # ~3 frames per level: a state nested deeper than ~330 dicts
         return None
     if (writer.at != len(walked.structure) - 1  # (its last entry: the keys' types)
-            or len(writer.cuts) != len(walked.leaves)
-            or writer.seen != len(walked.tensors)):
+            or len(writer.cuts) != len(walked.leaves) or writer.seen != len(walked.tensors)):
         return None  # not the walk's state (changed by another thread): the pickler decides
     out = writer.out
     out += b"."
