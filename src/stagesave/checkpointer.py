@@ -23,7 +23,9 @@ from .restore.discovery import CheckpointInfo, scan
 from .restore.load import load_checkpoint
 from .restore.select import latest_in, resume_choice
 from .restore.verify import verify_checkpoint
-from .saving import jobs, lifecycle, plan, validate
+from .saving import behind, jobs, lifecycle, plan, validate
+from .saving.behind import Held, Holder
+from .saving.held_job import held_job
 from .saving.memory import StagingMemory
 from .saving.pipeline import Pipeline
 from .saving.plan_folder import plan_folder
@@ -57,6 +59,8 @@ class Checkpointer:
         checksum_in: ``"staging"``, ``"background"`` or ``"auto"``: who hashes the chunks.
         device_staging: Stage a CUDA device's state in a reused buffer on that device.
         writer: ``"process"`` (default; a writer agent outliving this process) or ``"thread"``.
+        plan_behind: Plan a new structure of many small tensors on the writer thread (the
+            caller copies its storages): default with ``writer="thread"``.
     """
 
     telemetry_callback = SinkOption()
@@ -69,9 +73,11 @@ class Checkpointer:
         storage_options: dict[str, Any] | None = None,
         telemetry_callback: TelemetryCallback | None = None, telemetry_jsonl: bool | str = False,
         safe_globals: Iterable[Any] = (), pinned: bool | None = None, checksum_in: str = "auto",
-        device_staging: bool = False, writer: str | None = None,
+        device_staging: bool = False, writer: str | None = None, plan_behind: bool | None = None,
     ) -> None:
         validate.check_options(keep_last=keep_last, io_threads=io_threads, chunk_bytes=chunk_bytes)
+        if plan_behind is not None and not isinstance(plan_behind, bool):
+            raise TypeError(f"plan_behind must be True, False or None, got {plan_behind!r}")
         self._checksum = check_algorithm(checksum)
         signing_keys()  # a bad key or key file in the environment: a clear error now
         self.keep_last, self.io_threads, self.chunk_bytes = keep_last, io_threads, chunk_bytes
@@ -83,6 +89,8 @@ class Checkpointer:
         self.stager = Stager(self.memory, checksum_in=checksum_in, chunk_bytes=chunk_bytes,
                              device_staging=device_staging)
         self.plans = PlanCache(None if device_staging else self.memory.prepare)  # the last plan
+        #: first saves of many small tensors planned on the writer thread (``saving/behind.py``)
+        self.plan_behind = self.writer.mode == "thread" if plan_behind is None else plan_behind
         self.telemetry_sink = sink = TelemetrySink(telemetry_callback, telemetry_jsonl)
         self.pipeline = Pipeline(io_threads, sink.emit)
         self.targets = StoreResolver(root, storage_options=storage_options, direct_io=direct_io)
@@ -115,8 +123,10 @@ class Checkpointer:
         tel = SaveTelemetry(path=store.describe(name), started_at=time.time())
         tel.tier = "local" if hasattr(store, "attach_telemetry") else None
         meta = validate.checked_metadata(metadata)
-        image = self.plans.plan(state)
+        image = self.plans.plan_or_hold(state, self._holder() if self.plan_behind else None)
         tel.plan_s = time.perf_counter() - t_start
+        if isinstance(image, Held):
+            return self._save_held(image, store, name, tel, meta, t_start)
         store.check_writable(name, image.size)
         staged = self.stager.stage([(name, image)], store, tel, algorithm=self.checksum,
                                    folder=False)
@@ -129,6 +139,31 @@ class Checkpointer:
             raise
         tel.blocking_s = time.perf_counter() - t_start
         return self.pipeline.submit(job)
+
+    def _holder(self) -> Holder | None:
+        """What holds a save to be planned behind (while fewer than ``max_pending`` are)."""
+        if not self.memory.held.room():
+            return None
+        return lambda walked: behind.hold(walked, self.stager.copy_threads, self.stager.workers)
+
+    def _save_held(self, held: Held, store: Store, name: str, tel: SaveTelemetry,
+                   meta: dict[str, Any], t_start: float) -> SaveHandle:
+        self.memory.held.add()
+        try:
+            store.check_writable(name, held.nbytes)
+        except BaseException:
+            held.release()
+            self.memory.held.done()
+            raise
+        job = held_job(SaveHandle(tel.path, tel), store, name, held, checkpointer=self,
+                       meta=meta, t_start=t_start, done=self.memory.held.done)
+        tel.blocking_s = time.perf_counter() - t_start
+        try:
+            return self.pipeline.submit(job)
+        except BaseException:  # closed meanwhile: it never runs
+            held.release()
+            self.memory.held.done()
+            raise
 
     def prepare_buffer(self, nbytes: int) -> None:
         """Make the staging buffer of a coming save of about ``nbytes`` (its file's size: e.g.

@@ -22,6 +22,9 @@ class SaveTelemetry:
     tensor_bytes: int = 0
     started_at: float = 0.0
     plan_s: float = 0.0
+    #: A save held to be planned behind the caller (``plan_behind``): its plan on the writer
+    #: thread (``plan_s`` is then the caller's walk and copy; 0.0 for other saves).
+    plan_behind_s: float = 0.0
     buffer_wait_s: float = 0.0
     stage_s: float = 0.0
     blocking_s: float = 0.0

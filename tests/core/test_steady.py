@@ -88,16 +88,22 @@ def _blank_id(data: bytearray) -> bytearray:
     return data
 
 
-def assert_file_is_what_torch_save_writes(path: Any, state: Any) -> None:
-    """The checkpoint's bytes up to torch's central directory are ``torch.save``'s (with
-    stagesave's page alignment), serialization ids aside: every header, the pickle, every
-    storage's bytes and every CRC."""
+def torch_save_bytes(state: Any) -> bytes:
+    """``torch.save``'s bytes of ``state`` with stagesave's page alignment."""
     from torch.utils.serialization import config
 
     out = io.BytesIO()
     with config.patch({"save.storage_alignment": 4096}):
         torch.save(state, out)
-    theirs = bytearray(out.getvalue())
+    return out.getvalue()
+
+
+def assert_file_is_what_torch_save_writes(path: Any, state: Any, *,
+                                          theirs_bytes: bytes | None = None) -> None:
+    """The checkpoint's bytes up to torch's central directory are ``torch.save``'s (with
+    stagesave's page alignment), serialization ids aside: every header, the pickle, every
+    storage's bytes and every CRC. ``theirs_bytes``: ``torch.save``'s bytes taken before."""
+    theirs = bytearray(torch_save_bytes(state) if theirs_bytes is None else theirs_bytes)
     with zipfile.ZipFile(io.BytesIO(bytes(theirs))) as z:
         cd_start = z.start_dir
     with open(path, "rb") as f:

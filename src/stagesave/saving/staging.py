@@ -108,12 +108,14 @@ class Stager:
         *,
         algorithm: str,
         folder: bool,
+        behind: bool = False,
     ) -> Staged:
         """Lease one buffer for every file of ``planned`` and copy them into it.
 
         ``folder``: the files are entries of a folder (each gets its own aligned slice and its
         entry name); otherwise ``planned`` is the one file of a file checkpoint. Fills
         ``tel``'s buffer wait, staging and checksum times, ``staged_on`` and sizes.
+        ``behind``: a held save's, on the writer thread (:meth:`.StagingMemory.lease`).
         """
         images = [image for _, image in planned]
         bases, total = [], 0
@@ -121,7 +123,7 @@ class Stager:
             bases.append(total)
             total += _aligned(image.size) if folder else image.size
         device = device_of(images, store) if self.device_staging else None
-        lease = self.memory.lease(total, device)
+        lease = self.memory.lease(total, device, behind=behind)
         tel.buffer_wait_s = lease.waited_s
         buf, device = lease.buf, lease.device
         waits: list[Callable[[], None]] = []

@@ -19,12 +19,11 @@ storage replaced at the same data address, or one memory made two storages, has 
 storage sizes and addresses from the tensors' data addresses: when only addresses changed (new
 tensors over new storages, as copies made at each save have), the storages are looked at
 again, their sizes and sharing checked, and the template is kept with the new addresses.
-Anything else (a new key, a
-new shape, a shared container, a tensor torch pickles differently, a state the walk does not
-understand) plans from scratch and makes a new template. The template holds no tensor: only
-addresses, used only after the walk of the save at hand found them again.
-
-Tests compare the spliced file with ``torch.save``'s layout after every kind of change.
+Anything else (a new key, a new shape, a shared container, a tensor torch pickles
+differently, a state the walk does not understand) plans from scratch and makes a new
+template (or, with a holder, is held to be planned behind the caller: :mod:`.behind`). The
+template holds no tensor: only addresses, used only after the walk of the save at hand found
+them again. Tests compare the spliced file with ``torch.save``'s layout after every change.
 """
 
 from __future__ import annotations
@@ -38,6 +37,7 @@ from typing import Any
 from torch.nn import Parameter
 
 from . import tensor_guard
+from .behind import Held, Holder, walk_and_hold
 from .fastplan import (
     Framed,
     constants,
@@ -296,8 +296,12 @@ class PlanCache:
         self._files: dict[str, PlanCache] = {}  # per file name of folder checkpoints
         self._lock = threading.Lock()
 
-    def plan(self, state: Any) -> FileImage:
-        """The file image of ``state``, reusing the last plan when the structure is the same.
+    def plan(self, state: Any) -> FileImage:  # (nothing holds without a holder)
+        return self.plan_or_hold(state, None)  # type: ignore[return-value]
+
+    def plan_or_hold(self, state: Any, holder: Holder | None) -> FileImage | Held:
+        """The file image of ``state``, reusing the last plan when the structure is the same;
+        with ``holder``, a structure that needs a new plan may be held (:mod:`.behind`).
 
         Raises:
             UnsupportedObjectError: something in the state cannot be pickled; the message names it.
@@ -306,10 +310,11 @@ class PlanCache:
         if planner_setting() != "auto" or not fast_path_enabled():
             return plan_torch_file(state)
         if not self._lock.acquire(blocking=False):  # another thread of this Checkpointer saves
-            return plan(state)
+            held = None if holder is None else walk_and_hold(state, holder)  # (or plans a held
+            return held if held is not None else plan(state)  # save): held, or planned alone
         try:
             with gc_paused():
-                return self._plan(state)
+                return self._plan(state, holder)
         finally:
             self._lock.release()
 
@@ -327,7 +332,7 @@ class PlanCache:
             del self._files[next(iter(self._files))]
         return cache
 
-    def _plan(self, state: Any) -> FileImage:
+    def _plan(self, state: Any, holder: Holder | None = None) -> FileImage | Held:
         consts = constants()
         try:
             walked: Walked | None = walk(state)
@@ -347,12 +352,13 @@ class PlanCache:
         if walked is not None and self.prepare is not None:
             self.prepare(walked.image_bounds)
         if walked is not None and consts is not None and not _agrees(self._refused, walked):
+            if holder is not None and (held := holder(walked)) is not None:
+                return held
             made = self._new_template(state, walked, consts)
             if made is not None:
                 return made
             self._refused = walked.structure, walked.facts
         return plan(state)
-
 
     def _new_template(self, state: Any, walked: Walked, consts: Constants) -> FileImage | None:
         """Plan ``state`` (its pickle written from the walk, or a marked copy pickled and cut),

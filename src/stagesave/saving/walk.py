@@ -28,7 +28,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["MAX_DEPTH", "MAX_OPAQUE_BYTES", "VOLATILE", "Different", "Walked", "walk"]
+__all__ = [
+    "LEAF", "MAX_DEPTH", "MAX_OPAQUE_BYTES", "TEXT", "VOLATILE", "Different", "Walked", "walk",
+]
 
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
@@ -39,8 +41,8 @@ _storage_offset = torch.Tensor.storage_offset
 _storage_address = torch._C._storage_address  # type: ignore[attr-defined]
 _metadata = torch._C._get_tensor_metadata  # type: ignore[attr-defined]
 VOLATILE = frozenset({int, float, bool, type(None)})
-_LEAF = object()  # where a volatile number sits in a structure
-_TEXT = object()  # where a volatile string sits
+LEAF = object()  # where a volatile number sits in a structure
+TEXT = object()  # where a volatile string sits
 
 
 class Different(Exception):
@@ -183,7 +185,7 @@ def walk(state: Any) -> Walked:
     containers: list[int] = []
     note, note_tensor = structure.append, tensors.append
     note_leaf, note_container = leaves.append, containers.append
-    plain, volatile, leaf, text, strided = _Tensor, VOLATILE, _LEAF, _TEXT, torch.strided
+    plain, volatile, leaf, text, strided = _Tensor, VOLATILE, LEAF, TEXT, torch.strided
     all_keys: list[tuple[Any, ...]] = []
     note_keys = all_keys.append
     stack: list[Iterator[Any]] = [iter((state,))]

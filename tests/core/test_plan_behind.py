@@ -1,0 +1,295 @@
+"""A save held to be planned behind the caller writes what ``torch.save`` writes of the state as
+it was when ``save()`` returned, whatever happens to the state afterwards; states it cannot
+rebuild from their walk, and states cheap to plan, are planned on the caller's time as before.
+
+The oracle: ``torch.save``'s bytes of the state taken just before the save, compared record by
+record with the checkpoint (:func:`test_steady.assert_file_is_what_torch_save_writes`).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import time
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_steady import (
+    CHANGES,
+    assert_file_is_what_torch_save_writes,
+    base_state,
+    torch_save_bytes,
+)
+
+import stagesave
+from stagesave.saving import behind
+
+
+@pytest.fixture
+def any_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hold states of any number and size of tensors (the defaults hold only many small ones)."""
+    monkeypatch.setattr(behind, "MIN_TENSORS", 1)
+    monkeypatch.setattr(behind, "MEAN_BYTES", 1 << 40)
+
+
+def _eligible(state: dict[str, Any]) -> dict[str, Any]:
+    """``base_state`` without what a held save cannot rebuild from its walk (bytes, an object
+    of its own pickle; keys of tuple and float types)."""
+    del state["raw"], state["odd_keys"]
+    return state
+
+
+def test_the_default_holds_with_a_writer_thread_only(ckpt_dir: Any) -> None:
+    with stagesave.Checkpointer(ckpt_dir, writer="thread") as ck:
+        assert ck.plan_behind is True
+    with stagesave.Checkpointer(ckpt_dir, writer="process") as ck:
+        assert ck.plan_behind is False
+    with stagesave.Checkpointer(ckpt_dir, writer="process", plan_behind=True) as ck:
+        assert ck.plan_behind is True
+    with pytest.raises(TypeError, match="plan_behind must be True, False or None, got 'yes'"):
+        stagesave.Checkpointer(ckpt_dir, plan_behind="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.usefixtures("any_size")
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_a_change_after_a_held_save_is_not_in_it_and_the_next_save_has_it(
+        ckpt_dir: Any, change: str) -> None:
+    state = _eligible(base_state())
+    before = torch_save_bytes(state)
+    with stagesave.Checkpointer(ckpt_dir, writer="thread") as ck:
+        first = ck.save(state, "first.ckpt")
+        CHANGES[change](state)  # at once: while the held save is planned, staged, written
+        first.result()
+        assert first.telemetry.plan_behind_s > 0, "the save was not held"
+        assert_file_is_what_torch_save_writes(ckpt_dir / "first.ckpt", None, theirs_bytes=before)
+        after = torch_save_bytes(state)
+        second = ck.save(state, "second.ckpt")
+        second.result()
+        assert_file_is_what_torch_save_writes(ckpt_dir / "second.ckpt", None, theirs_bytes=after)
+        assert ck.memory.held.n == 0  # every scratch copy let go
+
+
+@pytest.mark.usefixtures("any_size")
+def test_the_template_a_held_save_made_serves_the_next_saves(ckpt_dir: Any) -> None:
+    state = _eligible(base_state())
+    with stagesave.Checkpointer(ckpt_dir, writer="thread") as ck:
+        ck.save(state, "first.ckpt").result()
+        template = ck.plans._template
+        assert template is not None
+        for step in range(3):
+            state["global_step"] = step
+            state["model"]["w"].add_(1)
+            handle = ck.save(state, f"step-{step}.ckpt")
+            handle.result()
+            assert handle.telemetry.plan_behind_s == 0.0
+            assert ck.plans._template is template
+            assert_file_is_what_torch_save_writes(ckpt_dir / f"step-{step}.ckpt", state)
+
+
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int8,
+           torch.bool, torch.complex64, torch.uint8]
+
+
+@st.composite
+def _states(draw: Any) -> Any:
+    """Nested dicts, lists, tuples and ``OrderedDict``s of tensors (of one storage or sharing
+    one, views at offsets and strides, one object named twice, empty, ``Parameter``s) and
+    leaves."""
+    pool: list[torch.Tensor] = []
+
+    def tensor() -> torch.Tensor:
+        if pool and draw(st.integers(0, 3)) == 0:
+            return draw(st.sampled_from(pool))  # the same object again
+        dtype = draw(st.sampled_from(_DTYPES))
+        n = draw(st.integers(0, 40))
+        base = torch.arange(n).to(dtype)
+        how = draw(st.sampled_from(["whole", "view", "strided", "of another", "param"]))
+        if how == "view" and n > 2:
+            t = base[1 : n - 1]
+        elif how == "strided" and n >= 6:
+            t = base[: n // 2 * 2].reshape(-1, 2).t()
+        elif how == "of another" and pool:
+            other = draw(st.sampled_from(pool))
+            t = other.detach().reshape(-1)[: max(0, other.numel() - 1)]
+        elif how == "param" and dtype.is_floating_point:
+            t = torch.nn.Parameter(base, requires_grad=draw(st.booleans()))
+        else:
+            t = base
+        pool.append(t)
+        return t
+
+    # strings as new objects: one str object named twice is pickled once by torch.save and
+    # spliced twice by any template (loaded the same; the bytes differ: not this module's)
+    text = st.text(min_size=2, max_size=8).map(lambda s: (s + "\0")[:-1])
+    leaf = st.one_of(st.integers(-(2**70), 2**70), st.floats(allow_nan=False), st.booleans(),
+                     st.none(), text)
+    keys = st.one_of(st.text(max_size=6), st.integers(-3, 300), st.booleans(), st.none())
+
+    def node(depth: int) -> Any:
+        kind = draw(st.sampled_from(["tensor", "leaf", "dict", "list", "tuple", "odict"]
+                                    if depth < 3 else ["tensor", "leaf"]))
+        if kind == "tensor":
+            return tensor()
+        if kind == "leaf":
+            return draw(leaf)
+        width = draw(st.integers(0, 4))
+        if kind in ("dict", "odict"):
+            ks = draw(st.lists(keys, max_size=width, unique_by=lambda k: (type(k) is bool, k)))
+            made = {k: node(depth + 1) for k in ks}
+            if kind == "dict":
+                return made
+            od = collections.OrderedDict(made)
+            if draw(st.booleans()):
+                od._metadata = {"": {"version": draw(st.integers(0, 3))}}  # type: ignore[attr-defined]
+            return od
+        items = [node(depth + 1) for _ in range(width)]
+        return items if kind == "list" else tuple(items)
+
+    return {"state": node(0), "tensors": [tensor() for _ in range(draw(st.integers(1, 5)))]}
+
+
+@pytest.mark.usefixtures("any_size")
+@settings(max_examples=60, deadline=None, suppress_health_check=[
+    HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(_states())
+def test_any_plain_state_held_is_written_as_torch_save_writes_it(tmp_path_factory: Any,
+                                                                  state: Any) -> None:
+    d = tmp_path_factory.mktemp("held")
+    before = torch_save_bytes(state)
+    values = [t.detach().clone() for t in state["tensors"]]
+    with stagesave.Checkpointer(d, writer="thread") as ck:
+        handle = ck.save(state, "s.ckpt")
+        for t in state["tensors"]:  # changed at once, in place: not in the checkpoint
+            if t.numel() and not t.requires_grad:
+                t.fill_(True if t.dtype is torch.bool else 7)
+        handle.result()
+        assert handle.telemetry.plan_behind_s > 0
+    assert_file_is_what_torch_save_writes(d / "s.ckpt", None, theirs_bytes=before)
+    loaded = stagesave.Checkpointer(d, writer="thread")
+    try:
+        got = loaded.load(d / "s.ckpt")
+    finally:
+        loaded.close()
+    for a, b in zip(got["tensors"], values):
+        assert torch.equal(a.detach(), b.detach())
+
+
+def _conj() -> dict[str, Any]:
+    return {"z": torch.tensor([1 + 2j, 3 - 1j]).conj(), "w": torch.ones(2)}
+
+
+def _non_leaf() -> dict[str, Any]:
+    w = torch.ones(3, requires_grad=True)
+    return {"y": w * 2, "w": torch.ones(2)}
+
+
+def _twice(group: dict[str, Any]) -> dict[str, Any]:
+    return {"a": group, "b": group, "w": torch.ones(2)}
+
+
+DECLINED = {
+    "bytes (an object by its own pickle)": lambda: {"raw": b"\x00", "w": torch.ones(2)},
+    "a tuple key": lambda: {(0, "a"): torch.ones(2), "w": torch.ones(2)},
+    "a float key": lambda: {0.5: torch.ones(2), "w": torch.ones(2)},
+    "a conjugate view": _conj,
+    "a tensor that requires grad and is not a leaf": _non_leaf,
+    "one container twice": lambda: _twice({"w": torch.ones(2)}),
+}
+
+
+@pytest.mark.usefixtures("any_size")
+@pytest.mark.parametrize("case", list(DECLINED))
+def test_what_its_walk_cannot_rebuild_is_planned_on_the_callers_time(ckpt_dir: Any,
+                                                                      case: str) -> None:
+    state = DECLINED[case]()
+    with stagesave.Checkpointer(ckpt_dir, writer="thread") as ck:
+        handle = ck.save(state, "s.ckpt")
+        handle.result()
+        assert handle.telemetry.plan_behind_s == 0.0
+        got = ck.load(ckpt_dir / "s.ckpt")
+    assert got.keys() == state.keys()
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(got[key].detach().resolve_conj(), value.detach().resolve_conj())
+
+
+def _many(n: int, numel: int) -> dict[str, Any]:
+    return {"state": {i: {"exp_avg": torch.full((numel,), float(i)),
+                          "exp_avg_sq": torch.full((numel,), -float(i))} for i in range(n)},
+            "step": 3}
+
+
+@pytest.mark.parametrize(("n", "numel", "held"), [
+    (1_250, 64, True),  # 2,500 tensors of 256 bytes: planning costs more than copying
+    (500, 64, False),  # 1,000 tensors: a plan of milliseconds, on the caller's time
+    (1_250, 16_384, False),  # 64 KiB per tensor: copying costs more than planning
+])
+def test_the_default_holds_only_many_small_tensors(ckpt_dir: Any, n: int, numel: int,
+                                                   held: bool) -> None:
+    state = _many(n, numel)
+    before = torch_save_bytes(state)
+    with stagesave.Checkpointer(ckpt_dir, writer="thread") as ck:
+        handle = ck.save(state, "s.ckpt")
+        state["state"][0]["exp_avg"].fill_(99.0)
+        handle.result()
+        assert (handle.telemetry.plan_behind_s > 0) is held
+    assert_file_is_what_torch_save_writes(ckpt_dir / "s.ckpt", None, theirs_bytes=before)
+
+
+def test_a_state_larger_than_the_limit_is_not_held(ckpt_dir: Any,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(behind, "MAX_BYTES", 100_000)  # the state: 2,500 × 256 bytes
+    with stagesave.Checkpointer(ckpt_dir, writer="thread") as ck:
+        handle = ck.save(_many(1_250, 64), "s.ckpt")
+        handle.result()
+        assert handle.telemetry.plan_behind_s == 0.0
+
+
+def test_saves_in_a_row_are_each_held_up_to_max_pending(ckpt_dir: Any) -> None:
+    """Lightning saves ``last.ckpt`` right after the epoch's checkpoint: both held (one scratch
+    copy each, at most ``max_pending``); each file as the state was at its save."""
+    state = _many(1_250, 64)
+    snapshots = []
+    with stagesave.Checkpointer(ckpt_dir, writer="thread", max_pending=2) as ck:
+        handles = []
+        for i in range(4):
+            state["step"] = i
+            state["state"][1]["exp_avg"].fill_(float(i))
+            snapshots.append(torch_save_bytes(state))
+            handles.append(ck.save(state, f"s{i}.ckpt"))
+        for h in handles:
+            h.result()
+        assert handles[0].telemetry.plan_behind_s > 0
+        assert ck.memory.held.n == 0
+    for i, snap in enumerate(snapshots):
+        assert_file_is_what_torch_save_writes(ckpt_dir / f"s{i}.ckpt", None, theirs_bytes=snap)
+
+
+def test_close_right_after_a_held_save_commits_it(ckpt_dir: Any) -> None:
+    state = _many(1_250, 64)
+    before = torch_save_bytes(state)
+    ck = stagesave.Checkpointer(ckpt_dir, writer="thread")
+    handle = ck.save(state, "s.ckpt")
+    ck.close()
+    assert handle.done() and handle.telemetry.plan_behind_s > 0
+    assert_file_is_what_torch_save_writes(ckpt_dir / "s.ckpt", None, theirs_bytes=before)
+
+
+def test_a_held_save_is_written_by_the_writer_agent(ckpt_dir: Any) -> None:
+    state = _many(1_250, 64)
+    before = torch_save_bytes(state)
+    with stagesave.Checkpointer(ckpt_dir, writer="process", plan_behind=True) as ck:
+        t0 = time.perf_counter()
+        handle = ck.save(state, "s.ckpt")
+        waited = time.perf_counter() - t0
+        state["state"][0]["exp_avg"].fill_(5.0)
+        handle.result()
+        tel = handle.telemetry
+        assert tel.plan_behind_s > 0
+        assert tel.blocking_s <= waited  # the background's plan is not counted as blocking
+        agent = ck.writer.agent
+        assert agent is not None and agent.pid is not None and agent.pid != os.getpid()
+    assert_file_is_what_torch_save_writes(ckpt_dir / "s.ckpt", None, theirs_bytes=before)
