@@ -26,6 +26,7 @@ from test_steady import (
 
 import stagesave
 from stagesave.saving import behind
+from stagesave.saving.walk import walk
 
 
 @pytest.fixture
@@ -87,6 +88,28 @@ def test_the_template_a_held_save_made_serves_the_next_saves(ckpt_dir: Any) -> N
             assert handle.telemetry.plan_behind_s == 0.0
             assert ck.plans._template is template
             assert_file_is_what_torch_save_writes(ckpt_dir / f"step-{step}.ckpt", state)
+
+
+def test_a_held_plan_stands_for_the_state_it_was_copied_from(ckpt_dir: Any) -> None:
+    """Once the held save is staged, its template has the real state's tensor addresses and
+    storage objects (not the scratch copy's): the next save matches it without looking at
+    every storage again, and writes what torch.save writes."""
+    state = _many(1_250, 64)
+    with stagesave.Checkpointer(ckpt_dir, writer="thread") as ck:
+        handle = ck.save(state, "first.ckpt")
+        handle.result()
+        assert handle.telemetry.plan_behind_s > 0
+        template = ck.plans._template
+        assert template is not None
+        walked = walk(state)
+        assert template.addresses == walked.addresses
+        assert template.storage_ids == walked.storage_ids
+        state["state"][3]["exp_avg_sq"].add_(1)
+        state["step"] = 4
+        want = torch_save_bytes(state)
+        ck.save(state, "next.ckpt").result()
+        assert ck.plans._template is template
+        assert_file_is_what_torch_save_writes(ckpt_dir / "next.ckpt", None, theirs_bytes=want)
 
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int8,

@@ -32,12 +32,14 @@ from typing import Any
 import torch
 
 from .host_copy import HostCopies, copy_in
+from .image import StorageSlot
 from .plan import gc_paused
 from .splice import MAX_LEAVES
 from .walk import LEAF, TEXT, Fact, Walked, walk
 
 __all__ = [
-    "MAX_BYTES", "MEAN_BYTES", "MIN_TENSORS", "Counter", "Held", "Holder", "hold", "walk_and_hold",
+    "MAX_BYTES", "MEAN_BYTES", "MIN_TENSORS", "Counter", "Held", "Holder", "hold", "repoint",
+    "walk_and_hold",
 ]
 
 #: Fewer tensors than this are planned on the caller's time (a plan of a few milliseconds).
@@ -60,8 +62,13 @@ class Held:
     its storages' bytes in one scratch buffer (see the module's docstring)."""
 
     def __init__(self, walked: Walked, scratch: mmap.mmap | None, spans: list[tuple[int, int]],
-                 storage_of: list[int], identity: list[int] | None) -> None:
+                 storage_of: list[int], identity: list[int] | None, starts: list[int],
+                 span: tuple[int, int]) -> None:
         self.structure = walked.structure
+        #: where the state's tensors and storages were when held (:func:`repoint`)
+        self.addresses, self.storage_ids, self.starts = (walked.addresses, walked.storage_ids,
+                                                         starts)
+        self.span = span  # the scratch copy's first and last byte + 1 (0, 0: none)
         self.leaves = walked.leaves
         self.facts: list[Fact] = walked.facts
         self.scratch = scratch  # (None: no bytes at all)
@@ -238,13 +245,14 @@ def hold(walked: Walked, pool: Callable[[], cf.Executor] | None, workers: int,
         return None
     spans: list[tuple[int, int]] = []
     moves: list[tuple[int, int, int]] = []
+    starts = [s.data_ptr() for s in storages]
     end = 0
-    for s, size in zip(storages, sizes):
+    for start, size in zip(starts, sizes):
         spans.append((end, size))
         if size:
-            moves.append((end, s.data_ptr(), size))
+            moves.append((end, start, size))
         end += (size + _ALIGN - 1) // _ALIGN * _ALIGN
-    scratch = None
+    scratch, address = None, 0
     if end:  # anonymous memory: its pages zero and mapped by the copy itself
         scratch = mmap.mmap(-1, end)
         view = memoryview(scratch)
@@ -256,4 +264,26 @@ def hold(walked: Walked, pool: Callable[[], cf.Executor] | None, workers: int,
     if len(set(ids)) != n:
         first: dict[int, int] = {}
         identity = [first.setdefault(x, i) for i, x in enumerate(ids)]
-    return Held(walked, scratch, spans, storage_of, identity)
+    return Held(walked, scratch, spans, storage_of, identity, starts, (address, address + end))
+
+
+def repoint(template: Any, held: Held) -> None:
+    """``template``, planned over ``held``'s scratch copy (:meth:`Held.thaw`), made to stand
+    for the state it was copied from: its tensors' addresses and storage objects, its storages'
+    starts, as a plan made of that state when it was held would have them (the next save of
+    it then matches at once instead of checking every storage again). Nothing when the
+    template does not point into the copy (a later save moved it to the state already)."""
+    (lo, hi), sizes, key_of = held.span, template.sizes, template.key_of
+    if not lo or not all(lo <= a < hi for a, n in zip(template.starts, sizes) if n):
+        return
+    storage_of = held.storage_of
+    starts = list(template.starts)
+    for i, k in enumerate(key_of):
+        starts[k] = held.starts[storage_of[i]]
+    template.starts, template.addresses = starts, held.addresses
+    template.storage_ids = held.storage_ids
+    template._note_shared()  # the template's own bookkeeping, redone
+    if template.layout is not None:  # new lists: the held save's image keeps its own
+        template.slots = [StorageSlot(s.key, s.offset, s.nbytes, device_type="cpu", address=a)
+                          for s, a in zip(template.slots, starts)]
+        template.copies = None  # made again from the slots by the next save

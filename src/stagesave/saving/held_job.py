@@ -9,13 +9,14 @@ file as :func:`.jobs.file_job` writes any file (through the writer agent when th
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
 
 from ..handle import SaveHandle
 from ..stores.base import Store
-from .behind import Held
+from .behind import Held, repoint
 from .jobs import file_job
 from .pipeline import Job
 
@@ -38,6 +39,7 @@ def held_job(handle: SaveHandle, store: Store, name: str, held: Held, *, checkpo
             staged = ck.stager.stage([(name, image)], store, tel, algorithm=ck.checksum,
                                      folder=False, behind=True)
             del state  # its tensors view the scratch copy, staged now
+            ck.plans.adopt(functools.partial(repoint, held=held))
         finally:
             held.release()
             done()

@@ -87,9 +87,8 @@ class Template:
         #: per tensor: its storage's own object (``StorageImpl``) when planned
         self.storage_ids = walked.storage_ids
         self.n_containers = len(walked.containers)
-        # Which tensors are one object (the pickle names such a tensor once, then refers to it):
-        # the same object has the same address, so with the same addresses only the tensors
-        # at addresses held twice need their identities compared.
+        # Which tensors are one object (pickled once, then referred to): with the same
+        # addresses only the tensors at addresses held twice need their identities compared.
         self.identity = _identity(walked.tensors, range(len(walked.tensors)))
         self._note_shared()
         self.spliced = Spliced(pieces, order)
@@ -106,14 +105,11 @@ class Template:
         self.key_of = [int(f[0]) for f in facts]
         self.delta = [f[4] * ELEMENT_SIZE[f[1]] for f in facts]
         # per storage: the end of the furthest tensor over it (elements; one dtype per storage)
-        reach = [0] * len(self.sizes)
-        esize = [1] * len(self.sizes)
+        reach, esize = [0] * len(self.sizes), [1] * len(self.sizes)
         for k, (_, dtype, shape, stride, offset) in zip(self.key_of, facts):
-            if len(shape) == 1:
-                if not shape[0]:
-                    continue
+            if len(shape) == 1 and shape[0]:
                 end = offset + (shape[0] - 1) * stride[0] + 1
-            elif all(shape):
+            elif len(shape) != 1 and all(shape):
                 end = offset + 1 + sum((n - 1) * s for n, s in zip(shape, stride))
             else:
                 continue
@@ -131,8 +127,7 @@ class Template:
         self.where: list[int | None] = []  # per storage: its entry in copies.small or .big
 
     def slots_for(self, layout: Layout) -> list[StorageSlot]:
-        """The slots of ``layout``'s storage records at the storages' addresses (made once per
-        layout)."""
+        """``layout``'s storage records at the storages' addresses (made once per layout)."""
         if self.layout is not layout:
             self.layout = layout
             self.slots = [
@@ -172,8 +167,7 @@ class Template:
             small[at] = (slot.offset, host_view(address, n))
 
     def matches(self, walked: Walked) -> bool:
-        """Whether ``walked`` has this template's structure (updating the storages' addresses
-        when only those changed)."""
+        """Whether ``walked`` has this structure (the addresses updated if only they moved)."""
         if walked.structure != self.structure:
             return False
         if len(set(walked.containers)) != self.n_containers:
@@ -317,6 +311,12 @@ class PlanCache:
                 return self._plan(state, holder)
         finally:
             self._lock.release()
+
+    def adopt(self, fn: Callable[[Template], None]) -> None:
+        """``fn(template)`` under the lock (:func:`.behind.repoint`), when there is one."""
+        with self._lock:
+            if self._template is not None:
+                fn(self._template)
 
     def forget(self) -> None:
         """Drop the templates (their addresses and views of host memory)."""
