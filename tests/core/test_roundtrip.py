@@ -325,3 +325,30 @@ def test_a_filesystem_refusing_direct_reads_still_loads_through_buffered_reads(
             f.write(bytes([data[at] ^ 1]))
         with pytest.raises(stagesave.IntegrityError, match="checksum mismatch"):
             ck.load("a.ckpt")
+
+
+def _empty_past_storage() -> dict[str, torch.Tensor]:
+    at5 = torch.empty(0, dtype=torch.float64)
+    at5.set_(torch.UntypedStorage(16), 5, (0, 3), (3, 1))  # no elements, past its 16 bytes
+    return {"row": torch.zeros(2, 0)[1:], "rows": torch.zeros(3, 0, 4)[2:],
+            "int": torch.zeros(4, 0, dtype=torch.int64)[3:], "at5": at5,
+            "full": torch.arange(6.0)}
+
+
+@pytest.mark.parametrize("mmap", [False, True])
+def test_tensors_of_no_elements_past_their_storage_load_as_torch_loads_them(tmp_path, mmap):
+    """``x[1:]`` of a ``(2, 0)`` tensor sits at offset 1 of a storage of no bytes: torch saves
+    and loads it, and so must a verified load (the safe loader refused it as damage, found by
+    ``test_property_random_states_round_trip``)."""
+    state = _empty_past_storage()
+    path = tmp_path / "e.ckpt"
+    with stagesave.Checkpointer(writer="thread") as ck:
+        ck.save(state, path).result()
+        got = ck.load(path, mmap=mmap)
+    theirs = tmp_path / "e.pt"
+    torch.save(state, theirs)
+    want = torch.load(theirs, weights_only=True)
+    for key, t in want.items():
+        assert (got[key].shape, got[key].stride(), got[key].storage_offset(), got[key].dtype) == (
+            t.shape, t.stride(), t.storage_offset(), t.dtype), key
+        assert torch.equal(got[key], t)

@@ -400,6 +400,21 @@ def test_a_tensor_at_an_offset_past_its_storage_is_refused_never_made_before_it(
         safe_torch_load(imaged(program(body)), where="probe")
 
 
+@pytest.mark.parametrize(("offset", "refused"), [(2**61, True), (2**62, True), (-1, True),
+                                                (9, False), (2**40, False)])
+def test_a_tensor_of_no_elements_may_lie_past_its_storage_but_not_wrap(offset, refused):
+    """A tensor of no elements reads no byte: torch lets its offset lie past the storage (as
+    ``x[1:]`` of a ``(2, 0)`` tensor has), and so does the safe load, up to offsets whose bytes
+    torch's 64-bit arithmetic would wrap (float32: 2**61 elements and more) or below zero."""
+    body = MARK + _at(pid("1"), offset, 0) + TUPLE
+    if refused:
+        with pytest.raises(CheckpointError, match="no elements at offset"):
+            safe_torch_load(imaged(program(body)), where="probe")
+    else:
+        (t,) = safe_torch_load(imaged(program(body)), where="probe")
+        assert t.shape == (0,) and t.storage_offset() == offset
+
+
 @pytest.mark.parametrize(("numel", "size"), [(4, 1024), (1, 1024), (4, 5)])
 def test_a_storage_in_device_memory_is_never_grown_by_a_tensor_larger_than_it(numel, size):
     """A GPU load holds each record in its own device memory (CPU memory stands in here), a

@@ -15,7 +15,10 @@ import torch
 
 from .refusal import BadPickle
 
-__all__ = ["STORAGES", "check_fits", "check_rebuild", "fits", "validate_loaded_sparse"]
+__all__ = [
+    "EMPTY_OFFSET_LIMIT", "STORAGES", "check_fits", "check_rebuild", "fits",
+    "validate_loaded_sparse",
+]
 
 
 def fits(nbytes: int, itemsize: int, offset: Any, size: Any, stride: Any) -> bool:
@@ -24,7 +27,7 @@ def fits(nbytes: int, itemsize: int, offset: Any, size: Any, stride: Any) -> boo
     (:func:`check_fits` then names the problem). The first try of the C unpickler asks this
     of every tensor it rebuilds."""
     if (type(offset) is not int or type(size) is not tuple or type(stride) is not tuple
-            or len(size) != len(stride) or offset < 0 or offset * itemsize > nbytes):
+            or len(size) != len(stride) or offset < 0):
         return False
     last = offset
     empty = False
@@ -34,7 +37,9 @@ def fits(nbytes: int, itemsize: int, offset: Any, size: Any, stride: Any) -> boo
         if d == 0:
             empty = True
         last += (d - 1) * st
-    return empty or (last + 1) * itemsize <= nbytes
+    if empty:
+        return offset * itemsize < EMPTY_OFFSET_LIMIT
+    return offset * itemsize <= nbytes and (last + 1) * itemsize <= nbytes
 
 
 def check_fits(untyped: Any, dtype: Any, offset: Any, size: Any, stride: Any) -> None:
@@ -55,17 +60,24 @@ def check_fits(untyped: Any, dtype: Any, offset: Any, size: Any, stride: Any) ->
         raise BadPickle(f"a tensor's offset, size and stride are not numbers of one rank: "
                         f"{exc}") from exc
     itemsize = torch._utils._element_size(dtype)  # type: ignore[no-untyped-call]
+    if any(d == 0 for d, _ in dims) and min(d for d, _ in dims) >= 0:
+        if offset < 0 or offset * itemsize >= EMPTY_OFFSET_LIMIT:
+            raise BadPickle(f"a tensor of no elements at offset {offset}, which torch's "
+                            "64-bit byte arithmetic would wrap")
+        return  # no bytes: torch lets its offset lie past the storage (x[1:] of a (2, 0) x)
     if offset < 0 or offset * itemsize > untyped.nbytes():
         raise BadPickle(f"a tensor at offset {offset} starts past its storage of "
                         f"{untyped.nbytes()} bytes")
-    if any(d == 0 for d, _ in dims):
-        return
     last = offset + sum((d - 1) * st for d, st in dims)
     if min((st for _, st in dims), default=0) < 0 or min((d for d, _ in dims), default=0) < 0 or (
             (last + 1) * itemsize > untyped.nbytes()):
         raise BadPickle(f"a tensor of size {tuple(size)} at offset {offset} reaches past its "
                         f"storage of {untyped.nbytes()} bytes")
 
+
+#: A tensor of no elements may sit at any offset, as torch allows (``torch.zeros(2, 0)[1:]``
+#: is at offset 1 of a storage of no bytes), below this many bytes (no 64-bit wrap).
+EMPTY_OFFSET_LIMIT = 1 << 62
 
 STORAGES = (torch.storage.TypedStorage, torch.UntypedStorage)
 _REBUILD_V3 = getattr(torch._utils, "_rebuild_tensor_v3", None)
