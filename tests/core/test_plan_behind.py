@@ -217,6 +217,11 @@ def _twice(group: dict[str, Any]) -> dict[str, Any]:
     return {"a": group, "b": group, "w": torch.ones(2)}
 
 
+def _two_dtypes() -> dict[str, Any]:
+    w = torch.arange(4.0)
+    return {"w": w, "bits": w.view(torch.int32)[:2]}
+
+
 DECLINED = {
     "bytes (an object by its own pickle)": lambda: {"raw": b"\x00", "w": torch.ones(2)},
     "a tuple key": lambda: {(0, "a"): torch.ones(2), "w": torch.ones(2)},
@@ -366,3 +371,35 @@ def test_a_trainer_killed_while_its_save_is_held_loses_at_most_that_save(
             if os.path.exists(seg + ".json"):
                 os.unlink(seg + ".json")
     print(f"held saves committed before the kill ({writer}): {outcomes}")
+
+
+@pytest.mark.usefixtures("any_size")
+def test_odd_geometries_are_held_as_they_are(ckpt_dir: Any) -> None:
+    """Tensors of no elements past their storage, a storage larger than its tensors, an
+    expanded view (stride 0), a transposed view, one tensor over another's storage."""
+    at5 = torch.empty(0, dtype=torch.float64)
+    at5.set_(torch.UntypedStorage(16), 5, (0, 3), (3, 1))
+    big = torch.arange(10.0)
+    state = {"row": torch.zeros(2, 0)[1:], "at5": at5, "part": big[2:4],
+             "again": big[::3], "expanded": torch.ones(3).expand(4, 3),
+             "t": torch.arange(6.0).reshape(2, 3).t(), "step": 1}
+    before = torch_save_bytes(state)
+    with stagesave.Checkpointer(ckpt_dir, writer="thread") as ck:
+        handle = ck.save(state, "s.ckpt")
+        big.fill_(-1)
+        handle.result()
+        held = handle.telemetry.plan_behind_s > 0
+    assert held
+    assert_file_is_what_torch_save_writes(ckpt_dir / "s.ckpt", None, theirs_bytes=before)
+
+
+@pytest.mark.usefixtures("any_size")
+def test_what_torch_save_refuses_is_refused_by_save_itself(ckpt_dir: Any) -> None:
+    """Two dtypes over one storage: ``save()`` raises (as without the option), nothing is held
+    or written."""
+    with stagesave.Checkpointer(ckpt_dir, writer="thread") as ck:
+        with pytest.raises(stagesave.UnsupportedObjectError,
+                           match="view the same data as different types"):
+            ck.save(_two_dtypes(), "s.ckpt")
+        assert ck.memory.held.n == 0
+        assert ck.list() == []

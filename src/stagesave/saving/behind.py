@@ -16,7 +16,8 @@ addresses (:meth:`.Template.matches`).
 Held: only when planning would cost more than copying (at least :data:`MIN_TENSORS` tensors
 averaging under :data:`MEAN_BYTES` per storage, :data:`MAX_BYTES` in all) and the state is of
 the kinds above, in host memory, each tensor a leaf or not requiring grad, with no conjugate or
-negative bit. Anything else is planned on the caller's time as before.
+negative bit, one dtype per storage (what ``torch.save`` would refuse, ``save()`` refuses).
+Anything else is planned on the caller's time as before.
 """
 
 from __future__ import annotations
@@ -238,6 +239,8 @@ def hold(walked: Walked, pool: Callable[[], cf.Executor] | None, workers: int,
             k = index_of[sid] = len(firsts)
             firsts.append(i)
         storage_of.append(k)
+    if len({(k, f[3]) for k, f in zip(storage_of, facts)}) != len(firsts):
+        return None  # two dtypes over one storage: torch.save refuses it, on the caller's time
     storages = [_untyped_storage(tensors[i]) for i in firsts]
     sizes = [s.nbytes() for s in storages]
     total = sum(sizes)
