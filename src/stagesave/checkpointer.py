@@ -25,7 +25,7 @@ from .restore.select import latest_in, resume_choice
 from .restore.verify import verify_checkpoint
 from .saving import behind, jobs, lifecycle, plan, validate
 from .saving.behind import Held, Holder
-from .saving.held_job import held_job
+from .saving.held_job import Holding, held_job
 from .saving.memory import StagingMemory
 from .saving.pipeline import Pipeline
 from .saving.plan_folder import plan_folder
@@ -126,7 +126,10 @@ class Checkpointer:
         image = self.plans.plan_or_hold(state, self._holder() if self.plan_behind else None)
         tel.plan_s = time.perf_counter() - t_start
         if isinstance(image, Held):
-            return self._save_held(image, store, name, tel, meta, t_start)
+            handle = self._save_held(image, store, name, tel, meta, t_start)
+            if handle is not None:
+                return handle
+            image = self.plans.plan(state)  # no room for its copy and a buffer: planned here
         store.check_writable(name, image.size)
         staged = self.stager.stage([(name, image)], store, tel, algorithm=self.checksum,
                                    folder=False)
@@ -140,30 +143,35 @@ class Checkpointer:
         tel.blocking_s = time.perf_counter() - t_start
         return self.pipeline.submit(job)
 
-    def _holder(self) -> Holder | None:
-        """What holds a save to be planned behind (while fewer than ``max_pending`` are)."""
-        if not self.memory.held.room():
-            return None
+    def _holder(self) -> Holder:
+        """What holds a save to be planned behind (``saving/behind.py``)."""
         return lambda walked: behind.hold(walked, self.stager.copy_threads, self.stager.workers)
 
     def _save_held(self, held: Held, store: Store, name: str, tel: SaveTelemetry,
-                   meta: dict[str, Any], t_start: float) -> SaveHandle:
-        self.memory.held.add()
+                   meta: dict[str, Any], t_start: float) -> SaveHandle | None:
+        """Lease the held save's buffer now (buffers go to jobs in the order they are queued),
+        queue its job (:mod:`.saving.held_job`); ``None``: no memory for that buffer beside the
+        held copy (the copy let go: the save is planned on the caller's time)."""
         try:
             store.check_writable(name, held.nbytes)
+            try:
+                lease = self.memory.lease(held.bounds[1])
+            except (OSError, MemoryError):
+                held.release()
+                return None
         except BaseException:
             held.release()
-            self.memory.held.done()
             raise
-        job = held_job(SaveHandle(tel.path, tel), store, name, held, checkpointer=self,
-                       meta=meta, t_start=t_start, done=self.memory.held.done)
-        tel.blocking_s = time.perf_counter() - t_start
+        tel.buffer_wait_s = lease.waited_s
+        holding = Holding(held, lease)
         try:
-            return self.pipeline.submit(job)
-        except BaseException:  # closed meanwhile: it never runs
-            held.release()
-            self.memory.held.done()
+            job = held_job(SaveHandle(tel.path, tel), store, name, holding, checkpointer=self,
+                           meta=meta, t_start=t_start)
+            tel.blocking_s = time.perf_counter() - t_start
+        except BaseException:
+            holding.give_back()
             raise
+        return self.pipeline.submit(job)  # (refused: it gives back what the job holds)
 
     def prepare_buffer(self, nbytes: int) -> None:
         """Make the staging buffer of a coming save of about ``nbytes`` (its file's size: e.g.

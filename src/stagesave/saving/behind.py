@@ -26,7 +26,6 @@ import collections
 import concurrent.futures as cf
 import ctypes
 import mmap
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -36,11 +35,11 @@ from .host_copy import HostCopies, copy_in
 from .image import StorageSlot
 from .plan import gc_paused
 from .splice import MAX_LEAVES
-from .walk import LEAF, TEXT, Fact, Walked, walk
+from .torch_pickler import ELEMENT_SIZE
+from .walk import LEAF, TEXT, Fact, Walked, file_bounds, walk
 
 __all__ = [
-    "MAX_BYTES", "MEAN_BYTES", "MIN_TENSORS", "Counter", "Held", "Holder", "hold", "repoint",
-    "walk_and_hold",
+    "MAX_BYTES", "MEAN_BYTES", "MIN_TENSORS", "Held", "Holder", "hold", "repoint", "walk_and_hold",
 ]
 
 #: Fewer tensors than this are planned on the caller's time (a plan of a few milliseconds).
@@ -56,6 +55,7 @@ _Parameter = torch.nn.Parameter
 _OrderedDict = collections.OrderedDict
 _CONTAINERS = (dict, list, tuple, _OrderedDict)
 _untyped_storage = torch.Tensor.untyped_storage
+_DTYPES = frozenset(ELEMENT_SIZE)
 
 
 class Held:
@@ -64,12 +64,13 @@ class Held:
 
     def __init__(self, walked: Walked, scratch: mmap.mmap | None, spans: list[tuple[int, int]],
                  storage_of: list[int], identity: list[int] | None, starts: list[int],
-                 span: tuple[int, int]) -> None:
+                 span: tuple[int, int], bounds: tuple[int, int]) -> None:
         self.structure = walked.structure
         #: where the state's tensors and storages were when held (:func:`repoint`)
         self.addresses, self.storage_ids, self.starts = (walked.addresses, walked.storage_ids,
                                                          starts)
         self.span = span  # the scratch copy's first and last byte + 1 (0, 0: none)
+        self.bounds = bounds  # of its file's size (:func:`.walk.file_bounds`)
         self.leaves = walked.leaves
         self.facts: list[Fact] = walked.facts
         self.scratch = scratch  # (None: no bytes at all)
@@ -126,36 +127,6 @@ def walk_and_hold(state: Any, holder: Holder) -> Held | None:
             return holder(walk(state))
         except Exception:  # noqa: BLE001 - planned from scratch, which names problems
             return None
-
-
-class Counter:
-    """Held saves not yet staged (each holds a scratch copy of its state): at most ``limit``.
-
-    A held save leases its staging buffer on the writer thread; any other lease waits until
-    none is pending (:meth:`wait_empty`), or a later save's buffer, leased first, could leave
-    none for the held save ahead of it in the queue.
-    """
-
-    def __init__(self, limit: int) -> None:
-        self.limit, self.n = limit, 0
-        self._cond = threading.Condition()
-
-    def room(self) -> bool:
-        with self._cond:
-            return self.n < self.limit
-
-    def add(self) -> None:
-        with self._cond:
-            self.n += 1
-
-    def done(self) -> None:
-        with self._cond:
-            self.n -= 1
-            self._cond.notify_all()
-
-    def wait_empty(self) -> None:
-        with self._cond:
-            self._cond.wait_for(lambda: self.n == 0)
 
 
 def rebuild(structure: list[Any], leaves: list[Any], tensor: Callable[[Any], Any]) -> Any:
@@ -226,8 +197,8 @@ def hold(walked: Walked, pool: Callable[[], cf.Executor] | None, workers: int,
             or not all(t.is_cpu for t in tensors)):
         return None
     facts = walked.facts
-    if any(f[5] for f in facts):  # a conjugate or negative bit
-        return None
+    if any(f[5] for f in facts) or not {f[3] for f in facts} <= _DTYPES:
+        return None  # a conjugate or negative bit; a dtype the planner does not know
     if any(t.grad_fn is not None for t, f in zip(tensors, facts) if f[4]):
         return None  # a tensor that requires grad and is not a leaf
     index_of: dict[int, int] = {}
@@ -246,9 +217,21 @@ def hold(walked: Walked, pool: Callable[[], cf.Executor] | None, workers: int,
     total = sum(sizes)
     if total > MAX_BYTES or total >= MEAN_BYTES * len(sizes):
         return None
+    starts = [s.data_ptr() for s in storages]
+    held = [a for a, n in zip(starts, sizes) if n]
+    if len(set(held)) != len(held):
+        return None  # two storage objects over one memory: torch.save's own check decides
+    try:
+        return _copied(walked, sizes, starts, storage_of, pool, workers)
+    except (OSError, MemoryError):  # no room for the copy: planned on the caller's time
+        return None
+
+
+def _copied(walked: Walked, sizes: list[int], starts: list[int], storage_of: list[int],
+            pool: Callable[[], cf.Executor] | None, workers: int) -> Held:
+    """The storages (at ``starts``, of ``sizes``) copied into one scratch buffer."""
     spans: list[tuple[int, int]] = []
     moves: list[tuple[int, int, int]] = []
-    starts = [s.data_ptr() for s in storages]
     end = 0
     for start, size in zip(starts, sizes):
         spans.append((end, size))
@@ -262,12 +245,13 @@ def hold(walked: Walked, pool: Callable[[], cf.Executor] | None, workers: int,
         address = ctypes.addressof(ctypes.c_char.from_buffer(view))
         copy_in(view, address, HostCopies(big=moves), pool, workers)
         view.release()
-    ids = list(map(id, tensors))
+    ids = list(map(id, walked.tensors))
     identity = None
-    if len(set(ids)) != n:
+    if len(set(ids)) != len(ids):
         first: dict[int, int] = {}
         identity = [first.setdefault(x, i) for i, x in enumerate(ids)]
-    return Held(walked, scratch, spans, storage_of, identity, starts, (address, address + end))
+    return Held(walked, scratch, spans, storage_of, identity, starts, (address, address + end),
+                file_bounds(sizes, len(walked.leaves)))
 
 
 def repoint(template: Any, held: Held) -> None:

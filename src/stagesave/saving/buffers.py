@@ -342,6 +342,22 @@ class BufferPool:
                 self._free.append(buf)
             self._cond.notify()
 
+    def regrow(self, buf: HostBuffer, nbytes: int) -> HostBuffer:
+        """``buf``, leased, made again at ``nbytes`` or more in its place (as many buffers as
+        before; raises, and counts it gone, when the allocation fails)."""
+        self._free_memory(buf)
+        try:
+            new = self._allocate(_round_up(_round_up(max(nbytes, ALIGNMENT), ALIGNMENT),
+                                           GROWTH_STEP))
+        except BaseException:
+            with self._cond:
+                self._count -= 1
+                self._cond.notify()
+            raise
+        if self.segments is not None and new.segment is not None:
+            self.segments.announce(new.segment)
+        return new
+
     def in_use(self) -> int:
         with self._cond:
             return self._count - len(self._free)
@@ -373,12 +389,23 @@ class BufferPool:
 class Lease:
     """One staging buffer taken from :class:`StagingMemory`, held until :meth:`give_back`."""
 
-    __slots__ = ("buf", "device", "pool", "waited_s")
+    __slots__ = ("buf", "device", "given", "pool", "waited_s")
 
     def __init__(
         self, pool: BufferPool, buf: HostBuffer, device: torch.device | None, waited_s: float
     ) -> None:
         self.pool, self.buf, self.device, self.waited_s = pool, buf, device, waited_s
+        self.given = False
 
     def give_back(self) -> None:
-        self.pool.release(self.buf)
+        """Return the buffer (once: later calls do nothing)."""
+        if not self.given:
+            self.given = True
+            self.pool.release(self.buf)
+
+    def regrow(self, nbytes: int) -> None:
+        """Make the buffer again at ``nbytes`` or more, in its place: never waits for another
+        (its contents are lost; a lease taken before its size was known)."""
+        self.given = True  # (if the allocation fails, the pool has counted it gone)
+        self.buf = self.pool.regrow(self.buf, nbytes)
+        self.given = False

@@ -9,7 +9,6 @@ from collections.abc import Callable
 import torch
 
 from ..errors import ClosedError
-from .behind import Counter
 from .buffers import BufferPool, Lease, SegmentHooks
 
 __all__ = ["StagingMemory"]
@@ -35,25 +34,19 @@ class StagingMemory:
         self._warned = False
         self._lock = threading.Lock()
         self._closed = False
-        #: saves held to be planned behind (:mod:`.behind`) and not staged yet
-        self.held = Counter(max_buffers)
 
     @property
     def max_buffers(self) -> int:
         return self.host.max_buffers
 
-    def lease(self, nbytes: int, device: torch.device | None = None, *,
-              behind: bool = False) -> Lease:
+    def lease(self, nbytes: int, device: torch.device | None = None) -> Lease:
         """A buffer of at least ``nbytes``: on ``device`` when it has room, else in host memory.
 
-        Waits while ``max_buffers`` of that kind are in flight, and (unless ``behind``: the
-        lease of a held save) while a held save ahead of it has none (:class:`.behind.Counter`).
+        Waits while ``max_buffers`` of that kind are in flight.
 
         Raises:
             ClosedError: released by :meth:`close`.
         """
-        if not behind:
-            self.held.wait_empty()
         if device is not None and nbytes >= self._no_room.get(device, nbytes + 1):
             device = None  # this size did not fit on the device before: do not retry every save
         pool = self.host if device is None else self._device_pool(device)

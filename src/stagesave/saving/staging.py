@@ -108,14 +108,15 @@ class Stager:
         *,
         algorithm: str,
         folder: bool,
-        behind: bool = False,
+        lease: Lease | None = None,
     ) -> Staged:
         """Lease one buffer for every file of ``planned`` and copy them into it.
 
         ``folder``: the files are entries of a folder (each gets its own aligned slice and its
         entry name); otherwise ``planned`` is the one file of a file checkpoint. Fills
         ``tel``'s buffer wait, staging and checksum times, ``staged_on`` and sizes.
-        ``behind``: a held save's, on the writer thread (:meth:`.StagingMemory.lease`).
+        ``lease``: a buffer leased already (a held save's, :mod:`.behind`), grown in place if
+        the files need more.
         """
         images = [image for _, image in planned]
         bases, total = [], 0
@@ -123,7 +124,10 @@ class Stager:
             bases.append(total)
             total += _aligned(image.size) if folder else image.size
         device = device_of(images, store) if self.device_staging else None
-        lease = self.memory.lease(total, device, behind=behind)
+        if lease is None:
+            lease = self.memory.lease(total, device)
+        elif lease.buf.capacity < total:
+            lease.regrow(total)
         tel.buffer_wait_s = lease.waited_s
         buf, device = lease.buf, lease.device
         waits: list[Callable[[], None]] = []

@@ -185,9 +185,8 @@ class Template:
         return not self.shared or _identity(tensors, self.shared) == self.shared_identity
 
     def _same_facts(self, walked: Walked) -> bool:
-        """Whether every tensor has the shape, stride, storage offset, dtype and
-        ``requires_grad`` the template has (and the same type: the structure has it): by
-        torch's compiled check and the offsets where it says so, else read in Python."""
+        """Whether every tensor has the template's shape, stride, offset, dtype, ``requires_grad``
+        (type: in the structure), by torch's compiled check where it says so, else Python."""
         guard = self.guard
         if guard is not None and guard.same(walked.tensors) and walked.offsets == self.offsets:
             return True
@@ -349,11 +348,12 @@ class PlanCache:
                 walked.addresses  # noqa: B018
             except Exception:  # noqa: BLE001 - a tensor without them (sparse): no template
                 walked = None
+        fresh = walked is not None and consts is not None and not _agrees(self._refused, walked)
+        if fresh and holder is not None and (held := holder(walked)) is not None:  # type: ignore[arg-type]
+            return held  # (before a buffer is made ahead: its lease would wait for that)
         if walked is not None and self.prepare is not None:
             self.prepare(walked.image_bounds)
-        if walked is not None and consts is not None and not _agrees(self._refused, walked):
-            if holder is not None and (held := holder(walked)) is not None:
-                return held
+        if walked is not None and consts is not None and fresh:
             made = self._new_template(state, walked, consts)
             if made is not None:
                 return made

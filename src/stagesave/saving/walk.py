@@ -29,7 +29,8 @@ from typing import Any
 import torch
 
 __all__ = [
-    "LEAF", "MAX_DEPTH", "MAX_OPAQUE_BYTES", "TEXT", "VOLATILE", "Different", "Walked", "walk",
+    "LEAF", "MAX_DEPTH", "MAX_OPAQUE_BYTES", "TEXT", "VOLATILE", "Different", "Walked",
+    "file_bounds", "walk",
 ]
 
 _Tensor = torch.Tensor
@@ -103,8 +104,13 @@ class Walked:
         bytes, and those with each record padded to pages plus room for its headers, its
         pickle and its proof (a generous allowance; a staging buffer is made to it)."""
         sizes = {s._cdata: s.nbytes() for s in map(_untyped_storage, self.tensors)}
-        most = sum((n + 4223) // 4096 * 4096 for n in sizes.values())  # + 128 of headers, paged
-        return sum(sizes.values()), most + 384 * len(sizes) + 128 * len(self.leaves) + (1 << 20)
+        return file_bounds(list(sizes.values()), len(self.leaves))
+
+
+def file_bounds(sizes: list[int], leaves: int) -> tuple[int, int]:
+    """:meth:`Walked.image_bounds` of storages of ``sizes`` and ``leaves`` volatile leaves."""
+    most = sum((n + 4223) // 4096 * 4096 for n in sizes)  # + 128 of headers, paged
+    return sum(sizes), most + 384 * len(sizes) + 128 * leaves + (1 << 20)
 
 
 #: An object the walk does not look into is compared by its own pickle up to this size; a larger
