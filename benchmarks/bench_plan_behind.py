@@ -16,7 +16,6 @@ before the next. Medians; the ratio of the first save to the median of the last 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -88,10 +87,7 @@ def main() -> None:
                       f" s, next save {med(r['after_s'][0] for r in rs) * 1e3:8.1f} ms, planned "
                       f"behind {med(r['plan_behind_s'] for r in rs):5.2f} s", flush=True)
     finally:
-        shutil.rmtree(base, ignore_errors=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+        bench_shapes._finish(base, results, args.json)  # the folder removed, every sample kept
 
 
 if __name__ == "__main__":
