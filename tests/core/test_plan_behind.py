@@ -514,3 +514,26 @@ def test_a_held_save_that_fails_lets_its_copy_go(ckpt_dir: Any,
     except stagesave.CheckpointError as exc:  # the failure, if not delivered yet
         assert "injected" in str(exc)
     assert ck.list() == []
+
+
+def test_saves_pending_when_close_times_out_are_still_written(ckpt_dir: Any) -> None:
+    """``close(timeout)`` that gives up waiting says the saves are not committed yet and lets
+    them go on while the process runs (its documented promise): a held save, whose staging
+    comes after the close released the copy threads, and a plain one queued behind it are
+    both written (before, the held one failed "closed", the plain one "cannot schedule new
+    futures after shutdown")."""
+    held_state = _many(1_250, 64)
+    held_bytes = torch_save_bytes(held_state)
+    plain = {"w": torch.arange(10.0), "step": 1}
+    plain_bytes = torch_save_bytes(plain)
+    ck = stagesave.Checkpointer(ckpt_dir, writer="thread")
+    first = ck.save(held_state, "held.ckpt")
+    second = ck.save(plain, "plain.ckpt")
+    with pytest.raises(TimeoutError, match="not committed yet"):
+        ck.close(timeout=0.001)
+    first.result(60)
+    second.result(60)
+    assert first.telemetry.plan_behind_s > 0
+    assert_file_is_what_torch_save_writes(ckpt_dir / "held.ckpt", None, theirs_bytes=held_bytes)
+    assert_file_is_what_torch_save_writes(ckpt_dir / "plain.ckpt", None,
+                                          theirs_bytes=plain_bytes)

@@ -106,7 +106,8 @@ class JobQueue:
             return False
         self._thread.join(timeout)
         finished = not self._thread.is_alive()
-        self.io_pool.shutdown(wait=finished)
+        if finished:  # (else the writer thread shuts them once its last job is done)
+            self.io_pool.shutdown(wait=True)
         return finished
 
     def _run(self) -> None:
@@ -117,7 +118,7 @@ class JobQueue:
                 while not self._jobs and not self._stopping:
                     self._cond.wait()
                 if not self._jobs:
-                    return
+                    break
                 job = self._jobs.popleft()
                 self._busy = True
             try:
@@ -127,6 +128,7 @@ class JobQueue:
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()
+        self.io_pool.shutdown(wait=False)  # stopped: no job of this queue uses them again
 
 
 class Staging(Protocol):

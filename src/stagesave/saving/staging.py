@@ -99,6 +99,8 @@ class Stager:
         self.workers = max(1, torch.get_num_threads())  # copy threads (made on first use)
         self._lock = threading.Lock()
         self._closed = False
+        #: a held save staged after close(): its own copy threads, on its thread only
+        self._own = threading.local()
 
     def stage(
         self,
@@ -126,8 +128,13 @@ class Stager:
         device = device_of(images, store) if self.device_staging else None
         if lease is None:
             lease = self.memory.lease(total, device)
-        elif lease.buf.capacity < total:
-            lease.regrow(total)
+        else:
+            if lease.buf.capacity < total:
+                lease.regrow(total)
+            with self._lock:  # staged after close(timeout) gave up waiting: threads of its own
+                own = self._closed
+            if own:
+                self._own.threads = cf.ThreadPoolExecutor(self.workers)
         tel.buffer_wait_s = lease.waited_s
         buf, device = lease.buf, lease.device
         waits: list[Callable[[], None]] = []
@@ -146,6 +153,10 @@ class Stager:
         except BaseException:
             lease.give_back()
             raise
+        finally:
+            own_threads, self._own.threads = getattr(self._own, "threads", None), None
+            if own_threads is not None:
+                own_threads.shutdown()
         if device is not None:
             tel.staged_on = str(device)
         tel.bytes = sum(im.covered for im in images)
@@ -224,6 +235,9 @@ class Stager:
 
     def copy_threads(self) -> cf.ThreadPoolExecutor:
         """The threads that copy-and-hash on the caller's time (created on first use)."""
+        own = getattr(self._own, "threads", None)
+        if own is not None:
+            return own  # type: ignore[no-any-return]
         with self._lock:
             if self._closed:  # a save racing close() must not start threads nobody joins
                 raise ClosedError(
