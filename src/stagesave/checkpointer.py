@@ -152,24 +152,22 @@ class Checkpointer:
         """Lease the held save's buffer now (buffers go to jobs in the order they are queued),
         queue its job (:mod:`.saving.held_job`); ``None``: no memory for that buffer beside the
         held copy (the copy let go: the save is planned on the caller's time)."""
+        holding = None
         try:
             store.check_writable(name, held.nbytes)
             try:
-                lease = self.memory.lease(held.bounds[1])
+                holding = Holding(held, self.memory.lease(held.bounds[1]))
             except (OSError, MemoryError):
                 held.release()
                 return None
-        except BaseException:
-            held.release()
-            raise
-        tel.buffer_wait_s = lease.waited_s
-        holding = Holding(held, lease)
-        try:
+            tel.buffer_wait_s = holding.lease.waited_s
             job = held_job(SaveHandle(tel.path, tel), store, name, holding, checkpointer=self,
                            meta=meta, t_start=t_start)
             tel.blocking_s = time.perf_counter() - t_start
-        except BaseException:
-            holding.give_back()
+        except BaseException:  # (a Ctrl-C too: nothing will run the job)
+            held.release()
+            if holding is not None:
+                holding.give_back()
             raise
         return self.pipeline.submit(job)  # (refused: it gives back what the job holds)
 

@@ -10,8 +10,8 @@ of the state (:mod:`.walk`), which for a state made only of dicts, lists, tuples
 each tensor's type, facts and storage, which tensors are one object. The writer thread
 rebuilds that state (:meth:`Held.thaw`: the same containers, tensors over the scratch with the
 same facts, storage sharing and identities), plans it as any first save, and writes it. Its
-template then serves the next saves of the real state, whose tensors it finds at other
-addresses (:meth:`.Template.matches`).
+template, moved to the real state's addresses and storage objects as they were when held
+(:func:`repoint`), then serves the next saves of the real state.
 
 Held: only when planning would cost more than copying (at least :data:`MIN_TENSORS` tensors
 averaging under :data:`MEAN_BYTES` per storage, :data:`MAX_BYTES` in all) and the state is of
@@ -53,7 +53,6 @@ _ALIGN = 64
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
 _OrderedDict = collections.OrderedDict
-_CONTAINERS = (dict, list, tuple, _OrderedDict)
 _untyped_storage = torch.Tensor.untyped_storage
 _DTYPES = frozenset(ELEMENT_SIZE)
 
