@@ -13,7 +13,7 @@ from typing import Any
 
 from ..checkpointer import Checkpointer
 from ..handle import SaveHandle
-from ..saving.buffers import Lease
+from ..saving.lease import Lease
 from ..saving.pipeline import Job
 from ..saving.plan import FileImage
 from ..saving.retire import retain

@@ -27,9 +27,7 @@ import torch
 from ..errors import ClosedError
 from ..ondisk.names import ALIGNMENT
 
-__all__ = [
-    "BufferPool", "HostBuffer", "Lease", "SegmentHooks",
-]
+__all__ = ["BufferPool", "HostBuffer", "SegmentHooks"]
 
 #: Buffers grow in steps of this many bytes, so that slightly larger saves reuse them.
 GROWTH_STEP = 64 * 1024 * 1024
@@ -385,27 +383,3 @@ class BufferPool:
             self.segments.forget(buf.segment)
         buf.release_memory()
 
-
-class Lease:
-    """One staging buffer taken from :class:`StagingMemory`, held until :meth:`give_back`."""
-
-    __slots__ = ("buf", "device", "given", "pool", "waited_s")
-
-    def __init__(
-        self, pool: BufferPool, buf: HostBuffer, device: torch.device | None, waited_s: float
-    ) -> None:
-        self.pool, self.buf, self.device, self.waited_s = pool, buf, device, waited_s
-        self.given = False
-
-    def give_back(self) -> None:
-        """Return the buffer (once: later calls do nothing)."""
-        if not self.given:
-            self.given = True
-            self.pool.release(self.buf)
-
-    def regrow(self, nbytes: int) -> None:
-        """Make the buffer again at ``nbytes`` or more, in its place: never waits for another
-        (its contents are lost; a lease taken before its size was known)."""
-        self.given = True  # (if the allocation fails, the pool has counted it gone)
-        self.buf = self.pool.regrow(self.buf, nbytes)
-        self.given = False

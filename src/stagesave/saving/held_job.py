@@ -18,8 +18,8 @@ from typing import Any
 from ..handle import SaveHandle
 from ..stores.base import Store
 from .behind import Held, repoint
-from .buffers import Lease
 from .jobs import file_job
+from .lease import Lease
 from .pipeline import Job
 
 __all__ = ["Holding", "held_job"]

@@ -9,7 +9,8 @@ from collections.abc import Callable
 import torch
 
 from ..errors import ClosedError
-from .buffers import BufferPool, Lease, SegmentHooks
+from .buffers import BufferPool, SegmentHooks
+from .lease import Lease
 
 __all__ = ["StagingMemory"]
 

@@ -22,7 +22,8 @@ from ..errors import ClosedError
 from ..ondisk.names import ALIGNMENT
 from ..stores.base import Store
 from ..telemetry import SaveTelemetry
-from .buffers import HostBuffer, Lease
+from .buffers import HostBuffer
+from .lease import Lease
 from .memory import StagingMemory
 from .plan import FileImage
 from .stage import ImageCrcs, crc_image, many_small_slots, on_host, stage_and_crc, stage_image
