@@ -130,6 +130,8 @@ class Checkpointer:
             if handle is not None:
                 return handle
             image = self.plans.plan(state)  # no room for its copy and a buffer: planned here
+        else:
+            self._check_proof([(len(image.slots), image.size)], meta)
         store.check_writable(name, image.size)
         staged = self.stager.stage([(name, image)], store, tel, algorithm=self.checksum,
                                    folder=False)
@@ -143,6 +145,10 @@ class Checkpointer:
         tel.blocking_s = time.perf_counter() - t_start
         return self.pipeline.submit(job)
 
+    def _check_proof(self, files: list[tuple[int, int]], meta: dict[str, Any]) -> None:
+        validate.check_proof_fits(files, chunk_bytes=self.chunk_bytes, algorithm=self.checksum,
+                                  metadata=meta)
+
     def _holder(self) -> Holder:
         """What holds a save to be planned behind (``saving/behind.py``)."""
         return lambda walked: behind.hold(walked, self.stager.copy_threads, self.stager.workers)
@@ -154,6 +160,7 @@ class Checkpointer:
         held copy (the copy let go: the save is planned on the caller's time)."""
         holding = None
         try:
+            self._check_proof([(len(held.spans), held.bounds[1])], meta)
             store.check_writable(name, held.nbytes)
             try:
                 holding = Holding(held, self.memory.lease(held.bounds[1]))
@@ -222,6 +229,7 @@ class Checkpointer:
         planned = plan_folder(files, meta, algorithm=self.checksum, chunk_bytes=self.chunk_bytes,
                               plans=self.plans)
         tel.plan_s = time.perf_counter() - t_start
+        self._check_proof([(len(image.slots), image.size) for _, image in planned], meta)
         validate.check_folder_writable(store, dname, [image for _, image in planned])
         where = validate.check_same_filesystem(store, dname, staging_dir)
         staged = self.stager.stage(planned, store, tel, algorithm=self.checksum, folder=True)

@@ -36,6 +36,7 @@ from ..checkpointer import Checkpointer
 from ..errors import UsageError, as_checkpoint_error
 from ..handle import SaveHandle
 from ..ondisk.names import TMP_MARKER, check_target_name
+from ..saving.validate import check_proof_fits
 from ..stores.base import Store
 from ..telemetry import SaveTelemetry
 from ._coordinator import (
@@ -277,6 +278,8 @@ class StagedStorageWriter(StorageWriter):
             )
             image = rank_image.image
             tel.plan_s = time.perf_counter() - t0
+            check_proof_fits([(len(image.slots), image.size)], chunk_bytes=ckpt.chunk_bytes,
+                             algorithm=ckpt.checksum, metadata={})
             s.store.check_writable(join(spec.staging, spec.file_name), image.size)
             lease = ckpt.memory.lease(image.size)
             tel.buffer_wait_s = lease.waited_s

@@ -22,7 +22,7 @@ import msgspec
 
 from .names import MAX_MANIFEST_BYTES
 from .parse import parse_index
-from .validate import _MAX_TENSOR_NAME, MAX_ENTRIES, MAX_NUMEL, MAX_RANK, load_json, telemetry
+from .validate import MAX_ENTRIES, MAX_NUMEL, MAX_RANK, MAX_TENSOR_NAME, load_json, telemetry
 
 __all__ = ["check_index"]
 
@@ -33,7 +33,7 @@ _Short = Annotated[str, msgspec.Meta(max_length=64)]
 class _Entry(msgspec.Struct, forbid_unknown_fields=True):
     """The common entry, as :func:`.validate._plain_tensor` sees it at a glance."""
 
-    name: Annotated[str, msgspec.Meta(max_length=_MAX_TENSOR_NAME)]
+    name: Annotated[str, msgspec.Meta(max_length=MAX_TENSOR_NAME)]
     storage: _Short
     dtype: _Short
     shape: Annotated[list[_Count], msgspec.Meta(max_length=MAX_RANK)]

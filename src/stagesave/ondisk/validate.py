@@ -28,7 +28,8 @@ from .model import FileEntry, StorageRecord
 from .names import MAX_FILE_BYTES, MAX_MANIFEST_BYTES
 
 __all__ = [
-    "MAX_CHUNK", "MAX_DEPTH", "MAX_ENTRIES", "MAX_NUMEL", "MAX_RANK", "MAX_SEQ", "algorithm",
+    "MAX_CHUNK", "MAX_DEPTH", "MAX_ENTRIES", "MAX_NUMEL", "MAX_RANK", "MAX_SEQ", "MAX_TENSOR_NAME",
+    "algorithm",
     "chunks", "fail", "file_entry", "file_name", "integer", "json_object", "kind", "load_json",
     "plain_json", "serialization_id", "storages", "string", "telemetry", "tensors",
 ]
@@ -47,7 +48,7 @@ MAX_RANK = 1024
 #: Largest element count, dimension, stride and offset of a tensor in the index.
 MAX_NUMEL = 1 << 62
 #: Longest tensor name in the index.
-_MAX_TENSOR_NAME = 65_536
+MAX_TENSOR_NAME = 65_536
 #: Telemetry integers stay within what converts to a float.
 _MAX_TELEMETRY_INT = 1 << 63
 
@@ -178,7 +179,7 @@ def _plain_tensor(t: Any) -> bool:
         return False
     name, dtype, shape, stride = t.get("name"), t.get("dtype"), t.get("shape"), t.get("stride")
     offset, storage = t.get("storage_offset"), t.get("storage")
-    if not (type(name) is str and len(name) <= _MAX_TENSOR_NAME and type(dtype) is str
+    if not (type(name) is str and len(name) <= MAX_TENSOR_NAME and type(dtype) is str
             and len(dtype) <= 64 and type(storage) is str and len(storage) <= 64
             and type(offset) is int and 0 <= offset <= MAX_NUMEL and type(shape) is list
             and type(stride) is list and len(stride) == len(shape) <= MAX_RANK):
@@ -198,7 +199,7 @@ def _tensor(t: Any, i: int, where: str) -> dict[str, Any]:
     what = f"tensors[{i}]"
     if not isinstance(t, dict):
         raise fail(where, f"{what} is not an object")
-    string(t.get("name"), f"{what}.name", where, _MAX_TENSOR_NAME)
+    string(t.get("name"), f"{what}.name", where, MAX_TENSOR_NAME)
     string(t.get("dtype"), f"{what}.dtype", where, 64)
     shape = t.get("shape")
     if not isinstance(shape, list) or len(shape) > MAX_RANK:

@@ -12,21 +12,35 @@ Anything msgspec would write differently is encoded by ``json.dumps`` as before:
 ASCII or holding a DEL (``json.dumps`` escapes both), a float that is not finite (it refuses
 one, msgspec writes ``null``; a name holding such a token counts), a type msgspec does not
 know.
+
+The index holds only what a loader accepts (:func:`indexable`): a tensor whose name is longer
+than a loader reads, or of more dimensions, is not indexed, and the entries past
+:data:`MAX_INDEX_BYTES` are left out, as those past
+:data:`~stagesave.saving.image.MAX_INDEXED_TENSORS` are. The index describes; the pickle is
+the state, and loads whole.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import operator
 import threading
 from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 
+from ..ondisk.names import MAX_MANIFEST_BYTES
+from ..ondisk.validate import MAX_RANK, MAX_TENSOR_NAME
 from .image import TensorEntry
 
-__all__ = ["IndexJson", "encode_tensors", "index_record"]
+__all__ = ["MAX_INDEX_BYTES", "IndexJson", "encode_tensors", "index_record", "indexable"]
+
+#: The tensors' JSON is at most this many bytes: the index record around it (with the save's
+#: telemetry) stays well under the :data:`~stagesave.ondisk.names.MAX_MANIFEST_BYTES` a loader
+#: reads.
+MAX_INDEX_BYTES = MAX_MANIFEST_BYTES // 2
 
 
 class _Entry(msgspec.Struct):
@@ -75,12 +89,45 @@ def _is(a: object, b: object) -> bool:
     return a is b
 
 
+def indexable(entries: Sequence[TensorEntry | dict[str, Any]]) -> list[Any]:
+    """The entries a loader's check of the index accepts: names of at most
+    :data:`~stagesave.ondisk.validate.MAX_TENSOR_NAME` characters, at most
+    :data:`~stagesave.ondisk.validate.MAX_RANK` dimensions (torch sets neither limit)."""
+    if not entries or set(map(type, entries)) <= {TensorEntry} and (
+            max(map(len, map(operator.itemgetter(0), entries))) <= MAX_TENSOR_NAME
+            and max(map(len, map(operator.itemgetter(3), entries))) <= MAX_RANK):
+        return list(entries)  # (C loops: ~20 ms at 100,000 tensors, once per plan, on the writer)
+    return [e for e in entries if len(_name(e)) <= MAX_TENSOR_NAME and len(_shape(e)) <= MAX_RANK]
+
+
+def _name(e: TensorEntry | dict[str, Any]) -> Any:
+    return e.name if isinstance(e, TensorEntry) else e.get("name", "")
+
+
+def _shape(e: TensorEntry | dict[str, Any]) -> Any:
+    return e.shape if isinstance(e, TensorEntry) else e.get("shape", ())
+
+
 def encode_tensors(entries: Sequence[TensorEntry | dict[str, Any]]) -> bytes:
-    """The JSON array of the index's entries, as ``json.dumps`` writes it compactly.
+    """The JSON array of the index's :func:`indexable` entries, as ``json.dumps`` writes it
+    compactly, the longest run of them that fits :data:`MAX_INDEX_BYTES`.
 
     Raises:
         ValueError, TypeError: as ``json.dumps`` does (a value JSON cannot hold).
     """
+    entries = indexable(entries)
+    data = _encode_all(entries)
+    if len(data) <= MAX_INDEX_BYTES:
+        return data
+    size = 1  # "["
+    for k, e in enumerate(entries):
+        size += len(_encode_all([e])) - 1  # its bytes and the comma or "]" after it
+        if size > MAX_INDEX_BYTES:
+            return _encode_all(entries[:k])
+    return data  # pragma: no cover - the whole run fit after all
+
+
+def _encode_all(entries: list[Any]) -> bytes:
     if set(map(type, entries)) <= {TensorEntry}:
         try:
             data = _encode(list(itertools.starmap(_Entry, entries)))
@@ -89,7 +136,7 @@ def encode_tensors(entries: Sequence[TensorEntry | dict[str, Any]]) -> bytes:
         if data is not None and data.isascii() and not any(
                 token in data for token in (b"\x7f", b":null", b",null", b"[null")):
             return data
-        entries = [_as_dict(e) for e in entries]  # type: ignore[arg-type]
+        entries = [_as_dict(e) for e in entries]
     return _dumps(list(entries))
 
 

@@ -5,20 +5,27 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from typing import Any
 
 from ..errors import CheckpointError, CheckpointPermissionError, UnsupportedObjectError
+from ..ondisk.checksum import DIGEST_HEX_LEN
 from ..ondisk.manifest import MAX_DEPTH, plain_json
-from ..ondisk.names import ALIGNMENT, TMP_MARKER, check_target_name
+from ..ondisk.names import ALIGNMENT, MAX_MANIFEST_BYTES, TMP_MARKER, check_target_name
 from ..stores.base import Store, check_name
 from ..stores.local import makedirs_durable
 from ..stores.targets import StoreResolver
 from .plan import FileImage
 
 __all__ = [
-    "check_folder_names", "check_folder_writable", "check_inside_root", "check_options",
-    "check_same_filesystem", "checked_metadata", "target",
+    "MAX_METADATA_BYTES", "check_folder_names", "check_folder_writable", "check_inside_root",
+    "check_options", "check_proof_fits", "check_same_filesystem", "checked_metadata",
+    "proof_bound", "target",
 ]
+
+#: The user's metadata, as JSON, at most this many bytes: it is written into every file's proof,
+#: which a loader refuses above :data:`~stagesave.ondisk.names.MAX_MANIFEST_BYTES`.
+MAX_METADATA_BYTES = 8 << 20
 
 
 def check_same_filesystem(
@@ -53,13 +60,54 @@ def checked_metadata(metadata: dict[str, Any] | None) -> dict[str, Any]:
     if not isinstance(metadata, dict):
         raise UnsupportedObjectError(f"metadata must be a dict, got {type(metadata).__name__}")
     try:
-        plain_json(json.loads(json.dumps(metadata, allow_nan=False)), "metadata", "metadata")
+        encoded = json.dumps(metadata, allow_nan=False)
+        plain_json(json.loads(encoded), "metadata", "metadata")
     except (TypeError, ValueError, RecursionError) as exc:  # ManifestError is a ValueError too
         raise UnsupportedObjectError(
             f"metadata must hold JSON values (str, numbers, bool, None, lists, dicts) nested at "
             f"most {MAX_DEPTH} deep: {exc}"
         ) from exc
+    if len(encoded) > MAX_METADATA_BYTES:
+        raise UnsupportedObjectError(
+            f"metadata is {len(encoded)} bytes as JSON, more than the {MAX_METADATA_BYTES} a "
+            "checkpoint's proof may carry: keep large values in the state or a file of their own"
+        )
     return dict(metadata)
+
+
+def proof_bound(storages: int, size: int, *, chunk_bytes: int, algorithm: str) -> int:
+    """At least as many bytes as the proof of a ``size``-byte file of ``storages`` storages
+    takes besides its metadata, as a safetensors header holds it too (escaped as a JSON
+    string): every number as wide as the file's size, every character escaped once."""
+    chunks = -(-size // chunk_bytes) + 1
+    per_storage = len(str(max(storages, 1))) + 2 * len(str(size)) + 12
+    return 4096 + storages * per_storage + chunks * (DIGEST_HEX_LEN.get(algorithm, 64) + 5)
+
+
+def check_proof_fits(files: Sequence[tuple[int, int]], *, chunk_bytes: int, algorithm: str,
+                     metadata: dict[str, Any]) -> None:
+    """Refuse a save whose proof a loader would refuse as too large.
+
+    ``files``: each file's storages and size. A proof lists its file's storages (key, offset,
+    bytes) and chunk digests beside the metadata, a folder's carrier also the other files (and
+    a raw file's chunks); a loader reads at most
+    :data:`~stagesave.ondisk.names.MAX_MANIFEST_BYTES` of it. The sum of the files'
+    :func:`proof_bound` and the metadata (escaped) bounds every proof of the save.
+
+    Raises:
+        UnsupportedObjectError: a proof could exceed the limit (the save would be unloadable).
+    """
+    bound = 2 * len(json.dumps(metadata)) + sum(
+        proof_bound(n, size, chunk_bytes=chunk_bytes, algorithm=algorithm) for n, size in files)
+    if bound > MAX_MANIFEST_BYTES:
+        storages = sum(n for n, _ in files)
+        chunks = sum(-(-size // chunk_bytes) + 1 for _, size in files)
+        raise UnsupportedObjectError(
+            f"this save would carry a proof of up to {bound / 2**20:.0f} MiB ({storages} "
+            f"storages, {chunks} checksum chunks), more than the {MAX_MANIFEST_BYTES >> 20} MiB "
+            "a loader reads: save fewer, larger tensors (flatten small ones into one), use a "
+            "larger chunk_bytes, or split the state over several files"
+        )
 
 
 def check_inside_root(store: Store, name: str) -> None:

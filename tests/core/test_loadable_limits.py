@@ -1,0 +1,163 @@
+"""A checkpoint that was saved loads: what the loader refuses as too large is never written.
+
+The loader reads at most ``MAX_MANIFEST_BYTES`` of a proof or of a tensor index, names of at most
+``MAX_TENSOR_NAME`` characters and tensors of at most ``MAX_RANK`` dimensions in the index (a
+hostile file must not exhaust memory). torch itself sets none of these limits, and a state
+beyond them was saved, committed, and then refused by ``load`` as corrupt. Now the index holds
+only what a loader reads (the pickle holds the state, whole), and what cannot fit a proof (too
+large metadata, too many storages or chunks) is refused by ``save()`` before anything is
+written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import stagesave
+from stagesave.errors import UnsupportedObjectError
+from stagesave.formats import Raw, Safetensors
+from stagesave.ondisk.checksum import crc32
+from stagesave.ondisk.manifest import parse_summary
+from stagesave.ondisk.names import MAX_MANIFEST_BYTES, PROOF_KEY
+from stagesave.ondisk.torchzip import read_footer
+from stagesave.ondisk.validate import MAX_RANK, MAX_TENSOR_NAME
+from stagesave.saving import validate
+from stagesave.saving.index_json import MAX_INDEX_BYTES
+
+
+def _equal(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], dict):
+            _equal(a[k], b[k])
+        else:
+            assert torch.equal(a[k], b[k]) and a[k].shape == b[k].shape, k
+
+
+def _proof_len(path) -> int:
+    with open(path, "rb") as f:
+        f.seek(max(0, os.path.getsize(path) - 65536))
+        raw = read_footer(f.read(), crc32)
+    assert raw is not None
+    return parse_summary(raw, str(path)).proof_len
+
+
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_an_index_past_the_loaders_limit_is_cut_and_the_checkpoint_loads(tmp_path, shm, writer):
+    # 20,000 names of 2,000 characters: a 40 MB index (the loader reads 64 MiB; the index is
+    # cut at 32 MiB); with writer="thread" the first save is planned behind the caller
+    state = {f"k{i:05d}" + "x" * 2000: torch.full((1,), float(i)) for i in range(20_000)}
+    with stagesave.Checkpointer(tmp_path / "ck", writer=writer) as ck:
+        ck.save(state, "a.ckpt").result()
+        loaded = ck.load("a.ckpt")
+        _equal(loaded, state)
+        index = ck.verify("a.ckpt").manifest.tensors
+    names = list(state)
+    assert 10_000 < len(index) < len(names)  # cut, and the rest of it kept in order
+    assert [t["name"] for t in index] == names[: len(index)]
+    assert len(json.dumps(index, separators=(",", ":"))) <= MAX_INDEX_BYTES
+
+
+def test_names_and_ranks_past_the_loaders_limits_are_not_indexed_and_load(tmp_path, shm):
+    long_key, deep = "x" * (MAX_TENSOR_NAME + 1), torch.zeros([1] * (MAX_RANK + 76))
+    state = {
+        long_key: torch.arange(3.0),
+        "outer" + "y" * 40_000: {"z" * 40_000: torch.ones(2)},  # dotted: 80,006 characters
+        "deep": deep,
+        "fine": torch.arange(4),
+    }
+    with stagesave.Checkpointer(tmp_path / "ck") as ck:
+        ck.save(state, "a.ckpt").result()
+        loaded = ck.load("a.ckpt")
+        assert torch.equal(loaded[long_key], state[long_key])
+        assert loaded["deep"].shape == deep.shape
+        assert torch.equal(loaded["fine"], state["fine"])
+        _equal(loaded["outer" + "y" * 40_000], state["outer" + "y" * 40_000])
+        assert [t["name"] for t in ck.verify("a.ckpt").manifest.tensors] == ["fine"]
+
+
+def test_metadata_larger_than_a_proof_carries_is_refused_at_save(tmp_path, shm):
+    with stagesave.Checkpointer(tmp_path / "ck") as ck:
+        with pytest.raises(UnsupportedObjectError, match="metadata is 9437193 bytes as JSON, "
+                           "more than the 8388608"):
+            ck.save({"w": torch.ones(2)}, "a.ckpt", metadata={"x": "y" * (9 << 20)})
+        with pytest.raises(UnsupportedObjectError, match="metadata is"):
+            ck.save_dir({"m.bin": {"w": torch.ones(2)}}, "d", metadata={"x": "y" * (9 << 20)})
+        # at the limit it is saved, and loads with its metadata
+        meta = {"x": "y" * ((8 << 20) - 12)}
+        ck.save({"w": torch.ones(2)}, "b.ckpt", metadata=meta).result()
+        assert ck.verify("b.ckpt").manifest.metadata == meta
+        assert torch.equal(ck.load("b.ckpt")["w"], torch.ones(2))
+    assert os.listdir(tmp_path / "ck") == ["b.ckpt"]
+
+
+def test_too_many_storages_or_chunks_for_a_proof_are_refused_with_the_remedy():
+    meta: dict[str, object] = {}
+    validate.check_proof_fits([(1_000_000, 1 << 33)], chunk_bytes=8 << 20, algorithm="crc32",
+                              metadata=meta)
+    with pytest.raises(UnsupportedObjectError, match=r"2000000 storages.*more than the 64 MiB "
+                       r"a loader reads: save fewer, larger tensors"):
+        validate.check_proof_fits([(2_000_000, 1 << 33)], chunk_bytes=8 << 20,
+                                  algorithm="crc32", metadata=meta)
+    with pytest.raises(UnsupportedObjectError, match="1048577 checksum chunks"):
+        validate.check_proof_fits([(10, 1 << 42)], chunk_bytes=4 << 20, algorithm="blake3",
+                                  metadata=meta)
+    # a folder: every file's storages and the metadata once
+    with pytest.raises(UnsupportedObjectError, match="1500000 storages"):
+        validate.check_proof_fits([(750_000, 1 << 30)] * 2, chunk_bytes=8 << 20,
+                                  algorithm="crc32", metadata={"m": "x" * (8 << 20)})
+
+
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_save_save_dir_and_a_held_save_check_the_proof_before_writing(
+        tmp_path, shm, writer, monkeypatch):
+    # the loader's limit lowered for the saver only: a state of 3,000 storages then needs more
+    monkeypatch.setattr(validate, "MAX_MANIFEST_BYTES", 100_000)
+    state = {f"t{i}": torch.ones(4) for i in range(3000)}  # held with writer="thread"
+    with stagesave.Checkpointer(tmp_path / "ck", writer=writer) as ck:
+        for _ in range(2):  # again: with writer="process" the plan the first made is kept
+            with pytest.raises(UnsupportedObjectError, match="3000 storages"):
+                ck.save(state, "a.ckpt")
+        with pytest.raises(UnsupportedObjectError, match="3001 storages"):
+            ck.save_dir({"m.bin": state, "r.bin": {"x": torch.ones(1)}}, "d")
+        ck.save({f"t{i}": torch.ones(4) for i in range(50)}, "ok.ckpt").result()
+    assert os.listdir(tmp_path / "ck") == ["ok.ckpt"]
+
+
+_meta = st.dictionaries(st.text(max_size=8), st.text(max_size=30) | st.integers(), max_size=4)
+
+
+@settings(max_examples=12, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(n=st.integers(0, 600), numel=st.integers(0, 700), meta=_meta,
+       algorithm=st.sampled_from(["crc32", "blake3"]), safetensors=st.booleans())
+def test_the_bound_holds_every_real_proof(tmp_path, n, numel, meta, algorithm, safetensors):
+    state = {f"p{i}": torch.ones(numel) for i in range(n)}
+    chunk, root = 4096, tmp_path / f"b{n}-{numel}-{algorithm}-{safetensors}"
+    with stagesave.Checkpointer(root, writer="thread", checksum=algorithm,
+                                chunk_bytes=chunk) as ck:
+        if safetensors:
+            ck.save_dir({"m.safetensors": Safetensors(state), "raw.bin": Raw(b"r" * 9000)},
+                        "d", metadata=meta).result()
+            path = root / "d" / "m.safetensors"  # the carrier: the raw file listed in its proof
+            with open(path, "rb") as f:
+                header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+            # the proof is a string in the header's metadata: its bytes there, escaped
+            proof = len(json.dumps(header["__metadata__"][PROOF_KEY])) - 2
+        else:
+            ck.save(state, "a.ckpt", metadata=meta).result()
+            path = root / "a.ckpt"
+            proof = _proof_len(path)
+        size = os.path.getsize(path)
+    bound = 2 * len(json.dumps(meta)) + validate.proof_bound(
+        n, size, chunk_bytes=chunk, algorithm=algorithm)
+    if safetensors:
+        bound += validate.proof_bound(0, 9000, chunk_bytes=chunk, algorithm=algorithm)
+    assert proof <= bound
+    assert bound < MAX_MANIFEST_BYTES
