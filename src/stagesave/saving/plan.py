@@ -132,12 +132,9 @@ def index_tensors(state: Any, keys: dict[int, str]) -> list[TensorEntry]:
             continue
         try:
             key = keys.get(leaf.untyped_storage()._cdata)
-        except (RuntimeError, NotImplementedError):  # sparse, nested, subclasses: not indexed
-            continue
-        if key is None:
-            continue
-        entries.append(
-            TensorEntry(
+            if key is None:
+                continue
+            entry = TensorEntry(
                 name=name,
                 storage_key=key,
                 dtype=str(leaf.dtype).removeprefix("torch."),
@@ -145,7 +142,9 @@ def index_tensors(state: Any, keys: dict[int, str]) -> list[TensorEntry]:
                 stride=tuple(leaf.stride()),
                 storage_offset=int(leaf.storage_offset()),
             )
-        )
+        except (RuntimeError, NotImplementedError):  # sparse, nested, subclasses: not indexed
+            continue
+        entries.append(entry)
     return entries
 
 
@@ -267,9 +266,20 @@ def _plan_torch_file(state: Any) -> FileImage:
                if _torch_save_config is not None else contextlib.nullcontext())
     with aligned:
         try:
-            with torch.serialization.skip_data():
-                # torch's own function even when ``torch.save`` is monkeypatched (a mock writes
-                # nothing)
+            try:
+                with torch.serialization.skip_data():
+                    # torch's own function even when ``torch.save`` is monkeypatched (a mock
+                    # writes nothing)
+                    torch.serialization.save(
+                        state, cast(IO[bytes], sink), pickle_module=_recording_pickle_module(found)
+                    )
+            except RuntimeError as exc:
+                if "skip_data" not in str(exc):
+                    raise
+                # quantized and nested tensors: torch lays them out only with their bytes,
+                # which the sink then holds (a copy made now, as staging would)
+                found.clear()
+                sink = SparseSink()
                 torch.serialization.save(
                     state, cast(IO[bytes], sink), pickle_module=_recording_pickle_module(found)
                 )
