@@ -86,3 +86,41 @@ def test_under_a_fake_tensor_mode_the_load_makes_fake_tensors(tmp_path):
         with FakeTensorMode():
             got = ck.load(path)
     assert type(got["w"]).__name__ == "FakeTensor" and got["w"].shape == (8, 8)
+
+
+@pytest.mark.parametrize("early", [False, True], ids=["after-reads", "beside-reads"])
+def test_whole_storage_tensors_and_their_near_misses_load_as_torch_loads_them(tmp_path, early):
+    # A tensor that is its whole storage (1-D, contiguous, offset 0) is handed out as made over
+    # the bytes, without setting its geometry; every near miss takes the rebuild as before.
+    # ``early``: storages of >= 32 KiB, unpickled beside the reads (image_load's early path).
+    n = 9000 if early else 5
+    base = torch.arange(float(n * 4)).reshape(4, n)
+    state = {
+        "whole": torch.arange(float(n)),
+        "grad": torch.ones(n, requires_grad=True),
+        "one": torch.ones(1),
+        "one_odd_stride": torch.ones(1, 7)[:, 3],  # size 1 at offset 3: not the whole
+        "size1_stride5": torch.ones(5).as_strided((1,), (5,)),
+        "head": torch.arange(float(n))[: n - 1],  # shorter than its storage
+        "tail": torch.arange(float(n))[1:],  # offset 1
+        "two_d": base,
+        "row": base[1],
+        "col": base[:, 2],
+        "shared_a": base.view(-1),  # the whole of base's storage, after base took it
+        "empty": torch.empty(0),
+        "int8": torch.arange(n, dtype=torch.int8),
+    }
+    path = str(tmp_path / "geometry.ckpt")
+    with stagesave.Checkpointer(writer="thread") as ck:
+        ck.save(state, path).result()
+        for verify in (True, False):
+            forget_verified()
+            ours = ck.load(path, verify=verify)
+            theirs = torch.load(path, weights_only=True)
+            same_state(ours, theirs)
+            for k, t in ours.items():
+                assert t._backward_hooks == theirs[k]._backward_hooks, k  # an empty OrderedDict
+                assert t.untyped_storage().nbytes() == theirs[k].untyped_storage().nbytes(), k
+            assert ours["shared_a"].untyped_storage().data_ptr() == (
+                ours["two_d"].untyped_storage().data_ptr())
+            ours["whole"][0] = 7.0  # writable, as torch's

@@ -30,6 +30,7 @@ without ``find_class``) never tries it. ``STAGESAVE_FAST_UNPICKLE=0`` turns the 
 
 from __future__ import annotations
 
+import collections
 import copyreg
 import io
 import os
@@ -49,6 +50,7 @@ from .unpickle import Unpickler as LoopUnpickler
 __all__ = ["FAST_NAMES", "PICKLE_MODULE", "FirstTryStopped", "Unpickler", "fast_enabled"]
 
 _REBUILD_PARAMETER = torch._utils._rebuild_parameter
+_OrderedDict = collections.OrderedDict
 
 #: The callables the C unpickler may reach (through proxies); any other global stops the try.
 FAST_NAMES = frozenset({
@@ -120,6 +122,15 @@ class _Rebuild(_Call):
             raise _Stop("a storage passed to something other than the tensor rebuild")
         if self.loop.plain_rebuild:  # what the loop's call runs, without its wrapping
             lean = args[0].lean
+            if lean is not None and len(args) == 6 and lean.spare is not None and _whole(
+                    lean, *rest[:3]):
+                # (the whole storage, as frombuffer made it: no geometry to set, nothing past it)
+                t, lean.spare = lean.spare, None
+                requires_grad, hooks = rest[3:]
+                if requires_grad is not False:
+                    t.requires_grad = requires_grad
+                t._backward_hooks = hooks
+                return t
             if lean is not None and (len(args) < 4 or not fits(
                     lean.nbytes, lean.itemsize, args[1], args[2], args[3])):
                 # torch's own bound check wraps a huge offset; set_ grows a resizable storage
@@ -144,6 +155,15 @@ class _Rebuild(_Call):
         return self.loop.call(self.func, (args[0].typed, *args[1:]))
 
 
+def _whole(lean: LeanStorage, offset: Any, size: Any, stride: Any) -> bool:
+    """Whether a rebuild's geometry is that of its storage's whole tensor (one dimension of every
+    element, contiguous, at offset 0: what a flat parameter or optimizer moment has), each
+    number an int as torch writes it."""
+    return (offset == 0 and type(offset) is int and type(size) is tuple and len(size) == 1
+            and type(size[0]) is int and size[0] * lean.itemsize == lean.nbytes
+            and type(stride) is tuple and stride == (1,) and type(stride[0]) is int)
+
+
 class _Unread(_Inert):
     """A proxy of the first try over an image whose storages are still being read: calls that
     could read a tensor's values stop the try. Tensors are made over bytes not yet in memory
@@ -160,6 +180,11 @@ class _Unread(_Inert):
     def __call__(self, *args: Any) -> Any:
         func = self.proxy.func
         if func is _REBUILD_V2:
+            if (len(args) == 6 and type(args[4]) is bool and type(args[5]) is _OrderedDict
+                    and not args[5] and self.proxy.loop.plain_rebuild):
+                # torch's own arguments: the rebuild's fits() takes an int offset and tuples
+                # of ints, and stops the try at anything else (the storage is a lean one here)
+                return self.proxy(*args)
             if len(args) < 6 or type(args[1]) is not int or not _plain(args[2:]):
                 raise _Stop("a tensor rebuilt with more than plain numbers")
         elif func is _REBUILD_PARAMETER:
