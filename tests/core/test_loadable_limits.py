@@ -161,3 +161,63 @@ def test_the_bound_holds_every_real_proof(tmp_path, n, numel, meta, algorithm, s
         bound += validate.proof_bound(0, 9000, chunk_bytes=chunk, algorithm=algorithm)
     assert proof <= bound
     assert bound < MAX_MANIFEST_BYTES
+
+
+def test_huge_sizes_and_strides_are_not_indexed_and_load(tmp_path, shm):
+    # (review of 3909247) numbers over 2**62 in the index made a saved file "corrupt"
+    big = (1 << 62) + 1
+    state = {"dim": torch.empty(0, big), "stride": torch.ones(1).as_strided((1,), (big,)),
+             "fine": torch.ones(2)}
+    with stagesave.Checkpointer(tmp_path / "ck") as ck:
+        ck.save(state, "a.ckpt").result()
+        assert ck.verify("a.ckpt").status == "verified"
+        loaded = ck.load("a.ckpt")
+        assert loaded["dim"].shape == state["dim"].shape
+        assert loaded["stride"].stride() == (big,) and torch.equal(loaded["fine"], torch.ones(2))
+        assert [t["name"] for t in ck.verify("a.ckpt").manifest.tensors] == ["fine"]
+
+
+def test_a_safetensors_tensor_name_longer_than_64_characters_is_a_checkpoint(tmp_path, shm):
+    # (review of 2026-12-07, older) the safetensors proof keys storages by tensor name, and the
+    # reader refused keys over 64 characters: a LoRA model's folder was saved, then "unverified",
+    # absent from list_checkpoints, and the next save_dir to it failed
+    name = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight"
+    root = tmp_path / "ck"
+    with stagesave.Checkpointer(root) as ck:
+        for step, value in enumerate((1.0, 2.0)):
+            ck.save_dir({"model.safetensors": Safetensors({name: torch.full((4,), value)})},
+                        "adapter").result()
+            assert ck.verify("adapter").status == "verified", step
+            assert [c.path for c in stagesave.list_checkpoints(root)] == [str(root / "adapter")]
+            from safetensors.torch import load_file
+
+            assert torch.equal(load_file(root / "adapter" / "model.safetensors")[name],
+                               torch.full((4,), value))
+
+
+def test_a_file_nested_deeper_than_a_reader_looks_is_refused_at_save_dir(tmp_path, shm):
+    with stagesave.Checkpointer(tmp_path / "ck") as ck:
+        with pytest.raises(ValueError, match="more than 8 nested folders"):
+            ck.save_dir({"m.pt": {"w": torch.ones(2)}, "a/b/c/d/e/f/g/h/i/r.bin": Raw(b"x")}, "d")
+        ck.save_dir({"m.pt": {"w": torch.ones(2)}, "a/b/c/d/e/f/g/h/r.bin": Raw(b"x")},
+                    "d").result()
+        assert ck.verify("d").status == "verified"
+    assert not os.path.exists(tmp_path / "ck" / "d" / "a" / "b" / "c" / "d" / "e" / "f" / "g"
+                              / "h" / "i")
+
+
+def test_quantized_tensors_in_a_large_state_are_refused_clearly(tmp_path, shm, monkeypatch):
+    # (review of 486be70) torch lays a state holding a quantized tensor out only with every
+    # storage's bytes: a 1 GiB state took 11-15 s and 6 GiB per save. Above WITH_BYTES_LIMIT
+    # it is refused by save(), nothing written (lowered here: the same code path).
+    from stagesave.saving import plan
+
+    monkeypatch.setattr(plan, "WITH_BYTES_LIMIT", 1 << 20)
+    q = torch.quantize_per_tensor(torch.rand(6), 0.05, 3, torch.quint8)
+    with stagesave.Checkpointer(tmp_path / "ck") as ck:
+        with pytest.raises(UnsupportedObjectError, match=r"quantized or nested tensors of more "
+                           r"than 1 MiB.*Save them apart"):
+            ck.save({"big": torch.ones(1 << 19), "q": q}, "a.ckpt")
+        ck.save({"small": torch.ones(1 << 10), "q": q}, "b.ckpt").result()
+        assert torch.equal(ck.load("b.ckpt")["q"].int_repr(), q.int_repr())
+    assert os.listdir(tmp_path / "ck") == ["b.ckpt"]

@@ -16,9 +16,11 @@ from pickleasm import (
     BUILD,
     EMPTY_TUPLE,
     FALSE,
+    MARK,
     NONE,
     REDUCE,
     TRUE,
+    TUPLE,
     TUPLE1,
     TUPLE2,
     TUPLE3,
@@ -223,3 +225,60 @@ def test_records_that_would_pack_past_the_buffer_do_not_crash_the_load(tmp_path)
                          timeout=120, env={**os.environ, "PYTHONFAULTHANDLER": "1"})
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() in (["loaded", "True"], ["refused", "True"])
+
+
+def _ints(*xs: int) -> bytes:
+    return tup(*[num(x) for x in xs])
+
+
+def _geometry(storage: bytes, offset: int, size: bytes, stride: bytes) -> bytes:
+    return glob("torch._utils", "_rebuild_tensor_v2") + tup(
+        storage, num(offset), size, stride, FALSE,
+        glob("collections", "OrderedDict") + EMPTY_TUPLE + REDUCE) + REDUCE
+
+
+@pytest.mark.parametrize("fast", ["1", "0"])
+@pytest.mark.parametrize("how", list(PATHS))
+def test_a_build_growing_a_storage_of_no_bytes_is_refused(tmp_path, how, fast, monkeypatch):
+    # (review of 2026-12-07, older than it) BUILD of a tensor is torch's legacy set_(source,
+    # offset, size, stride): over a storage of no bytes (resizable) it grew it to 1 MiB of the
+    # heap's old bytes, verified file, every load path but mmap
+    monkeypatch.setenv("STAGESAVE_FAST_UNPICKLE", fast)
+    path = _base(tmp_path)
+    empty = _geometry(_pid("0", "ByteStorage", 0), 0, _ints(0), _ints(1)) + b"q\x00"
+    rewrite_pickle(path, _program(empty + tup(b"h\x00", num(0), _ints(1 << 20), _ints(1))
+                                  + BUILD))
+    assert stagesave.verify(path).status == "verified"
+    with pytest.raises(stagesave.IntegrityError, match=r"damaged \((?:a tensor of size "
+                       r"\(1048576,\) at offset 0 reaches past its storage of 0 bytes|"
+                       r".*not resizable|record size)"):
+        _load(path, how)
+
+
+@pytest.mark.parametrize("fast", ["1", "0"])
+def test_a_tensor_re_pointed_by_a_build_leaves_the_next_tensor_of_its_storage_alone(
+        tmp_path, fast, monkeypatch):
+    # (review of 881a94d) a storage's object was asked of its first tensor when a second tensor
+    # needed it: a BUILD re-pointing the first put the second over another storage (a), or over
+    # a storage of no bytes that set_ then grew to 4 MiB of the heap's old bytes (b)
+    monkeypatch.setenv("STAGESAVE_FAST_UNPICKLE", fast)
+    path = _base(tmp_path, {"pad": "A" * 6000, "w": torch.arange(8.0), "b": torch.full((8,), 7.0)})
+    first = _geometry(_pid("0", "FloatStorage", 8), 0, _ints(8), _ints(1))
+    other = _geometry(_pid("1", "FloatStorage", 8), 0, _ints(8), _ints(1)) + b"q\x01"
+    second = _geometry(_pid("0", "FloatStorage", 8), 0, _ints(4), _ints(1))
+    rewrite_pickle(path, _program(MARK + first + tup(other, num(0), _ints(8), _ints(1)) + BUILD
+                                  + b"h\x01" + second + TUPLE))
+    theirs = torch.load(path, weights_only=True)
+    ours = _load(path, "image")
+    assert ours[2].tolist() == theirs[2].tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert ours[0].tolist() == theirs[0].tolist() == [7.0] * 8
+
+    n = 1 << 20
+    path = _base(tmp_path, {"pad": "A" * 6000, "w": torch.ones(n), "b": torch.ones(4)})
+    empty = _geometry(_pid("1", "FloatStorage", 0), 0, _ints(0), _ints(1))
+    first = _geometry(_pid("0", "FloatStorage", n), 0, _ints(n), _ints(1))
+    second = _geometry(_pid("0", "FloatStorage", n), 0, _ints(n // 2, 2), _ints(2, 1))
+    rewrite_pickle(path, _program(MARK + first + tup(empty, num(0), _ints(0), _ints(1)) + BUILD
+                                  + second + TUPLE))
+    loaded = _load(path, "image")[1]
+    assert loaded.untyped_storage().nbytes() == 4 * n and bool((loaded == 1).all())

@@ -77,6 +77,10 @@ def is_temporary(name: str) -> bool:
     return TMP_MARKER in name
 
 
+#: How deep a folder checkpoint's files may nest (hooks write e.g. ``tokenizer/vocab.txt``):
+#: readers list this many levels of folders, and ``save_dir`` refuses a file deeper.
+MAX_FOLDER_DEPTH = 8
+
 #: Longest name (each part of a path) a checkpoint may have, in UTF-8 bytes: most filesystems
 #: allow 255, and a temporary's name adds up to ~40 to the name it stands for.
 MAX_NAME_BYTES = 200

@@ -266,7 +266,9 @@ def storages(raw: Any, size: int, where: str, compact: bool) -> tuple[StorageRec
     for s in raw:
         if compact and type(s) is list and len(s) == 3:  # the common record, valid at a glance
             key, off, n = s
-            if (type(key) is str and len(key) <= 64 and type(off) is int and type(n) is int
+            # (keys: torch's storage numbers, or a safetensors file's tensor names)
+            if (type(key) is str and len(key) <= MAX_TENSOR_NAME and type(off) is int
+                    and type(n) is int
                     and 0 <= off <= MAX_FILE_BYTES and 0 <= n <= MAX_FILE_BYTES
                     and off + n <= size):
                 out.append(record(key, off, n))
@@ -279,7 +281,7 @@ def storages(raw: Any, size: int, where: str, compact: bool) -> tuple[StorageRec
             if not isinstance(s, dict):
                 raise fail(where, "a storage record is not an object")
             key, off, n = s.get("key"), s.get("offset"), s.get("nbytes")
-        rec = StorageRecord(string(key, "storage key", where, 64),
+        rec = StorageRecord(string(key, "storage key", where, MAX_TENSOR_NAME),
                             integer(off, "storage offset", where),
                             integer(n, "storage size", where))
         if rec.offset + rec.nbytes > size:

@@ -159,9 +159,10 @@ def _whole(lean: LeanStorage, offset: Any, size: Any, stride: Any) -> bool:
     """Whether a rebuild's geometry is that of its storage's whole tensor (one dimension of every
     element, contiguous, at offset 0: what a flat parameter or optimizer moment has), each
     number an int as torch writes it."""
-    return (offset == 0 and type(offset) is int and type(size) is tuple and len(size) == 1
-            and type(size[0]) is int and size[0] * lean.itemsize == lean.nbytes
-            and type(stride) is tuple and stride == (1,) and type(stride[0]) is int)
+    return (type(offset) is int and type(size) is tuple and type(stride) is tuple
+            and len(size) == 1 and len(stride) == 1 and type(size[0]) is int
+            and type(stride[0]) is int and offset == 0 and stride[0] == 1
+            and size[0] * lean.itemsize == lean.nbytes)
 
 
 class _Unread(_Inert):
@@ -224,10 +225,28 @@ class _Stored(_Inert):
     """A storage ``persistent_load`` made, until the tensor rebuild takes it: torch's typed
     storage, or an image's :class:`~.image_unpickle.LeanStorage`."""
 
-    __slots__ = ("lean", "typed")
+    __slots__ = ("lean", "nbytes", "typed")
 
     def __init__(self, typed: Any, lean: LeanStorage | None = None) -> None:
         self.typed, self.lean = typed, lean
+        #: a typed storage's bytes when handed out (one of no bytes can be grown by ``set_``)
+        self.nbytes = _untyped(typed).nbytes() if typed is not None else 0
+
+
+def _untyped(storage: Any) -> Any:
+    return getattr(storage, "_untyped_storage", storage)
+
+
+def _give_back_growth(made: list[_Stored]) -> bool:
+    """Resize every typed storage handed out back to its size then; whether any had grown."""
+    grown = False
+    for stored in made:
+        if stored.typed is not None:
+            untyped = _untyped(stored.typed)
+            if untyped.nbytes() != stored.nbytes:
+                untyped.resize_(stored.nbytes)
+                grown = True
+    return grown
 
 
 def _rebuild_lean(lean: LeanStorage, storage_offset: Any, size: Any, stride: Any,
@@ -317,7 +336,17 @@ class _CUnpickler(pickle.Unpickler):  # _pickle.Unpickler: the opcode loop in C
 
 def _run_fast(data: bytes, loop: LoopUnpickler, persistent: Any, only_lean: bool = False) -> Any:
     up = _CUnpickler(data, loop, persistent, only_lean)
-    result = up.load()
+    try:
+        result = up.load()
+    finally:
+        # A BUILD of a tensor runs torch's unchecked legacy set_ (the C unpickler cannot be
+        # asked first): a storage it grew is given its size back (the loop gets the same storage
+        # objects from the file's persistent_load) and stops the try, stopped or not; the loop
+        # refuses that BUILD in its words. (An image's lean storages cannot grow: torch's own
+        # bound check stops such a set_.)
+        grown = _give_back_growth(up.made)
+    if grown:
+        raise _Stop("a storage grown after it was handed out")
     made, answers = up.made, up.answers
     up.memo.clear()
     del up

@@ -159,7 +159,8 @@ def unpickle_image(image: Image, map_location: Any, unpickler: Any, *,
             return None
         offset = record.offset
         whole = frombuffer(view[offset : offset + nbytes], dtype=dtype)
-        made = leans[key] = LeanStorage(None, dtype, size, whole, nbytes)
+        # its storage object now: a BUILD may re-point the first tensor before a second needs it
+        made = leans[key] = LeanStorage(whole.untyped_storage(), dtype, size, whole, nbytes)
         return made
 
     persistent_load.lean = lean  # type: ignore[attr-defined]

@@ -16,7 +16,7 @@ import torch
 from .refusal import BadPickle
 
 __all__ = [
-    "EMPTY_OFFSET_LIMIT", "STORAGES", "check_fits", "check_rebuild", "fits",
+    "EMPTY_OFFSET_LIMIT", "STORAGES", "check_fits", "check_rebuild", "check_set", "fits",
     "validate_loaded_sparse",
 ]
 
@@ -81,6 +81,31 @@ EMPTY_OFFSET_LIMIT = 1 << 62
 
 STORAGES = (torch.storage.TypedStorage, torch.UntypedStorage)
 _REBUILD_V3 = getattr(torch._utils, "_rebuild_tensor_v3", None)
+
+
+def check_set(inst: torch.Tensor, state: Any) -> None:
+    """A ``BUILD`` of a tensor (torch's legacy ``set_(source, offset, size, stride)``, which
+    torch never writes today) held to :func:`check_fits` as a rebuild is: ``set_`` grows a
+    resizable storage to whatever geometry it is given.
+
+    Raises:
+        BadPickle: not ``(source)`` or ``(source, offset, size, stride)`` of a tensor or a
+            storage, or it does not fit.
+    """
+    if type(state) is not tuple or len(state) not in (1, 4):
+        raise BadPickle("it sets a tensor's state with other than (source, offset, size, stride)")
+    source = state[0]
+    if isinstance(source, torch.Tensor):
+        untyped = source.untyped_storage()
+    elif isinstance(source, torch.storage.TypedStorage):
+        untyped = source._untyped_storage
+    elif isinstance(source, torch.UntypedStorage):
+        untyped = source
+    else:
+        raise BadPickle(f"it sets a tensor over a {type(source).__name__}, not a tensor or a "
+                        "storage")
+    if len(state) == 4:
+        check_fits(untyped, inst.dtype, *state[1:])
 
 
 def check_rebuild(func: Any, args: tuple[Any, ...]) -> None:

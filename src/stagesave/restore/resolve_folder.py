@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from ..errors import ManifestError
 from ..ondisk.manifest import FileEntry, Manifest
-from ..ondisk.names import DIR_MANIFEST
+from ..ondisk.names import DIR_MANIFEST, MAX_FOLDER_DEPTH
 from ..stores.base import ObjectInfo, Store
 from .info import CheckpointInfo, join, replaced, reread
 from .proof import FileProof, peek, read_proof
@@ -20,8 +20,6 @@ from .resolve_file import read_sidecar
 
 __all__ = ["MAX_FOLDER_DEPTH", "FolderEntry", "folder_entries", "list_tree", "resolve_dir"]
 
-#: How deep a folder checkpoint's files may nest (hooks write e.g. ``tokenizer/vocab.txt``).
-MAX_FOLDER_DEPTH = 8
 
 
 def list_tree(store: Store, directory: str, depth: int = 0) -> list[ObjectInfo]:

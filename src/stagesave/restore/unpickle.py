@@ -21,7 +21,7 @@ import torch
 from ..errors import CheckpointError
 from .allowlist import Policy
 from .numpy_pickles import Pending, build_array, build_dtype
-from .rebuild_checks import STORAGES, check_fits, check_rebuild
+from .rebuild_checks import STORAGES, check_fits, check_rebuild, check_set
 from .refusal import BadPickle, refuse
 
 __all__ = ["Unpickler"]
@@ -151,8 +151,11 @@ class Unpickler:
                           f"size under an array)")
         try:
             if type(inst) is torch.Tensor:
+                check_set(inst, state)
                 inst.set_(*state)
             elif type(inst) is torch.nn.Parameter:
+                if type(state) is tuple and len(state) == 4:  # Tensor.__setstate__: set_
+                    check_set(inst, state)
                 cast(Any, inst).__setstate__(state)
             elif type(inst) is OrderedDict:
                 inst.__dict__.update(state)

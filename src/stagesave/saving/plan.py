@@ -37,7 +37,7 @@ from ..ondisk.checksum import crc32
 from ..ondisk.names import ALIGNMENT
 from ..ondisk.torchzip import TorchZip, ZipFormatError, parse_torch_zip
 from .image import MAX_INDEXED_TENSORS, FileImage, StorageSlot, TensorEntry
-from .sparse import SparseReader, SparseSink
+from .sparse import SinkFull, SparseReader, SparseSink
 
 __all__ = ["FileImage", "StorageSlot", "TensorEntry", "gc_paused", "plan_torch_file"]
 
@@ -244,6 +244,11 @@ def collector_paused(fn: Callable[_P, _R]) -> Callable[_P, _R]:
     return paused
 
 
+#: The most bytes a state holding quantized or nested tensors may have (torch lays it out only
+#: with all its bytes, in memory; see :func:`_plan_torch_file`).
+WITH_BYTES_LIMIT = 256 << 20
+
+
 def plan_torch_file(state: Any) -> FileImage:
     """Lay out ``state`` as a ``torch.save`` file without copying any tensor data.
 
@@ -277,12 +282,26 @@ def _plan_torch_file(state: Any) -> FileImage:
                 if "skip_data" not in str(exc):
                     raise
                 # quantized and nested tensors: torch lays them out only with their bytes,
-                # which the sink then holds (a copy made now, as staging would)
+                # which the sink then holds (a copy made now, as staging would), for states of
+                # at most WITH_BYTES_LIMIT (a copy of a larger one in memory, every save)
                 found.clear()
-                sink = SparseSink()
-                torch.serialization.save(
-                    state, cast(IO[bytes], sink), pickle_module=_recording_pickle_module(found)
-                )
+                sink = SparseSink(limit=WITH_BYTES_LIMIT)
+                try:
+                    torch.serialization.save(
+                        state, cast(IO[bytes], sink),
+                        pickle_module=_recording_pickle_module(found))
+                    if sink.full:
+                        raise SinkFull(WITH_BYTES_LIMIT)
+                except SinkFull:
+                    raise UnsupportedObjectError(
+                        f"cannot save a state holding quantized or nested tensors of more than "
+                        f"{WITH_BYTES_LIMIT >> 20} MiB: torch lays such tensors out only with "
+                        "the bytes of the whole state, which stagesave would copy in memory at "
+                        f"every save ({exc}). Save them apart (a state of their own), "
+                        "dequantize them, or use torch.save for this state."
+                    ) from None
+        except UnsupportedObjectError:
+            raise
         except (pickle.PicklingError, TypeError, AttributeError, RuntimeError) as exc:
             where = _describe_unpicklable(state, exc)
             raise UnsupportedObjectError(

@@ -15,17 +15,24 @@ except ImportError:
     _torch_save_config = None  # type: ignore[assignment]
 
 
-__all__ = ["SparseReader", "SparseSink"]
+__all__ = ["SinkFull", "SparseReader", "SparseSink"]
+
+
+class SinkFull(Exception):
+    """More bytes were written into a :class:`SparseSink` than its limit (raised by its user)."""
 
 
 class SparseSink(io.RawIOBase):
     """A write-only file that keeps written pieces and only remembers the extent of skipped ones."""
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int | None = None) -> None:
+        """``limit``: keep at most this many bytes (past it nothing is kept and ``full`` is
+        set: the writer checks it, see :class:`SinkFull`)."""
         super().__init__()
         self.pos = 0
         self.end = 0
         self.pieces: list[tuple[int, bytes]] = []
+        self.limit, self.kept, self.full = limit, 0, False
 
     def writable(self) -> bool:
         return True
@@ -34,6 +41,14 @@ class SparseSink(io.RawIOBase):
         return True
 
     def write(self, b: Any) -> int:
+        if self.limit is not None:
+            n = len(memoryview(b).cast("B"))
+            self.kept += n
+            if self.kept > self.limit:  # nothing more kept (torch's C++ writer calling this
+                self.full = True        # turns an exception raised here into its own)
+                self.pos += n
+                self.end = max(self.end, self.pos)
+                return n
         data = bytes(b)
         if data:
             self.pieces.append((self.pos, data))

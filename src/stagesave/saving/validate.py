@@ -11,7 +11,13 @@ from typing import Any
 from ..errors import CheckpointError, CheckpointPermissionError, UnsupportedObjectError
 from ..ondisk.checksum import DIGEST_HEX_LEN
 from ..ondisk.manifest import MAX_DEPTH, plain_json
-from ..ondisk.names import ALIGNMENT, MAX_MANIFEST_BYTES, TMP_MARKER, check_target_name
+from ..ondisk.names import (
+    ALIGNMENT,
+    MAX_FOLDER_DEPTH,
+    MAX_MANIFEST_BYTES,
+    TMP_MARKER,
+    check_target_name,
+)
 from ..stores.base import Store, check_name
 from ..stores.local import makedirs_durable
 from ..stores.targets import StoreResolver
@@ -177,6 +183,9 @@ def check_folder_names(files: dict[str, Any]) -> None:
         try:
             check_name(fname)
             check_target_name(fname)
+            if fname.count("/") > MAX_FOLDER_DEPTH:
+                raise ValueError(f"it lies in more than {MAX_FOLDER_DEPTH} nested folders, "
+                                 "deeper than a reader looks for a checkpoint's files")
         except ValueError as exc:
             raise ValueError(f"invalid file name {fname!r} in directory checkpoint: {exc}") from exc
 
