@@ -401,3 +401,17 @@ def test_quantized_and_nested_tensors_save_as_torch_saves_them(tmp_path, shm, wr
         loaded = ck.load("many.ckpt")
     _assert_quantized_and_nested(loaded, saved)
     assert all(torch.equal(loaded[f"t{i}"], many[f"t{i}"]) for i in range(2500))
+
+
+@pytest.mark.parametrize("dtype", [torch.quint4x2, torch.quint2x4], ids=str)
+def test_quantized_tensors_of_less_than_a_byte_load_on_every_path(tmp_path, dtype):
+    # (review of 486be70) the safe loader's bound check counted a byte per element: a file
+    # stagesave saved and torch.load reads was refused as "damaged"
+    q = torch.quantize_per_tensor(torch.tensor([0.1, 0.2, 0.3, 0.4, 0.5]), 0.1, 0, dtype)
+    assert q.untyped_storage().nbytes() < q.numel()  # packed
+    with stagesave.Checkpointer(tmp_path, writer="thread") as ck:
+        ck.save({"q": q, "w": torch.ones(3)}, "x.ckpt").result()
+        for options in ({}, {"verify": False}, {"mmap": True}, {"mmap": False}):
+            loaded = ck.load("x.ckpt", **options)["q"]
+            assert loaded.dtype == dtype and loaded.q_scale() == q.q_scale(), options
+            assert torch.equal(loaded.int_repr(), q.int_repr()), options

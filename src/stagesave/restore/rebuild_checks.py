@@ -60,6 +60,9 @@ def check_fits(untyped: Any, dtype: Any, offset: Any, size: Any, stride: Any) ->
         raise BadPickle(f"a tensor's offset, size and stride are not numbers of one rank: "
                         f"{exc}") from exc
     itemsize = torch._utils._element_size(dtype)  # type: ignore[no-untyped-call]
+    per_byte = _PER_BYTE.get(dtype)
+    if per_byte is not None:  # torch counts each element a byte; its storage packs them
+        return _check_packed(untyped.nbytes(), per_byte, offset, dims, size)
     if any(d == 0 for d, _ in dims) and min(d for d, _ in dims) >= 0:
         if offset < 0 or offset * itemsize >= EMPTY_OFFSET_LIMIT:
             raise BadPickle(f"a tensor of no elements at offset {offset}, which torch's "
@@ -73,6 +76,26 @@ def check_fits(untyped: Any, dtype: Any, offset: Any, size: Any, stride: Any) ->
             (last + 1) * itemsize > untyped.nbytes()):
         raise BadPickle(f"a tensor of size {tuple(size)} at offset {offset} reaches past its "
                         f"storage of {untyped.nbytes()} bytes")
+
+
+#: Quantized dtypes of less than a byte: how many elements one byte of their storage holds.
+_PER_BYTE = {torch.quint4x2: 2, torch.quint2x4: 4}
+
+
+def _check_packed(nbytes: int, per_byte: int, offset: int, dims: list[tuple[int, int]],
+                  size: Any) -> None:
+    """:func:`check_fits` for a storage packing ``per_byte`` elements in each byte."""
+    if offset < 0 or min((v for d in dims for v in d), default=0) < 0:
+        raise BadPickle(f"a tensor of size {tuple(size)} at offset {offset} has negative numbers")
+    if any(d == 0 for d, _ in dims):
+        if offset >= EMPTY_OFFSET_LIMIT:
+            raise BadPickle(f"a tensor of no elements at offset {offset}, which torch's "
+                            "64-bit byte arithmetic would wrap")
+        return
+    last = offset + sum((d - 1) * st for d, st in dims)
+    if -(-(last + 1) // per_byte) > nbytes:
+        raise BadPickle(f"a tensor of size {tuple(size)} at offset {offset} reaches past its "
+                        f"storage of {nbytes} bytes")
 
 
 #: A tensor of no elements may sit at any offset, as torch allows (``torch.zeros(2, 0)[1:]``
