@@ -221,3 +221,27 @@ def test_quantized_tensors_in_a_large_state_are_refused_clearly(tmp_path, shm, m
         ck.save({"small": torch.ones(1 << 10), "q": q}, "b.ckpt").result()
         assert torch.equal(ck.load("b.ckpt")["q"].int_repr(), q.int_repr())
     assert os.listdir(tmp_path / "ck") == ["b.ckpt"]
+
+
+def test_a_safetensors_file_readers_would_refuse_is_refused_at_save_dir(tmp_path, shm,
+                                                                         monkeypatch):
+    # (review of 3909247) a safetensors proof keys each storage by its tensor name, which the
+    # bound from counts did not see: 520,000 names of 64 characters made a 113 MB header
+    # (readers take 100 MB), saved and then unverifiable. The file's planner knows its header
+    # and proof exactly; the limits lowered here for the same code path.
+    from stagesave.saving import plan_safetensors
+
+    state = {f"{i:04d}" + "é" * 60: torch.ones(1) for i in range(200)}
+    with stagesave.Checkpointer(tmp_path / "ck") as ck:
+        monkeypatch.setattr(plan_safetensors, "MAX_MANIFEST_BYTES", 20_000)
+        with pytest.raises(UnsupportedObjectError, match=r"safetensors file of 200 tensors "
+                           r"would have a header .* save fewer tensors per file"):
+            ck.save_dir({"m.safetensors": Safetensors(state)}, "d")
+        monkeypatch.undo()
+        monkeypatch.setattr(plan_safetensors, "MAX_HEADER_BYTES", 50_000)
+        with pytest.raises(UnsupportedObjectError, match=r"readers accept at most 0 MB"):
+            ck.save_dir({"m.safetensors": Safetensors(state)}, "d")
+        monkeypatch.undo()
+        ck.save_dir({"m.safetensors": Safetensors(state)}, "d").result()
+        assert ck.verify("d").status == "verified"
+    assert os.listdir(tmp_path / "ck") == ["d"]

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from ..errors import UnsupportedObjectError
-from ..ondisk.names import PROOF_KEY
+from ..ondisk.names import MAX_MANIFEST_BYTES, PROOF_KEY
 from .plan import FileImage, StorageSlot
 
 __all__ = ["plan_safetensors_file"]
@@ -53,6 +53,10 @@ _HEADER_ALIGN = 8
 
 #: How many bytes to reserve for the proof of a file of ``size`` bytes and these storages.
 ProofRoom = Callable[[int, list[list[object]]], int]
+
+
+#: The largest header safetensors readers accept (the library's own limit, and stagesave's).
+MAX_HEADER_BYTES = 100_000_000
 
 
 def plan_safetensors_file(
@@ -122,6 +126,14 @@ def plan_safetensors_file(
         del header["__metadata__"]
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-(8 + len(raw)) % _HEADER_ALIGN)
+    if room > MAX_MANIFEST_BYTES or len(raw) > MAX_HEADER_BYTES:
+        raise UnsupportedObjectError(
+            f"a safetensors file of {len(sources)} tensors would have a header of "
+            f"{len(raw) / 1e6:.0f} MB holding a proof of {room / 2**20:.0f} MiB; readers accept "
+            f"at most {MAX_HEADER_BYTES / 1e6:.0f} MB and {MAX_MANIFEST_BYTES >> 20} MiB: save "
+            "fewer tensors per file (split it, as sharded safetensors checkpoints do) or "
+            "shorter names"
+        )
     head = struct.pack("<Q", len(raw)) + raw
     blank = None
     if proof_room is not None:

@@ -83,8 +83,10 @@ def checked_metadata(metadata: dict[str, Any] | None) -> dict[str, Any]:
 
 def proof_bound(storages: int, size: int, *, chunk_bytes: int, algorithm: str) -> int:
     """At least as many bytes as the proof of a ``size``-byte file of ``storages`` storages
-    takes besides its metadata, as a safetensors header holds it too (escaped as a JSON
-    string): every number as wide as the file's size, every character escaped once."""
+    keyed by numbers (a torch file's) takes besides its metadata, escaped once as a JSON
+    string: every number as wide as the file's size. (A safetensors file's storages are keyed
+    by its tensors' names: its planner measures its proof and header exactly and refuses them
+    past the readers' limits, ``plan_safetensors.plan_safetensors_file``.)"""
     chunks = -(-size // chunk_bytes) + 1
     per_storage = len(str(max(storages, 1))) + 2 * len(str(size)) + 12
     return 4096 + storages * per_storage + chunks * (DIGEST_HEX_LEN.get(algorithm, 64) + 5)
