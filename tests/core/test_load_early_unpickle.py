@@ -213,3 +213,36 @@ def test_a_pickle_that_reads_its_tensors_is_unpickled_after_the_reads(tmp_path, 
     assert watch.seen == [(0, False)]  # the early try stopped; the load ran after the reads
     assert got["s"] == torch.Size([11, 12, 13, 14])
     same_state(torch.load(path, weights_only=True), got)
+
+
+def test_a_tensor_set_again_by_a_build_is_unpickled_after_the_reads(tmp_path, monkeypatch):
+    # (review of 2026-12-07) a BUILD is torch's legacy set_(source, offset, size, stride) of a
+    # tensor; with a 0-d tensor as the offset, the early try read that tensor's bytes before
+    # they were read from the file (an offset of 0 instead of 3, by timing)
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "faults"))
+    from pickleasm import BUILD, EMPTY_TUPLE, FALSE, REDUCE, TUPLE2, glob, num, text, tup
+
+    def pid(key, kind, numel):
+        return tup(text("storage"), glob("torch", kind), text(key), text("cpu"), num(numel)) + b"Q"
+
+    def rebuild(storage, offset, size, stride):
+        return glob("torch._utils", "_rebuild_tensor_v2") + tup(
+            storage, offset, size, stride, FALSE,
+            glob("collections", "OrderedDict") + EMPTY_TUPLE + REDUCE) + REDUCE
+
+    n = 1 << 17  # 512 KiB: unpickled early by default
+    path = str(tmp_path / "b.ckpt")
+    first = _save(path, {"pad": "A" * 6000, "big": torch.ones(n), "v": torch.tensor(3)})
+    v = rebuild(pid("1", "LongStorage", 1), num(0), EMPTY_TUPLE, EMPTY_TUPLE) + b"q\x01"
+    t = rebuild(pid("0", "FloatStorage", n), num(0), tup(num(8)), tup(num(1))) + b"q\x00"
+    rewrite_pickle(path, b"\x80\x02" + t + tup(b"h\x00", v, tup(num(2)), tup(num(1))) + BUILD
+                   + b"h\x01" + TUPLE2 + b".")
+    watch = _Watch(monkeypatch, first)
+    with stagesave.Checkpointer(writer="thread", chunk_bytes=CHUNK) as ck:
+        got = ck.load(path)
+    assert watch.seen == [(0, False)]  # the early try stopped; the load ran after the reads
+    theirs = torch.load(path, weights_only=True)
+    assert got[0].storage_offset() == theirs[0].storage_offset() == 3
+    assert got[0].shape == theirs[0].shape == (2,)

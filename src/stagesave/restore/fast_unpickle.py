@@ -173,21 +173,25 @@ class _Unread(_Inert):
     Only the tensor rebuild's storage, and the tensor a parameter is made of, are tensors here;
     every other argument must be plain data."""
 
-    __slots__ = ("proxy",)
+    __slots__ = ("proxy", "rebuilt")
 
-    def __init__(self, proxy: _Call) -> None:
+    def __init__(self, proxy: _Call, rebuilt: list[tuple[Any, ...]]) -> None:
         self.proxy = proxy
+        #: every tensor rebuilt, with its address and geometry then (:func:`_unchanged`)
+        self.rebuilt = rebuilt
 
     def __call__(self, *args: Any) -> Any:
         func = self.proxy.func
         if func is _REBUILD_V2:
-            if (len(args) == 6 and type(args[4]) is bool and type(args[5]) is _OrderedDict
-                    and not args[5] and self.proxy.loop.plain_rebuild):
-                # torch's own arguments: the rebuild's fits() takes an int offset and tuples
-                # of ints, and stops the try at anything else (the storage is a lean one here)
-                return self.proxy(*args)
-            if len(args) < 6 or type(args[1]) is not int or not _plain(args[2:]):
+            # torch's own arguments need no look: the rebuild's fits() takes an int offset and
+            # tuples of ints, and stops the try at anything else (the storage is lean here)
+            own = (len(args) == 6 and type(args[4]) is bool and type(args[5]) is _OrderedDict
+                   and not args[5] and self.proxy.loop.plain_rebuild)
+            if not own and (len(args) < 6 or type(args[1]) is not int or not _plain(args[2:])):
                 raise _Stop("a tensor rebuilt with more than plain numbers")
+            t = self.proxy(*args)
+            self.rebuilt.append((t, t.data_ptr(), args[1], args[2], args[3]))
+            return t
         elif func is _REBUILD_PARAMETER:
             if not args or not _plain(args[1:]):
                 raise _Stop("a parameter made with more than plain values")
@@ -231,6 +235,15 @@ class _Stored(_Inert):
         self.typed, self.lean = typed, lean
         #: a typed storage's bytes when handed out (one of no bytes can be grown by ``set_``)
         self.nbytes = _untyped(typed).nbytes() if typed is not None else 0
+
+
+def _unchanged(rebuilt: list[tuple[Any, ...]]) -> bool:
+    """Whether every tensor the rebuild made still has the address and geometry it gave it."""
+    for t, address, offset, size, stride in rebuilt:
+        if (t.data_ptr() != address or t.storage_offset() != offset or t.size() != size
+                or t.stride() != stride):
+            return False
+    return True
 
 
 def _untyped(storage: Any) -> Any:
@@ -286,6 +299,7 @@ class _CUnpickler(pickle.Unpickler):  # _pickle.Unpickler: the opcode loop in C
         self.lean = getattr(persistent, "lean", None)
         self.answers: dict[str, Any] = {}
         self.made: list[_Stored] = []
+        self.rebuilt: list[tuple[Any, ...]] = []  # (only_lean: see _Unread)
 
     def find_class(self, module: str, name: str) -> Any:
         key = f"{module}.{name}"
@@ -307,7 +321,7 @@ class _CUnpickler(pickle.Unpickler):  # _pickle.Unpickler: the opcode loop in C
                      and id(obj) not in policy.routes and not _sparse(obj)
                      else _Call(obj, self.loop))
             if self.only_lean:  # the storages' bytes are not read yet: nothing may read them
-                found = _Unread(found)
+                found = _Unread(found, self.rebuilt)
         elif _storage_class(obj):
             found = _Kind(obj)
         elif _inert(obj):
@@ -347,6 +361,10 @@ def _run_fast(data: bytes, loop: LoopUnpickler, persistent: Any, only_lean: bool
         grown = _give_back_growth(up.made)
     if grown:
         raise _Stop("a storage grown after it was handed out")
+    if only_lean and not _unchanged(up.rebuilt):
+        # a BUILD's set_ (torch's legacy state of a tensor) moved a tensor after its rebuild:
+        # its arguments may have been tensors whose bytes were not read yet (a 0-d offset)
+        raise _Stop("a tensor set again after its rebuild, before the bytes were read")
     made, answers = up.made, up.answers
     up.memo.clear()
     del up
