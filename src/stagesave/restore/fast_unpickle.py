@@ -42,6 +42,7 @@ import torch
 from torch._utils import IMPORT_MAPPING, NAME_MAPPING
 
 from .allowlist import Policy
+from .first_try_checks import give_back_growth, is_whole, plain, unchanged, untyped_of
 from .image_unpickle import LeanStorage
 from .rebuild_checks import fits, validate_loaded_sparse
 from .unpickle import _BLOCKED_MODULES, _MISSING, _REBUILD_V2, _rebuild_v2
@@ -122,7 +123,7 @@ class _Rebuild(_Call):
             raise _Stop("a storage passed to something other than the tensor rebuild")
         if self.loop.plain_rebuild:  # what the loop's call runs, without its wrapping
             lean = args[0].lean
-            if lean is not None and len(args) == 6 and lean.spare is not None and _whole(
+            if lean is not None and len(args) == 6 and lean.spare is not None and is_whole(
                     lean, *rest[:3]):
                 # (the whole storage, as frombuffer made it: no geometry to set, nothing past it)
                 t, lean.spare = lean.spare, None
@@ -155,16 +156,6 @@ class _Rebuild(_Call):
         return self.loop.call(self.func, (args[0].typed, *args[1:]))
 
 
-def _whole(lean: LeanStorage, offset: Any, size: Any, stride: Any) -> bool:
-    """Whether a rebuild's geometry is that of its storage's whole tensor (one dimension of every
-    element, contiguous, at offset 0: what a flat parameter or optimizer moment has), each
-    number an int as torch writes it."""
-    return (type(offset) is int and type(size) is tuple and type(stride) is tuple
-            and len(size) == 1 and len(stride) == 1 and type(size[0]) is int
-            and type(stride[0]) is int and offset == 0 and stride[0] == 1
-            and size[0] * lean.itemsize == lean.nbytes)
-
-
 class _Unread(_Inert):
     """A proxy of the first try over an image whose storages are still being read: calls that
     could read a tensor's values stop the try. Tensors are made over bytes not yet in memory
@@ -187,33 +178,17 @@ class _Unread(_Inert):
             # tuples of ints, and stops the try at anything else (the storage is lean here)
             own = (len(args) == 6 and type(args[4]) is bool and type(args[5]) is _OrderedDict
                    and not args[5] and self.proxy.loop.plain_rebuild)
-            if not own and (len(args) < 6 or type(args[1]) is not int or not _plain(args[2:])):
+            if not own and (len(args) < 6 or type(args[1]) is not int or not plain(args[2:])):
                 raise _Stop("a tensor rebuilt with more than plain numbers")
             t = self.proxy(*args)
             self.rebuilt.append((t, t.data_ptr(), args[1], args[2], args[3]))
             return t
         elif func is _REBUILD_PARAMETER:
-            if not args or not _plain(args[1:]):
+            if not args or not plain(args[1:]):
                 raise _Stop("a parameter made with more than plain values")
-        elif not _plain(args):
+        elif not plain(args):
             raise _Stop("a tensor passed to a call before its bytes are read")
         return self.proxy(*args)
-
-
-def _plain(values: Any, depth: int = 0) -> bool:
-    """Whether ``values`` (tuples, lists and dicts of them, nested) hold no tensor and nothing
-    that could stand for one: plain numbers, strings, ``None``, dtypes, sizes."""
-    for v in values:
-        kind = type(v)
-        if kind in (int, float, bool, str, bytes, type(None)) or isinstance(v, torch.dtype):
-            continue
-        if depth > 20 or not (kind in (tuple, list, torch.Size) or isinstance(v, dict)):
-            return False
-        if not _plain(v.values() if isinstance(v, dict) else v, depth + 1):
-            return False
-        if isinstance(v, dict) and not _plain(v.keys(), depth + 1):
-            return False
-    return True
 
 
 class _Kind(_Inert):
@@ -234,32 +209,7 @@ class _Stored(_Inert):
     def __init__(self, typed: Any, lean: LeanStorage | None = None) -> None:
         self.typed, self.lean = typed, lean
         #: a typed storage's bytes when handed out (one of no bytes can be grown by ``set_``)
-        self.nbytes = _untyped(typed).nbytes() if typed is not None else 0
-
-
-def _unchanged(rebuilt: list[tuple[Any, ...]]) -> bool:
-    """Whether every tensor the rebuild made still has the address and geometry it gave it."""
-    for t, address, offset, size, stride in rebuilt:
-        if (t.data_ptr() != address or t.storage_offset() != offset or t.size() != size
-                or t.stride() != stride):
-            return False
-    return True
-
-
-def _untyped(storage: Any) -> Any:
-    return getattr(storage, "_untyped_storage", storage)
-
-
-def _give_back_growth(made: list[_Stored]) -> bool:
-    """Resize every typed storage handed out back to its size then; whether any had grown."""
-    grown = False
-    for stored in made:
-        if stored.typed is not None:
-            untyped = _untyped(stored.typed)
-            if untyped.nbytes() != stored.nbytes:
-                untyped.resize_(stored.nbytes)
-                grown = True
-    return grown
+        self.nbytes = untyped_of(typed).nbytes() if typed is not None else 0
 
 
 def _rebuild_lean(lean: LeanStorage, storage_offset: Any, size: Any, stride: Any,
@@ -358,10 +308,10 @@ def _run_fast(data: bytes, loop: LoopUnpickler, persistent: Any, only_lean: bool
         # objects from the file's persistent_load) and stops the try, stopped or not; the loop
         # refuses that BUILD in its words. (An image's lean storages cannot grow: torch's own
         # bound check stops such a set_.)
-        grown = _give_back_growth(up.made)
+        grown = give_back_growth(up.made)
     if grown:
         raise _Stop("a storage grown after it was handed out")
-    if only_lean and not _unchanged(up.rebuilt):
+    if only_lean and not unchanged(up.rebuilt):
         # a BUILD's set_ (torch's legacy state of a tensor) moved a tensor after its rebuild:
         # its arguments may have been tensors whose bytes were not read yet (a 0-d offset)
         raise _Stop("a tensor set again after its rebuild, before the bytes were read")
