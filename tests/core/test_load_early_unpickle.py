@@ -246,3 +246,36 @@ def test_a_tensor_set_again_by_a_build_is_unpickled_after_the_reads(tmp_path, mo
     theirs = torch.load(path, weights_only=True)
     assert got[0].storage_offset() == theirs[0].storage_offset() == 3
     assert got[0].shape == theirs[0].shape == (2,)
+
+
+def test_a_build_keeping_a_tensor_s_address_and_shape_still_stops_the_early_try(
+        tmp_path, monkeypatch):
+    # (second review) rebuilt at offset 0, then set by a BUILD to offset v (a 0-d tensor of 3,
+    # not yet read: 0 then) and the same shape: address and geometry unchanged, state wrong
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "faults"))
+    from pickleasm import BUILD, EMPTY_TUPLE, FALSE, REDUCE, TUPLE2, glob, num, text, tup
+
+    def pid(key, kind, numel):
+        return tup(text("storage"), glob("torch", kind), text(key), text("cpu"), num(numel)) + b"Q"
+
+    def rebuild(storage, offset, size, stride):
+        return glob("torch._utils", "_rebuild_tensor_v2") + tup(
+            storage, offset, size, stride, FALSE,
+            glob("collections", "OrderedDict") + EMPTY_TUPLE + REDUCE) + REDUCE
+
+    n = 1 << 17
+    path = str(tmp_path / "b.ckpt")
+    first = _save(path, {"pad": "A" * 6000, "big": torch.arange(float(n)), "v": torch.tensor(3)})
+    v = rebuild(pid("1", "LongStorage", 1), num(0), EMPTY_TUPLE, EMPTY_TUPLE) + b"q\x01"
+    t = rebuild(pid("0", "FloatStorage", n), num(0), tup(num(2)), tup(num(1))) + b"q\x00"
+    rewrite_pickle(path, b"\x80\x02" + v + t + tup(b"h\x00", b"h\x01", tup(num(2)), tup(num(1)))
+                   + BUILD + b"h\x01" + TUPLE2 + b".")
+    watch = _Watch(monkeypatch, first)
+    with stagesave.Checkpointer(writer="thread", chunk_bytes=CHUNK) as ck:
+        got = ck.load(path)
+    assert watch.seen == [(0, False)]
+    theirs = torch.load(path, weights_only=True)
+    assert got[0].storage_offset() == theirs[0].storage_offset() == 3
+    assert got[0].tolist() == theirs[0].tolist() == [3.0, 4.0]

@@ -262,8 +262,10 @@ HOSTILE = {
 LOADED = {"bare global", "bare storage", "storage kept and used", "storage as an attribute",
           "newobj of a proxy", "an OrderedDict's attributes", "build a tensor",
           "two storages, one record"}
-#: what the C unpickler loads as data where the Python loop calls the pickle damaged
-LENIENT = {"set an item of a tensor": torch.tensor([9.0, 1.5, 1.5, 1.5])}
+#: what the C unpickler loads as data where the Python loop calls the pickle damaged: none
+#: since 2026-12-07 (it loaded "set an item of a tensor", a SETITEM writing into a tensor; a
+#: tensor changed after its rebuild now stops its try, and the loop refuses it)
+LENIENT: dict[str, torch.Tensor] = {}
 
 
 @pytest.mark.parametrize("source", sorted(SOURCES))

@@ -5,6 +5,7 @@ refuse what it would make of them (a review's reproductions, 2026-12-06), on eve
 from __future__ import annotations
 
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -282,3 +283,24 @@ def test_a_tensor_re_pointed_by_a_build_leaves_the_next_tensor_of_its_storage_al
                                   + second + TUPLE))
     loaded = _load(path, "image")[1]
     assert loaded.untyped_storage().nbytes() == 4 * n and bool((loaded == 1).all())
+
+
+@pytest.mark.parametrize("fast", ["1", "0"])
+@pytest.mark.parametrize("state", ["five", "three"])
+def test_legacy_builds_of_a_tensor_get_one_verdict_with_or_without_the_c_unpickler(
+        tmp_path, fast, state, monkeypatch):
+    # (second review) the C unpickler ran torch's Tensor.__setstate__, which takes 3- and
+    # 5-tuples (another tensor's data, requires_grad True); the loop and torch.load refuse them
+    monkeypatch.setenv("STAGESAVE_FAST_UNPICKLE", fast)
+    hooks = glob("collections", "OrderedDict") + EMPTY_TUPLE + REDUCE
+    w = _geometry(_pid("0", "FloatStorage", 8), 0, _ints(8), _ints(1))
+    other = _geometry(_pid("1", "FloatStorage", 8), 0, _ints(8), _ints(1))
+    args = (tup(other, num(0), _ints(8), TRUE, hooks) if state == "five"
+            else tup(TRUE, NONE, hooks))
+    path = _base(tmp_path, {"pad": "A" * 6000, "w": torch.arange(8.0), "b": torch.ones(8)})
+    rewrite_pickle(path, _program(w + args + BUILD))
+    with pytest.raises((pickle.UnpicklingError, RuntimeError, TypeError)):
+        torch.load(path, weights_only=True)
+    for how in PATHS:
+        with pytest.raises(stagesave.IntegrityError, match="damaged"):
+            _load(path, how)

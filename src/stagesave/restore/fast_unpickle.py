@@ -111,11 +111,23 @@ class _Direct(_Call):
 
 
 class _Rebuild(_Call):
-    """``torch._utils._rebuild_tensor_v2``, the one callable that takes a storage."""
+    """``torch._utils._rebuild_tensor_v2``, the one callable that takes a storage. Every tensor
+    it makes is recorded with its version, hooks and ``requires_grad`` (:func:`.unchanged`): a
+    ``BUILD`` of a tensor (torch's legacy ``__setstate__``, which the C unpickler runs without
+    asking) changes one of them, and stops the try once the pickle ends."""
 
-    __slots__ = ()
+    __slots__ = ("rebuilt",)
+
+    def __init__(self, func: Any, loop: LoopUnpickler, rebuilt: list[tuple[Any, ...]]) -> None:
+        super().__init__(func, loop)
+        self.rebuilt = rebuilt
 
     def __call__(self, *args: Any) -> Any:
+        t = self._make(*args)
+        self.rebuilt.append((t, t._version, t._backward_hooks, t.requires_grad))
+        return t
+
+    def _make(self, *args: Any) -> Any:
         if not args or type(args[0]) is not _Stored:
             raise _Stop("a tensor rebuilt from something other than a storage")
         rest = args[1:]
@@ -164,12 +176,10 @@ class _Unread(_Inert):
     Only the tensor rebuild's storage, and the tensor a parameter is made of, are tensors here;
     every other argument must be plain data."""
 
-    __slots__ = ("proxy", "rebuilt")
+    __slots__ = ("proxy",)
 
-    def __init__(self, proxy: _Call, rebuilt: list[tuple[Any, ...]]) -> None:
+    def __init__(self, proxy: _Call) -> None:
         self.proxy = proxy
-        #: every tensor rebuilt, with its address and geometry then (:func:`_unchanged`)
-        self.rebuilt = rebuilt
 
     def __call__(self, *args: Any) -> Any:
         func = self.proxy.func
@@ -180,9 +190,7 @@ class _Unread(_Inert):
                    and not args[5] and self.proxy.loop.plain_rebuild)
             if not own and (len(args) < 6 or type(args[1]) is not int or not plain(args[2:])):
                 raise _Stop("a tensor rebuilt with more than plain numbers")
-            t = self.proxy(*args)
-            self.rebuilt.append((t, t.data_ptr(), args[1], args[2], args[3]))
-            return t
+            return self.proxy(*args)  # (a tensor set again later stops the try: _run_fast)
         elif func is _REBUILD_PARAMETER:
             if not args or not plain(args[1:]):
                 raise _Stop("a parameter made with more than plain values")
@@ -249,7 +257,7 @@ class _CUnpickler(pickle.Unpickler):  # _pickle.Unpickler: the opcode loop in C
         self.lean = getattr(persistent, "lean", None)
         self.answers: dict[str, Any] = {}
         self.made: list[_Stored] = []
-        self.rebuilt: list[tuple[Any, ...]] = []  # (only_lean: see _Unread)
+        self.rebuilt: list[tuple[Any, ...]] = []  # every tensor the rebuild made (_Rebuild)
 
     def find_class(self, module: str, name: str) -> Any:
         key = f"{module}.{name}"
@@ -266,12 +274,12 @@ class _CUnpickler(pickle.Unpickler):  # _pickle.Unpickler: the opcode loop in C
             raise _Stop(full)
         if full in FAST_NAMES:
             policy = self.loop.policy
-            found = (_Rebuild(obj, self.loop) if obj is _REBUILD_V2
+            found = (_Rebuild(obj, self.loop, self.rebuilt) if obj is _REBUILD_V2
                      else _Direct(obj, self.loop) if id(obj) in policy.callable_ids
                      and id(obj) not in policy.routes and not _sparse(obj)
                      else _Call(obj, self.loop))
             if self.only_lean:  # the storages' bytes are not read yet: nothing may read them
-                found = _Unread(found, self.rebuilt)
+                found = _Unread(found)
         elif _storage_class(obj):
             found = _Kind(obj)
         elif _inert(obj):
@@ -311,10 +319,11 @@ def _run_fast(data: bytes, loop: LoopUnpickler, persistent: Any, only_lean: bool
         grown = give_back_growth(up.made)
     if grown:
         raise _Stop("a storage grown after it was handed out")
-    if only_lean and not unchanged(up.rebuilt):
-        # a BUILD's set_ (torch's legacy state of a tensor) moved a tensor after its rebuild:
-        # its arguments may have been tensors whose bytes were not read yet (a 0-d offset)
-        raise _Stop("a tensor set again after its rebuild, before the bytes were read")
+    if not unchanged(up.rebuilt):
+        # a BUILD set a tensor's state after its rebuild (torch's legacy __setstate__: set_,
+        # or 3- and 5-tuples the loop and torch refuse), perhaps from tensors whose bytes were
+        # not read yet (a 0-d offset, beside the reads): the loop judges it in its words
+        raise _Stop("a tensor's state set again after its rebuild")
     made, answers = up.made, up.answers
     up.memo.clear()
     del up

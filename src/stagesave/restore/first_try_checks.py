@@ -1,6 +1,6 @@
 """What the C unpickler's first try checks of what it was given and what it made
 (:mod:`.fast_unpickle`): a rebuild whose geometry is its storage's whole, arguments that hold
-nothing that could read a tensor's bytes, tensors a ``BUILD`` moved after their rebuild, and
+nothing that could read a tensor's bytes, tensors a ``BUILD`` set again after their rebuild, and
 storages a ``BUILD`` grew (given their size back)."""
 
 from __future__ import annotations
@@ -42,10 +42,11 @@ def plain(values: Any, depth: int = 0) -> bool:
 
 
 def unchanged(rebuilt: list[tuple[Any, ...]]) -> bool:
-    """Whether every tensor the rebuild made still has the address and geometry it gave it."""
-    for t, address, offset, size, stride in rebuilt:
-        if (t.data_ptr() != address or t.storage_offset() != offset or t.size() != size
-                or t.stride() != stride):
+    """Whether every tensor the rebuild made still has the version (``set_`` and every
+    in-place change count one), hooks and ``requires_grad`` it had then."""
+    for t, version, hooks, requires_grad in rebuilt:
+        if (t._version != version or t._backward_hooks is not hooks
+                or t.requires_grad is not requires_grad):
             return False
     return True
 

@@ -20,6 +20,7 @@ import torch
 
 from ..errors import UnsupportedObjectError
 from ..ondisk.names import MAX_MANIFEST_BYTES, PROOF_KEY
+from ..ondisk.validate import MAX_TENSOR_NAME
 from .plan import FileImage, StorageSlot
 
 __all__ = ["plan_safetensors_file"]
@@ -88,6 +89,10 @@ def plan_safetensors_file(
             raise UnsupportedObjectError(
                 f"safetensors entry {name!r} is a {type(t).__name__}, not a dense tensor"
             )
+        if len(name) > MAX_TENSOR_NAME:  # a reader's limit on the proof's storage keys
+            raise UnsupportedObjectError(
+                f"safetensors entry name of {len(name)} characters: readers accept at most "
+                f"{MAX_TENSOR_NAME}")
         code = _DTYPES.get(t.dtype)
         if code is None:
             raise UnsupportedObjectError(
