@@ -27,32 +27,24 @@ class LeanStorage:
     ``set_``). What comes out equals torch's rebuild: a tensor of the storage's dtype over the
     storage's bytes, not a view of another tensor."""
 
-    __slots__ = ("_storage", "dtype", "first", "itemsize", "nbytes", "spare")
+    __slots__ = ("dtype", "itemsize", "nbytes", "spare", "untyped")
 
-    def __init__(self, untyped: torch.UntypedStorage | None, dtype: torch.dtype, itemsize: int,
+    def __init__(self, untyped: torch.UntypedStorage, dtype: torch.dtype, itemsize: int,
                  whole: torch.Tensor | None = None, nbytes: int | None = None) -> None:
-        """``untyped`` may be ``None`` with ``whole`` and ``nbytes`` given (the storage is
-        ``whole``'s, asked of it only when a second tensor needs it: ~2 µs per storage)."""
-        self._storage, self.dtype, self.itemsize = untyped, dtype, itemsize
+        """``untyped``: taken when the storage is made, never later of a tensor over it (a
+        ``BUILD`` may re-point that tensor before a second one needs the storage)."""
+        self.untyped, self.dtype, self.itemsize = untyped, dtype, itemsize
         #: its bytes as handed out: every tensor over it must fit in them (a storage in device
         #: memory can be grown by ``set_``; the rebuild checks first)
-        self.nbytes: int = untyped.nbytes() if nbytes is None else nbytes  # type: ignore[union-attr]
+        self.nbytes: int = untyped.nbytes() if nbytes is None else nbytes
         #: a tensor over all of the storage the first rebuild may take (``None``: none made)
         self.spare = whole
-        self.first = whole  # (its storage is this one's, whatever geometry it was given)
-
-    @property
-    def untyped(self) -> torch.UntypedStorage:
-        if self._storage is None:
-            assert self.first is not None
-            self._storage = self.first.untyped_storage()
-        return self._storage
 
     @classmethod
     def over(cls, data: memoryview, dtype: torch.dtype) -> LeanStorage:
         """The storage of host bytes ``data`` (a whole number of ``dtype`` elements)."""
         whole = torch.frombuffer(data, dtype=dtype)
-        return cls(None, dtype, whole.element_size(), whole, len(data))
+        return cls(whole.untyped_storage(), dtype, whole.element_size(), whole, data.nbytes)
 
     def tensor(self, offset: Any, size: Any, stride: Any) -> torch.Tensor:
         """A new tensor over the storage (torch's checks: within the storage's bytes)."""
@@ -60,9 +52,8 @@ class LeanStorage:
         if whole is not None:
             self.spare = None
             return whole.as_strided_(size, stride, offset)
-        untyped = self.untyped
-        return torch.empty((0,), dtype=self.dtype, device=untyped.device).set_(
-            untyped, offset, size, stride)
+        return torch.empty((0,), dtype=self.dtype, device=self.untyped.device).set_(
+            self.untyped, offset, size, stride)
 
 
 def unpickle_image(image: Image, map_location: Any, unpickler: Any, *,
@@ -159,7 +150,6 @@ def unpickle_image(image: Image, map_location: Any, unpickler: Any, *,
             return None
         offset = record.offset
         whole = frombuffer(view[offset : offset + nbytes], dtype=dtype)
-        # its storage object now: a BUILD may re-point the first tensor before a second needs it
         made = leans[key] = LeanStorage(whole.untyped_storage(), dtype, size, whole, nbytes)
         return made
 
