@@ -37,10 +37,11 @@ _entries = st.lists(st.builds(
 @settings(max_examples=1500, deadline=None)
 @given(_entries)
 def test_the_entries_are_the_bytes_json_dumps_writes(entries):
-    assert encode_tensors(entries) == _json(entries)
+    # (the entries a loader reads: numbers over 2**62 are left out since 2026-12-07)
+    assert encode_tensors(entries) == _json(index_json.indexable(entries))
     telemetry = {"stage_s": 0.25, "note": "\u00e9"}
     assert index_record(encode_tensors(entries), telemetry) == json.dumps(
-        {"tensors": json.loads(_json(entries)), "telemetry": telemetry},
+        {"tensors": json.loads(_json(index_json.indexable(entries))), "telemetry": telemetry},
         separators=(",", ":"), allow_nan=False).encode()
 
 

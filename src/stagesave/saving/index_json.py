@@ -99,32 +99,42 @@ def indexable(entries: Sequence[TensorEntry | dict[str, Any]]) -> list[Any]:
     if not entries:
         return []
     if set(map(type, entries)) <= {TensorEntry}:
-        shapes = list(map(operator.itemgetter(3), entries))
-        strides = list(map(operator.itemgetter(4), entries))
-        if (max(map(len, map(operator.itemgetter(0), entries))) <= MAX_TENSOR_NAME
-                and max(map(len, shapes)) <= MAX_RANK
-                and max(map(operator.itemgetter(5), entries)) <= MAX_NUMEL
-                and max(map(max, filter(None, shapes)), default=0) <= MAX_NUMEL
-                and max(map(max, filter(None, strides)), default=0) <= MAX_NUMEL
-                and max(map(math.prod, shapes)) <= MAX_NUMEL):
-            return list(entries)  # (C loops: ~40 ms at 100,000 tensors, once per plan)
+        try:
+            shapes = list(map(operator.itemgetter(3), entries))
+            strides = list(map(operator.itemgetter(4), entries))
+            if (max(map(len, map(operator.itemgetter(0), entries))) <= MAX_TENSOR_NAME
+                    and max(map(len, shapes)) <= MAX_RANK
+                    and max(map(operator.itemgetter(5), entries)) <= MAX_NUMEL
+                    and max(map(max, filter(None, shapes)), default=0) <= MAX_NUMEL
+                    and max(map(max, filter(None, strides)), default=0) <= MAX_NUMEL
+                    and max(map(math.prod, shapes)) <= MAX_NUMEL):
+                return list(entries)  # (C loops: ~40 ms at 100,000 tensors, once per plan)
+        except TypeError:  # a value that is not a number (an adopted file's None): one by one
+            pass
         return [e for e in entries if _readable(e)]  # type: ignore[arg-type]
-    return [e for e in entries if len(_name(e)) <= MAX_TENSOR_NAME and len(_shape(e)) <= MAX_RANK]
+    return [e for e in entries if _readable_dict(e)]  # type: ignore[arg-type]
+
+
+def _over(x: Any) -> bool:
+    return type(x) is int and not 0 <= x <= MAX_NUMEL
 
 
 def _readable(e: TensorEntry) -> bool:
-    """What a loader's check of one entry accepts (besides its types, which torch's are)."""
-    return (len(e.name) <= MAX_TENSOR_NAME and len(e.shape) <= MAX_RANK
-            and 0 <= e.storage_offset <= MAX_NUMEL and all(0 <= d <= MAX_NUMEL for d in e.shape)
-            and all(0 <= st <= MAX_NUMEL for st in e.stride) and math.prod(e.shape) <= MAX_NUMEL)
+    """Whether a loader's check of the entry accepts its numbers and lengths (values that are
+    not ints are left to the encoder, which writes or refuses them as ``json.dumps`` does)."""
+    try:
+        return not (len(e.name) > MAX_TENSOR_NAME or len(e.shape) > MAX_RANK
+                    or _over(e.storage_offset) or any(map(_over, e.shape))
+                    or any(map(_over, e.stride)) or _over(math.prod(e.shape)))
+    except TypeError:
+        return True
 
 
-def _name(e: TensorEntry | dict[str, Any]) -> Any:
-    return e.name if isinstance(e, TensorEntry) else e.get("name", "")
-
-
-def _shape(e: TensorEntry | dict[str, Any]) -> Any:
-    return e.shape if isinstance(e, TensorEntry) else e.get("shape", ())
+def _readable_dict(e: dict[str, Any]) -> bool:
+    try:
+        return len(e.get("name", "")) <= MAX_TENSOR_NAME and len(e.get("shape", ())) <= MAX_RANK
+    except TypeError:
+        return True
 
 
 def encode_tensors(entries: Sequence[TensorEntry | dict[str, Any]]) -> bytes:
