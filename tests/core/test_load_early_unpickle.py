@@ -215,14 +215,12 @@ def test_a_pickle_that_reads_its_tensors_is_unpickled_after_the_reads(tmp_path, 
     same_state(torch.load(path, weights_only=True), got)
 
 
-def test_a_tensor_set_again_by_a_build_is_unpickled_after_the_reads(tmp_path, monkeypatch):
-    # (review of 2026-12-07) a BUILD is torch's legacy set_(source, offset, size, stride) of a
-    # tensor; with a 0-d tensor as the offset, the early try read that tensor's bytes before
-    # they were read from the file (an offset of 0 instead of 3, by timing)
+def _hostile_parts():
+    """A storage's persistent id and a tensor rebuild, as a hostile pickle writes them."""
     import sys
 
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "faults"))
-    from pickleasm import BUILD, EMPTY_TUPLE, FALSE, REDUCE, TUPLE2, glob, num, text, tup
+    from pickleasm import EMPTY_TUPLE, FALSE, REDUCE, glob, num, text, tup
 
     def pid(key, kind, numel):
         return tup(text("storage"), glob("torch", kind), text(key), text("cpu"), num(numel)) + b"Q"
@@ -232,6 +230,16 @@ def test_a_tensor_set_again_by_a_build_is_unpickled_after_the_reads(tmp_path, mo
             storage, offset, size, stride, FALSE,
             glob("collections", "OrderedDict") + EMPTY_TUPLE + REDUCE) + REDUCE
 
+    return pid, rebuild
+
+
+def test_a_tensor_set_again_by_a_build_is_unpickled_after_the_reads(tmp_path, monkeypatch):
+    # (review of 2026-12-07) a BUILD is torch's legacy set_(source, offset, size, stride) of a
+    # tensor; with a 0-d tensor as the offset, the early try read that tensor's bytes before
+    # they were read from the file (an offset of 0 instead of 3, by timing)
+    from pickleasm import BUILD, EMPTY_TUPLE, TUPLE2, num, tup
+
+    pid, rebuild = _hostile_parts()
     n = 1 << 17  # 512 KiB: unpickled early by default
     path = str(tmp_path / "b.ckpt")
     first = _save(path, {"pad": "A" * 6000, "big": torch.ones(n), "v": torch.tensor(3)})
@@ -252,19 +260,9 @@ def test_a_build_keeping_a_tensor_s_address_and_shape_still_stops_the_early_try(
         tmp_path, monkeypatch):
     # (second review) rebuilt at offset 0, then set by a BUILD to offset v (a 0-d tensor of 3,
     # not yet read: 0 then) and the same shape: address and geometry unchanged, state wrong
-    import sys
+    from pickleasm import BUILD, EMPTY_TUPLE, TUPLE2, num, tup
 
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "faults"))
-    from pickleasm import BUILD, EMPTY_TUPLE, FALSE, REDUCE, TUPLE2, glob, num, text, tup
-
-    def pid(key, kind, numel):
-        return tup(text("storage"), glob("torch", kind), text(key), text("cpu"), num(numel)) + b"Q"
-
-    def rebuild(storage, offset, size, stride):
-        return glob("torch._utils", "_rebuild_tensor_v2") + tup(
-            storage, offset, size, stride, FALSE,
-            glob("collections", "OrderedDict") + EMPTY_TUPLE + REDUCE) + REDUCE
-
+    pid, rebuild = _hostile_parts()
     n = 1 << 17
     path = str(tmp_path / "b.ckpt")
     first = _save(path, {"pad": "A" * 6000, "big": torch.arange(float(n)), "v": torch.tensor(3)})

@@ -50,8 +50,7 @@ from .unpickle import Unpickler as LoopUnpickler
 
 __all__ = ["FAST_NAMES", "PICKLE_MODULE", "FirstTryStopped", "Unpickler", "fast_enabled"]
 
-_REBUILD_PARAMETER = torch._utils._rebuild_parameter
-_OrderedDict = collections.OrderedDict
+_REBUILD_PARAMETER, _OrderedDict = torch._utils._rebuild_parameter, collections.OrderedDict
 
 #: The callables the C unpickler may reach (through proxies); any other global stops the try.
 FAST_NAMES = frozenset({
@@ -257,7 +256,7 @@ class _CUnpickler(pickle.Unpickler):  # _pickle.Unpickler: the opcode loop in C
         self.lean = getattr(persistent, "lean", None)
         self.answers: dict[str, Any] = {}
         self.made: list[_Stored] = []
-        self.rebuilt: list[tuple[Any, ...]] = []  # every tensor the rebuild made (_Rebuild)
+        self.rebuilt: list[tuple[Any, ...]] = []  # every tensor _Rebuild made
 
     def find_class(self, module: str, name: str) -> Any:
         key = f"{module}.{name}"
