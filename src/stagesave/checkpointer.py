@@ -289,7 +289,9 @@ class Checkpointer:
         bytes come from that one version, even if the name is replaced meanwhile. With
         ``verify`` (default) every byte is checked against the proof before anything is
         unpickled. A stagesave torch file is read once into memory its tensors keep; other
-        local files load with ``mmap`` (copy-on-write pages of the verified file).
+        local files load with ``mmap`` (copy-on-write pages of the verified file). A
+        safetensors file loads as ``safetensors.torch.load_file`` reads it (a dict of tensors),
+        checked against its proof where it has one.
 
         Raises:
             CheckpointNotFoundError: no such file.

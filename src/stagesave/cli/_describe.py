@@ -55,7 +55,8 @@ def _files(
     """Every file of the checkpoint as shown, each one's own proof (format 2), and the problems
     found."""
     m = ci.manifest
-    if m is not None and m.folder is not None:  # a format-2 folder: the carrier names every file
+    if m is not None and m.folder is not None and ci.is_dir:
+        # a format-2 folder: the carrier names every file
         entries, problems = folder_entries(store, ci)
         docs, own_of = [], {}
         for fname, own, listed in entries:
@@ -79,8 +80,11 @@ def _files(
     if m is not None:
         if ci.format == 2:
             e = m.files[0]
+            role = "file"
+            if m.folder is not None:  # one file of a folder checkpoint, inspected alone
+                role = "carrier" if e.name == m.folder.carrier else "member"
             return (
-                [_file_doc(e.name, ci.name, e, "file", f"in the file: {_where_proof(e)}")],
+                [_file_doc(e.name, ci.name, e, role, f"in the file: {_where_proof(e)}")],
                 {e.name: m},
                 [],
             )
@@ -134,8 +138,11 @@ def _parsed_tensors(
         return []
 
 
-def describe(store: Store, ci: CheckpointInfo, *, trusted: bool = False) -> dict[str, Any]:
-    """Everything ``inspect`` shows, as plain data."""
+def describe(
+    store: Store, ci: CheckpointInfo, *, trusted: bool = False, part_of: str | None = None,
+) -> dict[str, Any]:
+    """Everything ``inspect`` shows, as plain data (``part_of``: the folder checkpoint a file
+    inspected alone belongs to)."""
     files, own_of, problems = _files(store, ci)
     problems = list(ci.problems) + [p for p in problems if p not in ci.problems]
     status = "corrupt" if problems and ci.status == "committed" else ci.status
@@ -143,7 +150,7 @@ def describe(store: Store, ci: CheckpointInfo, *, trusted: bool = False) -> dict
     notes: list[str] = []
     bad = 0
     m = ci.manifest
-    if m is not None and not ci.is_dir:
+    if m is not None and not ci.is_dir and (m.tensors or files[0]["kind"] != "safetensors"):
         tensors, bad = manifest_tensors(m)
     elif ci.is_dir or status != "corrupt":
         for f in files:
@@ -172,6 +179,7 @@ def describe(store: Store, ci: CheckpointInfo, *, trusted: bool = False) -> dict
         "step": step_of(ci.name, m),
         "manifest": ci.manifest_name,
         "carrier": m.folder.carrier if m is not None and m.folder is not None else None,
+        "part_of": part_of,
         "problems": problems,
         "files": files,
         "tensors": tensors,

@@ -235,6 +235,12 @@ def find_rows(store: Store) -> tuple[list[Row], list[Debris], list[tuple[str, st
     summary.
     """
     tier = store_tier(store)
+    whole = resolve_dir(store, "")
+    if whole.format in (1, 2):
+        # the root is one folder checkpoint: itself, not its files or sub-folders as others
+        row = _row(whole, tier)
+        row.name = row.path.rstrip("/")
+        return [row], [], []
     rows = [_row(ci, tier) for ci in scan(store, full=True)]
     listed = {r.name for r in rows}
     for leaf in store.list_dirs(""):

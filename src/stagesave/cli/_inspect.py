@@ -16,7 +16,10 @@ from typing import Any
 
 from rich.table import Table
 
-from ..errors import CheckpointNotFoundError, IntegrityError
+from ..errors import CheckpointError, CheckpointNotFoundError, IntegrityError
+from ..ondisk.names import MAX_FOLDER_DEPTH
+from ..restore.discovery import CheckpointInfo
+from ..restore.resolve_folder import carries
 from ._common import Env, literal
 from ._describe import describe
 from ._found import resolve_target
@@ -110,7 +113,7 @@ def run(env: Env, args: argparse.Namespace) -> int:
         ci = resolve_target(target.store, target.name, target.is_dir)
     except FileNotFoundError as exc:
         raise CheckpointNotFoundError(f"no checkpoint at {target.where}: {exc}") from exc
-    doc = describe(target.store, ci, trusted=args.trusted)
+    doc = describe(target.store, ci, trusted=args.trusted, part_of=_part_of(env, ci))
     if args.json:
         env.print_json(doc)
     else:
@@ -119,6 +122,26 @@ def run(env: Env, args: argparse.Namespace) -> int:
         first = doc["problems"][0] if doc["problems"] else "its proof does not hold"
         raise IntegrityError(f"{doc['path']} is corrupt: {first}")
     return 0
+
+
+def _part_of(env: Env, ci: CheckpointInfo) -> str | None:
+    """For one file of a format-2 folder checkpoint: that folder's path, found by looking for
+    its carrier up to :data:`MAX_FOLDER_DEPTH` folders above the file (its proof names the
+    carrier, not the file's own path in the folder)."""
+    m = ci.manifest
+    if ci.is_dir or m is None or m.folder is None:
+        return None
+    path = ci.path
+    for _ in range(MAX_FOLDER_DEPTH + 1):
+        path = path.rpartition("/")[0]
+        if not path or path.endswith(":/"):
+            return None
+        try:
+            if carries(env.root(path), m.folder.carrier, m.folder.token):
+                return path
+        except (OSError, CheckpointError):
+            return None
+    return None
 
 
 def _print(env: Env, doc: dict[str, Any], max_tensors: int) -> None:
@@ -132,7 +155,16 @@ def _print(env: Env, doc: dict[str, Any], max_tensors: int) -> None:
         head.append(("step", str(doc["step"])))
     if doc["manifest"]:
         head.append(("manifest", doc["manifest"]))
-    if doc["carrier"]:
+    if doc["carrier"] and not doc["folder"]:
+        if doc["part_of"] is None:
+            folder = f"a folder checkpoint (its carrier {doc['carrier']} was not found above it)"
+        else:
+            folder = f"the folder checkpoint {doc['part_of']}/"
+        role = ("its carrier" if doc["files"] and doc["files"][0]["role"] == "carrier"
+                else f"a member (carrier {doc['carrier']})")
+        text = f"{folder}, as {role}; inspect the folder to check every file of it"
+        head.append(("part of", text))
+    elif doc["carrier"]:
         head.append(("carrier", f"{doc['carrier']} (its proof names every file of the folder)"))
     for k, v in head:
         env.say(f"  {k:<9} {v}")

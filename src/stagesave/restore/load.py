@@ -21,7 +21,7 @@ from ..safety import safe_first_try, safe_torch_load
 from ..saving import inflight
 from ..saving.plan import gc_paused
 from ..stores.base import Reader, Store
-from . import device_load, from_memory, image_load
+from . import device_load, from_memory, image_load, safetensors_load
 from .index_check import IndexCheck
 from .resolve_file import resolve_reader
 from .torch_load import torch_forces_weights_only
@@ -70,6 +70,9 @@ def _load_once(
         info = resolve_reader(store, judged, reader, index=False)  # parsed beside the load
         if info.status == "corrupt":
             raise IntegrityError(f"checkpoint {where} is corrupt: {'; '.join(info.problems)}")
+        if safetensors_load.is_safetensors(reader, info.manifest):
+            return _load_safetensors(reader, info.manifest, where, io, chunk_bytes, verify,
+                                     map_location)
         check = IndexCheck(info.manifest, where)
         state = _load_checked(store, judged, reader, info.manifest, where, io, chunk_bytes,
                               map_location, verify, mmap, trusted, globs, check)
@@ -141,6 +144,17 @@ def _load_checked(
         raise_if_corrupt(check_chunks(reader, manifest, io, view), where)
     return safe_torch_load(_bytesio.BytesIO(data), map_location=map_location, trusted=trusted,
                            safe_globals=globs, where=where)
+
+
+def _load_safetensors(reader: Reader, manifest: Manifest | None, where: str, io: IoThreads,
+                      chunk_bytes: int, verify: bool, map_location: Any) -> Any:
+    """A safetensors file read into one buffer its tensors view, checked against its proof
+    (if it has one) before any tensor is made (:mod:`.safetensors_load`)."""
+    view = memoryview(bytearray(reader.size))
+    _read_parallel(reader, view, io, chunk_bytes)
+    if verify and manifest is not None:
+        raise_if_corrupt(check_chunks(reader, manifest, io, view), where)
+    return safetensors_load.tensors(view, where, map_location)
 
 
 class _Early:

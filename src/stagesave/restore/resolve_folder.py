@@ -18,8 +18,10 @@ from .info import CheckpointInfo, join, replaced, reread
 from .proof import FileProof, peek, read_proof
 from .resolve_file import read_sidecar
 
-__all__ = ["MAX_FOLDER_DEPTH", "FolderEntry", "folder_entries", "list_tree", "resolve_dir"]
-
+__all__ = [
+    "MAX_FOLDER_DEPTH", "FolderEntry", "carries", "enclosing_folder", "folder_entries", "list_tree",
+    "resolve_dir",
+]
 
 
 def list_tree(store: Store, directory: str, depth: int = 0) -> list[ObjectInfo]:
@@ -57,6 +59,13 @@ def _resolve_dir(
     if DIR_MANIFEST in files:
         return _dir_format1(store, directory, path, files)
     carrier = _find_carrier(store, directory, files)
+    if isinstance(carrier, str):  # e.g. ``ckpt/sub`` of a folder checkpoint ``ckpt``
+        above = store.describe(carrier).rstrip("/")
+        problem = f"not a checkpoint of its own: its files belong to the folder checkpoint {above}/"
+        return CheckpointInfo(
+            path, directory, "unverified", 0.0, sum(f.size for f in files.values()), is_dir=True,
+            problems=[problem],
+        )
     if carrier is None:
         return CheckpointInfo(
             path, directory, "unverified", max((f.mtime for f in files.values()), default=0.0),
@@ -91,12 +100,45 @@ def _beside(files: dict[str, ObjectInfo], names: set[str], nested: list[str]) ->
     )
 
 
+def carries(store: Store, name: str, token: str) -> bool:
+    """Whether the file ``name`` is the carrier of the folder checkpoint ``token`` names."""
+    leaf = name.rpartition("/")[2]
+    try:
+        with store.open(name) as reader:
+            s = peek(reader).summary
+            if s is not None:
+                return s.folder == token and s.carrier == leaf
+            if not leaf.endswith(".safetensors"):
+                return False
+            m = read_proof(reader, leaf, index=False).manifest  # its proof is in its header
+    except OSError:
+        return False
+    return m is not None and m.folder is not None and (m.folder.token, m.folder.carrier) == (
+        token, leaf)
+
+
+def enclosing_folder(store: Store, name: str, token: str, carrier: str) -> str | None:
+    """The folder checkpoint above ``name`` (a file or folder) whose carrier is ``carrier``
+    with the folder token ``token`` (a member's proof names both, not the member's own path in
+    the folder); ``None`` when there is none within :data:`MAX_FOLDER_DEPTH` levels of
+    ``store``."""
+    parts = name.split("/")
+    for up in range(1, min(len(parts), MAX_FOLDER_DEPTH + 1) + 1):
+        folder = "/".join(parts[:-up])
+        if carries(store, join(folder, carrier), token):
+            return folder
+    return None
+
+
 def _find_carrier(
     store: Store, directory: str, files: dict[str, ObjectInfo],
-) -> tuple[str, FileProof] | None:
+) -> tuple[str, FileProof] | str | None:
     """The carrier of a format-2 folder: the file whose summary (or header) says it carries the
-    folder. A member's claim about who the carrier is counts only if no file claims it itself."""
+    folder. A member's claim about who the carrier is counts only if no file claims it itself;
+    if every claim names the carrier of a folder checkpoint above ``directory`` (a sub-folder of
+    one), that folder's name."""
     named: list[str] = []
+    tokens: dict[str, str] = {}
     safetensors: list[str] = []
     for leaf in sorted(files):
         try:
@@ -108,6 +150,7 @@ def _find_carrier(
                     # deeper files may belong to a folder checkpoint inside this one
                     if "/" not in leaf:
                         named.append(p.summary.carrier or "")
+                        tokens[p.summary.carrier or ""] = p.summary.folder
                 elif p.format == 0 and leaf.endswith(".safetensors"):
                     safetensors.append(leaf)
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
@@ -128,8 +171,13 @@ def _find_carrier(
                 return leaf, got
             if "/" not in leaf:
                 named.append(got.manifest.folder.carrier)
+                tokens[got.manifest.folder.carrier] = got.manifest.folder.token
     if named:
         carrier = max(set(named), key=named.count)
+        if directory and carrier in tokens:
+            above = enclosing_folder(store, directory, tokens[carrier], carrier)
+            if above is not None:
+                return above
         problem = f"{store.describe(directory)}: its carrier {carrier} is missing or damaged"
         return carrier, FileProof(None, None, [problem], 2)
     return None

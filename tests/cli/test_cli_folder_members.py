@@ -1,0 +1,88 @@
+"""One file of a folder checkpoint, or a sub-folder of one, named to the CLI on its own; and a
+folder checkpoint given to ``ls`` as a root."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+import stagesave
+from stagesave.formats import Safetensors
+
+
+def _folder(tmp_path) -> str:
+    with stagesave.Checkpointer(tmp_path) as ck:
+        ck.save_dir(
+            {
+                "model.safetensors": Safetensors({"w": torch.arange(6.0).reshape(2, 3)}),
+                "optimizer.bin": {"exp_avg": torch.zeros(5), "step": 3},
+                "sub/rng.pth": {"seed": torch.tensor([7, 8])},
+            },
+            "ckpt",
+            metadata={"step": 3},
+        ).result()
+    return os.path.join(str(tmp_path), "ckpt")
+
+
+def test_inspect_each_file_of_a_folder_checkpoint(cli, tmp_path):
+    d = _folder(tmp_path)
+    expected = {
+        "optimizer.bin": ("carrier", {"exp_avg": ([5], "float32")}),
+        "model.safetensors": ("member", {"w": ([2, 3], "float32")}),
+        "sub/rng.pth": ("member", {"seed": ([2], "int64")}),
+    }
+    for name, (role, tensors) in expected.items():
+        r = cli("inspect", os.path.join(d, name), "--json")
+        assert r.code == 0, r.err
+        doc = r.json()
+        assert doc["status"] == "committed" and doc["problems"] == [], name
+        assert doc["part_of"] == d and doc["carrier"] == "optimizer.bin"
+        assert [f["role"] for f in doc["files"]] == [role]
+        assert [f["name"] for f in doc["files"]] == [os.path.basename(name)]
+        assert {t["name"]: (t["shape"], t["dtype"]) for t in doc["tensors"]} == tensors
+    r = cli("inspect", os.path.join(d, "sub", "rng.pth"))
+    assert r.code == 0
+    text = " ".join(r.out.split())
+    assert f"part of the folder checkpoint {d}/, as a member (carrier optimizer.bin)" in text
+
+
+def test_inspect_a_member_whose_folder_lost_its_carrier(cli, tmp_path):
+    d = _folder(tmp_path)
+    os.remove(os.path.join(d, "optimizer.bin"))
+    r = cli("inspect", os.path.join(d, "model.safetensors"))
+    assert r.code == 0
+    text = " ".join(r.out.split())
+    assert "part of a folder checkpoint (its carrier optimizer.bin was not found above it)" in text
+    r = cli("inspect", d)
+    assert r.code == 1
+    assert "its carrier optimizer.bin is missing or damaged" in r.err
+
+
+def test_a_sub_folder_of_a_folder_checkpoint_is_not_a_corrupt_checkpoint(cli, tmp_path):
+    d = _folder(tmp_path)
+    doc = cli("inspect", os.path.join(d, "sub"), "--json").json()
+    assert doc["status"] == "unverified"
+    assert doc["problems"] == [
+        f"not a checkpoint of its own: its files belong to the folder checkpoint {d}/"
+    ]
+    # the core's listing of the folder as a root: no corrupt checkpoint, no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with stagesave.Checkpointer(d) as ck:
+            assert ck.list() == []
+            assert ck.latest() is None
+
+
+def test_ls_of_a_folder_checkpoint_lists_it(cli, tmp_path):
+    d = _folder(tmp_path)
+    rows = cli("ls", d, "--json").json()
+    assert [(r["name"], r["status"], r["folder"], r["seq"], r["step"]) for r in rows] == [
+        (d, "committed", True, 1, 3)
+    ]
+    r = cli("ls", d)
+    assert r.code == 0 and f"{d}/" in r.out and "corrupt" not in r.out
+    # its parent lists it as before
+    rows = cli("ls", str(tmp_path), "--json").json()
+    assert [(r["name"], r["status"]) for r in rows] == [("ckpt", "committed")]
