@@ -7,6 +7,7 @@ import os
 import warnings
 
 import torch
+from clitools import write_checkpoints, write_format1_dir
 
 import stagesave
 from stagesave.formats import Safetensors
@@ -86,3 +87,20 @@ def test_ls_of_a_folder_checkpoint_lists_it(cli, tmp_path):
     # its parent lists it as before
     rows = cli("ls", str(tmp_path), "--json").json()
     assert [(r["name"], r["status"]) for r in rows] == [("ckpt", "committed")]
+
+
+def test_ls_of_a_format1_folder_checkpoint_lists_it(cli, tmp_path):
+    d = write_format1_dir(tmp_path)
+    rows = cli("ls", d, "--json").json()
+    assert [(r["name"], r["status"], r["folder"], r["format"]) for r in rows] == [
+        (d, "committed", True, 1)
+    ]
+
+
+def test_ls_of_a_root_of_checkpoints_is_unchanged(cli, tmp_path):
+    write_checkpoints(tmp_path, steps=(1, 2))
+    _folder(tmp_path)
+    rows = cli("ls", str(tmp_path), "--json").json()
+    assert [(r["name"], r["status"]) for r in rows] == [
+        ("ckpt", "committed"), ("step=2.ckpt", "committed"), ("step=1.ckpt", "committed")
+    ]

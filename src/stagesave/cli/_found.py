@@ -18,7 +18,13 @@ from typing import Any
 
 from ..errors import ManifestError
 from ..ondisk.manifest import Manifest, parse_manifest
-from ..ondisk.names import ASIDE_MARKER, MAX_MANIFEST_BYTES, TMP_MARKER, split_manifest_name
+from ..ondisk.names import (
+    ASIDE_MARKER,
+    DIR_MANIFEST,
+    MAX_MANIFEST_BYTES,
+    TMP_MARKER,
+    split_manifest_name,
+)
 from ..restore.discovery import CHECKPOINT_SUFFIXES, CheckpointInfo, resolve, resolve_dir, scan
 from ..restore.gc import Debris, find_debris, match_temporary
 from ..stores.base import ObjectInfo, Store
@@ -227,6 +233,19 @@ def _torn_row(store: Store, d: Debris, tier: str, listed: set[str]) -> Row | Non
     return None
 
 
+def _root_checkpoint(store: Store, listed: set[str]) -> CheckpointInfo | None:
+    """The root itself, when it is one folder checkpoint: looked for (one more read of the
+    root's files) only when the scan left out a checkpoint-looking file of it, as it leaves out
+    a folder save's files."""
+    names = [f.name for f in store.list("") if TMP_MARKER not in f.name]
+    if DIR_MANIFEST not in names and all(
+        n in listed for n in names if n.endswith(FOLDER_FILE_SUFFIXES)
+    ):
+        return None
+    whole = resolve_dir(store, "")
+    return whole if whole.format in (1, 2) else None
+
+
 def find_rows(store: Store) -> tuple[list[Row], list[Debris], list[tuple[str, str]]]:
     """Checkpoints, plain checkpoint folders and torn saves directly in ``store``'s root, newest
     first; plus the debris found (for ``gc``) and stagesave temporaries still in use.
@@ -235,13 +254,14 @@ def find_rows(store: Store) -> tuple[list[Row], list[Debris], list[tuple[str, st
     summary.
     """
     tier = store_tier(store)
-    whole = resolve_dir(store, "")
-    if whole.format in (1, 2):
+    found = scan(store, full=True)
+    whole = _root_checkpoint(store, {ci.name for ci in found})
+    if whole is not None:
         # the root is one folder checkpoint: itself, not its files or sub-folders as others
         row = _row(whole, tier)
         row.name = row.path.rstrip("/")
         return [row], [], []
-    rows = [_row(ci, tier) for ci in scan(store, full=True)]
+    rows = [_row(ci, tier) for ci in found]
     listed = {r.name for r in rows}
     for leaf in store.list_dirs(""):
         if leaf in listed or leaf.startswith(".") or TMP_MARKER in leaf or ASIDE_MARKER in leaf:
