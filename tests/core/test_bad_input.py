@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -148,6 +149,26 @@ def test_target_is_a_directory_or_under_a_file(ckpt_dir):
             ck.save({}, "adir")
         with pytest.raises(CheckpointError, match="not a directory"):
             ck.save({}, "afile/x.ckpt")
+
+
+def test_the_root_itself_is_not_a_checkpoint_name(ckpt_dir):
+    with stagesave.Checkpointer(ckpt_dir) as ck:
+        for name in ("", "."):
+            with pytest.raises(ValueError, match=rf"invalid checkpoint name '{re.escape(name)}': "
+                               r"it names the root .* itself; name a file or folder inside it"):
+                ck.save({"a": 1}, name)
+            with pytest.raises(ValueError, match=r"it names the root .* itself"):
+                ck.save_dir({"o.bin": {"a": 1}}, name)
+    assert os.listdir(ckpt_dir) == []
+
+
+def test_load_of_a_folder_says_it_is_one(ckpt_dir):
+    with stagesave.Checkpointer(ckpt_dir) as ck:
+        ck.save_dir({"optimizer.bin": {"a": 1}}, "ck").result()
+        with pytest.raises(CheckpointNotFoundError, match=r"no checkpoint file at .*/ck: it is a "
+                           r"folder \(a folder checkpoint's files load one by one"):
+            ck.load(ckpt_dir / "ck")
+        assert ck.load(ckpt_dir / "ck" / "optimizer.bin") == {"a": 1}
 
 
 def test_bad_options_are_refused():

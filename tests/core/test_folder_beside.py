@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import stagesave
+from stagesave.errors import CheckpointError
 from stagesave.formats import Raw, Safetensors
 from stagesave.saving import beside
 
@@ -281,3 +282,33 @@ def test_an_assembled_folder_is_published_into_a_folder_the_user_made_meanwhile(
             publish(a, lambda: None)
         assert ck.load(other / "scheduler.bin")["s"] == 3
     assert sorted(os.listdir(tmp_path)) == ["step_2", "step_3"]
+
+
+def test_a_folder_checkpoint_never_replaces_a_file_of_that_name(tmp_path):
+    """Refused at ``save_dir`` (as Accelerate's own ``save_state`` cannot make the folder); the
+    user's file is untouched and nothing is left beside it."""
+    (tmp_path / "ck").write_bytes(b"the user's file")
+    with stagesave.Checkpointer(tmp_path, writer="thread") as ck, pytest.raises(
+        CheckpointError, match=r"cannot write folder checkpoint .*/ck: a file of that name "
+        r"exists \(a folder checkpoint never replaces a file"
+    ):
+        ck.save_dir(_files(1), "ck")
+    assert (tmp_path / "ck").read_bytes() == b"the user's file"
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
+
+
+def test_a_file_made_at_the_folders_name_before_its_commit_is_kept(tmp_path):
+    """The file appears after ``save_dir`` checked: the commit fails and says why; the file is
+    the user's, untouched, and the save leaves nothing behind (it was never said to be saved)."""
+    gate = threading.Event()
+    with stagesave.Checkpointer(tmp_path, writer="thread") as ck:
+        ck.run_after(lambda: gate.wait(60), description="gate")  # the save cannot commit yet
+        handle = ck.save_dir(_files(1), "ck")
+        (tmp_path / "ck").write_bytes(b"the user's file")
+        gate.set()
+        with pytest.raises(CheckpointError, match=r"cannot commit folder checkpoint .*/ck: a "
+                           r"file of that name exists"):
+            handle.result()
+        assert ck.latest() is None
+    assert (tmp_path / "ck").read_bytes() == b"the user's file"
+    assert sorted(os.listdir(tmp_path)) == ["ck"]

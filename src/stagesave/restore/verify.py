@@ -64,7 +64,12 @@ def open_reader(store: Store, name: str, where: str) -> Reader:
     judged = store.canonical(name)
     try:
         return store.open(judged)
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:
+    except IsADirectoryError as exc:
+        raise CheckpointNotFoundError(
+            f"no checkpoint file at {where}: it is a folder (a folder checkpoint's files load "
+            "one by one, e.g. its optimizer.bin; Accelerate's load_state reads them all)"
+        ) from exc
+    except (FileNotFoundError, NotADirectoryError) as exc:
         raise CheckpointNotFoundError(f"no checkpoint at {where}") from exc
     except OSError as exc:
         if replaced(exc):

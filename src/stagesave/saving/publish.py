@@ -19,6 +19,7 @@ import warnings
 from collections.abc import Callable
 
 from .._crash import crash_point
+from ..errors import CheckpointError
 from ..ondisk.names import (
     aside_name,
     parse_aside_name,
@@ -31,6 +32,7 @@ from ..stores.base import Store
 from .beside import Occupant, holds_cwd, keep_arrivals, occupant, publish_into
 
 __all__ = [
+    "FILE_THERE",
     "clear_for_rewrite",
     "drop_sidecars",
     "join_name",
@@ -40,6 +42,11 @@ __all__ = [
     "restore_aside",
     "sidecars_of",
 ]
+
+
+#: Why a folder checkpoint is not written where a file (not a folder) of that name exists.
+FILE_THERE = ("a file of that name exists (a folder checkpoint never replaces a file: remove it "
+              "or choose another name)")
 
 
 def parent_of(name: str) -> str:
@@ -124,6 +131,8 @@ def rename_into_place(store: Store, src: str, dst: str, directory: str) -> None:
         else:
             _durable_or_undone(dst, lambda: _quietly(fsops.rename, dst, src))
             return
+    if not os.path.isdir(dst) and not os.path.islink(dst):  # never a file of the user's
+        raise CheckpointError(f"cannot commit folder checkpoint {dst}: {FILE_THERE}")
     old = Occupant()
     if os.path.isdir(dst) and not os.path.islink(dst):
         old = occupant(store, directory, dst)

@@ -22,6 +22,7 @@ from ..stores.base import Store, check_name
 from ..stores.local import makedirs_durable
 from ..stores.targets import StoreResolver
 from .plan import FileImage
+from .publish import FILE_THERE
 
 __all__ = [
     "MAX_METADATA_BYTES", "check_folder_names", "check_folder_writable", "check_inside_root",
@@ -164,10 +165,16 @@ def target(targets: StoreResolver, path: str | os.PathLike[str]) -> tuple[Store,
     read back.
 
     Raises:
-        ValueError: a temporary's or reserved name. CheckpointPermissionError: a directory
-            linked outside the root.
+        ValueError: the root itself, a temporary's or reserved name.
+            CheckpointPermissionError: a directory linked outside the root.
     """
     store, name = targets.split(path)
+    if name in ("", "."):
+        raise ValueError(
+            f"invalid checkpoint name {os.fspath(path)!r}: it names the root "
+            f"{store.describe('')} itself; name a file or folder inside it (or pass the "
+            "checkpoint's absolute path)"
+        )
     check_target_name(name)
     check_inside_root(store, name)
     return store, name
@@ -195,6 +202,11 @@ def check_folder_names(files: dict[str, Any]) -> None:
 def check_folder_writable(store: Store, dname: str, images: list[FileImage]) -> None:
     """Check that the folder's parent takes its files (by a sibling name: the folder itself
     must not appear before its commit)."""
+    local = store.local_path(dname)
+    if (local is not None and os.path.lexists(local) and not os.path.isdir(local)
+            and not os.path.islink(local)):  # (a link is replaced, never what it points to)
+        raise CheckpointError(f"cannot write folder checkpoint {store.describe(dname)}: "
+                              f"{FILE_THERE}")
     total = sum((im.size + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT for im in images)
     parent, _, leaf = dname.rpartition("/")
     sibling = f"{parent}/.{leaf}{TMP_MARKER}" if parent else f".{leaf}{TMP_MARKER}"
