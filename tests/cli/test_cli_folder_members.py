@@ -104,3 +104,23 @@ def test_ls_of_a_root_of_checkpoints_is_unchanged(cli, tmp_path):
     assert [(r["name"], r["status"]) for r in rows] == [
         ("ckpt", "committed"), ("step=2.ckpt", "committed"), ("step=1.ckpt", "committed")
     ]
+
+
+def test_ls_and_verify_of_a_sub_folder_name_the_checkpoint_it_belongs_to(cli, tmp_path):
+    d = _folder(tmp_path)
+    sub = os.path.join(d, "sub")
+    r = cli("ls", sub)
+    assert r.code == 0 and "corrupt" not in r.out
+    assert " ".join(r.out.split()) == (
+        f"{sub} is not a checkpoint of its own: its files belong to the folder checkpoint {d}/ "
+        f"(`stagesave inspect {d}` shows it)"
+    )
+    assert cli("ls", sub, "--json").json() == []
+    r = cli("verify", sub)
+    assert r.code != 0 and "CORRUPT" not in r.out
+    assert f"is not a checkpoint of its own: its files belong to the folder checkpoint {d}/" in (
+        r.err)
+    # a folder that lost its carrier is corrupt, as before
+    os.remove(os.path.join(d, "optimizer.bin"))
+    r = cli("verify", d)
+    assert r.code == 1 and "its carrier optimizer.bin is missing or damaged" in r.out

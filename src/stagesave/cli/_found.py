@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import ManifestError
+from ..errors import CheckpointError, ManifestError
 from ..ondisk.manifest import Manifest, parse_manifest
 from ..ondisk.names import (
     ASIDE_MARKER,
@@ -27,11 +28,21 @@ from ..ondisk.names import (
 )
 from ..restore.discovery import CHECKPOINT_SUFFIXES, CheckpointInfo, resolve, resolve_dir, scan
 from ..restore.gc import Debris, find_debris, match_temporary
+from ..restore.resolve_folder import MAX_FOLDER_DEPTH, carries, claimed_folder
 from ..stores.base import ObjectInfo, Store
 
 __all__ = [
-    "FOLDER_FILE_SUFFIXES", "Row", "find_rows", "folder_files", "is_folder_checkpoint",
-    "resolve_target", "sidecars_of", "step_of", "store_tier",
+    "FOLDER_FILE_SUFFIXES",
+    "Row",
+    "find_rows",
+    "folder_above",
+    "folder_files",
+    "inside_a_checkpoint",
+    "is_folder_checkpoint",
+    "resolve_target",
+    "sidecars_of",
+    "step_of",
+    "store_tier",
 ]
 
 #: Files that make a folder without a proof look like a checkpoint (Accelerate's names too).
@@ -231,6 +242,36 @@ def _torn_row(store: Store, d: Debris, tier: str, listed: set[str]) -> Row | Non
             ],
         )
     return None
+
+
+def folder_above(
+    root_of: Callable[[str], Store], path: str, token: str, carrier: str,
+) -> str | None:
+    """The folder checkpoint (its path) above ``path`` whose carrier is ``carrier`` with the
+    folder token ``token``, looked for up to :data:`MAX_FOLDER_DEPTH` + 1 folders up;
+    ``root_of`` opens a folder's path as a store."""
+    for _ in range(MAX_FOLDER_DEPTH + 1):
+        path = path.rstrip("/").rpartition("/")[0]
+        if not path or path.endswith(":/"):
+            return None
+        try:
+            if carries(root_of(path), carrier, token):
+                return path
+        except (OSError, CheckpointError):
+            return None
+    return None
+
+
+def inside_a_checkpoint(
+    root_of: Callable[[str], Store], store: Store, rows: list[Row],
+) -> str | None:
+    """For a root that :func:`find_rows` found to be a folder checkpoint without its carrier
+    (its ``rows``): when it is a sub-folder of a folder checkpoint above it (``ckpt/sub``), that
+    checkpoint's path."""
+    if len(rows) != 1 or rows[0].path != store.describe("") or rows[0].status != "corrupt":
+        return None
+    claimed = claimed_folder(store, "")
+    return None if claimed is None else folder_above(root_of, rows[0].path, *claimed)
 
 
 def _root_checkpoint(store: Store, listed: set[str]) -> CheckpointInfo | None:

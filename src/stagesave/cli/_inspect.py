@@ -16,13 +16,11 @@ from typing import Any
 
 from rich.table import Table
 
-from ..errors import CheckpointError, CheckpointNotFoundError, IntegrityError
-from ..ondisk.names import MAX_FOLDER_DEPTH
+from ..errors import CheckpointNotFoundError, IntegrityError
 from ..restore.discovery import CheckpointInfo
-from ..restore.resolve_folder import carries
 from ._common import Env, literal
 from ._describe import describe
-from ._found import resolve_target
+from ._found import folder_above, resolve_target
 from ._ls import fmt_time
 from ._units import fmt_bytes, fmt_duration, fmt_rate
 
@@ -126,22 +124,12 @@ def run(env: Env, args: argparse.Namespace) -> int:
 
 def _part_of(env: Env, ci: CheckpointInfo) -> str | None:
     """For one file of a format-2 folder checkpoint: that folder's path, found by looking for
-    its carrier up to :data:`MAX_FOLDER_DEPTH` folders above the file (its proof names the
-    carrier, not the file's own path in the folder)."""
+    its carrier above the file (its proof names the carrier, not the file's own path in the
+    folder)."""
     m = ci.manifest
     if ci.is_dir or m is None or m.folder is None:
         return None
-    path = ci.path
-    for _ in range(MAX_FOLDER_DEPTH + 1):
-        path = path.rpartition("/")[0]
-        if not path or path.endswith(":/"):
-            return None
-        try:
-            if carries(env.root(path), m.folder.carrier, m.folder.token):
-                return path
-        except (OSError, CheckpointError):
-            return None
-    return None
+    return folder_above(env.root, ci.path, m.folder.token, m.folder.carrier)
 
 
 def _print(env: Env, doc: dict[str, Any], max_tensors: int) -> None:

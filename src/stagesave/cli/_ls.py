@@ -9,7 +9,7 @@ from typing import Any
 from rich.table import Table
 
 from ._common import Env, literal
-from ._found import Row, find_rows
+from ._found import Row, find_rows, inside_a_checkpoint
 from ._units import fmt_bytes
 
 __all__ = ["add_parser", "fmt_time", "run"]
@@ -43,9 +43,15 @@ def run(env: Env, args: argparse.Namespace) -> int:
     rows: list[Row] = []
     in_progress = 0
     debris_count = 0
+    inside: list[str] = []  # roots that are sub-folders of a folder checkpoint
     for root in args.roots:
         store = env.root(root)
         found, debris, kept = find_rows(store)
+        above = inside_a_checkpoint(env.root, store, found)
+        if above is not None:
+            inside.append(f"{root} is not a checkpoint of its own: its files belong to the "
+                          f"folder checkpoint {above}/ (`stagesave inspect {above}` shows it)")
+            continue
         rows += found
         in_progress += len(kept)
         debris_count += len(debris) - sum(1 for r in found if r.status == "torn")
@@ -53,8 +59,11 @@ def run(env: Env, args: argparse.Namespace) -> int:
     if args.json:
         env.print_json([r.to_dict() for r in rows])
         return 0
+    for line in inside:
+        env.say(line)
     if not rows:
-        env.say(f"no checkpoints under {', '.join(args.roots)}")
+        if len(inside) < len(args.roots):
+            env.say(f"no checkpoints under {', '.join(args.roots)}")
     else:
         multi = len(args.roots) > 1
         t = Table(show_header=True, header_style="bold", box=None, pad_edge=False)

@@ -21,7 +21,13 @@ from ..restore.proof import chunk_problems
 from ..restore.verify import folder_files_problems
 from ..stores.base import Reader, Store
 from ._common import CliError, Env
-from ._found import find_rows, folder_files, is_folder_checkpoint, resolve_target
+from ._found import (
+    find_rows,
+    folder_files,
+    inside_a_checkpoint,
+    is_folder_checkpoint,
+    resolve_target,
+)
 from ._tensor_index import needs_unsafe_global, torch_index
 
 __all__ = ["THREADS", "Outcome", "add_parser", "run", "verify_checkpoint"]
@@ -181,6 +187,12 @@ def _collect(env: Env, path: str) -> tuple[Store, list[CheckpointInfo], list[Out
         return target.store, [resolve_target(target.store, target.name, True)], []
     store = env.root(path)
     rows, _, _ = find_rows(store)
+    above = inside_a_checkpoint(env.root, store, rows)
+    if above is not None:
+        raise CheckpointNotFoundError(
+            f"{store.describe('')} is not a checkpoint of its own: its files belong to the "
+            f"folder checkpoint {above}/ (verify that)"
+        )
     infos = [r.info for r in rows if r.info is not None]
     torn = [
         Outcome(r.path, "torn", r.size, list(r.problems), format=r.format)

@@ -19,8 +19,8 @@ from .proof import FileProof, peek, read_proof
 from .resolve_file import read_sidecar
 
 __all__ = [
-    "MAX_FOLDER_DEPTH", "FolderEntry", "carries", "enclosing_folder", "folder_entries", "list_tree",
-    "resolve_dir",
+    "MAX_FOLDER_DEPTH", "FolderEntry", "carries", "claimed_folder", "enclosing_folder",
+    "folder_entries", "list_tree", "resolve_dir",
 ]
 
 
@@ -115,6 +115,27 @@ def carries(store: Store, name: str, token: str) -> bool:
         return False
     return m is not None and m.folder is not None and (m.folder.token, m.folder.carrier) == (
         token, leaf)
+
+
+def claimed_folder(store: Store, directory: str) -> tuple[str, str] | None:
+    """``(token, carrier)`` of the folder checkpoint the files directly in ``directory`` say
+    they belong to, when none of them is its carrier (a sub-folder of a folder checkpoint, or
+    a folder that lost its carrier); else ``None``."""
+    for info in store.list(directory):
+        leaf = info.name.rpartition("/")[2]
+        try:
+            with store.open(info.name) as reader:
+                s = peek(reader).summary
+                if s is None and leaf.endswith(".safetensors"):
+                    m = read_proof(reader, leaf, index=False).manifest
+                    f = m.folder if m is not None else None
+                    if f is not None and f.carrier != leaf:
+                        return f.token, f.carrier
+                elif s is not None and s.folder is not None and s.carrier != leaf:
+                    return s.folder, s.carrier or ""
+        except OSError:
+            continue
+    return None
 
 
 def enclosing_folder(store: Store, name: str, token: str, carrier: str) -> str | None:
