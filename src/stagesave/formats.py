@@ -15,6 +15,14 @@ from .saving.plan_safetensors import ProofRoom, plan_safetensors_file
 __all__ = ["Raw", "Safetensors", "plan_file"]
 
 
+def _not_pickled(kind: str) -> TypeError:
+    return TypeError(
+        f"{kind}(...) is a file of a folder checkpoint: give it to save_dir "
+        f"({{'name': {kind}(...), ...}}, folder), not inside a torch state (pickled, it would "
+        "load only as a stagesave class)"
+    )
+
+
 @dataclass(frozen=True)
 class Safetensors:
     """Save these tensors as a safetensors file (``safetensors.torch.load_file`` reads it)."""
@@ -22,12 +30,18 @@ class Safetensors:
     tensors: Mapping[str, torch.Tensor]
     metadata: Mapping[str, str] | None = None
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise _not_pickled("Safetensors")
+
 
 @dataclass(frozen=True)
 class Raw:
     """Write these bytes verbatim (a ``config.json``, a tokenizer file, ...)."""
 
     data: bytes
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise _not_pickled("Raw")
 
 
 def plan_file(obj: Any, *, proof_room: ProofRoom | None = None,

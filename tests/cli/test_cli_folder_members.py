@@ -4,6 +4,7 @@ folder checkpoint given to ``ls`` as a root."""
 from __future__ import annotations
 
 import os
+import shutil
 import warnings
 
 import torch
@@ -124,3 +125,59 @@ def test_ls_and_verify_of_a_sub_folder_name_the_checkpoint_it_belongs_to(cli, tm
     os.remove(os.path.join(d, "optimizer.bin"))
     r = cli("verify", d)
     assert r.code == 1 and "its carrier optimizer.bin is missing or damaged" in r.out
+
+
+def test_a_stray_copy_at_the_top_of_a_root_hides_no_checkpoint(cli, tmp_path):
+    """A member or a carrier copied by hand to the top of a root: every checkpoint of the root is
+    still listed; a carrier whose folder is not whole makes the root a corrupt row of its own."""
+    root = tmp_path / "run"
+    with stagesave.Checkpointer(root) as ck:
+        for step in (1, 2):
+            ck.save_dir({"model.safetensors": Safetensors({"w": torch.ones(2) * step}),
+                         "optimizer.bin": {"step": step}}, f"step_{step}").result()
+        ck.save({"a": torch.ones(2)}, "x.ckpt").result()
+    expected = [("x.ckpt", "committed"), ("step_2", "committed"), ("step_1", "committed")]
+    shutil.copy(root / "step_2" / "model.safetensors", root / "model.safetensors")
+    rows = cli("ls", root, "--json").json()
+    assert [(r["name"], r["status"]) for r in rows] == expected
+    shutil.copy(root / "step_2" / "optimizer.bin", root / "optimizer.bin")
+    os.remove(root / "model.safetensors")
+    rows = cli("ls", root, "--json").json()
+    assert [(r["name"], r["status"]) for r in rows if r["name"] != str(root)] == expected
+    [whole] = [r for r in rows if r["name"] == str(root)]
+    assert whole["status"] == "corrupt"
+    assert whole["problems"] == [f"{root}/model.safetensors is missing"]
+    r = cli("verify", root)
+    assert r.code == 1 and r.out.count("\nOK ") + r.out.startswith("OK ") == 3
+
+
+def test_a_run_folder_holding_a_final_model_and_checkpoints_lists_and_verifies_both(cli, tmp_path):
+    """The layout of a trainer that saves its final model at the top of its output folder,
+    beside its checkpoints: the folder is a checkpoint, and so is each one beside its files."""
+    root = tmp_path / "out"
+    with stagesave.Checkpointer(tmp_path) as ck:
+        ck.save_dir({"model.safetensors": Safetensors({"w": torch.ones(2)}),
+                     "optimizer.bin": {"step": 500}}, "out/checkpoint-500").result()
+        ck.save_dir({"model.safetensors": Safetensors({"w": torch.zeros(2)}),
+                     "optimizer.bin": {"step": 900}}, str(root)).result()
+    (root / "training_args.txt").write_text("lr=1e-3")  # the user's, beside
+    rows = cli("ls", root, "--json").json()
+    assert [(r["name"], r["status"]) for r in rows] == [
+        (str(root), "committed"), ("checkpoint-500", "committed")]
+    assert cli("verify", root).code == 0
+    opt = root / "checkpoint-500" / "optimizer.bin"
+    data = bytearray(opt.read_bytes())
+    data[100] ^= 0xFF
+    opt.write_bytes(bytes(data))
+    r = cli("verify", root)
+    assert r.code == 1 and f"CORRUPT    {root}/checkpoint-500" in r.out
+    assert f"OK         {root}\n" in r.out
+
+
+def test_a_fifo_named_like_a_carrier_above_a_member_hangs_nothing(cli, tmp_path):
+    d = _folder(tmp_path / "a" / "b")
+    os.mkfifo(tmp_path / "optimizer.bin")  # two folders above ckpt/: a reader would block on it
+    os.mkfifo(tmp_path / "a" / "x.ckpt")
+    doc = cli("inspect", os.path.join(d, "model.safetensors"), "--json").json()
+    assert doc["part_of"] == d
+    assert cli("ls", tmp_path / "a", "--json").json() == []

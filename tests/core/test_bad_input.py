@@ -153,7 +153,7 @@ def test_target_is_a_directory_or_under_a_file(ckpt_dir):
 
 def test_the_root_itself_is_not_a_checkpoint_name(ckpt_dir):
     with stagesave.Checkpointer(ckpt_dir) as ck:
-        for name in ("", "."):
+        for name in ("", ".", "./"):
             with pytest.raises(ValueError, match=rf"invalid checkpoint name '{re.escape(name)}': "
                                r"it names the root .* itself; name a file or folder inside it"):
                 ck.save({"a": 1}, name)

@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import stagesave
-from stagesave.errors import IntegrityError, UsageError
-from stagesave.formats import Safetensors
+from stagesave.errors import IntegrityError, UnsupportedObjectError, UsageError
+from stagesave.formats import Raw, Safetensors
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -81,10 +81,67 @@ def test_a_plain_file_with_a_broken_header_says_what_it_is(tmp_path):
         ck.load(path)
 
 
-def test_a_map_location_function_is_refused_with_the_remedy(tmp_path):
+def test_what_load_file_reads_load_reads(tmp_path):
+    """An empty file, an MX scale dtype; a dtype no reader knows is refused as damaged."""
+    with stagesave.Checkpointer(tmp_path) as ck:
+        empty = os.path.join(tmp_path, "empty.safetensors")
+        save_file({}, empty)
+        assert os.path.getsize(empty) < 64 and ck.load(empty) == {} == load_file(empty)
+        if hasattr(torch, "float8_e8m0fnu"):
+            mx = os.path.join(tmp_path, "mx.safetensors")
+            scales = torch.tensor([1.0, 2.0, 0.5]).to(torch.float8_e8m0fnu)
+            save_file({"s": scales}, mx)
+            got = ck.load(mx)["s"]
+            assert got.dtype == torch.float8_e8m0fnu
+            assert torch.equal(got.view(torch.uint8), scales.view(torch.uint8))
+        odd = os.path.join(tmp_path, "odd.safetensors")
+        header = b'{"a":{"dtype":"F5","shape":[1],"data_offsets":[0,1]}}'
+        with open(odd, "wb") as f:
+            f.write(len(header).to_bytes(8, "little") + header + b"\0")
+        with pytest.raises(IntegrityError, match=r"the file is damaged \(not a safetensors file"):
+            ck.load(odd)
+
+
+def test_a_header_cut_short_is_named(tmp_path):
     path = os.path.join(tmp_path, "adapter.safetensors")
     save_file(_state(), path)
+    with open(path, "r+b") as f:
+        f.truncate(40)
     with stagesave.Checkpointer(tmp_path) as ck, pytest.raises(
-        UsageError, match=r"a safetensors file's tensors are read on the CPU; give a device"
+        IntegrityError, match=r"the file is damaged \(a safetensors file cut short: its header "
+        r"says [0-9,]+ bytes, 32 follow\)"
     ):
-        ck.load(path, map_location=lambda storage, location: storage)
+        ck.load(path)
+
+
+def test_map_location_as_torch_load_takes_it(tmp_path):
+    path = os.path.join(tmp_path, "adapter.safetensors")
+    save_file(_state(), path)
+    with stagesave.Checkpointer(tmp_path) as ck:
+        _equal(ck.load(path, map_location=lambda storage, location: storage), _state())
+        seen: list[tuple[int, str]] = []
+
+        def copied(storage: torch.UntypedStorage, location: str) -> torch.UntypedStorage:
+            seen.append((storage.nbytes(), location))
+            return storage.clone()
+
+        _equal(ck.load(path, map_location=copied), _state())  # each given its own storage
+        assert sorted(seen) == sorted((t.nbytes, "cpu") for t in _state().values())
+        assert {t.device.type for t in ck.load(path, map_location="meta").values()} == {"meta"}
+        with pytest.raises(UsageError, match=r"map_location=0\.5 is not a device"):
+            ck.load(path, map_location=0.5)
+        if not torch.cuda.is_available():
+            with pytest.raises(RuntimeError, match=r"cannot load .*adapter\.safetensors onto "
+                               r"cuda:0: "):
+                ck.load(path, map_location={"cpu": "cuda:0"})
+
+
+def test_a_safetensors_value_inside_a_torch_state_is_refused_at_save(tmp_path):
+    """Pickled into a torch file it could be loaded only by allowing a stagesave class."""
+    with stagesave.Checkpointer(tmp_path) as ck:
+        for state in (Safetensors(_state()), {"model": Safetensors(_state())},
+                      {"config": Raw(b"{}")}):
+            with pytest.raises(UnsupportedObjectError, match=r"(Safetensors|Raw)\(\.\.\.\) is a "
+                               r"file of a folder checkpoint: give it to save_dir"):
+                ck.save(state, "x.ckpt")
+    assert sorted(os.listdir(tmp_path)) == []

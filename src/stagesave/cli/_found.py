@@ -265,26 +265,37 @@ def folder_above(
 def inside_a_checkpoint(
     root_of: Callable[[str], Store], store: Store, rows: list[Row],
 ) -> str | None:
-    """For a root that :func:`find_rows` found to be a folder checkpoint without its carrier
-    (its ``rows``): when it is a sub-folder of a folder checkpoint above it (``ckpt/sub``), that
-    checkpoint's path."""
-    if len(rows) != 1 or rows[0].path != store.describe("") or rows[0].status != "corrupt":
+    """For a root in which :func:`find_rows` found nothing (its ``rows``) whose files say they
+    belong to a folder checkpoint: when that one is above it (``ckpt/sub``), its path."""
+    if rows:
         return None
     claimed = claimed_folder(store, "")
-    return None if claimed is None else folder_above(root_of, rows[0].path, *claimed)
+    return None if claimed is None else folder_above(root_of, store.describe(""), *claimed)
 
 
 def _root_checkpoint(store: Store, listed: set[str]) -> CheckpointInfo | None:
-    """The root itself, when it is one folder checkpoint: looked for (one more read of the
-    root's files) only when the scan left out a checkpoint-looking file of it, as it leaves out
-    a folder save's files."""
+    """The root itself, when it is a folder checkpoint (``ls`` of a checkpoint folder, or a
+    final model saved at the top of a run's folder beside its checkpoints): looked for only
+    when a top-level file the scan left out (as it leaves out a folder save's files) carries a
+    folder, one read of each such file."""
     names = [f.name for f in store.list("") if TMP_MARKER not in f.name]
-    if DIR_MANIFEST not in names and all(
-        n in listed for n in names if n.endswith(FOLDER_FILE_SUFFIXES)
+    if DIR_MANIFEST not in names and not any(
+        n not in listed and n.endswith(FOLDER_FILE_SUFFIXES) and carries(store, n, None)
+        for n in names
     ):
         return None
     whole = resolve_dir(store, "")
     return whole if whole.format in (1, 2) else None
+
+
+def _its_tops(ci: CheckpointInfo) -> set[str]:
+    """The top-level names (files, sub-folders) of the root that its own checkpoint holds."""
+    m = ci.manifest
+    if m is None:
+        return set()
+    names = m.folder.names() | set(m.folder.nested) if m.folder is not None else {
+        e.name for e in m.files}
+    return {n.split("/")[0] for n in names}
 
 
 def find_rows(store: Store) -> tuple[list[Row], list[Debris], list[tuple[str, str]]]:
@@ -297,15 +308,19 @@ def find_rows(store: Store) -> tuple[list[Row], list[Debris], list[tuple[str, st
     tier = store_tier(store)
     found = scan(store, full=True)
     whole = _root_checkpoint(store, {ci.name for ci in found})
+    inner: set[str] = set()  # what the root's own checkpoint holds: not listed as others
+    rows = [_row(ci, tier) for ci in found]
     if whole is not None:
-        # the root is one folder checkpoint: itself, not its files or sub-folders as others
+        # beside its files: checkpoints with proofs of their own; the rest is the user's
+        # (tokenizer, logs), kept and never read as part of it
+        inner = _its_tops(whole)
         row = _row(whole, tier)
         row.name = row.path.rstrip("/")
-        return [row], [], []
-    rows = [_row(ci, tier) for ci in found]
-    listed = {r.name for r in rows}
+        rows = [row, *(r for r in rows if r.name not in inner and r.format in (1, 2))]
+    listed = {r.name for r in rows} | inner
     for leaf in store.list_dirs(""):
-        if leaf in listed or leaf.startswith(".") or TMP_MARKER in leaf or ASIDE_MARKER in leaf:
+        if (whole is not None or leaf in listed or leaf.startswith(".") or TMP_MARKER in leaf
+                or ASIDE_MARKER in leaf):
             continue
         ci = _plain_folder(store, leaf)
         if ci is not None:

@@ -179,21 +179,28 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=run)
 
 
-def _collect(env: Env, path: str) -> tuple[Store, list[CheckpointInfo], list[Outcome]]:
+def _collect(
+    env: Env, path: str,
+) -> tuple[list[tuple[Store, CheckpointInfo]], list[Outcome]]:
     target = env.target(path)
     if not target.is_dir:
-        return target.store, [resolve_target(target.store, target.name, False)], []
+        return [(target.store, resolve_target(target.store, target.name, False))], []
+    own: list[tuple[Store, CheckpointInfo]] = []
     if is_folder_checkpoint(target.store, target.name):  # a folder checkpoint, intact or not
-        return target.store, [resolve_target(target.store, target.name, True)], []
+        own = [(target.store, resolve_target(target.store, target.name, True))]
     store = env.root(path)
     rows, _, _ = find_rows(store)
+    if own:  # and the checkpoints beside its files in it, if any (each verified on its own)
+        itself = own[0][1].path.rstrip("/")
+        return own + [(store, r.info) for r in rows
+                      if r.info is not None and r.path.rstrip("/") != itself], []
     above = inside_a_checkpoint(env.root, store, rows)
     if above is not None:
         raise CheckpointNotFoundError(
             f"{store.describe('')} is not a checkpoint of its own: its files belong to the "
             f"folder checkpoint {above}/ (verify that)"
         )
-    infos = [r.info for r in rows if r.info is not None]
+    infos = [(store, r.info) for r in rows if r.info is not None]
     torn = [
         Outcome(r.path, "torn", r.size, list(r.problems), format=r.format)
         for r in rows
@@ -201,12 +208,12 @@ def _collect(env: Env, path: str) -> tuple[Store, list[CheckpointInfo], list[Out
     ]
     if not infos and not torn:
         raise CheckpointNotFoundError(f"no checkpoints under {store.url}")
-    return store, infos, torn
+    return infos, torn
 
 
 def run(env: Env, args: argparse.Namespace) -> int:
-    store, infos, torn = _collect(env, args.path)
-    outcomes = [verify_checkpoint(env, store, ci) for ci in infos] + torn
+    infos, torn = _collect(env, args.path)
+    outcomes = [verify_checkpoint(env, store, ci) for store, ci in infos] + torn
     bad = [
         o
         for o in outcomes

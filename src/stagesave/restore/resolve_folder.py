@@ -100,21 +100,22 @@ def _beside(files: dict[str, ObjectInfo], names: set[str], nested: list[str]) ->
     )
 
 
-def carries(store: Store, name: str, token: str) -> bool:
-    """Whether the file ``name`` is the carrier of the folder checkpoint ``token`` names."""
+def carries(store: Store, name: str, token: str | None) -> bool:
+    """Whether the file ``name`` is the carrier of the folder checkpoint ``token`` names (any
+    folder checkpoint: ``None``)."""
     leaf = name.rpartition("/")[2]
     try:
         with store.open(name) as reader:
             s = peek(reader).summary
             if s is not None:
-                return s.folder == token and s.carrier == leaf
+                return s.folder is not None and token in (None, s.folder) and s.carrier == leaf
             if not leaf.endswith(".safetensors"):
                 return False
             m = read_proof(reader, leaf, index=False).manifest  # its proof is in its header
     except OSError:
         return False
-    return m is not None and m.folder is not None and (m.folder.token, m.folder.carrier) == (
-        token, leaf)
+    f = m.folder if m is not None else None
+    return f is not None and token in (None, f.token) and f.carrier == leaf
 
 
 def claimed_folder(store: Store, directory: str) -> tuple[str, str] | None:
@@ -209,7 +210,7 @@ def _folder_problems(
 ) -> list[str]:
     folder = m.folder
     assert folder is not None
-    path = store.describe(directory)
+    path = store.describe(directory).rstrip("/")  # (the root: no "//" below)
     problems = []
     inside = {n: [f for f in files if f.startswith(n + "/")] for n in folder.nested}
     own = {n: f for n, f in files.items() if not any(n.startswith(p + "/") for p in folder.nested)}

@@ -35,6 +35,8 @@ _DTYPES: dict[str, torch.dtype] = {
     "U8": torch.uint8, "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
+if hasattr(torch, "float8_e8m0fnu"):  # (MX scales; torch 2.7 and later)
+    _DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
 
 
 @dataclass

@@ -26,14 +26,14 @@ __all__ = ["is_safetensors", "tensors"]
 
 def is_safetensors(reader: Reader, manifest: Manifest | None) -> bool:
     """Whether the file is a safetensors file: its proof says so, or (no proof) its first bytes
-    are a header length within the file followed by a JSON object."""
+    are a header length of at most :data:`MAX_HEADER` followed by a JSON object (the header may
+    be cut short: :func:`tensors` says so)."""
     if manifest is not None:
         return bool(manifest.files) and manifest.files[0].kind == "safetensors"
     head = reader.read(0, 9)
     if len(head) < 9 or head[8:9] != b"{":
         return False
-    n = int.from_bytes(head[:8], "little")
-    return 2 <= n <= MAX_HEADER and 8 + n <= reader.size
+    return 2 <= int.from_bytes(head[:8], "little") <= MAX_HEADER
 
 
 def tensors(view: memoryview, where: str, map_location: Any) -> dict[str, torch.Tensor]:
@@ -41,11 +41,14 @@ def tensors(view: memoryview, where: str, map_location: Any) -> dict[str, torch.
     has a proof), placed by ``map_location``.
 
     Raises:
-        IntegrityError: the file is not one safetensors reads.
-        UsageError: ``map_location`` is a function (it maps torch storages' saved locations,
-            which a safetensors file has none of).
+        IntegrityError: the file is not one safetensors reads (or is cut short).
+        UsageError: ``map_location`` is not a device, a dict or a function.
+        RuntimeError: the device cannot take the tensors (e.g. no CUDA here).
     """
-    device = _device(map_location, where)
+    n = int.from_bytes(view[:8], "little") if len(view) >= 8 else 0
+    if 8 + n > len(view):
+        raise damaged(where, f"a safetensors file cut short: its header says {n:,} bytes, "
+                             f"{max(0, len(view) - 8):,} follow")
     out = tensors_of(SafetensorsImage(view, where))
     if out is None:
         from safetensors import SafetensorError
@@ -53,24 +56,46 @@ def tensors(view: memoryview, where: str, map_location: Any) -> dict[str, torch.
 
         try:
             out = load(bytes(view))
-        except (SafetensorError, ValueError, TypeError, OverflowError, RuntimeError) as exc:
-            raise damaged(where, f"not a safetensors file: {exc}") from exc
-    if device is not None and device != torch.device("cpu"):
-        out = {name: t.to(device) for name, t in out.items()}
-    return out
+        except (SafetensorError, ValueError, TypeError, KeyError, OverflowError,
+                RuntimeError) as exc:
+            raise damaged(where, f"not a safetensors file: {type(exc).__name__}: {exc}") from exc
+    return _placed(out, map_location, where)
 
 
-def _device(map_location: Any, where: str) -> torch.device | None:
-    """Where the tensors go: a device, a device's name, or a dict's entry for ``cpu`` (where a
-    safetensors file's tensors are read)."""
+def _placed(out: dict[str, torch.Tensor], map_location: Any,
+            where: str) -> dict[str, torch.Tensor]:
+    """The tensors where ``map_location`` puts what is read on the CPU: as ``torch.load`` puts
+    a storage saved from the CPU (a device or its name; a dict's entry for ``"cpu"``; a
+    function given each tensor's storage and ``"cpu"``)."""
     if map_location is None:
-        return None
+        return out
+    if callable(map_location) and not isinstance(map_location, (str, torch.device, dict)):
+        placed = {}
+        for name, t in out.items():
+            # each tensor's own storage (its view's spans the whole file)
+            own = t.clone() if t.untyped_storage().nbytes() != t.nbytes else t
+            mine = own.untyped_storage()
+            storage = map_location(mine, "cpu")
+            if storage is None or (storage.device == mine.device
+                                   and storage.data_ptr() == mine.data_ptr()):
+                placed[name] = t  # left where it is
+                continue
+            placed[name] = torch.empty(0, dtype=t.dtype, device=storage.device).set_(
+                storage, own.storage_offset(), own.size(), own.stride())
+        return placed
+    target = map_location
     if isinstance(map_location, dict):
-        target = map_location.get("cpu", map_location.get(torch.device("cpu"), None))
-        return None if target is None else torch.device(target)
-    if isinstance(map_location, (str, torch.device)):
-        return torch.device(map_location)
-    raise UsageError(
-        f"cannot load {where} with map_location={map_location!r}: a safetensors file's "
-        "tensors are read on the CPU; give a device (or its name), or move them with .to()"
-    )
+        target = map_location.get("cpu", map_location.get(torch.device("cpu")))
+        if target is None:
+            return out
+    try:
+        device = torch.device(target)
+    except (RuntimeError, TypeError) as exc:
+        raise UsageError(f"cannot load {where}: map_location={map_location!r} is not a "
+                         f"device ({exc})") from exc
+    if device == torch.device("cpu"):
+        return out
+    try:
+        return {name: t.to(device) for name, t in out.items()}
+    except (AssertionError, RuntimeError) as exc:  # (torch built without CUDA: an assertion)
+        raise RuntimeError(f"cannot load {where} onto {device}: {exc}") from exc

@@ -126,6 +126,9 @@ def rename_into_place(store: Store, src: str, dst: str, directory: str) -> None:
         try:
             fsops.rename(src, dst)
         except OSError as exc:  # made meanwhile, and written into (the user's): go on below
+            if exc.errno == errno.ENOTDIR and not os.path.isdir(dst):  # a file made meanwhile
+                raise CheckpointError(f"cannot commit folder checkpoint {dst}: {FILE_THERE}") \
+                    from exc
             if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
                 raise
         else:

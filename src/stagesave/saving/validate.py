@@ -169,11 +169,10 @@ def target(targets: StoreResolver, path: str | os.PathLike[str]) -> tuple[Store,
             CheckpointPermissionError: a directory linked outside the root.
     """
     store, name = targets.split(path)
-    if name in ("", "."):
+    if name.strip("/") in ("", "."):
         raise ValueError(
             f"invalid checkpoint name {os.fspath(path)!r}: it names the root "
-            f"{store.describe('')} itself; name a file or folder inside it (or pass the "
-            "checkpoint's absolute path)"
+            f"{store.describe('')} itself; name a file or folder inside it"
         )
     check_target_name(name)
     check_inside_root(store, name)

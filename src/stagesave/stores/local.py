@@ -154,11 +154,15 @@ class LocalStore(Store):
 
     def open(self, name: str) -> Reader:
         path = self._readable(name)
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        # O_NONBLOCK: a FIFO at the name would block the open until a writer comes
+        nonblock = getattr(os, "O_NONBLOCK", 0)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | nonblock)
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise IsADirectoryError(errno.EISDIR, "not a regular file", path)
+            if nonblock:
+                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~nonblock)
         except BaseException:
             os.close(fd)
             raise
