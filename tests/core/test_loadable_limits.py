@@ -245,3 +245,19 @@ def test_a_safetensors_file_readers_would_refuse_is_refused_at_save_dir(tmp_path
         ck.save_dir({"m.safetensors": Safetensors(state)}, "d").result()
         assert ck.verify("d").status == "verified"
     assert os.listdir(tmp_path / "ck") == ["d"]
+
+
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_an_empty_tensor_whose_byte_offset_a_loader_refuses_is_refused_at_save(
+        tmp_path, shm, writer):
+    """``torch.save`` writes it; the loader refuses its offset (the bytes arithmetic wraps)."""
+    far = torch.empty(0).as_strided((0,), (1,), (1 << 60) + 5)  # 2**62 + 20 bytes of float32
+    near = torch.empty(0, dtype=torch.float64).as_strided((0,), (1,), 1 << 58)  # 2**61 bytes
+    with stagesave.Checkpointer(tmp_path / "ck", writer=writer) as ck:
+        with pytest.raises(UnsupportedObjectError, match=r"cannot save the tensor 'far': it "
+                           r"has no elements but lies at storage offset 1152921504606846981"):
+            ck.save({"near": near, "far": far}, "x.ckpt")
+        ck.save({"near": near, "w": torch.ones(3)}, "y.ckpt").result()
+        got = ck.load("y.ckpt")
+        assert got["near"].storage_offset() == 1 << 58 and got["near"].shape == (0,)
+    assert sorted(os.listdir(tmp_path / "ck")) == ["y.ckpt"]

@@ -41,6 +41,7 @@ from ..ondisk.checksum import crc32
 from ..ondisk.torchzip import TorchZip, ZipRecord
 from .first_pickle import Facts
 from .image import MAX_INDEXED_TENSORS, FileImage, StorageSlot, TensorEntry
+from .index_json import check_empty_offsets
 from .plan import gc_paused, plan_torch_file, unique_id
 from .torch_pickler import STORAGE_CLASS, TorchPickler, Unsupported
 from .ziplayout import (
@@ -286,6 +287,7 @@ def image_of(
         zip_records.append(ZipRecord(r.name, r.header_offset, r.data_offset, r.size, r.crc_at, at))
         at += len(cd_entry(r.name.encode(), 0, r.header_offset, r.size))
     zip_ = TorchZip(PREFIX, tuple(zip_records), cd_start, cd, True)
+    check_empty_offsets(tensors)
     image = FileImage(
         size=cd_start,
         pieces=pieces,

@@ -31,9 +31,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import msgspec
+import torch
 
+from ..errors import UnsupportedObjectError
 from ..ondisk.names import MAX_MANIFEST_BYTES
 from ..ondisk.validate import MAX_NUMEL, MAX_RANK, MAX_TENSOR_NAME
+from ..restore.rebuild_checks import EMPTY_OFFSET_LIMIT
 from .image import TensorEntry
 
 __all__ = ["MAX_INDEX_BYTES", "IndexJson", "encode_tensors", "index_record", "indexable"]
@@ -113,6 +116,37 @@ def indexable(entries: Sequence[TensorEntry | dict[str, Any]]) -> list[Any]:
             pass
         return [e for e in entries if _readable(e)]  # type: ignore[arg-type]
     return [e for e in entries if _readable_dict(e)]  # type: ignore[arg-type]
+
+
+def check_empty_offsets(entries: Sequence[TensorEntry | dict[str, Any]]) -> None:
+    """Refuse a tensor of no elements whose offset in bytes reaches 2**62: ``torch.save`` writes
+    it, but a loader refuses it (torch's 64-bit byte arithmetic wraps near there), so it would
+    be saved and then unloadable. Only offsets of 2**58 elements and more are looked at (run
+    when a state is planned, not at each save of a plan).
+
+    Raises:
+        UnsupportedObjectError: which tensor, and the remedy.
+    """
+    if not entries or not set(map(type, entries)) <= {TensorEntry}:
+        return
+    try:
+        if max(map(operator.itemgetter(5), entries)) < 1 << 58:
+            return
+    except TypeError:  # (a value that is not a number: left to the encoder)
+        return
+    for e in entries:
+        if not isinstance(e, TensorEntry):
+            continue
+        if (type(e.storage_offset) is int and e.storage_offset >= 1 << 58
+                and 0 in e.shape):
+            size = getattr(torch, e.dtype, torch.uint8).itemsize
+            if e.storage_offset * size >= EMPTY_OFFSET_LIMIT:
+                raise UnsupportedObjectError(
+                    f"cannot save the tensor {e.name!r}: it has no elements but lies at storage "
+                    f"offset {e.storage_offset}, whose byte offset a loader refuses (torch's "
+                    "64-bit byte arithmetic wraps there); save an empty tensor of its shape "
+                    "instead (t.new_empty(t.shape))"
+                )
 
 
 def _over(x: Any) -> bool:

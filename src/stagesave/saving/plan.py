@@ -37,6 +37,7 @@ from ..ondisk.checksum import crc32
 from ..ondisk.names import ALIGNMENT
 from ..ondisk.torchzip import TorchZip, ZipFormatError, parse_torch_zip
 from .image import MAX_INDEXED_TENSORS, FileImage, StorageSlot, TensorEntry
+from .index_json import check_empty_offsets
 from .sparse import SinkFull, SparseReader, SparseSink
 
 __all__ = ["FileImage", "StorageSlot", "TensorEntry", "gc_paused", "plan_torch_file"]
@@ -324,13 +325,15 @@ def _plan_torch_file(state: Any) -> FileImage:
     pieces = _replace_bytes(pieces, id_offset, sid.encode())
     zip_, crc_fields, pieces = _archive(pieces, sink.end, slots, sid)
     keys = {storage._cdata: key for key, storage in found.items()}
+    tensors = index_tensors(state, keys)
+    check_empty_offsets(tensors)
     return FileImage(
         size=sink.end,
         pieces=pieces,
         slots=slots,
         serialization_id=sid,
         id_offset=id_offset,
-        tensors=index_tensors(state, keys),
+        tensors=tensors,
         kind="torch",
         zip=zip_,
         crc_fields=crc_fields,
