@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +34,12 @@ class Safetensors:
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise _not_pickled("Safetensors")
 
+    def __copy__(self) -> Safetensors:
+        return Safetensors(self.tensors, self.metadata)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Safetensors:
+        return Safetensors(copy.deepcopy(self.tensors, memo), copy.deepcopy(self.metadata, memo))
+
 
 @dataclass(frozen=True)
 class Raw:
@@ -42,6 +49,12 @@ class Raw:
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise _not_pickled("Raw")
+
+    def __copy__(self) -> Raw:
+        return Raw(self.data)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Raw:
+        return Raw(copy.deepcopy(self.data, memo))
 
 
 def plan_file(obj: Any, *, proof_room: ProofRoom | None = None,

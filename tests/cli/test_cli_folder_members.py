@@ -129,7 +129,8 @@ def test_ls_and_verify_of_a_sub_folder_name_the_checkpoint_it_belongs_to(cli, tm
 
 def test_a_stray_copy_at_the_top_of_a_root_hides_no_checkpoint(cli, tmp_path):
     """A member or a carrier copied by hand to the top of a root: every checkpoint of the root is
-    still listed; a carrier whose folder is not whole makes the root a corrupt row of its own."""
+    still listed, and the root is a corrupt folder checkpoint of its own (its files name a
+    folder that is not whole there)."""
     root = tmp_path / "run"
     with stagesave.Checkpointer(root) as ck:
         for step in (1, 2):
@@ -139,7 +140,10 @@ def test_a_stray_copy_at_the_top_of_a_root_hides_no_checkpoint(cli, tmp_path):
     expected = [("x.ckpt", "committed"), ("step_2", "committed"), ("step_1", "committed")]
     shutil.copy(root / "step_2" / "model.safetensors", root / "model.safetensors")
     rows = cli("ls", root, "--json").json()
-    assert [(r["name"], r["status"]) for r in rows] == expected
+    assert [(r["name"], r["status"]) for r in rows if r["name"] != str(root)] == expected
+    [whole] = [r for r in rows if r["name"] == str(root)]
+    assert whole["status"] == "corrupt"
+    assert whole["problems"] == [f"{root}/: its carrier optimizer.bin is missing or damaged"]
     shutil.copy(root / "step_2" / "optimizer.bin", root / "optimizer.bin")
     os.remove(root / "model.safetensors")
     rows = cli("ls", root, "--json").json()
@@ -181,3 +185,41 @@ def test_a_fifo_named_like_a_carrier_above_a_member_hangs_nothing(cli, tmp_path)
     doc = cli("inspect", os.path.join(d, "model.safetensors"), "--json").json()
     assert doc["part_of"] == d
     assert cli("ls", tmp_path / "a", "--json").json() == []
+
+
+def test_a_sub_folder_two_levels_down_belongs_to_the_checkpoint_above(cli, tmp_path):
+    with stagesave.Checkpointer(tmp_path) as ck:
+        ck.save_dir({"optimizer.bin": {"a": torch.ones(2)}, "sub/opt2.bin": {"b": torch.ones(2)},
+                     "sub/deeper/m.safetensors": Safetensors({"w": torch.ones(2)})},
+                    "ckpt").result()
+    d = tmp_path / "ckpt"
+    assert cli("verify", d).code == 0
+    r = cli("ls", d / "sub")
+    assert r.code == 0 and "is not a checkpoint of its own" in r.out and "deeper" not in r.out
+    r = cli("verify", d / "sub")
+    assert "CORRUPT" not in r.out and "is not a checkpoint of its own" in r.err
+
+
+def test_verify_checks_a_folders_nested_parts_and_torn_saves_beside_a_root_checkpoint(
+        cli, tmp_path):
+    """A folder saved with ``nested`` parts (an FSDP checkpoint's DCP folders, each a folder
+    checkpoint of its own): a damaged part fails the folder's verify and its root's."""
+    with stagesave.Checkpointer(tmp_path) as ck:
+        ck.save_dir({"optimizer.bin": {"t": torch.zeros(300)}}, "ckpt", nested=["part"]).result()
+        ck.save_dir({"shard.safetensors": Safetensors({"w": torch.ones(1000)}),
+                     "meta.bin": {"k": torch.zeros(3)}}, "tmp_part").result()
+    os.rename(tmp_path / "tmp_part", tmp_path / "ckpt" / "part")
+    assert cli("verify", tmp_path / "ckpt").code == 0
+    shard = tmp_path / "ckpt" / "part" / "shard.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-100] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    for where in (tmp_path / "ckpt", tmp_path):
+        r = cli("verify", where)
+        assert r.code == 1 and f"CORRUPT    {tmp_path}/ckpt/part\n" in r.out, where
+    # a torn save beside a folder checkpoint at the top of a run's folder: --strict fails
+    (tmp_path / "ckpt" / ".step_9.999999-0123abcd.stagesave-tmp").mkdir()
+    ((tmp_path / "ckpt" / ".step_9.999999-0123abcd.stagesave-tmp" / "optimizer.bin")
+     .write_bytes(b"x" * 100))
+    r = cli("verify", "--strict", tmp_path / "ckpt")
+    assert r.code == 1 and f"TORN       {tmp_path}/ckpt/step_9" in r.out

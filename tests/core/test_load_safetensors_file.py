@@ -145,3 +145,25 @@ def test_a_safetensors_value_inside_a_torch_state_is_refused_at_save(tmp_path):
                                r"file of a folder checkpoint: give it to save_dir"):
                 ck.save(state, "x.ckpt")
     assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_folder_files_copy_but_do_not_pickle():
+    import copy
+    import pickle
+
+    files = {"model.safetensors": Safetensors(_state()), "config.json": Raw(b"{}")}
+    deep = copy.deepcopy(files)
+    _equal(deep["model.safetensors"].tensors, _state())
+    assert deep["model.safetensors"].tensors["w"] is not files["model.safetensors"].tensors["w"]
+    assert copy.copy(files["config.json"]) == Raw(b"{}")
+    with pytest.raises(TypeError, match=r"Safetensors\(\.\.\.\) is a file of a folder"):
+        pickle.dumps(files)
+
+
+def test_a_map_location_function_giving_too_small_a_storage_is_refused(tmp_path):
+    path = os.path.join(tmp_path, "adapter.safetensors")
+    save_file(_state(), path)
+    with stagesave.Checkpointer(tmp_path) as ck, pytest.raises(
+        UsageError, match=r"map_location gave tensor '\w+' a storage of 1 bytes for its"
+    ):
+        ck.load(path, map_location=lambda storage, location: torch.UntypedStorage(1))

@@ -28,7 +28,7 @@ from ..ondisk.names import (
 )
 from ..restore.discovery import CHECKPOINT_SUFFIXES, CheckpointInfo, resolve, resolve_dir, scan
 from ..restore.gc import Debris, find_debris, match_temporary
-from ..restore.resolve_folder import MAX_FOLDER_DEPTH, carries, claimed_folder
+from ..restore.resolve_folder import MAX_FOLDER_DEPTH, carries, claimed_folder, claims_a_folder
 from ..stores.base import ObjectInfo, Store
 
 __all__ = [
@@ -274,13 +274,13 @@ def inside_a_checkpoint(
 
 
 def _root_checkpoint(store: Store, listed: set[str]) -> CheckpointInfo | None:
-    """The root itself, when it is a folder checkpoint (``ls`` of a checkpoint folder, or a
-    final model saved at the top of a run's folder beside its checkpoints): looked for only
-    when a top-level file the scan left out (as it leaves out a folder save's files) carries a
-    folder, one read of each such file."""
+    """The root itself, when it is a folder checkpoint, whole or not (``ls`` of a checkpoint
+    folder, or a final model saved at the top of a run's folder beside its checkpoints): looked
+    for only when a top-level file the scan left out (as it leaves out a folder save's files)
+    says it belongs to a folder, one read of each such file."""
     names = [f.name for f in store.list("") if TMP_MARKER not in f.name]
     if DIR_MANIFEST not in names and not any(
-        n not in listed and n.endswith(FOLDER_FILE_SUFFIXES) and carries(store, n, None)
+        n not in listed and n.endswith(FOLDER_FILE_SUFFIXES) and claims_a_folder(store, n)
         for n in names
     ):
         return None
@@ -288,39 +288,55 @@ def _root_checkpoint(store: Store, listed: set[str]) -> CheckpointInfo | None:
     return whole if whole.format in (1, 2) else None
 
 
-def _its_tops(ci: CheckpointInfo) -> set[str]:
-    """The top-level names (files, sub-folders) of the root that its own checkpoint holds."""
+def _its_own(ci: CheckpointInfo) -> set[str]:
+    """The names (files, and the top folders of its files and nested parts) that the root's
+    own checkpoint holds."""
     m = ci.manifest
     if m is None:
         return set()
     names = m.folder.names() | set(m.folder.nested) if m.folder is not None else {
         e.name for e in m.files}
-    return {n.split("/")[0] for n in names}
+    return names | {n.split("/")[0] for n in names}
 
 
-def find_rows(store: Store) -> tuple[list[Row], list[Debris], list[tuple[str, str]]]:
+def _above(root_of: Callable[[str], Store] | None, store: Store, ci: CheckpointInfo) -> bool:
+    """Whether a folder judged corrupt for want of its carrier is part of a folder checkpoint
+    above it (the store alone cannot see above its root)."""
+    if root_of is None or not ci.is_dir or ci.status != "corrupt" or ci.manifest is not None:
+        return False
+    claimed = claimed_folder(store, ci.name)
+    return claimed is not None and folder_above(root_of, ci.path, *claimed) is not None
+
+
+def find_rows(
+    store: Store, root_of: Callable[[str], Store] | None = None,
+) -> tuple[list[Row], list[Debris], list[tuple[str, str]]]:
     """Checkpoints, plain checkpoint folders and torn saves directly in ``store``'s root, newest
     first; plus the debris found (for ``gc``) and stagesave temporaries still in use.
 
-    Every format-2 file's whole proof is read (its step, metadata and problems), not only its
-    summary.
+    The root itself is a row when it is a folder checkpoint; beside it, the checkpoints with
+    proofs of their own, plain folders and torn saves (its files and the user's are not rows).
+    ``root_of`` (a folder's path to its store): folders that are part of a folder checkpoint
+    above are no rows. Every format-2 file's whole proof is read (its step, metadata and
+    problems), not only its summary.
     """
     tier = store_tier(store)
-    found = scan(store, full=True)
+    scanned = scan(store, full=True)
+    found = [ci for ci in scanned if not _above(root_of, store, ci)]
+    above = {ci.name for ci in scanned} - {ci.name for ci in found}  # (no plain folder rows)
     whole = _root_checkpoint(store, {ci.name for ci in found})
-    inner: set[str] = set()  # what the root's own checkpoint holds: not listed as others
+    if whole is not None and _above(root_of, store, whole):
+        whole = None
+    own: set[str] = set()  # what the root's own checkpoint holds: not listed as others
     rows = [_row(ci, tier) for ci in found]
     if whole is not None:
-        # beside its files: checkpoints with proofs of their own; the rest is the user's
-        # (tokenizer, logs), kept and never read as part of it
-        inner = _its_tops(whole)
+        own = _its_own(whole)
         row = _row(whole, tier)
         row.name = row.path.rstrip("/")
-        rows = [row, *(r for r in rows if r.name not in inner and r.format in (1, 2))]
-    listed = {r.name for r in rows} | inner
+        rows = [row, *(r for r in rows if r.format in (1, 2))]
+    listed = {r.name for r in rows} | own | above
     for leaf in store.list_dirs(""):
-        if (whole is not None or leaf in listed or leaf.startswith(".") or TMP_MARKER in leaf
-                or ASIDE_MARKER in leaf):
+        if leaf in listed or leaf.startswith(".") or TMP_MARKER in leaf or ASIDE_MARKER in leaf:
             continue
         ci = _plain_folder(store, leaf)
         if ci is not None:

@@ -46,7 +46,7 @@ def run(env: Env, args: argparse.Namespace) -> int:
     inside: list[str] = []  # roots that are sub-folders of a folder checkpoint
     for root in args.roots:
         store = env.root(root)
-        found, debris, kept = find_rows(store)
+        found, debris, kept = find_rows(store, env.root)
         above = inside_a_checkpoint(env.root, store, found)
         if above is not None:
             inside.append(f"{root} is not a checkpoint of its own: its files belong to the "

@@ -22,6 +22,7 @@ from ..restore.verify import folder_files_problems
 from ..stores.base import Reader, Store
 from ._common import CliError, Env
 from ._found import (
+    Row,
     find_rows,
     folder_files,
     inside_a_checkpoint,
@@ -187,28 +188,44 @@ def _collect(
         return [(target.store, resolve_target(target.store, target.name, False))], []
     own: list[tuple[Store, CheckpointInfo]] = []
     if is_folder_checkpoint(target.store, target.name):  # a folder checkpoint, intact or not
-        own = [(target.store, resolve_target(target.store, target.name, True))]
+        own = _with_parts(target.store, resolve_target(target.store, target.name, True))
     store = env.root(path)
-    rows, _, _ = find_rows(store)
-    if own:  # and the checkpoints beside its files in it, if any (each verified on its own)
-        itself = own[0][1].path.rstrip("/")
-        return own + [(store, r.info) for r in rows
-                      if r.info is not None and r.path.rstrip("/") != itself], []
+    rows, _, _ = find_rows(store, env.root)
+    if own:  # and what is in it beside its files, each verified on its own
+        seen = {ci.path.rstrip("/") for _, ci in own}
+        return own + [pair for r in rows if r.info is not None
+                      and r.path.rstrip("/") not in seen
+                      for pair in _with_parts(store, r.info)], _torn(rows)
     above = inside_a_checkpoint(env.root, store, rows)
     if above is not None:
         raise CheckpointNotFoundError(
             f"{store.describe('')} is not a checkpoint of its own: its files belong to the "
             f"folder checkpoint {above}/ (verify that)"
         )
-    infos = [(store, r.info) for r in rows if r.info is not None]
-    torn = [
-        Outcome(r.path, "torn", r.size, list(r.problems), format=r.format)
-        for r in rows
-        if r.status == "torn"
-    ]
+    infos = [pair for r in rows if r.info is not None for pair in _with_parts(store, r.info)]
+    torn = _torn(rows)
     if not infos and not torn:
         raise CheckpointNotFoundError(f"no checkpoints under {store.url}")
     return infos, torn
+
+
+def _with_parts(store: Store, ci: CheckpointInfo) -> list[tuple[Store, CheckpointInfo]]:
+    """A checkpoint, and for a folder its parts that are folder checkpoints of their own
+    (``nested``: an FSDP checkpoint's DCP parts), each to be verified whole."""
+    out = [(store, ci)]
+    m = ci.manifest
+    for part in m.folder.nested if ci.is_dir and m is not None and m.folder is not None else []:
+        try:
+            out.append((store, resolve_target(store, f"{ci.name}/{part}" if ci.name else part,
+                                               True)))
+        except FileNotFoundError:
+            continue  # (the folder's own check names it missing)
+    return out
+
+
+def _torn(rows: list[Row]) -> list[Outcome]:
+    return [Outcome(r.path, "torn", r.size, list(r.problems), format=r.format)
+            for r in rows if r.status == "torn"]
 
 
 def run(env: Env, args: argparse.Namespace) -> int:

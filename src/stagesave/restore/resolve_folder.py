@@ -19,7 +19,8 @@ from .proof import FileProof, peek, read_proof
 from .resolve_file import read_sidecar
 
 __all__ = [
-    "MAX_FOLDER_DEPTH", "FolderEntry", "carries", "claimed_folder", "enclosing_folder",
+    "MAX_FOLDER_DEPTH", "FolderEntry", "carries", "claimed_folder", "claims_a_folder",
+    "enclosing_folder",
     "folder_entries", "list_tree", "resolve_dir",
 ]
 
@@ -116,6 +117,23 @@ def carries(store: Store, name: str, token: str | None) -> bool:
         return False
     f = m.folder if m is not None else None
     return f is not None and token in (None, f.token) and f.carrier == leaf
+
+
+def claims_a_folder(store: Store, name: str) -> bool:
+    """Whether the file ``name``'s proof says it belongs to a folder checkpoint (as a member or
+    as its carrier); one read of its tail (or of its header, for a safetensors file)."""
+    leaf = name.rpartition("/")[2]
+    try:
+        with store.open(name) as reader:
+            p = peek(reader)
+            if p.summary is not None:
+                return p.summary.folder is not None
+            if p.format != 0 or not leaf.endswith(".safetensors"):
+                return False
+            m = read_proof(reader, leaf, index=False).manifest  # its proof is in its header
+    except OSError:
+        return False
+    return m is not None and m.folder is not None
 
 
 def claimed_folder(store: Store, directory: str) -> tuple[str, str] | None:

@@ -80,6 +80,9 @@ def _placed(out: dict[str, torch.Tensor], map_location: Any,
                                    and storage.data_ptr() == mine.data_ptr()):
                 placed[name] = t  # left where it is
                 continue
+            if storage.nbytes() < mine.nbytes():
+                raise UsageError(f"cannot load {where}: map_location gave tensor {name!r} a "
+                                 f"storage of {storage.nbytes()} bytes for its {mine.nbytes()}")
             placed[name] = torch.empty(0, dtype=t.dtype, device=storage.device).set_(
                 storage, own.storage_offset(), own.size(), own.stride())
         return placed
