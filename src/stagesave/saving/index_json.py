@@ -31,12 +31,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import msgspec
-import torch
 
 from ..errors import UnsupportedObjectError
 from ..ondisk.names import MAX_MANIFEST_BYTES
 from ..ondisk.validate import MAX_NUMEL, MAX_RANK, MAX_TENSOR_NAME
-from ..restore.rebuild_checks import EMPTY_OFFSET_LIMIT
 from .image import TensorEntry
 
 __all__ = ["MAX_INDEX_BYTES", "IndexJson", "encode_tensors", "index_record", "indexable"]
@@ -134,6 +132,10 @@ def check_empty_offsets(entries: Sequence[TensorEntry | dict[str, Any]]) -> None
             return
     except TypeError:  # (a value that is not a number: left to the encoder)
         return
+    import torch  # (here: the writer agent imports this module and never torch)
+
+    from ..restore.rebuild_checks import EMPTY_OFFSET_LIMIT
+
     for e in entries:
         if not isinstance(e, TensorEntry):
             continue
